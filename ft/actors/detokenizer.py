@@ -1,0 +1,106 @@
+"""DetokenizerActor: turns sampled tokens into text deltas and routes them to requests."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import assert_never
+
+import trio
+
+from ft.core.detok import SeqDetokenizer
+from ft.engine.registry import Registry, RequestEntry
+from ft.messages import (
+    Delta,
+    DetokenizerIn,
+    FinishSeq,
+    SchedulerIn,
+    SeqFailed,
+    TokenLogprob,
+    TokenOut,
+    TopLogprob,
+)
+
+DecodeFn = Callable[[Sequence[int], bool], str]  # (ids, skip_special_tokens) -> text
+
+CONTEXT_TOKENS = 6  # prompt tokens given to each decoder as left context
+
+
+class DetokenizerActor:
+    """Per-sequence decoders live in the request's registry entry and die with it."""
+
+    def __init__(
+        self,
+        inbox: trio.MemoryReceiveChannel[DetokenizerIn],
+        scheduler: trio.MemorySendChannel[SchedulerIn],
+        registry: Registry,
+        decode: DecodeFn,
+        on_first_token: Callable[[RequestEntry], None] | None = None,
+    ) -> None:
+        self.inbox = inbox
+        self.scheduler = scheduler
+        self.registry = registry
+        self.decode = decode
+        self.on_first_token = on_first_token
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Route outputs until the inbox closes."""
+        task_status.started()
+        async for outs in self.inbox:
+            for out in outs:
+                match out:
+                    case TokenOut():
+                        self._route(out)
+                    case SeqFailed(uid=uid, error=error):
+                        self.registry.fail(uid, error)
+                    case _:
+                        assert_never(out)
+
+    def _decoder(self, entry: RequestEntry, index: int) -> SeqDetokenizer:
+        detok = entry.detoks.get(index)
+        if detok is None:
+            skip = entry.params.skip_special_tokens
+            detok = SeqDetokenizer(
+                lambda ids: self.decode(ids, skip),
+                entry.params.stop,
+                entry.prompt_ids[-CONTEXT_TOKENS:],
+            )
+            entry.detoks[index] = detok
+        return detok
+
+    def _route(self, out: TokenOut) -> None:
+        entry = self.registry.get(out.uid)
+        if entry is None:
+            return
+        detok = self._decoder(entry, out.index)
+        if detok.is_finished:
+            return
+        is_last = out.finish_reason is not None
+        text, stop = detok.add(out.token_id, is_last=is_last, is_hidden=out.is_hidden)
+        finish_reason, stop_reason = out.finish_reason, out.stop_reason
+        if stop is not None:
+            finish_reason, stop_reason = "stop", stop
+            if not is_last:
+                self.scheduler.send_nowait(FinishSeq(out.seq_id))
+        if entry.first_token_at is None and self.on_first_token is not None:
+            self.on_first_token(entry)
+        logprobs: tuple[TokenLogprob, ...] = ()
+        if entry.params.logprobs and out.logprob is not None and not out.is_hidden:
+            logprobs = (self._logprob(out),)
+        self.registry.send_nowait(
+            out.uid,
+            Delta(
+                index=out.index,
+                text=text,
+                token_ids=(out.token_id,),
+                logprobs=logprobs,
+                finish_reason=finish_reason,
+                stop_reason=stop_reason,
+            ),
+        )
+
+    def _logprob(self, out: TokenOut) -> TokenLogprob:
+        assert out.logprob is not None
+        top = tuple(
+            TopLogprob(tid, self.decode([tid], False), lp) for tid, lp in out.top_logprobs
+        )
+        return TokenLogprob(out.token_id, self.decode([out.token_id], False), out.logprob, top)

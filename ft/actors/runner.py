@@ -1,0 +1,74 @@
+"""RunnerActor: runs each batch's forward pass in a thread; isolates a failing sequence."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import trio
+
+from ft.core.batch import Runner, Sampled, SeqWork
+from ft.messages import Batch, SchedulerIn, StepDone
+
+StepHook = Callable[[list[SeqWork]], None]
+
+
+class RunnerActor:
+    """Owns the runner; one step at a time, off the event loop."""
+
+    def __init__(
+        self,
+        inbox: trio.MemoryReceiveChannel[Batch],
+        scheduler: trio.MemorySendChannel[SchedulerIn],
+        runner: Runner,
+        *,
+        before_step: StepHook | None = None,
+    ) -> None:
+        self.inbox = inbox
+        self.scheduler = scheduler
+        self.runner = runner
+        self.before_step = before_step
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Run batches until the inbox closes."""
+        task_status.started()
+        async for batch in self.inbox:
+            started = time.perf_counter()
+            works = list(batch.works)
+            failed: list[tuple[int, str]] = []
+            try:
+                sampled = await self._run(works)
+            except Exception:
+                # One bad sequence must not fail its neighbours: rerun each alone. Reruns
+                # rewrite the same KV slots with the same values, so this is safe.
+                sampled = []
+                for work in works:
+                    try:
+                        sampled += await self._run([work])
+                    except Exception as e:
+                        failed.append((work.seq_id, f"model step failed: {type(e).__name__}: {e}"))
+            decodes = [w for w in works if w.start_pos >= w.num_prompt_tokens]
+            self.scheduler.send_nowait(
+                StepDone(
+                    step=batch.step,
+                    sampled=tuple(sampled),
+                    failed=tuple(failed),
+                    duration_s=time.perf_counter() - started,
+                    num_prefill_tokens=sum(len(w.token_ids) for w in works) - len(decodes),
+                    num_decode_tokens=len(decodes),
+                )
+            )
+
+    async def _run(self, works: list[SeqWork]) -> list[Sampled]:
+        astep = getattr(self.runner, "astep", None)
+        if astep is not None:  # an async runner (the fake one) computes on the event loop
+            if self.before_step is not None:
+                self.before_step(works)
+            result: list[Sampled] = await astep(works)
+            return result
+        return await trio.to_thread.run_sync(self._step, works)
+
+    def _step(self, works: list[SeqWork]) -> list[Sampled]:
+        if self.before_step is not None:
+            self.before_step(works)
+        return self.runner.step(works)

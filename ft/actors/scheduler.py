@@ -1,0 +1,73 @@
+"""SchedulerActor: applies commands to the scheduler core and keeps one batch in flight."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import assert_never
+
+import trio
+
+from ft.core.scheduler import Scheduler
+from ft.engine.registry import Registry
+from ft.errors import FtError
+from ft.messages import (
+    Abort,
+    Batch,
+    DetokenizerIn,
+    Enqueue,
+    FinishSeq,
+    SchedulerIn,
+    StepDone,
+)
+
+
+class SchedulerActor:
+    """`async for msg in inbox`: update the core, then launch the next batch if idle."""
+
+    def __init__(
+        self,
+        inbox: trio.MemoryReceiveChannel[SchedulerIn],
+        runner: trio.MemorySendChannel[Batch],
+        detokenizer: trio.MemorySendChannel[DetokenizerIn],
+        core: Scheduler,
+        registry: Registry,
+        on_step: Callable[[StepDone], None] | None = None,
+    ) -> None:
+        self.inbox = inbox
+        self.runner = runner
+        self.detokenizer = detokenizer
+        self.core = core
+        self.registry = registry
+        self.in_flight: Batch | None = None
+        self.on_step = on_step
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Serve commands until the inbox closes."""
+        task_status.started()
+        async for msg in self.inbox:
+            match msg:
+                case Enqueue(uid=uid, prompt_ids=ids, params=params):
+                    if uid in self.registry:
+                        try:
+                            self.core.add(uid, list(ids), params)
+                        except FtError as e:
+                            self.registry.fail(uid, e)
+                case Abort(uid=uid):
+                    self.core.abort(uid)
+                case FinishSeq(seq_id=seq_id):
+                    self.core.finish_seq(seq_id)
+                case StepDone():
+                    assert self.in_flight is not None and self.in_flight.step == msg.step
+                    outs = self.core.on_step_done(self.in_flight, msg)
+                    self.in_flight = None
+                    if self.on_step is not None:
+                        self.on_step(msg)
+                    if outs:
+                        self.detokenizer.send_nowait(tuple(outs))
+                case _:
+                    assert_never(msg)
+            if self.in_flight is None:
+                batch = self.core.schedule()
+                if batch is not None:
+                    self.in_flight = batch
+                    self.runner.send_nowait(batch)

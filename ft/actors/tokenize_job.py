@@ -1,0 +1,63 @@
+"""The job a tokenizer worker process runs: render the chat template, tokenize, reply in CBOR.
+
+Kept free of torch and trio so worker processes start fast and stay small.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import cbor2
+from tokenizers import Tokenizer
+
+from ft.engine.codec import decode_job, encode_result
+from ft.errors import InvalidRequest
+from ft.model.template import render_chat
+
+_loaded: dict[str, tuple[Tokenizer, dict[str, Any]]] = {}
+
+
+def load_spec(spec_path: str) -> tuple[Tokenizer, dict[str, Any]]:
+    """The tokenizer and its spec fields, cached per process by file path."""
+    hit = _loaded.get(spec_path)
+    if hit is None:
+        with open(spec_path, "rb") as f:
+            spec = cbor2.load(f)
+        hit = (Tokenizer.from_str(spec["tokenizer_json"]), spec)
+        _loaded[spec_path] = hit
+    return hit
+
+
+def render_prompt(job: dict[str, Any], spec: dict[str, Any]) -> tuple[str, bool]:
+    """The text to tokenize, and whether a BOS token must be prepended to it."""
+    if job["messages"] is None:
+        return job["prompt"], bool(spec["add_bos_token"])
+    text = render_chat(
+        spec["chat_template"],
+        job["messages"],
+        tools=job["tools"],
+        add_generation_prompt=job["add_generation_prompt"],
+        bos_token=spec["bos_token"],
+        eos_token=spec["eos_token"],
+        extra=job["chat_template_kwargs"],
+    )
+    return text, False
+
+
+def tokenize_job(payload: bytes) -> bytes:
+    """Worker entry point: CBOR job in, CBOR token ids (or a refusal) out."""
+    job = decode_job(payload)
+    if job.get("fault") == "exit":  # test hook: the worker process dies mid-job
+        os._exit(17)
+    tokenizer, spec = load_spec(job["spec_path"])
+    try:
+        text, add_bos = render_prompt(job, spec)
+        ids = tokenizer.encode(text, add_special_tokens=False).ids
+    except InvalidRequest as e:
+        return encode_result(error=e.message, param=e.param)
+    if add_bos and spec["bos_token"] is not None:
+        bos = tokenizer.token_to_id(spec["bos_token"])
+        if bos is not None and (not ids or ids[0] != bos):
+            ids.insert(0, bos)
+    return encode_result(ids)

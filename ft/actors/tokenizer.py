@@ -1,0 +1,80 @@
+"""TokenizerActor: renders and tokenizes each request in a worker, then enqueues it."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+
+import trio
+import trio_parallel
+
+from ft.engine.codec import decode_result, encode_job
+from ft.engine.registry import Registry
+from ft.errors import FtError, InvalidRequest, RequestFailed
+from ft.messages import Enqueue, PromptReady, SchedulerIn, Tokenize
+
+Executor = Callable[[Callable[[bytes], bytes], bytes], Awaitable[bytes]]
+FaultHook = Callable[[Tokenize], str | None]
+
+
+class TokenizerActor:
+    """One task per job; at most `limiter.total_tokens` jobs in workers at once."""
+
+    def __init__(
+        self,
+        inbox: trio.MemoryReceiveChannel[Tokenize],
+        scheduler: trio.MemorySendChannel[SchedulerIn],
+        registry: Registry,
+        *,
+        spec_path: str,
+        vocab_size: int,
+        executor: Executor,
+        job: Callable[[bytes], bytes],
+        fault: FaultHook | None = None,
+    ) -> None:
+        self.inbox = inbox
+        self.scheduler = scheduler
+        self.registry = registry
+        self.spec_path = spec_path
+        self.vocab_size = vocab_size
+        self.executor = executor
+        self.job = job
+        self.fault = fault
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Serve jobs until the inbox closes."""
+        async with trio.open_nursery() as nursery:
+            task_status.started()
+            async for msg in self.inbox:
+                nursery.start_soon(self._serve, msg)
+
+    async def _serve(self, msg: Tokenize) -> None:
+        if msg.uid not in self.registry:
+            return
+        try:
+            ids = await self.tokenize(msg)
+        except FtError as e:
+            self.registry.fail(msg.uid, e)
+            return
+        # No checkpoint between this check and the sends: a request whose scope closed is
+        # never enqueued, so the scheduler cannot hold a sequence nobody will abort.
+        if msg.uid not in self.registry:
+            return
+        self.registry.send_nowait(msg.uid, PromptReady(tuple(ids)))
+        self.scheduler.send_nowait(Enqueue(msg.uid, tuple(ids), msg.params))
+
+    async def tokenize(self, msg: Tokenize) -> list[int]:
+        """Token ids for a job (runs in a worker). Raises `FtError`."""
+        if msg.prompt_token_ids is not None:
+            for t in msg.prompt_token_ids:
+                if not 0 <= t < self.vocab_size:
+                    raise InvalidRequest(
+                        f"token id {t} is outside the vocabulary (0..{self.vocab_size - 1})",
+                        param="prompt",
+                    )
+            return list(msg.prompt_token_ids)
+        payload = encode_job(msg, self.spec_path, fault=self.fault(msg) if self.fault else None)
+        try:
+            result = await self.executor(self.job, payload)
+        except trio_parallel.BrokenWorkerError as e:
+            raise RequestFailed(f"the tokenizer worker died: {e}") from e
+        return decode_result(result)

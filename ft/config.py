@@ -1,0 +1,59 @@
+"""Engine configuration: one frozen record, validated once, built by the CLI and by embedders."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DTYPES = ("auto", "float32", "bfloat16")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Everything `open_engine` needs. Defaults suit the default model on a laptop CPU.
+
+    `model` is a GGUF file, a Hugging Face directory, or None for the default model
+    (SmolLM2-135M-Instruct, fetched by `ft pull`). `num_pages` overrides the KV budget
+    `kv_cache_memory` (bytes). `max_model_len` defaults to the model's context length.
+    """
+
+    model: str | None = None
+    served_model_name: str | None = None
+    dtype: str = "auto"
+    page_size: int = 16
+    num_pages: int | None = None
+    kv_cache_memory: int = 512 * 1024 * 1024
+    max_model_len: int | None = None
+    max_running_requests: int = 16
+    max_queued_requests: int = 256
+    max_prefill_tokens: int = 512
+    enable_prefix_caching: bool = True
+    tokenizer_workers: int = 1
+    compute_threads: int | None = None
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if not 1 <= self.page_size <= 1024:
+            raise ValueError(f"page_size must be in 1..1024, got {self.page_size}")
+        if self.num_pages is not None and self.num_pages < 2:
+            raise ValueError(f"num_pages must be at least 2, got {self.num_pages}")
+        if self.kv_cache_memory < 1 << 20:
+            raise ValueError(f"kv_cache_memory must be at least 1 MiB, got {self.kv_cache_memory}")
+        if self.max_model_len is not None and self.max_model_len < 16:
+            raise ValueError(f"max_model_len must be at least 16, got {self.max_model_len}")
+        if not 1 <= self.max_running_requests <= 1024:
+            raise ValueError(
+                f"max_running_requests must be in 1..1024, got {self.max_running_requests}"
+            )
+        if not 0 <= self.max_queued_requests <= 100_000:
+            raise ValueError(
+                f"max_queued_requests must be in 0..100000, got {self.max_queued_requests}"
+            )
+        if self.max_prefill_tokens < 16:
+            raise ValueError(f"max_prefill_tokens must be at least 16, got {self.max_prefill_tokens}")
+        if not 1 <= self.tokenizer_workers <= 64:
+            raise ValueError(f"tokenizer_workers must be in 1..64, got {self.tokenizer_workers}")
+        if self.compute_threads is not None and not 1 <= self.compute_threads <= 256:
+            raise ValueError(f"compute_threads must be in 1..256, got {self.compute_threads}")

@@ -1,0 +1,113 @@
+"""Incremental detokenization and stop-string matching for one sequence.
+
+Text is emitted only once it is valid UTF-8 (a character split across tokens is held until its
+last byte arrives), and any tail that could still become a stop string is held back until it
+either completes (the output ends before it) or diverges (it is emitted).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+Decode = Callable[[Sequence[int]], str]
+
+REPLACEMENT = "\ufffd"
+
+
+class IncrementalDecoder:
+    """Turns a growing list of token ids into text deltas that never split a character."""
+
+    def __init__(self, decode: Decode, context_ids: Sequence[int] = ()) -> None:
+        # `context_ids` (the prompt's tail) give the decoder left context, so a leading space
+        # that depends on the previous token is decoded as it will be in the full text.
+        self._decode = decode
+        self._ids: list[int] = list(context_ids)
+        self._prefix_offset = 0
+        self._read_offset = len(self._ids)
+
+    def add(self, token_id: int) -> str:
+        """Append one token; return the text it completes (possibly empty)."""
+        self._ids.append(token_id)
+        prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        new_text = self._decode(self._ids[self._prefix_offset :])
+        if len(new_text) > len(prefix_text) and not new_text.endswith(REPLACEMENT):
+            self._prefix_offset = self._read_offset
+            self._read_offset = len(self._ids)
+            return new_text[len(prefix_text) :]
+        return ""
+
+    def flush(self) -> str:
+        """Return whatever text is still held (invalid UTF-8 at the very end included)."""
+        prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        new_text = self._decode(self._ids[self._prefix_offset :])
+        self._prefix_offset = self._read_offset = len(self._ids)
+        return new_text[len(prefix_text) :] if len(new_text) > len(prefix_text) else ""
+
+
+def _held_suffix_len(text: str, stops: Sequence[str]) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of some stop string."""
+    best = 0
+    for stop in stops:
+        for k in range(min(len(stop) - 1, len(text)), best, -1):
+            if text.endswith(stop[:k]):
+                best = k
+                break
+    return best
+
+
+class StopMatcher:
+    """Finds stop strings in streamed text, holding back partial matches."""
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self._stops = tuple(stops)
+        self._pending = ""
+
+    def feed(self, text: str) -> tuple[str, str | None]:
+        """Add text; return (text safe to emit, the stop string that matched or None)."""
+        if not self._stops:
+            return text, None
+        self._pending += text
+        hit: tuple[int, str] | None = None
+        for stop in self._stops:
+            at = self._pending.find(stop)
+            if at >= 0 and (hit is None or at < hit[0]):
+                hit = (at, stop)
+        if hit is not None:
+            out = self._pending[: hit[0]]
+            self._pending = ""
+            return out, hit[1]
+        keep = _held_suffix_len(self._pending, self._stops)
+        cut = len(self._pending) - keep
+        out, self._pending = self._pending[:cut], self._pending[cut:]
+        return out, None
+
+    def flush(self) -> str:
+        """The output ended: release the held-back text."""
+        out, self._pending = self._pending, ""
+        return out
+
+
+class SeqDetokenizer:
+    """Decoder plus stop matcher for one sequence."""
+
+    def __init__(self, decode: Decode, stops: Sequence[str], context_ids: Sequence[int] = ()):
+        self.decoder = IncrementalDecoder(decode, context_ids)
+        self.stops = StopMatcher(stops)
+        self.is_finished = False
+
+    def add(self, token_id: int, *, is_last: bool, is_hidden: bool) -> tuple[str, str | None]:
+        """Feed one token; return (text delta, matched stop string).
+
+        `is_hidden` tokens (eos, stop ids) add no text; `is_last` flushes everything held.
+        """
+        text = "" if is_hidden else self.decoder.add(token_id)
+        if is_last:
+            text += self.decoder.flush()
+        out, stop = self.stops.feed(text)
+        if stop is not None:
+            self.is_finished = True
+            return out, stop
+        if is_last:
+            self.is_finished = True
+            out += self.stops.flush()
+        return out, None

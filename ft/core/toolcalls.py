@@ -1,0 +1,415 @@
+"""Streaming tool-call parsers: model text deltas in, text and tool-call events out.
+
+Each family (`hermes`, `llama3_json`) is a small synchronous state machine. Text outside calls
+streams as soon as it cannot be the start of a call; a call is emitted once its JSON is complete
+and valid (`ToolCallStart`, one `ToolCallArgsDelta` with the whole arguments string,
+`ToolCallEnd`), so the events never depend on how the output was split into deltas. A call that
+turns out invalid or unterminated comes back as plain text; the parsers never raise on model
+output.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import string
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from ft.params import has_lone_surrogate
+
+
+@dataclass(frozen=True, slots=True)
+class TextDelta:
+    """Plain assistant text, outside any tool call."""
+
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCallStart:
+    """A tool call begins: its position among this output's calls, its id and function name."""
+
+    index: int
+    id: str
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCallArgsDelta:
+    """A fragment of call `index`'s JSON arguments string; the fragments concatenate to it."""
+
+    index: int
+    arguments: str
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCallEnd:
+    """Call `index` is complete; `arguments` is its full, valid JSON arguments string."""
+
+    index: int
+    arguments: str
+
+
+ToolEvent = TextDelta | ToolCallStart | ToolCallArgsDelta | ToolCallEnd
+
+_ID_ALPHABET = string.ascii_letters + string.digits
+_ID_LENGTH = 24
+
+
+def new_tool_call_id() -> str:
+    """A fresh OpenAI-style call id: `call_` and 24 random alphanumerics."""
+    return "call_" + "".join(secrets.choice(_ID_ALPHABET) for _ in range(_ID_LENGTH))
+
+
+class ToolCallParser(Protocol):
+    """Turns streamed model text into `ToolEvent`s, incrementally."""
+
+    def feed(self, text: str) -> list[ToolEvent]:
+        """Consume the next text delta; return the events it completes (maybe none)."""
+        ...
+
+    def finish(self) -> list[ToolEvent]:
+        """End of output: flush held-back text; an unterminated or invalid call becomes text."""
+        ...
+
+    @property
+    def has_tool_calls(self) -> bool:
+        """True once any `ToolCallStart` has been emitted."""
+        ...
+
+
+def _reject_constant(name: str) -> object:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _load_json(text: str) -> object:
+    """`json.loads` that rejects NaN/Infinity (they would not round-trip as JSON)."""
+    return json.loads(text, parse_constant=_reject_constant)
+
+
+def _call_from_object(obj: object) -> tuple[str, str] | None:
+    """(name, compact arguments JSON) when `obj` is a tool call, else None."""
+    if not isinstance(obj, dict):
+        return None
+    name = obj.get("name")
+    if not isinstance(name, str) or not name:
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    if isinstance(args, str):
+        try:
+            args = _load_json(args)
+        except ValueError:
+            return None
+    if not isinstance(args, dict):
+        return None
+    arguments = json.dumps(args, ensure_ascii=False)
+    # NOTE: JSON escapes can smuggle in lone surrogates, which cannot be sent as UTF-8.
+    if has_lone_surrogate(name) or has_lone_surrogate(arguments):
+        return None
+    return name, arguments
+
+
+def _call_from_json(text: str) -> tuple[str, str] | None:
+    try:
+        obj = _load_json(text)
+    except ValueError:
+        return None
+    return _call_from_object(obj)
+
+
+def _partial_suffix_len(text: str, tag: str) -> int:
+    """Length of the longest proper prefix of `tag` that `text` ends with."""
+    for n in range(min(len(text), len(tag) - 1), 0, -1):
+        if text.endswith(tag[:n]):
+            return n
+    return 0
+
+
+class _CallEmitter:
+    """Numbers calls and gives each an id; shared bookkeeping of the parser families."""
+
+    def __init__(self, id_factory: Callable[[], str]) -> None:
+        self._id_factory = id_factory
+        self.num_calls = 0
+
+    def emit(self, name: str, arguments: str) -> list[ToolEvent]:
+        index = self.num_calls
+        self.num_calls += 1
+        return [
+            ToolCallStart(index, self._id_factory(), name),
+            ToolCallArgsDelta(index, arguments),
+            ToolCallEnd(index, arguments),
+        ]
+
+
+class PassthroughParser:
+    """No tool-call format: every delta is text."""
+
+    def feed(self, text: str) -> list[ToolEvent]:
+        """Return `text` as a `TextDelta` (nothing for an empty delta)."""
+        return [TextDelta(text)] if text else []
+
+    def finish(self) -> list[ToolEvent]:
+        """Nothing is ever held back."""
+        return []
+
+    @property
+    def has_tool_calls(self) -> bool:
+        """Always false."""
+        return False
+
+
+class HermesParser:
+    """`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks, text around them.
+
+    Whitespace-only text at the start or between/after calls is held and dropped when a call
+    follows it or the output ends with calls, so `content` is not just the newlines between
+    calls. A complete call whose closing tag never came (the model stopped right at it) is still
+    accepted at `finish`.
+    """
+
+    START = "<tool_call>"
+    END = "</tool_call>"
+
+    def __init__(self, id_factory: Callable[[], str] = new_tool_call_id) -> None:
+        self._calls = _CallEmitter(id_factory)
+        self._buf = ""
+        self._is_in_call = False
+        self._end_search_from = 0
+        self._is_at_boundary = True
+        self._held_whitespace = ""
+
+    @property
+    def has_tool_calls(self) -> bool:
+        """True once any call has been emitted."""
+        return self._calls.num_calls > 0
+
+    def feed(self, text: str) -> list[ToolEvent]:
+        """Consume a delta; return text that cannot be part of a tag, and completed calls."""
+        out: list[ToolEvent] = []
+        self._buf += text
+        while True:
+            if not self._is_in_call:
+                start = self._buf.find(self.START)
+                if start < 0:
+                    keep = _partial_suffix_len(self._buf, self.START)
+                    self._emit_text(self._buf[: len(self._buf) - keep], out)
+                    self._buf = self._buf[len(self._buf) - keep :]
+                    return out
+                self._emit_text(self._buf[:start], out)
+                self._buf = self._buf[start + len(self.START) :]
+                self._is_in_call = True
+                self._end_search_from = 0
+            else:
+                end = self._buf.find(self.END, self._end_search_from)
+                if end < 0:
+                    self._end_search_from = max(0, len(self._buf) - len(self.END) + 1)
+                    return out
+                body = self._buf[:end]
+                self._buf = self._buf[end + len(self.END) :]
+                self._is_in_call = False
+                self._close_call(body, self.END, out)
+
+    def finish(self) -> list[ToolEvent]:
+        """Flush held text; an unterminated call is accepted only if its JSON is complete."""
+        out: list[ToolEvent] = []
+        if self._is_in_call:
+            self._is_in_call = False
+            self._close_call(self._buf, "", out)
+        else:
+            self._emit_text(self._buf, out)
+        self._buf = ""
+        if self._held_whitespace and not self.has_tool_calls:
+            out.append(TextDelta(self._held_whitespace))
+        self._held_whitespace = ""
+        return out
+
+    def _close_call(self, body: str, end_tag: str, out: list[ToolEvent]) -> None:
+        call = _call_from_json(body)
+        if call is None:
+            self._emit_text(self.START + body + end_tag, out)
+            return
+        self._held_whitespace = ""
+        self._is_at_boundary = True
+        out.extend(self._calls.emit(*call))
+
+    def _emit_text(self, text: str, out: list[ToolEvent]) -> None:
+        if not text:
+            return
+        if self._is_at_boundary:
+            if text.isspace():
+                self._held_whitespace += text
+                return
+            text = self._held_whitespace + text
+            self._held_whitespace = ""
+            self._is_at_boundary = False
+        out.append(TextDelta(text))
+
+
+_JSON_WHITESPACE = " \t\r\n"
+
+
+class Llama3JsonParser:
+    """Llama 3.1/3.2 JSON calls: `[<|python_tag|>]{"name": ..., "parameters": {...}}; {...}`.
+
+    Only output that starts (after whitespace) with `{` or `<|python_tag|>` is read as calls;
+    anything else passes through as text. An object that is not a call turns the rest of the
+    output into text, from that object on (separators before it are dropped).
+    """
+
+    PYTHON_TAG = "<|python_tag|>"
+
+    def __init__(self, id_factory: Callable[[], str] = new_tool_call_id) -> None:
+        self._calls = _CallEmitter(id_factory)
+        self._buf = ""
+        self._skipped = ""  # raw text consumed since the last call: whitespace, tag, separators
+        self._is_undecided = True
+        self._is_text = False
+        # Scanner over the object at the start of `_buf`; `_scan_pos` is where it resumes.
+        self._scan_pos = 0
+        self._depth = 0
+        self._is_in_string = False
+        self._is_escaped = False
+        self._is_first_key_pending = False
+
+    @property
+    def has_tool_calls(self) -> bool:
+        """True once any call has been emitted."""
+        return self._calls.num_calls > 0
+
+    def feed(self, text: str) -> list[ToolEvent]:
+        """Consume a delta; return passthrough text, completed calls, or a failed call as text."""
+        if self._is_text:
+            return [TextDelta(text)] if text else []
+        self._buf += text
+        if self._is_undecided and not self._decide():
+            return []
+        if self._is_text:
+            return self._fall_back_to_text()
+        return self._scan_calls()
+
+    def finish(self) -> list[ToolEvent]:
+        """Flush: an incomplete object or undecided prefix becomes text; trailing `;` is dropped."""
+        if self._is_text:
+            return []
+        if self.has_tool_calls:
+            self._buf = self._buf.lstrip(_JSON_WHITESPACE + ";")
+        return self._fall_back_to_text()
+
+    def _decide(self) -> bool:
+        """Settle whether the output is calls or text; False while the prefix is ambiguous."""
+        stripped = self._buf.lstrip()
+        if not stripped or (len(stripped) < len(self.PYTHON_TAG) and self.PYTHON_TAG.startswith(stripped)):
+            return False
+        self._is_undecided = False
+        if stripped.startswith(self.PYTHON_TAG):
+            start = len(self._buf) - len(stripped) + len(self.PYTHON_TAG)
+            self._skipped, self._buf = self._buf[:start], self._buf[start:]
+        elif not stripped.startswith("{"):
+            self._is_text = True
+        return True
+
+    def _scan_calls(self) -> list[ToolEvent]:
+        out: list[ToolEvent] = []
+        while True:
+            if self._scan_pos == 0:
+                separators = _JSON_WHITESPACE + (";" if self.has_tool_calls else "")
+                rest = self._buf.lstrip(separators)
+                self._skipped += self._buf[: len(self._buf) - len(rest)]
+                self._buf = rest
+                if not rest:
+                    return out
+                if not rest.startswith("{"):
+                    return out + self._fall_back_to_text()
+            end = self._scan_object()
+            if end is None:
+                return out
+            if end < 0:
+                return out + self._fall_back_to_text()
+            call = _call_from_json(self._buf[:end])
+            if call is None:
+                return out + self._fall_back_to_text()
+            out.extend(self._calls.emit(*call))
+            self._buf = self._buf[end:]
+            self._skipped = ""
+            self._scan_pos = 0
+
+    def _scan_object(self) -> int | None:
+        """Advance over the object at `_buf[0]`: its end, None if incomplete, -1 if not a call."""
+        buf = self._buf
+        for pos in range(self._scan_pos, len(buf)):
+            char = buf[pos]
+            if self._is_in_string:
+                if self._is_escaped:
+                    self._is_escaped = False
+                elif char == "\\":
+                    self._is_escaped = True
+                elif char == '"':
+                    self._is_in_string = False
+                continue
+            if self._is_first_key_pending and char not in _JSON_WHITESPACE:
+                # NOTE: `{` followed by anything but a key is prose, not a call; say so early.
+                if char != '"':
+                    return -1
+                self._is_first_key_pending = False
+            if char == '"':
+                self._is_in_string = True
+            elif char in "{[":
+                self._depth += 1
+                if pos == 0:
+                    self._is_first_key_pending = True
+            elif char in "}]":
+                self._depth -= 1
+                if self._depth == 0:
+                    self._scan_pos = 0
+                    return pos + 1
+        self._scan_pos = len(buf)
+        return None
+
+    def _fall_back_to_text(self) -> list[ToolEvent]:
+        # NOTE: before the first call the skipped prefix is the output's own text; after a call
+        # it is only separators.
+        text = ("" if self.has_tool_calls else self._skipped) + self._buf
+        self._is_text = True
+        self._buf = self._skipped = ""
+        return [TextDelta(text)] if text else []
+
+
+TOOL_CALL_PARSERS: tuple[str, ...] = ("hermes", "llama3_json")
+
+
+def make_tool_call_parser(
+    name: str | None, *, id_factory: Callable[[], str] = new_tool_call_id
+) -> ToolCallParser:
+    """Build the parser for a tool-call format.
+
+    Args:
+        name: one of `TOOL_CALL_PARSERS`, or None for plain text passthrough.
+        id_factory: makes call ids; tests inject a deterministic one.
+    Raises:
+        ValueError: `name` is not a known format.
+    """
+    if name is None:
+        return PassthroughParser()
+    if name == "hermes":
+        return HermesParser(id_factory)
+    if name == "llama3_json":
+        return Llama3JsonParser(id_factory)
+    raise ValueError(f"unknown tool-call parser {name!r}; known: {', '.join(TOOL_CALL_PARSERS)}")
+
+
+def parse_tool_calls(text: str, name: str | None) -> tuple[str, list[tuple[str, str]]]:
+    """Parse a whole output: (content text, [(function name, arguments JSON)])."""
+    parser = make_tool_call_parser(name)
+    content: list[str] = []
+    calls: list[tuple[str, str]] = []
+    for event in parser.feed(text) + parser.finish():
+        if isinstance(event, TextDelta):
+            content.append(event.text)
+        elif isinstance(event, ToolCallStart):
+            calls.append((event.name, ""))
+        elif isinstance(event, ToolCallEnd):
+            calls[event.index] = (calls[event.index][0], event.arguments)
+    return "".join(content), calls

@@ -1,0 +1,427 @@
+"""open_engine(): the actors' nursery, and Engine, whose `open_request` is the only way in."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+import tempfile
+import time
+import uuid
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import cbor2
+import trio
+import trio_parallel
+
+from ft.actors.detokenizer import DetokenizerActor
+from ft.actors.runner import RunnerActor
+from ft.actors.scheduler import SchedulerActor
+from ft.actors.tokenize_job import tokenize_job
+from ft.actors.tokenizer import Executor, TokenizerActor
+from ft.config import EngineConfig
+from ft.core.batch import Runner, SeqWork
+from ft.core.kv import PagePool
+from ft.core.scheduler import Scheduler
+from ft.engine.registry import Registry, RequestEntry
+from ft.engine.stats import Stats
+from ft.engine.stream import RequestStream
+from ft.errors import EngineStopping, FtError, InvalidRequest, Overloaded, RequestAborted
+from ft.messages import Abort, Batch, DetokenizerIn, SchedulerIn, StepDone, Tokenize
+from ft.model.tokenizer import TokenizerSpec
+from ft.params import SamplingParams
+
+
+@dataclass(frozen=True)
+class ModelParts:
+    """What the engine needs from a model: its tokenizer and a way to build its runner."""
+
+    model_id: str
+    tokenizer: TokenizerSpec
+    make_runner: Callable[[int, int], Runner]  # (num_pages, page_size) -> Runner
+    bytes_per_page: Callable[[int], int]  # page_size -> bytes
+    vocab_size: int
+    generation_defaults: dict[str, float | int]
+
+
+@dataclass(frozen=True)
+class EngineHooks:
+    """Test hooks: a fake model, in-process tokenization, and fault injection."""
+
+    load_model: Callable[[EngineConfig], ModelParts] | None = None
+    tokenize_inline: bool = False
+    before_step: Callable[[list[SeqWork]], None] | None = None
+    tokenizer_fault: Callable[[Tokenize], str | None] | None = None
+
+
+def load_torch_model(config: EngineConfig) -> ModelParts:
+    """Load weights and tokenizer for `config.model` (blocking; run it in a thread)."""
+    from ft.model.loader import load_model
+    from ft.model.torch_runner import TorchRunner, pick_dtype
+
+    import torch
+
+    if config.dtype == "auto":
+        dtype = None
+    else:
+        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[config.dtype]
+    loaded = load_model(config.model, dtype or torch.float32)
+    if dtype is None:
+        dtype = pick_dtype(loaded.config)
+        if dtype != torch.float32:
+            loaded = load_model(config.model, dtype)
+    assert dtype is not None
+    final_dtype = dtype
+
+    def make_runner(num_pages: int, page_size: int) -> Runner:
+        return TorchRunner(
+            loaded, num_pages=num_pages, page_size=page_size, dtype=final_dtype,
+            threads=config.compute_threads,
+        )
+
+    return ModelParts(
+        model_id=loaded.model_id,
+        tokenizer=loaded.tokenizer,
+        make_runner=make_runner,
+        bytes_per_page=lambda ps: TorchRunner.bytes_per_page(loaded.config, ps, final_dtype),
+        vocab_size=loaded.config.vocab_size,
+        generation_defaults=loaded.generation_defaults,
+    )
+
+
+async def _inline(job: Callable[[bytes], bytes], payload: bytes) -> bytes:
+    await trio.lowlevel.checkpoint()
+    return job(payload)
+
+
+class Engine:
+    """A running engine. Create it with `open_engine`; enter requests with `open_request`."""
+
+    def __init__(self, config: EngineConfig, hooks: EngineHooks) -> None:
+        self.config = config
+        self.hooks = hooks
+        self.instance_id = uuid.uuid4().hex[:12]
+        self.registry = Registry()
+        self.stats = Stats()
+        self.state = "loading"  # loading | ready | stopping | stopped | error
+        self.error: str | None = None
+        self.model_id = config.served_model_name or (config.model or "SmolLM2-135M-Instruct")
+        self.max_model_len = 0
+        self.vocab_size = 0
+        self.generation_defaults: dict[str, float | int] = {}
+        self.core: Scheduler | None = None
+        self._uids = itertools.count(1)
+        self._ready = trio.Event()
+        self._stopped = trio.Event()
+        self._stop_snapshot: dict[str, Any] | None = None
+        self._tokenizer: Any = None
+        self._tokenizer_actor: TokenizerActor | None = None
+        self._scheduler_inbox: trio.MemorySendChannel[SchedulerIn] | None = None
+        self._tokenizer_inbox: trio.MemorySendChannel[Tokenize] | None = None
+        self._tmpdir = tempfile.TemporaryDirectory(prefix="ft-")
+
+    # --- lifetime ----------------------------------------------------------------------------
+
+    async def _boot(self, nursery: trio.Nursery) -> None:
+        try:
+            await self._start(nursery)
+        except Exception as e:
+            self.state, self.error = "error", f"{type(e).__name__}: {e}"
+        finally:
+            self._ready.set()
+
+    async def _start(self, nursery: trio.Nursery) -> None:
+        cfg = self.config
+        load = self.hooks.load_model or load_torch_model
+        parts = await trio.to_thread.run_sync(load, cfg)
+        spec = parts.tokenizer
+        self.max_model_len = min(cfg.max_model_len or spec.context_length, spec.context_length)
+        if cfg.max_model_len is not None and cfg.max_model_len > spec.context_length:
+            raise ValueError(
+                f"max_model_len {cfg.max_model_len} exceeds the model's context "
+                f"{spec.context_length}"
+            )
+        num_pages = cfg.num_pages or max(2, cfg.kv_cache_memory // parts.bytes_per_page(cfg.page_size))
+        runner = await trio.to_thread.run_sync(parts.make_runner, num_pages, cfg.page_size)
+        if not cfg.served_model_name:
+            self.model_id = parts.model_id
+        self.vocab_size = parts.vocab_size
+        self.generation_defaults = parts.generation_defaults
+        self._tokenizer = spec.build()
+        spec_path = os.path.join(self._tmpdir.name, "tokenizer.cbor")
+        with open(spec_path, "wb") as f:
+            cbor2.dump(asdict(spec), f)
+
+        pool = PagePool(num_pages, cfg.page_size)
+        self.core = Scheduler(
+            pool,
+            max_running=cfg.max_running_requests,
+            max_model_len=self.max_model_len,
+            max_prefill_tokens=cfg.max_prefill_tokens,
+            eos_token_ids=spec.eos_token_ids,
+            enable_prefix_caching=cfg.enable_prefix_caching,
+        )
+        # Unbounded inboxes, each bounded by what feeds it: every live request posts one
+        # Tokenize and O(1) scheduler commands; one StepDone and one detokenizer tuple per step.
+        sched_send, sched_recv = trio.open_memory_channel[SchedulerIn](math.inf)
+        tok_send, tok_recv = trio.open_memory_channel[Tokenize](math.inf)
+        detok_send, detok_recv = trio.open_memory_channel[DetokenizerIn](math.inf)
+        run_send, run_recv = trio.open_memory_channel[Batch](1)  # one batch in flight
+
+        executor: Executor
+        if self.hooks.tokenize_inline:
+            executor = _inline
+        else:
+            limiter = trio.CapacityLimiter(cfg.tokenizer_workers)
+
+            async def executor(job: Callable[[bytes], bytes], payload: bytes) -> bytes:
+                return await trio_parallel.run_sync(job, payload, limiter=limiter)
+
+        self._tokenizer_actor = TokenizerActor(
+            tok_recv, sched_send.clone(), self.registry, spec_path=spec_path,
+            vocab_size=parts.vocab_size, executor=executor, job=tokenize_job,
+            fault=self.hooks.tokenizer_fault,
+        )
+        await nursery.start(self._tokenizer_actor.run)
+        await nursery.start(
+            SchedulerActor(
+                sched_recv, run_send, detok_send, self.core, self.registry, self._on_step
+            ).run
+        )
+        await nursery.start(
+            RunnerActor(run_recv, sched_send.clone(), runner, before_step=self.hooks.before_step).run
+        )
+        await nursery.start(
+            DetokenizerActor(
+                detok_recv, sched_send.clone(), self.registry, self._decode,
+                on_first_token=self._on_first_token,
+            ).run
+        )
+        self._scheduler_inbox, self._tokenizer_inbox = sched_send, tok_send
+        if not self.hooks.tokenize_inline:  # spawn the worker now, not on the first request
+            await self.tokenize(prompt="warm up")
+        self.stats.started()
+        self.state = "ready"
+
+    async def wait_ready(self) -> None:
+        """Wait until weights are loaded; raise `RuntimeError` if loading failed."""
+        await self._ready.wait()
+        if self.state == "error":
+            raise RuntimeError(f"the engine failed to start: {self.error}")
+
+    # --- requests ----------------------------------------------------------------------------
+
+    def _admit(self) -> None:
+        if self.state == "loading":
+            raise EngineStopping("the model is still loading", code="model_loading")
+        if self.state == "error":
+            raise EngineStopping(f"the engine failed to start: {self.error}", code="engine_error")
+        if self.state != "ready":
+            raise EngineStopping("the server is stopping and admits no new requests")
+        assert self.core is not None
+        waiting = len(self.registry) - self.core.num_running_requests
+        if waiting >= self.config.max_queued_requests:
+            self.stats.rejected += 1
+            raise Overloaded(
+                f"the queue is full ({self.config.max_queued_requests} waiting requests); "
+                "retry later"
+            )
+
+    @asynccontextmanager
+    async def open_request(
+        self,
+        *,
+        messages: list[dict[str, Any]] | None = None,
+        prompt: str | None = None,
+        prompt_token_ids: list[int] | None = None,
+        params: SamplingParams | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> AsyncIterator[RequestStream]:
+        """Register a request for the block's duration; yield its stream of deltas.
+
+        The exit (success, exception or cancellation) unregisters the uid and posts `Abort`,
+        which frees its KV pages and running slot; it is synchronous, so it is safe to leave
+        the block from a cancelled task.
+
+        Raises:
+            InvalidRequest: no prompt, or more than one kind of prompt.
+            Overloaded: the waiting queue is full.
+            EngineStopping: loading, stopping, or failed.
+        """
+        params = params or SamplingParams()
+        if sum(x is not None for x in (messages, prompt, prompt_token_ids)) != 1:
+            raise InvalidRequest("give exactly one of messages, prompt or prompt_token_ids")
+        self._admit()
+        assert self._tokenizer_inbox is not None and self._scheduler_inbox is not None
+        uid = next(self._uids)
+        # Bounded by the most events a request can receive: PromptReady, a Delta per token
+        # for each choice, and one Failed.
+        bound = params.n * ((params.max_tokens or self.max_model_len) + 1) + 2
+        send, recv = trio.open_memory_channel[Any](bound)
+        entry = RequestEntry(uid, params, send, trio.current_time())
+        stream = RequestStream(uid, params, recv)
+        self.registry.add(entry)
+        outcome = "aborted"
+        try:
+            self._tokenizer_inbox.send_nowait(
+                Tokenize(
+                    uid=uid,
+                    params=params,
+                    prompt=prompt,
+                    prompt_token_ids=tuple(prompt_token_ids) if prompt_token_ids else None,
+                    messages=tuple(messages) if messages is not None else None,
+                    tools=tuple(tools) if tools is not None else None,
+                    chat_template_kwargs=chat_template_kwargs or {},
+                    add_generation_prompt=add_generation_prompt,
+                )
+            )
+            yield stream
+            if stream.is_finished:
+                outcome = "completed"
+        except FtError as e:
+            outcome = "rejected" if e.status < 500 else "failed"
+            raise
+        finally:
+            self.registry.remove(uid)
+            recv.close()
+            try:
+                self._scheduler_inbox.send_nowait(Abort(uid))
+            except (trio.ClosedResourceError, trio.BrokenResourceError):
+                pass  # the engine has stopped; its scheduler holds nothing any more
+            self.stats.record(outcome, entry, stream, trio.current_time())
+
+    async def generate(self, prompt: str, params: SamplingParams | None = None) -> str:
+        """Complete `prompt` (no chat template); return the first choice's text."""
+        async with self.open_request(prompt=prompt, params=params) as stream:
+            return (await stream.collect())[0].text
+
+    async def tokenize(
+        self,
+        *,
+        prompt: str | None = None,
+        messages: list[dict[str, Any]] | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[int]:
+        """Token ids of a prompt or of rendered chat messages (no request is registered)."""
+        assert self._tokenizer_actor is not None
+        msg = Tokenize(
+            uid=0, params=SamplingParams(), prompt=prompt,
+            messages=tuple(messages) if messages is not None else None,
+            tools=tuple(tools) if tools is not None else None,
+            chat_template_kwargs=chat_template_kwargs or {},
+            add_generation_prompt=add_generation_prompt,
+        )
+        return await self._tokenizer_actor.tokenize(msg)
+
+    def detokenize(self, token_ids: list[int], *, skip_special_tokens: bool = False) -> str:
+        """Text of `token_ids`. Raises `InvalidRequest` for ids outside the vocabulary."""
+        for t in token_ids:
+            if not 0 <= t < self.vocab_size:
+                raise InvalidRequest(
+                    f"token id {t} is outside the vocabulary (0..{self.vocab_size - 1})",
+                    param="tokens",
+                )
+        return self._decode(token_ids, skip_special_tokens)
+
+    def _decode(self, ids: Any, skip_special_tokens: bool) -> str:
+        return str(self._tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens))
+
+    def _on_first_token(self, entry: RequestEntry) -> None:
+        entry.first_token_at = trio.current_time()
+
+    def _on_step(self, done: StepDone) -> None:
+        self.stats.step(done, trio.current_time())
+
+    # --- draining ----------------------------------------------------------------------------
+
+    async def _wait_idle(self) -> None:
+        while len(self.registry):
+            await trio.sleep(0.01)
+
+    async def prepare_stop(
+        self, drain_timeout_s: float = 5.0, abort_timeout_s: float = 3.0
+    ) -> dict[str, Any]:
+        """Stop admitting; drain, then abort what is left; return the final snapshot.
+
+        Idempotent: later calls wait for the first to finish and return its snapshot.
+        """
+        if self.state == "stopping" or self._stop_snapshot is not None:
+            await self._stopped.wait()
+            assert self._stop_snapshot is not None
+            return self._stop_snapshot
+        self.state = "stopping"
+        with trio.move_on_after(drain_timeout_s):
+            await self._wait_idle()
+        for uid in self.registry.uids():
+            self.registry.fail(uid, RequestAborted("the server is stopping; request aborted"))
+            if self._scheduler_inbox is not None:
+                self._scheduler_inbox.send_nowait(Abort(uid))
+        with trio.move_on_after(abort_timeout_s):
+            await self._wait_idle()
+        self._stop_snapshot = self.snapshot() | {"drain_complete": True}
+        self.state = "stopped"
+        self._stopped.set()
+        return self._stop_snapshot
+
+    # --- observability -----------------------------------------------------------------------
+
+    def snapshot(self) -> dict[str, Any]:
+        """The `/v1/stats` record, derived from the registry, the core and the page pool."""
+        core = self.core
+        running = core.num_running_requests if core else 0
+        pool = core.pool if core else None
+        return {
+            "instance_id": self.instance_id,
+            "state": self.state,
+            "model": {"id": self.model_id, "ctx": self.max_model_len},
+            "uptime_s": round(self.stats.uptime(), 3),
+            "kv": {
+                "used_pages": pool.num_used if pool else 0,
+                "total_pages": pool.num_pages if pool else 0,
+                "page_size": self.config.page_size,
+                "cached_pages": pool.num_cached if pool else 0,
+            },
+            "throughput": self.stats.throughput(trio.current_time()),
+            "requests": {
+                "active": len(self.registry),
+                "waiting": len(self.registry) - running,
+                "running": running,
+            }
+            | self.stats.request_totals(),
+        }
+
+
+@asynccontextmanager
+async def open_engine(
+    config: EngineConfig | None = None,
+    *,
+    hooks: EngineHooks | None = None,
+    wait_ready: bool = True,
+) -> AsyncIterator[Engine]:
+    """Start the engine's actors in a nursery; stop them all when the block exits.
+
+    With `wait_ready=False` the engine is yielded while weights load (`engine.state` says
+    "loading"; requests get `EngineStopping` until it is "ready"), so a server can answer
+    `/health` during the load.
+    """
+    engine = Engine(config or EngineConfig(), hooks or EngineHooks())
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(engine._boot, nursery)
+            if wait_ready:
+                await engine.wait_ready()
+            try:
+                yield engine
+            finally:
+                engine.state = "stopped"
+                nursery.cancel_scope.cancel()
+    finally:
+        engine._tmpdir.cleanup()

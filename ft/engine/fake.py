@@ -1,0 +1,97 @@
+"""A fake model for deterministic tests: a byte-level tokenizer and a scripted runner.
+
+The runner is async (it "computes" with `trio.sleep`), so whole-engine tests run under
+`trio.testing.MockClock(autojump_threshold=0)` without threads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import trio
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+from ft.core.batch import Sampled, SeqWork
+from ft.model.tokenizer import TokenizerSpec, bytes_to_unicode
+
+SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+EOS_ID = 0
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def byte_tokenizer_spec(context_length: int = 2048) -> TokenizerSpec:
+    """A tokenizer with one token per byte (ids 3..258) and three special tokens (0..2)."""
+    vocab = {tok: i for i, tok in enumerate(SPECIALS)}
+    for byte, char in sorted(bytes_to_unicode().items()):
+        vocab[char] = len(SPECIALS) + byte
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(list(SPECIALS))
+    return TokenizerSpec(
+        tokenizer_json=tok.to_str(),
+        chat_template=CHATML,
+        bos_token=None,
+        eos_token=SPECIALS[EOS_ID],
+        add_bos_token=False,
+        eos_token_ids=(EOS_ID,),
+        context_length=context_length,
+    )
+
+
+def byte_token(b: int) -> int:
+    """The fake tokenizer's id for byte `b`."""
+    return len(SPECIALS) + b
+
+
+Script = Callable[[SeqWork], int]
+
+
+def text_script(text: str) -> Script:
+    """Emit `text` byte by byte, then end of sequence."""
+    data = text.encode("utf-8")
+
+    def next_token(work: SeqWork) -> int:
+        k = work.num_generated
+        return byte_token(data[k]) if k < len(data) else EOS_ID
+
+    return next_token
+
+
+@dataclass
+class FakeRunner:
+    """Scripted tokens, `step_s` of (trio) time per step, optional per-step callback."""
+
+    script: Script = field(default_factory=lambda: text_script("Hello from the fake model."))
+    step_s: float = 0.01
+    page_size: int = 16
+    num_pages: int = 256
+    vocab_size: int = len(SPECIALS) + 256
+    steps: list[list[SeqWork]] = field(default_factory=list)
+    record: bool = False
+
+    async def astep(self, works: list[SeqWork]) -> list[Sampled]:
+        """One fake step: check page coverage, wait `step_s`, emit scripted tokens."""
+        await trio.sleep(self.step_s)
+        return self.step(works)
+
+    def step(self, works: list[SeqWork]) -> list[Sampled]:
+        """Synchronous step (no delay)."""
+        if self.record:
+            self.steps.append(works)
+        out = []
+        for w in works:
+            end = w.start_pos + len(w.token_ids)
+            assert len(w.page_ids) * self.page_size >= end, "pages do not cover the work"
+            assert all(0 <= p < self.num_pages for p in w.page_ids)
+            if w.sample:
+                token = self.script(w)
+                lp = -0.5 if w.params.logprobs else None
+                top = tuple((token, -0.5) for _ in range(min(1, w.params.top_logprobs)))
+                out.append(Sampled(w.seq_id, token, lp, top))
+        return out
+

@@ -1,0 +1,77 @@
+"""The request registry: the single source of truth for which requests are alive.
+
+An entry exists exactly while its request scope is open. Actors route events through
+`send_nowait(uid, ...)`; a uid that is gone (the client left) silently drops them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import trio
+
+from ft.core.detok import SeqDetokenizer
+from ft.errors import FtError
+from ft.messages import Failed, RequestEvent
+from ft.params import SamplingParams
+
+
+@dataclass(eq=False, slots=True)
+class RequestEntry:
+    """What the engine knows about one live request."""
+
+    uid: int
+    params: SamplingParams
+    send: trio.MemorySendChannel[RequestEvent]
+    created_at: float
+    detoks: dict[int, SeqDetokenizer] = field(default_factory=dict)
+    prompt_ids: tuple[int, ...] = ()
+    first_token_at: float | None = None
+
+
+class Registry:
+    """Live requests by uid; `len()` is `requests.active`."""
+
+    def __init__(self) -> None:
+        self._entries: dict[int, RequestEntry] = {}
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, uid: object) -> bool:
+        return uid in self._entries
+
+    def get(self, uid: int) -> RequestEntry | None:
+        """The entry for `uid`, or None once its scope has closed."""
+        return self._entries.get(uid)
+
+    def uids(self) -> list[int]:
+        """Every live uid."""
+        return list(self._entries)
+
+    def add(self, entry: RequestEntry) -> None:
+        """Register a request (called on scope entry)."""
+        assert entry.uid not in self._entries
+        self._entries[entry.uid] = entry
+
+    def remove(self, uid: int) -> RequestEntry | None:
+        """Unregister and close a request's channel. Synchronous; safe while cancelled."""
+        entry = self._entries.pop(uid, None)
+        if entry is not None:
+            entry.send.close()
+        return entry
+
+    def send_nowait(self, uid: int, event: RequestEvent) -> bool:
+        """Route an event to a live request; False when it is gone."""
+        entry = self._entries.get(uid)
+        if entry is None:
+            return False
+        try:
+            entry.send.send_nowait(event)
+        except (trio.ClosedResourceError, trio.BrokenResourceError):
+            return False
+        return True
+
+    def fail(self, uid: int, error: FtError) -> bool:
+        """Make the request's stream raise `error`."""
+        return self.send_nowait(uid, Failed(error))

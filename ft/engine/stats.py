@@ -1,0 +1,85 @@
+"""Event counters and latency windows behind `/v1/stats` (request gauges are derived)."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Any
+
+from ft.engine.registry import RequestEntry
+from ft.engine.stream import RequestStream
+from ft.messages import StepDone
+
+WINDOW_S = 10.0
+
+
+def _p95(values: deque[float]) -> float:
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))]
+
+
+class Stats:
+    """Counts what happened (completed, aborted, ...) and recent step throughput."""
+
+    def __init__(self) -> None:
+        self.started_at = time.monotonic()
+        self.completed = 0
+        self.aborted = 0
+        self.rejected = 0
+        self.failed = 0
+        self.prompt_tokens_total = 0
+        self.completion_tokens_total = 0
+        self._ttfts: deque[float] = deque(maxlen=1000)
+        self._latencies: deque[float] = deque(maxlen=1000)
+        self._steps: deque[tuple[float, int, int]] = deque()
+
+    def started(self) -> None:
+        """Mark the moment the engine became ready."""
+        self.started_at = time.monotonic()
+
+    def uptime(self) -> float:
+        """Seconds since the engine became ready."""
+        return time.monotonic() - self.started_at
+
+    def record(self, outcome: str, entry: RequestEntry, stream: RequestStream, now: float) -> None:
+        """Account for a request whose scope just closed."""
+        setattr(self, outcome, getattr(self, outcome) + 1)
+        self.prompt_tokens_total += stream.num_prompt_tokens
+        self.completion_tokens_total += stream.num_completion_tokens
+        if outcome == "completed":
+            self._latencies.append(now - entry.created_at)
+            if entry.first_token_at is not None:
+                self._ttfts.append(entry.first_token_at - entry.created_at)
+
+    def step(self, done: StepDone, now: float) -> None:
+        """Account for one model step."""
+        self._steps.append((now, done.num_prefill_tokens, done.num_decode_tokens))
+        while self._steps and self._steps[0][0] < now - WINDOW_S:
+            self._steps.popleft()
+
+    def throughput(self, now: float) -> dict[str, float]:
+        """Prefill and decode tokens per second over the last few seconds."""
+        recent = [s for s in self._steps if s[0] >= now - WINDOW_S]
+        if not recent:
+            return {"decode_tps": 0.0, "prefill_tps": 0.0}
+        span = max(now - recent[0][0], 1e-3)
+        return {
+            "decode_tps": round(sum(s[2] for s in recent) / span, 2),
+            "prefill_tps": round(sum(s[1] for s in recent) / span, 2),
+        }
+
+    def request_totals(self) -> dict[str, Any]:
+        """Counters and latency summaries for the `requests` block."""
+        ttft = sum(self._ttfts) / len(self._ttfts) if self._ttfts else 0.0
+        return {
+            "completed": self.completed,
+            "aborted": self.aborted,
+            "rejected": self.rejected,
+            "failed": self.failed,
+            "ttft_mean_ms": round(ttft * 1000, 2),
+            "p95_ms": round(_p95(self._latencies) * 1000, 2),
+            "prompt_tokens_total": self.prompt_tokens_total,
+            "completion_tokens_total": self.completion_tokens_total,
+        }

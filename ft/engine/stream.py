@@ -1,0 +1,100 @@
+"""RequestStream: what `engine.open_request` yields; an async iterator of `Delta`s."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import trio
+
+from ft.errors import RequestAborted
+from ft.messages import Delta, Failed, PromptReady, RequestEvent, TokenLogprob
+from ft.params import SamplingParams
+
+
+@dataclass(slots=True)
+class Choice:
+    """One choice's whole output, gathered by `RequestStream.collect`."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+class RequestStream:
+    """Deltas for one request until each of its `n` choices has finished.
+
+    Iteration raises the request's error (`FtError`) if it fails. Cancelling an iteration is
+    safe: no event is lost.
+    """
+
+    def __init__(
+        self, uid: int, params: SamplingParams, recv: trio.MemoryReceiveChannel[RequestEvent]
+    ) -> None:
+        self.uid = uid
+        self.params = params
+        self.prompt_ids: tuple[int, ...] = ()
+        self.num_completion_tokens = 0
+        self._recv = recv
+        self._finished: set[int] = set()
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """Tokens in the prompt (0 until it is tokenized)."""
+        return len(self.prompt_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        """True once every choice has its finish reason."""
+        return len(self._finished) == self.params.n
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> Delta:
+        while not self.is_finished:
+            try:
+                event = await self._recv.receive()
+            except (trio.EndOfChannel, trio.ClosedResourceError) as e:
+                raise RequestAborted("the engine closed this request") from e
+            match event:
+                case PromptReady(prompt_ids=ids):
+                    self.prompt_ids = ids
+                case Failed(error=error):
+                    raise error
+                case Delta():
+                    self.num_completion_tokens += len(event.token_ids)
+                    if event.finish_reason is not None:
+                        self._finished.add(event.index)
+                    return event
+        raise StopAsyncIteration
+
+    async def wait_prompt(self) -> tuple[int, ...]:
+        """Wait until the prompt is tokenized (or the request fails); return its ids."""
+        while not self.prompt_ids:
+            try:
+                event = await self._recv.receive()
+            except (trio.EndOfChannel, trio.ClosedResourceError) as e:
+                raise RequestAborted("the engine closed this request") from e
+            match event:
+                case PromptReady(prompt_ids=ids):
+                    self.prompt_ids = ids
+                case Failed(error=error):
+                    raise error
+                case Delta():  # pragma: no cover - PromptReady always comes first
+                    raise AssertionError("delta before prompt")
+        return self.prompt_ids
+
+    async def collect(self) -> list[Choice]:
+        """Consume the stream; return each choice's whole output."""
+        choices = [Choice(i) for i in range(self.params.n)]
+        async for delta in self:
+            c = choices[delta.index]
+            c.text += delta.text
+            c.token_ids += delta.token_ids
+            c.logprobs += delta.logprobs
+            if delta.finish_reason is not None:
+                c.finish_reason, c.stop_reason = delta.finish_reason, delta.stop_reason
+        return choices

@@ -1,0 +1,166 @@
+"""Every message the actors exchange, and every event a request stream yields.
+
+Commands are verbs (`Tokenize`, `Enqueue`, `Abort`), events are nouns (`StepDone`, `TokenOut`).
+All are frozen, slotted dataclasses of plain data.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ft.core.batch import Sampled, SeqWork
+from ft.errors import FtError
+from ft.params import SamplingParams
+
+# --- request -> tokenizer ------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Tokenize:
+    """Render (if chat) and tokenize one request's prompt, then enqueue it."""
+
+    uid: int
+    params: SamplingParams
+    prompt: str | None = None
+    prompt_token_ids: tuple[int, ...] | None = None
+    messages: tuple[dict[str, object], ...] | None = None
+    tools: tuple[dict[str, object], ...] | None = None
+    chat_template_kwargs: dict[str, object] = field(default_factory=dict)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+
+# --- tokenizer / request exit / detokenizer -> scheduler ------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Enqueue:
+    """Add a tokenized request (`n` sequences) to the waiting queue."""
+
+    uid: int
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class Abort:
+    """Drop every sequence of request `uid` and free its pages and slots. Idempotent."""
+
+    uid: int
+
+
+@dataclass(frozen=True, slots=True)
+class FinishSeq:
+    """Stop one sequence early (a stop string matched in its text)."""
+
+    seq_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    """One step's work for the runner."""
+
+    step: int
+    works: tuple[SeqWork, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class StepDone:
+    """The runner finished a step; `failed` maps seq ids to the error that failed them."""
+
+    step: int
+    sampled: tuple[Sampled, ...]
+    failed: tuple[tuple[int, str], ...] = ()
+    duration_s: float = 0.0
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+
+
+SchedulerIn = Enqueue | Abort | FinishSeq | StepDone
+
+
+# --- scheduler -> detokenizer --------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class TokenOut:
+    """A token generated for one sequence; `finish_reason` set on its last one.
+
+    `is_hidden` marks a final token whose text is not part of the output (eos, stop token id).
+    """
+
+    uid: int
+    index: int
+    seq_id: int
+    token_id: int
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] = ()
+    finish_reason: str | None = None
+    stop_reason: int | None = None
+    is_hidden: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class SeqFailed:
+    """A sequence ended with an error (runner fault, admission refusal)."""
+
+    uid: int
+    error: FtError
+
+
+DetokenizerIn = tuple[TokenOut | SeqFailed, ...]
+
+
+# --- events on a request stream ------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class TopLogprob:
+    """One alternative token at a position."""
+
+    token_id: int
+    token: str
+    logprob: float
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """The chosen token's logprob at a position, with the top alternatives."""
+
+    token_id: int
+    token: str
+    logprob: float
+    top: tuple[TopLogprob, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Delta:
+    """New output for choice `index`: text (possibly empty) and the tokens behind it.
+
+    The last delta of a choice carries `finish_reason` ("stop" | "length" | "abort") and, for a
+    stop string or stop token, `stop_reason`.
+    """
+
+    index: int
+    text: str
+    token_ids: tuple[int, ...] = ()
+    logprobs: tuple[TokenLogprob, ...] = ()
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PromptReady:
+    """The prompt was tokenized; sent first on a request's channel."""
+
+    prompt_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    """The request failed; the stream raises `error`."""
+
+    error: FtError
+
+
+RequestEvent = PromptReady | Delta | Failed

@@ -1,0 +1,152 @@
+"""Paged attention over a flat slot cache: where each new token's k/v goes and what each query sees.
+
+The KV cache of one layer is `[num_slots, kv_heads, head_dim]` with `num_slots = num_pages *
+page_size`; position p of a sequence lives at slot `page_ids[p // page_size] * page_size +
+p % page_size`. Decode rows (one new token) are attended together in one batched call over a
+padded gather of their slots; each prefill chunk is attended on its own with a causal mask that
+is offset by the chunk's `start_pos`, so chunks may sit on top of earlier chunks or shared pages.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True, slots=True)
+class SeqSpan:
+    """One sequence's new tokens: positions `[start_pos, start_pos + num_tokens)` in `page_ids`."""
+
+    start_pos: int
+    num_tokens: int
+    page_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillChunk:
+    """A multi-token span: rows `[row_start, row_end)` of the flat batch and the slots they see."""
+
+    row_start: int
+    row_end: int
+    slots: torch.Tensor  # [kv_len] long
+    mask: torch.Tensor  # [q_len, kv_len] bool, True = attend
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionMetadata:
+    """Per-step indices shared by every layer."""
+
+    slot_mapping: torch.Tensor  # [T] long: where each new token's k/v is written
+    decode_rows: torch.Tensor  # [B] long: rows of the flat batch that are single-token spans
+    decode_slots: torch.Tensor  # [B, max_kv_len] long (padded with slot 0)
+    decode_mask: torch.Tensor  # [B, 1, 1, max_kv_len] bool, True = attend
+    decode_is_all: bool  # every row is a decode row, in order
+    prefills: tuple[PrefillChunk, ...]
+    num_tokens: int
+
+
+def _slots(page_ids: torch.Tensor, positions: torch.Tensor, page_size: int) -> torch.Tensor:
+    """Slot of each position: `page_ids[..., p // page_size] * page_size + p % page_size`."""
+    return page_ids[..., positions // page_size] * page_size + positions % page_size
+
+
+def build_metadata(spans: list[SeqSpan], page_size: int) -> AttentionMetadata:
+    """Index tensors for one step over `spans` (in flat-batch order)."""
+    slot_chunks: list[torch.Tensor] = []
+    decode_rows: list[int] = []
+    decode_spans: list[SeqSpan] = []
+    prefills: list[PrefillChunk] = []
+    row = 0
+    for span in spans:
+        end = span.start_pos + span.num_tokens
+        needed = (end + page_size - 1) // page_size
+        if len(span.page_ids) < needed:
+            raise ValueError(f"{len(span.page_ids)} pages cannot hold {end} positions")
+        pages = torch.tensor(span.page_ids[:needed], dtype=torch.long)
+        new_pos = torch.arange(span.start_pos, end)
+        slot_chunks.append(_slots(pages, new_pos, page_size))
+        if span.num_tokens == 1:
+            decode_rows.append(row)
+            decode_spans.append(span)
+        else:
+            kv_pos = torch.arange(end)
+            slots = _slots(pages, kv_pos, page_size)  # [kv_len]
+            mask = kv_pos[None, :] <= new_pos[:, None]  # [q_len, kv_len]
+            prefills.append(PrefillChunk(row, row + span.num_tokens, slots, mask))
+        row += span.num_tokens
+    if decode_spans:
+        lens = torch.tensor([s.start_pos + 1 for s in decode_spans])  # [B]
+        max_len = int(lens.max())
+        max_pages = (max_len + page_size - 1) // page_size
+        pages = torch.zeros(len(decode_spans), max_pages, dtype=torch.long)
+        for i, s in enumerate(decode_spans):
+            n = min(len(s.page_ids), max_pages)
+            pages[i, :n] = torch.tensor(s.page_ids[:n], dtype=torch.long)
+        kv_pos = torch.arange(max_len)
+        decode_slots = _slots(pages, kv_pos, page_size)  # [B, max_len]
+        decode_mask = (kv_pos[None, :] < lens[:, None])[:, None, None, :]  # [B, 1, 1, max_len]
+    else:
+        decode_slots = torch.zeros(0, 1, dtype=torch.long)
+        decode_mask = torch.zeros(0, 1, 1, 1, dtype=torch.bool)
+    return AttentionMetadata(
+        slot_mapping=torch.cat(slot_chunks) if slot_chunks else torch.zeros(0, dtype=torch.long),
+        decode_rows=torch.tensor(decode_rows, dtype=torch.long),
+        decode_slots=decode_slots,
+        decode_mask=decode_mask,
+        decode_is_all=len(decode_rows) == row,
+        prefills=tuple(prefills),
+        num_tokens=row,
+    )
+
+
+def write_kv(
+    k_cache: torch.Tensor,  # [num_slots, kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    k: torch.Tensor,  # [T, kv_heads, head_dim]
+    v: torch.Tensor,
+    meta: AttentionMetadata,
+) -> None:
+    """Store the new tokens' keys and values at their slots."""
+    k_cache.index_copy_(0, meta.slot_mapping, k)
+    v_cache.index_copy_(0, meta.slot_mapping, v)
+
+
+def paged_attention(
+    q: torch.Tensor,  # [T, heads, head_dim], rotary applied
+    k_cache: torch.Tensor,  # [num_slots, kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+) -> torch.Tensor:
+    """Attention of every new token over its sequence's cached positions → `[T, heads * head_dim]`."""
+    num_tokens, num_heads, head_dim = q.shape
+    kv_heads = k_cache.shape[1]
+    group = num_heads // kv_heads
+    # NOTE: head h reads kv head h // group (transformers' repeat_kv order), so folding the group
+    # into the query-length axis lets one kv head serve its query heads without repeating k/v.
+    decode_out: torch.Tensor | None = None
+    if meta.decode_rows.numel():
+        qd = q if meta.decode_is_all else q[meta.decode_rows]  # [B, heads, hd]
+        batch = qd.shape[0]
+        qd = qd.view(batch, kv_heads, group, head_dim)  # [B, kvh, group, hd]
+        kd = k_cache[meta.decode_slots].transpose(1, 2)  # [B, kvh, L, hd]
+        vd = v_cache[meta.decode_slots].transpose(1, 2)  # [B, kvh, L, hd]
+        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask)  # [B, kvh, group, hd]
+        decode_out = od.reshape(batch, num_heads * head_dim)  # [B, heads * hd]
+        if meta.decode_is_all:
+            return decode_out
+    out = q.new_empty(num_tokens, num_heads * head_dim)
+    if decode_out is not None:
+        out[meta.decode_rows] = decode_out
+    for chunk in meta.prefills:
+        q_len = chunk.row_end - chunk.row_start
+        qc = q[chunk.row_start : chunk.row_end].view(q_len, kv_heads, group, head_dim)
+        qc = qc.permute(1, 2, 0, 3).reshape(kv_heads, group * q_len, head_dim)  # [kvh, group*q, hd]
+        kc = k_cache[chunk.slots].transpose(0, 1)  # [kvh, L, hd]
+        vc = v_cache[chunk.slots].transpose(0, 1)  # [kvh, L, hd]
+        mask = chunk.mask.repeat(group, 1)  # [group*q, L]
+        oc = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask)  # [kvh, group*q, hd]
+        oc = oc.view(kv_heads, group, q_len, head_dim).permute(2, 0, 1, 3)  # [q, kvh, group, hd]
+        out[chunk.row_start : chunk.row_end] = oc.reshape(q_len, num_heads * head_dim)
+    return out

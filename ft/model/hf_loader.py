@@ -1,0 +1,112 @@
+"""Load a Hugging Face model directory: config.json, *.safetensors, tokenizer files."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+from tokenizers import Tokenizer
+
+from ft.model.llama import LlamaConfig
+from ft.model.tokenizer import TokenizerSpec, tokenizer_json_of
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+GENERATION_KEYS = ("temperature", "top_p", "top_k", "repetition_penalty")
+
+
+def _read_json(path: pathlib.Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    with path.open(encoding="utf-8") as f:
+        data = json.load(f)
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} does not hold a JSON object")
+    return data
+
+
+def hf_config(directory: pathlib.Path) -> LlamaConfig:
+    """A `LlamaConfig` from `config.json`."""
+    cfg = _read_json(directory / "config.json")
+    if not cfg:
+        raise ValueError(f"{directory} has no config.json")
+    archs = cfg.get("architectures") or ["LlamaForCausalLM"]
+    if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
+        raise ValueError(
+            f"architecture {archs} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+        )
+    return LlamaConfig.from_hf(cfg)
+
+
+def hf_state_dict(directory: pathlib.Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Every tensor of the (possibly sharded) safetensors checkpoint, cast to `dtype`."""
+    index = _read_json(directory / "model.safetensors.index.json")
+    if index:
+        files = sorted(set(index["weight_map"].values()))
+    else:
+        files = sorted(p.name for p in directory.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{directory} has no *.safetensors files")
+    sd: dict[str, torch.Tensor] = {}
+    for name in files:
+        for key, tensor in load_file(str(directory / name)).items():
+            sd[key] = tensor.to(dtype)
+    return sd
+
+
+def _token_text(value: Any) -> str | None:
+    if isinstance(value, dict):  # serialized AddedToken
+        content = value.get("content")
+        return content if isinstance(content, str) else None
+    return value if isinstance(value, str) else None
+
+
+def hf_tokenizer(directory: pathlib.Path, context_length: int) -> TokenizerSpec:
+    """The tokenizer from `tokenizer.json` + `tokenizer_config.json` (+ generation_config eos ids)."""
+    path = directory / "tokenizer.json"
+    if not path.is_file():
+        raise ValueError(f"{directory} has no tokenizer.json")
+    tok = Tokenizer.from_file(str(path))
+    tcfg = _read_json(directory / "tokenizer_config.json")
+    gen = _read_json(directory / "generation_config.json")
+    cfg = _read_json(directory / "config.json")
+    template = tcfg.get("chat_template")
+    if isinstance(template, list):  # named templates: take "default"
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default") or next(iter(named.values()), None)
+    jinja = directory / "chat_template.jinja"
+    if template is None and jinja.is_file():
+        template = jinja.read_text(encoding="utf-8")
+    bos = _token_text(tcfg.get("bos_token"))
+    eos = _token_text(tcfg.get("eos_token"))
+    eos_ids: list[int] = []
+    for source in (gen.get("eos_token_id"), cfg.get("eos_token_id")):
+        for i in source if isinstance(source, list) else [source]:
+            if isinstance(i, int) and i not in eos_ids:
+                eos_ids.append(i)
+    if eos is not None:
+        eos_id = tok.token_to_id(eos)
+        if eos_id is not None and eos_id not in eos_ids:
+            eos_ids.append(eos_id)
+    max_len = tcfg.get("model_max_length")
+    return TokenizerSpec(
+        tokenizer_json=tokenizer_json_of(tok),
+        chat_template=template if isinstance(template, str) else None,
+        bos_token=bos,
+        eos_token=eos,
+        add_bos_token=bool(tcfg.get("add_bos_token", False)),
+        eos_token_ids=tuple(eos_ids),
+        context_length=min(context_length, max_len) if isinstance(max_len, int) and max_len > 0 else context_length,
+    )
+
+
+def generation_defaults(directory: pathlib.Path) -> dict[str, float | int]:
+    """Sampling defaults from `generation_config.json` (temperature, top_p, top_k, repetition_penalty)."""
+    gen = _read_json(directory / "generation_config.json")
+    return {
+        k: gen[k]
+        for k in GENERATION_KEYS
+        if isinstance(gen.get(k), (int, float)) and not isinstance(gen.get(k), bool)
+    }

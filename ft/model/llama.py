@@ -1,0 +1,257 @@
+"""The Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2 with qkv bias) over a paged KV cache."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ft.model.attention import AttentionMetadata, paged_attention, write_kv
+
+ROPE_SCALING_TYPES = ("linear", "llama3")
+
+
+@dataclass(frozen=True, slots=True)
+class LlamaConfig:
+    """Shapes and hyperparameters of one Llama-family model."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int = 0  # 0: hidden_size // num_heads
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None  # {"rope_type": "linear"|"llama3", "factor", ...}
+    rope_freq_factors: tuple[float, ...] | None = None  # GGUF `rope_freqs.weight` (llama3 files)
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    architecture: str = "llama"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.head_dim == 0:
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
+            )
+        if self.rope_scaling is not None:
+            kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
+            if kind == "default":
+                object.__setattr__(self, "rope_scaling", None)
+            elif kind not in ROPE_SCALING_TYPES:
+                raise ValueError(
+                    f"rope scaling {kind!r} is not supported (supported: {', '.join(ROPE_SCALING_TYPES)})"
+                )
+
+    @property
+    def q_size(self) -> int:
+        """Width of the query projection."""
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        """Width of the key (and of the value) projection."""
+        return self.num_kv_heads * self.head_dim
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any]) -> LlamaConfig:
+        """Build from a Hugging Face `config.json` dict (Llama, Mistral, Qwen2)."""
+        model_type = cfg.get("model_type", "llama")
+        num_heads = int(cfg["num_attention_heads"])
+        rope_scaling = cfg.get("rope_scaling") or None
+        rope_theta = cfg.get("rope_theta")
+        rope_params = cfg.get("rope_parameters")  # transformers 5.x spelling
+        if isinstance(rope_params, dict):
+            rope_theta = rope_params.get("rope_theta", rope_theta)
+            if rope_params.get("rope_type", "default") != "default":
+                rope_scaling = dict(rope_params)
+        return cls(
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=int(cfg["hidden_size"]),
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_layers=int(cfg["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
+            head_dim=int(cfg.get("head_dim") or 0),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
+            rope_scaling=rope_scaling,
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
+            architecture=model_type,
+        )
+
+
+def rope_inv_freq(config: LlamaConfig) -> torch.Tensor:
+    """Inverse rotary frequencies `[head_dim // 2]` in float32, with the config's scaling applied."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    if config.rope_freq_factors is not None:
+        inv_freq = inv_freq / torch.tensor(config.rope_freq_factors, dtype=torch.float32)
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    kind = scaling.get("rope_type", scaling.get("type"))
+    factor = float(scaling["factor"])
+    if kind == "linear":
+        return inv_freq / factor
+    # llama3: keep high frequencies, divide low ones by `factor`, blend in between.
+    low = float(scaling.get("low_freq_factor", 1.0))
+    high = float(scaling.get("high_freq_factor", 4.0))
+    old_len = float(scaling.get("original_max_position_embeddings", 8192))
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def rope_cos_sin(
+    inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin `[T, 1, head_dim]` for `positions` `[T]`, computed in float32 like transformers."""
+    freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, head_dim // 2]
+    emb = torch.cat((freqs, freqs), dim=-1)  # [T, head_dim]
+    return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate `x` `[T, heads, head_dim]` by the half-split (HF) convention."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm, computed in float32 as transformers does."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm attention + SwiGLU MLP, with fused qkv and gate/up projections."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        qkv_out = config.q_size + 2 * config.kv_size
+        self.qkv_proj = nn.Linear(config.hidden_size, qkv_out, bias=config.attention_bias)
+        self.o_proj = nn.Linear(config.q_size, config.hidden_size, bias=False)
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, hidden]
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_cache: torch.Tensor,  # [num_slots, kv_heads, head_dim]
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        c = self.config
+        num_tokens = x.shape[0]
+        qkv = self.qkv_proj(self.input_layernorm(x))  # [T, q_size + 2 * kv_size]
+        q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+        q = apply_rope(q.view(num_tokens, c.num_heads, c.head_dim), cos, sin)  # [T, heads, hd]
+        k = apply_rope(k.view(num_tokens, c.num_kv_heads, c.head_dim), cos, sin)  # [T, kvh, hd]
+        v = v.view(num_tokens, c.num_kv_heads, c.head_dim)  # [T, kvh, hd]
+        write_kv(k_cache, v_cache, k, v, meta)
+        attn = paged_attention(q, k_cache, v_cache, meta)  # [T, heads * hd]
+        h = x + self.o_proj(attn)
+        gate, up = self.gate_up_proj(self.post_attention_layernorm(h)).chunk(2, dim=-1)
+        return h + self.down_proj(F.silu(gate) * up)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Embedding, decoder stack, final norm and (possibly tied) lm_head."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        k_caches: torch.Tensor,  # [layers, num_slots, kv_heads, head_dim]
+        v_caches: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Hidden states after the final norm, `[T, hidden]`."""
+        x = self.embed_tokens(input_ids)  # [T, hidden]
+        cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, k_caches[i], v_caches[i], meta)
+        return self.norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """lm_head over `hidden` `[R, hidden]` → `[R, vocab]`."""
+        return self.lm_head(hidden)
+
+
+def fuse_hf_state_dict(config: LlamaConfig, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Map Hugging Face parameter names onto this module's fused layout."""
+    out: dict[str, torch.Tensor] = {
+        "embed_tokens.weight": sd["model.embed_tokens.weight"],
+        "norm.weight": sd["model.norm.weight"],
+    }
+    lm_head = sd.get("lm_head.weight")
+    if lm_head is None or config.tie_word_embeddings:
+        lm_head = sd["model.embed_tokens.weight"]
+    out["lm_head.weight"] = lm_head
+    for i in range(config.num_layers):
+        p = f"model.layers.{i}."
+        attn, mlp = p + "self_attn.", p + "mlp."
+        o = f"layers.{i}."
+        out[o + "input_layernorm.weight"] = sd[p + "input_layernorm.weight"]
+        out[o + "post_attention_layernorm.weight"] = sd[p + "post_attention_layernorm.weight"]
+        out[o + "qkv_proj.weight"] = torch.cat(
+            [sd[attn + "q_proj.weight"], sd[attn + "k_proj.weight"], sd[attn + "v_proj.weight"]]
+        )
+        if config.attention_bias:
+            out[o + "qkv_proj.bias"] = torch.cat(
+                [sd[attn + "q_proj.bias"], sd[attn + "k_proj.bias"], sd[attn + "v_proj.bias"]]
+            )
+        out[o + "o_proj.weight"] = sd[attn + "o_proj.weight"]
+        out[o + "gate_up_proj.weight"] = torch.cat([sd[mlp + "gate_proj.weight"], sd[mlp + "up_proj.weight"]])
+        out[o + "down_proj.weight"] = sd[mlp + "down_proj.weight"]
+    return out
+
+
+def build_model(config: LlamaConfig, hf_state_dict: dict[str, torch.Tensor], dtype: torch.dtype) -> LlamaForCausalLM:
+    """Build on the meta device, then assign the (fused, cast) weights."""
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    fused = {k: v.to(dtype).contiguous() for k, v in fuse_hf_state_dict(config, hf_state_dict).items()}
+    model.load_state_dict(fused, assign=True, strict=True)
+    model.inv_freq = rope_inv_freq(config)  # buffers made on meta are not in the state dict
+    return model.eval()

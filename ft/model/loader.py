@@ -1,0 +1,55 @@
+"""Load a model from a GGUF file or a Hugging Face directory into plain tensors + config."""
+
+from __future__ import annotations
+
+import pathlib
+from dataclasses import dataclass, field
+
+import torch
+
+from ft.model import gguf_loader, hf_loader
+from ft.model.llama import LlamaConfig
+from ft.model.tokenizer import TokenizerSpec
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """What a model directory or file holds: config, weights (HF names), tokenizer, defaults."""
+
+    config: LlamaConfig
+    state_dict: dict[str, torch.Tensor]
+    tokenizer: TokenizerSpec
+    model_id: str
+    dtype: torch.dtype
+    generation_defaults: dict[str, float | int] = field(default_factory=dict)
+
+
+def load_model(path: str | pathlib.Path | None, dtype: torch.dtype) -> LoadedModel:
+    """Load `path` (a `.gguf` file or a HF directory; None: the default model) in `dtype`.
+
+    Raises:
+        ModelNotFound: the default model is missing or corrupt and cannot be fetched.
+        FileNotFoundError: `path` does not exist.
+        ValueError: the file or directory is not a model `ft` can run.
+    """
+    if path is None:
+        from ft.model.pull import default_model_path
+
+        path = default_model_path()
+    p = pathlib.Path(path).expanduser()
+    if not p.exists():
+        raise FileNotFoundError(f"model path {p} does not exist")
+    if p.is_dir():
+        config = hf_loader.hf_config(p)
+        sd = hf_loader.hf_state_dict(p, dtype)
+        spec = hf_loader.hf_tokenizer(p, config.max_position_embeddings)
+        return LoadedModel(config, sd, spec, p.name, dtype, hf_loader.generation_defaults(p))
+    if p.suffix.lower() == ".gguf" or _is_gguf(p):
+        config, sd, spec, model_id = gguf_loader.load_gguf(p, dtype)
+        return LoadedModel(config, sd, spec, model_id, dtype, {})
+    raise ValueError(f"{p} is neither a .gguf file nor a Hugging Face model directory")
+
+
+def _is_gguf(p: pathlib.Path) -> bool:
+    with p.open("rb") as f:
+        return f.read(4) == b"GGUF"

@@ -1,0 +1,112 @@
+"""Per-row sampling for a batch whose rows each carry their own `SamplingParams`.
+
+Logprobs are those of the model's distribution after `logit_bias` and the penalties, before
+temperature, top-k, top-p and min-p (the distribution the sampling knobs then reshape): a greedy
+and a sampled request report the same numbers for the same tokens.
+
+Seeded rows are stateless: the generator of a row is seeded from `(seed, num_generated)`, so a
+request's tokens depend only on its logits, its params and how far it has got, never on what
+else shares the batch or on earlier steps' random draws.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ft.core.batch import Sampled, SeqWork
+from ft.params import SamplingParams
+
+_SEED_MASK = (1 << 63) - 1
+
+
+def row_generator(seed: int | None, num_generated: int) -> torch.Generator | None:
+    """A generator seeded from `(seed, num_generated)`; None (global RNG) when unseeded."""
+    if seed is None:
+        return None
+    g = torch.Generator()
+    g.manual_seed((seed * 1000003 + num_generated) & _SEED_MASK)
+    return g
+
+
+def _needs_row_work(p: SamplingParams) -> bool:
+    return not p.is_greedy or p.logprobs or bool(p.logit_bias) or p.uses_penalties
+
+
+def apply_logit_bias(logits: torch.Tensor, bias: dict[int, float]) -> None:
+    """Add each bias in place; ids outside the vocabulary are ignored."""
+    vocab = logits.shape[-1]
+    items = [(i, b) for i, b in bias.items() if i < vocab]
+    if items:
+        ids = torch.tensor([i for i, _ in items], dtype=torch.long)
+        logits.index_add_(0, ids, torch.tensor([b for _, b in items], dtype=logits.dtype))
+
+
+def apply_penalties(logits: torch.Tensor, work: SeqWork) -> None:
+    """Repetition (HF, over prompt + output) and frequency/presence (OpenAI, over output) in place."""
+    p = work.params
+    vocab = logits.shape[-1]
+    if p.repetition_penalty != 1.0 and work.history:
+        ids = torch.tensor(sorted({i for i in work.history if i < vocab}), dtype=torch.long)
+        score = logits[ids]
+        logits[ids] = torch.where(score < 0, score * p.repetition_penalty, score / p.repetition_penalty)
+    if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:
+        output = [i for i in work.history[work.num_prompt_tokens :] if i < vocab]
+        if output:
+            counts = torch.bincount(torch.tensor(output, dtype=torch.long), minlength=vocab).to(logits.dtype)
+            logits -= counts * p.frequency_penalty + (counts > 0).to(logits.dtype) * p.presence_penalty
+
+
+def filter_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """Temperature, then top-k, top-p and min-p masking (masked entries become -inf)."""
+    x = logits / p.temperature
+    if p.top_k > 0 and p.top_k < x.shape[-1]:
+        kth = torch.topk(x, p.top_k).values[-1]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if p.top_p < 1.0:
+        sorted_x, order = torch.sort(x, descending=True)
+        probs = sorted_x.softmax(-1)
+        cum_before = probs.cumsum(-1) - probs  # mass strictly above each token
+        drop = cum_before > p.top_p
+        drop[0] = False
+        x = x.index_fill(0, order[drop], float("-inf"))
+    if p.min_p > 0.0:
+        probs = x.softmax(-1)
+        x = x.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
+    return x
+
+
+def sample_token(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> int:
+    """Draw one token from the filtered distribution (exponential race, i.e. Gumbel-max)."""
+    probs = filter_logits(logits, p).softmax(-1)
+    noise = torch.empty_like(probs).exponential_(1.0, generator=generator)
+    return int((probs / noise).argmax())
+
+
+def sample(logits: torch.Tensor, works: list[SeqWork]) -> list[Sampled]:
+    """One `Sampled` per row of `logits` `[R, vocab]`, row i following `works[i].params`."""
+    if not any(_needs_row_work(w.params) for w in works):
+        ids = logits.argmax(-1).tolist()
+        return [Sampled(w.seq_id, int(t)) for w, t in zip(works, ids)]
+    logits = logits.float()
+    out: list[Sampled] = []
+    for row, work in enumerate(works):
+        p = work.params
+        x = logits[row]  # [vocab]
+        if p.logit_bias or p.uses_penalties:
+            x = x.clone()
+            apply_logit_bias(x, p.logit_bias)
+            apply_penalties(x, work)
+        if p.is_greedy:
+            token = int(x.argmax())
+        else:
+            token = sample_token(x, p, row_generator(p.seed, work.num_generated))
+        if not p.logprobs:
+            out.append(Sampled(work.seq_id, token))
+            continue
+        logprobs = x.log_softmax(-1)
+        top: tuple[tuple[int, float], ...] = ()
+        if p.top_logprobs:
+            values, ids = torch.topk(logprobs, p.top_logprobs)
+            top = tuple(zip(ids.tolist(), values.tolist()))
+        out.append(Sampled(work.seq_id, token, float(logprobs[token]), top))
+    return out

@@ -1,0 +1,172 @@
+"""The tokenizer a model ships, as plain data, and its construction from GGUF vocabularies."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+
+# GGUF token types (llama.cpp): 1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte.
+TOKEN_TYPE_CONTROL = 3
+TOKEN_TYPE_USER_DEFINED = 4
+
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# The split regexes transformers applies per `tokenizer.ggml.pre` (others keep GPT-2's ByteLevel
+# regex), mirrored so that token ids agree with transformers on the same file.
+PRE_TOKENIZER_SPLITS = {
+    "llama3": _LLAMA3_SPLIT,
+    "llama-v3": _LLAMA3_SPLIT,
+    "llama-bpe": _LLAMA3_SPLIT,
+    "falcon3": _LLAMA3_SPLIT,
+    "dbrx": _LLAMA3_SPLIT,
+    "smaug-bpe": _LLAMA3_SPLIT,
+    "qwen2": _QWEN2_SPLIT,
+    "deepseek-r1-qwen": _QWEN2_SPLIT,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class TokenizerSpec:
+    """A model's tokenizer as CBOR-encodable plain fields, so worker processes can rebuild it."""
+
+    tokenizer_json: str
+    chat_template: str | None
+    bos_token: str | None
+    eos_token: str | None
+    add_bos_token: bool
+    eos_token_ids: tuple[int, ...]
+    context_length: int
+
+    def build(self) -> Tokenizer:
+        """A `tokenizers.Tokenizer` (cached per process by its JSON)."""
+        return build_tokenizer(self.tokenizer_json)
+
+
+@lru_cache(maxsize=4)
+def build_tokenizer(tokenizer_json: str) -> Tokenizer:
+    """Deserialize a `tokenizers.Tokenizer`."""
+    return Tokenizer.from_str(tokenizer_json)
+
+
+@lru_cache(maxsize=1)
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible map from bytes to printable unicode characters."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+    bs += list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, (chr(c) for c in cs)))
+
+
+def _add_gguf_special_tokens(
+    tok: Tokenizer, tokens: list[str], token_types: list[int], alphabet: set[str] | None
+) -> None:
+    """Control tokens become special added tokens, user-defined ones plain added tokens."""
+    control = [
+        AddedToken(t, normalized=False, special=True)
+        for t, kind in zip(tokens, token_types)
+        if kind == TOKEN_TYPE_CONTROL and (alphabet is None or set(t) <= alphabet)
+    ]
+    if control:
+        tok.add_special_tokens(control)
+    vocab = tok.get_vocab()
+    user = [
+        AddedToken(t, normalized=False, special=False)
+        for t, kind in zip(tokens, token_types)
+        if kind == TOKEN_TYPE_USER_DEFINED and t in vocab
+    ]
+    if user:
+        tok.add_tokens(user)
+
+
+def byte_level_bpe_from_gguf(
+    tokens: list[str], merges: list[str], token_types: list[int], pre: str | None
+) -> Tokenizer:
+    """Byte-level BPE (`tokenizer.ggml.model == "gpt2"`), built as transformers' GGUF converter does."""
+    spelling = bytes_to_unicode()
+    alphabet = set(spelling.values())
+    vocab = {
+        (t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8"))): i
+        for i, t in enumerate(tokens)
+    }
+    pairs = [tuple(m.split(" ", 1)) for m in merges]
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False))  # type: ignore[arg-type]
+    split = PRE_TOKENIZER_SPLITS.get(pre or "")
+    if split is None:
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    else:
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+    tok.decoder = decoders.ByteLevel()
+    _add_gguf_special_tokens(tok, tokens, token_types, alphabet)
+    return tok
+
+
+def sentencepiece_bpe_from_gguf(
+    tokens: list[str], scores: list[float], merges: list[str] | None, token_types: list[int]
+) -> Tokenizer:
+    """Sentencepiece-style BPE (`tokenizer.ggml.model == "llama"`) with byte fallback."""
+    vocab = {t: i for i, t in enumerate(tokens)}
+    if merges:
+        pairs = [tuple(m.split(" ", 1)) for m in merges]
+    else:
+        pairs = _merges_from_scores(tokens, scores)
+    tok = Tokenizer(
+        models.BPE(vocab=vocab, merges=pairs, unk_token="<unk>" if "<unk>" in vocab else None,  # type: ignore[arg-type]
+                   fuse_unk=True, byte_fallback=True)
+    )
+    tok.normalizer = normalizers.Sequence(
+        [normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")]
+    )
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    _add_gguf_special_tokens(tok, tokens, token_types, None)
+    return tok
+
+
+def _merges_from_scores(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
+    """Recover BPE merges from a sentencepiece vocabulary: every split of a token into two tokens."""
+    vocab = {t: i for i, t in enumerate(tokens)}
+    score = dict(zip(tokens, scores))
+    found: list[tuple[float, int, int, tuple[str, str]]] = []
+    for merged, merged_id in vocab.items():
+        for cut in range(1, len(merged)):
+            left, right = merged[:cut], merged[cut:]
+            if left in vocab and right in vocab:
+                found.append((-score.get(merged, 0.0), vocab[left], vocab[right], (left, right)))
+    found.sort()
+    return [pair for *_, pair in found]
+
+
+def tokenizer_json_of(tok: Tokenizer) -> str:
+    """Serialize, checking that it round-trips."""
+    text = tok.to_str()
+    json.loads(text)
+    return text
+
+
+def special_token_text(tokens: list[str], token_id: Any) -> str | None:
+    """The text of `token_id` in `tokens`, or None when absent or out of range."""
+    if isinstance(token_id, int) and 0 <= token_id < len(tokens):
+        return tokens[token_id]
+    return None

@@ -1,0 +1,107 @@
+"""`TorchRunner`: the torch model, its paged KV cache and the sampler behind the `Runner` protocol."""
+
+from __future__ import annotations
+
+import torch
+
+from ft.core.batch import Sampled, SeqWork
+from ft.model.attention import SeqSpan, build_metadata
+from ft.model.llama import LlamaConfig, build_model
+from ft.model.loader import LoadedModel
+from ft.model.sampler import sample
+
+
+class TorchRunner:
+    """Runs batched steps of a Llama-family model over `num_pages` KV pages of `page_size` slots.
+
+    The KV cache is two tensors `[num_layers, num_pages * page_size, kv_heads, head_dim]`; the
+    scheduler owns which pages a sequence uses and passes them in each `SeqWork`.
+    """
+
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        *,
+        num_pages: int,
+        page_size: int,
+        dtype: torch.dtype,
+        threads: int | None = None,
+    ) -> None:
+        if num_pages < 1 or page_size < 1:
+            raise ValueError(f"num_pages and page_size must be positive, got {num_pages}, {page_size}")
+        if threads is not None:
+            torch.set_num_threads(threads)
+        self.config = loaded.config
+        self.dtype = dtype
+        self._page_size = page_size
+        self._num_pages = num_pages
+        self.model = build_model(loaded.config, loaded.state_dict, dtype)
+        c = loaded.config
+        shape = (c.num_layers, num_pages * page_size, c.num_kv_heads, c.head_dim)
+        self.k_cache = torch.zeros(shape, dtype=dtype)
+        self.v_cache = torch.zeros(shape, dtype=dtype)
+
+    @staticmethod
+    def bytes_per_page(config: LlamaConfig, page_size: int, dtype: torch.dtype) -> int:
+        """KV bytes one page takes across all layers (keys and values)."""
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        return 2 * config.num_layers * page_size * config.num_kv_heads * config.head_dim * itemsize
+
+    @property
+    def page_size(self) -> int:
+        """Slots per KV page."""
+        return self._page_size
+
+    @property
+    def num_pages(self) -> int:
+        """KV pages allocated."""
+        return self._num_pages
+
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the lm_head."""
+        return self.config.vocab_size
+
+    def _check(self, work: SeqWork) -> None:
+        if not work.token_ids:
+            raise ValueError(f"seq {work.seq_id}: a step must feed at least one token")
+        end = work.start_pos + len(work.token_ids)
+        if work.start_pos < 0 or end > self.config.max_position_embeddings * 4:
+            raise ValueError(f"seq {work.seq_id}: positions up to {end} are out of range")
+        needed = (end + self._page_size - 1) // self._page_size
+        pages = work.page_ids[:needed]
+        if len(pages) < needed or (pages and (min(pages) < 0 or max(pages) >= self._num_pages)):
+            raise ValueError(f"seq {work.seq_id}: page_ids {work.page_ids} cannot hold {end} positions")
+        if max(work.token_ids) >= self.config.vocab_size or min(work.token_ids) < 0:
+            raise ValueError(f"seq {work.seq_id}: token id outside the vocabulary")
+
+    def step(self, works: list[SeqWork]) -> list[Sampled]:
+        """Run one forward pass; return one `Sampled` per work with `sample=True`, in order."""
+        if not works:
+            return []
+        for work in works:
+            self._check(work)
+        token_ids: list[int] = []
+        positions: list[int] = []
+        sample_rows: list[int] = []
+        for work in works:
+            token_ids.extend(work.token_ids)
+            positions.extend(range(work.start_pos, work.start_pos + len(work.token_ids)))
+            if work.sample:
+                sample_rows.append(len(token_ids) - 1)
+        spans = [SeqSpan(w.start_pos, len(w.token_ids), w.page_ids) for w in works]
+        with torch.inference_mode():
+            meta = build_metadata(spans, self._page_size)
+            hidden = self.model(
+                torch.tensor(token_ids, dtype=torch.long),
+                torch.tensor(positions, dtype=torch.long),
+                self.k_cache,
+                self.v_cache,
+                meta,
+            )  # [T, hidden]
+            if not sample_rows:
+                return []
+            rows = hidden if len(sample_rows) == len(token_ids) else hidden[sample_rows]  # [R, hidden]
+            logits = self.model.logits(rows)  # [R, vocab]
+            self.last_logits = logits
+            return sample(logits, [w for w in works if w.sample])

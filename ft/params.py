@@ -1,0 +1,119 @@
+"""Sampling parameters: what a request asks of the sampler and the finish conditions."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from ft.errors import InvalidRequest
+
+# Engine-representable bounds. Anything outside is a 400 at the edge and a ValueError here.
+MAX_INT64 = 2**63 - 1
+MAX_TOKENS_LIMIT = 1 << 20
+MAX_N = 16
+MAX_TOP_LOGPROBS = 20
+MAX_STOP_STRINGS = 16
+MAX_STOP_LEN = 256
+MAX_LOGIT_BIAS = 1024
+
+
+def _finite(name: str, value: float, lo: float, hi: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidRequest(f"{name} must be a number", param=name)
+    if not math.isfinite(value) or not lo <= value <= hi:
+        raise InvalidRequest(f"{name} must be between {lo} and {hi}, got {value!r}", param=name)
+
+
+def _integer(name: str, value: int, lo: int, hi: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidRequest(f"{name} must be an integer", param=name)
+    if not lo <= value <= hi:
+        raise InvalidRequest(f"{name} must be between {lo} and {hi}, got {value}", param=name)
+
+
+def has_lone_surrogate(text: str) -> bool:
+    """True when `text` cannot be encoded as UTF-8 (it holds a lone UTF-16 surrogate)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How to sample one request's tokens and when to stop.
+
+    Every field is validated in `__post_init__`; a bad value raises `InvalidRequest` naming the
+    field, so the embedded API refuses what the HTTP edge refuses.
+    """
+
+    max_tokens: int | None = None  # None: up to the end of the context
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: bool = False
+    top_logprobs: int = 0
+    n: int = 1
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_tokens is not None:
+            _integer("max_tokens", self.max_tokens, 1, MAX_TOKENS_LIMIT)
+        _finite("temperature", self.temperature, 0.0, 100.0)
+        _finite("top_p", self.top_p, 0.0, 1.0)
+        if self.top_p == 0.0:
+            raise InvalidRequest("top_p must be greater than 0", param="top_p")
+        _integer("top_k", self.top_k, -1, 1 << 30)
+        _finite("min_p", self.min_p, 0.0, 1.0)
+        _finite("repetition_penalty", self.repetition_penalty, 0.01, 100.0)
+        _finite("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        _finite("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        if not isinstance(self.logit_bias, dict) or len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise InvalidRequest(
+                f"logit_bias must map at most {MAX_LOGIT_BIAS} token ids to biases",
+                param="logit_bias",
+            )
+        for token_id, bias in self.logit_bias.items():
+            _integer("logit_bias", token_id, 0, MAX_INT64)
+            _finite("logit_bias", bias, -100.0, 100.0)
+        if self.seed is not None:
+            _integer("seed", self.seed, -(2**63), MAX_INT64)
+        if not isinstance(self.stop, tuple) or len(self.stop) > MAX_STOP_STRINGS:
+            raise InvalidRequest(f"stop takes at most {MAX_STOP_STRINGS} strings", param="stop")
+        for s in self.stop:
+            if not isinstance(s, str) or not s or len(s) > MAX_STOP_LEN:
+                raise InvalidRequest(
+                    f"each stop string must be 1 to {MAX_STOP_LEN} characters", param="stop"
+                )
+            if has_lone_surrogate(s):
+                raise InvalidRequest("stop contains a lone UTF-16 surrogate", param="stop")
+        if not isinstance(self.stop_token_ids, tuple) or len(self.stop_token_ids) > 64:
+            raise InvalidRequest("stop_token_ids takes at most 64 ids", param="stop_token_ids")
+        for t in self.stop_token_ids:
+            _integer("stop_token_ids", t, 0, MAX_INT64)
+        _integer("top_logprobs", self.top_logprobs, 0, MAX_TOP_LOGPROBS)
+        _integer("n", self.n, 1, MAX_N)
+
+    @property
+    def is_greedy(self) -> bool:
+        """True when sampling reduces to argmax."""
+        return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def uses_penalties(self) -> bool:
+        """True when the sampler needs the token history."""
+        return (
+            self.repetition_penalty != 1.0
+            or self.frequency_penalty != 0.0
+            or self.presence_penalty != 0.0
+        )

@@ -1,0 +1,57 @@
+"""Helpers to open an engine on the fake model (byte tokenizer, scripted async runner)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import replace
+from typing import Any
+
+from ft.config import EngineConfig
+from ft.core.batch import SeqWork
+from ft.engine.engine import Engine, EngineHooks, ModelParts, open_engine
+from ft.engine.fake import FakeRunner, byte_tokenizer_spec
+from ft.messages import Tokenize
+
+
+def fake_parts(runner: FakeRunner, context_length: int = 2048) -> Callable[[EngineConfig], ModelParts]:
+    """A `load_model` hook that serves `runner` with the byte tokenizer."""
+
+    def load(config: EngineConfig) -> ModelParts:
+        def make(num_pages: int, page_size: int) -> FakeRunner:
+            runner.num_pages, runner.page_size = num_pages, page_size
+            return runner
+
+        return ModelParts(
+            model_id="fake",
+            tokenizer=byte_tokenizer_spec(context_length),
+            make_runner=make,
+            bytes_per_page=lambda ps: 1024 * ps,
+            vocab_size=runner.vocab_size,
+            generation_defaults={},
+        )
+
+    return load
+
+
+@asynccontextmanager
+async def fake_engine(
+    runner: FakeRunner | None = None,
+    *,
+    before_step: Callable[[list[SeqWork]], None] | None = None,
+    tokenizer_fault: Callable[[Tokenize], str | None] | None = None,
+    inline: bool = True,
+    context_length: int = 2048,
+    **config: Any,
+) -> AsyncIterator[Engine]:
+    """An engine on the fake model; `config` overrides `EngineConfig` fields."""
+    runner = runner or FakeRunner()
+    cfg = replace(EngineConfig(num_pages=64), **config)
+    hooks = EngineHooks(
+        load_model=fake_parts(runner, context_length),
+        tokenize_inline=inline,
+        before_step=before_step,
+        tokenizer_fault=tokenizer_fault,
+    )
+    async with open_engine(cfg, hooks=hooks) as engine:
+        yield engine
