@@ -50,6 +50,8 @@ def tokenize_job(payload: bytes) -> bytes:
     job = decode_job(payload)
     if job.get("fault") == "exit":  # test hook: the worker process dies mid-job
         os._exit(17)
+    if job.get("fault") == "raise":  # test hook: the job crashes
+        raise RuntimeError("injected tokenizer fault")
     tokenizer, spec = load_spec(job["spec_path"])
     try:
         text, add_bos = render_prompt(job, spec)

@@ -77,4 +77,6 @@ class TokenizerActor:
             result = await self.executor(self.job, payload)
         except trio_parallel.BrokenWorkerError as e:
             raise RequestFailed(f"the tokenizer worker died: {e}") from e
+        except Exception as e:  # a bug or crash in the job fails this request, not the actor
+            raise RequestFailed(f"tokenization failed: {type(e).__name__}: {e}") from e
         return decode_result(result)

@@ -123,7 +123,8 @@ class ReasoningParser:
             if not self._buf:
                 return False
             self._is_at_block_start = False
-        out.append(ContentDelta(self._buf))
+        if self._buf:
+            out.append(ContentDelta(self._buf))
         self._buf = ""
         return False
 

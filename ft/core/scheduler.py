@@ -62,7 +62,18 @@ class Scheduler:
                 f"the prompt has {num_prompt_tokens} tokens; this model's maximum context "
                 f"length is {self.max_model_len} tokens"
             )
-        max_tokens = room if params.max_tokens is None else params.max_tokens
+        if params.max_tokens is None:
+            # Up to the end of the context, as OpenAI does, but never more than the pool holds:
+            # the whole budget is reserved at admission.
+            pool_tokens = self.pool.num_pages // params.n * self.pool.page_size
+            max_tokens = min(room, pool_tokens - num_prompt_tokens)
+            if max_tokens < 1:
+                raise ContextLengthExceeded(
+                    f"the prompt has {num_prompt_tokens} tokens; the KV pool holds "
+                    f"{pool_tokens} tokens per sequence"
+                )
+        else:
+            max_tokens = params.max_tokens
         if max_tokens > room:
             raise ContextLengthExceeded(
                 f"this model's maximum context length is {self.max_model_len} tokens; the "

@@ -85,38 +85,29 @@ def _reject_constant(name: str) -> object:
 
 
 def _load_json(text: str) -> object:
-    """`json.loads` that rejects NaN/Infinity (they would not round-trip as JSON)."""
+    """`json.loads` that rejects NaN/Infinity, which would not round-trip as JSON."""
     return json.loads(text, parse_constant=_reject_constant)
 
 
-def _call_from_object(obj: object) -> tuple[str, str] | None:
-    """(name, compact arguments JSON) when `obj` is a tool call, else None."""
-    if not isinstance(obj, dict):
-        return None
-    name = obj.get("name")
-    if not isinstance(name, str) or not name:
-        return None
-    args = obj.get("arguments", obj.get("parameters", {}))
-    if isinstance(args, str):
-        try:
-            args = _load_json(args)
-        except ValueError:
+def _call_from_json(text: str) -> tuple[str, str] | None:
+    """(name, compact arguments JSON) when `text` is a tool-call object, else None."""
+    try:
+        obj = _load_json(text)
+        if not isinstance(obj, dict):
             return None
-    if not isinstance(args, dict):
+        name = obj.get("name")
+        args = obj.get("arguments", obj.get("parameters", {}))
+        if isinstance(args, str):
+            args = _load_json(args)
+    except (ValueError, RecursionError):  # NOTE: deep nesting is model output too
+        return None
+    if not isinstance(name, str) or not name or not isinstance(args, dict):
         return None
     arguments = json.dumps(args, ensure_ascii=False)
     # NOTE: JSON escapes can smuggle in lone surrogates, which cannot be sent as UTF-8.
     if has_lone_surrogate(name) or has_lone_surrogate(arguments):
         return None
     return name, arguments
-
-
-def _call_from_json(text: str) -> tuple[str, str] | None:
-    try:
-        obj = _load_json(text)
-    except ValueError:
-        return None
-    return _call_from_object(obj)
 
 
 def _partial_suffix_len(text: str, tag: str) -> int:
@@ -301,7 +292,9 @@ class Llama3JsonParser:
     def _decide(self) -> bool:
         """Settle whether the output is calls or text; False while the prefix is ambiguous."""
         stripped = self._buf.lstrip()
-        if not stripped or (len(stripped) < len(self.PYTHON_TAG) and self.PYTHON_TAG.startswith(stripped)):
+        if not stripped or (
+            len(stripped) < len(self.PYTHON_TAG) and self.PYTHON_TAG.startswith(stripped)
+        ):
             return False
         self._is_undecided = False
         if stripped.startswith(self.PYTHON_TAG):

@@ -222,9 +222,9 @@ class Engine:
             raise EngineStopping(f"the engine failed to start: {self.error}", code="engine_error")
         if self.state != "ready":
             raise EngineStopping("the server is stopping and admits no new requests")
-        assert self.core is not None
-        waiting = len(self.registry) - self.core.num_running_requests
-        if waiting >= self.config.max_queued_requests:
+        # Capacity is the running slots plus the queue; a request still being tokenized
+        # counts as queued, so a burst cannot slip past the limit.
+        if len(self.registry) >= self.config.max_running_requests + self.config.max_queued_requests:
             self.stats.rejected += 1
             raise Overloaded(
                 f"the queue is full ({self.config.max_queued_requests} waiting requests); "

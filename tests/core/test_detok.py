@@ -1,0 +1,96 @@
+"""Incremental detokenization and stop strings."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ft.core.detok import IncrementalDecoder, SeqDetokenizer, StopMatcher
+from ft.engine.fake import byte_token, byte_tokenizer_spec
+
+TOKENIZER = byte_tokenizer_spec().build()
+
+
+def decode(ids: list[int]) -> str:
+    return str(TOKENIZER.decode(list(ids), skip_special_tokens=True))
+
+
+def ids_of(text: str) -> list[int]:
+    return [byte_token(b) for b in text.encode("utf-8")]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(max_size=40))
+def test_deltas_concatenate_to_the_full_decode(text: str) -> None:
+    dec = IncrementalDecoder(decode)
+    ids = ids_of(text)
+    deltas = [dec.add(t) for t in ids] + [dec.flush()]
+    assert "".join(deltas) == decode(ids) == text
+    assert all("\ufffd" not in d for d in deltas)
+
+
+def test_multibyte_character_is_held_until_complete() -> None:
+    dec = IncrementalDecoder(decode)
+    ids = ids_of("é")  # two bytes
+    assert dec.add(ids[0]) == ""
+    assert dec.add(ids[1]) == "é"
+
+
+def test_truncated_character_is_flushed_at_the_end() -> None:
+    dec = IncrementalDecoder(decode)
+    dec.add(ids_of("é")[0])
+    assert dec.flush() == "\ufffd"
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.text(alphabet="abc", max_size=30),
+    st.lists(st.text(alphabet="abc", min_size=1, max_size=4), min_size=1, max_size=3),
+    st.data(),
+)
+def test_stop_matcher_equals_a_whole_text_search(text: str, stops: list[str], data: st.DataObject) -> None:
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=6)))
+    pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+    matcher = StopMatcher(stops)
+    out, hit = "", None
+    for piece in pieces:
+        emitted, hit = matcher.feed(piece)
+        out += emitted
+        if hit is not None:
+            break
+    if hit is None:
+        out += matcher.flush()
+    hits = [(text.find(s), s) for s in stops if s in text]
+    if hits:
+        # The earliest end of a match wins in streaming; the text before it is emitted.
+        assert hit is not None
+        assert out == text[: text.find(hit)]
+        assert hit in text
+    else:
+        assert hit is None and out == text
+
+
+def test_stop_string_spanning_tokens_is_never_emitted() -> None:
+    detok = SeqDetokenizer(decode, ["STOP"])
+    out = ""
+    for i, t in enumerate(ids_of("abSTOPcd")):
+        text, stop = detok.add(t, is_last=False, is_hidden=False)
+        out += text
+        if stop:
+            assert stop == "STOP" and i == 5
+            break
+    assert out == "ab"
+
+
+def test_partial_stop_match_is_released_when_the_output_ends() -> None:
+    detok = SeqDetokenizer(decode, ["STOP"])
+    ids = ids_of("abST")
+    out = "".join(detok.add(t, is_last=False, is_hidden=False)[0] for t in ids[:-1])
+    text, stop = detok.add(ids[-1], is_last=True, is_hidden=False)
+    assert stop is None and out + text == "abST"
+
+
+def test_hidden_last_token_adds_no_text() -> None:
+    detok = SeqDetokenizer(decode, [])
+    assert detok.add(ids_of("a")[0], is_last=False, is_hidden=False)[0] == "a"
+    assert detok.add(0, is_last=True, is_hidden=True) == ("", None)

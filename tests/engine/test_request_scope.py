@@ -1,0 +1,227 @@
+"""The request scope: whatever happens inside it, its exit frees everything exactly once."""
+
+from __future__ import annotations
+
+import trio
+import trio.testing
+import pytest
+
+from fakes import fake_engine
+from ft.engine.engine import Engine
+from ft.engine.fake import FakeRunner, text_script
+from ft.errors import ContextLengthExceeded, InvalidRequest, Overloaded, RequestFailed
+from ft.params import SamplingParams
+
+CHAT = [{"role": "user", "content": "hi"}]
+
+
+async def assert_nothing_held(engine: Engine) -> None:
+    """After every scope has closed: no uid, no sequence, no used page."""
+    await trio.testing.wait_all_tasks_blocked()
+    assert engine.core is not None
+    assert len(engine.registry) == 0
+    assert not engine.core.running and not engine.core.waiting
+    assert engine.core.pool.num_used == 0
+    snap = engine.snapshot()
+    assert snap["requests"]["active"] == 0 and snap["kv"]["used_pages"] == 0
+
+
+async def test_generates_the_scripted_text(autojump_clock: trio.testing.MockClock) -> None:
+    async with fake_engine(FakeRunner(text_script("Bonjour"))) as engine:
+        async with engine.open_request(messages=CHAT, params=SamplingParams()) as stream:
+            (choice,) = await stream.collect()
+        assert choice.text == "Bonjour" and choice.finish_reason == "stop"
+        assert stream.num_prompt_tokens > 0 and stream.num_completion_tokens == 8
+        await assert_nothing_held(engine)
+        assert engine.snapshot()["requests"]["completed"] == 1
+
+
+@pytest.mark.parametrize("stage", ["queued", "prefill", "decode"])
+async def test_cancel_at_each_stage_frees_pages_and_slot(
+    autojump_clock: trio.testing.MockClock, stage: str
+) -> None:
+    runner = FakeRunner(text_script("x" * 500), step_s=0.1)
+    async with fake_engine(runner, max_running_requests=1, max_prefill_tokens=16) as engine:
+        assert engine.core is not None
+        blocker_done = trio.Event()
+
+        async def blocker() -> None:
+            async with engine.open_request(prompt="b", params=SamplingParams(max_tokens=20)) as s:
+                await s.collect()
+            blocker_done.set()
+
+        async with trio.open_nursery() as nursery:
+            if stage == "queued":
+                nursery.start_soon(blocker)
+                await trio.sleep(0.05)
+            with trio.move_on_after(0.35 if stage != "decode" else 2.0) as scope:
+                params = SamplingParams(max_tokens=400)
+                prompt = "p" * (200 if stage == "prefill" else 4)
+                async with engine.open_request(prompt=prompt, params=params) as stream:
+                    async for _ in stream:
+                        pass
+            assert scope.cancelled_caught
+            if stage == "prefill":
+                assert stream.num_completion_tokens == 0
+            if stage == "decode":
+                assert stream.num_completion_tokens > 0
+            await trio.testing.wait_all_tasks_blocked()
+            # Aborted within one engine step: its pages are back before the next one ends.
+            held = {s.uid for s in engine.core.running.values()}
+            assert stream.uid not in held
+        await assert_nothing_held(engine)
+        assert engine.snapshot()["requests"]["aborted"] == 1
+
+
+async def test_lone_surrogate_fails_cbor_encoding_inside_the_scope(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async with fake_engine() as engine:
+        with pytest.raises(InvalidRequest, match="surrogate") as info:
+            async with engine.open_request(
+                messages=[{"role": "user", "content": "a\ud800b"}]
+            ) as stream:
+                await stream.collect()
+        assert info.value.param == "messages"
+        await assert_nothing_held(engine)
+
+
+@pytest.mark.parametrize("value", [2**64, -(2**63) - 1])
+async def test_unpackable_integer_fails_inside_the_scope(
+    autojump_clock: trio.testing.MockClock, value: int
+) -> None:
+    async with fake_engine() as engine:
+        with pytest.raises(InvalidRequest) as info:
+            async with engine.open_request(
+                messages=CHAT, chat_template_kwargs={"x": value}
+            ) as stream:
+                await stream.collect()
+        assert info.value.param == "chat_template_kwargs.x"
+        await assert_nothing_held(engine)
+
+
+async def test_tokenizer_crash_fails_only_its_request(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    fault = lambda msg: "raise" if msg.prompt == "crash" else None  # noqa: E731
+    async with fake_engine(tokenizer_fault=fault) as engine:
+        with pytest.raises(RequestFailed):
+            async with engine.open_request(prompt="crash") as stream:
+                await stream.collect()
+        async with engine.open_request(prompt="fine") as stream:
+            assert (await stream.collect())[0].finish_reason == "stop"
+        await assert_nothing_held(engine)
+
+
+async def test_out_of_vocabulary_token_ids_are_refused(autojump_clock: trio.testing.MockClock) -> None:
+    async with fake_engine() as engine:
+        with pytest.raises(InvalidRequest, match="vocabulary"):
+            async with engine.open_request(prompt_token_ids=[5, 10**9]) as stream:
+                await stream.collect()
+        await assert_nothing_held(engine)
+
+
+async def test_context_overflow_is_refused_with_the_limit(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async with fake_engine(context_length=64) as engine:
+        with pytest.raises(ContextLengthExceeded, match="64"):
+            async with engine.open_request(prompt="x" * 50, params=SamplingParams(max_tokens=20)) as s:
+                await s.collect()
+        await assert_nothing_held(engine)
+
+
+async def test_runner_fault_fails_one_request_and_its_neighbours_finish(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    def before_step(works: list) -> None:
+        if any(w.params.seed == 666 for w in works):
+            raise RuntimeError("injected step fault")
+
+    async with fake_engine(before_step=before_step, max_running_requests=4) as engine:
+        results: dict[str, object] = {}
+
+        async def run(name: str, seed: int | None) -> None:
+            try:
+                async with engine.open_request(prompt=name, params=SamplingParams(seed=seed)) as s:
+                    results[name] = (await s.collect())[0].text
+            except RequestFailed as e:
+                results[name] = e
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(run, "bad", 666)
+            nursery.start_soon(run, "good1", None)
+            nursery.start_soon(run, "good2", 1)
+        assert isinstance(results["bad"], RequestFailed)
+        assert results["good1"] == results["good2"] == "Hello from the fake model."
+        await assert_nothing_held(engine)
+
+
+async def test_overload_is_refused_before_registering(autojump_clock: trio.testing.MockClock) -> None:
+    runner = FakeRunner(text_script("y" * 100), step_s=0.1)
+    async with fake_engine(runner, max_running_requests=1, max_queued_requests=1) as engine:
+        async with trio.open_nursery() as nursery:
+            for _ in range(2):
+                nursery.start_soon(engine.generate, "a", SamplingParams(max_tokens=5))
+            await trio.sleep(0.05)
+            with pytest.raises(Overloaded):
+                async with engine.open_request(prompt="c"):
+                    pass  # pragma: no cover
+            assert len(engine.registry) == 2
+        await assert_nothing_held(engine)
+        assert engine.snapshot()["requests"]["rejected"] == 1
+
+
+async def test_stop_string_ends_the_sequence_and_frees_it(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async with fake_engine(FakeRunner(text_script("one, two, three, four"))) as engine:
+        params = SamplingParams(stop=(", thr",), max_tokens=50)
+        async with engine.open_request(prompt="go", params=params) as stream:
+            (choice,) = await stream.collect()
+        assert choice.text == "one, two" and choice.stop_reason == ", thr"
+        await assert_nothing_held(engine)
+
+
+async def test_leaving_the_block_early_aborts(autojump_clock: trio.testing.MockClock) -> None:
+    async with fake_engine(FakeRunner(text_script("z" * 300))) as engine:
+        async with engine.open_request(prompt="go", params=SamplingParams(max_tokens=300)) as s:
+            async for delta in s:
+                if delta.text:
+                    break
+        await assert_nothing_held(engine)
+
+
+async def test_prepare_stop_drains_then_aborts_the_rest(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    runner = FakeRunner(text_script("w" * 1000), step_s=0.1)
+    async with fake_engine(runner) as engine:
+        errors: list[BaseException] = []
+
+        async def long_request() -> None:
+            try:
+                await engine.generate("go", SamplingParams(max_tokens=1000))
+            except Exception as e:
+                errors.append(e)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(long_request)
+            await trio.sleep(0.5)
+            snap = await engine.prepare_stop(drain_timeout_s=1.0, abort_timeout_s=1.0)
+        assert snap["drain_complete"] is True and snap["requests"]["active"] == 0
+        assert len(errors) == 1
+        assert await engine.prepare_stop() == snap
+        with pytest.raises(Exception, match="stopping"):
+            async with engine.open_request(prompt="late"):
+                pass  # pragma: no cover
+        await assert_nothing_held(engine)
+
+
+async def test_prepare_stop_on_an_idle_engine_returns_at_once(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async with fake_engine() as engine:
+        start = trio.current_time()
+        snap = await engine.prepare_stop()
+        assert trio.current_time() - start < 0.05 and snap["drain_complete"]
