@@ -1,0 +1,54 @@
+"""ft: an LLM inference engine and HTTP server on trio that does not leak request state.
+
+The public API is imported lazily so that tokenizer worker processes, which import
+`ft.actors.tokenize_job`, do not pay for torch.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ft.config import EngineConfig
+    from ft.engine.engine import Engine, EngineHooks, open_engine
+    from ft.engine.stream import Choice, RequestStream
+    from ft.errors import (
+        ContextLengthExceeded,
+        EngineStopping,
+        FtError,
+        InvalidRequest,
+        Overloaded,
+        RequestAborted,
+        RequestFailed,
+    )
+    from ft.messages import Delta
+    from ft.params import SamplingParams
+
+_EXPORTS = {
+    "EngineConfig": "ft.config",
+    "Engine": "ft.engine.engine",
+    "EngineHooks": "ft.engine.engine",
+    "open_engine": "ft.engine.engine",
+    "Choice": "ft.engine.stream",
+    "RequestStream": "ft.engine.stream",
+    "Delta": "ft.messages",
+    "SamplingParams": "ft.params",
+    "FtError": "ft.errors",
+    "InvalidRequest": "ft.errors",
+    "ContextLengthExceeded": "ft.errors",
+    "Overloaded": "ft.errors",
+    "EngineStopping": "ft.errors",
+    "RequestFailed": "ft.errors",
+    "RequestAborted": "ft.errors",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ft' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(module), name)

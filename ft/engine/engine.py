@@ -61,25 +61,17 @@ class EngineHooks:
 def load_torch_model(config: EngineConfig) -> ModelParts:
     """Load weights and tokenizer for `config.model` (blocking; run it in a thread)."""
     from ft.model.loader import load_model
-    from ft.model.torch_runner import TorchRunner, pick_dtype
+    from ft.model.dtypes import resolve_dtype
+    from ft.model.torch_runner import TorchRunner
 
     import torch
 
-    if config.dtype == "auto":
-        dtype = None
-    else:
-        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[config.dtype]
-    loaded = load_model(config.model, dtype or torch.float32)
-    if dtype is None:
-        dtype = pick_dtype(loaded.config)
-        if dtype != torch.float32:
-            loaded = load_model(config.model, dtype)
-    assert dtype is not None
-    final_dtype = dtype
+    loaded = load_model(config.model, torch.float32)  # the runner casts to its dtype
+    dtype = resolve_dtype(config.dtype, loaded.config)
 
     def make_runner(num_pages: int, page_size: int) -> Runner:
         return TorchRunner(
-            loaded, num_pages=num_pages, page_size=page_size, dtype=final_dtype,
+            loaded, num_pages=num_pages, page_size=page_size, dtype=dtype,
             threads=config.compute_threads,
         )
 
@@ -87,7 +79,7 @@ def load_torch_model(config: EngineConfig) -> ModelParts:
         model_id=loaded.model_id,
         tokenizer=loaded.tokenizer,
         make_runner=make_runner,
-        bytes_per_page=lambda ps: TorchRunner.bytes_per_page(loaded.config, ps, final_dtype),
+        bytes_per_page=lambda ps: TorchRunner.bytes_per_page(loaded.config, ps, dtype),
         vocab_size=loaded.config.vocab_size,
         generation_defaults=loaded.generation_defaults,
     )

@@ -1,0 +1,139 @@
+"""`ft serve | generate | chat | pull | --version`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from importlib.metadata import PackageNotFoundError, version
+
+import trio
+
+from ft.config import DTYPES, EngineConfig
+from ft.errors import FtError
+from ft.params import SamplingParams
+
+
+def _version() -> str:
+    try:
+        return version("ft")
+    except PackageNotFoundError:  # pragma: no cover - running from a source tree
+        return "0+unknown"
+
+
+def _add_model_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="GGUF file or Hugging Face directory (default: SmolLM2-135M)")
+    p.add_argument("--dtype", choices=DTYPES, default="auto")
+    p.add_argument("--max-model-len", type=int, default=None)
+
+
+def _add_sampling_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def _params(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        stop=tuple(args.stop),
+    )
+
+
+def _engine_config(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len)
+
+
+async def _generate(args: argparse.Namespace) -> None:
+    from ft.engine.engine import open_engine
+
+    async with open_engine(_engine_config(args)) as engine:
+        kwargs = (
+            {"messages": [{"role": "user", "content": args.prompt}]}
+            if args.chat
+            else {"prompt": args.prompt}
+        )
+        async with engine.open_request(params=_params(args), **kwargs) as stream:
+            async for delta in stream:
+                print(delta.text, end="", flush=True)
+        print()
+
+
+async def _chat(args: argparse.Namespace) -> None:
+    from ft.engine.engine import open_engine
+
+    messages: list[dict[str, object]] = []
+    if args.system:
+        messages.append({"role": "system", "content": args.system})
+    async with open_engine(_engine_config(args)) as engine:
+        print(f"{engine.model_id} — empty line or Ctrl-D to quit", file=sys.stderr)
+        while True:
+            try:
+                line = await trio.to_thread.run_sync(input, "> ")
+            except EOFError:
+                break
+            if not line.strip():
+                break
+            messages.append({"role": "user", "content": line})
+            reply = ""
+            async with engine.open_request(messages=messages, params=_params(args)) as stream:
+                async for delta in stream:
+                    reply += delta.text
+                    print(delta.text, end="", flush=True)
+            print()
+            messages.append({"role": "assistant", "content": reply})
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `ft` command."""
+    parser = argparse.ArgumentParser(prog="ft", description="LLM inference engine and server")
+    parser.add_argument("--version", action="version", version=f"ft {_version()}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    from ft.cli_serve import add_serve_arguments, run_serve
+
+    add_serve_arguments(sub.add_parser("serve", help="serve the OpenAI and Anthropic APIs"))
+
+    gen = sub.add_parser("generate", help="complete one prompt and print it")
+    gen.add_argument("prompt")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    _add_model_arguments(gen)
+    _add_sampling_arguments(gen)
+
+    chat = sub.add_parser("chat", help="interactive chat in the terminal")
+    chat.add_argument("--system", default=None)
+    _add_model_arguments(chat)
+    _add_sampling_arguments(chat)
+
+    pull = sub.add_parser("pull", help="download the default model into the cache")
+    pull.add_argument("--quiet", action="store_true")
+
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "serve":
+            return run_serve(args)
+        if args.command == "pull":
+            from ft.model.pull import pull_default_model
+
+            print(pull_default_model(progress=not args.quiet))
+            return 0
+        trio.run(_generate if args.command == "generate" else _chat, args)
+    except FtError as e:
+        print(f"error: {e.message}", file=sys.stderr)
+        return 2
+    except (RuntimeError, ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,26 @@
+# ft — common tasks. `pip install rust-just` provides `just`.
+
+# Install ft with its test dependencies (torch pinned to the CPU build).
+install:
+    python -m pip install -e ".[test]"
+
+# The whole test suite (what CI runs).
+test:
+    python -m pytest -q
+
+# Fast tests only: the synchronous core and the fake-model engine.
+test-fast:
+    python -m pytest -q tests/core tests/engine
+
+# Serve the default model on 127.0.0.1:1941.
+serve *ARGS:
+    ft serve {{ARGS}}
+
+# Output tokens/s at 1, 4 and 16 concurrent requests.
+bench:
+    python tools/bench_engine.py
+
+# Lint and type-check.
+lint:
+    ruff check ft tests tools
+    mypy ft
