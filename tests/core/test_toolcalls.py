@@ -148,8 +148,14 @@ def test_hermes_whitespace_only_output_is_kept() -> None:
 
 @pytest.mark.parametrize(
     "body",
-    ['{"name": "f", "arguments": {', "not json", '{"arguments": {}}', '{"name": "f", "arguments": 3}',
-     '{"name": "f", "arguments": {"x": NaN}}', '{"name": "f", "arguments": {"s": "\\ud800"}}'],
+    [
+        '{"name": "f", "arguments": {',
+        "not json",
+        '{"arguments": {}}',
+        '{"name": "f", "arguments": 3}',
+        '{"name": "f", "arguments": {"x": NaN}}',
+        '{"name": "f", "arguments": {"s": "\\ud800"}}',
+    ],
 )
 def test_hermes_invalid_call_is_returned_as_raw_text(body: str) -> None:
     text = f"before <tool_call>{body}</tool_call> after"
@@ -220,7 +226,11 @@ LLAMA3_CASES: dict[str, tuple[str, str, list[tuple[str, str]]]] = {
     "plain text": ("The answer is {42}.", "The answer is {42}.", []),
     "text starting with a brace": ("{this is not json} at all", "{this is not json} at all", []),
     "JSON that is not a call": ('{"answer": 42} done', '{"answer": 42} done', []),
-    "unterminated call": ('{"name": "f", "parameters": {"a": ', '{"name": "f", "parameters": {"a": ', []),
+    "unterminated call": (
+        '{"name": "f", "parameters": {"a": ',
+        '{"name": "f", "parameters": {"a": ',
+        [],
+    ),
     "text after a call": (
         '{"name": "f", "parameters": {}}; and then prose',
         "and then prose",
@@ -256,13 +266,33 @@ def test_llama3_brace_prose_is_rejected_before_it_ends() -> None:
 
 
 def test_llama3_trailing_semicolon_is_dropped() -> None:
-    assert parse_tool_calls('{"name": "f", "parameters": {}};\n', "llama3_json") == ("", [("f", "{}")])
+    assert parse_tool_calls('{"name": "f", "parameters": {}};\n', "llama3_json") == (
+        "",
+        [("f", "{}")],
+    )
 
 
 FRAGMENTS = [
-    "<tool_call>", "</tool_call>", "<tool", "<", "_call>", "\n", " ", ";", "{", "}", '"', "\\",
-    '{"name": "f", "arguments": {"a": [1, "x"]}}', '"name"', ": ", "<|python_tag|>", "<|py",
-    '{"name": "g", "parameters": "{}"}', "hello", "é🎉",
+    "<tool_call>",
+    "</tool_call>",
+    "<tool",
+    "<",
+    "_call>",
+    "\n",
+    " ",
+    ";",
+    "{",
+    "}",
+    '"',
+    "\\",
+    '{"name": "f", "arguments": {"a": [1, "x"]}}',
+    '"name"',
+    ": ",
+    "<|python_tag|>",
+    "<|py",
+    '{"name": "g", "parameters": "{}"}',
+    "hello",
+    "é🎉",
 ]
 outputs = st.lists(st.sampled_from(FRAGMENTS) | st.text(max_size=5), max_size=12).map("".join)
 
@@ -283,7 +313,7 @@ def test_passthrough_returns_all_text(text: str, cuts: list[int]) -> None:
 
 
 def test_unknown_parser_name_lists_the_known_ones() -> None:
-    with pytest.raises(ValueError, match="hermes.*llama3_json"):
+    with pytest.raises(ValueError, match=r"hermes.*llama3_json"):
         make_tool_call_parser("nope")
 
 
@@ -291,3 +321,11 @@ def test_call_ids_are_call_and_24_alphanumerics() -> None:
     ids = {new_tool_call_id() for _ in range(100)}
     assert len(ids) == 100
     assert all(re.fullmatch(r"call_[A-Za-z0-9]{24}", i) for i in ids)
+
+
+@pytest.mark.parametrize("name", TOOL_CALL_PARSERS)
+def test_deeply_nested_arguments_are_text_not_an_error(name: str) -> None:
+    nested = "[" * 100_000 + "]" * 100_000
+    call = f'{{"name": "f", "arguments": {{"a": {nested}}}}}'
+    text = f"<tool_call>{call}</tool_call>" if name == "hermes" else call
+    assert parse_tool_calls(text, name) == (text, [])
