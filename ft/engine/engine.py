@@ -388,7 +388,17 @@ class Engine:
                 "running": running,
             }
             | self.stats.request_totals(),
+            "process": {"rss_bytes": _rss_bytes()},
         }
+
+
+def _rss_bytes() -> int:
+    """This process's resident set size (0 where /proc is missing)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 @asynccontextmanager

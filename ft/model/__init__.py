@@ -1,26 +1,7 @@
-"""Torch model layer: loaders (GGUF, Hugging Face), the Llama-family decoder, runner, sampler, templates."""
+"""Torch model layer: loaders (GGUF, Hugging Face), the Llama-family decoder, runner, sampler,
+templates.
 
-from __future__ import annotations
-
-from ft.model.dtypes import pick_dtype, resolve_dtype
-from ft.model.llama import LlamaConfig
-from ft.model.loader import LoadedModel, load_model
-from ft.model.pull import ModelNotFound, default_model_path, pull_default_model
-from ft.model.template import render_chat
-from ft.model.tokenizer import TokenizerSpec, build_tokenizer
-from ft.model.torch_runner import TorchRunner
-
-__all__ = [
-    "LlamaConfig",
-    "LoadedModel",
-    "ModelNotFound",
-    "TokenizerSpec",
-    "TorchRunner",
-    "build_tokenizer",
-    "default_model_path",
-    "load_model",
-    "pick_dtype",
-    "pull_default_model",
-    "render_chat",
-    "resolve_dtype",
-]
+Deliberately empty of imports: tokenizer worker processes import `ft.model.template` and
+`ft.model.tokenizer`, and must not pay for torch (1.8 s and ~250 MB each). Import the
+submodules directly (`from ft.model.loader import load_model`).
+"""

@@ -1,0 +1,129 @@
+"""`ft serve`: the OpenAI-compatible HTTP server on the engine (options and entry point)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import re
+
+import trio
+
+from ft.config import DTYPES, EngineConfig
+from ft.server.settings import LOG_LEVELS, ServerSettings
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
+_UNITS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}
+
+
+def parse_size(text: str) -> int:
+    """Bytes in `text`: `1073741824`, `512MiB`, `1G`, `1.5GB` (K/M/G/T are powers of 1024)."""
+    match = _SIZE.match(text)
+    if match is None:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 512MiB, 1G or bytes)")
+    number, unit, _ = match.groups()
+    return int(float(number) * 1024 ** _UNITS[unit.lower()])
+
+
+def _origins(text: str) -> tuple[str, ...]:
+    return tuple(o.strip() for o in text.split(",") if o.strip())
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add `ft serve`'s options to `parser`."""
+    model = parser.add_argument_group("model")
+    model.add_argument("--model", default=None,
+                       help="GGUF file or Hugging Face directory (default: SmolLM2-135M-Instruct)")
+    model.add_argument("--served-model-name", default=None,
+                       help="the model id clients see and send (default: from the model)")
+    model.add_argument("--dtype", choices=DTYPES, default="auto")
+    model.add_argument("--max-model-len", type=int, default=None,
+                       help="context length (default: the model's)")
+    model.add_argument("--tool-call-parser", default=None,
+                       help="parse tool calls out of chat output with this parser")
+    model.add_argument("--reasoning-parser", default=None,
+                       help="split reasoning out of chat output with this parser")
+
+    engine = parser.add_argument_group("engine")
+    engine.add_argument("--max-running-requests", type=int, default=16,
+                        help="sequences decoded together (default: 16)")
+    engine.add_argument("--max-queued-requests", type=int, default=256,
+                        help="waiting requests before 503 (default: 256)")
+    engine.add_argument("--num-pages", type=int, default=None,
+                        help="KV cache pages (overrides --kv-cache-memory)")
+    engine.add_argument("--kv-cache-memory", type=parse_size, default=512 * 1024 * 1024,
+                        help="KV cache budget, e.g. 512MiB, 1G, or bytes (default: 512MiB)")
+    engine.add_argument("--page-size", type=int, default=16,
+                        help="tokens per KV page (default: 16)")
+
+    http = parser.add_argument_group("http")
+    http.add_argument("--host", default="127.0.0.1", help="bind address (default: 127.0.0.1)")
+    http.add_argument("--port", type=int, default=1941, help="bind port (default: 1941)")
+    http.add_argument("--api-key", default=os.environ.get("FT_API_KEY"),
+                      help="require 'Authorization: Bearer KEY' (default: $FT_API_KEY; "
+                           "/health and /metrics stay open)")
+    http.add_argument("--cors-origins", type=_origins, default=(),
+                      help="comma-separated allowed origins, or '*' (default: no CORS)")
+    http.add_argument("--max-body-bytes", type=parse_size, default=4 * 1024 * 1024,
+                      help="largest request body, else 413 (default: 4MiB)")
+    http.add_argument("--sse-heartbeat-s", type=float, default=2.0,
+                      help="seconds between stream heartbeats while waiting (default: 2)")
+    http.add_argument("--shutdown-timeout", type=float, default=10.0,
+                      help="seconds to drain on SIGINT/SIGTERM before aborting (default: 10)")
+    http.add_argument("--log-level", choices=LOG_LEVELS, default="info")
+
+
+def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerSettings]:
+    """The engine config and server settings `args` describe. Raises `ValueError`."""
+    engine = EngineConfig(
+        model=args.model,
+        served_model_name=args.served_model_name,
+        dtype=args.dtype,
+        page_size=args.page_size,
+        num_pages=args.num_pages,
+        kv_cache_memory=args.kv_cache_memory,
+        max_model_len=args.max_model_len,
+        max_running_requests=args.max_running_requests,
+        max_queued_requests=args.max_queued_requests,
+        tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
+    )
+    settings = ServerSettings(
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key or None,
+        cors_origins=args.cors_origins,
+        max_body_bytes=args.max_body_bytes,
+        sse_heartbeat_s=args.sse_heartbeat_s,
+        shutdown_timeout_s=args.shutdown_timeout,
+        log_level=args.log_level,
+        served_model_name=args.served_model_name,
+    )
+    return engine, settings
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Run `ft serve` until SIGINT/SIGTERM; 0 after a clean drain, 2 for bad options."""
+    from ft.server.app import serve
+
+    try:
+        engine, settings = configs_from_args(args)
+    except ValueError as e:
+        print(f"ft serve: {e}")
+        return 2
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    trio.run(serve, engine, settings)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Stand-alone entry point (`python -m ft.cli_serve`)."""
+    parser = argparse.ArgumentParser(prog="ft serve", description=__doc__)
+    add_serve_arguments(parser)
+    return run_serve(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,249 @@
+"""The quart-trio app (`create_app`) and its lifetime under hypercorn (`open_server`, `serve`).
+
+The engine's lifetime contains the server's: `open_engine` is entered first and left last, so
+no request can outlive the engine it runs on.
+"""
+
+from __future__ import annotations
+
+import hmac
+import importlib
+import importlib.util
+import logging
+import signal
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from functools import partial
+
+import hypercorn.trio
+import trio
+from hypercorn.config import Config as HypercornConfig
+from quart import Response, request
+from quart_trio import QuartTrio
+from werkzeug.exceptions import HTTPException
+
+from ft.config import EngineConfig
+from ft.engine.engine import Engine, EngineHooks, open_engine
+from ft.errors import FtError
+from ft.server import control, openai
+from ft.server.context import ServerContext, error_response
+from ft.server.http_errors import HttpError, internal_error
+from ft.server.settings import ServerSettings
+
+log = logging.getLogger("ft.server")
+
+# Paths that never need the API key: probes and scrapers.
+OPEN_PATHS = frozenset({"/health", "/metrics"})
+# Route modules another engineer adds; each defines `register(app, ctx)`.
+OPTIONAL_ROUTE_MODULES = ("ft.server.anthropic", "ft.server.responses")
+
+HTTP_ERROR_CODES = {
+    400: "bad_request",
+    404: "not_found",
+    405: "method_not_allowed",
+    408: "request_timeout",
+    413: "request_too_large",
+    415: "unsupported_media_type",
+}
+
+RouteRegistrar = Callable[[QuartTrio, ServerContext], None]
+
+
+def create_app(
+    engine: Engine,
+    settings: ServerSettings,
+    *,
+    extra_routes: tuple[RouteRegistrar, ...] = (),
+) -> QuartTrio:
+    """The app serving `engine`: OpenAI routes, control plane, and any optional route modules.
+
+    `extra_routes` are called as `register(app, ctx)` after the built-in ones; modules named
+    in `OPTIONAL_ROUTE_MODULES` that exist are registered the same way.
+    """
+    app = QuartTrio("ft")
+    app.config.update(
+        MAX_CONTENT_LENGTH=settings.max_body_bytes,
+        RESPONSE_TIMEOUT=None,  # streams may run for as long as generation does
+        BODY_TIMEOUT=60,
+        PROVIDE_AUTOMATIC_OPTIONS=True,
+    )
+    ctx = ServerContext(engine=engine, settings=settings)
+    app.extensions["ft"] = ctx
+    _install_edge(app, ctx)
+    openai.register(app, ctx)
+    control.register(app, ctx)
+    for name in OPTIONAL_ROUTE_MODULES:
+        if importlib.util.find_spec(name) is not None:
+            importlib.import_module(name).register(app, ctx)
+    for register in extra_routes:
+        register(app, ctx)
+    return app
+
+
+def _install_edge(app: QuartTrio, ctx: ServerContext) -> None:
+    """Auth, CORS and the error handlers: every error leaves as JSON."""
+    settings = ctx.settings
+
+    @app.before_request
+    async def authenticate() -> None:
+        if settings.api_key is None or request.method == "OPTIONS" or request.path in OPEN_PATHS:
+            return
+        given = request.headers.get("x-api-key")
+        auth = request.headers.get("Authorization", "")
+        if auth[:7].lower() == "bearer ":
+            given = auth[7:].strip()
+        expected = settings.api_key.encode("utf-8")
+        if given is None or not hmac.compare_digest(given.encode("utf-8", "replace"), expected):
+            raise HttpError(
+                401,
+                "invalid or missing API key (send 'Authorization: Bearer <key>')",
+                code="invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+
+    @app.after_request
+    async def cors(response: Response) -> Response:
+        origins = settings.cors_origins
+        origin = request.headers.get("Origin")
+        if not origins or origin is None:
+            return response
+        if "*" in origins:
+            response.headers["Access-Control-Allow-Origin"] = "*"
+        elif origin in origins:
+            response.headers["Access-Control-Allow-Origin"] = origin
+            response.headers.add("Vary", "Origin")
+        else:
+            return response
+        response.headers["Access-Control-Allow-Methods"] = "GET, POST, OPTIONS"
+        response.headers["Access-Control-Allow-Headers"] = (
+            "Authorization, Content-Type, x-api-key, anthropic-version"
+        )
+        response.headers["Access-Control-Max-Age"] = "600"
+        return response
+
+    @app.errorhandler(FtError)
+    async def on_ft_error(e: FtError) -> Response:
+        return error_response(ctx, e)
+
+    @app.errorhandler(HTTPException)
+    async def on_http_exception(e: HTTPException) -> Response:
+        status = e.code or 500
+        if status >= 500:
+            return error_response(ctx, internal_error(e))
+        headers = {}
+        if status == 405 and getattr(e, "valid_methods", None):
+            headers["Allow"] = ", ".join(e.valid_methods)  # type: ignore[attr-defined]
+        message = {
+            404: f"no route {request.method} {request.path}",
+            405: f"method {request.method} is not allowed on {request.path}",
+            413: f"the request body exceeds {settings.max_body_bytes} bytes",
+        }.get(status, e.description or e.name)
+        err = HttpError(status, message, code=HTTP_ERROR_CODES.get(status), headers=headers)
+        return error_response(ctx, err)
+
+    @app.errorhandler(Exception)
+    async def on_exception(e: Exception) -> Response:
+        return error_response(ctx, internal_error(e))
+
+
+def hypercorn_config(settings: ServerSettings) -> HypercornConfig:
+    """Hypercorn's config for `settings` (access log only at debug level)."""
+    cfg = HypercornConfig()
+    host = f"[{settings.host}]" if ":" in settings.host else settings.host
+    cfg.bind = [f"{host}:{settings.port}"]
+    cfg.graceful_timeout = settings.graceful_timeout_s
+    cfg.accesslog = logging.getLogger("ft.access") if settings.log_level == "debug" else None
+    cfg.errorlog = logging.getLogger("ft.hypercorn")
+    cfg.keep_alive_timeout = 30
+    return cfg
+
+
+@dataclass
+class RunningServer:
+    """A server that is listening: its engine, app and the URLs it is bound to."""
+
+    engine: Engine
+    app: QuartTrio
+    urls: list[str]
+    stop_event: trio.Event = field(default_factory=trio.Event)
+
+    @property
+    def base_url(self) -> str:
+        """`http://host:port` of the first bound address."""
+        return self.urls[0]
+
+    def stop(self) -> None:
+        """Ask hypercorn to stop (graceful: open connections get `graceful_timeout_s`)."""
+        self.stop_event.set()
+
+
+@asynccontextmanager
+async def open_server(
+    engine_config: EngineConfig | None = None,
+    settings: ServerSettings | None = None,
+    *,
+    hooks: EngineHooks | None = None,
+) -> AsyncIterator[RunningServer]:
+    """Start the engine, then hypercorn on it; yield once listening (the model may still load).
+
+    Leaving the block stops hypercorn first, then the engine.
+    """
+    settings = settings or ServerSettings()
+    async with open_engine(engine_config, hooks=hooks, wait_ready=False) as engine:
+        app = create_app(engine, settings)
+        stop = trio.Event()
+        async with trio.open_nursery() as nursery:
+            urls = await nursery.start(
+                partial(
+                    hypercorn.trio.serve, app, hypercorn_config(settings),
+                    shutdown_trigger=stop.wait,
+                )
+            )
+            server = RunningServer(engine=engine, app=app, urls=list(urls), stop_event=stop)
+            try:
+                yield server
+            finally:
+                stop.set()
+
+
+async def serve(
+    engine_config: EngineConfig | None = None,
+    settings: ServerSettings | None = None,
+    *,
+    hooks: EngineHooks | None = None,
+    handle_signals: bool = True,
+    task_status: trio.TaskStatus[RunningServer] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve until SIGINT/SIGTERM (or until cancelled); then drain and return.
+
+    On the first signal the engine stops admitting (503), waits up to `shutdown_timeout_s` for
+    active requests, aborts the rest, and hypercorn stops. A second signal skips the drain.
+    `handle_signals=False` (needed off the main thread) serves until cancelled.
+    """
+    settings = settings or ServerSettings()
+    if not handle_signals:
+        async with open_server(engine_config, settings, hooks=hooks) as server:
+            task_status.started(server)
+            await trio.sleep_forever()
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with open_server(engine_config, settings, hooks=hooks) as server:
+            log.info("listening on %s", ", ".join(server.urls))
+            task_status.started(server)
+            async for signum in signals:
+                log.info("received %s; draining for up to %.1f s",
+                         signal.Signals(signum).name, settings.shutdown_timeout_s)
+                break
+            async with trio.open_nursery() as nursery:
+
+                async def force_on_second_signal() -> None:
+                    async for _ in signals:
+                        log.warning("second signal: stopping without draining")
+                        nursery.cancel_scope.cancel()
+
+                nursery.start_soon(force_on_second_signal)
+                snapshot = await server.engine.prepare_stop(
+                    drain_timeout_s=settings.shutdown_timeout_s, abort_timeout_s=3.0
+                )
+                log.info("drained: %s", snapshot["requests"])
+                nursery.cancel_scope.cancel()

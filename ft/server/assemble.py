@@ -1,0 +1,341 @@
+"""Turning a choice's streamed text into reasoning, answer text and tool calls, for every API.
+
+Two layers, both synchronous:
+
+- `OutputAssembler` chains the reasoning parser (`<think>…</think>`, when configured) and the
+  tool-call parser (when the request has tools) into one stream of events: `ReasoningDelta`,
+  `TextDelta`, `ToolCallStart`, `ToolCallArgsDelta`, `ToolCallEnd`.
+- `BlockAssembler` groups those events into *blocks* — a thinking block, a text block, one block
+  per tool call — with start / delta / stop events. Anthropic content blocks and Responses
+  output items are both such blocks, so `/v1/messages` and `/v1/responses` translate block
+  events one to one, and their non-streamed bodies are built by feeding the whole text through
+  the same assembler (streamed and non-streamed output cannot disagree).
+
+`ChatAssembler` shapes chat completions (`message`, `delta`,
+`finish`) for the chat completions route: `delta.tool_calls`, `reasoning_content`, and finish
+reason `tool_calls`.
+"""
+
+from __future__ import annotations
+
+import secrets
+import string
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from ft.core.reasoning import ContentDelta, ReasoningDelta, make_reasoning_parser
+from ft.core.toolcalls import (
+    TextDelta,
+    ToolCallArgsDelta,
+    ToolCallEnd,
+    ToolCallStart,
+    make_tool_call_parser,
+    new_tool_call_id,
+)
+from ft.engine.stream import Choice
+
+DEFAULT_TOOL_CALL_PARSER = "hermes"
+
+OutputEvent = ReasoningDelta | TextDelta | ToolCallStart | ToolCallArgsDelta | ToolCallEnd
+
+_ALPHANUMERIC = string.ascii_letters + string.digits
+
+
+def random_id(prefix: str, length: int = 24) -> str:
+    """`prefix` and `length` random alphanumerics (`toolu_…`, `msg_…`, `resp_…`)."""
+    return prefix + "".join(secrets.choice(_ALPHANUMERIC) for _ in range(length))
+
+
+def tool_call_parser_name(configured: str | None, has_tools: bool) -> str | None:
+    """The tool-call format to parse: none without tools, else the configured one or hermes."""
+    if not has_tools:
+        return None
+    return configured or DEFAULT_TOOL_CALL_PARSER
+
+
+class OutputAssembler:
+    """Reasoning parser, then tool-call parser on the answer part; events in output order."""
+
+    def __init__(
+        self,
+        *,
+        tool_call_parser: str | None,
+        reasoning_parser: str | None,
+        id_factory: Callable[[], str] = new_tool_call_id,
+    ) -> None:
+        self._reasoning = make_reasoning_parser(reasoning_parser)
+        self._tools = make_tool_call_parser(tool_call_parser, id_factory=id_factory)
+
+    @property
+    def has_tool_calls(self) -> bool:
+        """True once any tool call has been parsed."""
+        return self._tools.has_tool_calls
+
+    def feed(self, text: str) -> list[OutputEvent]:
+        """Consume a text delta; return what it completes."""
+        return self._route(self._reasoning.feed(text), finish=False)
+
+    def finish(self) -> list[OutputEvent]:
+        """End of output: flush everything held back."""
+        return self._route(self._reasoning.finish(), finish=True)
+
+    def _route(self, events: list[ReasoningDelta | ContentDelta], *, finish: bool) -> list[OutputEvent]:
+        out: list[OutputEvent] = []
+        for event in events:
+            if isinstance(event, ReasoningDelta):
+                out.append(event)
+            else:
+                out.extend(self._tools.feed(event.text))
+        if finish:
+            out.extend(self._tools.finish())
+        return out
+
+
+BlockKind = Literal["thinking", "text", "tool_call"]
+
+
+@dataclass(slots=True)
+class Block:
+    """One output block: thinking or text (in `text`), or a tool call (`call_id`, `name`,
+    `arguments`, the JSON arguments string)."""
+
+    kind: BlockKind
+    text: str = ""
+    call_id: str = ""
+    name: str = ""
+    arguments: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class BlockStart:
+    """Block `index` opens (empty: its text / arguments come in `BlockDelta`s)."""
+
+    index: int
+    block: Block
+
+
+@dataclass(frozen=True, slots=True)
+class BlockDelta:
+    """More text (thinking, text) or arguments JSON (tool_call) for block `index`."""
+
+    index: int
+    kind: BlockKind
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class BlockStop:
+    """Block `index` is complete; `block` holds all of it."""
+
+    index: int
+    block: Block
+
+
+BlockEvent = BlockStart | BlockDelta | BlockStop
+
+
+@dataclass
+class BlockAssembler:
+    """Groups a choice's output events into blocks; `blocks` holds every block so far."""
+
+    tool_call_parser: str | None
+    reasoning_parser: str | None
+    id_factory: Callable[[], str] = new_tool_call_id
+    blocks: list[Block] = field(default_factory=list)
+    _open: Block | None = None
+    _output: OutputAssembler = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._output = OutputAssembler(
+            tool_call_parser=self.tool_call_parser,
+            reasoning_parser=self.reasoning_parser,
+            id_factory=self.id_factory,
+        )
+
+    @property
+    def has_tool_calls(self) -> bool:
+        """True once any tool call has been parsed."""
+        return self._output.has_tool_calls
+
+    def feed(self, text: str) -> list[BlockEvent]:
+        """Consume a text delta; return the block events it completes."""
+        return self._group(self._output.feed(text))
+
+    def finish(self) -> list[BlockEvent]:
+        """End of output: flush, and close the open block."""
+        out = self._group(self._output.finish())
+        self._close(out)
+        return out
+
+    def _group(self, events: list[OutputEvent]) -> list[BlockEvent]:
+        out: list[BlockEvent] = []
+        for event in events:
+            match event:
+                case ReasoningDelta(text=text):
+                    self._append("thinking", text, out)
+                case TextDelta(text=text):
+                    self._append("text", text, out)
+                case ToolCallStart(id=call_id, name=name):
+                    self._close(out)
+                    self._start(Block("tool_call", call_id=call_id, name=name), out)
+                case ToolCallArgsDelta(arguments=arguments):
+                    assert self._open is not None and self._open.kind == "tool_call"
+                    self._open.arguments += arguments
+                    out.append(BlockDelta(len(self.blocks) - 1, "tool_call", arguments))
+                case ToolCallEnd(arguments=arguments):
+                    assert self._open is not None and self._open.kind == "tool_call"
+                    self._open.arguments = arguments
+                    self._close(out)
+        return out
+
+    def _append(self, kind: BlockKind, text: str, out: list[BlockEvent]) -> None:
+        if not text:
+            return
+        if self._open is None or self._open.kind != kind:
+            self._close(out)
+            self._start(Block(kind), out)
+        assert self._open is not None
+        self._open.text += text
+        out.append(BlockDelta(len(self.blocks) - 1, kind, text))
+
+    def _start(self, block: Block, out: list[BlockEvent]) -> None:
+        self.blocks.append(block)
+        self._open = block
+        # NOTE: the start event carries an empty copy; the block itself keeps growing.
+        out.append(BlockStart(len(self.blocks) - 1, Block(block.kind, call_id=block.call_id,
+                                                          name=block.name)))
+
+    def _close(self, out: list[BlockEvent]) -> None:
+        if self._open is not None:
+            out.append(BlockStop(len(self.blocks) - 1, self._open))
+            self._open = None
+
+
+def assemble_blocks(
+    text: str,
+    *,
+    tool_call_parser: str | None,
+    reasoning_parser: str | None,
+    id_factory: Callable[[], str] = new_tool_call_id,
+) -> list[Block]:
+    """The blocks of a whole output (what the streamed events add up to)."""
+    assembler = BlockAssembler(tool_call_parser, reasoning_parser, id_factory)
+    assembler.feed(text)
+    assembler.finish()
+    return assembler.blocks
+
+
+# --- OpenAI chat completions ---------------------------------------------------------------
+
+
+def _chat_finish_reason(reason: str | None, has_tool_calls: bool) -> str | None:
+    if reason is None:
+        return None
+    if reason == "stop" and has_tool_calls:
+        return "tool_calls"
+    return reason if reason in ("stop", "length", "tool_calls") else "stop"
+
+
+def chat_tool_call(index: int, call_id: str, name: str, arguments: str) -> dict[str, Any]:
+    """One entry of an OpenAI `tool_calls` list (streamed deltas carry `index` too)."""
+    return {"index": index, "id": call_id, "type": "function",
+            "function": {"name": name, "arguments": arguments}}
+
+
+class ChatAssembler:
+    """A chat choice's output with tool calls and reasoning split out (OpenAI shapes).
+
+    `message` for a whole choice, `delta` per
+    text delta, `finish` at the end. Tool calls stream as one `delta.tool_calls` entry each
+    (id, type, name and the complete arguments string), as soon as the call is parsed.
+    """
+
+    def __init__(self, *, tool_call_parser: str | None, reasoning_parser: str | None) -> None:
+        self._output = OutputAssembler(
+            tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser
+        )
+        self._tool_call_parser = tool_call_parser
+        self._reasoning_parser = reasoning_parser
+
+    def message(self, choice: Choice) -> tuple[dict[str, Any], str | None]:
+        """The assistant message of a non-streamed choice, and its finish reason."""
+        output = OutputAssembler(
+            tool_call_parser=self._tool_call_parser, reasoning_parser=self._reasoning_parser
+        )
+        fields = self._fields(output.feed(choice.text) + output.finish())
+        calls = fields.get("tool_calls", [])
+        message: dict[str, Any] = {
+            "role": "assistant",
+            "content": fields.get("content", "") or (None if calls else ""),
+        }
+        if "reasoning_content" in fields:
+            message["reasoning_content"] = fields["reasoning_content"]
+        if calls:
+            message["tool_calls"] = [{k: v for k, v in c.items() if k != "index"} for c in calls]
+        return message, _chat_finish_reason(choice.finish_reason, output.has_tool_calls)
+
+    def delta(self, text: str) -> dict[str, Any] | None:
+        """Delta fields for new text (None: nothing to send yet)."""
+        return self._fields(self._output.feed(text)) or None
+
+    def finish(self, reason: str | None) -> tuple[dict[str, Any] | None, str | None]:
+        """Delta fields held back until the end, and the finish reason."""
+        fields = self._fields(self._output.finish())
+        return fields or None, _chat_finish_reason(reason, self._output.has_tool_calls)
+
+    @staticmethod
+    def _fields(events: list[OutputEvent]) -> dict[str, Any]:
+        content, reasoning = "", ""
+        calls: dict[int, dict[str, Any]] = {}
+        for event in events:
+            match event:
+                case ReasoningDelta(text=text):
+                    reasoning += text
+                case TextDelta(text=text):
+                    content += text
+                case ToolCallStart(index=index, id=call_id, name=name):
+                    calls[index] = chat_tool_call(index, call_id, name, "")
+                case ToolCallArgsDelta(index=index, arguments=arguments):
+                    calls[index]["function"]["arguments"] += arguments
+                case ToolCallEnd():
+                    pass
+        fields: dict[str, Any] = {}
+        if reasoning:
+            fields["reasoning_content"] = reasoning
+        if content:
+            fields["content"] = content
+        if calls:
+            fields["tool_calls"] = [calls[i] for i in sorted(calls)]
+        return fields
+
+
+# --- tool definitions and tool_choice, shared by the Anthropic and Responses routes ----------
+
+
+def function_tool(name: str, description: str | None, parameters: dict[str, Any] | None) -> dict[str, Any]:
+    """A tool definition as chat templates expect it (OpenAI's function shape)."""
+    function: dict[str, Any] = {"name": name}
+    if description is not None:
+        function["description"] = description
+    function["parameters"] = parameters if parameters is not None else {
+        "type": "object", "properties": {}
+    }
+    return {"type": "function", "function": function}
+
+
+def require_tool_instruction(name: str | None) -> str:
+    """The system-prompt instruction that stands in for a forced tool choice (best effort)."""
+    if name is None:
+        return "You must respond by calling one or more of the provided tools."
+    return f"You must respond by calling the tool `{name}`."
+
+
+def add_system_instruction(messages: list[dict[str, Any]], instruction: str) -> list[dict[str, Any]]:
+    """`messages` with `instruction` appended to the system message (one is added if none)."""
+    if messages and messages[0].get("role") == "system":
+        first = messages[0]
+        content = first.get("content") or ""
+        return [first | {"content": f"{content}\n\n{instruction}" if content else instruction},
+                *messages[1:]]
+    return [{"role": "system", "content": instruction}, *messages]

@@ -1,0 +1,158 @@
+"""Control plane: health, models, stats, Prometheus metrics, tokenize/detokenize, prepare-stop.
+
+None of these open a request scope; they read the engine's derived state, so they answer at
+once even while generations stream or the model loads.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import time
+from typing import Any
+
+from quart import Response, request
+from quart_trio import QuartTrio
+
+from ft.errors import EngineStopping
+from ft.server.context import ServerContext, json_response, read_request
+from ft.server.http_errors import HttpError
+from ft.server.openai_format import chat_message_for_template
+from ft.server.schemas_openai import DetokenizeRequest, PrepareStopRequest, TokenizeRequest
+
+# Counters in the stats snapshot (everything else numeric is a gauge).
+COUNTERS = frozenset(
+    {"completed", "aborted", "rejected", "failed", "prompt_tokens_total",
+     "completion_tokens_total"}
+)
+
+
+def register(app: QuartTrio, ctx: ServerContext) -> None:
+    """Add the control-plane routes to `app`."""
+    engine = ctx.engine
+
+    @app.get("/health")
+    async def health() -> Response:
+        status = {"ready": "ok", "loading": "loading", "error": "error"}.get(
+            engine.state, "stopping"
+        )
+        body: dict[str, Any] = {"status": status, "state": engine.state, "model": engine.model_id}
+        if engine.state == "loading":
+            body["loading_s"] = round(time.time() - ctx.started_at, 1)
+        if engine.error:
+            body["error"] = engine.error
+        return json_response(body)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        data = [
+            {
+                "id": name,
+                "object": "model",
+                "created": int(ctx.started_at),
+                "owned_by": "ft",
+                "max_model_len": engine.max_model_len or None,
+            }
+            for name in sorted(ctx.served_names(), key=lambda n: n != engine.model_id)
+        ]
+        return json_response({"object": "list", "data": data})
+
+    @app.get("/v1/stats")
+    async def stats() -> Response:
+        return json_response(engine.snapshot())
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        text = prometheus_text(engine.snapshot())
+        return Response(text, content_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.post("/v1/tokenize")
+    async def tokenize() -> Response:
+        req = await read_request(ctx, TokenizeRequest)
+        ctx.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise HttpError(400, "give exactly one of prompt or messages", param="prompt")
+        _check_ready(ctx)
+        if req.messages is not None:
+            ids = await engine.tokenize(
+                messages=[chat_message_for_template(m) for m in req.messages],
+                tools=req.tools,
+                chat_template_kwargs=req.chat_template_kwargs,
+                add_generation_prompt=req.add_generation_prompt,
+            )
+        else:
+            assert req.prompt is not None
+            ids = await engine.tokenize(prompt=req.prompt)
+        return json_response(
+            {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
+        )
+
+    @app.post("/v1/detokenize")
+    async def detokenize() -> Response:
+        req = await read_request(ctx, DetokenizeRequest)
+        ctx.check_model(req.model)
+        _check_ready(ctx)
+        return json_response({"prompt": engine.detokenize(req.tokens)})
+
+    @app.post("/v1/admin/prepare-stop")
+    async def prepare_stop() -> Response:
+        if not is_loopback(request.scope.get("client")):
+            raise HttpError(
+                403, "prepare-stop is only served to loopback callers", type="permission_error",
+                code="forbidden",
+            )
+        req = await read_request(ctx, PrepareStopRequest, allow_empty=True)
+        snapshot = await engine.prepare_stop(req.drain_timeout_s, req.abort_timeout_s)
+        return json_response(snapshot)
+
+
+def _check_ready(ctx: ServerContext) -> None:
+    if ctx.engine.state == "loading":
+        raise EngineStopping("the model is still loading; retry shortly", code="model_loading")
+    if ctx.engine.state == "error":
+        raise EngineStopping(f"the engine failed to start: {ctx.engine.error}")
+
+
+def is_loopback(client: Any) -> bool:
+    """True when the ASGI `client` tuple is a loopback address (headers are not trusted)."""
+    if not client:
+        return False
+    try:
+        return ipaddress.ip_address(str(client[0]).split("%")[0]).is_loopback
+    except ValueError:
+        return False
+
+
+def _flatten(prefix: str, value: Any, out: list[tuple[str, float]]) -> None:
+    if isinstance(value, (bool, int, float)):
+        out.append((prefix, float(value)))
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _flatten(f"{prefix}_{k}", v, out)
+
+
+def _label(value: Any) -> str:
+    return str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def prometheus_text(snapshot: dict[str, Any]) -> str:
+    """The stats snapshot in the Prometheus text exposition format (`ft_<path>` metrics)."""
+    info = (
+        f'ft_info{{instance_id="{_label(snapshot.get("instance_id"))}",'
+        f'model="{_label(snapshot.get("model", {}).get("id"))}",'
+        f'state="{_label(snapshot.get("state"))}"}} 1'
+    )
+    lines = ["# HELP ft_info The serving instance, its model and its state.",
+             "# TYPE ft_info gauge", info]
+    metrics: list[tuple[str, float]] = []
+    for key, value in snapshot.items():
+        if key not in ("instance_id", "state"):
+            _flatten(f"ft_{key}", value, metrics)
+    for name, value in metrics:
+        leaf = name.rsplit("_", 1)[-1]
+        is_counter = any(name.endswith(f"_{c}") for c in COUNTERS) and leaf != "ms"
+        if is_counter and not name.endswith("_total"):
+            name += "_total"
+        kind = "counter" if is_counter else "gauge"
+        lines.append(f"# TYPE {name} {kind}")
+        lines.append(f"{name} {int(value) if value.is_integer() else value}")
+    return "\n".join(lines) + "\n"

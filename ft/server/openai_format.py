@@ -1,0 +1,188 @@
+"""OpenAI response shapes: sampling params from a request, logprobs, usage, chunks, messages.
+
+`ChatOutput` is the seam where tool-call and reasoning parsers plug in: every chat response,
+streamed or not, builds its assistant message / deltas through it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from ft.engine.stream import Choice
+from ft.errors import InvalidRequest
+from ft.messages import TokenLogprob
+from ft.params import SamplingParams
+from ft.server.assemble import ChatAssembler, tool_call_parser_name
+from ft.server.body import parse_json
+from ft.server.context import ServerContext
+from ft.server.schemas_openai import ChatCompletionRequest, SamplingFields
+
+FINISH_REASONS = ("stop", "length", "tool_calls")
+MIN_LOGPROB = -9999.0  # stands in for -inf, which JSON cannot carry
+
+
+def sampling_params(
+    ctx: ServerContext,
+    req: SamplingFields,
+    *,
+    max_tokens: int | None,
+    logprobs: bool,
+    top_logprobs: int,
+) -> SamplingParams:
+    """Engine sampling params for a request; unset fields take the model's defaults.
+
+    Raises:
+        InvalidRequest: a token id outside the vocabulary, or a combination the engine refuses.
+    """
+    bias = req.logit_bias_ids()
+    ctx.check_token_ids(list(bias), "logit_bias")
+    ctx.check_token_ids(list(req.stop_token_ids or ()), "stop_token_ids")
+    defaults = ctx.engine.generation_defaults
+
+    def pick(name: str, value: float | None, fallback: float) -> Any:
+        return value if value is not None else defaults.get(name, fallback)
+
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=float(pick("temperature", req.temperature, 1.0)),
+        top_p=float(pick("top_p", req.top_p, 1.0)),
+        top_k=int(pick("top_k", req.top_k, 0)),
+        min_p=float(pick("min_p", req.min_p, 0.0)),
+        repetition_penalty=float(pick("repetition_penalty", req.repetition_penalty, 1.0)),
+        frequency_penalty=req.frequency_penalty,
+        presence_penalty=req.presence_penalty,
+        logit_bias=bias,
+        seed=req.seed,
+        stop=tuple(req.stop or ()),
+        stop_token_ids=tuple(req.stop_token_ids or ()),
+        ignore_eos=req.ignore_eos,
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
+        n=req.n,
+        skip_special_tokens=req.skip_special_tokens,
+    )
+
+
+def finish_reason(reason: str | None) -> str | None:
+    """The engine's finish reason in OpenAI's vocabulary."""
+    if reason is None:
+        return None
+    return reason if reason in FINISH_REASONS else "stop"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    """The `usage` object."""
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def _lp(value: float) -> float:
+    return value if math.isfinite(value) else MIN_LOGPROB
+
+
+def chat_logprobs(items: Sequence[TokenLogprob]) -> dict[str, Any]:
+    """`choices[].logprobs` of a chat completion: `{"content": [{token, logprob, bytes, ...}]}`."""
+    return {
+        "content": [
+            {
+                "token": t.token,
+                "logprob": _lp(t.logprob),
+                "bytes": list(t.token.encode("utf-8", errors="replace")),
+                "top_logprobs": [
+                    {
+                        "token": alt.token,
+                        "logprob": _lp(alt.logprob),
+                        "bytes": list(alt.token.encode("utf-8", errors="replace")),
+                    }
+                    for alt in t.top
+                ],
+            }
+            for t in items
+        ],
+        "refusal": None,
+    }
+
+
+class CompletionLogprobs:
+    """Accumulates `choices[].logprobs` of a text completion (tokens, offsets, alternatives)."""
+
+    def __init__(self, offset: int = 0) -> None:
+        self.offset = offset
+
+    def add_prompt(self, tokens: Sequence[str]) -> dict[str, Any]:
+        """Entries for echoed prompt tokens (no logprobs: the engine does not score prompts)."""
+        out = self._empty()
+        for tok in tokens:
+            out["tokens"].append(tok)
+            out["token_logprobs"].append(None)
+            out["top_logprobs"].append(None)
+            out["text_offset"].append(self.offset)
+            self.offset += len(tok)
+        return out
+
+    def add(self, items: Sequence[TokenLogprob]) -> dict[str, Any]:
+        """Entries for generated tokens."""
+        out = self._empty()
+        for t in items:
+            out["tokens"].append(t.token)
+            out["token_logprobs"].append(_lp(t.logprob))
+            out["top_logprobs"].append({alt.token: _lp(alt.logprob) for alt in t.top})
+            out["text_offset"].append(self.offset)
+            self.offset += len(t.token)
+        return out
+
+    @staticmethod
+    def _empty() -> dict[str, Any]:
+        return {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+
+    @staticmethod
+    def merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+        """`a` followed by `b`."""
+        return {key: a[key] + b[key] for key in a}
+
+
+def make_chat_output(ctx: ServerContext, request: ChatCompletionRequest) -> ChatAssembler:
+    """The output shaper for one choice of `request`: text, tool calls and reasoning."""
+    has_tools = bool(request.tools) and request.tool_choice != "none"
+    return ChatAssembler(
+        tool_call_parser=tool_call_parser_name(ctx.engine.config.tool_call_parser, has_tools),
+        reasoning_parser=ctx.engine.config.reasoning_parser,
+    )
+
+
+def chat_message_for_template(message: Any) -> dict[str, Any]:
+    """A validated `ChatMessage` as the dict a chat template expects.
+
+    `developer` becomes `system` (templates predate it); a tool call's JSON `arguments`
+    string becomes an object, as Hugging Face templates expect.
+    """
+    role = "system" if message.role == "developer" else message.role
+    out: dict[str, Any] = {"role": role, "content": message.content}
+    if message.content is None and not message.tool_calls:
+        out["content"] = ""
+    if message.name is not None:
+        out["name"] = message.name
+    if message.tool_call_id is not None:
+        out["tool_call_id"] = message.tool_call_id
+    if message.reasoning_content is not None:
+        out["reasoning_content"] = message.reasoning_content
+    if message.tool_calls:
+        out["tool_calls"] = [_template_tool_call(tc) for tc in message.tool_calls]
+    return out
+
+
+def _template_tool_call(call: dict[str, Any]) -> dict[str, Any]:
+    function = call.get("function")
+    if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+        try:
+            args = parse_json(function["arguments"].encode("utf-8"))
+        except InvalidRequest:
+            return call
+        if isinstance(args, dict):
+            return call | {"function": function | {"arguments": args}}
+    return call

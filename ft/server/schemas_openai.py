@@ -1,0 +1,273 @@
+"""Pydantic models of the OpenAI request bodies: strict types, engine-representable bounds.
+
+Unknown top-level fields are ignored (as OpenAI does); known fields are strictly typed (no
+string-to-number coercion) and bounded by what the engine can represent. Free-form objects
+(`chat_template_kwargs`, `tools`, `tool_calls`) were already checked for lone surrogates and
+64-bit integers by `ft.server.body.parse_json`.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic_core import PydanticCustomError
+
+from ft.params import (
+    MAX_LOGIT_BIAS,
+    MAX_N,
+    MAX_STOP_LEN,
+    MAX_STOP_STRINGS,
+    MAX_TOKENS_LIMIT,
+    MAX_TOP_LOGPROBS,
+)
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+MAX_MESSAGES = 4096
+MAX_TOOLS = 256
+MAX_PROMPTS = 64
+MAX_PROMPT_TOKENS = 1 << 20
+MAX_NAME_LEN = 256
+
+Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
+TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
+MaxTokens = Annotated[int, Field(ge=1, le=MAX_TOKENS_LIMIT)]
+Temperature = Annotated[float, Field(ge=0.0, le=100.0)]
+TopP = Annotated[float, Field(gt=0.0, le=1.0)]
+TopK = Annotated[int, Field(ge=-1, le=1 << 30)]
+UnitFloat = Annotated[float, Field(ge=0.0, le=1.0)]
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+RepetitionPenalty = Annotated[float, Field(ge=0.01, le=100.0)]
+Bias = Annotated[float, Field(ge=-100.0, le=100.0)]
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_LEN)]
+Name = Annotated[str, Field(max_length=MAX_NAME_LEN)]
+
+# Content part types that carry media this text-only engine cannot read.
+MEDIA_PART_TYPES = frozenset(
+    {"image_url", "input_image", "image", "input_audio", "audio", "file", "input_file",
+     "video", "video_url"}
+)
+
+
+def _str_to_list(value: Any) -> Any:
+    return [value] if isinstance(value, str) else value
+
+
+StopList = Annotated[
+    list[StopString], BeforeValidator(_str_to_list), Field(max_length=MAX_STOP_STRINGS)
+]
+
+
+class StrictModel(BaseModel):
+    """Strict types; unknown fields ignored."""
+
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+
+class StreamOptions(StrictModel):
+    """`stream_options`."""
+
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class ResponseFormat(StrictModel):
+    """`response_format`; only `text` is served until constrained decoding exists."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
+
+
+def text_of_parts(parts: list[Any]) -> str:
+    """The text of a list of content parts; media parts are refused (text-only model)."""
+    texts: list[str] = []
+    for i, part in enumerate(parts):
+        if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+            raise PydanticCustomError(
+                "content_part", "content part {i} must be an object with a string 'type'", {"i": i}
+            )
+        kind = part["type"]
+        if kind in MEDIA_PART_TYPES:
+            raise PydanticCustomError(
+                "text_only",
+                "this model takes text only; content part {i} has type '{kind}'",
+                {"i": i, "kind": kind},
+            )
+        if kind not in ("text", "input_text", "output_text"):
+            raise PydanticCustomError(
+                "content_part", "content part {i} has unknown type '{kind}'", {"i": i, "kind": kind}
+            )
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise PydanticCustomError(
+                "content_part", "content part {i} needs a string 'text'", {"i": i}
+            )
+        texts.append(text)
+    return "\n".join(texts)
+
+
+class ChatMessage(StrictModel):
+    """One chat message; `content` is normalized to a string (or None for tool-call turns)."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Any = Field(default=None, validate_default=True)
+    name: Name | None = None
+    tool_calls: Annotated[list[dict[str, Any]], Field(max_length=MAX_TOOLS)] | None = None
+    tool_call_id: Name | None = None
+    reasoning_content: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _content(cls, value: Any, info: ValidationInfo) -> str | None:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, list):
+            return text_of_parts(value)
+        if value is None:
+            if info.data.get("role") == "assistant":
+                return None
+            raise PydanticCustomError("missing", "content is required for this role")
+        raise PydanticCustomError(
+            "content_type", "content must be a string or a list of content parts"
+        )
+
+
+class SamplingFields(StrictModel):
+    """Sampling fields shared by chat and completions."""
+
+    model: Annotated[str, Field(max_length=MAX_NAME_LEN)] | None = None
+    max_tokens: MaxTokens | None = None
+    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: TopK | None = None
+    min_p: UnitFloat | None = None
+    repetition_penalty: RepetitionPenalty | None = None
+    frequency_penalty: Penalty = 0.0
+    presence_penalty: Penalty = 0.0
+    logit_bias: Annotated[dict[str, Bias], Field(max_length=MAX_LOGIT_BIAS)] | None = None
+    seed: Int64 | None = None
+    stop: StopList | None = None
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=64)] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: Annotated[str, Field(max_length=MAX_NAME_LEN)] | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias_keys(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key in value or {}:
+            if not key.isascii() or not key.isdigit() or len(key) > 10:
+                raise PydanticCustomError(
+                    "logit_bias_key", "logit_bias keys must be token ids (decimal strings)"
+                )
+        return value
+
+    def logit_bias_ids(self) -> dict[int, float]:
+        """`logit_bias` with integer keys."""
+        return {int(k): v for k, v in (self.logit_bias or {}).items()}
+
+    @property
+    def include_usage(self) -> bool:
+        """Whether a streamed response ends with a usage chunk."""
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class ChatCompletionRequest(SamplingFields):
+    """`POST /v1/chat/completions`."""
+
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
+    max_completion_tokens: MaxTokens | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    response_format: ResponseFormat | None = None
+    tools: Annotated[list[dict[str, Any]], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+
+
+PromptItem = str | list[int]
+
+
+def _token_list(value: list[Any], where: str) -> list[int]:
+    if not value:
+        raise PydanticCustomError("prompt", "{where} is an empty token list", {"where": where})
+    if len(value) > MAX_PROMPT_TOKENS:
+        raise PydanticCustomError(
+            "prompt", "{where} has more than {m} tokens", {"where": where, "m": MAX_PROMPT_TOKENS}
+        )
+    for t in value:
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < 2**31:
+            raise PydanticCustomError(
+                "prompt", "{where} must hold token ids (non-negative integers)", {"where": where}
+            )
+    return value
+
+
+def normalize_prompt(value: Any) -> list[PromptItem]:
+    """A completions prompt as a list of prompts, each a string or a token-id list."""
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not value:
+        raise PydanticCustomError(
+            "prompt",
+            "prompt must be a string, a list of strings, a list of token ids or a list of "
+            "token-id lists",
+        )
+    if all(isinstance(x, str) for x in value):
+        if not all(value):
+            raise PydanticCustomError("prompt", "prompt must not be an empty string")
+        items: list[PromptItem] = list(value)
+    elif all(isinstance(x, int) and not isinstance(x, bool) for x in value):
+        items = [_token_list(value, "prompt")]
+    elif all(isinstance(x, list) for x in value):
+        items = [_token_list(x, f"prompt[{i}]") for i, x in enumerate(value)]
+    else:
+        raise PydanticCustomError("prompt", "prompt mixes strings, token ids and lists")
+    if len(items) > MAX_PROMPTS:
+        raise PydanticCustomError(
+            "prompt", "prompt holds more than {m} prompts", {"m": MAX_PROMPTS}
+        )
+    return items
+
+
+class CompletionRequest(SamplingFields):
+    """`POST /v1/completions`."""
+
+    prompt: Annotated[list[PromptItem], BeforeValidator(normalize_prompt)]
+    max_tokens: MaxTokens | None = 16
+    echo: bool = False
+    suffix: str | None = None
+    logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
+
+
+class TokenizeRequest(StrictModel):
+    """`POST /v1/tokenize`: a prompt, or chat messages rendered by the chat template."""
+
+    model: Annotated[str, Field(max_length=MAX_NAME_LEN)] | None = None
+    prompt: str | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)] | None = (
+        None
+    )
+    tools: Annotated[list[dict[str, Any]], Field(max_length=MAX_TOOLS)] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(StrictModel):
+    """`POST /v1/detokenize`."""
+
+    model: Annotated[str, Field(max_length=MAX_NAME_LEN)] | None = None
+    tokens: Annotated[list[TokenId], Field(max_length=MAX_PROMPT_TOKENS)]
+
+
+class PrepareStopRequest(StrictModel):
+    """`POST /v1/admin/prepare-stop`."""
+
+    drain_timeout_s: Annotated[float, Field(ge=0.0, le=60.0)] = 5.0
+    abort_timeout_s: Annotated[float, Field(ge=0.0, le=10.0)] = 3.0

@@ -1,0 +1,46 @@
+"""ServerSettings: the HTTP layer's configuration (the engine's is `EngineConfig`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+
+
+@dataclass(frozen=True, slots=True)
+class ServerSettings:
+    """How the server listens, authenticates and frames responses.
+
+    `api_key` None disables auth. `cors_origins` empty sends no CORS headers; `("*",)` allows
+    any origin. `served_model_name` is accepted as the `model` of a request in addition to the
+    engine's model id. `port` 0 binds a free port (tests).
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 1941
+    api_key: str | None = None
+    cors_origins: tuple[str, ...] = ()
+    max_body_bytes: int = 4 * 1024 * 1024
+    sse_heartbeat_s: float = 2.0
+    shutdown_timeout_s: float = 10.0
+    log_level: str = "info"
+    served_model_name: str | None = None
+    graceful_timeout_s: float = 3.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in 0..65535, got {self.port}")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("api_key must not be empty (omit it to disable auth)")
+        if not 1024 <= self.max_body_bytes <= 1 << 30:
+            raise ValueError(f"max_body_bytes must be in 1024..2**30, got {self.max_body_bytes}")
+        if not 0.05 <= self.sse_heartbeat_s <= 600:
+            raise ValueError(f"sse_heartbeat_s must be in 0.05..600, got {self.sse_heartbeat_s}")
+        if not 0 <= self.shutdown_timeout_s <= 3600:
+            raise ValueError(
+                f"shutdown_timeout_s must be in 0..3600, got {self.shutdown_timeout_s}"
+            )
+        if self.log_level not in LOG_LEVELS:
+            raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}")
+        if not 0 <= self.graceful_timeout_s <= 600:
+            raise ValueError(f"graceful_timeout_s must be in 0..600, got {self.graceful_timeout_s}")

@@ -1,0 +1,101 @@
+"""End to end on the real default model (SmolLM2-135M-Instruct GGUF), through the embedded API.
+
+One engine serves every check (loading it takes seconds), each check a block of its own.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import trio
+
+from ft.config import EngineConfig
+from ft.engine.engine import Engine, open_engine
+from ft.params import SamplingParams
+
+CHAT = [{"role": "user", "content": "Name three colors."}]
+
+
+async def greedy(engine: Engine, **kw: object) -> list[int]:
+    params = SamplingParams(max_tokens=24, temperature=0)
+    async with engine.open_request(messages=CHAT, params=params, **kw) as stream:  # type: ignore[arg-type]
+        return (await stream.collect())[0].token_ids
+
+
+async def test_default_model_generates_batches_and_frees_everything() -> None:
+    config = EngineConfig(max_running_requests=8, compute_threads=1)
+    with trio.fail_after(240):
+        async with open_engine(config) as engine:
+            assert engine.core is not None
+            # Greedy chat output is real text and stable.
+            async with engine.open_request(
+                messages=CHAT, params=SamplingParams(max_tokens=24, temperature=0)
+            ) as stream:
+                (choice,) = await stream.collect()
+            assert choice.finish_reason in ("stop", "length")
+            assert any(c in choice.text.lower() for c in ("red", "blue", "green"))
+            assert stream.num_prompt_tokens > 10
+
+            # The same seed gives the same tokens alone and inside a busy batch.
+            seeded = SamplingParams(max_tokens=16, temperature=1.0, seed=1234)
+            alone = await _sample(engine, seeded)
+            results: list[list[int]] = []
+
+            async def noise(i: int) -> None:
+                await _sample(engine, SamplingParams(max_tokens=20, temperature=1.0, seed=i))
+
+            async def target() -> None:
+                results.append(await _sample(engine, seeded))
+
+            async with trio.open_nursery() as nursery:
+                for i in range(4):
+                    nursery.start_soon(noise, i)
+                nursery.start_soon(target)
+            assert results == [alone]
+
+            # Greedy output does not depend on the batch either.
+            solo = await greedy(engine)
+            batch: list[list[int]] = []
+
+            async def one() -> None:
+                batch.append(await greedy(engine))
+
+            async with trio.open_nursery() as nursery:
+                for _ in range(3):
+                    nursery.start_soon(one)
+            assert batch == [solo] * 3
+
+            # A stop string ends the text before it; a cancelled request frees its pages.
+            text = engine.detokenize(solo)
+            stop = text[len(text) // 2 : len(text) // 2 + 3]
+            async with engine.open_request(
+                messages=CHAT, params=SamplingParams(max_tokens=24, temperature=0, stop=(stop,))
+            ) as stream:
+                (choice,) = await stream.collect()
+            assert stop not in choice.text and text.startswith(choice.text)
+            with trio.move_on_after(1.0):
+                async with engine.open_request(
+                    messages=CHAT, params=SamplingParams(max_tokens=2000, ignore_eos=True)
+                ) as stream:
+                    async for _ in stream:
+                        pass
+            await trio.sleep(0.5)
+            snap = engine.snapshot()
+            assert snap["requests"]["active"] == 0
+            assert snap["kv"]["used_pages"] == 0  # cached prefix pages are counted apart
+            assert snap["kv"]["cached_pages"] > 0
+
+
+async def _sample(engine: Engine, params: SamplingParams) -> list[int]:
+    async with engine.open_request(messages=CHAT, params=params) as stream:
+        return (await stream.collect())[0].token_ids
+
+
+def test_cli_generate_prints_the_completion() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "ft.cli", "generate", "The capital of France is",
+         "--max-tokens", "16", "--temperature", "0"],
+        capture_output=True, text=True, timeout=240, check=True,
+    )
+    assert "Paris" in out.stdout

@@ -1,0 +1,39 @@
+"""`/v1/messages` over real HTTP on the real default model (SmolLM2-135M), official SDK."""
+
+from __future__ import annotations
+
+import anthropic
+import httpx
+import pytest
+from conftest import running_server, wait_idle
+
+from ft.config import EngineConfig
+
+USER = [{"role": "user", "content": "Name three colours."}]
+
+
+async def test_sdk_messages_streamed_equals_unstreamed_at_temperature_0() -> None:
+    async with running_server(EngineConfig()) as s:
+        model = s.engine.model_id
+        client = anthropic.AsyncAnthropic(base_url=s.base_url, api_key="unused", max_retries=0)
+        async with client:
+            # NOTE: this SDK version has no `temperature` argument; the API takes it.
+            greedy = {"temperature": 0}
+            whole = await client.messages.create(model=model, max_tokens=24, messages=USER,
+                                                 extra_body=greedy)
+            assert whole.stop_reason in ("end_turn", "max_tokens")
+            text = "".join(b.text for b in whole.content if b.type == "text")
+            assert text
+            async with client.messages.stream(model=model, max_tokens=24, messages=USER,
+                                              extra_body=greedy) as stream:
+                streamed = "".join([t async for t in stream.text_stream])
+                final = await stream.get_final_message()
+            assert streamed == text
+            assert final.usage.output_tokens == whole.usage.output_tokens
+            counted = await client.messages.count_tokens(model=model, messages=USER)
+            assert counted.input_tokens == whole.usage.input_tokens
+            with pytest.raises(anthropic.BadRequestError):
+                await client.messages.create(model=model, max_tokens=8, messages=USER,
+                                             extra_body={"top_k": -5})
+        async with httpx.AsyncClient(base_url=s.base_url) as c:
+            await wait_idle(c, timeout_s=10)

@@ -1,0 +1,146 @@
+"""Output assembly: reasoning, text and tool calls as blocks and as OpenAI chat fields."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ft.engine.stream import Choice
+from ft.server.assemble import (
+    Block,
+    BlockAssembler,
+    BlockDelta,
+    BlockStart,
+    BlockStop,
+    ChatAssembler,
+    add_system_instruction,
+    assemble_blocks,
+    function_tool,
+    tool_call_parser_name,
+)
+
+CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+OUTPUT = "<think>\nThe user wants weather.\n</think>\n\nLet me check. " + CALL + "\n" + CALL
+
+
+def counter_ids() -> object:
+    numbers = itertools.count()
+    return lambda: f"call_{next(numbers)}"
+
+
+def test_parser_defaults_to_hermes_only_with_tools() -> None:
+    assert tool_call_parser_name(None, False) is None
+    assert tool_call_parser_name("llama3_json", False) is None
+    assert tool_call_parser_name(None, True) == "hermes"
+    assert tool_call_parser_name("llama3_json", True) == "llama3_json"
+
+
+def test_blocks_of_a_whole_output() -> None:
+    blocks = assemble_blocks(OUTPUT, tool_call_parser="hermes", reasoning_parser="think",
+                             id_factory=counter_ids())  # type: ignore[arg-type]
+    assert blocks == [
+        Block("thinking", text="The user wants weather."),
+        Block("text", text="Let me check. "),
+        Block("tool_call", call_id="call_0", name="get_weather", arguments='{"city": "Paris"}'),
+        Block("tool_call", call_id="call_1", name="get_weather", arguments='{"city": "Paris"}'),
+    ]
+
+
+def test_without_parsers_everything_is_text() -> None:
+    blocks = assemble_blocks(OUTPUT, tool_call_parser=None, reasoning_parser=None)
+    assert blocks == [Block("text", text=OUTPUT)]
+
+
+def test_block_events_are_well_formed() -> None:
+    asm = BlockAssembler("hermes", "think", counter_ids())  # type: ignore[arg-type]
+    events = [e for ch in OUTPUT for e in asm.feed(ch)] + asm.finish()
+    open_index = None
+    for e in events:
+        if isinstance(e, BlockStart):
+            assert open_index is None
+            open_index = e.index
+            assert e.block.text == "" and e.block.arguments == ""
+        elif isinstance(e, BlockDelta):
+            assert e.index == open_index
+        elif isinstance(e, BlockStop):
+            assert e.index == open_index
+            open_index = None
+    assert open_index is None
+    assert [e.index for e in events if isinstance(e, BlockStart)] == [0, 1, 2, 3]
+    text = "".join(e.text for e in events if isinstance(e, BlockDelta) and e.kind == "text")
+    assert text == "Let me check. "
+
+
+@settings(max_examples=60, deadline=None)
+@given(cuts=st.lists(st.integers(min_value=0, max_value=len(OUTPUT)), max_size=12))
+def test_blocks_do_not_depend_on_how_output_is_split(cuts: list[int]) -> None:
+    bounds = [0, *sorted(cuts), len(OUTPUT)]
+    asm = BlockAssembler("hermes", "think", counter_ids())  # type: ignore[arg-type]
+    deltas: dict[int, str] = {}
+    for a, b in itertools.pairwise(bounds):
+        for e in asm.feed(OUTPUT[a:b]):
+            if isinstance(e, BlockDelta):
+                deltas[e.index] = deltas.get(e.index, "") + e.text
+    for e in asm.finish():
+        if isinstance(e, BlockDelta):
+            deltas[e.index] = deltas.get(e.index, "") + e.text
+    whole = assemble_blocks(OUTPUT, tool_call_parser="hermes", reasoning_parser="think",
+                            id_factory=counter_ids())  # type: ignore[arg-type]
+    assert asm.blocks == whole
+    # the deltas add up to each block's text or arguments
+    assert [deltas[i] for i in range(len(whole))] == [b.text or b.arguments for b in whole]
+
+
+def test_chat_message_with_tool_calls_and_reasoning() -> None:
+    asm = ChatAssembler(tool_call_parser="hermes", reasoning_parser="think")
+    message, reason = asm.message(Choice(0, text=OUTPUT, finish_reason="stop"))
+    assert reason == "tool_calls"
+    assert message["content"] == "Let me check. "
+    assert message["reasoning_content"] == "The user wants weather."
+    calls = message["tool_calls"]
+    assert len(calls) == 2 and calls[0]["id"] != calls[1]["id"]
+    assert calls[0]["type"] == "function"
+    assert calls[0]["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    assert "index" not in calls[0]
+
+
+def test_chat_message_with_only_a_call_has_null_content() -> None:
+    message, reason = ChatAssembler(tool_call_parser="hermes", reasoning_parser=None).message(
+        Choice(0, text=CALL, finish_reason="stop")
+    )
+    assert message["content"] is None and reason == "tool_calls"
+    plain, reason = ChatAssembler(tool_call_parser="hermes", reasoning_parser=None).message(
+        Choice(0, text="hi", finish_reason="length")
+    )
+    assert plain == {"role": "assistant", "content": "hi"} and reason == "length"
+
+
+def test_chat_deltas_stream_tool_calls_with_index() -> None:
+    asm = ChatAssembler(tool_call_parser="hermes", reasoning_parser="think")
+    deltas = [d for ch in OUTPUT if (d := asm.delta(ch)) is not None]
+    rest, reason = asm.finish("stop")
+    if rest:
+        deltas.append(rest)
+    assert reason == "tool_calls"
+    reasoning = "".join(d.get("reasoning_content", "") for d in deltas)
+    content = "".join(d.get("content", "") for d in deltas)
+    calls = [c for d in deltas for c in d.get("tool_calls", [])]
+    assert reasoning == "The user wants weather." and content == "Let me check. "
+    assert [c["index"] for c in calls] == [0, 1]
+    assert all(json.loads(c["function"]["arguments"]) == {"city": "Paris"} for c in calls)
+
+
+def test_function_tool_and_system_instruction() -> None:
+    assert function_tool("f", None, None) == {
+        "type": "function",
+        "function": {"name": "f", "parameters": {"type": "object", "properties": {}}},
+    }
+    assert add_system_instruction([{"role": "user", "content": "hi"}], "X") == [
+        {"role": "system", "content": "X"}, {"role": "user", "content": "hi"}
+    ]
+    assert add_system_instruction([{"role": "system", "content": "S"}], "X") == [
+        {"role": "system", "content": "S\n\nX"}
+    ]

@@ -1,0 +1,85 @@
+"""Tool calls and reasoning on /v1/chat/completions, with scripted model output."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import openai
+
+from conftest import fake_server
+from ft.engine.fake import FakeRunner, text_script
+from ft.server import RunningServer
+from test_responses import ANSWER, CALL, QUESTION, tool_then_answer
+
+TOOLS: list[Any] = [{
+    "type": "function",
+    "function": {
+        "name": "get_weather", "description": "The current weather in a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                       "required": ["city"]},
+    },
+}]
+
+
+def sdk(server: RunningServer) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
+
+
+async def test_tool_call_round_trip() -> None:
+    async with fake_server(FakeRunner(script=tool_then_answer())) as s, sdk(s) as client:
+        messages: list[Any] = [{"role": "user", "content": QUESTION}]
+        first = await client.chat.completions.create(model="fake", messages=messages, tools=TOOLS)
+        choice = first.choices[0]
+        assert choice.finish_reason == "tool_calls"
+        (call,) = choice.message.tool_calls or []
+        assert call.function.name == "get_weather" and call.id.startswith("call_")
+        assert json.loads(call.function.arguments) == {"city": "Paris"}
+        messages += [
+            choice.message.model_dump(exclude_none=True),
+            {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"},
+        ]
+        second = await client.chat.completions.create(model="fake", messages=messages, tools=TOOLS)
+        assert second.choices[0].message.content == ANSWER
+        assert second.choices[0].finish_reason == "stop"
+
+
+async def test_streamed_tool_call_deltas() -> None:
+    async with fake_server(FakeRunner(script=text_script(CALL))) as s, sdk(s) as client:
+        stream = await client.chat.completions.create(
+            model="fake", messages=[{"role": "user", "content": QUESTION}], tools=TOOLS,
+            stream=True,
+        )
+        calls: dict[int, dict[str, str]] = {}
+        finish = None
+        async for chunk in stream:
+            for c in chunk.choices:
+                for tc in c.delta.tool_calls or []:
+                    entry = calls.setdefault(tc.index, {"name": "", "arguments": ""})
+                    if tc.function and tc.function.name:
+                        entry["name"] = tc.function.name
+                    if tc.function and tc.function.arguments:
+                        entry["arguments"] += tc.function.arguments
+                finish = c.finish_reason or finish
+        assert finish == "tool_calls"
+        assert calls[0]["name"] == "get_weather"
+        assert json.loads(calls[0]["arguments"]) == {"city": "Paris"}
+
+
+async def test_without_tools_the_text_is_left_alone() -> None:
+    async with fake_server(FakeRunner(script=text_script(CALL))) as s, sdk(s) as client:
+        r = await client.chat.completions.create(
+            model="fake", messages=[{"role": "user", "content": QUESTION}]
+        )
+        assert r.choices[0].message.content == CALL and r.choices[0].finish_reason == "stop"
+
+
+async def test_reasoning_content_with_a_reasoning_parser() -> None:
+    runner = FakeRunner(script=text_script("<think>Ponder.</think>Done."))
+    async with fake_server(runner, reasoning_parser="think") as s, sdk(s) as client:
+        r = await client.chat.completions.create(
+            model="fake", messages=[{"role": "user", "content": "Think."}]
+        )
+        message = r.choices[0].message
+        assert message.content == "Done."
+        assert getattr(message, "reasoning_content", None) == "Ponder."

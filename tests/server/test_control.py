@@ -1,0 +1,230 @@
+"""Control plane, auth, CORS, admission (loading, overload, stopping) and prepare-stop."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import trio
+from conftest import TEST_SETTINGS, fake_server, running_server, wait_idle
+from fakes import fake_parts
+
+from ft.config import EngineConfig
+from ft.engine.engine import EngineHooks
+from ft.engine.fake import FakeRunner, text_script
+from ft.server import RunningServer, ServerSettings
+from ft.server.control import is_loopback, prometheus_text
+
+USER = [{"role": "user", "content": "hi"}]
+LONG = "lorem ipsum " * 100
+
+
+async def test_health_models_stats_metrics(client: httpx.AsyncClient) -> None:
+    assert (await client.get("/health")).json() == {"status": "ok", "state": "ready",
+                                                    "model": "fake"}
+    models = (await client.get("/v1/models")).json()
+    assert models["object"] == "list" and models["data"][0]["id"] == "fake"
+    assert models["data"][0]["object"] == "model"
+    stats = (await client.get("/v1/stats")).json()
+    assert set(stats) >= {"instance_id", "model", "uptime_s", "kv", "throughput", "requests"}
+    assert stats["requests"]["active"] == 0
+    metrics = await client.get("/metrics")
+    assert metrics.headers["content-type"].startswith("text/plain")
+    assert "ft_requests_active 0" in metrics.text
+    assert "# TYPE ft_requests_completed_total counter" in metrics.text
+
+
+def test_prometheus_text_names_counters_and_gauges() -> None:
+    text = prometheus_text(
+        {"instance_id": "x", "state": "ready", "model": {"id": 'a"b', "ctx": 8},
+         "requests": {"completed": 3, "ttft_mean_ms": 1.5, "prompt_tokens_total": 7}}
+    )
+    assert 'model="a\\"b"' in text
+    assert "ft_requests_completed_total 3" in text and "ft_requests_ttft_mean_ms 1.5" in text
+    assert "ft_requests_prompt_tokens_total 7" in text and "ft_model_ctx 8" in text
+
+
+async def test_tokenize_and_detokenize(client: httpx.AsyncClient) -> None:
+    r = await client.post("/v1/tokenize", json={"prompt": "ab"})
+    assert r.json()["tokens"] == [100, 101] and r.json()["count"] == 2
+    r = await client.post("/v1/tokenize", json={"messages": USER})
+    assert r.json()["count"] > 2
+    r = await client.post("/v1/detokenize", json={"tokens": [100, 101]})
+    assert r.json() == {"prompt": "ab"}
+    r = await client.post("/v1/detokenize", json={"tokens": [10**6]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tokens"
+    r = await client.post("/v1/tokenize", json={})
+    assert r.status_code == 400
+    r = await client.post("/v1/tokenize", json={"prompt": "a", "model": "nope"})
+    assert r.status_code == 404
+
+
+async def test_api_key() -> None:
+    settings = ServerSettings(port=0, api_key="sekrit", graceful_timeout_s=0.5)
+    async with fake_server(settings=settings) as s, httpx.AsyncClient(base_url=s.base_url) as c:
+        r = await c.get("/v1/models")
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        r = await c.post("/v1/chat/completions", json={"messages": USER},
+                         headers={"Authorization": "Bearer wrong"})
+        assert r.status_code == 401
+        assert (await c.get("/v1/models", headers={"Authorization": "Bearer sekrit"})).is_success
+        assert (await c.get("/v1/models", headers={"x-api-key": "sekrit"})).is_success
+        assert (await c.get("/health")).is_success and (await c.get("/metrics")).is_success
+
+
+async def test_cors_only_when_configured(client: httpx.AsyncClient) -> None:
+    r = await client.get("/v1/models", headers={"Origin": "http://a.example"})
+    assert "access-control-allow-origin" not in r.headers
+    settings = ServerSettings(port=0, cors_origins=("http://a.example",), graceful_timeout_s=0.5)
+    async with fake_server(settings=settings) as s, httpx.AsyncClient(base_url=s.base_url) as c:
+        r = await c.get("/v1/models", headers={"Origin": "http://a.example"})
+        assert r.headers["access-control-allow-origin"] == "http://a.example"
+        r = await c.options(
+            "/v1/chat/completions",
+            headers={"Origin": "http://a.example", "Access-Control-Request-Method": "POST"},
+        )
+        assert r.is_success and "POST" in r.headers["access-control-allow-methods"]
+        r = await c.get("/v1/models", headers={"Origin": "http://evil.example"})
+        assert "access-control-allow-origin" not in r.headers
+
+
+async def test_loading_answers_health_and_503() -> None:
+    release = threading.Event()
+    runner = FakeRunner()
+    load = fake_parts(runner)
+
+    def slow_load(config: EngineConfig):  # type: ignore[no-untyped-def]
+        release.wait(10)
+        return load(config)
+
+    hooks = EngineHooks(load_model=slow_load, tokenize_inline=True)
+    cfg = EngineConfig(num_pages=64)
+    async with (
+        running_server(cfg, hooks=hooks, wait_ready=False) as s,
+        httpx.AsyncClient(base_url=s.base_url) as c,
+    ):
+        health = (await c.get("/health")).json()
+        assert health["status"] == "loading"
+        for stream in (False, True):
+            r = await c.post("/v1/chat/completions", json={"messages": USER, "stream": stream})
+            assert r.status_code == 503 and r.headers["retry-after"] == "1"
+            assert r.json()["error"]["code"] == "model_loading"
+        assert (await c.post("/v1/tokenize", json={"prompt": "a"})).status_code == 503
+        release.set()
+        await s.engine.wait_ready()
+        assert (await c.get("/health")).json()["status"] == "ok"
+        r = await c.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 1})
+        assert r.status_code == 200
+
+
+async def test_engine_load_failure_is_reported_by_health() -> None:
+    def broken(config: EngineConfig):  # type: ignore[no-untyped-def]
+        raise OSError("no weights here")
+
+    hooks = EngineHooks(load_model=broken, tokenize_inline=True)
+    async with running_server(EngineConfig(), hooks=hooks, wait_ready=False) as s:
+        with trio.fail_after(5):
+            while s.engine.state == "loading":
+                await trio.sleep(0.01)
+        async with httpx.AsyncClient(base_url=s.base_url) as c:
+            health = (await c.get("/health")).json()
+            assert health["status"] == "error" and "no weights here" in health["error"]
+            r = await c.post("/v1/chat/completions", json={"messages": USER})
+            assert r.status_code == 503 and r.json()["error"]["code"] == "engine_error"
+
+
+async def test_full_queue_is_503_with_retry_after() -> None:
+    runner = FakeRunner(script=text_script(LONG), step_s=0.05)
+    async with (
+        fake_server(runner, max_running_requests=1, max_queued_requests=1) as s,
+        httpx.AsyncClient(base_url=s.base_url, timeout=10) as c,
+    ):
+        async with trio.open_nursery() as nursery:
+
+            async def hold(event: trio.Event) -> None:
+                body = {"messages": USER, "stream": True, "max_tokens": 200}
+                async with c.stream("POST", "/v1/chat/completions", json=body) as r:
+                    async for _ in r.aiter_raw():
+                        await event.wait()
+                        break
+
+            done = trio.Event()
+            nursery.start_soon(hold, done)
+            nursery.start_soon(hold, done)
+            with trio.fail_after(5):
+                while (await c.get("/v1/stats")).json()["requests"]["active"] < 2:
+                    await trio.sleep(0.02)
+            for stream in (False, True):
+                r = await c.post("/v1/chat/completions",
+                                 json={"messages": USER, "stream": stream})
+                assert r.status_code == 503, r.text
+                assert r.headers["retry-after"] == "1"
+                assert r.json()["error"]["type"] == "overloaded_error"
+            done.set()
+        await wait_idle(c)
+
+
+async def test_prepare_stop_on_idle_server_is_fast_and_idempotent(
+    client: httpx.AsyncClient,
+) -> None:
+    assert (await client.post("/v1/chat/completions",
+                              json={"messages": USER, "max_tokens": 2})).is_success
+    start = time.monotonic()
+    first = await client.post("/v1/admin/prepare-stop")
+    assert first.status_code == 200 and time.monotonic() - start < 0.5
+    assert first.json()["drain_complete"] is True
+    assert first.json()["requests"]["completed"] == 1
+    second = await client.post("/v1/admin/prepare-stop", json={"drain_timeout_s": 1})
+    assert second.json() == first.json()
+    r = await client.post("/v1/chat/completions", json={"messages": USER})
+    assert r.status_code == 503
+
+
+async def test_prepare_stop_aborts_what_does_not_drain() -> None:
+    runner = FakeRunner(script=text_script(LONG), step_s=0.02)
+    async with fake_server(runner) as s, httpx.AsyncClient(base_url=s.base_url, timeout=10) as c:
+        body = {"messages": USER, "stream": True, "max_tokens": 1000}
+        async with c.stream("POST", "/v1/chat/completions", json=body) as r:
+            lines = r.aiter_lines()
+            while not (await lines.__anext__()).startswith("data: "):
+                pass
+            stop = await c.post("/v1/admin/prepare-stop",
+                                json={"drain_timeout_s": 0.1, "abort_timeout_s": 1})
+            assert stop.status_code == 200
+            assert stop.json()["requests"]["active"] == 0
+            rest = [line async for line in lines if line.startswith("data: ")]
+        assert '"error"' in rest[-2] and rest[-1] == "data: [DONE]"
+
+
+async def test_prepare_stop_validates_its_body(client: httpx.AsyncClient) -> None:
+    r = await client.post("/v1/admin/prepare-stop", json={"drain_timeout_s": 61})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "drain_timeout_s"
+    r = await client.post("/v1/admin/prepare-stop", json={"abort_timeout_s": -1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "abort_timeout_s"
+
+
+def test_only_loopback_callers_may_prepare_stop() -> None:
+    assert is_loopback(("127.0.0.1", 5)) and is_loopback(("::1", 5))
+    assert not is_loopback(("10.0.0.1", 5)) and not is_loopback(None)
+    assert not is_loopback(("not an address", 5))
+
+
+def test_settings_validate() -> None:
+    import pytest
+
+    with pytest.raises(ValueError):
+        ServerSettings(port=70000)
+    with pytest.raises(ValueError):
+        ServerSettings(api_key="")
+    assert TEST_SETTINGS.port == 0
+
+
+async def test_prepare_stop_from_a_remote_address_is_403(server: RunningServer) -> None:
+    client = server.app.test_client()
+    r = await client.post(
+        "/v1/admin/prepare-stop", json={}, scope_base={"client": ("10.1.2.3", 40000)}
+    )
+    assert r.status_code == 403
+    assert (await r.get_json())["error"]["type"] == "permission_error"
+    assert server.engine.state == "ready"

@@ -1,0 +1,238 @@
+"""Chat and completions on the fake model: every field of issue 3, in OpenAI's shapes."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from conftest import parse_sse, wait_idle
+
+USER = [{"role": "user", "content": "hi"}]
+SCRIPT_TEXT = "Hello from the fake model."
+
+
+async def chat(client: httpx.AsyncClient, **body: object) -> httpx.Response:
+    return await client.post("/v1/chat/completions", json={"messages": USER} | body)
+
+
+async def test_chat_shape(client: httpx.AsyncClient) -> None:
+    r = await chat(client, model="fake", max_tokens=5)
+    assert r.status_code == 200
+    body = r.json()
+    assert body["id"].startswith("chatcmpl-") and body["object"] == "chat.completion"
+    assert body["model"] == "fake"
+    (choice,) = body["choices"]
+    assert choice == {
+        "index": 0,
+        "message": {"role": "assistant", "content": "Hello"},
+        "logprobs": None,
+        "finish_reason": "length",
+    }
+    assert body["usage"]["completion_tokens"] == 5
+    assert body["usage"]["total_tokens"] == body["usage"]["prompt_tokens"] + 5
+
+
+async def test_chat_runs_to_eos_with_finish_reason_stop(client: httpx.AsyncClient) -> None:
+    r = await chat(client)
+    assert r.json()["choices"][0]["message"]["content"] == SCRIPT_TEXT
+    assert r.json()["choices"][0]["finish_reason"] == "stop"
+
+
+async def test_missing_model_means_the_served_one(client: httpx.AsyncClient) -> None:
+    assert (await chat(client, max_tokens=1)).status_code == 200
+
+
+async def test_unknown_model_is_404(client: httpx.AsyncClient) -> None:
+    r = await chat(client, model="gpt-9")
+    assert r.status_code == 404
+    assert r.json()["error"]["code"] == "model_not_found"
+    assert r.json()["error"]["param"] == "model"
+
+
+@pytest.mark.parametrize("stop", ["fake", ["xyz", "fake"]])
+async def test_stop_as_string_or_list(client: httpx.AsyncClient, stop: object) -> None:
+    r = await chat(client, stop=stop)
+    assert r.json()["choices"][0]["message"]["content"] == "Hello from the "
+    assert r.json()["choices"][0]["finish_reason"] == "stop"
+
+
+async def test_max_completion_tokens_wins_over_max_tokens(client: httpx.AsyncClient) -> None:
+    r = await chat(client, max_tokens=10, max_completion_tokens=3)
+    assert r.json()["choices"][0]["message"]["content"] == "Hel"
+
+
+async def test_n_choices(client: httpx.AsyncClient) -> None:
+    r = await chat(client, n=3, max_tokens=2)
+    assert [c["index"] for c in r.json()["choices"]] == [0, 1, 2]
+    assert r.json()["usage"]["completion_tokens"] == 6
+
+
+async def test_chat_logprobs_shape(client: httpx.AsyncClient) -> None:
+    r = await chat(client, max_tokens=2, logprobs=True, top_logprobs=1)
+    content = r.json()["choices"][0]["logprobs"]["content"]
+    assert [c["token"] for c in content] == ["H", "e"]
+    assert content[0]["logprob"] == -0.5 and content[0]["bytes"] == [72]
+    assert content[0]["top_logprobs"] == [{"token": "H", "logprob": -0.5, "bytes": [72]}]
+
+
+async def test_top_logprobs_requires_logprobs(client: httpx.AsyncClient) -> None:
+    r = await chat(client, top_logprobs=2)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs"
+
+
+async def test_every_role_and_text_parts(client: httpx.AsyncClient) -> None:
+    messages = [
+        {"role": "system", "content": "be brief"},
+        {"role": "developer", "content": [{"type": "text", "text": "really"}]},
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function",
+             "function": {"name": "f", "arguments": "{\"x\": 1}"}}]},
+        {"role": "tool", "content": "42", "tool_call_id": "c1"},
+    ]
+    r = await client.post(
+        "/v1/chat/completions",
+        json={"messages": messages, "max_tokens": 2, "seed": 7, "chat_template_kwargs": {"x": 1},
+              "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
+    )
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize(
+    "part",
+    [{"type": "image_url", "image_url": {"url": "data:,"}},
+     {"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}],
+)
+async def test_media_parts_are_refused(client: httpx.AsyncClient, part: object) -> None:
+    r = await client.post(
+        "/v1/chat/completions", json={"messages": [{"role": "user", "content": [part]}]}
+    )
+    assert r.status_code == 400
+    assert "text only" in r.json()["error"]["message"]
+    assert r.json()["error"]["param"] == "messages[0].content"
+
+
+@pytest.mark.parametrize("kind", ["json_object", "json_schema"])
+async def test_response_format_json_is_refused(client: httpx.AsyncClient, kind: str) -> None:
+    r = await chat(client, response_format={"type": kind})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "response_format"
+    assert (await chat(client, response_format={"type": "text"}, max_tokens=1)).status_code == 200
+
+
+async def test_unknown_top_level_fields_are_ignored(client: httpx.AsyncClient) -> None:
+    r = await chat(client, max_tokens=1, metadata={"a": 1}, store=False, frobnicate=[1, 2])
+    assert r.status_code == 200
+
+
+async def test_chat_stream_shape(client: httpx.AsyncClient) -> None:
+    r = await chat(client, stream=True, n=2, max_tokens=3, stream_options={"include_usage": True})
+    assert r.headers["content-type"].startswith("text/event-stream")
+    assert r.headers["cache-control"] == "no-cache" and r.headers["x-accel-buffering"] == "no"
+    assert r.text.startswith(": connected\n\n")
+    events = parse_sse(r.text)
+    assert events[-1] == "[DONE]"
+    chunks, usage = events[:-2], events[-2]
+    assert {c["id"] for c in chunks} | {usage["id"]} == {chunks[0]["id"]}
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    for index in (0, 1):
+        mine = [c["choices"][0] for c in chunks if c["choices"][0]["index"] == index]
+        assert mine[0]["delta"] == {"role": "assistant", "content": ""}
+        assert all("role" not in m["delta"] for m in mine[1:])
+        assert "".join(m["delta"].get("content", "") for m in mine) == "Hel"
+        assert [m["finish_reason"] for m in mine][-1] == "length"
+        assert all(m["finish_reason"] is None for m in mine[:-1])
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 6
+
+
+async def test_stream_without_include_usage_has_no_usage_chunk(client: httpx.AsyncClient) -> None:
+    events = parse_sse((await chat(client, stream=True, max_tokens=2)).text)
+    assert all("usage" not in e for e in events[:-1])
+
+
+async def test_stream_logprobs(client: httpx.AsyncClient) -> None:
+    events = parse_sse((await chat(client, stream=True, max_tokens=2, logprobs=True)).text)
+    tokens = [
+        t["token"] for e in events[:-1] for c in e["choices"] if c["logprobs"]
+        for t in c["logprobs"]["content"]
+    ]
+    assert tokens == ["H", "e"]
+
+
+async def test_context_length_exceeded(client: httpx.AsyncClient) -> None:
+    r = await chat(client, max_tokens=5000)
+    assert r.status_code == 400
+    assert r.json()["error"]["code"] == "context_length_exceeded"
+
+
+async def test_error_after_headers_is_in_stream(client: httpx.AsyncClient) -> None:
+    r = await chat(client, max_tokens=5000, stream=True)
+    assert r.status_code == 200
+    events = parse_sse(r.text)
+    assert events[-1] == "[DONE]"
+    assert events[-2]["error"]["code"] == "context_length_exceeded"
+    await wait_idle(client)
+
+
+# --- completions ---------------------------------------------------------------------------
+
+
+async def complete(client: httpx.AsyncClient, **body: object) -> httpx.Response:
+    return await client.post("/v1/completions", json=body)
+
+
+async def test_completion_shape(client: httpx.AsyncClient) -> None:
+    r = await complete(client, prompt="abc", max_tokens=3)
+    body = r.json()
+    assert body["id"].startswith("cmpl-") and body["object"] == "text_completion"
+    assert body["choices"] == [
+        {"index": 0, "text": "Hel", "logprobs": None, "finish_reason": "length"}
+    ]
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
+
+
+async def test_completion_default_max_tokens_is_16(client: httpx.AsyncClient) -> None:
+    r = await complete(client, prompt="abc")
+    assert r.json()["usage"]["completion_tokens"] == 16
+
+
+@pytest.mark.parametrize(
+    ("prompt", "count"),
+    [("abc", 1), (["a", "b", "c"], 3), ([100, 101], 1), ([[100], [101, 102]], 2)],
+)
+async def test_prompt_forms(client: httpx.AsyncClient, prompt: object, count: int) -> None:
+    r = await complete(client, prompt=prompt, max_tokens=2, n=2)
+    assert r.status_code == 200, r.text
+    assert [c["index"] for c in r.json()["choices"]] == list(range(2 * count))
+    assert all(c["text"] == "He" for c in r.json()["choices"])
+
+
+async def test_echo_and_logprobs(client: httpx.AsyncClient) -> None:
+    r = await complete(client, prompt="ab", max_tokens=2, echo=True, logprobs=1)
+    choice = r.json()["choices"][0]
+    assert choice["text"] == "abHe"
+    lp = choice["logprobs"]
+    assert lp["tokens"] == ["a", "b", "H", "e"]
+    assert lp["token_logprobs"] == [None, None, -0.5, -0.5]
+    assert lp["text_offset"] == [0, 1, 2, 3]
+    assert lp["top_logprobs"][2] == {"H": -0.5}
+
+
+async def test_suffix_is_refused(client: httpx.AsyncClient) -> None:
+    r = await complete(client, prompt="a", suffix="b")
+    assert r.status_code == 400 and r.json()["error"]["param"] == "suffix"
+
+
+async def test_completion_stream(client: httpx.AsyncClient) -> None:
+    r = await complete(
+        client, prompt=["a", "b"], max_tokens=2, stream=True, echo=True,
+        stream_options={"include_usage": True},
+    )
+    events = parse_sse(r.text)
+    assert events[-1] == "[DONE]"
+    usage = events[-2]
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 4
+    chunks = events[:-2]
+    assert len({c["id"] for c in chunks}) == 1
+    for index, prompt in ((0, "a"), (1, "b")):
+        mine = [c["choices"][0] for c in chunks if c["choices"][0]["index"] == index]
+        assert "".join(m["text"] for m in mine) == prompt + "He"
+        assert mine[-1]["finish_reason"] == "length"

@@ -1,0 +1,73 @@
+"""SIGTERM: stop admitting, drain up to the shutdown timeout, abort the rest, exit 0."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import trio
+
+SCRIPT = Path(__file__).with_name("serve_fake.py")
+USER = [{"role": "user", "content": "hi"}]
+
+
+async def _start(shutdown_timeout: float) -> tuple[trio.Process, str, trio.abc.ReceiveStream]:
+    proc = await trio.lowlevel.open_process(
+        [sys.executable, str(SCRIPT), str(shutdown_timeout)], stdout=subprocess.PIPE,
+    )
+    assert proc.stdout is not None
+    buf = b""
+    with trio.fail_after(20):
+        while b"\n" not in buf:
+            chunk = await proc.stdout.receive_some()
+            assert chunk, "the server exited before printing its URL"
+            buf += chunk
+    return proc, buf.split(b"\n")[0].decode(), proc.stdout
+
+
+async def _rest(stdout: trio.abc.ReceiveStream) -> bytes:
+    out = b""
+    while chunk := await stdout.receive_some():
+        out += chunk
+    return out
+
+
+async def test_sigterm_drains_then_aborts_and_exits_zero() -> None:
+    proc, url, stdout = await _start(shutdown_timeout=0.5)
+    try:
+        async with httpx.AsyncClient(base_url=url, timeout=10) as c:
+            body = {"messages": USER, "stream": True, "max_tokens": 1000}
+            async with c.stream("POST", "/v1/chat/completions", json=body) as r:
+                lines = r.aiter_lines()
+                while not (await lines.__anext__()).startswith("data: "):
+                    pass
+                proc.send_signal(signal.SIGTERM)
+                await trio.sleep(0.1)
+                refused = await c.post("/v1/chat/completions", json={"messages": USER})
+                assert refused.status_code == 503
+                rest = [line async for line in lines if line.startswith("data: ")]
+            assert '"error"' in rest[-2] and rest[-1] == "data: [DONE]"
+        with trio.fail_after(15):
+            assert await proc.wait() == 0
+            assert b"exited cleanly" in await _rest(stdout)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
+async def test_sigint_on_an_idle_server_exits_zero_at_once() -> None:
+    proc, url, _ = await _start(shutdown_timeout=30)
+    try:
+        async with httpx.AsyncClient(base_url=url) as c:
+            assert (await c.get("/health")).json()["status"] == "ok"
+        proc.send_signal(signal.SIGINT)
+        with trio.fail_after(10):
+            assert await proc.wait() == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
