@@ -57,10 +57,14 @@ class Soak:
         self.outcomes: Counter[str] = Counter()
         self.server_errors: list[str] = []
 
-    def note(self, kind: str, status: int, detail: str = "") -> None:
+    def note(self, kind: str, status: int, body: str = "") -> None:
+        """Count an outcome; a 5xx other than overload (503 `overloaded_error`) is a failure."""
+        if status == 503 and "overloaded_error" in body:
+            self.outcomes[f"{kind}:503-overloaded"] += 1
+            return
         self.outcomes[f"{kind}:{status}"] += 1
-        if status >= 500 and not (status == 503 and kind in ("burst", "stream", "chat")):
-            self.server_errors.append(f"{kind} {status} {detail[:200]}")
+        if status >= 500:
+            self.server_errors.append(f"{kind} {status} {body[:200]}")
 
     async def one(self, kind: str) -> None:
         c = self.client
@@ -81,6 +85,9 @@ class Soak:
             self.note(kind, r.status_code)
         elif kind in ("stream", "drop"):
             async with c.stream("POST", CHAT, json=chat_body(True)) as r:
+                if r.status_code != 200:
+                    self.note(kind, r.status_code, (await r.aread()).decode("utf-8", "replace"))
+                    return
                 self.note(kind, r.status_code)
                 async for line in r.aiter_lines():
                     if kind == "drop" and line.startswith("data:"):

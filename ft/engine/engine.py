@@ -207,7 +207,11 @@ class Engine:
 
     # --- requests ----------------------------------------------------------------------------
 
-    def _admit(self) -> None:
+    def check_admission(self) -> None:
+        """Raise what `open_request` would raise now for engine state or capacity.
+
+        A streaming route calls it first so it can answer 503 before committing to a 200.
+        """
         if self.state == "loading":
             raise EngineStopping("the model is still loading", code="model_loading")
         if self.state == "error":
@@ -249,7 +253,7 @@ class Engine:
         params = params or SamplingParams()
         if sum(x is not None for x in (messages, prompt, prompt_token_ids)) != 1:
             raise InvalidRequest("give exactly one of messages, prompt or prompt_token_ids")
-        self._admit()
+        self.check_admission()
         assert self._tokenizer_inbox is not None and self._scheduler_inbox is not None
         uid = next(self._uids)
         # Bounded by the most events a request can receive: PromptReady, a Delta per token

@@ -66,25 +66,8 @@ class ServerContext:
             )
 
     def check_admission(self) -> None:
-        """Raise 503 while loading, stopping, failed, or with a full queue.
-
-        The engine checks again when the request opens; this check lets a streaming route
-        answer with a status before it commits to a 200 event stream.
-        """
-        engine = self.engine
-        if engine.state == "loading":
-            raise EngineStopping("the model is still loading; retry shortly", code="model_loading")
-        if engine.state == "error":
-            raise EngineStopping(f"the engine failed to start: {engine.error}", code="engine_error")
-        if engine.state != "ready":
-            raise EngineStopping("the server is stopping and admits no new requests")
-        waiting = engine.snapshot()["requests"]["waiting"]
-        if waiting >= engine.config.max_queued_requests:
-            engine.stats.rejected += 1  # as the engine counts its own admission refusals
-            raise Overloaded(
-                f"the queue is full ({engine.config.max_queued_requests} waiting requests); "
-                "retry later"
-            )
+        """Raise 503 while loading, stopping, failed, or with a full queue."""
+        self.engine.check_admission()
 
     def check_token_ids(self, ids: list[int], param: str) -> None:
         """Raise 400 for a token id outside the vocabulary."""

@@ -65,13 +65,13 @@ class ChatCompletion:
             )
         if req.top_logprobs and not req.logprobs:
             raise InvalidRequest("top_logprobs requires logprobs: true", param="top_logprobs")
-        ctx.check_admission()
         self.params = sampling_params(
             ctx, req,
             max_tokens=req.max_completion_tokens or req.max_tokens,
             logprobs=req.logprobs,
             top_logprobs=req.top_logprobs or 0,
         )
+        ctx.check_admission()  # after validation: a bad request is a 400 whatever the load
         self.messages = [chat_message_for_template(m) for m in req.messages]
         self.tools = req.tools if req.tools and req.tool_choice != "none" else None
         self.id = new_id("chatcmpl")
@@ -186,7 +186,6 @@ class TextCompletion:
             raise InvalidRequest("suffix is not supported", param="suffix")
         if req.best_of is not None and req.best_of != req.n:
             raise InvalidRequest("best_of is not supported (use n)", param="best_of")
-        ctx.check_admission()
         for i, p in enumerate(req.prompt):
             if isinstance(p, list):
                 ctx.check_token_ids(p, "prompt" if len(req.prompt) == 1 else f"prompt[{i}]")
@@ -196,6 +195,7 @@ class TextCompletion:
             logprobs=req.logprobs is not None,
             top_logprobs=req.logprobs or 0,
         )
+        ctx.check_admission()  # after validation: a bad request is a 400 whatever the load
         self.id = new_id("cmpl")
         self.created = int(time.time())
         self.model = req.model or ctx.engine.model_id
