@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ft.config import EngineConfig
-    from ft.engine.engine import Engine, EngineHooks, open_engine
+    from ft.engine.engine import Engine, open_engine
+    from ft.engine.loading import EngineHooks
     from ft.engine.stream import Choice, RequestStream
     from ft.errors import (
         ContextLengthExceeded,
@@ -27,7 +28,7 @@ if TYPE_CHECKING:
 _EXPORTS = {
     "EngineConfig": "ft.config",
     "Engine": "ft.engine.engine",
-    "EngineHooks": "ft.engine.engine",
+    "EngineHooks": "ft.engine.loading",
     "open_engine": "ft.engine.engine",
     "Choice": "ft.engine.stream",
     "RequestStream": "ft.engine.stream",
@@ -42,7 +43,23 @@ _EXPORTS = {
     "RequestAborted": "ft.errors",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "Choice",
+    "ContextLengthExceeded",
+    "Delta",
+    "Engine",
+    "EngineConfig",
+    "EngineHooks",
+    "EngineStopping",
+    "FtError",
+    "InvalidRequest",
+    "Overloaded",
+    "RequestAborted",
+    "RequestFailed",
+    "RequestStream",
+    "SamplingParams",
+    "open_engine",
+]
 
 
 def __getattr__(name: str) -> Any:

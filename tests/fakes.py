@@ -9,8 +9,9 @@ from typing import Any
 
 from ft.config import EngineConfig
 from ft.core.batch import SeqWork
-from ft.engine.engine import Engine, EngineHooks, ModelParts, open_engine
+from ft.engine.engine import Engine, open_engine
 from ft.engine.fake import FakeRunner, byte_tokenizer_spec
+from ft.engine.loading import EngineHooks, ModelParts
 from ft.messages import Tokenize
 
 

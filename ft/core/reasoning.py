@@ -129,7 +129,7 @@ class ReasoningParser:
         return False
 
     def _emit_held_back(
-        self, kind: type[ReasoningDelta] | type[ContentDelta], keep: int, out: list[ReasoningEvent]
+        self, kind: type[ReasoningDelta | ContentDelta], keep: int, out: list[ReasoningEvent]
     ) -> None:
         """Emit all of the buffer but its last `keep` characters as `kind`."""
         text = self._buf[: len(self._buf) - keep]

@@ -9,12 +9,12 @@ sequences) can be allocated, so a running sequence never runs out of pages.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import replace
 from collections.abc import Iterable
+from dataclasses import replace
 
 from ft.core.batch import SeqWork
 from ft.core.kv import PagePool, page_hash
-from ft.core.sequence import Sequence, SeqStatus
+from ft.core.sequence import SeqStatus, Sequence
 from ft.errors import ContextLengthExceeded, FtError, InvalidRequest, RequestFailed
 from ft.messages import Batch, SeqFailed, StepDone, TokenOut
 from ft.params import SamplingParams

@@ -6,12 +6,10 @@ import itertools
 import math
 import os
 import tempfile
-import time
 import uuid
-from collections import deque
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any
 
 import cbor2
@@ -24,65 +22,15 @@ from ft.actors.scheduler import SchedulerActor
 from ft.actors.tokenize_job import tokenize_job
 from ft.actors.tokenizer import Executor, TokenizerActor
 from ft.config import EngineConfig
-from ft.core.batch import Runner, SeqWork
 from ft.core.kv import PagePool
 from ft.core.scheduler import Scheduler
+from ft.engine.loading import EngineHooks, load_torch_model
 from ft.engine.registry import Registry, RequestEntry
 from ft.engine.stats import Stats
 from ft.engine.stream import RequestStream
 from ft.errors import EngineStopping, FtError, InvalidRequest, Overloaded, RequestAborted
 from ft.messages import Abort, Batch, DetokenizerIn, SchedulerIn, StepDone, Tokenize
-from ft.model.tokenizer import TokenizerSpec
 from ft.params import SamplingParams
-
-
-@dataclass(frozen=True)
-class ModelParts:
-    """What the engine needs from a model: its tokenizer and a way to build its runner."""
-
-    model_id: str
-    tokenizer: TokenizerSpec
-    make_runner: Callable[[int, int], Runner]  # (num_pages, page_size) -> Runner
-    bytes_per_page: Callable[[int], int]  # page_size -> bytes
-    vocab_size: int
-    generation_defaults: dict[str, float | int]
-
-
-@dataclass(frozen=True)
-class EngineHooks:
-    """Test hooks: a fake model, in-process tokenization, and fault injection."""
-
-    load_model: Callable[[EngineConfig], ModelParts] | None = None
-    tokenize_inline: bool = False
-    before_step: Callable[[list[SeqWork]], None] | None = None
-    tokenizer_fault: Callable[[Tokenize], str | None] | None = None
-
-
-def load_torch_model(config: EngineConfig) -> ModelParts:
-    """Load weights and tokenizer for `config.model` (blocking; run it in a thread)."""
-    from ft.model.loader import load_model
-    from ft.model.dtypes import resolve_dtype
-    from ft.model.torch_runner import TorchRunner
-
-    import torch
-
-    loaded = load_model(config.model, torch.float32)  # the runner casts to its dtype
-    dtype = resolve_dtype(config.dtype, loaded.config)
-
-    def make_runner(num_pages: int, page_size: int) -> Runner:
-        return TorchRunner(
-            loaded, num_pages=num_pages, page_size=page_size, dtype=dtype,
-            threads=config.compute_threads,
-        )
-
-    return ModelParts(
-        model_id=loaded.model_id,
-        tokenizer=loaded.tokenizer,
-        make_runner=make_runner,
-        bytes_per_page=lambda ps: TorchRunner.bytes_per_page(loaded.config, ps, dtype),
-        vocab_size=loaded.config.vocab_size,
-        generation_defaults=loaded.generation_defaults,
-    )
 
 
 async def _inline(job: Callable[[bytes], bytes], payload: bytes) -> bytes:

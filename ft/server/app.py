@@ -24,7 +24,8 @@ from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
 from ft.config import EngineConfig
-from ft.engine.engine import Engine, EngineHooks, open_engine
+from ft.engine.engine import Engine, open_engine
+from ft.engine.loading import EngineHooks
 from ft.errors import FtError
 from ft.server import control, openai
 from ft.server.context import ServerContext, error_response

@@ -16,7 +16,7 @@ from pydantic import BaseModel, ValidationError
 from quart import Response, request
 
 from ft.engine.engine import Engine
-from ft.errors import EngineStopping, FtError, InvalidRequest, Overloaded
+from ft.errors import FtError, InvalidRequest
 from ft.server.body import read_json
 from ft.server.http_errors import (
     ErrorFormatter,

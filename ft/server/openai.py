@@ -20,9 +20,9 @@ from quart_trio import QuartTrio
 from ft.engine.stream import Choice, RequestStream
 from ft.errors import FtError, InvalidRequest
 from ft.params import SamplingParams
+from ft.server.assemble import ChatAssembler
 from ft.server.context import ServerContext, json_response, new_id, read_request
 from ft.server.http_errors import internal_error
-from ft.server.assemble import ChatAssembler
 from ft.server.openai_format import (
     CompletionLogprobs,
     chat_logprobs,

@@ -10,7 +10,6 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from ft.engine.stream import Choice
 from ft.errors import InvalidRequest
 from ft.messages import TokenLogprob
 from ft.params import SamplingParams

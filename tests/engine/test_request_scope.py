@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 import trio
 import trio.testing
-import pytest
-
 from fakes import fake_engine
+
 from ft.engine.engine import Engine
 from ft.engine.fake import FakeRunner, text_script
 from ft.errors import ContextLengthExceeded, InvalidRequest, Overloaded, RequestFailed
@@ -103,7 +103,7 @@ async def test_unpackable_integer_fails_inside_the_scope(
 async def test_tokenizer_crash_fails_only_its_request(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    fault = lambda msg: "raise" if msg.prompt == "crash" else None  # noqa: E731
+    fault = lambda msg: "raise" if msg.prompt == "crash" else None
     async with fake_engine(tokenizer_fault=fault) as engine:
         with pytest.raises(RequestFailed):
             async with engine.open_request(prompt="crash") as stream:

@@ -6,10 +6,10 @@ from dataclasses import dataclass
 
 import trio
 import trio.testing
+from fakes import fake_engine
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fakes import fake_engine
 from ft.core.batch import SeqWork
 from ft.engine.fake import FakeRunner, text_script
 from ft.errors import FtError
@@ -50,7 +50,7 @@ def before_step(works: list[SeqWork]) -> None:
 
 async def scenario(reqs: list[Plan], max_running: int, num_pages: int) -> None:
     runner = FakeRunner(text_script("hello world, all is well " * 4), step_s=0.03)
-    fault = lambda m: "raise" if m.prompt and m.prompt.startswith("!") else None  # noqa: E731
+    fault = lambda m: "raise" if m.prompt and m.prompt.startswith("!") else None
     async with fake_engine(
         runner,
         before_step=before_step,

@@ -14,8 +14,8 @@ from fakes import fake_parts
 
 from ft.config import EngineConfig
 from ft.core.batch import SeqWork
-from ft.engine.engine import EngineHooks
 from ft.engine.fake import FakeRunner
+from ft.engine.loading import EngineHooks
 from ft.server import RunningServer, ServerSettings, open_server
 
 TEST_SETTINGS = ServerSettings(port=0, sse_heartbeat_s=0.2, graceful_timeout_s=0.5)

@@ -13,8 +13,8 @@ sys.path.insert(0, str(Path(__file__).parents[1]))
 from fakes import fake_parts
 
 from ft.config import EngineConfig
-from ft.engine.engine import EngineHooks
 from ft.engine.fake import FakeRunner, text_script
+from ft.engine.loading import EngineHooks
 from ft.server import RunningServer, ServerSettings
 from ft.server.app import serve
 

@@ -11,8 +11,8 @@ from conftest import TEST_SETTINGS, fake_server, running_server, wait_idle
 from fakes import fake_parts
 
 from ft.config import EngineConfig
-from ft.engine.engine import EngineHooks
 from ft.engine.fake import FakeRunner, text_script
+from ft.engine.loading import EngineHooks
 from ft.server import RunningServer, ServerSettings
 from ft.server.control import is_loopback, prometheus_text
 

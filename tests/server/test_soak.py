@@ -6,11 +6,12 @@ import sys
 from pathlib import Path
 
 from conftest import fake_server
+
 from ft.engine.fake import FakeRunner, text_script
 
 sys.path.insert(0, str(Path(__file__).parents[2] / "tools"))
 
-from soak import run_soak  # noqa: E402
+from soak import run_soak
 
 
 async def test_short_soak_has_no_5xx_and_returns_to_baseline() -> None:
