@@ -1,0 +1,44 @@
+"""Tokenization in real worker processes: leaving while tokenizing, and a worker that dies."""
+
+from __future__ import annotations
+
+import trio
+import trio.testing
+import pytest
+
+from fakes import fake_engine
+from ft.errors import RequestFailed
+from ft.messages import Tokenize
+
+
+def exit_on_bang(msg: Tokenize) -> str | None:
+    """Test hook: the worker process exits mid-job for prompts starting with '!'."""
+    return "exit" if msg.prompt and msg.prompt.startswith("!") else None
+
+
+async def test_worker_death_fails_only_its_request_and_the_engine_carries_on() -> None:
+    with trio.fail_after(60):
+        async with fake_engine(inline=False, tokenizer_fault=exit_on_bang) as engine:
+            with pytest.raises(RequestFailed, match="worker died"):
+                async with engine.open_request(prompt="!die") as stream:
+                    await stream.collect()
+            for _ in range(2):
+                async with engine.open_request(prompt="fine") as stream:
+                    assert (await stream.collect())[0].finish_reason == "stop"
+            await trio.testing.wait_all_tasks_blocked(0.05)
+            assert len(engine.registry) == 0
+            assert engine.core is not None and engine.core.pool.num_used == 0
+
+
+async def test_leaving_while_the_worker_tokenizes_never_enqueues() -> None:
+    with trio.fail_after(60):
+        async with fake_engine(inline=False) as engine:
+            assert engine.core is not None
+            for _ in range(5):
+                with trio.move_on_after(0.001):
+                    async with engine.open_request(prompt="x" * 1000) as stream:
+                        await stream.collect()
+            await trio.sleep(1.0)  # let the worker answer the abandoned jobs
+            assert len(engine.registry) == 0
+            assert not engine.core.waiting and not engine.core.running
+            assert engine.core.pool.num_used == 0
