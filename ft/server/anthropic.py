@@ -202,9 +202,12 @@ def sampling_params(ctx: ServerContext, req: MessagesRequest) -> SamplingParams:
     def pick(name: str, value: float | None, fallback: float) -> Any:
         return value if value is not None else defaults.get(name, fallback)
 
+    # Anthropic's max_tokens is a ceiling, and agents send far more than a small model's
+    # context (Claude Code: 32000). One that reaches the context means "up to the context".
+    max_tokens = None if req.max_tokens >= ctx.engine.max_model_len else req.max_tokens
     try:
         return SamplingParams(
-            max_tokens=req.max_tokens,
+            max_tokens=max_tokens,
             temperature=float(pick("temperature", req.temperature, 1.0)),
             top_p=float(pick("top_p", req.top_p, 1.0)),
             top_k=int(pick("top_k", req.top_k, 0)),

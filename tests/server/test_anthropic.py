@@ -236,11 +236,11 @@ async def test_error_mid_stream_is_an_error_event() -> None:
 
 
 async def test_context_too_long_after_headers_is_an_error_event(server: RunningServer) -> None:
-    r = await post(server, {"model": "fake", "max_tokens": 5000, "messages": USER,
-                            "stream": True})
+    long = [{"role": "user", "content": "x" * 3000}]  # the fake model's context is 2048
+    r = await post(server, {"model": "fake", "max_tokens": 5, "messages": long, "stream": True})
     name, error = events_of(r.text)[-1]
     assert name == "error" and error["error"]["type"] == "invalid_request_error"
-    assert "max_tokens" in error["error"]["message"]
+    assert "context length" in error["error"]["message"]
 
 
 # --- tools and thinking ----------------------------------------------------------------------
@@ -331,3 +331,13 @@ async def test_disconnect_mid_stream_frees_everything() -> None:
                     break
         with trio.fail_after(5):
             await wait_idle(c)
+
+
+async def test_max_tokens_beyond_the_context_means_up_to_the_context(server: RunningServer) -> None:
+    # Agents send max_tokens far beyond a small model's context (Claude Code: 32000).
+    r = await post(server, {"model": "fake", "max_tokens": 32000, "messages": USER})
+    assert r.status_code == 200 and r.json()["stop_reason"] == "end_turn"
+    async with sdk(server) as client, client.messages.stream(
+        model="fake", max_tokens=32000, messages=USER
+    ) as stream:
+        assert (await stream.get_final_message()).stop_reason == "end_turn"
