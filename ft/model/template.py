@@ -21,6 +21,48 @@ CHATML_TEMPLATE = (
 )
 
 
+# For templates that know nothing of tools (SmolLM2's among them): the Hermes convention, which
+# the `hermes` tool-call parser reads back.
+TOOLS_SYSTEM_PROMPT = (
+    "You are a function calling AI model. You are provided with function signatures within "
+    "<tools></tools> XML tags. You may call one or more functions to assist with the user "
+    "query. Don't make assumptions about what values to plug into functions. Here are the "
+    "available tools: <tools>\n{tools}\n</tools>\nFor each function call, return a JSON "
+    "object with the function name and arguments within <tool_call></tool_call> XML tags:\n"
+    '<tool_call>\n{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>'
+)
+
+
+def inline_tools(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Messages with the tool definitions, calls and results written into their text.
+
+    For a template that never reads `tools` or `tool_calls`: definitions go into the system
+    message, an assistant's calls become `<tool_call>` blocks, tool results `<tool_response>`.
+    """
+    listing = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+    prompt = TOOLS_SYSTEM_PROMPT.format(tools=listing)
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        m = dict(m)
+        if m.get("tool_calls"):
+            calls = "".join(
+                "\n<tool_call>\n" + json.dumps(
+                    {"name": c["function"]["name"], "arguments": c["function"].get("arguments")},
+                    ensure_ascii=False,
+                ) + "\n</tool_call>"
+                for c in m.pop("tool_calls")
+            )
+            m["content"] = ((m.get("content") or "") + calls).strip()
+        if m.get("role") == "tool":
+            m["content"] = f"<tool_response>\n{m.get('content') or ''}\n</tool_response>"
+        out.append(m)
+    if out and out[0].get("role") == "system":
+        out[0]["content"] = f"{out[0].get('content') or ''}\n\n{prompt}".strip()
+    else:
+        out.insert(0, {"role": "system", "content": prompt})
+    return out
+
+
 class _TemplateRaised(Exception):
     """A template called `raise_exception(message)`."""
 
@@ -67,8 +109,11 @@ def render_chat(
     Raises:
         InvalidRequest: the template failed on these messages (param "messages").
     """
+    source = template if template is not None else CHATML_TEMPLATE
+    if tools and "tools" not in source:
+        messages = inline_tools(messages, tools)
     try:
-        compiled = compile_template(template if template is not None else CHATML_TEMPLATE)
+        compiled = compile_template(source)
         context: dict[str, Any] = dict(extra or {})
         context.update(
             messages=messages,

@@ -61,3 +61,31 @@ def test_template_sees_tools_and_tojson() -> None:
 def test_sandbox_blocks_attribute_escape() -> None:
     with pytest.raises(InvalidRequest):
         render_chat("{{ messages.__class__.__mro__[1].__subclasses__() }}", [])
+
+
+def test_tools_are_written_into_a_template_that_ignores_them() -> None:
+    from ft.model.template import CHATML_TEMPLATE, render_chat
+
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function",
+             "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+    ]
+    text = render_chat(CHATML_TEMPLATE, messages, tools=tools)
+    assert text.startswith("<|im_start|>system\nBe brief.\n\nYou are a function calling")
+    assert '"name": "get_weather"' in text and "<tools>" in text
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in text
+    assert "<tool_response>\nsunny\n</tool_response>" in text
+    assert render_chat(CHATML_TEMPLATE, messages[:2]).count("<tools>") == 0
+
+
+def test_a_template_that_reads_tools_gets_them_untouched() -> None:
+    from ft.model.template import render_chat
+
+    template = "{% for t in tools %}{{ t['function']['name'] }};{% endfor %}"
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    assert render_chat(template, [{"role": "user", "content": "x"}], tools=tools) == "f;"

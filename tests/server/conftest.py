@@ -48,7 +48,7 @@ async def fake_server(
 ) -> AsyncIterator[RunningServer]:
     """`running_server` on the fake model (byte tokenizer, scripted runner, inline tokenize)."""
     runner = runner or FakeRunner()
-    cfg = replace(EngineConfig(num_pages=64), **config)
+    cfg = replace(EngineConfig(num_pages=256), **config)
     hooks = EngineHooks(
         load_model=fake_parts(runner, context_length),
         tokenize_inline=True,
