@@ -8,6 +8,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 import trio
 
+from ft.cli_serve import add_serve_arguments, run_serve
 from ft.config import DTYPES, EngineConfig
 from ft.errors import FtError
 from ft.params import SamplingParams
@@ -96,8 +97,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--version", action="version", version=f"ft {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    from ft.cli_serve import add_serve_arguments, run_serve
-
     add_serve_arguments(sub.add_parser("serve", help="serve the OpenAI and Anthropic APIs"))
 
     gen = sub.add_parser("generate", help="complete one prompt and print it")
@@ -116,22 +115,35 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parser.parse_args(argv)
     try:
-        if args.command == "serve":
-            return run_serve(args)
-        if args.command == "pull":
-            from ft.model.pull import pull_default_model
+        return _run(args)
+    except BaseException as exc:  # the top: errors arrive here wrapped by the nurseries
+        leaf = _first_leaf(exc)
+        if isinstance(leaf, KeyboardInterrupt):
+            return 130
+        if isinstance(leaf, FtError):
+            print(f"error: {leaf.message}", file=sys.stderr)
+            return 2
+        if isinstance(leaf, (RuntimeError, ValueError, OSError)):
+            print(f"error: {leaf}", file=sys.stderr)
+            return 1
+        raise
 
-            print(pull_default_model(progress=not args.quiet))
-            return 0
-        trio.run(_generate if args.command == "generate" else _chat, args)
-    except FtError as e:
-        print(f"error: {e.message}", file=sys.stderr)
-        return 2
-    except (RuntimeError, ValueError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        return 130
+
+def _first_leaf(exc: BaseException) -> BaseException:
+    while isinstance(exc, BaseExceptionGroup):
+        exc = exc.exceptions[0]
+    return exc
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.command == "serve":
+        return run_serve(args)
+    if args.command == "pull":
+        from ft.model.pull import pull_default_model
+
+        print(pull_default_model(progress=not args.quiet))
+        return 0
+    trio.run(_generate if args.command == "generate" else _chat, args)
     return 0
 
 

@@ -5,8 +5,10 @@ One engine serves every check (loading it takes seconds), each check a block of 
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import trio
 
@@ -99,3 +101,16 @@ def test_cli_generate_prints_the_completion() -> None:
         capture_output=True, text=True, timeout=240, check=True,
     )
     assert "Paris" in out.stdout
+
+
+def test_cli_reports_a_corrupt_default_model_with_what_to_run(tmp_path: Path) -> None:
+    models = tmp_path / "models"
+    models.mkdir()
+    (models / "SmolLM2-135M-Instruct.Q4_1.gguf").write_bytes(b"garbage")
+    out = subprocess.run(
+        [sys.executable, "-m", "ft.cli", "generate", "hi", "--max-tokens", "2"],
+        capture_output=True, text=True, timeout=120, env=os.environ | {"FT_CACHE_DIR": str(tmp_path)},
+    )
+    assert out.returncode == 1
+    assert out.stderr.startswith("error: ") and "ft pull" in out.stderr
+    assert "Traceback" not in out.stderr
