@@ -76,7 +76,8 @@ class DetokenizerActor:
             return
         is_last = out.finish_reason is not None
         text, stop = detok.add(out.token_id, is_last=is_last, is_hidden=out.is_hidden)
-        finish_reason, stop_reason = out.finish_reason, out.stop_reason
+        finish_reason: str | None = out.finish_reason
+        stop_reason: str | int | None = out.stop_reason
         if stop is not None:
             finish_reason, stop_reason = "stop", stop
             if not is_last:

@@ -39,7 +39,8 @@ class Sequence:
 
     @property
     def max_total_tokens(self) -> int:
-        """The most tokens this sequence can ever hold."""
+        """The most tokens this sequence can ever hold (max_tokens is resolved by `add`)."""
+        assert self.params.max_tokens is not None
         return len(self.prompt_ids) + self.params.max_tokens
 
     @property
