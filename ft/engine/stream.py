@@ -39,6 +39,7 @@ class RequestStream:
         self.num_completion_tokens = 0
         self._recv = recv
         self._finished: set[int] = set()
+        self._pending: Delta | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -54,7 +55,26 @@ class RequestStream:
         return self
 
     async def __anext__(self) -> Delta:
-        while not self.is_finished:
+        if self.is_finished:
+            raise StopAsyncIteration
+        delta = await self._next_delta()
+        self.num_completion_tokens += len(delta.token_ids)
+        if delta.finish_reason is not None:
+            self._finished.add(delta.index)
+        return delta
+
+    async def wait_prompt(self) -> tuple[int, ...]:
+        """Wait until the prompt is tokenized (or the request fails); return its ids."""
+        while not self.prompt_ids and self._pending is None:
+            self._pending = await self._next_delta()
+        return self.prompt_ids
+
+    async def _next_delta(self) -> Delta:
+        # Absorbs PromptReady, raises Failed; a Delta read early by wait_prompt comes first.
+        if self._pending is not None:
+            delta, self._pending = self._pending, None
+            return delta
+        while True:
             try:
                 event = await self._recv.receive()
             except (trio.EndOfChannel, trio.ClosedResourceError) as e:
@@ -65,27 +85,7 @@ class RequestStream:
                 case Failed(error=error):
                     raise error
                 case Delta():
-                    self.num_completion_tokens += len(event.token_ids)
-                    if event.finish_reason is not None:
-                        self._finished.add(event.index)
                     return event
-        raise StopAsyncIteration
-
-    async def wait_prompt(self) -> tuple[int, ...]:
-        """Wait until the prompt is tokenized (or the request fails); return its ids."""
-        while not self.prompt_ids:
-            try:
-                event = await self._recv.receive()
-            except (trio.EndOfChannel, trio.ClosedResourceError) as e:
-                raise RequestAborted("the engine closed this request") from e
-            match event:
-                case PromptReady(prompt_ids=ids):
-                    self.prompt_ids = ids
-                case Failed(error=error):
-                    raise error
-                case Delta():  # pragma: no cover - PromptReady always comes first
-                    raise AssertionError("delta before prompt")
-        return self.prompt_ids
 
     async def collect(self) -> list[Choice]:
         """Consume the stream; return each choice's whole output."""

@@ -7,7 +7,7 @@ from typing import Any
 
 import openai
 from conftest import fake_server
-from test_responses import ANSWER, CALL, QUESTION, tool_then_answer
+from scripts import ANSWER, CALL, QUESTION, tool_then_answer
 
 from ft.engine.fake import FakeRunner, text_script
 from ft.server import RunningServer

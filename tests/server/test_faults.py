@@ -8,8 +8,8 @@ from pathlib import Path
 
 import httpx
 import trio
-
 from conftest import fake_server, wait_idle
+
 from ft.core.batch import SeqWork
 from ft.engine.fake import FakeRunner, text_script
 

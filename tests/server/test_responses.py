@@ -10,14 +10,12 @@ import httpx
 import openai
 import pytest
 from conftest import fake_server, wait_idle
+from scripts import ANSWER, CALL, QUESTION, events_of, tool_then_answer
 
 from ft.core.batch import SeqWork
-from ft.engine.fake import FakeRunner, Script, text_script
+from ft.engine.fake import FakeRunner, text_script
 from ft.server import RunningServer
 
-CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
-ANSWER = "It is sunny in Paris."
-QUESTION = "What is the weather in Paris?"
 TOOLS: list[Any] = [{
     "type": "function", "name": "get_weather", "description": "The current weather in a city.",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
@@ -27,31 +25,6 @@ TOOLS: list[Any] = [{
 
 def sdk(server: RunningServer) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
-
-
-def events_of(text: str) -> list[tuple[str, dict[str, Any]]]:
-    """(event name, JSON data) of every named event in an event stream."""
-    out = []
-    for frame in text.split("\n\n"):
-        lines = frame.split("\n")
-        name = next((ln[7:] for ln in lines if ln.startswith("event: ")), None)
-        data = next((ln[6:] for ln in lines if ln.startswith("data: ")), None)
-        if name is not None and data is not None:
-            out.append((name, json.loads(data)))
-    return out
-
-
-def tool_then_answer() -> Script:
-    """Call the tool on the first prompt; answer on any longer one (the tool result is in it)."""
-    first: list[int] = []
-    call, answer = text_script(CALL), text_script(ANSWER)
-
-    def script(work: SeqWork) -> int:
-        if not first:
-            first.append(work.num_prompt_tokens)
-        return call(work) if work.num_prompt_tokens <= first[0] else answer(work)
-
-    return script
 
 
 async def post(server: RunningServer, body: dict[str, Any] | str) -> httpx.Response:
