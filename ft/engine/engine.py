@@ -9,6 +9,7 @@ import tempfile
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from functools import partial
 from dataclasses import asdict
 from typing import Any
 
@@ -49,6 +50,7 @@ class Engine:
         self.stats = Stats()
         self.state = "loading"  # loading | ready | stopping | stopped | error
         self.error: str | None = None
+        self.load_progress = 0.0  # fraction of the start-up done, for /health
         self.model_id = config.served_model_name or (config.model or "SmolLM2-135M-Instruct")
         self.max_model_len = 0
         self.vocab_size = 0
@@ -76,8 +78,9 @@ class Engine:
 
     async def _start(self, nursery: trio.Nursery) -> None:
         cfg = self.config
-        load = self.hooks.load_model or load_torch_model
+        load = self.hooks.load_model or partial(load_torch_model, progress=self._on_progress)
         parts = await trio.to_thread.run_sync(load, cfg)
+        self.load_progress = 0.9
         spec = parts.tokenizer
         self.max_model_len = min(cfg.max_model_len or spec.context_length, spec.context_length)
         if cfg.max_model_len is not None and cfg.max_model_len > spec.context_length:
@@ -145,7 +148,12 @@ class Engine:
         if not self.hooks.tokenize_inline:  # spawn the worker now, not on the first request
             await self.tokenize(prompt="warm up")
         self.stats.started()
+        self.load_progress = 1.0
         self.state = "ready"
+
+    def _on_progress(self, fraction: float) -> None:
+        # Called from the loading thread: a float assignment, nothing else.
+        self.load_progress = round(0.9 * fraction, 3)
 
     async def wait_ready(self) -> None:
         """Wait until weights are loaded; raise `RuntimeError` if loading failed."""

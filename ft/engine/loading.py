@@ -33,7 +33,9 @@ class EngineHooks:
     tokenizer_fault: Callable[[Tokenize], str | None] | None = None
 
 
-def load_torch_model(config: EngineConfig) -> ModelParts:
+def load_torch_model(
+    config: EngineConfig, progress: Callable[[float], None] | None = None
+) -> ModelParts:
     """Load weights and tokenizer for `config.model` (blocking; run it in a thread)."""
     import torch
 
@@ -41,7 +43,7 @@ def load_torch_model(config: EngineConfig) -> ModelParts:
     from ft.model.loader import load_model
     from ft.model.torch_runner import TorchRunner
 
-    loaded = load_model(config.model, torch.float32)  # the runner casts to its dtype
+    loaded = load_model(config.model, torch.float32, progress)  # the runner casts to its dtype
     dtype = resolve_dtype(config.dtype, loaded.config)
 
     def make_runner(num_pages: int, page_size: int) -> Runner:

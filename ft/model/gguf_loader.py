@@ -12,7 +12,7 @@ import torch
 from gguf.quants import dequantize
 
 from ft.model.gguf_file import GGUFFile
-from ft.model.llama import LlamaConfig
+from ft.model.llama import LlamaConfig, Progress
 from ft.model.tokenizer import (
     TokenizerSpec,
     byte_level_bpe_from_gguf,
@@ -89,12 +89,15 @@ def unpermute_rotary(w: torch.Tensor, n_head: int) -> torch.Tensor:
 
 
 def gguf_tensors(
-    reader: GGUFFile, config: LlamaConfig, arch: str, dtype: torch.dtype
+    reader: GGUFFile, config: LlamaConfig, arch: str, dtype: torch.dtype,
+    progress: Progress | None = None,
 ) -> tuple[dict[str, torch.Tensor], tuple[float, ...] | None]:
     """Dequantized tensors under Hugging Face names, and llama3 `rope_freqs` factors if present."""
     sd: dict[str, torch.Tensor] = {}
     freq_factors: tuple[float, ...] | None = None
-    for tensor in reader.tensors:
+    for i, tensor in enumerate(reader.tensors):
+        if progress is not None:
+            progress(i / len(reader.tensors))
         try:
             array = dequantize(tensor.data, tensor.tensor_type)
         except NotImplementedError as exc:
@@ -159,7 +162,7 @@ def gguf_tokenizer(meta: GGUFFile, context_length: int) -> TokenizerSpec:
 
 
 def load_gguf(
-    path: pathlib.Path, dtype: torch.dtype
+    path: pathlib.Path, dtype: torch.dtype, progress: Progress | None = None
 ) -> tuple[LlamaConfig, dict[str, torch.Tensor], TokenizerSpec, str]:
     """Config, state dict (HF names), tokenizer and model id of one GGUF file."""
     try:
@@ -174,7 +177,7 @@ def load_gguf(
     tokens = meta.get("tokenizer.ggml.tokens") or []
     config = gguf_config(meta, names, len(tokens))
     arch = meta.require("general.architecture")
-    sd, freq_factors = gguf_tensors(reader, config, arch, dtype)
+    sd, freq_factors = gguf_tensors(reader, config, arch, dtype, progress)
     if freq_factors is not None:
         config = LlamaConfig(**{**_fields(config), "rope_freq_factors": freq_factors})
     spec = gguf_tokenizer(meta, config.max_position_embeddings)

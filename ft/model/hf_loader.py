@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
-from ft.model.llama import LlamaConfig
+from ft.model.llama import LlamaConfig, Progress
 from ft.model.tokenizer import TokenizerSpec, tokenizer_json_of
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
@@ -40,7 +40,9 @@ def hf_config(directory: pathlib.Path) -> LlamaConfig:
     return LlamaConfig.from_hf(cfg)
 
 
-def hf_state_dict(directory: pathlib.Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def hf_state_dict(
+    directory: pathlib.Path, dtype: torch.dtype, progress: Progress | None = None
+) -> dict[str, torch.Tensor]:
     """Every tensor of the (possibly sharded) safetensors checkpoint, cast to `dtype`."""
     index = _read_json(directory / "model.safetensors.index.json")
     if index:
@@ -50,7 +52,9 @@ def hf_state_dict(directory: pathlib.Path, dtype: torch.dtype) -> dict[str, torc
     if not files:
         raise ValueError(f"{directory} has no *.safetensors files")
     sd: dict[str, torch.Tensor] = {}
-    for name in files:
+    for i, name in enumerate(files):
+        if progress is not None:
+            progress(i / len(files))
         for key, tensor in load_file(str(directory / name)).items():
             sd[key] = tensor.to(dtype)
     return sd

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,6 +14,9 @@ from torch import nn
 from ft.model.attention import AttentionMetadata, paged_attention, write_kv
 
 ROPE_SCALING_TYPES = ("linear", "llama3")
+
+
+Progress = Callable[[float], None]  # called with the fraction of weights loaded
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ft.model import gguf_loader, hf_loader
-from ft.model.llama import LlamaConfig
+from ft.model.llama import LlamaConfig, Progress
 from ft.model.tokenizer import TokenizerSpec
 
 
@@ -24,8 +24,12 @@ class LoadedModel:
     generation_defaults: dict[str, float | int] = field(default_factory=dict)
 
 
-def load_model(path: str | pathlib.Path | None, dtype: torch.dtype) -> LoadedModel:
+def load_model(
+    path: str | pathlib.Path | None, dtype: torch.dtype, progress: Progress | None = None
+) -> LoadedModel:
     """Load `path` (a `.gguf` file or a HF directory; None: the default model) in `dtype`.
+
+    `progress` is called with the fraction of weights loaded so far (from this thread).
 
     Raises:
         ModelNotFound: the default model is missing or corrupt and cannot be fetched.
@@ -41,11 +45,11 @@ def load_model(path: str | pathlib.Path | None, dtype: torch.dtype) -> LoadedMod
         raise FileNotFoundError(f"model path {p} does not exist")
     if p.is_dir():
         config = hf_loader.hf_config(p)
-        sd = hf_loader.hf_state_dict(p, dtype)
+        sd = hf_loader.hf_state_dict(p, dtype, progress)
         spec = hf_loader.hf_tokenizer(p, config.max_position_embeddings)
         return LoadedModel(config, sd, spec, p.name, dtype, hf_loader.generation_defaults(p))
     if p.suffix.lower() == ".gguf" or _is_gguf(p):
-        config, sd, spec, model_id = gguf_loader.load_gguf(p, dtype)
+        config, sd, spec, model_id = gguf_loader.load_gguf(p, dtype, progress)
         return LoadedModel(config, sd, spec, model_id, dtype, {})
     raise ValueError(f"{p} is neither a .gguf file nor a Hugging Face model directory")
 

@@ -38,6 +38,7 @@ def register(app: QuartTrio, ctx: ServerContext) -> None:
         body: dict[str, Any] = {"status": status, "state": engine.state, "model": engine.model_id}
         if engine.state == "loading":
             body["loading_s"] = round(time.time() - ctx.started_at, 1)
+            body["progress"] = engine.load_progress
         if engine.error:
             body["error"] = engine.error
         return json_response(body)

@@ -158,3 +158,11 @@ def test_bytes_per_page_counts_keys_and_values() -> None:
     c = tiny_config()
     assert TorchRunner.bytes_per_page(c, 16, torch.float32) == 2 * 2 * 16 * 2 * 8 * 4
     assert TorchRunner.bytes_per_page(c, 16, torch.bfloat16) == 2 * 2 * 16 * 2 * 8 * 2
+
+
+def test_loading_reports_progress(tiny_dir: pathlib.Path) -> None:
+    from ft.model.loader import load_model
+
+    seen: list[float] = []
+    load_model(tiny_dir, torch.float32, seen.append)
+    assert seen and seen == sorted(seen) and all(0.0 <= f < 1.0 for f in seen)

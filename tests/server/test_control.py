@@ -105,7 +105,7 @@ async def test_loading_answers_health_and_503() -> None:
         httpx.AsyncClient(base_url=s.base_url) as c,
     ):
         health = (await c.get("/health")).json()
-        assert health["status"] == "loading"
+        assert health["status"] == "loading" and health["progress"] == 0.0
         for stream in (False, True):
             r = await c.post("/v1/chat/completions", json={"messages": USER, "stream": stream})
             assert r.status_code == 503 and r.headers["retry-after"] == "1"
