@@ -99,7 +99,12 @@ class Scheduler:
             params = replace(params, max_tokens=max_tokens)
         group = []
         for index in range(params.n):
-            group.append(Sequence(self._next_seq_id, uid, index, list(prompt_ids), params))
+            # Each choice samples its own stream; choice 0 keeps the seed as given, so a seeded
+            # n=1 request and choice 0 of the same request with n>1 agree.
+            seeded = params if params.seed is None or index == 0 else replace(
+                params, seed=(params.seed + index * 1_000_033 + 2**63) % 2**64 - 2**63
+            )
+            group.append(Sequence(self._next_seq_id, uid, index, list(prompt_ids), seeded))
             self._next_seq_id += 1
         self.waiting.append(group)
 

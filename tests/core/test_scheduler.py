@@ -185,3 +185,12 @@ def test_penalties_send_the_history() -> None:
     batch = s.schedule()
     assert batch is not None
     assert batch.works[0].history == (1, 2, 5) and batch.works[1].history == ()
+
+
+def test_seeded_choices_get_distinct_seeds_and_choice_zero_keeps_it() -> None:
+    s = make()
+    s.add(1, [1, 2], SamplingParams(max_tokens=2, n=3, seed=42))
+    seeds = [seq.params.seed for seq in s.waiting[0]]
+    assert seeds[0] == 42 and len(set(seeds)) == 3
+    s.add(2, [1, 2], SamplingParams(max_tokens=2, n=2, seed=2**63 - 1))  # wraps within int64
+    assert len({seq.params.seed for seq in s.waiting[1]}) == 2
