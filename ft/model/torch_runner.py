@@ -2,13 +2,34 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+import torch.utils.mkldnn
 
 from ft.core.batch import Sampled, SeqWork
 from ft.model.attention import SeqSpan, build_metadata
 from ft.model.llama import LlamaConfig, build_model
 from ft.model.loader import LoadedModel
 from ft.model.sampler import sample
+
+
+def prepacked_linear(linear: torch.nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]:
+    """`linear` as a oneDNN prepacked float32 linear where available, else unchanged.
+
+    For the vocabulary projection ([49152, 576] on the default model) oneDNN ran 1.4-2x faster
+    than the default float32 matmul on this machine's AVX2 cores (9.6 -> 5.5 ms at 1 row,
+    27 -> 20 ms at 16 rows), with logits within 1.4e-4. The per-layer projections gained
+    nothing, so only the lm_head uses it.
+    """
+    if linear.weight.dtype != torch.float32 or not torch.backends.mkldnn.is_available():
+        return linear
+    packed = torch.utils.mkldnn.to_mkldnn(linear)
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        return packed(x.to_mkldnn()).to_dense()
+
+    return run
 
 
 class TorchRunner:
@@ -38,6 +59,7 @@ class TorchRunner:
         self.model = build_model(loaded.config, loaded.state_dict, dtype)
         c = loaded.config
         shape = (c.num_layers, num_pages * page_size, c.num_kv_heads, c.head_dim)
+        self._lm_head = prepacked_linear(self.model.lm_head)
         self.k_cache = torch.zeros(shape, dtype=dtype)
         self.v_cache = torch.zeros(shape, dtype=dtype)
 
@@ -110,4 +132,4 @@ class TorchRunner:
             if not sample_rows:
                 return None
             rows = hidden if len(sample_rows) == len(token_ids) else hidden[sample_rows]  # [R, hidden]
-            return self.model.logits(rows)  # [R, vocab]
+            return self._lm_head(rows)  # [R, vocab]
