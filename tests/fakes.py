@@ -10,8 +10,8 @@ from typing import Any
 from ft.config import EngineConfig
 from ft.core.batch import SeqWork
 from ft.engine.engine import Engine, open_engine
-from ft.engine.fake import FakeRunner, byte_tokenizer_spec
-from ft.engine.loading import EngineHooks, ModelParts
+from ft.engine.fake import FakeRunner, byte_tokenizer_spec, run_inline
+from ft.engine.loading import EngineHooks, Executor, ModelParts
 from ft.messages import Tokenize
 
 
@@ -41,16 +41,19 @@ async def fake_engine(
     *,
     before_step: Callable[[list[SeqWork]], None] | None = None,
     tokenizer_fault: Callable[[Tokenize], str | None] | None = None,
-    inline: bool = True,
+    executor: Executor | None = run_inline,
     context_length: int = 2048,
     **config: Any,
 ) -> AsyncIterator[Engine]:
-    """An engine on the fake model; `config` overrides `EngineConfig` fields."""
+    """An engine on the fake model; `config` overrides `EngineConfig` fields.
+
+    `executor=None` tokenizes in real worker processes.
+    """
     runner = runner or FakeRunner()
     cfg = replace(EngineConfig(num_pages=64), **config)
     hooks = EngineHooks(
         load_model=fake_parts(runner, context_length),
-        tokenize_inline=inline,
+        tokenize_executor=executor,
         before_step=before_step,
         tokenizer_fault=tokenizer_fault,
     )

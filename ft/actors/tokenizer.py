@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 
 import trio
 import trio_parallel
 
 from ft.engine.codec import decode_result, encode_job
+from ft.engine.loading import Executor
 from ft.engine.registry import Registry
 from ft.errors import FtError, InvalidRequest, RequestFailed
 from ft.messages import Enqueue, PromptReady, SchedulerIn, Tokenize
 
-Executor = Callable[[Callable[[bytes], bytes], bytes], Awaitable[bytes]]
 FaultHook = Callable[[Tokenize], str | None]
 
 

@@ -9,8 +9,8 @@ import tempfile
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from functools import partial
 from dataclasses import asdict
+from functools import partial
 from typing import Any
 
 import cbor2
@@ -21,22 +21,17 @@ from ft.actors.detokenizer import DetokenizerActor
 from ft.actors.runner import RunnerActor
 from ft.actors.scheduler import SchedulerActor
 from ft.actors.tokenize_job import tokenize_job
-from ft.actors.tokenizer import Executor, TokenizerActor
+from ft.actors.tokenizer import TokenizerActor
 from ft.config import EngineConfig
 from ft.core.kv import PagePool
 from ft.core.scheduler import Scheduler
-from ft.engine.loading import EngineHooks, load_torch_model
+from ft.engine.loading import EngineHooks, Executor, load_torch_model
 from ft.engine.registry import Registry, RequestEntry
 from ft.engine.stats import Stats
 from ft.engine.stream import RequestStream
 from ft.errors import EngineStopping, FtError, InvalidRequest, Overloaded, RequestAborted
 from ft.messages import Abort, Batch, DetokenizerIn, SchedulerIn, StepDone, Tokenize
 from ft.params import SamplingParams
-
-
-async def _inline(job: Callable[[bytes], bytes], payload: bytes) -> bytes:
-    await trio.lowlevel.checkpoint()
-    return job(payload)
 
 
 class Engine:
@@ -115,14 +110,7 @@ class Engine:
         detok_send, detok_recv = trio.open_memory_channel[DetokenizerIn](math.inf)
         run_send, run_recv = trio.open_memory_channel[Batch](1)  # one batch in flight
 
-        executor: Executor
-        if self.hooks.tokenize_inline:
-            executor = _inline
-        else:
-            limiter = trio.CapacityLimiter(cfg.tokenizer_workers)
-
-            async def executor(job: Callable[[bytes], bytes], payload: bytes) -> bytes:
-                return await trio_parallel.run_sync(job, payload, limiter=limiter)
+        executor = self.hooks.tokenize_executor or self._worker_executor(cfg.tokenizer_workers)
 
         self._tokenizer_actor = TokenizerActor(
             tok_recv, sched_send.clone(), self.registry, spec_path=spec_path,
@@ -145,7 +133,7 @@ class Engine:
             ).run
         )
         self._scheduler_inbox, self._tokenizer_inbox = sched_send, tok_send
-        if not self.hooks.tokenize_inline:  # spawn the worker now, not on the first request
+        if self.hooks.tokenize_executor is None:  # spawn the worker now, not on first use
             await self.tokenize(prompt="warm up")
         self.stats.started()
         self.load_progress = 1.0
@@ -154,6 +142,15 @@ class Engine:
     def _on_progress(self, fraction: float) -> None:
         # Called from the loading thread: a float assignment, nothing else.
         self.load_progress = round(0.9 * fraction, 3)
+
+    @staticmethod
+    def _worker_executor(workers: int) -> Executor:
+        limiter = trio.CapacityLimiter(workers)
+
+        async def executor(job: Callable[[bytes], bytes], payload: bytes) -> bytes:
+            return await trio_parallel.run_sync(job, payload, limiter=limiter)
+
+        return executor
 
     async def wait_ready(self) -> None:
         """Wait until weights are loaded; raise `RuntimeError` if loading failed."""

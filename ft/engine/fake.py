@@ -6,7 +6,7 @@ The runner is async (it "computes" with `trio.sleep`), so whole-engine tests run
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import trio
@@ -46,6 +46,22 @@ def byte_tokenizer_spec(context_length: int = 2048) -> TokenizerSpec:
 def byte_token(b: int) -> int:
     """The fake tokenizer's id for byte `b`."""
     return len(SPECIALS) + b
+
+
+async def run_inline(job: Callable[[bytes], bytes], payload: bytes) -> bytes:
+    """A tokenizer executor that runs the job in this process (no worker, no thread)."""
+    await trio.lowlevel.checkpoint()
+    return job(payload)
+
+
+def delayed_inline(delay_s: float) -> Callable[[Callable[[bytes], bytes], bytes], Awaitable[bytes]]:
+    """`run_inline` after `delay_s` of (trio) time: a slow tokenizer for MockClock tests."""
+
+    async def run(job: Callable[[bytes], bytes], payload: bytes) -> bytes:
+        await trio.sleep(delay_s)
+        return job(payload)
+
+    return run
 
 
 Script = Callable[[SeqWork], int]

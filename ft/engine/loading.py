@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from ft.config import EngineConfig
 from ft.core.batch import Runner, SeqWork
 from ft.messages import Tokenize
+
+# Runs a tokenizer job (a function of CBOR bytes) somewhere and returns its CBOR answer.
+Executor = Callable[[Callable[[bytes], bytes], bytes], Awaitable[bytes]]
 from ft.model.tokenizer import TokenizerSpec
 
 
@@ -28,7 +31,7 @@ class EngineHooks:
     """Test hooks: a fake model, in-process tokenization, and fault injection."""
 
     load_model: Callable[[EngineConfig], ModelParts] | None = None
-    tokenize_inline: bool = False
+    tokenize_executor: Executor | None = None  # replaces the worker processes (tests)
     before_step: Callable[[list[SeqWork]], None] | None = None
     tokenizer_fault: Callable[[Tokenize], str | None] | None = None
 

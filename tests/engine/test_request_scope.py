@@ -8,7 +8,7 @@ import trio.testing
 from fakes import fake_engine
 
 from ft.engine.engine import Engine
-from ft.engine.fake import FakeRunner, text_script
+from ft.engine.fake import FakeRunner, delayed_inline, text_script
 from ft.errors import ContextLengthExceeded, InvalidRequest, Overloaded, RequestFailed
 from ft.params import SamplingParams
 
@@ -71,6 +71,18 @@ async def test_cancel_at_each_stage_frees_pages_and_slot(
             assert stream.uid not in held
         await assert_nothing_held(engine)
         assert engine.snapshot()["requests"]["aborted"] == 1
+
+
+async def test_cancel_while_tokenizing_never_enqueues(autojump_clock: trio.testing.MockClock) -> None:
+    async with fake_engine(executor=delayed_inline(1.0)) as engine:
+        assert engine.core is not None
+        with trio.move_on_after(0.5) as scope:
+            async with engine.open_request(prompt="slow to tokenize") as stream:
+                await stream.collect()
+        assert scope.cancelled_caught and stream.num_prompt_tokens == 0
+        await trio.sleep(1.0)  # the job finishes after the client left
+        await assert_nothing_held(engine)
+        assert engine.core.num_prefix_hit_tokens == 0 and engine.snapshot()["requests"]["aborted"] == 1
 
 
 async def test_lone_surrogate_fails_cbor_encoding_inside_the_scope(

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 import trio
 import trio.testing
-import pytest
-
 from fakes import fake_engine
+
 from ft.errors import RequestFailed
 from ft.messages import Tokenize
 
@@ -18,7 +18,7 @@ def exit_on_bang(msg: Tokenize) -> str | None:
 
 async def test_worker_death_fails_only_its_request_and_the_engine_carries_on() -> None:
     with trio.fail_after(60):
-        async with fake_engine(inline=False, tokenizer_fault=exit_on_bang) as engine:
+        async with fake_engine(executor=None, tokenizer_fault=exit_on_bang) as engine:
             with pytest.raises(RequestFailed, match="worker died"):
                 async with engine.open_request(prompt="!die") as stream:
                     await stream.collect()
@@ -32,7 +32,7 @@ async def test_worker_death_fails_only_its_request_and_the_engine_carries_on() -
 
 async def test_leaving_while_the_worker_tokenizes_never_enqueues() -> None:
     with trio.fail_after(60):
-        async with fake_engine(inline=False) as engine:
+        async with fake_engine(executor=None) as engine:
             assert engine.core is not None
             for _ in range(5):
                 with trio.move_on_after(0.001):

@@ -14,7 +14,7 @@ from fakes import fake_parts
 
 from ft.config import EngineConfig
 from ft.core.batch import SeqWork
-from ft.engine.fake import FakeRunner
+from ft.engine.fake import FakeRunner, run_inline
 from ft.engine.loading import EngineHooks
 from ft.server import RunningServer, ServerSettings, open_server
 
@@ -51,7 +51,7 @@ async def fake_server(
     cfg = replace(EngineConfig(num_pages=256), **config)
     hooks = EngineHooks(
         load_model=fake_parts(runner, context_length),
-        tokenize_inline=True,
+        tokenize_executor=run_inline,
         before_step=before_step,
     )
     async with running_server(cfg, hooks=hooks, settings=settings) as server:

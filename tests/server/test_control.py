@@ -11,7 +11,7 @@ from conftest import TEST_SETTINGS, fake_server, running_server, wait_idle
 from fakes import fake_parts
 
 from ft.config import EngineConfig
-from ft.engine.fake import FakeRunner, text_script
+from ft.engine.fake import FakeRunner, run_inline, text_script
 from ft.engine.loading import EngineHooks
 from ft.server import RunningServer, ServerSettings
 from ft.server.control import is_loopback, prometheus_text
@@ -98,7 +98,7 @@ async def test_loading_answers_health_and_503() -> None:
         release.wait(10)
         return load(config)
 
-    hooks = EngineHooks(load_model=slow_load, tokenize_inline=True)
+    hooks = EngineHooks(load_model=slow_load, tokenize_executor=run_inline)
     cfg = EngineConfig(num_pages=64)
     async with (
         running_server(cfg, hooks=hooks, wait_ready=False) as s,
@@ -122,7 +122,7 @@ async def test_engine_load_failure_is_reported_by_health() -> None:
     def broken(config: EngineConfig):  # type: ignore[no-untyped-def]
         raise OSError("no weights here")
 
-    hooks = EngineHooks(load_model=broken, tokenize_inline=True)
+    hooks = EngineHooks(load_model=broken, tokenize_executor=run_inline)
     async with running_server(EngineConfig(), hooks=hooks, wait_ready=False) as s:
         with trio.fail_after(5):
             while s.engine.state == "loading":
