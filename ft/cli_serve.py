@@ -9,7 +9,7 @@ import re
 
 import trio
 
-from ft.config import DTYPES, EngineConfig
+from ft.config import DEFAULT_KV_CACHE_MEMORY, DTYPES, EngineConfig
 from ft.server.settings import LOG_LEVELS, ServerSettings
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
@@ -51,8 +51,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="waiting requests before 503 (default: 256)")
     engine.add_argument("--num-pages", type=int, default=None,
                         help="KV cache pages (overrides --kv-cache-memory)")
-    engine.add_argument("--kv-cache-memory", type=parse_size, default=512 * 1024 * 1024,
-                        help="KV cache budget, e.g. 512MiB, 1G, or bytes (default: 512MiB)")
+    engine.add_argument("--kv-cache-memory", type=parse_size, default=DEFAULT_KV_CACHE_MEMORY,
+                        help="KV cache budget, e.g. 512MiB, 1G, or bytes (default: 1GiB)")
     engine.add_argument("--page-size", type=int, default=16,
                         help="tokens per KV page (default: 16)")
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 DTYPES = ("auto", "float32", "bfloat16")
+# 1 GiB of KV holds ~23k tokens of the default model in float32 (46 KiB a token).
+DEFAULT_KV_CACHE_MEMORY = 1 << 30
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,7 +23,7 @@ class EngineConfig:
     dtype: str = "auto"
     page_size: int = 16
     num_pages: int | None = None
-    kv_cache_memory: int = 512 * 1024 * 1024
+    kv_cache_memory: int = DEFAULT_KV_CACHE_MEMORY
     max_model_len: int | None = None
     max_running_requests: int = 16
     max_queued_requests: int = 256
