@@ -56,9 +56,7 @@ async def _generate(args: argparse.Namespace) -> None:
 
     async with open_engine(_engine_config(args)) as engine:
         kwargs = (
-            {"messages": [{"role": "user", "content": args.prompt}]}
-            if args.chat
-            else {"prompt": args.prompt}
+            {"messages": [{"role": "user", "content": args.prompt}]} if args.chat else {"prompt": args.prompt}
         )
         async with engine.open_request(params=_params(args), **kwargs) as stream:
             async for delta in stream:

@@ -32,44 +32,75 @@ def _origins(text: str) -> tuple[str, ...]:
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """Add `ft serve`'s options to `parser`."""
     model = parser.add_argument_group("model")
-    model.add_argument("--model", default=None,
-                       help="GGUF file or Hugging Face directory (default: SmolLM2-135M-Instruct)")
-    model.add_argument("--served-model-name", default=None,
-                       help="the model id clients see and send (default: from the model)")
+    model.add_argument(
+        "--model", default=None, help="GGUF file or Hugging Face directory (default: SmolLM2-135M-Instruct)"
+    )
+    model.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model id clients see and send (default: from the model)",
+    )
     model.add_argument("--dtype", choices=DTYPES, default="auto")
-    model.add_argument("--max-model-len", type=int, default=None,
-                       help="context length (default: the model's)")
-    model.add_argument("--tool-call-parser", default=None,
-                       help="parse tool calls out of chat output with this parser")
-    model.add_argument("--reasoning-parser", default=None,
-                       help="split reasoning out of chat output with this parser")
+    model.add_argument(
+        "--max-model-len", type=int, default=None, help="context length (default: the model's)"
+    )
+    model.add_argument(
+        "--tool-call-parser", default=None, help="parse tool calls out of chat output with this parser"
+    )
+    model.add_argument(
+        "--reasoning-parser", default=None, help="split reasoning out of chat output with this parser"
+    )
 
     engine = parser.add_argument_group("engine")
-    engine.add_argument("--max-running-requests", type=int, default=16,
-                        help="sequences decoded together (default: 16)")
-    engine.add_argument("--max-queued-requests", type=int, default=256,
-                        help="waiting requests before 503 (default: 256)")
-    engine.add_argument("--num-pages", type=int, default=None,
-                        help="KV cache pages (overrides --kv-cache-memory)")
-    engine.add_argument("--kv-cache-memory", type=parse_size, default=DEFAULT_KV_CACHE_MEMORY,
-                        help="KV cache budget, e.g. 512MiB, 1G, or bytes (default: 1GiB)")
-    engine.add_argument("--page-size", type=int, default=16,
-                        help="tokens per KV page (default: 16)")
+    engine.add_argument(
+        "--max-running-requests", type=int, default=16, help="sequences decoded together (default: 16)"
+    )
+    engine.add_argument(
+        "--max-queued-requests", type=int, default=256, help="waiting requests before 503 (default: 256)"
+    )
+    engine.add_argument(
+        "--num-pages", type=int, default=None, help="KV cache pages (overrides --kv-cache-memory)"
+    )
+    engine.add_argument(
+        "--kv-cache-memory",
+        type=parse_size,
+        default=DEFAULT_KV_CACHE_MEMORY,
+        help="KV cache budget, e.g. 512MiB, 1G, or bytes (default: 1GiB)",
+    )
+    engine.add_argument("--page-size", type=int, default=16, help="tokens per KV page (default: 16)")
 
     http = parser.add_argument_group("http")
     http.add_argument("--host", default="127.0.0.1", help="bind address (default: 127.0.0.1)")
     http.add_argument("--port", type=int, default=1941, help="bind port (default: 1941)")
-    http.add_argument("--api-key", default=os.environ.get("FT_API_KEY"),
-                      help="require 'Authorization: Bearer KEY' (default: $FT_API_KEY; "
-                           "/health and /metrics stay open)")
-    http.add_argument("--cors-origins", type=_origins, default=(),
-                      help="comma-separated allowed origins, or '*' (default: no CORS)")
-    http.add_argument("--max-body-bytes", type=parse_size, default=4 * 1024 * 1024,
-                      help="largest request body, else 413 (default: 4MiB)")
-    http.add_argument("--sse-heartbeat-s", type=float, default=2.0,
-                      help="seconds between stream heartbeats while waiting (default: 2)")
-    http.add_argument("--shutdown-timeout", type=float, default=10.0,
-                      help="seconds to drain on SIGINT/SIGTERM before aborting (default: 10)")
+    http.add_argument(
+        "--api-key",
+        default=os.environ.get("FT_API_KEY"),
+        help="require 'Authorization: Bearer KEY' (default: $FT_API_KEY; /health and /metrics stay open)",
+    )
+    http.add_argument(
+        "--cors-origins",
+        type=_origins,
+        default=(),
+        help="comma-separated allowed origins, or '*' (default: no CORS)",
+    )
+    http.add_argument(
+        "--max-body-bytes",
+        type=parse_size,
+        default=4 * 1024 * 1024,
+        help="largest request body, else 413 (default: 4MiB)",
+    )
+    http.add_argument(
+        "--sse-heartbeat-s",
+        type=float,
+        default=2.0,
+        help="seconds between stream heartbeats while waiting (default: 2)",
+    )
+    http.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=10.0,
+        help="seconds to drain on SIGINT/SIGTERM before aborting (default: 10)",
+    )
     http.add_argument("--log-level", choices=LOG_LEVELS, default="info")
 
 

@@ -46,13 +46,9 @@ class EngineConfig:
         if self.max_model_len is not None and self.max_model_len < 16:
             raise ValueError(f"max_model_len must be at least 16, got {self.max_model_len}")
         if not 1 <= self.max_running_requests <= 1024:
-            raise ValueError(
-                f"max_running_requests must be in 1..1024, got {self.max_running_requests}"
-            )
+            raise ValueError(f"max_running_requests must be in 1..1024, got {self.max_running_requests}")
         if not 0 <= self.max_queued_requests <= 100_000:
-            raise ValueError(
-                f"max_queued_requests must be in 0..100000, got {self.max_queued_requests}"
-            )
+            raise ValueError(f"max_queued_requests must be in 0..100000, got {self.max_queued_requests}")
         if self.max_prefill_tokens < 16:
             raise ValueError(f"max_prefill_tokens must be at least 16, got {self.max_prefill_tokens}")
         if not 1 <= self.tokenizer_workers <= 64:

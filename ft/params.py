@@ -92,9 +92,7 @@ class SamplingParams:
             raise InvalidRequest(f"stop takes at most {MAX_STOP_STRINGS} strings", param="stop")
         for s in self.stop:
             if not isinstance(s, str) or not s or len(s) > MAX_STOP_LEN:
-                raise InvalidRequest(
-                    f"each stop string must be 1 to {MAX_STOP_LEN} characters", param="stop"
-                )
+                raise InvalidRequest(f"each stop string must be 1 to {MAX_STOP_LEN} characters", param="stop")
             if has_lone_surrogate(s):
                 raise InvalidRequest("stop contains a lone UTF-16 surrogate", param="stop")
         if not isinstance(self.stop_token_ids, tuple) or len(self.stop_token_ids) > 64:
@@ -112,8 +110,4 @@ class SamplingParams:
     @property
     def uses_penalties(self) -> bool:
         """True when the sampler needs the token history."""
-        return (
-            self.repetition_penalty != 1.0
-            or self.frequency_penalty != 0.0
-            or self.presence_penalty != 0.0
-        )
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0

@@ -39,7 +39,7 @@ async def run_level(engine: Engine, concurrency: int, max_tokens: int) -> dict[s
         params = SamplingParams(max_tokens=max_tokens, temperature=0.8, seed=i, ignore_eos=True)
         messages = [{"role": "user", "content": PROMPTS[i % len(PROMPTS)] + f" ({i})"}]
         async with engine.open_request(messages=messages, params=params) as stream:
-            async for delta in stream:
+            async for _ in stream:
                 if first is None:
                     first = time.perf_counter() - start
         ttfts.append(first or 0.0)

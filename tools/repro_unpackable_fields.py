@@ -45,22 +45,39 @@ def response(**extra: Any) -> dict[str, Any]:
 
 # (name, route, field, bad body, control body)
 SHAPES: list[tuple[str, str, str, dict[str, Any], dict[str, Any]]] = [
-    ("chat chat_template_kwargs >= 2**64", "/v1/chat/completions", "chat_template_kwargs",
-     chat(chat_template_kwargs={"n": BIG}), chat(chat_template_kwargs={"n": 1})),
-    ("chat chat_template_kwargs < -2**63", "/v1/chat/completions", "chat_template_kwargs",
-     chat(chat_template_kwargs={"n": SMALL}), chat(chat_template_kwargs={"n": -1})),
+    (
+        "chat chat_template_kwargs >= 2**64",
+        "/v1/chat/completions",
+        "chat_template_kwargs",
+        chat(chat_template_kwargs={"n": BIG}),
+        chat(chat_template_kwargs={"n": 1}),
+    ),
+    (
+        "chat chat_template_kwargs < -2**63",
+        "/v1/chat/completions",
+        "chat_template_kwargs",
+        chat(chat_template_kwargs={"n": SMALL}),
+        chat(chat_template_kwargs={"n": -1}),
+    ),
     ("chat top_k 2**64", "/v1/chat/completions", "top_k", chat(top_k=BIG), chat(top_k=40)),
-    ("chat max_tokens 2**64", "/v1/chat/completions", "max_tokens",
-     chat(max_tokens=BIG), chat(max_tokens=4)),
-    ("chat stop lone surrogate", "/v1/chat/completions", "stop",
-     chat(stop=[SURROGATE]), chat(stop=["\n\n"])),
-    ("completions max_tokens 2**64", "/v1/completions", "max_tokens",
-     completion(max_tokens=BIG), completion(max_tokens=4)),
-    ("completions top_k 2**64", "/v1/completions", "top_k",
-     completion(top_k=BIG), completion(top_k=40)),
+    ("chat max_tokens 2**64", "/v1/chat/completions", "max_tokens", chat(max_tokens=BIG), chat(max_tokens=4)),
+    ("chat stop lone surrogate", "/v1/chat/completions", "stop", chat(stop=[SURROGATE]), chat(stop=["\n\n"])),
+    (
+        "completions max_tokens 2**64",
+        "/v1/completions",
+        "max_tokens",
+        completion(max_tokens=BIG),
+        completion(max_tokens=4),
+    ),
+    ("completions top_k 2**64", "/v1/completions", "top_k", completion(top_k=BIG), completion(top_k=40)),
     ("messages top_k 2**64", "/v1/messages", "top_k", message(top_k=BIG), message(top_k=40)),
-    ("messages stop_sequences lone surrogate", "/v1/messages", "stop_sequences",
-     message(stop_sequences=[SURROGATE]), message(stop_sequences=["\n\n"])),
+    (
+        "messages stop_sequences lone surrogate",
+        "/v1/messages",
+        "stop_sequences",
+        message(stop_sequences=[SURROGATE]),
+        message(stop_sequences=["\n\n"]),
+    ),
     ("responses top_k 2**64", "/v1/responses", "top_k", response(top_k=BIG), response(top_k=40)),
 ]
 

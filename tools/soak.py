@@ -36,8 +36,10 @@ HOSTILE: list[tuple[str, bytes]] = [
     (CHAT, b"\xff\xfe not utf-8"),
     (CHAT, b"not json at all"),
     ("/v1/completions", b'{"prompt": [[1, 2, 99999999]], "max_tokens": 2}'),
-    ("/v1/messages", b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, '
-                     b'"top_k": 18446744073709551616}'),
+    (
+        "/v1/messages",
+        b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "top_k": 18446744073709551616}',
+    ),
     ("/v1/responses", b'{"input": "hi", "top_k": 18446744073709551616}'),
 ]
 KINDS = {"chat": 4, "stream": 4, "completion": 2, "messages": 2, "hostile": 4, "drop": 2, "burst": 1}
@@ -45,8 +47,12 @@ KINDS = {"chat": 4, "stream": 4, "completion": 2, "messages": 2, "hostile": 4, "
 
 def chat_body(stream: bool) -> dict[str, Any]:
     words = random.choice(["Say hi.", "Count to five.", "Name a color.", "What is 2+2?"])
-    return {"messages": [{"role": "user", "content": words}], "max_tokens": random.randint(1, 24),
-            "temperature": random.choice([0, 0.7, 1.0]), "stream": stream}
+    return {
+        "messages": [{"role": "user", "content": words}],
+        "max_tokens": random.randint(1, 24),
+        "temperature": random.choice([0, 0.7, 1.0]),
+        "stream": stream,
+    }
 
 
 class Soak:
@@ -74,8 +80,9 @@ class Soak:
             elif kind == "completion":
                 r = await c.post("/v1/completions", json={"prompt": "Once upon", "max_tokens": 8})
             else:
-                r = await c.post("/v1/messages", json={
-                    "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 8})
+                r = await c.post(
+                    "/v1/messages", json={"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 8}
+                )
             self.note(kind, r.status_code, r.text)
         elif kind == "hostile":
             path, body = random.choice(HOSTILE)
@@ -113,13 +120,13 @@ async def stats(client: httpx.AsyncClient) -> dict[str, Any]:
     return dict((await client.get("/v1/stats")).json())
 
 
-async def run_soak(base_url: str, clients: int, duration_s: float, warmup_s: float = 5.0,
-                   api_key: str | None = None) -> dict[str, Any]:
+async def run_soak(
+    base_url: str, clients: int, duration_s: float, warmup_s: float = 5.0, api_key: str | None = None
+) -> dict[str, Any]:
     """Run the soak; return the report (see the module docstring)."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=clients * 32)
-    async with httpx.AsyncClient(base_url=base_url, timeout=120, headers=headers,
-                                 limits=limits) as client:
+    async with httpx.AsyncClient(base_url=base_url, timeout=120, headers=headers, limits=limits) as client:
         before = await stats(client)
         soak = Soak(client)
         started = time.monotonic()
@@ -146,8 +153,7 @@ async def run_soak(base_url: str, clients: int, duration_s: float, warmup_s: flo
         "active_before_after": [before["requests"]["active"], after["requests"]["active"]],
         "used_pages_before_after": [before["kv"]["used_pages"], after["kv"]["used_pages"]],
         "rss_growth_after_warmup_mb": (
-            round((rss_end - rss_after_warmup) / 2**20, 1) if rss_end and rss_after_warmup
-            else None
+            round((rss_end - rss_after_warmup) / 2**20, 1) if rss_end and rss_after_warmup else None
         ),
     }
     report["ok"] = (
@@ -166,8 +172,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=float, default=10.0)
     parser.add_argument("--api-key", default=None)
     args = parser.parse_args()
-    report = trio.run(run_soak, args.base_url, args.clients, args.duration, args.warmup,
-                      args.api_key)
+    report = trio.run(run_soak, args.base_url, args.clients, args.duration, args.warmup, args.api_key)
     print(json.dumps(report))
     raise SystemExit(0 if report["ok"] else 1)
 

@@ -101,7 +101,5 @@ class DetokenizerActor:
 
     def _logprob(self, out: TokenOut) -> TokenLogprob:
         assert out.logprob is not None
-        top = tuple(
-            TopLogprob(tid, self.decode([tid], False), lp) for tid, lp in out.top_logprobs
-        )
+        top = tuple(TopLogprob(tid, self.decode([tid], False), lp) for tid, lp in out.top_logprobs)
         return TokenLogprob(out.token_id, self.decode([out.token_id], False), out.logprob, top)

@@ -141,9 +141,7 @@ class ReasoningParser:
 REASONING_PARSERS: tuple[str, ...] = ("think", "deepseek_r1")
 
 
-def make_reasoning_parser(
-    name: str | None, *, starts_in_reasoning: bool | None = None
-) -> ReasoningParser:
+def make_reasoning_parser(name: str | None, *, starts_in_reasoning: bool | None = None) -> ReasoningParser:
     """Build the reasoning parser for a format.
 
     Args:

@@ -80,9 +80,7 @@ class Scheduler:
                 f"prompt has {num_prompt_tokens} and max_tokens asks for {max_tokens} more"
             )
         if params.n > self.max_running:
-            raise InvalidRequest(
-                f"n={params.n} exceeds max_running_requests={self.max_running}", param="n"
-            )
+            raise InvalidRequest(f"n={params.n} exceeds max_running_requests={self.max_running}", param="n")
         needed = params.n * pages_for(num_prompt_tokens + max_tokens, self.pool.page_size)
         if needed > self.pool.num_pages:
             raise ContextLengthExceeded(
@@ -101,8 +99,10 @@ class Scheduler:
         for index in range(params.n):
             # Each choice samples its own stream; choice 0 keeps the seed as given, so a seeded
             # n=1 request and choice 0 of the same request with n>1 agree.
-            seeded = params if params.seed is None or index == 0 else replace(
-                params, seed=(params.seed + index * 1_000_033 + 2**63) % 2**64 - 2**63
+            seeded = (
+                params
+                if params.seed is None or index == 0
+                else replace(params, seed=(params.seed + index * 1_000_033 + 2**63) % 2**64 - 2**63)
             )
             group.append(Sequence(self._next_seq_id, uid, index, list(prompt_ids), seeded))
             self._next_seq_id += 1

@@ -292,9 +292,7 @@ class Llama3JsonParser:
     def _decide(self) -> bool:
         """Settle whether the output is calls or text; False while the prefix is ambiguous."""
         stripped = self._buf.lstrip()
-        if not stripped or (
-            len(stripped) < len(self.PYTHON_TAG) and self.PYTHON_TAG.startswith(stripped)
-        ):
+        if not stripped or (len(stripped) < len(self.PYTHON_TAG) and self.PYTHON_TAG.startswith(stripped)):
             return False
         self._is_undecided = False
         if stripped.startswith(self.PYTHON_TAG):

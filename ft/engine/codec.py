@@ -69,8 +69,9 @@ def decode_job(payload: bytes) -> dict[str, Any]:
     return job
 
 
-def encode_result(ids: list[int] | None = None, *, error: str | None = None,
-                  param: str | None = None) -> bytes:
+def encode_result(
+    ids: list[int] | None = None, *, error: str | None = None, param: str | None = None
+) -> bytes:
     """Encode a worker's answer: token ids, or an error message with the field it names."""
     return cbor2.dumps({"ids": ids, "error": error, "param": param})
 

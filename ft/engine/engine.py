@@ -80,8 +80,7 @@ class Engine:
         self.max_model_len = min(cfg.max_model_len or spec.context_length, spec.context_length)
         if cfg.max_model_len is not None and cfg.max_model_len > spec.context_length:
             raise ValueError(
-                f"max_model_len {cfg.max_model_len} exceeds the model's context "
-                f"{spec.context_length}"
+                f"max_model_len {cfg.max_model_len} exceeds the model's context {spec.context_length}"
             )
         num_pages = cfg.num_pages or max(2, cfg.kv_cache_memory // parts.bytes_per_page(cfg.page_size))
         runner = await trio.to_thread.run_sync(parts.make_runner, num_pages, cfg.page_size)
@@ -113,22 +112,28 @@ class Engine:
         executor = self.hooks.tokenize_executor or self._worker_executor(cfg.tokenizer_workers)
 
         self._tokenizer_actor = TokenizerActor(
-            tok_recv, sched_send.clone(), self.registry, spec_path=spec_path,
-            vocab_size=parts.vocab_size, executor=executor, job=tokenize_job,
+            tok_recv,
+            sched_send.clone(),
+            self.registry,
+            spec_path=spec_path,
+            vocab_size=parts.vocab_size,
+            executor=executor,
+            job=tokenize_job,
             fault=self.hooks.tokenizer_fault,
         )
         await nursery.start(self._tokenizer_actor.run)
         await nursery.start(
-            SchedulerActor(
-                sched_recv, run_send, detok_send, self.core, self.registry, self._on_step
-            ).run
+            SchedulerActor(sched_recv, run_send, detok_send, self.core, self.registry, self._on_step).run
         )
         await nursery.start(
             RunnerActor(run_recv, sched_send.clone(), runner, before_step=self.hooks.before_step).run
         )
         await nursery.start(
             DetokenizerActor(
-                detok_recv, sched_send.clone(), self.registry, self._decode,
+                detok_recv,
+                sched_send.clone(),
+                self.registry,
+                self._decode,
                 on_first_token=self._on_first_token,
             ).run
         )
@@ -176,8 +181,7 @@ class Engine:
         if len(self.registry) >= self.config.max_running_requests + self.config.max_queued_requests:
             self.stats.rejected += 1
             raise Overloaded(
-                f"the queue is full ({self.config.max_queued_requests} waiting requests); "
-                "retry later"
+                f"the queue is full ({self.config.max_queued_requests} waiting requests); retry later"
             )
 
     @asynccontextmanager
@@ -262,7 +266,9 @@ class Engine:
         """Token ids of a prompt or of rendered chat messages (no request is registered)."""
         assert self._tokenizer_actor is not None
         msg = Tokenize(
-            uid=0, params=SamplingParams(), prompt=prompt,
+            uid=0,
+            params=SamplingParams(),
+            prompt=prompt,
             messages=tuple(messages) if messages is not None else None,
             tools=tuple(tools) if tools is not None else None,
             chat_template_kwargs=chat_template_kwargs or {},

@@ -110,4 +110,3 @@ class FakeRunner:
                 top = tuple((token, -0.5) for _ in range(min(1, w.params.top_logprobs)))
                 out.append(Sampled(w.seq_id, token, lp, top))
         return out
-

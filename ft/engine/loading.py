@@ -8,10 +8,10 @@ from dataclasses import dataclass
 from ft.config import EngineConfig
 from ft.core.batch import Runner, SeqWork
 from ft.messages import Tokenize
+from ft.model.tokenizer import TokenizerSpec
 
 # Runs a tokenizer job (a function of CBOR bytes) somewhere and returns its CBOR answer.
 Executor = Callable[[Callable[[bytes], bytes], bytes], Awaitable[bytes]]
-from ft.model.tokenizer import TokenizerSpec
 
 
 @dataclass(frozen=True)
@@ -36,9 +36,7 @@ class EngineHooks:
     tokenizer_fault: Callable[[Tokenize], str | None] | None = None
 
 
-def load_torch_model(
-    config: EngineConfig, progress: Callable[[float], None] | None = None
-) -> ModelParts:
+def load_torch_model(config: EngineConfig, progress: Callable[[float], None] | None = None) -> ModelParts:
     """Load weights and tokenizer for `config.model` (blocking; run it in a thread)."""
     import torch
 
@@ -51,7 +49,10 @@ def load_torch_model(
 
     def make_runner(num_pages: int, page_size: int) -> Runner:
         return TorchRunner(
-            loaded, num_pages=num_pages, page_size=page_size, dtype=dtype,
+            loaded,
+            num_pages=num_pages,
+            page_size=page_size,
+            dtype=dtype,
             threads=config.compute_threads,
         )
 

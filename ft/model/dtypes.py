@@ -12,7 +12,9 @@ from ft.model.llama import LlamaConfig
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def _matmul_seconds(hidden: int, intermediate: int, dtype: torch.dtype, rows: int = 16, repeats: int = 6) -> float:
+def _matmul_seconds(
+    hidden: int, intermediate: int, dtype: torch.dtype, rows: int = 16, repeats: int = 6
+) -> float:
     """Best time of one MLP-shaped matmul (`[rows, hidden] @ [hidden, 2 * intermediate]`)."""
     x = torch.randn(rows, hidden).to(dtype)
     w = torch.randn(2 * intermediate, hidden).to(dtype)

@@ -14,8 +14,32 @@ from typing import Any
 import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
-_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
-_NUMPY = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?", 10: "<u8", 11: "<i8", 12: "<f8"}
+_SCALARS = {
+    0: "<B",
+    1: "<b",
+    2: "<H",
+    3: "<h",
+    4: "<I",
+    5: "<i",
+    6: "<f",
+    7: "<?",
+    10: "<Q",
+    11: "<q",
+    12: "<d",
+}
+_NUMPY = {
+    0: "<u1",
+    1: "<i1",
+    2: "<u2",
+    3: "<i2",
+    4: "<u4",
+    5: "<i4",
+    6: "<f4",
+    7: "?",
+    10: "<u8",
+    11: "<i8",
+    12: "<f8",
+}
 _STRING, _ARRAY = 8, 9
 
 
@@ -61,7 +85,9 @@ class GGUFFile:
             if len(raw) != nbytes:
                 raise ValueError(f"tensor {name} runs past the end of the file (truncated download?)")
             if qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
-                data = raw.view(np.float32 if qtype == GGMLQuantizationType.F32 else np.float16).reshape(shape)
+                data = raw.view(np.float32 if qtype == GGMLQuantizationType.F32 else np.float16).reshape(
+                    shape
+                )
             else:
                 data = raw.reshape(*shape[:-1], shape[-1] // block * type_size)
             self.tensors.append(GGUFTensor(name, qtype, data))

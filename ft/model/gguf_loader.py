@@ -59,7 +59,10 @@ def gguf_config(meta: GGUFFile, tensor_names: set[str], vocab_size: int) -> Llam
     rope_scaling: dict[str, Any] | None = None
     scaling_type = meta.get(f"{arch}.rope.scaling.type")
     if scaling_type not in (None, "none"):
-        rope_scaling = {"rope_type": scaling_type, "factor": float(meta.require(f"{arch}.rope.scaling.factor"))}
+        rope_scaling = {
+            "rope_type": scaling_type,
+            "factor": float(meta.require(f"{arch}.rope.scaling.factor")),
+        }
         original = meta.get(f"{arch}.rope.scaling.original_context_length")
         if original is not None:
             rope_scaling["original_max_position_embeddings"] = int(original)
@@ -89,7 +92,10 @@ def unpermute_rotary(w: torch.Tensor, n_head: int) -> torch.Tensor:
 
 
 def gguf_tensors(
-    reader: GGUFFile, config: LlamaConfig, arch: str, dtype: torch.dtype,
+    reader: GGUFFile,
+    config: LlamaConfig,
+    arch: str,
+    dtype: torch.dtype,
     progress: Progress | None = None,
 ) -> tuple[dict[str, torch.Tensor], tuple[float, ...] | None]:
     """Dequantized tensors under Hugging Face names, and llama3 `rope_freqs` factors if present."""

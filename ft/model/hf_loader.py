@@ -102,7 +102,9 @@ def hf_tokenizer(directory: pathlib.Path, context_length: int) -> TokenizerSpec:
         eos_token=eos,
         add_bos_token=bool(tcfg.get("add_bos_token", False)),
         eos_token_ids=tuple(eos_ids),
-        context_length=min(context_length, max_len) if isinstance(max_len, int) and max_len > 0 else context_length,
+        context_length=min(context_length, max_len)
+        if isinstance(max_len, int) and max_len > 0
+        else context_length,
     )
 
 

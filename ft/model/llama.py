@@ -252,7 +252,9 @@ def fuse_hf_state_dict(config: LlamaConfig, sd: dict[str, torch.Tensor]) -> dict
     return out
 
 
-def build_model(config: LlamaConfig, hf_state_dict: dict[str, torch.Tensor], dtype: torch.dtype) -> LlamaForCausalLM:
+def build_model(
+    config: LlamaConfig, hf_state_dict: dict[str, torch.Tensor], dtype: torch.dtype
+) -> LlamaForCausalLM:
     """Build on the meta device, then assign the (fused, cast) weights."""
     with torch.device("meta"):
         model = LlamaForCausalLM(config)

@@ -86,7 +86,7 @@ def sample(logits: torch.Tensor, works: list[SeqWork]) -> list[Sampled]:
     """One `Sampled` per row of `logits` `[R, vocab]`, row i following `works[i].params`."""
     if not any(_needs_row_work(w.params) for w in works):
         ids = logits.argmax(-1).tolist()
-        return [Sampled(w.seq_id, int(t)) for w, t in zip(works, ids)]
+        return [Sampled(w.seq_id, int(t)) for w, t in zip(works, ids, strict=True)]
     logits = logits.float()
     out: list[Sampled] = []
     for row, work in enumerate(works):
@@ -107,6 +107,6 @@ def sample(logits: torch.Tensor, works: list[SeqWork]) -> list[Sampled]:
         top: tuple[tuple[int, float], ...] = ()
         if p.top_logprobs:
             best = torch.topk(logprobs, p.top_logprobs)
-            top = tuple(zip(best.indices.tolist(), best.values.tolist()))
+            top = tuple(zip(best.indices.tolist(), best.values.tolist(), strict=True))
         out.append(Sampled(work.seq_id, token, float(logprobs[token]), top))
     return out

@@ -46,10 +46,12 @@ def inline_tools(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) ->
         m = dict(m)
         if m.get("tool_calls"):
             calls = "".join(
-                "\n<tool_call>\n" + json.dumps(
+                "\n<tool_call>\n"
+                + json.dumps(
                     {"name": c["function"]["name"], "arguments": c["function"].get("arguments")},
                     ensure_ascii=False,
-                ) + "\n</tool_call>"
+                )
+                + "\n</tool_call>"
                 for c in m.pop("tool_calls")
             )
             m["content"] = ((m.get("content") or "") + calls).strip()
@@ -72,10 +74,15 @@ def _raise_exception(message: str) -> NoReturn:
 
 
 def _tojson(
-    value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: Any = None,
     sort_keys: bool = False,
 ) -> str:
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
 
 def _strftime_now(fmt: str) -> str:

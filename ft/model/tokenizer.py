@@ -70,7 +70,7 @@ def bytes_to_unicode() -> dict[int, str]:
             bs.append(b)
             cs.append(256 + n)
             n += 1
-    return dict(zip(bs, (chr(c) for c in cs)))
+    return dict(zip(bs, (chr(c) for c in cs), strict=True))
 
 
 def _add_gguf_special_tokens(
@@ -79,7 +79,7 @@ def _add_gguf_special_tokens(
     """Control tokens become special added tokens, user-defined ones plain added tokens."""
     control = [
         AddedToken(t, normalized=False, special=True)
-        for t, kind in zip(tokens, token_types)
+        for t, kind in zip(tokens, token_types, strict=False)
         if kind == TOKEN_TYPE_CONTROL and (alphabet is None or set(t) <= alphabet)
     ]
     if control:
@@ -87,7 +87,7 @@ def _add_gguf_special_tokens(
     vocab = tok.get_vocab()
     user = [
         AddedToken(t, normalized=False, special=False)
-        for t, kind in zip(tokens, token_types)
+        for t, kind in zip(tokens, token_types, strict=False)
         if kind == TOKEN_TYPE_USER_DEFINED and t in vocab
     ]
     if user:
@@ -132,12 +132,15 @@ def sentencepiece_bpe_from_gguf(
     else:
         pairs = _merges_from_scores(tokens, scores)
     tok = Tokenizer(
-        models.BPE(vocab=vocab, merges=pairs, unk_token="<unk>" if "<unk>" in vocab else None,  # type: ignore[arg-type]
-                   fuse_unk=True, byte_fallback=True)
+        models.BPE(
+            vocab=vocab,
+            merges=pairs,
+            unk_token="<unk>" if "<unk>" in vocab else None,  # type: ignore[arg-type]
+            fuse_unk=True,
+            byte_fallback=True,
+        )
     )
-    tok.normalizer = normalizers.Sequence(
-        [normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")]
-    )
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
     tok.decoder = decoders.Sequence(
         [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
     )
@@ -148,7 +151,7 @@ def sentencepiece_bpe_from_gguf(
 def _merges_from_scores(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
     """Recover BPE merges from a sentencepiece vocabulary: every split of a token into two tokens."""
     vocab = {t: i for i, t in enumerate(tokens)}
-    score = dict(zip(tokens, scores))
+    score = dict(zip(tokens, scores, strict=False))
     found: list[tuple[float, int, int, tuple[str, str]]] = []
     for merged in vocab:
         for cut in range(1, len(merged)):

@@ -91,7 +91,8 @@ def register(app: QuartTrio, ctx: ServerContext) -> None:
         ctx.check_admission()
         prompt = Prompt(ctx, req)
         ids = await ctx.engine.tokenize(
-            messages=prompt.messages, tools=prompt.tools,
+            messages=prompt.messages,
+            tools=prompt.tools,
             chat_template_kwargs=prompt.chat_template_kwargs,
         )
         return json_response({"input_tokens": len(ids)})
@@ -128,8 +129,13 @@ def _assistant_message(blocks: list[Any]) -> dict[str, Any]:
             case "thinking":
                 thinking.append(block.thinking)
             case "tool_use":
-                calls.append({"id": block.id, "type": "function",
-                              "function": {"name": block.name, "arguments": block.input}})
+                calls.append(
+                    {
+                        "id": block.id,
+                        "type": "function",
+                        "function": {"name": block.name, "arguments": block.input},
+                    }
+                )
             case "tool_result":
                 raise InvalidRequest("tool_result blocks belong in user turns", param="messages")
     out: dict[str, Any] = {"role": "assistant", "content": "".join(texts)}
@@ -151,11 +157,9 @@ def _user_messages(blocks: list[Any]) -> list[dict[str, Any]]:
                 if texts:
                     out.append({"role": "user", "content": "\n".join(texts)})
                     texts = []
-                out.append({"role": "tool", "tool_call_id": block.tool_use_id,
-                            "content": block.text})
+                out.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": block.text})
             case "tool_use" | "thinking":
-                raise InvalidRequest(f"{block.type} blocks belong in assistant turns",
-                                     param="messages")
+                raise InvalidRequest(f"{block.type} blocks belong in assistant turns", param="messages")
     if texts or not out:
         out.append({"role": "user", "content": "\n".join(texts)})
     return out
@@ -177,11 +181,11 @@ class Prompt:
             tools = [function_tool(t.name, t.description, t.input_schema) for t in req.tools]
             if choice is not None and choice.type == "tool":
                 if choice.name is None:
-                    raise InvalidRequest("tool_choice of type 'tool' needs a name",
-                                         param="tool_choice.name")
+                    raise InvalidRequest("tool_choice of type 'tool' needs a name", param="tool_choice.name")
                 if choice.name not in {t.name for t in req.tools}:
-                    raise InvalidRequest(f"tool_choice names an unknown tool '{choice.name}'",
-                                         param="tool_choice.name")
+                    raise InvalidRequest(
+                        f"tool_choice names an unknown tool '{choice.name}'", param="tool_choice.name"
+                    )
                 messages = add_system_instruction(messages, require_tool_instruction(choice.name))
             elif choice is not None and choice.type == "any":
                 messages = add_system_instruction(messages, require_tool_instruction(None))
@@ -230,8 +234,12 @@ def content_block(block: Block) -> dict[str, Any]:
         case "text":
             return {"type": "text", "text": block.text}
         case "tool_call":
-            return {"type": "tool_use", "id": block.call_id, "name": block.name,
-                    "input": json.loads(block.arguments)}
+            return {
+                "type": "tool_use",
+                "id": block.call_id,
+                "name": block.name,
+                "input": json.loads(block.arguments),
+            }
 
 
 def start_block(block: Block) -> dict[str, Any]:
@@ -245,8 +253,11 @@ def start_block(block: Block) -> dict[str, Any]:
             return {"type": "tool_use", "id": block.call_id, "name": block.name, "input": {}}
 
 
-DELTA_TYPES = {"thinking": ("thinking_delta", "thinking"), "text": ("text_delta", "text"),
-               "tool_call": ("input_json_delta", "partial_json")}
+DELTA_TYPES = {
+    "thinking": ("thinking_delta", "thinking"),
+    "text": ("text_delta", "text"),
+    "tool_call": ("input_json_delta", "partial_json"),
+}
 
 
 def stop_reason(
@@ -282,14 +293,15 @@ class MessagesCall:
     def open(self) -> Any:
         """The engine request scope."""
         return self.ctx.engine.open_request(
-            messages=self.prompt.messages, params=self.params, tools=self.prompt.tools,
+            messages=self.prompt.messages,
+            params=self.params,
+            tools=self.prompt.tools,
             chat_template_kwargs=self.prompt.chat_template_kwargs,
         )
 
     def assembler(self) -> BlockAssembler:
         """A fresh block assembler for this request's parsers."""
-        return BlockAssembler(self.prompt.tool_call_parser, self.prompt.reasoning_parser,
-                              new_tool_use_id)
+        return BlockAssembler(self.prompt.tool_call_parser, self.prompt.reasoning_parser, new_tool_use_id)
 
     async def respond(self) -> Response:
         """An event stream, or the whole message as JSON."""
@@ -298,17 +310,20 @@ class MessagesCall:
         async with self.open() as stream:
             (choice,) = await stream.collect()
         blocks = assemble_blocks(
-            choice.text, tool_call_parser=self.prompt.tool_call_parser,
-            reasoning_parser=self.prompt.reasoning_parser, id_factory=new_tool_use_id,
+            choice.text,
+            tool_call_parser=self.prompt.tool_call_parser,
+            reasoning_parser=self.prompt.reasoning_parser,
+            id_factory=new_tool_use_id,
         )
         has_calls = any(b.kind == "tool_call" for b in blocks)
         reason, sequence = stop_reason(choice.finish_reason, choice.stop_reason, has_calls)
-        return json_response(
-            self.message([content_block(b) for b in blocks], reason, sequence, stream)
-        )
+        return json_response(self.message([content_block(b) for b in blocks], reason, sequence, stream))
 
     def message(
-        self, content: list[dict[str, Any]], reason: str | None, sequence: str | None,
+        self,
+        content: list[dict[str, Any]],
+        reason: str | None,
+        sequence: str | None,
         stream: RequestStream,
     ) -> dict[str, Any]:
         """The `message` object (empty `content` and no stop reason in `message_start`)."""
@@ -320,8 +335,10 @@ class MessagesCall:
             "content": content,
             "stop_reason": reason,
             "stop_sequence": sequence,
-            "usage": {"input_tokens": stream.num_prompt_tokens,
-                      "output_tokens": stream.num_completion_tokens},
+            "usage": {
+                "input_tokens": stream.num_prompt_tokens,
+                "output_tokens": stream.num_completion_tokens,
+            },
         }
 
     async def stream(self) -> AsyncIterator[bytes]:
@@ -336,9 +353,10 @@ class MessagesCall:
                     if not scope.cancelled_caught:
                         break
                     yield PING
-                yield sse_event("message_start", {
-                    "type": "message_start", "message": self.message([], None, None, stream)
-                })
+                yield sse_event(
+                    "message_start",
+                    {"type": "message_start", "message": self.message([], None, None, stream)},
+                )
                 assembler = self.assembler()
                 finish: tuple[str | None, str | int | None] = (None, None)
                 mux = DeltaMux([stream])
@@ -354,12 +372,17 @@ class MessagesCall:
                 for event in assembler.finish():
                     yield self.block_event(event)
                 reason, sequence = stop_reason(*finish, assembler.has_tool_calls)
-                yield sse_event("message_delta", {
-                    "type": "message_delta",
-                    "delta": {"stop_reason": reason, "stop_sequence": sequence},
-                    "usage": {"input_tokens": stream.num_prompt_tokens,
-                              "output_tokens": stream.num_completion_tokens},
-                })
+                yield sse_event(
+                    "message_delta",
+                    {
+                        "type": "message_delta",
+                        "delta": {"stop_reason": reason, "stop_sequence": sequence},
+                        "usage": {
+                            "input_tokens": stream.num_prompt_tokens,
+                            "output_tokens": stream.num_completion_tokens,
+                        },
+                    },
+                )
                 yield sse_event("message_stop", {"type": "message_stop"})
         except FtError as e:
             yield sse_anthropic_error(e)
@@ -371,17 +394,23 @@ class MessagesCall:
         """One content block event."""
         match event:
             case BlockStart(index=index, block=block):
-                return sse_event("content_block_start", {
-                    "type": "content_block_start", "index": index,
-                    "content_block": start_block(block),
-                })
+                return sse_event(
+                    "content_block_start",
+                    {
+                        "type": "content_block_start",
+                        "index": index,
+                        "content_block": start_block(block),
+                    },
+                )
             case BlockDelta(index=index, kind=kind, text=text):
                 delta_type, key = DELTA_TYPES[kind]
-                return sse_event("content_block_delta", {
-                    "type": "content_block_delta", "index": index,
-                    "delta": {"type": delta_type, key: text},
-                })
+                return sse_event(
+                    "content_block_delta",
+                    {
+                        "type": "content_block_delta",
+                        "index": index,
+                        "delta": {"type": delta_type, key: text},
+                    },
+                )
             case BlockStop(index=index):
-                return sse_event("content_block_stop", {
-                    "type": "content_block_stop", "index": index
-                })
+                return sse_event("content_block_stop", {"type": "content_block_stop", "index": index})

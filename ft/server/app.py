@@ -197,7 +197,9 @@ async def open_server(
         async with trio.open_nursery() as nursery:
             urls = await nursery.start(
                 partial(
-                    hypercorn.trio.serve, app, hypercorn_config(settings),
+                    hypercorn.trio.serve,
+                    app,
+                    hypercorn_config(settings),
                     shutdown_trigger=stop.wait,
                 )
             )
@@ -232,8 +234,11 @@ async def serve(
             log.info("listening on %s", ", ".join(server.urls))
             task_status.started(server)
             async for signum in signals:
-                log.info("received %s; draining for up to %.1f s",
-                         signal.Signals(signum).name, settings.shutdown_timeout_s)
+                log.info(
+                    "received %s; draining for up to %.1f s",
+                    signal.Signals(signum).name,
+                    settings.shutdown_timeout_s,
+                )
                 break
             async with trio.open_nursery() as nursery:
 

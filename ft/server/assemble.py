@@ -203,8 +203,9 @@ class BlockAssembler:
         self.blocks.append(block)
         self._open = block
         # NOTE: the start event carries an empty copy; the block itself keeps growing.
-        out.append(BlockStart(len(self.blocks) - 1, Block(block.kind, call_id=block.call_id,
-                                                          name=block.name)))
+        out.append(
+            BlockStart(len(self.blocks) - 1, Block(block.kind, call_id=block.call_id, name=block.name))
+        )
 
     def _close(self, out: list[BlockEvent]) -> None:
         if self._open is not None:
@@ -239,8 +240,12 @@ def _chat_finish_reason(reason: str | None, has_tool_calls: bool) -> str | None:
 
 def chat_tool_call(index: int, call_id: str, name: str, arguments: str) -> dict[str, Any]:
     """One entry of an OpenAI `tool_calls` list (streamed deltas carry `index` too)."""
-    return {"index": index, "id": call_id, "type": "function",
-            "function": {"name": name, "arguments": arguments}}
+    return {
+        "index": index,
+        "id": call_id,
+        "type": "function",
+        "function": {"name": name, "arguments": arguments},
+    }
 
 
 class ChatAssembler:
@@ -252,9 +257,7 @@ class ChatAssembler:
     """
 
     def __init__(self, *, tool_call_parser: str | None, reasoning_parser: str | None) -> None:
-        self._output = OutputAssembler(
-            tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser
-        )
+        self._output = OutputAssembler(tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser)
         self._tool_call_parser = tool_call_parser
         self._reasoning_parser = reasoning_parser
 
@@ -318,9 +321,7 @@ def function_tool(name: str, description: str | None, parameters: dict[str, Any]
     function: dict[str, Any] = {"name": name}
     if description is not None:
         function["description"] = description
-    function["parameters"] = parameters if parameters is not None else {
-        "type": "object", "properties": {}
-    }
+    function["parameters"] = parameters if parameters is not None else {"type": "object", "properties": {}}
     return {"type": "function", "function": function}
 
 
@@ -336,6 +337,5 @@ def add_system_instruction(messages: list[dict[str, Any]], instruction: str) -> 
     if messages and messages[0].get("role") == "system":
         first = messages[0]
         content = first.get("content") or ""
-        return [first | {"content": f"{content}\n\n{instruction}" if content else instruction},
-                *messages[1:]]
+        return [first | {"content": f"{content}\n\n{instruction}" if content else instruction}, *messages[1:]]
     return [{"role": "system", "content": instruction}, *messages]

@@ -33,9 +33,7 @@ _DEPTH_STEP = {"[": 1, "{": 1, "]": -1, "}": -1}
 
 def too_large(limit: int) -> HttpError:
     """The 413 error for a body over `limit` bytes."""
-    return HttpError(
-        413, f"the request body exceeds {limit} bytes", code="request_too_large"
-    )
+    return HttpError(413, f"the request body exceeds {limit} bytes", code="request_too_large")
 
 
 async def read_body(request: Request, limit: int) -> bytes:

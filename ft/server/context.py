@@ -59,8 +59,7 @@ class ServerContext:
         if model and model not in self.served_names():
             raise HttpError(
                 404,
-                f"the model '{model}' does not exist; this server serves "
-                f"'{self.engine.model_id}'",
+                f"the model '{model}' does not exist; this server serves '{self.engine.model_id}'",
                 param="model",
                 code="model_not_found",
             )
@@ -74,9 +73,7 @@ class ServerContext:
         vocab = self.engine.vocab_size
         for t in ids:
             if not 0 <= t < vocab:
-                raise InvalidRequest(
-                    f"token id {t} is outside the vocabulary (0..{vocab - 1})", param=param
-                )
+                raise InvalidRequest(f"token id {t} is outside the vocabulary (0..{vocab - 1})", param=param)
 
 
 def loc_to_param(loc: tuple[int | str, ...]) -> str | None:

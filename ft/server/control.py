@@ -21,8 +21,7 @@ from ft.server.schemas_openai import DetokenizeRequest, PrepareStopRequest, Toke
 
 # Counters in the stats snapshot (everything else numeric is a gauge).
 COUNTERS = frozenset(
-    {"completed", "aborted", "rejected", "failed", "prompt_tokens_total",
-     "completion_tokens_total"}
+    {"completed", "aborted", "rejected", "failed", "prompt_tokens_total", "completion_tokens_total"}
 )
 
 
@@ -32,9 +31,7 @@ def register(app: QuartTrio, ctx: ServerContext) -> None:
 
     @app.get("/health")
     async def health() -> Response:
-        status = {"ready": "ok", "loading": "loading", "error": "error"}.get(
-            engine.state, "stopping"
-        )
+        status = {"ready": "ok", "loading": "loading", "error": "error"}.get(engine.state, "stopping")
         body: dict[str, Any] = {"status": status, "state": engine.state, "model": engine.model_id}
         if engine.state == "loading":
             body["loading_s"] = round(time.time() - ctx.started_at, 1)
@@ -83,9 +80,7 @@ def register(app: QuartTrio, ctx: ServerContext) -> None:
         else:
             assert req.prompt is not None
             ids = await engine.tokenize(prompt=req.prompt)
-        return json_response(
-            {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
-        )
+        return json_response({"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len})
 
     @app.post("/v1/detokenize")
     async def detokenize() -> Response:
@@ -98,7 +93,9 @@ def register(app: QuartTrio, ctx: ServerContext) -> None:
     async def prepare_stop() -> Response:
         if not is_loopback(request.scope.get("client")):
             raise HttpError(
-                403, "prepare-stop is only served to loopback callers", type="permission_error",
+                403,
+                "prepare-stop is only served to loopback callers",
+                type="permission_error",
                 code="forbidden",
             )
         req = await read_request(ctx, PrepareStopRequest, allow_empty=True)
@@ -142,8 +139,7 @@ def prometheus_text(snapshot: dict[str, Any]) -> str:
         f'model="{_label(snapshot.get("model", {}).get("id"))}",'
         f'state="{_label(snapshot.get("state"))}"}} 1'
     )
-    lines = ["# HELP ft_info The serving instance, its model and its state.",
-             "# TYPE ft_info gauge", info]
+    lines = ["# HELP ft_info The serving instance, its model and its state.", "# TYPE ft_info gauge", info]
     metrics: list[tuple[str, float]] = []
     for key, value in snapshot.items():
         if key not in ("instance_id", "state"):

@@ -66,7 +66,8 @@ class ChatCompletion:
         if req.top_logprobs and not req.logprobs:
             raise InvalidRequest("top_logprobs requires logprobs: true", param="top_logprobs")
         self.params = sampling_params(
-            ctx, req,
+            ctx,
+            req,
             max_tokens=req.max_completion_tokens or req.max_tokens,
             logprobs=req.logprobs,
             top_logprobs=req.top_logprobs or 0,
@@ -102,10 +103,7 @@ class ChatCompletion:
         for c in choices:
             message, reason = make_chat_output(self.ctx, self.req).message(c)
             logprobs = chat_logprobs(c.logprobs) if self.params.logprobs else None
-            out.append(
-                {"index": c.index, "message": message, "logprobs": logprobs,
-                 "finish_reason": reason}
-            )
+            out.append({"index": c.index, "message": message, "logprobs": logprobs, "finish_reason": reason})
         return {
             "id": self.id,
             "object": "chat.completion",
@@ -117,7 +115,11 @@ class ChatCompletion:
         }
 
     def chunk(
-        self, index: int, delta: dict[str, Any], *, logprobs: Any = None,
+        self,
+        index: int,
+        delta: dict[str, Any],
+        *,
+        logprobs: Any = None,
         reason: str | None = None,
     ) -> bytes:
         """One `chat.completion.chunk` frame for one choice."""
@@ -128,9 +130,7 @@ class ChatCompletion:
                 "created": self.created,
                 "model": self.model,
                 "system_fingerprint": None,
-                "choices": [
-                    {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
-                ],
+                "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}],
             }
         )
 
@@ -190,7 +190,8 @@ class TextCompletion:
             if isinstance(p, list):
                 ctx.check_token_ids(p, "prompt" if len(req.prompt) == 1 else f"prompt[{i}]")
         self.params: SamplingParams = sampling_params(
-            ctx, req,
+            ctx,
+            req,
             max_tokens=req.max_tokens,
             logprobs=req.logprobs is not None,
             top_logprobs=req.logprobs or 0,
@@ -262,8 +263,10 @@ class TextCompletion:
         echo = self.prompt_text(prompt) if self.req.echo else ""
         if self.params.logprobs:
             lp = CompletionLogprobs()
-            logprobs = lp.add_prompt([]) if not echo else lp.add_prompt(
-                [self.ctx.engine.detokenize([t]) for t in prompt_ids]
+            logprobs = (
+                lp.add_prompt([])
+                if not echo
+                else lp.add_prompt([self.ctx.engine.detokenize([t]) for t in prompt_ids])
             )
             logprobs = CompletionLogprobs.merge(logprobs, lp.add(c.logprobs))
         return {
@@ -273,8 +276,7 @@ class TextCompletion:
             "finish_reason": finish_reason(c.finish_reason),
         }
 
-    def chunk(self, index: int, text: str, *, logprobs: Any = None,
-              reason: str | None = None) -> bytes:
+    def chunk(self, index: int, text: str, *, logprobs: Any = None, reason: str | None = None) -> bytes:
         """One streamed `text_completion` frame for one choice."""
         return sse_data(
             {
@@ -283,9 +285,7 @@ class TextCompletion:
                 "created": self.created,
                 "model": self.model,
                 "system_fingerprint": None,
-                "choices": [
-                    {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
-                ],
+                "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}],
             }
         )
 

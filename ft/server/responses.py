@@ -93,11 +93,13 @@ def template_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
     for item in req.input:
         match item:
             case MessageItem(role=role, content=content):
-                out.append({"role": "system" if role == "developer" else role,
-                            "content": content})
+                out.append({"role": "system" if role == "developer" else role, "content": content})
             case FunctionCallItem(call_id=call_id, name=name, arguments=arguments):
-                call = {"id": call_id, "type": "function",
-                        "function": {"name": name, "arguments": _arguments(arguments)}}
+                call = {
+                    "id": call_id,
+                    "type": "function",
+                    "function": {"name": name, "arguments": _arguments(arguments)},
+                }
                 if out and out[-1]["role"] == "assistant":
                     out[-1].setdefault("tool_calls", []).append(call)
                 else:
@@ -130,15 +132,30 @@ def output_item(block: Block, item_id: str, status: str) -> dict[str, Any]:
     """A finished block as a Responses output item."""
     match block.kind:
         case "thinking":
-            return {"id": item_id, "type": "reasoning", "summary": [],
-                    "content": [{"type": "reasoning_text", "text": block.text}],
-                    "status": status}
+            return {
+                "id": item_id,
+                "type": "reasoning",
+                "summary": [],
+                "content": [{"type": "reasoning_text", "text": block.text}],
+                "status": status,
+            }
         case "text":
-            return {"id": item_id, "type": "message", "status": status, "role": "assistant",
-                    "content": [output_text(block.text)]}
+            return {
+                "id": item_id,
+                "type": "message",
+                "status": status,
+                "role": "assistant",
+                "content": [output_text(block.text)],
+            }
         case "tool_call":
-            return {"id": item_id, "type": "function_call", "call_id": block.call_id,
-                    "name": block.name, "arguments": block.arguments, "status": status}
+            return {
+                "id": item_id,
+                "type": "function_call",
+                "call_id": block.call_id,
+                "name": block.name,
+                "arguments": block.arguments,
+                "status": status,
+            }
 
 
 def output_text(text: str) -> dict[str, Any]:
@@ -160,15 +177,13 @@ class ResponseCall:
             )
         if req.store:
             raise InvalidRequest(
-                "store: true is not supported: this server keeps no responses; omit store or "
-                "set it to false",
+                "store: true is not supported: this server keeps no responses; omit store or set it to false",
                 param="store",
             )
         fmt = req.text.format if req.text is not None else None
         if fmt is not None and fmt.type != "text":
             raise InvalidRequest(
-                f"text.format type '{fmt.type}' is not supported yet (no constrained decoding);"
-                " use 'text'",
+                f"text.format type '{fmt.type}' is not supported yet (no constrained decoding); use 'text'",
                 param="text.format",
             )
         messages = template_messages(req)
@@ -178,8 +193,9 @@ class ResponseCall:
             self.tools = [function_tool(t.name, t.description, t.parameters) for t in req.tools]
             if isinstance(choice, FunctionChoice):
                 if choice.name not in {t.name for t in req.tools}:
-                    raise InvalidRequest(f"tool_choice names an unknown function '{choice.name}'",
-                                         param="tool_choice.name")
+                    raise InvalidRequest(
+                        f"tool_choice names an unknown function '{choice.name}'", param="tool_choice.name"
+                    )
                 messages = add_system_instruction(messages, require_tool_instruction(choice.name))
             elif choice == "required":
                 messages = add_system_instruction(messages, require_tool_instruction(None))
@@ -210,9 +226,7 @@ class ResponseCall:
 
     def open(self) -> Any:
         """The engine request scope."""
-        return self.ctx.engine.open_request(
-            messages=self.messages, params=self.params, tools=self.tools
-        )
+        return self.ctx.engine.open_request(messages=self.messages, params=self.params, tools=self.tools)
 
     def item_id(self, index: int, block: Block) -> str:
         """The id of output item `index` (made on first use)."""
@@ -224,8 +238,7 @@ class ResponseCall:
         """Every block as an output item; the last is `incomplete` when the output was cut."""
         last = len(blocks) - 1
         return [
-            output_item(b, self.item_id(i, b),
-                        "incomplete" if is_incomplete and i == last else "completed")
+            output_item(b, self.item_id(i, b), "incomplete" if is_incomplete and i == last else "completed")
             for i, b in enumerate(blocks)
         ]
 
@@ -247,9 +260,7 @@ class ResponseCall:
             "status": status,
             "background": False,
             "error": error,
-            "incomplete_details": (
-                {"reason": "max_output_tokens"} if status == "incomplete" else None
-            ),
+            "incomplete_details": ({"reason": "max_output_tokens"} if status == "incomplete" else None),
             "instructions": req.instructions,
             "max_output_tokens": req.max_output_tokens,
             "model": self.model,
@@ -260,8 +271,7 @@ class ResponseCall:
             "store": False,
             "temperature": self.params.temperature,
             "text": {"format": {"type": "text"}},
-            "tool_choice": choice.model_dump() if isinstance(choice, FunctionChoice)
-            else (choice or "auto"),
+            "tool_choice": choice.model_dump() if isinstance(choice, FunctionChoice) else (choice or "auto"),
             "tools": [t.model_dump() for t in req.tools or ()],
             "top_p": self.params.top_p,
             "truncation": "disabled",
@@ -277,15 +287,18 @@ class ResponseCall:
         async with self.open() as stream:
             (choice,) = await stream.collect()
         blocks = assemble_blocks(
-            choice.text, tool_call_parser=self.tool_call_parser,
+            choice.text,
+            tool_call_parser=self.tool_call_parser,
             reasoning_parser=self.reasoning_parser,
         )
         is_incomplete = choice.finish_reason == "length"
-        return json_response(self.response(
-            "incomplete" if is_incomplete else "completed",
-            self.items(blocks, is_incomplete),
-            usage(stream.num_prompt_tokens, stream.num_completion_tokens),
-        ))
+        return json_response(
+            self.response(
+                "incomplete" if is_incomplete else "completed",
+                self.items(blocks, is_incomplete),
+                usage(stream.num_prompt_tokens, stream.num_completion_tokens),
+            )
+        )
 
     async def stream(self) -> AsyncIterator[bytes]:
         """The event stream (see the module docstring)."""
@@ -318,16 +331,21 @@ class ResponseCall:
                     for kind, fields in self.item_events(block_event, is_incomplete and is_last):
                         yield event(kind, **fields)
                 status = "incomplete" if is_incomplete else "completed"
-                yield event(f"response.{status}", response=self.response(
-                    status, self.items(assembler.blocks, is_incomplete),
-                    usage(stream.num_prompt_tokens, stream.num_completion_tokens),
-                ))
+                yield event(
+                    f"response.{status}",
+                    response=self.response(
+                        status,
+                        self.items(assembler.blocks, is_incomplete),
+                        usage(stream.num_prompt_tokens, stream.num_completion_tokens),
+                    ),
+                )
         except Exception as e:  # noqa: BLE001 - reported in-stream (and logged if unexpected)
             err = e if isinstance(e, FtError) else internal_error(e)
             error = {"code": err.code or err.type, "message": err.message}
-            yield event("response.failed", response=self.response(
-                "failed", self.items(assembler.blocks, False), None, error=error
-            ))
+            yield event(
+                "response.failed",
+                response=self.response("failed", self.items(assembler.blocks, False), None, error=error),
+            )
 
     def item_events(self, event: BlockEvent, is_incomplete: bool) -> list[tuple[str, dict[str, Any]]]:
         """The Responses events for one block event: (event type, fields)."""
@@ -341,28 +359,35 @@ class ResponseCall:
                 if block.kind == "tool_call":
                     return [("response.output_item.added", where | {"item": added})]
                 added["content"] = []
-                part = output_text("") if block.kind == "text" else {
-                    "type": "reasoning_text", "text": ""}
+                part = output_text("") if block.kind == "text" else {"type": "reasoning_text", "text": ""}
                 return [
                     ("response.output_item.added", where | {"item": added}),
-                    ("response.content_part.added",
-                     where | {"item_id": item_id, "content_index": 0, "part": part}),
+                    (
+                        "response.content_part.added",
+                        where | {"item_id": item_id, "content_index": 0, "part": part},
+                    ),
                 ]
             case BlockDelta(kind="tool_call", text=text):
-                return [("response.function_call_arguments.delta",
-                         where | {"item_id": item_id, "delta": text})]
+                return [
+                    ("response.function_call_arguments.delta", where | {"item_id": item_id, "delta": text})
+                ]
             case BlockDelta(kind=kind, text=text):
                 name = "output_text" if kind == "text" else "reasoning_text"
                 extra: dict[str, Any] = {"logprobs": []} if kind == "text" else {}
-                return [(f"response.{name}.delta",
-                         where | {"item_id": item_id, "content_index": 0, "delta": text} | extra)]
+                return [
+                    (
+                        f"response.{name}.delta",
+                        where | {"item_id": item_id, "content_index": 0, "delta": text} | extra,
+                    )
+                ]
             case BlockStop(block=block):
                 done = output_item(block, item_id, "incomplete" if is_incomplete else "completed")
                 if block.kind == "tool_call":
                     return [
-                        ("response.function_call_arguments.done",
-                         where | {"item_id": item_id, "name": block.name,
-                                  "arguments": block.arguments}),
+                        (
+                            "response.function_call_arguments.done",
+                            where | {"item_id": item_id, "name": block.name, "arguments": block.arguments},
+                        ),
                         ("response.output_item.done", where | {"item": done}),
                     ]
                 name = "output_text" if block.kind == "text" else "reasoning_text"

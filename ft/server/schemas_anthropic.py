@@ -83,7 +83,8 @@ class MediaBlock(StrictModel):
     @classmethod
     def _refuse(cls, value: Any) -> Any:
         raise PydanticCustomError(
-            "text_only", "this model takes text only; got a '{kind}' block",
+            "text_only",
+            "this model takes text only; got a '{kind}' block",
             {"kind": value.get("type")},
         )
 

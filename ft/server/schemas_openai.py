@@ -44,8 +44,7 @@ Name = Annotated[str, Field(max_length=MAX_NAME_LEN)]
 
 # Content part types that carry media this text-only engine cannot read.
 MEDIA_PART_TYPES = frozenset(
-    {"image_url", "input_image", "image", "input_audio", "audio", "file", "input_file",
-     "video", "video_url"}
+    {"image_url", "input_image", "image", "input_audio", "audio", "file", "input_file", "video", "video_url"}
 )
 
 
@@ -53,9 +52,7 @@ def _str_to_list(value: Any) -> Any:
     return [value] if isinstance(value, str) else value
 
 
-StopList = Annotated[
-    list[StopString], BeforeValidator(_str_to_list), Field(max_length=MAX_STOP_STRINGS)
-]
+StopList = Annotated[list[StopString], BeforeValidator(_str_to_list), Field(max_length=MAX_STOP_STRINGS)]
 
 
 class StrictModel(BaseModel):
@@ -99,9 +96,7 @@ def text_of_parts(parts: list[Any]) -> str:
             )
         text = part.get("text")
         if not isinstance(text, str):
-            raise PydanticCustomError(
-                "content_part", "content part {i} needs a string 'text'", {"i": i}
-            )
+            raise PydanticCustomError("content_part", "content part {i} needs a string 'text'", {"i": i})
         texts.append(text)
     return "\n".join(texts)
 
@@ -127,9 +122,7 @@ class ChatMessage(StrictModel):
             if info.data.get("role") == "assistant":
                 return None
             raise PydanticCustomError("missing", "content is required for this role")
-        raise PydanticCustomError(
-            "content_type", "content must be a string or a list of content parts"
-        )
+        raise PydanticCustomError("content_type", "content must be a string or a list of content parts")
 
 
 class SamplingFields(StrictModel):
@@ -215,8 +208,7 @@ def normalize_prompt(value: Any) -> list[PromptItem]:
     if not isinstance(value, list) or not value:
         raise PydanticCustomError(
             "prompt",
-            "prompt must be a string, a list of strings, a list of token ids or a list of "
-            "token-id lists",
+            "prompt must be a string, a list of strings, a list of token ids or a list of token-id lists",
         )
     if all(isinstance(x, str) for x in value):
         if not all(value):
@@ -229,9 +221,7 @@ def normalize_prompt(value: Any) -> list[PromptItem]:
     else:
         raise PydanticCustomError("prompt", "prompt mixes strings, token ids and lists")
     if len(items) > MAX_PROMPTS:
-        raise PydanticCustomError(
-            "prompt", "prompt holds more than {m} prompts", {"m": MAX_PROMPTS}
-        )
+        raise PydanticCustomError("prompt", "prompt holds more than {m} prompts", {"m": MAX_PROMPTS})
     return items
 
 
@@ -251,9 +241,7 @@ class TokenizeRequest(StrictModel):
 
     model: Annotated[str, Field(max_length=MAX_NAME_LEN)] | None = None
     prompt: str | None = None
-    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)] | None = (
-        None
-    )
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)] | None = None
     tools: Annotated[list[dict[str, Any]], Field(max_length=MAX_TOOLS)] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True

@@ -82,8 +82,7 @@ InputItem = Annotated[
         _item_kind,
         custom_error_type="input_item",
         custom_error_message=(
-            "input items must be objects of type message, function_call, "
-            "function_call_output or reasoning"
+            "input items must be objects of type message, function_call, function_call_output or reasoning"
         ),
     ),
 ]

@@ -37,9 +37,7 @@ class ServerSettings:
         if not 0.05 <= self.sse_heartbeat_s <= 600:
             raise ValueError(f"sse_heartbeat_s must be in 0.05..600, got {self.sse_heartbeat_s}")
         if not 0 <= self.shutdown_timeout_s <= 3600:
-            raise ValueError(
-                f"shutdown_timeout_s must be in 0..3600, got {self.shutdown_timeout_s}"
-            )
+            raise ValueError(f"shutdown_timeout_s must be in 0..3600, got {self.shutdown_timeout_s}")
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}")
         if not 0 <= self.graceful_timeout_s <= 600:

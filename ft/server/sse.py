@@ -101,7 +101,10 @@ class DeltaMux:
         return result
 
     async def _one(
-        self, k: int, result: MuxResult, errors: list[BaseException],
+        self,
+        k: int,
+        result: MuxResult,
+        errors: list[BaseException],
         done: trio.CancelScope | None,
     ) -> None:
         try:

@@ -15,9 +15,7 @@ from ft.core.reasoning import (
 )
 
 
-def run(
-    name: str | None, chunks: list[str], starts_in_reasoning: bool | None = None
-) -> list[ReasoningEvent]:
+def run(name: str | None, chunks: list[str], starts_in_reasoning: bool | None = None) -> list[ReasoningEvent]:
     parser = make_reasoning_parser(name, starts_in_reasoning=starts_in_reasoning)
     events: list[ReasoningEvent] = []
     for chunk in chunks:

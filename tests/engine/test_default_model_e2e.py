@@ -96,9 +96,21 @@ async def _sample(engine: Engine, params: SamplingParams) -> list[int]:
 
 def test_cli_generate_prints_the_completion() -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "ft.cli", "generate", "The capital of France is",
-         "--max-tokens", "16", "--temperature", "0"],
-        capture_output=True, text=True, timeout=240, check=True,
+        [
+            sys.executable,
+            "-m",
+            "ft.cli",
+            "generate",
+            "The capital of France is",
+            "--max-tokens",
+            "16",
+            "--temperature",
+            "0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=True,
     )
     assert "Paris" in out.stdout
 
@@ -109,7 +121,10 @@ def test_cli_reports_a_corrupt_default_model_with_what_to_run(tmp_path: Path) ->
     (models / "SmolLM2-135M-Instruct.Q4_1.gguf").write_bytes(b"garbage")
     out = subprocess.run(
         [sys.executable, "-m", "ft.cli", "generate", "hi", "--max-tokens", "2"],
-        capture_output=True, text=True, timeout=120, env=os.environ | {"FT_CACHE_DIR": str(tmp_path)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=os.environ | {"FT_CACHE_DIR": str(tmp_path)},
     )
     assert out.returncode == 1
     assert out.stderr.startswith("error: ") and "ft pull" in out.stderr

@@ -10,6 +10,7 @@ from fakes import fake_engine
 from ft.engine.engine import Engine
 from ft.engine.fake import FakeRunner, delayed_inline, text_script
 from ft.errors import ContextLengthExceeded, InvalidRequest, Overloaded, RequestFailed
+from ft.messages import Tokenize
 from ft.params import SamplingParams
 
 CHAT = [{"role": "user", "content": "hi"}]
@@ -90,9 +91,7 @@ async def test_lone_surrogate_fails_cbor_encoding_inside_the_scope(
 ) -> None:
     async with fake_engine() as engine:
         with pytest.raises(InvalidRequest, match="surrogate") as info:
-            async with engine.open_request(
-                messages=[{"role": "user", "content": "a\ud800b"}]
-            ) as stream:
+            async with engine.open_request(messages=[{"role": "user", "content": "a\ud800b"}]) as stream:
                 await stream.collect()
         assert info.value.param == "messages"
         await assert_nothing_held(engine)
@@ -104,9 +103,7 @@ async def test_unpackable_integer_fails_inside_the_scope(
 ) -> None:
     async with fake_engine() as engine:
         with pytest.raises(InvalidRequest) as info:
-            async with engine.open_request(
-                messages=CHAT, chat_template_kwargs={"x": value}
-            ) as stream:
+            async with engine.open_request(messages=CHAT, chat_template_kwargs={"x": value}) as stream:
                 await stream.collect()
         assert info.value.param == "chat_template_kwargs.x"
         await assert_nothing_held(engine)
@@ -115,7 +112,9 @@ async def test_unpackable_integer_fails_inside_the_scope(
 async def test_tokenizer_crash_fails_only_its_request(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    fault = lambda msg: "raise" if msg.prompt == "crash" else None
+    def fault(msg: Tokenize) -> str | None:
+        return "raise" if msg.prompt == "crash" else None
+
     async with fake_engine(tokenizer_fault=fault) as engine:
         with pytest.raises(RequestFailed):
             async with engine.open_request(prompt="crash") as stream:

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from ft.core.batch import SeqWork
 from ft.engine.fake import FakeRunner, text_script
 from ft.errors import FtError
+from ft.messages import Tokenize
 from ft.params import SamplingParams
 
 STEP_FAULT_SEED = 666
@@ -50,7 +51,10 @@ def before_step(works: list[SeqWork]) -> None:
 
 async def scenario(reqs: list[Plan], max_running: int, num_pages: int) -> None:
     runner = FakeRunner(text_script("hello world, all is well " * 4), step_s=0.03)
-    fault = lambda m: "raise" if m.prompt and m.prompt.startswith("!") else None
+
+    def fault(m: Tokenize) -> str | None:
+        return "raise" if m.prompt and m.prompt.startswith("!") else None
+
     async with fake_engine(
         runner,
         before_step=before_step,
@@ -83,8 +87,9 @@ async def scenario(reqs: list[Plan], max_running: int, num_pages: int) -> None:
             with trio.move_on_after(plan.cancel_after_s or 1e9):
                 try:
                     if plan.fault == "bigint":
-                        cm = engine.open_request(messages=[{"role": "user", "content": prompt}],
-                                                 params=params, **kwargs)
+                        cm = engine.open_request(
+                            messages=[{"role": "user", "content": prompt}], params=params, **kwargs
+                        )
                     else:
                         cm = engine.open_request(prompt=prompt, params=params)
                     async with cm as stream:

@@ -31,7 +31,10 @@ def random_hf_state_dict(config: LlamaConfig, seed: int = 0) -> dict[str, torch.
         return torch.randn(*shape, generator=g) * 0.2
 
     c = config
-    sd = {"model.embed_tokens.weight": rnd(c.vocab_size, c.hidden_size), "model.norm.weight": 1 + rnd(c.hidden_size)}
+    sd = {
+        "model.embed_tokens.weight": rnd(c.vocab_size, c.hidden_size),
+        "model.norm.weight": 1 + rnd(c.hidden_size),
+    }
     if not c.tie_word_embeddings:
         sd["lm_head.weight"] = rnd(c.vocab_size, c.hidden_size)
     for i in range(c.num_layers):

@@ -95,7 +95,7 @@ def ft_run(loaded: LoadedModel, prompt_ids: list[list[int]]) -> tuple[list[list[
             SeqWork(i, (out[-1],), len(prompt_ids[i]) + step - 1, pages[i], True, greedy, step)
             for i, out in enumerate(outputs)
         ]
-        for out, sampled in zip(outputs, runner.step(works)):
+        for out, sampled in zip(outputs, runner.step(works), strict=True):
             out.append(sampled.token_id)
     return outputs, first_logits
 

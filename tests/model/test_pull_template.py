@@ -11,7 +11,9 @@ from ft.model import pull
 from ft.model.template import render_chat
 
 
-def test_corrupt_cached_model_says_how_to_fix(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_corrupt_cached_model_says_how_to_fix(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("FT_CACHE_DIR", str(tmp_path))
     path = pull.cached_model_path()
     path.parent.mkdir(parents=True)
@@ -70,9 +72,17 @@ def test_tools_are_written_into_a_template_that_ignores_them() -> None:
     messages = [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "Weather in Paris?"},
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "c1", "type": "function",
-             "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "c1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": {"city": "Paris"}},
+                }
+            ],
+        },
         {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
     ]
     text = render_chat(CHATML_TEMPLATE, messages, tools=tools)

@@ -28,14 +28,21 @@ async def sdk_chat_streamed_equals_unstreamed(base_url: str) -> None:
     client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
     async with client:
         whole = await client.chat.completions.create(
-            model=model, messages=CHAT, temperature=0, max_tokens=24  # type: ignore[arg-type]
+            model=model,
+            messages=CHAT,
+            temperature=0,
+            max_tokens=24,  # type: ignore[arg-type]
         )
         text = whole.choices[0].message.content
         assert whole.id.startswith("chatcmpl-")
         assert whole.choices[0].finish_reason in ("stop", "length")
         assert whole.usage is not None and whole.usage.completion_tokens > 0
         chunks = await client.chat.completions.create(
-            model=model, messages=CHAT, temperature=0, max_tokens=24, stream=True,  # type: ignore[arg-type]
+            model=model,
+            messages=CHAT,
+            temperature=0,
+            max_tokens=24,
+            stream=True,  # type: ignore[arg-type]
             stream_options={"include_usage": True},
         )
         pieces, ids, reasons, roles, usage = [], set(), [], [], None
@@ -71,7 +78,10 @@ async def sdk_completions(base_url: str) -> None:
         )
         assert sorted(c.index for c in many.choices) == [0, 1, 2, 3]
         streamed = await client.completions.create(
-            model=model, prompt="The capital of France is", max_tokens=8, temperature=0,
+            model=model,
+            prompt="The capital of France is",
+            max_tokens=8,
+            temperature=0,
             stream=True,
         )
         text = "".join([c.choices[0].text async for c in streamed if c.choices])
@@ -85,7 +95,9 @@ async def sdk_bad_parameter(base_url: str) -> None:
     async with client:
         with pytest.raises(openai.BadRequestError) as info:
             await client.chat.completions.create(
-                model=model, messages=CHAT, temperature=-1  # type: ignore[arg-type]
+                model=model,
+                messages=CHAT,
+                temperature=-1,  # type: ignore[arg-type]
             )
         assert info.value.body["param"] == "temperature"  # type: ignore[index]
         with pytest.raises(openai.NotFoundError):

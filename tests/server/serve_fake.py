@@ -22,8 +22,7 @@ from ft.server.app import serve
 async def main() -> None:
     runner = FakeRunner(script=text_script("lorem ipsum " * 100), step_s=0.02)
     hooks = EngineHooks(load_model=fake_parts(runner), tokenize_executor=run_inline)
-    settings = ServerSettings(port=0, shutdown_timeout_s=float(sys.argv[1]),
-                              graceful_timeout_s=1.0)
+    settings = ServerSettings(port=0, shutdown_timeout_s=float(sys.argv[1]), graceful_timeout_s=1.0)
     async with trio.open_nursery() as nursery:
         server: RunningServer = await nursery.start(
             partial(serve, EngineConfig(num_pages=64), settings, hooks=hooks)

@@ -18,24 +18,27 @@ from ft.engine.fake import FakeRunner, text_script
 from ft.server import RunningServer, ServerSettings
 
 USER = [{"role": "user", "content": "What is the weather in Paris?"}]
-TOOLS: list[Any] = [{
-    "name": "get_weather",
-    "description": "The current weather in a city.",
-    "input_schema": {"type": "object", "properties": {"city": {"type": "string"}},
-                     "required": ["city"]},
-}]
+TOOLS: list[Any] = [
+    {
+        "name": "get_weather",
+        "description": "The current weather in a city.",
+        "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    }
+]
 
 
 def sdk(server: RunningServer, api_key: str = "unused") -> anthropic.AsyncAnthropic:
     return anthropic.AsyncAnthropic(base_url=server.base_url, api_key=api_key, max_retries=0)
 
 
-async def post(server: RunningServer, body: dict[str, Any] | str,
-               headers: dict[str, str] | None = None) -> httpx.Response:
+async def post(
+    server: RunningServer, body: dict[str, Any] | str, headers: dict[str, str] | None = None
+) -> httpx.Response:
     content = body if isinstance(body, str) else json.dumps(body)
     async with httpx.AsyncClient(base_url=server.base_url, timeout=30) as c:
-        return await c.post("/v1/messages", content=content,
-                            headers={"content-type": "application/json"} | (headers or {}))
+        return await c.post(
+            "/v1/messages", content=content, headers={"content-type": "application/json"} | (headers or {})
+        )
 
 
 # --- the SDK ---------------------------------------------------------------------------------
@@ -65,8 +68,9 @@ async def test_sdk_bad_parameter_is_bad_request(server: RunningServer) -> None:
     async with sdk(server) as client:
         with pytest.raises(anthropic.BadRequestError) as info:
             # NOTE: this SDK version has no `temperature` argument; the API still takes it.
-            await client.messages.create(model="fake", max_tokens=8, messages=USER,
-                                         extra_body={"temperature": 1.5})
+            await client.messages.create(
+                model="fake", max_tokens=8, messages=USER, extra_body={"temperature": 1.5}
+            )
         assert info.value.body["type"] == "error"  # type: ignore[index]
         assert info.value.body["error"]["type"] == "invalid_request_error"  # type: ignore[index]
         assert "temperature" in info.value.body["error"]["message"]  # type: ignore[index]
@@ -88,19 +92,29 @@ async def test_api_key_via_x_api_key_and_anthropic_error_shape() -> None:
 
 
 async def test_system_blocks_metadata_and_thinking_are_accepted(server: RunningServer) -> None:
-    r = await post(server, {
-        "model": "fake", "max_tokens": 4, "messages": USER, "metadata": {"user_id": "u1"},
-        "system": [{"type": "text", "text": "Be brief."}, {"type": "text", "text": "Be kind."}],
-        "thinking": {"type": "enabled", "budget_tokens": 1024}, "top_k": 5, "top_p": 0.9,
-    }, headers={"anthropic-version": "2023-06-01"})
+    r = await post(
+        server,
+        {
+            "model": "fake",
+            "max_tokens": 4,
+            "messages": USER,
+            "metadata": {"user_id": "u1"},
+            "system": [{"type": "text", "text": "Be brief."}, {"type": "text", "text": "Be kind."}],
+            "thinking": {"type": "enabled", "budget_tokens": 1024},
+            "top_k": 5,
+            "top_p": 0.9,
+        },
+        headers={"anthropic-version": "2023-06-01"},
+    )
     assert r.status_code == 200, r.text
     assert r.json()["stop_reason"] == "max_tokens"
 
 
 async def test_stop_sequence_is_reported(server: RunningServer) -> None:
     async with sdk(server) as client:
-        done = await client.messages.create(model="fake", max_tokens=64, messages=USER,
-                                            stop_sequences=["fake"])
+        done = await client.messages.create(
+            model="fake", max_tokens=64, messages=USER, stop_sequences=["fake"]
+        )
     assert done.stop_reason == "stop_sequence" and done.stop_sequence == "fake"
     assert done.content[0].text == "Hello from the "  # type: ignore[union-attr]
 
@@ -112,10 +126,27 @@ async def test_stop_sequence_is_reported(server: RunningServer) -> None:
         ({"max_tokens": 4, "messages": []}, "messages"),
         ({"max_tokens": 4, "messages": [{"role": "system", "content": "x"}]}, "role"),
         ({"max_tokens": 4, "messages": USER, "top_k": -1}, "top_k"),
-        ({"max_tokens": 4, "messages": [{"role": "user", "content": [
-            {"type": "image", "source": {"type": "base64", "data": "x"}}]}]}, "text only"),
-        ({"max_tokens": 4, "messages": USER, "tools": TOOLS,
-          "tool_choice": {"type": "tool", "name": "nope"}}, "tool_choice"),
+        (
+            {
+                "max_tokens": 4,
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [{"type": "image", "source": {"type": "base64", "data": "x"}}],
+                    }
+                ],
+            },
+            "text only",
+        ),
+        (
+            {
+                "max_tokens": 4,
+                "messages": USER,
+                "tools": TOOLS,
+                "tool_choice": {"type": "tool", "name": "nope"},
+            },
+            "tool_choice",
+        ),
     ],
 )
 async def test_invalid_requests_get_anthropic_400(
@@ -137,8 +168,7 @@ async def test_unpackable_fields_are_400_and_leak_nothing(server: RunningServer)
         base = '{"model":"fake","max_tokens":4,"messages":[{"role":"user","content":"hi"}]'
         shapes = [
             ("top_k", base + ',"top_k":' + str(2**64) + "}", base + ',"top_k":40}'),
-            ("stop_sequences", base + ',"stop_sequences":["\\ud800"]}',
-             base + ',"stop_sequences":["x"]}'),
+            ("stop_sequences", base + ',"stop_sequences":["\\ud800"]}', base + ',"stop_sequences":["x"]}'),
         ]
         for field, hostile, sane in shapes:
             for stream in ("", ',"stream":true'):
@@ -202,8 +232,7 @@ async def test_error_mid_stream_is_an_error_event() -> None:
         assert error["error"]["message"]
         async with sdk(s) as client:
             with pytest.raises(anthropic.APIStatusError):
-                async with client.messages.stream(model="fake", max_tokens=64,
-                                                  messages=USER) as stream:
+                async with client.messages.stream(model="fake", max_tokens=64, messages=USER) as stream:
                     await stream.get_final_message()
         async with httpx.AsyncClient(base_url=s.base_url) as c:
             await wait_idle(c)
@@ -222,8 +251,7 @@ async def test_context_too_long_after_headers_is_an_error_event(server: RunningS
 
 async def test_tool_call_round_trip() -> None:
     async with fake_server(FakeRunner(script=tool_then_answer())) as s, sdk(s) as client:
-        first = await client.messages.create(model="fake", max_tokens=200, messages=USER,
-                                             tools=TOOLS)
+        first = await client.messages.create(model="fake", max_tokens=200, messages=USER, tools=TOOLS)
         assert first.stop_reason == "tool_use"
         (call,) = first.content
         assert call.type == "tool_use" and call.id.startswith("toolu_")
@@ -231,26 +259,34 @@ async def test_tool_call_round_trip() -> None:
         followup: list[Any] = [
             *USER,
             {"role": "assistant", "content": [b.model_dump() for b in first.content]},
-            {"role": "user", "content": [
-                {"type": "tool_result", "tool_use_id": call.id, "content": "sunny, 21 C"}]},
+            {
+                "role": "user",
+                "content": [{"type": "tool_result", "tool_use_id": call.id, "content": "sunny, 21 C"}],
+            },
         ]
-        second = await client.messages.create(model="fake", max_tokens=200, messages=followup,
-                                              tools=TOOLS)
+        second = await client.messages.create(model="fake", max_tokens=200, messages=followup, tools=TOOLS)
         assert second.stop_reason == "end_turn"
         assert second.content[0].text == ANSWER  # type: ignore[union-attr]
 
 
 async def test_streamed_tool_call_uses_input_json_delta() -> None:
     async with fake_server(FakeRunner(script=text_script("Checking. " + CALL))) as s:
-        r = await post(s, {"model": "fake", "max_tokens": 200, "messages": USER,
-                           "tools": TOOLS, "stream": True})
+        r = await post(
+            s, {"model": "fake", "max_tokens": 200, "messages": USER, "tools": TOOLS, "stream": True}
+        )
         events = [(n, d) for n, d in events_of(r.text) if n != "ping"]
         names = [n for n, _ in events]
         assert names == (
             ["message_start", "content_block_start"]
             + ["content_block_delta"] * len("Checking. ")
-            + ["content_block_stop", "content_block_start", "content_block_delta",
-               "content_block_stop", "message_delta", "message_stop"]
+            + [
+                "content_block_stop",
+                "content_block_start",
+                "content_block_delta",
+                "content_block_stop",
+                "message_delta",
+                "message_stop",
+            ]
         )
         tool_start = events[len("Checking. ") + 3][1]
         assert tool_start["index"] == 1
@@ -260,9 +296,10 @@ async def test_streamed_tool_call_uses_input_json_delta() -> None:
         assert json_delta["type"] == "input_json_delta"
         assert json.loads(json_delta["partial_json"]) == {"city": "Paris"}
         assert events[-2][1]["delta"]["stop_reason"] == "tool_use"
-        async with sdk(s) as client, client.messages.stream(
-            model="fake", max_tokens=200, messages=USER, tools=TOOLS
-        ) as stream:
+        async with (
+            sdk(s) as client,
+            client.messages.stream(model="fake", max_tokens=200, messages=USER, tools=TOOLS) as stream,
+        ):
             final = await stream.get_final_message()
         assert [b.type for b in final.content] == ["text", "tool_use"]
         assert final.content[1].input == {"city": "Paris"}  # type: ignore[union-attr]
@@ -270,14 +307,15 @@ async def test_streamed_tool_call_uses_input_json_delta() -> None:
 
 async def test_tool_choice_none_sends_no_tools_and_parses_nothing() -> None:
     async with fake_server(FakeRunner(script=text_script(CALL))) as s, sdk(s) as client:
-        done = await client.messages.create(model="fake", max_tokens=200, messages=USER,
-                                            tools=TOOLS, tool_choice={"type": "none"})
+        done = await client.messages.create(
+            model="fake", max_tokens=200, messages=USER, tools=TOOLS, tool_choice={"type": "none"}
+        )
         assert done.stop_reason == "end_turn"
         assert done.content[0].text == CALL  # type: ignore[union-attr]
-        for choice in ({"type": "any"}, {"type": "tool", "name": "get_weather"},
-                       {"type": "auto"}):
-            forced = await client.messages.create(model="fake", max_tokens=200, messages=USER,
-                                                  tools=TOOLS, tool_choice=choice)  # type: ignore[arg-type]
+        for choice in ({"type": "any"}, {"type": "tool", "name": "get_weather"}, {"type": "auto"}):
+            forced = await client.messages.create(
+                model="fake", max_tokens=200, messages=USER, tools=TOOLS, tool_choice=choice
+            )  # type: ignore[arg-type]
             assert forced.stop_reason == "tool_use"
 
 
@@ -311,7 +349,8 @@ async def test_max_tokens_beyond_the_context_means_up_to_the_context(server: Run
     # Agents send max_tokens far beyond a small model's context (Claude Code: 32000).
     r = await post(server, {"model": "fake", "max_tokens": 32000, "messages": USER})
     assert r.status_code == 200 and r.json()["stop_reason"] == "end_turn"
-    async with sdk(server) as client, client.messages.stream(
-        model="fake", max_tokens=32000, messages=USER
-    ) as stream:
+    async with (
+        sdk(server) as client,
+        client.messages.stream(model="fake", max_tokens=32000, messages=USER) as stream,
+    ):
         assert (await stream.get_final_message()).stop_reason == "end_turn"

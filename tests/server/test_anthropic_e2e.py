@@ -19,13 +19,13 @@ async def test_sdk_messages_streamed_equals_unstreamed_at_temperature_0() -> Non
         async with client:
             # NOTE: this SDK version has no `temperature` argument; the API takes it.
             greedy = {"temperature": 0}
-            whole = await client.messages.create(model=model, max_tokens=24, messages=USER,
-                                                 extra_body=greedy)
+            whole = await client.messages.create(model=model, max_tokens=24, messages=USER, extra_body=greedy)
             assert whole.stop_reason in ("end_turn", "max_tokens")
             text = "".join(b.text for b in whole.content if b.type == "text")
             assert text
-            async with client.messages.stream(model=model, max_tokens=24, messages=USER,
-                                              extra_body=greedy) as stream:
+            async with client.messages.stream(
+                model=model, max_tokens=24, messages=USER, extra_body=greedy
+            ) as stream:
                 streamed = "".join([t async for t in stream.text_stream])
                 final = await stream.get_final_message()
             assert streamed == text
@@ -33,7 +33,8 @@ async def test_sdk_messages_streamed_equals_unstreamed_at_temperature_0() -> Non
             counted = await client.messages.count_tokens(model=model, messages=USER)
             assert counted.input_tokens == whole.usage.input_tokens
             with pytest.raises(anthropic.BadRequestError):
-                await client.messages.create(model=model, max_tokens=8, messages=USER,
-                                             extra_body={"top_k": -5})
+                await client.messages.create(
+                    model=model, max_tokens=8, messages=USER, extra_body={"top_k": -5}
+                )
         async with httpx.AsyncClient(base_url=s.base_url) as c:
             await wait_idle(c, timeout_s=10)

@@ -39,8 +39,9 @@ def test_parser_defaults_to_hermes_only_with_tools() -> None:
 
 
 def test_blocks_of_a_whole_output() -> None:
-    blocks = assemble_blocks(OUTPUT, tool_call_parser="hermes", reasoning_parser="think",
-                             id_factory=counter_ids())  # type: ignore[arg-type]
+    blocks = assemble_blocks(
+        OUTPUT, tool_call_parser="hermes", reasoning_parser="think", id_factory=counter_ids()
+    )  # type: ignore[arg-type]
     assert blocks == [
         Block("thinking", text="The user wants weather."),
         Block("text", text="Let me check. "),
@@ -87,8 +88,9 @@ def test_blocks_do_not_depend_on_how_output_is_split(cuts: list[int]) -> None:
     for e in asm.finish():
         if isinstance(e, BlockDelta):
             deltas[e.index] = deltas.get(e.index, "") + e.text
-    whole = assemble_blocks(OUTPUT, tool_call_parser="hermes", reasoning_parser="think",
-                            id_factory=counter_ids())  # type: ignore[arg-type]
+    whole = assemble_blocks(
+        OUTPUT, tool_call_parser="hermes", reasoning_parser="think", id_factory=counter_ids()
+    )  # type: ignore[arg-type]
     assert asm.blocks == whole
     # the deltas add up to each block's text or arguments
     assert [deltas[i] for i in range(len(whole))] == [b.text or b.arguments for b in whole]
@@ -139,7 +141,8 @@ def test_function_tool_and_system_instruction() -> None:
         "function": {"name": "f", "parameters": {"type": "object", "properties": {}}},
     }
     assert add_system_instruction([{"role": "user", "content": "hi"}], "X") == [
-        {"role": "system", "content": "X"}, {"role": "user", "content": "hi"}
+        {"role": "system", "content": "X"},
+        {"role": "user", "content": "hi"},
     ]
     assert add_system_instruction([{"role": "system", "content": "S"}], "X") == [
         {"role": "system", "content": "S\n\nX"}

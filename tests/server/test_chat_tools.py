@@ -12,14 +12,20 @@ from scripts import ANSWER, CALL, QUESTION, tool_then_answer
 from ft.engine.fake import FakeRunner, text_script
 from ft.server import RunningServer
 
-TOOLS: list[Any] = [{
-    "type": "function",
-    "function": {
-        "name": "get_weather", "description": "The current weather in a city.",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
-                       "required": ["city"]},
-    },
-}]
+TOOLS: list[Any] = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The current weather in a city.",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+            },
+        },
+    }
+]
 
 
 def sdk(server: RunningServer) -> openai.AsyncOpenAI:
@@ -47,7 +53,9 @@ async def test_tool_call_round_trip() -> None:
 async def test_streamed_tool_call_deltas() -> None:
     async with fake_server(FakeRunner(script=text_script(CALL))) as s, sdk(s) as client:
         stream = await client.chat.completions.create(
-            model="fake", messages=[{"role": "user", "content": QUESTION}], tools=TOOLS,
+            model="fake",
+            messages=[{"role": "user", "content": QUESTION}],
+            tools=TOOLS,
             stream=True,
         )
         calls: dict[int, dict[str, str]] = {}

@@ -21,8 +21,7 @@ LONG = "lorem ipsum " * 100
 
 
 async def test_health_models_stats_metrics(client: httpx.AsyncClient) -> None:
-    assert (await client.get("/health")).json() == {"status": "ok", "state": "ready",
-                                                    "model": "fake"}
+    assert (await client.get("/health")).json() == {"status": "ok", "state": "ready", "model": "fake"}
     models = (await client.get("/v1/models")).json()
     assert models["object"] == "list" and models["data"][0]["id"] == "fake"
     assert models["data"][0]["object"] == "model"
@@ -37,8 +36,12 @@ async def test_health_models_stats_metrics(client: httpx.AsyncClient) -> None:
 
 def test_prometheus_text_names_counters_and_gauges() -> None:
     text = prometheus_text(
-        {"instance_id": "x", "state": "ready", "model": {"id": 'a"b', "ctx": 8},
-         "requests": {"completed": 3, "ttft_mean_ms": 1.5, "prompt_tokens_total": 7}}
+        {
+            "instance_id": "x",
+            "state": "ready",
+            "model": {"id": 'a"b', "ctx": 8},
+            "requests": {"completed": 3, "ttft_mean_ms": 1.5, "prompt_tokens_total": 7},
+        }
     )
     assert 'model="a\\"b"' in text
     assert "ft_requests_completed_total 3" in text and "ft_requests_ttft_mean_ms 1.5" in text
@@ -65,8 +68,9 @@ async def test_api_key() -> None:
     async with fake_server(settings=settings) as s, httpx.AsyncClient(base_url=s.base_url) as c:
         r = await c.get("/v1/models")
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
-        r = await c.post("/v1/chat/completions", json={"messages": USER},
-                         headers={"Authorization": "Bearer wrong"})
+        r = await c.post(
+            "/v1/chat/completions", json={"messages": USER}, headers={"Authorization": "Bearer wrong"}
+        )
         assert r.status_code == 401
         assert (await c.get("/v1/models", headers={"Authorization": "Bearer sekrit"})).is_success
         assert (await c.get("/v1/models", headers={"x-api-key": "sekrit"})).is_success
@@ -156,8 +160,7 @@ async def test_full_queue_is_503_with_retry_after() -> None:
                 while (await c.get("/v1/stats")).json()["requests"]["active"] < 2:
                     await trio.sleep(0.02)
             for stream in (False, True):
-                r = await c.post("/v1/chat/completions",
-                                 json={"messages": USER, "stream": stream})
+                r = await c.post("/v1/chat/completions", json={"messages": USER, "stream": stream})
                 assert r.status_code == 503, r.text
                 assert r.headers["retry-after"] == "1"
                 assert r.json()["error"]["type"] == "overloaded_error"
@@ -168,8 +171,7 @@ async def test_full_queue_is_503_with_retry_after() -> None:
 async def test_prepare_stop_on_idle_server_is_fast_and_idempotent(
     client: httpx.AsyncClient,
 ) -> None:
-    assert (await client.post("/v1/chat/completions",
-                              json={"messages": USER, "max_tokens": 2})).is_success
+    assert (await client.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 2})).is_success
     start = time.monotonic()
     first = await client.post("/v1/admin/prepare-stop")
     assert first.status_code == 200 and time.monotonic() - start < 0.5
@@ -189,8 +191,7 @@ async def test_prepare_stop_aborts_what_does_not_drain() -> None:
             lines = r.aiter_lines()
             while not (await lines.__anext__()).startswith("data: "):
                 pass
-            stop = await c.post("/v1/admin/prepare-stop",
-                                json={"drain_timeout_s": 0.1, "abort_timeout_s": 1})
+            stop = await c.post("/v1/admin/prepare-stop", json={"drain_timeout_s": 0.1, "abort_timeout_s": 1})
             assert stop.status_code == 200
             assert stop.json()["requests"]["active"] == 0
             rest = [line async for line in lines if line.startswith("data: ")]
@@ -222,9 +223,7 @@ def test_settings_validate() -> None:
 
 async def test_prepare_stop_from_a_remote_address_is_403(server: RunningServer) -> None:
     client = server.app.test_client()
-    r = await client.post(
-        "/v1/admin/prepare-stop", json={}, scope_base={"client": ("10.1.2.3", 40000)}
-    )
+    r = await client.post("/v1/admin/prepare-stop", json={}, scope_base={"client": ("10.1.2.3", 40000)})
     assert r.status_code == 403
     assert (await r.get_json())["error"]["type"] == "permission_error"
     assert server.engine.state == "ready"

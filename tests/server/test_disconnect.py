@@ -77,7 +77,6 @@ async def test_heartbeat_while_waiting_for_the_first_token() -> None:
         fake_server(FakeRunner(step_s=0.7)) as s,
         httpx.AsyncClient(base_url=s.base_url, timeout=10) as c,
     ):
-        r = await c.post("/v1/chat/completions",
-                         json={"messages": USER, "stream": True, "max_tokens": 1})
+        r = await c.post("/v1/chat/completions", json={"messages": USER, "stream": True, "max_tokens": 1})
         assert r.text.startswith(": connected\n\n: heartbeat\n\n")
         assert parse_sse(r.text)[-1] == "[DONE]"

@@ -26,7 +26,9 @@ def poisoned(works: list[SeqWork]) -> None:
 
 def chat(seed: int | None = None, stream: bool = False) -> dict[str, object]:
     body: dict[str, object] = {
-        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 30, "stream": stream,
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 30,
+        "stream": stream,
     }
     if seed is not None:
         body["seed"] = seed

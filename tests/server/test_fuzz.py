@@ -14,28 +14,73 @@ from hypothesis import strategies as st
 from ft.engine.fake import FakeRunner
 
 CHAT_FIELDS = [
-    "model", "messages", "max_tokens", "max_completion_tokens", "n", "temperature", "top_p",
-    "top_k", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty",
-    "logit_bias", "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs", "top_logprobs",
-    "stream", "stream_options", "response_format", "tools", "tool_choice",
-    "chat_template_kwargs", "add_generation_prompt", "skip_special_tokens", "user", "unknown",
+    "model",
+    "messages",
+    "max_tokens",
+    "max_completion_tokens",
+    "n",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "frequency_penalty",
+    "presence_penalty",
+    "logit_bias",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "logprobs",
+    "top_logprobs",
+    "stream",
+    "stream_options",
+    "response_format",
+    "tools",
+    "tool_choice",
+    "chat_template_kwargs",
+    "add_generation_prompt",
+    "skip_special_tokens",
+    "user",
+    "unknown",
 ]
 COMPLETION_FIELDS = [
-    "model", "prompt", "max_tokens", "n", "temperature", "top_k", "logit_bias", "stop", "echo",
-    "suffix", "logprobs", "best_of", "seed", "stream", "stream_options", "unknown",
+    "model",
+    "prompt",
+    "max_tokens",
+    "n",
+    "temperature",
+    "top_k",
+    "logit_bias",
+    "stop",
+    "echo",
+    "suffix",
+    "logprobs",
+    "best_of",
+    "seed",
+    "stream",
+    "stream_options",
+    "unknown",
 ]
 
 edge_ints = st.sampled_from(
-    [0, 1, -1, 2, 16, 17, 2**31, 2**63 - 1, 2**63, 2**64 - 1, 2**64, -(2**63), -(2**63) - 1,
-     10**30]
+    [0, 1, -1, 2, 16, 17, 2**31, 2**63 - 1, 2**63, 2**64 - 1, 2**64, -(2**63), -(2**63) - 1, 10**30]
 )
-edge_floats = st.sampled_from([0.0, -0.0, 0.5, 1.0, 2.5, -3.0, 1e308, float("nan"),
-                               float("inf"), float("-inf")])
-nasty_text = st.sampled_from(["", "a", "\ud800", "x\udfffy", "\x00", "é", "🙂", "[DONE]",
-                              '"}\n\ndata: x', "<|im_end|>"])
+edge_floats = st.sampled_from(
+    [0.0, -0.0, 0.5, 1.0, 2.5, -3.0, 1e308, float("nan"), float("inf"), float("-inf")]
+)
+nasty_text = st.sampled_from(
+    ["", "a", "\ud800", "x\udfffy", "\x00", "é", "🙂", "[DONE]", '"}\n\ndata: x', "<|im_end|>"]
+)
 scalars = st.one_of(
-    st.none(), st.booleans(), st.integers(), edge_ints, st.floats(), edge_floats,
-    st.text(max_size=8), nasty_text,
+    st.none(),
+    st.booleans(),
+    st.integers(),
+    edge_ints,
+    st.floats(),
+    edge_floats,
+    st.text(max_size=8),
+    nasty_text,
 )
 
 
@@ -61,11 +106,19 @@ messages = st.one_of(
     json_values,
     st.lists(
         st.fixed_dictionaries(
-            {"role": st.one_of(st.sampled_from(["system", "developer", "user", "assistant",
-                                                "tool", "bad"]), json_values)},
-            optional={"content": st.one_of(nasty_text, json_values,
-                                           st.just([{"type": "text", "text": "hi"}]),
-                                           st.just([{"type": "image_url"}]))},
+            {
+                "role": st.one_of(
+                    st.sampled_from(["system", "developer", "user", "assistant", "tool", "bad"]), json_values
+                )
+            },
+            optional={
+                "content": st.one_of(
+                    nasty_text,
+                    json_values,
+                    st.just([{"type": "text", "text": "hi"}]),
+                    st.just([{"type": "image_url"}]),
+                )
+            },
         ),
         max_size=3,
     ),
@@ -80,7 +133,8 @@ def bodies(fields: list[str], base: dict[str, Any]) -> st.SearchStrategy[dict[st
     )
     extra = {"messages": messages} if "messages" in base else {}
     return st.builds(
-        lambda o, e: base | e | o, overrides,
+        lambda o, e: base | e | o,
+        overrides,
         st.fixed_dictionaries({}, optional=extra),  # type: ignore[arg-type]
     )
 
@@ -100,15 +154,12 @@ def check(client: httpx.Client, path: str, body: dict[str, Any]) -> None:
 def fuzz(base_url: str) -> None:
     with httpx.Client(base_url=base_url, timeout=30) as client:
 
-        @settings(max_examples=150, deadline=None,
-                  suppress_health_check=list(HealthCheck))
-        @given(bodies(CHAT_FIELDS, {"messages": [{"role": "user", "content": "hi"}],
-                                    "max_tokens": 4}))
+        @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+        @given(bodies(CHAT_FIELDS, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}))
         def chat(body: dict[str, Any]) -> None:
             check(client, "/v1/chat/completions", body)
 
-        @settings(max_examples=100, deadline=None,
-                  suppress_health_check=list(HealthCheck))
+        @settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck))
         @given(bodies(COMPLETION_FIELDS, {"prompt": "hi", "max_tokens": 4}))
         def completions(body: dict[str, Any]) -> None:
             check(client, "/v1/completions", body)

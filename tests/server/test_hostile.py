@@ -18,33 +18,52 @@ COMPLETION = {"prompt": "hi", "max_tokens": 2}
 # (route, body as raw JSON text or a dict, expected status, a substring of `param`)
 CASES: list[tuple[str, str, Any, int, str | None]] = [
     # the unpackable shapes
-    ("ctk_int_2_64", "chat", CHAT | {"chat_template_kwargs": {"x": 2**64}}, 400,
-     "chat_template_kwargs"),
-    ("ctk_int_below_int64", "chat", CHAT | {"chat_template_kwargs": {"x": -(2**63) - 1}}, 400,
-     "chat_template_kwargs"),
-    ("ctk_nested_int", "chat", CHAT | {"chat_template_kwargs": {"a": [{"b": 2**70}]}}, 400,
-     "chat_template_kwargs"),
+    ("ctk_int_2_64", "chat", CHAT | {"chat_template_kwargs": {"x": 2**64}}, 400, "chat_template_kwargs"),
+    (
+        "ctk_int_below_int64",
+        "chat",
+        CHAT | {"chat_template_kwargs": {"x": -(2**63) - 1}},
+        400,
+        "chat_template_kwargs",
+    ),
+    (
+        "ctk_nested_int",
+        "chat",
+        CHAT | {"chat_template_kwargs": {"a": [{"b": 2**70}]}},
+        400,
+        "chat_template_kwargs",
+    ),
     ("top_k_2_64", "chat", CHAT | {"top_k": 2**64}, 400, "top_k"),
     ("max_tokens_2_64", "chat", CHAT | {"max_tokens": 2**64}, 400, "max_tokens"),
-    ("stop_surrogate", "chat", '{"messages":[{"role":"user","content":"hi"}],"stop":"\\ud800"}',
-     400, "stop"),
-    ("stop_list_surrogate", "chat",
-     '{"messages":[{"role":"user","content":"hi"}],"stop":["a","\\udfff"]}', 400, "stop"),
-    ("content_surrogate", "chat", '{"messages":[{"role":"user","content":"a\\ud800b"}]}', 400,
-     "messages[0].content"),
-    ("key_surrogate", "chat",
-     '{"messages":[{"role":"user","content":"hi"}],"chat_template_kwargs":{"\\ud800":1}}', 400,
-     "chat_template_kwargs"),
-    ("completion_max_tokens_2_64", "completion", COMPLETION | {"max_tokens": 2**64}, 400,
-     "max_tokens"),
+    ("stop_surrogate", "chat", '{"messages":[{"role":"user","content":"hi"}],"stop":"\\ud800"}', 400, "stop"),
+    (
+        "stop_list_surrogate",
+        "chat",
+        '{"messages":[{"role":"user","content":"hi"}],"stop":["a","\\udfff"]}',
+        400,
+        "stop",
+    ),
+    (
+        "content_surrogate",
+        "chat",
+        '{"messages":[{"role":"user","content":"a\\ud800b"}]}',
+        400,
+        "messages[0].content",
+    ),
+    (
+        "key_surrogate",
+        "chat",
+        '{"messages":[{"role":"user","content":"hi"}],"chat_template_kwargs":{"\\ud800":1}}',
+        400,
+        "chat_template_kwargs",
+    ),
+    ("completion_max_tokens_2_64", "completion", COMPLETION | {"max_tokens": 2**64}, 400, "max_tokens"),
     ("completion_top_k_2_64", "completion", COMPLETION | {"top_k": 2**64}, 400, "top_k"),
     ("completion_prompt_surrogate", "completion", '{"prompt":"\\ud800"}', 400, "prompt"),
     # non-finite numbers
     ("nan", "chat", '{"messages":[{"role":"user","content":"hi"}],"temperature":NaN}', 400, None),
-    ("infinity", "chat", '{"messages":[{"role":"user","content":"hi"}],"top_p":-Infinity}', 400,
-     None),
-    ("float_overflow", "chat", '{"messages":[{"role":"user","content":"hi"}],"top_p":1e999}', 400,
-     None),
+    ("infinity", "chat", '{"messages":[{"role":"user","content":"hi"}],"top_p":-Infinity}', 400, None),
+    ("float_overflow", "chat", '{"messages":[{"role":"user","content":"hi"}],"top_p":1e999}', 400, None),
     ("huge_int_literal", "chat", '{"messages":[],"n":' + "9" * 5000 + "}", 400, None),
     # out of range
     ("temperature_negative", "chat", CHAT | {"temperature": -1}, 400, "temperature"),
@@ -65,32 +84,42 @@ CASES: list[tuple[str, str, Any, int, str | None]] = [
     ("stop_list_of_ints", "chat", CHAT | {"stop": [1]}, 400, "stop"),
     ("temperature_bool", "chat", CHAT | {"temperature": True}, 400, "temperature"),
     ("ctk_not_object", "chat", CHAT | {"chat_template_kwargs": [1]}, 400, "chat_template_kwargs"),
-    ("stream_options_wrong", "chat", CHAT | {"stream_options": {"include_usage": "yes"}}, 400,
-     "stream_options.include_usage"),
+    (
+        "stream_options_wrong",
+        "chat",
+        CHAT | {"stream_options": {"include_usage": "yes"}},
+        400,
+        "stream_options.include_usage",
+    ),
     # malformed messages
     ("messages_empty", "chat", {"messages": []}, 400, "messages"),
     ("messages_missing", "chat", {"max_tokens": 2}, 400, "messages"),
     ("messages_string", "chat", {"messages": "hi"}, 400, "messages"),
     ("message_not_object", "chat", {"messages": ["hi"]}, 400, "messages[0]"),
     ("role_missing", "chat", {"messages": [{"content": "hi"}]}, 400, "messages[0].role"),
-    ("role_unknown", "chat", {"messages": [{"role": "wizard", "content": "hi"}]}, 400,
-     "messages[0].role"),
-    ("content_number", "chat", {"messages": [{"role": "user", "content": 5}]}, 400,
-     "messages[0].content"),
+    ("role_unknown", "chat", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages[0].role"),
+    ("content_number", "chat", {"messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content"),
     ("content_missing", "chat", {"messages": [{"role": "user"}]}, 400, "messages[0].content"),
-    ("content_part_unknown", "chat",
-     {"messages": [{"role": "user", "content": [{"type": "hologram"}]}]}, 400,
-     "messages[0].content"),
-    ("content_part_no_text", "chat",
-     {"messages": [{"role": "user", "content": [{"type": "text"}]}]}, 400, "messages[0].content"),
+    (
+        "content_part_unknown",
+        "chat",
+        {"messages": [{"role": "user", "content": [{"type": "hologram"}]}]},
+        400,
+        "messages[0].content",
+    ),
+    (
+        "content_part_no_text",
+        "chat",
+        {"messages": [{"role": "user", "content": [{"type": "text"}]}]},
+        400,
+        "messages[0].content",
+    ),
     # logit bias and token ids
     ("logit_bias_key_word", "chat", CHAT | {"logit_bias": {"abc": 1}}, 400, "logit_bias"),
     ("logit_bias_key_negative", "chat", CHAT | {"logit_bias": {"-1": 1}}, 400, "logit_bias"),
-    ("logit_bias_key_out_of_vocab", "chat", CHAT | {"logit_bias": {"99999": 1}}, 400,
-     "logit_bias"),
+    ("logit_bias_key_out_of_vocab", "chat", CHAT | {"logit_bias": {"99999": 1}}, 400, "logit_bias"),
     ("logit_bias_value", "chat", CHAT | {"logit_bias": {"5": 1000}}, 400, "logit_bias"),
-    ("stop_token_out_of_vocab", "chat", CHAT | {"stop_token_ids": [99999]}, 400,
-     "stop_token_ids"),
+    ("stop_token_out_of_vocab", "chat", CHAT | {"stop_token_ids": [99999]}, 400, "stop_token_ids"),
     ("prompt_token_out_of_vocab", "completion", {"prompt": [999999]}, 400, "prompt"),
     ("prompt_token_negative", "completion", {"prompt": [-1]}, 400, "prompt"),
     ("prompt_token_2_64", "completion", {"prompt": [2**64]}, 400, "prompt"),
@@ -105,9 +134,17 @@ CASES: list[tuple[str, str, Any, int, str | None]] = [
     # bodies that are not JSON objects
     ("deep_nesting", "chat", '{"messages":' + "[" * 100 + "]" * 100 + "}", 400, None),
     ("very_deep_nesting", "chat", "[" * 200_000 + "]" * 200_000, 400, None),
-    ("deep_object_nesting", "chat",
-     '{"messages":[{"role":"user","content":"hi"}],"chat_template_kwargs":'
-     + '{"a":' * 70 + "1" + "}" * 70 + "}", 400, None),
+    (
+        "deep_object_nesting",
+        "chat",
+        '{"messages":[{"role":"user","content":"hi"}],"chat_template_kwargs":'
+        + '{"a":' * 70
+        + "1"
+        + "}" * 70
+        + "}",
+        400,
+        None,
+    ),
     ("not_json", "chat", "hello", 400, None),
     ("truncated_json", "chat", '{"messages": [', 400, None),
     ("json_array", "chat", "[1, 2]", 400, None),
@@ -139,8 +176,9 @@ async def test_hostile_inputs_get_4xx_json_and_leak_nothing() -> None:
                 if stream and (not isinstance(body, dict) or "stream" in body):
                     continue  # the same bytes again
                 body_ = body | {"stream": True} if stream else body
-                r = await c.post(ROUTES[route], content=_content(body_),
-                                 headers={"content-type": "application/json"})
+                r = await c.post(
+                    ROUTES[route], content=_content(body_), headers={"content-type": "application/json"}
+                )
                 if name == "context_too_long" and stream:
                     continue  # reported in-stream (tested in test_openai_shapes)
                 error = assert_json_error(r, status, f"{name} stream={stream}")
@@ -181,8 +219,13 @@ async def test_oversized_body_is_413_by_header_and_by_stream() -> None:
 
 @pytest.mark.parametrize(
     ("method", "path", "status"),
-    [("GET", "/nope", 404), ("POST", "/v1/nope", 404), ("GET", "/v1/chat/completions", 405),
-     ("DELETE", "/v1/models", 405), ("PUT", "/v1/completions", 405)],
+    [
+        ("GET", "/nope", 404),
+        ("POST", "/v1/nope", 404),
+        ("GET", "/v1/chat/completions", 405),
+        ("DELETE", "/v1/models", 405),
+        ("PUT", "/v1/completions", 405),
+    ],
 )
 async def test_unknown_routes_and_methods_are_json(
     client: httpx.AsyncClient, method: str, path: str, status: int

@@ -84,28 +84,37 @@ async def test_every_role_and_text_parts(client: httpx.AsyncClient) -> None:
         {"role": "system", "content": "be brief"},
         {"role": "developer", "content": [{"type": "text", "text": "really"}]},
         {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "c1", "type": "function",
-             "function": {"name": "f", "arguments": "{\"x\": 1}"}}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}
+            ],
+        },
         {"role": "tool", "content": "42", "tool_call_id": "c1"},
     ]
     r = await client.post(
         "/v1/chat/completions",
-        json={"messages": messages, "max_tokens": 2, "seed": 7, "chat_template_kwargs": {"x": 1},
-              "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
+        json={
+            "messages": messages,
+            "max_tokens": 2,
+            "seed": 7,
+            "chat_template_kwargs": {"x": 1},
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
+        },
     )
     assert r.status_code == 200, r.text
 
 
 @pytest.mark.parametrize(
     "part",
-    [{"type": "image_url", "image_url": {"url": "data:,"}},
-     {"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}],
+    [
+        {"type": "image_url", "image_url": {"url": "data:,"}},
+        {"type": "input_audio", "input_audio": {"data": "", "format": "wav"}},
+    ],
 )
 async def test_media_parts_are_refused(client: httpx.AsyncClient, part: object) -> None:
-    r = await client.post(
-        "/v1/chat/completions", json={"messages": [{"role": "user", "content": [part]}]}
-    )
+    r = await client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": [part]}]})
     assert r.status_code == 400
     assert "text only" in r.json()["error"]["message"]
     assert r.json()["error"]["param"] == "messages[0].content"
@@ -151,7 +160,10 @@ async def test_stream_without_include_usage_has_no_usage_chunk(client: httpx.Asy
 async def test_stream_logprobs(client: httpx.AsyncClient) -> None:
     events = parse_sse((await chat(client, stream=True, max_tokens=2, logprobs=True)).text)
     tokens = [
-        t["token"] for e in events[:-1] for c in e["choices"] if c["logprobs"]
+        t["token"]
+        for e in events[:-1]
+        for c in e["choices"]
+        if c["logprobs"]
         for t in c["logprobs"]["content"]
     ]
     assert tokens == ["H", "e"]
@@ -183,9 +195,7 @@ async def test_completion_shape(client: httpx.AsyncClient) -> None:
     r = await complete(client, prompt="abc", max_tokens=3)
     body = r.json()
     assert body["id"].startswith("cmpl-") and body["object"] == "text_completion"
-    assert body["choices"] == [
-        {"index": 0, "text": "Hel", "logprobs": None, "finish_reason": "length"}
-    ]
+    assert body["choices"] == [{"index": 0, "text": "Hel", "logprobs": None, "finish_reason": "length"}]
     assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
 
 
@@ -223,7 +233,11 @@ async def test_suffix_is_refused(client: httpx.AsyncClient) -> None:
 
 async def test_completion_stream(client: httpx.AsyncClient) -> None:
     r = await complete(
-        client, prompt=["a", "b"], max_tokens=2, stream=True, echo=True,
+        client,
+        prompt=["a", "b"],
+        max_tokens=2,
+        stream=True,
+        echo=True,
         stream_options={"include_usage": True},
     )
     events = parse_sse(r.text)

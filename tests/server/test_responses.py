@@ -16,11 +16,14 @@ from ft.core.batch import SeqWork
 from ft.engine.fake import FakeRunner, text_script
 from ft.server import RunningServer
 
-TOOLS: list[Any] = [{
-    "type": "function", "name": "get_weather", "description": "The current weather in a city.",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
-                   "required": ["city"]},
-}]
+TOOLS: list[Any] = [
+    {
+        "type": "function",
+        "name": "get_weather",
+        "description": "The current weather in a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    }
+]
 
 
 def sdk(server: RunningServer) -> openai.AsyncOpenAI:
@@ -30,8 +33,7 @@ def sdk(server: RunningServer) -> openai.AsyncOpenAI:
 async def post(server: RunningServer, body: dict[str, Any] | str) -> httpx.Response:
     content = body if isinstance(body, str) else json.dumps(body)
     async with httpx.AsyncClient(base_url=server.base_url, timeout=30) as c:
-        return await c.post("/v1/responses", content=content,
-                            headers={"content-type": "application/json"})
+        return await c.post("/v1/responses", content=content, headers={"content-type": "application/json"})
 
 
 # --- the SDK ---------------------------------------------------------------------------------
@@ -39,8 +41,7 @@ async def post(server: RunningServer, body: dict[str, Any] | str) -> httpx.Respo
 
 async def test_sdk_create_and_stream_agree(server: RunningServer) -> None:
     async with sdk(server) as client:
-        whole = await client.responses.create(model="fake", input=QUESTION,
-                                              instructions="Be brief.")
+        whole = await client.responses.create(model="fake", input=QUESTION, instructions="Be brief.")
         assert whole.id.startswith("resp_") and whole.object == "response"
         assert whole.status == "completed" and whole.incomplete_details is None
         assert whole.output_text == "Hello from the fake model."
@@ -48,8 +49,7 @@ async def test_sdk_create_and_stream_agree(server: RunningServer) -> None:
         assert item.type == "message" and item.role == "assistant" and item.status == "completed"
         assert whole.usage is not None and whole.usage.input_tokens > 0
         assert whole.usage.total_tokens == whole.usage.input_tokens + whole.usage.output_tokens
-        async with client.responses.stream(model="fake", input=QUESTION,
-                                           instructions="Be brief.") as stream:
+        async with client.responses.stream(model="fake", input=QUESTION, instructions="Be brief.") as stream:
             pieces = [e.delta async for e in stream if e.type == "response.output_text.delta"]
             final = await stream.get_final_response()
         assert "".join(pieces) == whole.output_text == final.output_text
@@ -59,13 +59,19 @@ async def test_sdk_create_and_stream_agree(server: RunningServer) -> None:
 
 async def test_input_items_and_text_parts(server: RunningServer) -> None:
     async with sdk(server) as client:
-        done = await client.responses.create(model="fake", input=[
-            {"role": "developer", "content": "Be brief."},
-            {"type": "message", "role": "user",
-             "content": [{"type": "input_text", "text": QUESTION}]},
-            {"role": "assistant", "content": [{"type": "output_text", "text": "Rainy."}]},
-            {"role": "user", "content": "And tomorrow?"},
-        ], max_output_tokens=5, temperature=0, top_p=0.5, text={"format": {"type": "text"}})
+        done = await client.responses.create(
+            model="fake",
+            input=[
+                {"role": "developer", "content": "Be brief."},
+                {"type": "message", "role": "user", "content": [{"type": "input_text", "text": QUESTION}]},
+                {"role": "assistant", "content": [{"type": "output_text", "text": "Rainy."}]},
+                {"role": "user", "content": "And tomorrow?"},
+            ],
+            max_output_tokens=5,
+            temperature=0,
+            top_p=0.5,
+            text={"format": {"type": "text"}},
+        )
     assert done.status == "incomplete"
     assert done.incomplete_details is not None
     assert done.incomplete_details.reason == "max_output_tokens"
@@ -91,8 +97,7 @@ async def test_sdk_bad_parameter_is_bad_request(server: RunningServer) -> None:
         ({"tools": [{"type": "web_search"}]}, "tools"),
         ({"tools": TOOLS, "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
         ({"input": [{"type": "computer_call"}]}, "input"),
-        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
-         "input"),
+        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input"),
         ({"max_output_tokens": 0}, "max_output_tokens"),
     ],
 )
@@ -135,8 +140,7 @@ async def test_unpackable_top_k_is_400_and_leaks_nothing(server: RunningServer) 
 # --- streaming -------------------------------------------------------------------------------
 
 TEXT_ITEM = ["response.output_item.added", "response.content_part.added"]
-TEXT_DONE = ["response.output_text.done", "response.content_part.done",
-             "response.output_item.done"]
+TEXT_DONE = ["response.output_text.done", "response.content_part.done", "response.output_item.done"]
 
 
 async def test_stream_event_order_and_sequence_numbers(server: RunningServer) -> None:
@@ -145,8 +149,13 @@ async def test_stream_event_order_and_sequence_numbers(server: RunningServer) ->
     events = events_of(r.text)
     names = [n for n, _ in events]
     n = len("Hello from the fake model.")
-    assert names == (["response.created", "response.in_progress"] + TEXT_ITEM
-                     + ["response.output_text.delta"] * n + TEXT_DONE + ["response.completed"])
+    assert names == (
+        ["response.created", "response.in_progress"]
+        + TEXT_ITEM
+        + ["response.output_text.delta"] * n
+        + TEXT_DONE
+        + ["response.completed"]
+    )
     assert [d["sequence_number"] for _, d in events] == list(range(len(events)))
     assert all(d["type"] == name for name, d in events)
     completed = events[-1][1]["response"]
@@ -202,11 +211,15 @@ async def test_function_call_round_trip() -> None:
         (call,) = first.output
         assert call.type == "function_call" and call.name == "get_weather"
         assert call.call_id.startswith("call_") and json.loads(call.arguments) == {"city": "Paris"}
-        second = await client.responses.create(model="fake", tools=TOOLS, input=[
-            {"role": "user", "content": QUESTION},
-            *[item.model_dump(exclude_none=True) for item in first.output],
-            {"type": "function_call_output", "call_id": call.call_id, "output": "sunny, 21 C"},
-        ])
+        second = await client.responses.create(
+            model="fake",
+            tools=TOOLS,
+            input=[
+                {"role": "user", "content": QUESTION},
+                *[item.model_dump(exclude_none=True) for item in first.output],
+                {"type": "function_call_output", "call_id": call.call_id, "output": "sunny, 21 C"},
+            ],
+        )
         assert second.output_text == ANSWER
 
 
@@ -215,16 +228,23 @@ async def test_streamed_function_call_events() -> None:
         r = await post(s, {"input": QUESTION, "tools": TOOLS, "stream": True})
         events = events_of(r.text)
         names = [n for n, _ in events]
-        assert names == ["response.created", "response.in_progress",
-                         "response.output_item.added", "response.function_call_arguments.delta",
-                         "response.function_call_arguments.done", "response.output_item.done",
-                         "response.completed"]
+        assert names == [
+            "response.created",
+            "response.in_progress",
+            "response.output_item.added",
+            "response.function_call_arguments.delta",
+            "response.function_call_arguments.done",
+            "response.output_item.done",
+            "response.completed",
+        ]
         added = events[2][1]["item"]
         assert added["type"] == "function_call" and added["arguments"] == ""
         assert json.loads(events[3][1]["delta"]) == {"city": "Paris"}
         assert events[4][1]["name"] == "get_weather"
-        async with sdk(s) as client, client.responses.stream(model="fake", input=QUESTION,
-                                           tools=TOOLS) as stream:
+        async with (
+            sdk(s) as client,
+            client.responses.stream(model="fake", input=QUESTION, tools=TOOLS) as stream,
+        ):
             final = await stream.get_final_response()
         (call,) = final.output
         assert call.type == "function_call" and json.loads(call.arguments) == {"city": "Paris"}

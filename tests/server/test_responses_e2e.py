@@ -17,11 +17,13 @@ async def test_sdk_responses_streamed_equals_unstreamed_at_temperature_0() -> No
         model = s.engine.model_id
         client = openai.AsyncOpenAI(base_url=f"{s.base_url}/v1", api_key="unused", max_retries=0)
         async with client:
-            whole = await client.responses.create(model=model, input=QUESTION, temperature=0,
-                                                  max_output_tokens=24)
+            whole = await client.responses.create(
+                model=model, input=QUESTION, temperature=0, max_output_tokens=24
+            )
             assert whole.status in ("completed", "incomplete") and whole.output_text
-            async with client.responses.stream(model=model, input=QUESTION, temperature=0,
-                                               max_output_tokens=24) as stream:
+            async with client.responses.stream(
+                model=model, input=QUESTION, temperature=0, max_output_tokens=24
+            ) as stream:
                 events = [e async for e in stream]
             streamed = "".join(e.delta for e in events if e.type == "response.output_text.delta")
             assert streamed == whole.output_text

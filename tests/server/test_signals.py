@@ -16,7 +16,8 @@ USER = [{"role": "user", "content": "hi"}]
 
 async def _start(shutdown_timeout: float) -> tuple[trio.Process, str, trio.abc.ReceiveStream]:
     proc = await trio.lowlevel.open_process(
-        [sys.executable, str(SCRIPT), str(shutdown_timeout)], stdout=subprocess.PIPE,
+        [sys.executable, str(SCRIPT), str(shutdown_timeout)],
+        stdout=subprocess.PIPE,
     )
     assert proc.stdout is not None
     buf = b""
