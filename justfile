@@ -20,7 +20,8 @@ serve *ARGS:
 bench:
     python tools/bench_engine.py
 
-# Lint and type-check.
+# Lint and type-check (`pip install -e ".[dev]"` first).
 lint:
-    ruff check ft tests tools
-    mypy ft
+    python -m ruff check ft tests tools
+    python -m ruff format --check ft tests tools
+    python -m mypy ft
