@@ -15,6 +15,7 @@ MAX_TOP_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 MAX_STOP_LEN = 256
 MAX_LOGIT_BIAS = 1024
+MIN_TEMPERATURE = 1e-5
 
 
 def _finite(name: str, value: float, lo: float, hi: float) -> None:
@@ -104,8 +105,12 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        """True when sampling reduces to argmax."""
-        return self.temperature == 0.0 or self.top_k == 1
+        """True when sampling reduces to argmax.
+
+        A temperature below `MIN_TEMPERATURE` is argmax too: dividing float32 logits by 1e-40
+        gives inf and NaN, and the "sample" would be token 0.
+        """
+        return self.temperature < MIN_TEMPERATURE or self.top_k == 1
 
     @property
     def uses_penalties(self) -> bool:

@@ -59,7 +59,10 @@ class TokenizerActor:
         # never enqueued, so the scheduler cannot hold a sequence nobody will abort.
         if msg.uid not in self.registry:
             return
-        self.registry.send_nowait(msg.uid, PromptReady(tuple(ids)))
+        entry = self.registry.get(msg.uid)
+        assert entry is not None
+        entry.prompt_ids = tuple(ids)  # left context for the request's detokenizers
+        entry.send.send_nowait(PromptReady(entry.prompt_ids))
         self.scheduler.send_nowait(Enqueue(msg.uid, tuple(ids), msg.params))
 
     async def tokenize(self, msg: Tokenize) -> list[int]:

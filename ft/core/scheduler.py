@@ -109,26 +109,24 @@ class Scheduler:
         self.waiting.append(group)
 
     def _try_admit(self, group: list[Sequence]) -> bool:
+        """Admit all of a request's sequences, or none: nothing is held unless all fit."""
         if len(self.running) + len(group) > self.max_running:
             return False
-        held: list[list[int]] = []
-        for seq in group:
-            matched: list[int] = []
-            hashes: list[int] = []
-            if self.enable_prefix_caching:
-                hashes = self._prompt_hashes(seq)
-                matched = self.pool.match_prefix(hashes)
-            held.append(matched)
-            needed = pages_for(seq.max_total_tokens, self.pool.page_size) - len(matched)
-            if not self.pool.can_allocate(needed):
-                for pages in held:
-                    self.pool.release(pages)
-                return False
-            seq.page_ids = matched + self.pool.allocate(needed)
-            seq.page_hashes = hashes[: len(matched)]
-            seq.num_computed = seq.num_cached_prompt = len(matched) * self.pool.page_size
+        hashes = self._prompt_hashes(group[0]) if self.enable_prefix_caching else []
+        matched = [self.pool.match_prefix(hashes) for _ in group]
+        fresh = [
+            pages_for(seq.max_total_tokens, self.pool.page_size) - len(m)
+            for seq, m in zip(group, matched, strict=True)
+        ]
+        if not self.pool.can_allocate(sum(fresh)):
+            for pages in matched:
+                self.pool.release(pages)
+            return False
+        for seq, m, n in zip(group, matched, fresh, strict=True):
+            seq.page_ids = m + self.pool.allocate(n)
+            seq.page_hashes = hashes[: len(m)]
+            seq.num_computed = seq.num_cached_prompt = len(m) * self.pool.page_size
             self.num_prefix_hit_tokens += seq.num_cached_prompt
-        for seq in group:
             seq.status = SeqStatus.RUNNING
             self.running[seq.seq_id] = seq
         return True

@@ -103,7 +103,10 @@ def _call_from_json(text: str) -> tuple[str, str] | None:
         return None
     if not isinstance(name, str) or not name or not isinstance(args, dict):
         return None
-    arguments = json.dumps(args, ensure_ascii=False)
+    try:  # 1e400 parses as inf, which no client's JSON parser accepts back
+        arguments = json.dumps(args, ensure_ascii=False, allow_nan=False)
+    except ValueError:
+        return None
     # NOTE: JSON escapes can smuggle in lone surrogates, which cannot be sent as UTF-8.
     if has_lone_surrogate(name) or has_lone_surrogate(arguments):
         return None

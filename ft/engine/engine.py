@@ -142,7 +142,8 @@ class Engine:
             await self.tokenize(prompt="warm up")
         self.stats.started()
         self.load_progress = 1.0
-        self.state = "ready"
+        if self.state == "loading":  # a drain that began while loading stands
+            self.state = "ready"
 
     def _on_progress(self, fraction: float) -> None:
         # Called from the loading thread: a float assignment, nothing else.

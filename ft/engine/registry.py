@@ -70,6 +70,11 @@ class Registry:
             entry.send.send_nowait(event)
         except (trio.ClosedResourceError, trio.BrokenResourceError):
             return False
+        except trio.WouldBlock:
+            # Cannot happen with the bound open_request computes; if it ever does, end this
+            # request (its stream raises RequestAborted) rather than the detokenizer actor.
+            entry.send.close()
+            return False
         return True
 
     def fail(self, uid: int, error: FtError) -> bool:

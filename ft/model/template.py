@@ -117,9 +117,9 @@ def render_chat(
         InvalidRequest: the template failed on these messages (param "messages").
     """
     source = template if template is not None else CHATML_TEMPLATE
-    if tools and "tools" not in source:
-        messages = inline_tools(messages, tools)
     try:
+        if tools and "tools" not in source:
+            messages = inline_tools(messages, tools)
         compiled = compile_template(source)
         context: dict[str, Any] = dict(extra or {})
         context.update(

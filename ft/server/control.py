@@ -10,6 +10,7 @@ import ipaddress
 import time
 from typing import Any
 
+import trio
 from quart import Response, request
 from quart_trio import QuartTrio
 
@@ -87,7 +88,9 @@ def register(app: QuartTrio, ctx: ServerContext) -> None:
         req = await read_request(ctx, DetokenizeRequest)
         ctx.check_model(req.model)
         _check_ready(ctx)
-        return json_response({"prompt": engine.detokenize(req.tokens)})
+        # Up to ~500k ids fit the body limit: decode them off the event loop.
+        text = await trio.to_thread.run_sync(engine.detokenize, req.tokens)
+        return json_response({"prompt": text})
 
     @app.post("/v1/admin/prepare-stop")
     async def prepare_stop() -> Response:

@@ -124,6 +124,21 @@ class ChatMessage(StrictModel):
             raise PydanticCustomError("missing", "content is required for this role")
         raise PydanticCustomError("content_type", "content must be a string or a list of content parts")
 
+    @field_validator("tool_calls")
+    @classmethod
+    def _tool_calls(cls, calls: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        for i, call in enumerate(calls or ()):
+            function = call.get("function")
+            if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+                raise PydanticCustomError(
+                    "tool_call", "tool call {i} needs a 'function' with a string 'name'", {"i": i}
+                )
+            if not isinstance(function.get("arguments", "{}"), (str, dict)):
+                raise PydanticCustomError(
+                    "tool_call", "tool call {i}: 'arguments' must be a JSON string", {"i": i}
+                )
+        return calls
+
 
 class SamplingFields(StrictModel):
     """Sampling fields shared by chat and completions."""

@@ -194,3 +194,26 @@ def test_seeded_choices_get_distinct_seeds_and_choice_zero_keeps_it() -> None:
     assert seeds[0] == 42 and len(set(seeds)) == 3
     s.add(2, [1, 2], SamplingParams(max_tokens=2, n=2, seed=2**63 - 1))  # wraps within int64
     assert len({seq.params.seed for seq in s.waiting[1]}) == 2
+
+
+def test_a_group_that_does_not_fit_holds_no_pages_while_it_waits() -> None:
+    s = make(num_pages=10, page_size=4)
+    s.add(1, [1, 2, 3, 4], SamplingParams(max_tokens=12))  # 4 pages
+    run_step(s)
+    s.add(2, [5, 6, 7, 8], SamplingParams(max_tokens=12, n=2))  # 2 x 4 pages: does not fit yet
+    for _ in range(3):
+        run_step(s)
+        assert s.pool.num_used == 4 and s.num_waiting_requests == 1
+    s.abort(2)
+    s.abort(1)
+    assert s.pool.num_used == 0
+
+
+def test_a_waiting_group_is_admitted_once_pages_free_up() -> None:
+    s = make(num_pages=10, page_size=4)
+    s.add(1, [1, 2, 3, 4], SamplingParams(max_tokens=12))
+    s.add(2, [5, 6, 7, 8], SamplingParams(max_tokens=12, n=2))
+    while s.has_work:
+        run_step(s)
+        assert s.pool.num_used <= 10
+    assert s.pool.num_used == 0

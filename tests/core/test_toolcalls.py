@@ -329,3 +329,9 @@ def test_deeply_nested_arguments_are_text_not_an_error(name: str) -> None:
     call = f'{{"name": "f", "arguments": {{"a": {nested}}}}}'
     text = f"<tool_call>{call}</tool_call>" if name == "hermes" else call
     assert parse_tool_calls(text, name) == (text, [])
+
+
+def test_arguments_that_overflow_to_infinity_are_not_a_call() -> None:
+    text = '<tool_call>{"name": "f", "arguments": {"a": 1e400}}</tool_call>'
+    content, calls = parse_tool_calls(text, "hermes")
+    assert calls == [] and content == text

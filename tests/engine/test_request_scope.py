@@ -236,3 +236,44 @@ async def test_prepare_stop_on_an_idle_engine_returns_at_once(
         start = trio.current_time()
         snap = await engine.prepare_stop()
         assert trio.current_time() - start < 0.05 and snap["drain_complete"]
+
+
+async def test_detokenizers_get_the_prompt_as_left_context(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async with fake_engine() as engine:
+        async with engine.open_request(prompt="context") as stream:
+            first = await stream.__anext__()
+            entry = engine.registry.get(stream.uid)
+            assert entry is not None and entry.prompt_ids == stream.prompt_ids
+            assert first.text == "H"
+            await stream.collect()
+
+
+async def test_prepare_stop_while_loading_stays_stopped() -> None:
+    import threading
+
+    from fakes import fake_parts
+    from ft.config import EngineConfig
+    from ft.engine.engine import open_engine
+    from ft.engine.fake import run_inline
+    from ft.engine.loading import EngineHooks
+
+    release = threading.Event()
+    load = fake_parts(FakeRunner())
+
+    def slow_load(config: EngineConfig):  # type: ignore[no-untyped-def]
+        release.wait(10)
+        return load(config)
+
+    hooks = EngineHooks(load_model=slow_load, tokenize_executor=run_inline)
+    with trio.fail_after(20):
+        async with open_engine(EngineConfig(num_pages=64), hooks=hooks, wait_ready=False) as engine:
+            snap = await engine.prepare_stop()
+            assert snap["drain_complete"] and engine.state == "stopped"
+            release.set()
+            await engine.wait_ready()
+            assert engine.state == "stopped"
+            with pytest.raises(Exception, match="stopping"):
+                async with engine.open_request(prompt="late"):
+                    pass  # pragma: no cover

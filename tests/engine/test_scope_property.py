@@ -115,7 +115,7 @@ async def scenario(reqs: list[Plan], max_running: int, num_pages: int) -> None:
 @given(
     reqs=st.lists(plans, min_size=1, max_size=12),
     max_running=st.integers(1, 4),
-    num_pages=st.integers(48, 200),
+    num_pages=st.integers(24, 200),
 )
 def test_any_mix_of_requests_cancels_and_faults_leaks_nothing(
     reqs: list[Plan], max_running: int, num_pages: int

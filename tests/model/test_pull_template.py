@@ -99,3 +99,16 @@ def test_a_template_that_reads_tools_gets_them_untouched() -> None:
     template = "{% for t in tools %}{{ t['function']['name'] }};{% endfor %}"
     tools = [{"type": "function", "function": {"name": "f"}}]
     assert render_chat(template, [{"role": "user", "content": "x"}], tools=tools) == "f;"
+
+
+def test_malformed_tool_calls_are_a_template_error_not_a_crash() -> None:
+    import pytest
+
+    from ft.errors import InvalidRequest
+    from ft.model.template import CHATML_TEMPLATE, render_chat
+
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    bad = [{"role": "assistant", "content": None, "tool_calls": [{"id": "x"}]}]
+    with pytest.raises(InvalidRequest) as info:
+        render_chat(CHATML_TEMPLATE, bad, tools=tools)
+    assert info.value.param == "messages"

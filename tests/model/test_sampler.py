@@ -89,3 +89,10 @@ def test_top_p_and_min_p_keep_only_likely_tokens() -> None:
     for p in (SamplingParams(top_p=0.5, seed=1), SamplingParams(min_p=0.5, seed=1)):
         tokens = {sample(x, [work(1, p, n)])[0].token_id for n in range(30)}
         assert tokens <= {3, 8} and 3 in tokens
+
+
+def test_vanishing_temperature_is_argmax_not_token_zero() -> None:
+    x = torch.tensor([[0.0, 1.0, 3.0, -2.0, 2.9]])
+    for t in (1e-40, 1e-300, 1e-6):
+        (s,) = sample(x, [work(0, SamplingParams(temperature=t, seed=1))])
+        assert s.token_id == 2

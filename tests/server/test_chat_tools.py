@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import httpx
 import openai
 from conftest import fake_server
 from scripts import ANSWER, CALL, QUESTION, tool_then_answer
@@ -91,3 +92,25 @@ async def test_reasoning_content_with_a_reasoning_parser() -> None:
         message = r.choices[0].message
         assert message.content == "Done."
         assert getattr(message, "reasoning_content", None) == "Ponder."
+
+
+async def test_malformed_tool_calls_are_400_not_500() -> None:
+    async with fake_server() as s:
+        async with httpx.AsyncClient(base_url=s.base_url, timeout=10) as c:
+            for calls in (
+                [{"id": "x"}],
+                [{"function": "str"}],
+                [{"function": {"name": 3}}],
+                [{"function": {"name": "f", "arguments": 5}}],
+            ):
+                body = {
+                    "messages": [
+                        {"role": "assistant", "content": None, "tool_calls": calls},
+                        {"role": "user", "content": "hi"},
+                    ],
+                    "tools": TOOLS,
+                }
+                for path in ("/v1/chat/completions", "/v1/tokenize"):
+                    r = await c.post(path, json=body)
+                    assert r.status_code == 400, (path, calls, r.text)
+                    assert "tool_calls" in r.json()["error"]["param"]
