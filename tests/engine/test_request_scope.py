@@ -254,6 +254,7 @@ async def test_prepare_stop_while_loading_stays_stopped() -> None:
     import threading
 
     from fakes import fake_parts
+
     from ft.config import EngineConfig
     from ft.engine.engine import open_engine
     from ft.engine.fake import run_inline
