@@ -111,7 +111,7 @@ async def scenario(reqs: list[Plan], max_running: int, num_pages: int) -> None:
         assert engine.snapshot()["requests"]["active"] == 0
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     reqs=st.lists(plans, min_size=1, max_size=12),
     max_running=st.integers(1, 4),
