@@ -18,7 +18,7 @@ serve *ARGS:
 
 # Output tokens/s at 1, 4 and 16 concurrent requests.
 bench:
-    python tools/bench_engine.py
+    ft bench
 
 # Lint and type-check (`pip install -e ".[dev]"` first).
 lint:

@@ -1,4 +1,4 @@
-"""`ft serve | generate | chat | pull | --version`."""
+"""`ft serve | generate | chat | bench | pull | --version`."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 import trio
 
+from ft.bench import add_bench_arguments, run_bench
 from ft.cli_serve import add_serve_arguments, run_serve
 from ft.config import DTYPES, EngineConfig
 from ft.errors import FtError
@@ -108,6 +109,10 @@ def main(argv: list[str] | None = None) -> int:
     _add_model_arguments(chat)
     _add_sampling_arguments(chat)
 
+    add_bench_arguments(
+        sub.add_parser("bench", help="output tokens/s at several concurrency levels (JSON)")
+    )
+
     pull = sub.add_parser("pull", help="download the default model into the cache")
     pull.add_argument("--quiet", action="store_true")
 
@@ -136,6 +141,8 @@ def _first_leaf(exc: BaseException) -> BaseException:
 def _run(args: argparse.Namespace) -> int:
     if args.command == "serve":
         return run_serve(args)
+    if args.command == "bench":
+        return run_bench(args)
     if args.command == "pull":
         from ft.model.pull import pull_default_model
 
