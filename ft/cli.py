@@ -23,7 +23,7 @@ def _version() -> str:
 
 
 def _add_model_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help="GGUF file or Hugging Face directory (default: SmolLM2-135M)")
+    p.add_argument("--model", help="GGUF file or Hugging Face directory (default: SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", choices=DTYPES, default="auto")
     p.add_argument("--max-model-len", type=int, default=None)
 
@@ -109,12 +109,11 @@ def main(argv: list[str] | None = None) -> int:
     _add_model_arguments(chat)
     _add_sampling_arguments(chat)
 
-    add_bench_arguments(
-        sub.add_parser("bench", help="output tokens/s at several concurrency levels (JSON)")
-    )
+    add_bench_arguments(sub.add_parser("bench", help="output tokens/s at several concurrency levels (JSON)"))
 
     pull = sub.add_parser("pull", help="download the default model into the cache")
     pull.add_argument("--quiet", action="store_true")
+    pull.add_argument("--force", action="store_true", help="download again even if cached")
 
     args = parser.parse_args(argv)
     try:
@@ -144,9 +143,17 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "bench":
         return run_bench(args)
     if args.command == "pull":
+        from ft.model.pull import ModelNotFound, cached_model_path, check_model_file
         from ft.model.pull import pull_default_model
 
-        print(pull_default_model(progress=not args.quiet))
+        path = cached_model_path()
+        try:
+            if args.force or not path.exists():
+                raise ModelNotFound("not cached")
+            check_model_file(path)
+        except ModelNotFound:  # missing, corrupt or --force: (re)download
+            path = pull_default_model(progress=not args.quiet)
+        print(path)
         return 0
     trio.run(_generate if args.command == "generate" else _chat, args)
     return 0
