@@ -143,8 +143,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "bench":
         return run_bench(args)
     if args.command == "pull":
-        from ft.model.pull import ModelNotFound, cached_model_path, check_model_file
-        from ft.model.pull import pull_default_model
+        from ft.model.pull import ModelNotFound, cached_model_path, check_model_file, pull_default_model
 
         path = cached_model_path()
         try:

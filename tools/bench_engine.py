@@ -1,6 +1,6 @@
 """Output tokens/s at 1, 4 and 16 concurrent requests: `ft bench` as a script.
 
-    python tools/bench_engine.py [--concurrency 1 4 16] [--max-tokens 128] [--model PATH]
+python tools/bench_engine.py [--concurrency 1 4 16] [--max-tokens 128] [--model PATH]
 """
 
 from __future__ import annotations
