@@ -16,7 +16,7 @@ import time
 
 import trio
 
-from ft.config import EngineConfig
+from ft.config import QUANTIZATIONS, EngineConfig
 from ft.engine.engine import Engine, open_engine
 from ft.params import SamplingParams
 
@@ -64,6 +64,7 @@ async def main(args: argparse.Namespace) -> None:
     config = EngineConfig(
         model=args.model,
         dtype=args.dtype,
+        quantize=args.quantize,
         max_running_requests=max(args.concurrency),
         compute_threads=args.threads,
     )
@@ -87,6 +88,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--model", default=None)
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--quantize", default=None, choices=QUANTIZATIONS)
     parser.add_argument("--threads", type=int, default=None)
 
 

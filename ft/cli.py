@@ -10,7 +10,7 @@ import trio
 
 from ft.bench import add_bench_arguments, run_bench
 from ft.cli_serve import add_serve_arguments, run_serve
-from ft.config import DTYPES, EngineConfig
+from ft.config import DTYPES, QUANTIZATIONS, EngineConfig
 from ft.errors import FtError
 from ft.params import SamplingParams
 
@@ -25,6 +25,7 @@ def _version() -> str:
 def _add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="GGUF file or Hugging Face directory (default: SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", choices=DTYPES, default="auto")
+    p.add_argument("--quantize", choices=QUANTIZATIONS, default=None, help="int8 linear weights")
     p.add_argument("--max-model-len", type=int, default=None)
 
 
@@ -49,7 +50,9 @@ def _params(args: argparse.Namespace) -> SamplingParams:
 
 
 def _engine_config(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len)
+    return EngineConfig(
+        model=args.model, dtype=args.dtype, quantize=args.quantize, max_model_len=args.max_model_len
+    )
 
 
 async def _generate(args: argparse.Namespace) -> None:

@@ -9,7 +9,7 @@ import re
 
 import trio
 
-from ft.config import DEFAULT_KV_CACHE_MEMORY, DTYPES, EngineConfig
+from ft.config import DEFAULT_KV_CACHE_MEMORY, DTYPES, QUANTIZATIONS, EngineConfig
 from ft.server.settings import LOG_LEVELS, ServerSettings
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
@@ -41,6 +41,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="the model id clients see and send (default: from the model)",
     )
     model.add_argument("--dtype", choices=DTYPES, default="auto")
+    model.add_argument(
+        "--quantize",
+        choices=QUANTIZATIONS,
+        default=None,
+        help="int8 weights for the linear layers: ~2-3x faster decode, approximate output",
+    )
     model.add_argument(
         "--max-model-len", type=int, default=None, help="context length (default: the model's)"
     )
@@ -110,6 +116,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerSet
         model=args.model,
         served_model_name=args.served_model_name,
         dtype=args.dtype,
+        quantize=args.quantize,
         page_size=args.page_size,
         num_pages=args.num_pages,
         kv_cache_memory=args.kv_cache_memory,

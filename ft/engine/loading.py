@@ -45,7 +45,7 @@ def load_torch_model(config: EngineConfig, progress: Callable[[float], None] | N
     from ft.model.torch_runner import TorchRunner
 
     loaded = load_model(config.model, torch.float32, progress)  # the runner casts to its dtype
-    dtype = resolve_dtype(config.dtype, loaded.config)
+    dtype = torch.float32 if config.quantize else resolve_dtype(config.dtype, loaded.config)
 
     def make_runner(num_pages: int, page_size: int) -> Runner:
         return TorchRunner(
@@ -54,6 +54,7 @@ def load_torch_model(config: EngineConfig, progress: Callable[[float], None] | N
             page_size=page_size,
             dtype=dtype,
             threads=config.compute_threads,
+            quantize=config.quantize,
         )
 
     return ModelParts(

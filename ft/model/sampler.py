@@ -56,6 +56,9 @@ def apply_penalties(logits: torch.Tensor, work: SeqWork) -> None:
             logits -= counts * p.frequency_penalty + (counts > 0).to(logits.dtype) * p.presence_penalty
 
 
+TOP_P_CANDIDATES = 512  # first guess at the nucleus size; grown when the nucleus is larger
+
+
 def filter_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     """Temperature, then top-k, top-p and min-p masking (masked entries become -inf)."""
     x = logits / p.temperature
@@ -63,23 +66,45 @@ def filter_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
         kth = torch.topk(x, p.top_k).values[-1]
         x = x.masked_fill(x < kth, float("-inf"))
     if p.top_p < 1.0:
-        sorted_x, order = torch.sort(x, descending=True)
-        probs = sorted_x.softmax(-1)
-        cum_before = probs.cumsum(-1) - probs  # mass strictly above each token
-        drop = cum_before > p.top_p
-        drop[0] = False
-        x = x.index_fill(0, order[drop], float("-inf"))
+        x = _nucleus(x, p.top_p)
     if p.min_p > 0.0:
         probs = x.softmax(-1)
         x = x.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
     return x
 
 
+def _nucleus(x: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Keep the most likely tokens whose mass above them is at most `top_p` (the first always).
+
+    NOTE: a full sort of a 49k vocabulary costs ~5 ms a row here; the nucleus is almost always
+    within the top few hundred tokens, so look there first and widen only when it is not.
+    """
+    probs = x.softmax(-1)
+    k = min(TOP_P_CANDIDATES, probs.numel())
+    while True:
+        top, order = torch.topk(probs, k)
+        cum = top.cumsum(0)
+        if cum[-1] > top_p or k == probs.numel():
+            break
+        k = min(k * 8, probs.numel())
+    keep = order[(cum - top) <= top_p]
+    keep = keep if keep.numel() else order[:1]
+    out = torch.full_like(x, float("-inf"))
+    out[keep] = x[keep]
+    return out
+
+
 def sample_token(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> int:
-    """Draw one token from the filtered distribution (exponential race, i.e. Gumbel-max)."""
+    """Draw one token from the filtered distribution by inverse CDF with one uniform number.
+
+    NOTE: one uniform and a cumsum cost ~0.1 ms a row; exponential noise over the vocabulary
+    (Gumbel-max) cost 1.3 ms.
+    """
     probs = filter_logits(logits, p).softmax(-1)
-    noise = torch.empty_like(probs).exponential_(1.0, generator=generator)
-    return int((probs / noise).argmax())
+    cdf = probs.cumsum(0)
+    u = torch.rand(1, generator=generator, dtype=cdf.dtype) * cdf[-1]
+    # side="right": the first index whose cdf exceeds u, which has non-zero probability.
+    return min(int(torch.searchsorted(cdf, u, side="right")), probs.numel() - 1)
 
 
 def sample(logits: torch.Tensor, works: list[SeqWork]) -> list[Sampled]:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 
 import torch
 import torch.utils.mkldnn
 
+from ft.config import QUANTIZATIONS
 from ft.core.batch import Sampled, SeqWork
 from ft.model.attention import SeqSpan, build_metadata
 from ft.model.llama import LlamaConfig, build_model
@@ -32,6 +34,24 @@ def prepacked_linear(linear: torch.nn.Linear) -> Callable[[torch.Tensor], torch.
     return run
 
 
+def quantize_linears(model: torch.nn.Module) -> None:
+    """Every `nn.Linear` as fbgemm's dynamic int8 linear: per-output-channel int8 weights,
+    float32 activations quantized per call.
+
+    On this machine's AVX2 cores it ran the model's projections about 2x faster and the
+    vocabulary projection 5-8x faster than float32 (9.3 -> 1.1 ms at 1 row), at about 1-2%
+    relative error per projection. (torch marks `torch.ao.quantization` deprecated; it is
+    present and working in the pinned torch 2.13.)
+    """
+    from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        quantize_dynamic(
+            model, {torch.nn.Linear: per_channel_dynamic_qconfig}, dtype=torch.qint8, inplace=True
+        )
+
+
 class TorchRunner:
     """Runs batched steps of a Llama-family model over `num_pages` KV pages of `page_size` slots.
 
@@ -47,6 +67,7 @@ class TorchRunner:
         page_size: int,
         dtype: torch.dtype,
         threads: int | None = None,
+        quantize: str | None = None,
     ) -> None:
         if num_pages < 1 or page_size < 1:
             raise ValueError(f"num_pages and page_size must be positive, got {num_pages}, {page_size}")
@@ -59,7 +80,11 @@ class TorchRunner:
         self.model = build_model(loaded.config, loaded.state_dict, dtype)
         c = loaded.config
         shape = (c.num_layers, num_pages * page_size, c.num_kv_heads, c.head_dim)
-        self._lm_head = prepacked_linear(self.model.lm_head)
+        if quantize is not None:
+            if quantize not in QUANTIZATIONS or dtype != torch.float32:
+                raise ValueError(f"quantize must be one of {QUANTIZATIONS} with float32 activations")
+            quantize_linears(self.model)  # in place
+        self._lm_head = self.model.lm_head if quantize is not None else prepacked_linear(self.model.lm_head)
         self.k_cache = torch.zeros(shape, dtype=dtype)
         self.v_cache = torch.zeros(shape, dtype=dtype)
 

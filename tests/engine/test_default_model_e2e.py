@@ -129,3 +129,12 @@ def test_cli_reports_a_corrupt_default_model_with_what_to_run(tmp_path: Path) ->
     assert out.returncode == 1
     assert out.stderr.startswith("error: ") and "ft pull" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_cli_generate_with_int8_weights() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "ft.cli", "generate", "What is the capital of France?", "--chat",
+         "--quantize", "int8", "--max-tokens", "12", "--temperature", "0"],
+        capture_output=True, text=True, timeout=240, check=True,
+    )  # fmt: skip
+    assert "Paris" in out.stdout

@@ -174,3 +174,22 @@ def test_loading_reports_progress(tiny_dir: pathlib.Path) -> None:
     seen: list[float] = []
     load_model(tiny_dir, torch.float32, seen.append)
     assert seen and seen == sorted(seen) and all(0.0 <= f < 1.0 for f in seen)
+
+
+def test_int8_quantized_runner_stays_close_to_float32(tiny_dir: pathlib.Path) -> None:
+    loaded = load_model(tiny_dir, torch.float32)
+    exact = TorchRunner(loaded, num_pages=8, page_size=4, dtype=torch.float32)
+    quant = TorchRunner(loaded, num_pages=8, page_size=4, dtype=torch.float32, quantize="int8")
+    work = SeqWork(0, (5, 9, 17, 3, 8), 0, (0, 1), True, SamplingParams(temperature=0), 0)
+    a, b = exact.forward([work]), quant.forward([work])
+    assert a is not None and b is not None
+    cosine = torch.nn.functional.cosine_similarity(a, b).item()
+    assert cosine > 0.99, cosine
+    (sampled,) = quant.step([work])
+    assert 0 <= sampled.token_id < loaded.config.vocab_size
+
+
+def test_int8_needs_float32_activations(tiny_dir: pathlib.Path) -> None:
+    loaded = load_model(tiny_dir, torch.float32)
+    with pytest.raises(ValueError, match="float32"):
+        TorchRunner(loaded, num_pages=8, page_size=4, dtype=torch.bfloat16, quantize="int8")

@@ -96,3 +96,31 @@ def test_vanishing_temperature_is_argmax_not_token_zero() -> None:
     for t in (1e-40, 1e-300, 1e-6):
         (s,) = sample(x, [work(0, SamplingParams(temperature=t, seed=1))])
         assert s.token_id == 2
+
+
+def test_sampled_frequencies_follow_the_distribution() -> None:
+    probs = torch.tensor([0.5, 0.25, 0.15, 0.1, 0.0])
+    x = probs.clamp_min(1e-30).log().unsqueeze(0)
+    counts = torch.zeros(5)
+    trials = 4000
+    for step in range(trials):
+        (s,) = sample(x, [work(0, SamplingParams(temperature=1.0, seed=7), num_generated=step)])
+        counts[s.token_id] += 1
+    freq = counts / trials
+    assert counts[4] == 0  # zero probability is never drawn
+    assert torch.allclose(freq, probs, atol=0.03), freq
+
+
+def test_nucleus_matches_a_full_sort_even_when_it_is_wide() -> None:
+    from ft.model.sampler import _nucleus
+
+    gen = torch.Generator().manual_seed(0)
+    for scale, top_p in ((0.01, 0.99), (1.0, 0.9), (8.0, 0.5)):
+        x = torch.randn(49152, generator=gen) * scale
+        got = torch.isfinite(_nucleus(x, top_p))
+        probs = x.softmax(-1)
+        sorted_p, order = probs.sort(descending=True)
+        keep = (sorted_p.cumsum(0) - sorted_p) <= top_p
+        want = torch.zeros_like(got)
+        want[order[keep]] = True
+        assert torch.equal(got, want), (scale, top_p, int(got.sum()), int(want.sum()))

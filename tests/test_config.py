@@ -1,0 +1,30 @@
+"""EngineConfig validates itself with clear ValueErrors."""
+
+from __future__ import annotations
+
+import pytest
+
+from ft.config import EngineConfig
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"dtype": "float16"}, "dtype"),
+        ({"quantize": "int4"}, "quantize"),
+        ({"quantize": "int8", "dtype": "bfloat16"}, "bfloat16"),
+        ({"page_size": 0}, "page_size"),
+        ({"num_pages": 1}, "num_pages"),
+        ({"max_running_requests": 0}, "max_running_requests"),
+        ({"max_model_len": 3}, "max_model_len"),
+        ({"kv_cache_memory": 10}, "kv_cache_memory"),
+    ],
+)
+def test_bad_values_are_refused_naming_the_field(fields: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(**fields)  # type: ignore[arg-type]
+
+
+def test_defaults_are_valid() -> None:
+    config = EngineConfig()
+    assert config.quantize is None and config.dtype == "auto"
