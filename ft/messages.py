@@ -27,7 +27,6 @@ class Tokenize:
     tools: tuple[dict[str, object], ...] | None = None
     chat_template_kwargs: dict[str, object] = field(default_factory=dict)
     add_generation_prompt: bool = True
-    continue_final_message: bool = False
 
 
 # --- tokenizer / request exit / detokenizer -> scheduler ------------------------------------

@@ -15,7 +15,7 @@ from dataclasses import replace
 from ft.core.batch import SeqWork
 from ft.core.kv import PagePool, page_hash
 from ft.core.sequence import SeqStatus, Sequence
-from ft.errors import ContextLengthExceeded, FtError, InvalidRequest, RequestFailed
+from ft.errors import ContextLengthExceeded, InvalidRequest, RequestFailed
 from ft.messages import Batch, SeqFailed, StepDone, TokenOut
 from ft.params import SamplingParams
 
@@ -287,10 +287,3 @@ class Scheduler:
             h = page_hash(parent, seq.tokens(i * size, (i + 1) * size))
             seq.page_hashes.append(h)
             self.pool.register(seq.page_ids[i], h)
-
-    def fail_all(self, error: FtError) -> list[SeqFailed]:
-        """Drop every request (the runner died); return one failure per request."""
-        uids = {g[0].uid for g in self.waiting} | {s.uid for s in self.running.values()}
-        for uid in uids:
-            self.abort(uid)
-        return [SeqFailed(uid, error) for uid in sorted(uids)]
