@@ -5,6 +5,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable
 
+import numpy as np
 import torch
 import torch.utils.mkldnn
 
@@ -16,6 +17,7 @@ from ft.model.loader import LoadedModel
 from ft.model.quant import QuantTensor
 from ft.model.quantized_llama import QuantizedLlama, StepIndex
 from ft.model.sampler import sample
+from ft.model.threads import ThreadChooser, thread_choices
 
 
 def prepacked_linear(linear: torch.nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -54,6 +56,21 @@ def quantize_linears(model: torch.nn.Module) -> None:
         )
 
 
+def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Zeros whose memory is only made resident when written.
+
+    NOTE: `torch.zeros` writes every byte, so a 1 GiB KV budget was 1 GiB resident from the
+    start; numpy's calloc-backed zeros map zero pages lazily, so resident memory follows the
+    pages in use.
+    """
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    count = 1
+    for n in shape:
+        count *= n
+    raw = torch.from_numpy(np.zeros(count * itemsize, dtype=np.uint8))
+    return raw.view(dtype).view(shape)
+
+
 class TorchRunner:
     """Runs batched steps of a Llama-family model over `num_pages` KV pages of `page_size` slots.
 
@@ -75,6 +92,8 @@ class TorchRunner:
             raise ValueError(f"num_pages and page_size must be positive, got {num_pages}, {page_size}")
         if threads is not None:
             torch.set_num_threads(threads)
+        # A fixed thread count is the caller's; otherwise measure which count is faster here.
+        self._threads = ThreadChooser((threads,) if threads else thread_choices(torch.get_num_threads()))
         self.config = loaded.config
         self.dtype = dtype
         self._page_size = page_size
@@ -98,8 +117,8 @@ class TorchRunner:
             self._lm_head = (
                 self.model.lm_head if quantize is not None else prepacked_linear(self.model.lm_head)
             )
-        self.k_cache = torch.zeros(shape, dtype=dtype)
-        self.v_cache = torch.zeros(shape, dtype=dtype)
+        self.k_cache = lazy_zeros(shape, dtype)
+        self.v_cache = lazy_zeros(shape, dtype)
 
     @staticmethod
     def bytes_per_page(config: LlamaConfig, page_size: int, dtype: torch.dtype) -> int:
@@ -137,6 +156,12 @@ class TorchRunner:
 
     def step(self, works: list[SeqWork]) -> list[Sampled]:
         """Run one forward pass; return one `Sampled` per work with `sample=True`, in order."""
+        with self._threads.timed(sum(len(w.token_ids) for w in works)) as threads:
+            if threads != torch.get_num_threads():
+                torch.set_num_threads(threads)
+            return self._step(works)
+
+    def _step(self, works: list[SeqWork]) -> list[Sampled]:
         logits = self.forward(works)
         if logits is None:
             return []
