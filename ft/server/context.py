@@ -17,7 +17,7 @@ from quart import Response, request
 
 from ft.engine.engine import Engine
 from ft.errors import FtError, InvalidRequest
-from ft.server.body import read_json
+from ft.server.body import parse_json, read_body, require_json_content_type, run_sized
 from ft.server.http_errors import (
     ErrorFormatter,
     HttpError,
@@ -110,9 +110,22 @@ def parse_model(model: type[M], body: Any) -> M:
 
 
 async def read_request(ctx: ServerContext, model: type[M], *, allow_empty: bool = False) -> M:
-    """Read, parse and validate the current request's JSON body."""
-    body = await read_json(request, ctx.settings.max_body_bytes, allow_empty=allow_empty)
-    return parse_model(model, body)
+    """Read, parse and validate the current request's JSON body (an empty one is `{}` when
+    `allow_empty`).
+
+    Raises 415 unless the body is declared as JSON, 413 past the size limit, 400 for the rest.
+    A large body is parsed and validated in a thread: that work is linear in its size.
+    """
+    require_json_content_type(request)
+    data = await read_body(request, ctx.settings.max_body_bytes)
+    if allow_empty and not data.strip():
+        return parse_model(model, {})
+    result: M = await run_sized(len(data), _parse_body, model, data)
+    return result
+
+
+def _parse_body(model: type[M], data: bytes) -> M:
+    return parse_model(model, parse_json(data))
 
 
 def json_response(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:

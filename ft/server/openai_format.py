@@ -10,11 +10,10 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from ft.errors import InvalidRequest
 from ft.messages import TokenLogprob
 from ft.params import SamplingParams
 from ft.server.assemble import ChatAssembler, tool_call_parser_name
-from ft.server.body import parse_json
+from ft.server.body import parse_arguments
 from ft.server.context import ServerContext
 from ft.server.schemas_openai import ChatCompletionRequest, SamplingFields
 
@@ -178,10 +177,7 @@ def chat_message_for_template(message: Any) -> dict[str, Any]:
 def _template_tool_call(call: dict[str, Any]) -> dict[str, Any]:
     function = call.get("function")
     if isinstance(function, dict) and isinstance(function.get("arguments"), str):
-        try:
-            args = parse_json(function["arguments"].encode("utf-8"))
-        except InvalidRequest:
-            return call
+        args = parse_arguments(function["arguments"])
         if isinstance(args, dict):
             return call | {"function": function | {"arguments": args}}
     return call
