@@ -6,7 +6,6 @@ no request can outlive the engine it runs on.
 
 from __future__ import annotations
 
-import hmac
 import importlib
 import importlib.util
 import logging
@@ -27,15 +26,15 @@ from ft.config import EngineConfig
 from ft.engine.engine import Engine, open_engine
 from ft.engine.loading import EngineHooks
 from ft.errors import FtError
-from ft.server import control, openai
+from ft.server import control, openai, protocol
+from ft.server.auth import authorize
 from ft.server.context import ServerContext, error_response
 from ft.server.http_errors import HttpError, internal_error
+from ft.server.protocol import FtHypercornConfig
 from ft.server.settings import ServerSettings
 
 log = logging.getLogger("ft.server")
 
-# Paths that never need the API key: probes and scrapers.
-OPEN_PATHS = frozenset({"/health", "/metrics"})
 # Route modules another engineer adds; each defines `register(app, ctx)`.
 OPTIONAL_ROUTE_MODULES = ("ft.server.anthropic", "ft.server.responses")
 
@@ -91,20 +90,7 @@ def _install_edge(app: QuartTrio, ctx: ServerContext) -> None:
 
     @app.before_request
     async def authenticate() -> None:
-        if settings.api_key is None or request.method == "OPTIONS" or request.path in OPEN_PATHS:
-            return
-        given = request.headers.get("x-api-key")
-        auth = request.headers.get("Authorization", "")
-        if auth[:7].lower() == "bearer ":
-            given = auth[7:].strip()
-        expected = settings.api_key.encode("utf-8")
-        if given is None or not hmac.compare_digest(given.encode("utf-8", "replace"), expected):
-            raise HttpError(
-                401,
-                "invalid or missing API key (send 'Authorization: Bearer <key>')",
-                code="invalid_api_key",
-                headers={"WWW-Authenticate": "Bearer"},
-            )
+        authorize(request, settings)
 
     @app.after_request
     async def cors(response: Response) -> Response:
@@ -152,8 +138,11 @@ def _install_edge(app: QuartTrio, ctx: ServerContext) -> None:
 
 
 def hypercorn_config(settings: ServerSettings) -> HypercornConfig:
-    """Hypercorn's config for `settings` (access log only at debug level)."""
-    cfg = HypercornConfig()
+    """Hypercorn's config for `settings` (access log only at debug level; HTTP/1.x only
+    unless `settings.http2`, see `ft.server.protocol`)."""
+    protocol.install()
+    cfg = FtHypercornConfig()
+    cfg.http2 = settings.http2
     host = f"[{settings.host}]" if ":" in settings.host else settings.host
     cfg.bind = [f"{host}:{settings.port}"]
     cfg.graceful_timeout = settings.graceful_timeout_s

@@ -14,7 +14,8 @@ from ft.config import EngineConfig
 from ft.engine.fake import FakeRunner, run_inline, text_script
 from ft.engine.loading import EngineHooks
 from ft.server import RunningServer, ServerSettings
-from ft.server.control import is_loopback, prometheus_text
+from ft.server.auth import is_loopback
+from ft.server.control import prometheus_text
 
 USER = [{"role": "user", "content": "hi"}]
 LONG = "lorem ipsum " * 100
