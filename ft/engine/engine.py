@@ -58,6 +58,7 @@ class Engine:
         self._nursery: trio.Nursery | None = None
         self._drain_scope: trio.CancelScope | None = None
         self._abort_timeout_s = 0.0
+        self._tokenize_slots = trio.CapacityLimiter(config.tokenizer_workers)
         self._tokenizer: Any = None
         self._tokenizer_actor: TokenizerActor | None = None
         self._scheduler_inbox: trio.MemorySendChannel[SchedulerIn] | None = None
@@ -142,7 +143,7 @@ class Engine:
         )
         self._scheduler_inbox, self._tokenizer_inbox = sched_send, tok_send
         if self.hooks.tokenize_executor is None:  # spawn the worker now, not on first use
-            await self.tokenize(prompt="warm up")
+            await self._tokenizer_actor.tokenize(Tokenize(uid=0, params=SamplingParams(), prompt="warm up"))
         self.stats.started()
         self.load_progress = 1.0
         if self.state == "loading":  # a drain that began while loading stands
@@ -269,8 +270,19 @@ class Engine:
         chat_template_kwargs: dict[str, Any] | None = None,
         add_generation_prompt: bool = True,
     ) -> list[int]:
-        """Token ids of a prompt or of rendered chat messages (no request is registered)."""
+        """Token ids of a prompt or of rendered chat messages (no request is registered).
+
+        These share the tokenizer workers with generation, so they are admitted like requests
+        (503 while loading, stopping or with a full queue) and at most `tokenizer_workers` run
+        at once; one more is refused with `Overloaded` rather than queued behind them.
+        """
+        self.check_admission()
         assert self._tokenizer_actor is not None
+        if self._tokenize_slots.borrowed_tokens >= self._tokenize_slots.total_tokens:
+            self.stats.rejected += 1
+            raise Overloaded(
+                f"{self._tokenize_slots.total_tokens} tokenize requests are running; retry later"
+            )
         msg = Tokenize(
             uid=0,
             params=SamplingParams(),
@@ -280,7 +292,8 @@ class Engine:
             chat_template_kwargs=chat_template_kwargs or {},
             add_generation_prompt=add_generation_prompt,
         )
-        return await self._tokenizer_actor.tokenize(msg)
+        async with self._tokenize_slots:
+            return await self._tokenizer_actor.tokenize(msg)
 
     def detokenize(self, token_ids: list[int], *, skip_special_tokens: bool = False) -> str:
         """Text of `token_ids`. Raises `InvalidRequest` for ids outside the vocabulary."""

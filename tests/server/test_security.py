@@ -169,3 +169,35 @@ async def test_odd_versions_and_content_length_with_transfer_encoding_are_refuse
     with trio.fail_after(4):
         out = await raw_exchange(server.base_url, request_head)
     assert out.startswith(b"HTTP/1.1 " + status + b" "), out[:100]
+
+
+# --- tokenize and count_tokens are admitted like requests ---------------------------------------
+
+
+async def test_tokenize_calls_beyond_the_workers_are_503_and_cannot_starve_generation() -> None:
+    from conftest import running_server
+    from fakes import fake_parts
+
+    from ft.config import EngineConfig
+    from ft.engine.fake import FakeRunner, delayed_inline
+    from ft.engine.loading import EngineHooks
+
+    hooks = EngineHooks(load_model=fake_parts(FakeRunner()), tokenize_executor=delayed_inline(0.5))
+    cfg = EngineConfig(num_pages=64, tokenizer_workers=1)
+    async with running_server(cfg, hooks=hooks) as s, httpx.AsyncClient(base_url=s.base_url, timeout=10) as c:
+        statuses: list[int] = []
+
+        async def call(path: str, body: dict[str, object]) -> None:
+            statuses.append((await c.post(path, json=body)).status_code)
+
+        async with trio.open_nursery() as nursery:
+            for _ in range(3):
+                nursery.start_soon(call, "/v1/tokenize", {"prompt": "x" * 1000})
+            for _ in range(2):
+                nursery.start_soon(call, "/v1/messages/count_tokens", {"model": "fake", "messages": USER})
+        assert sorted(statuses) == [200, 503, 503, 503, 503], statuses
+        r = await c.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 1})
+        assert r.status_code == 200
+        await s.engine.prepare_stop(drain_timeout_s=1.0)
+        r = await c.post("/v1/tokenize", json={"prompt": "x"})
+        assert r.status_code == 503 and r.headers["retry-after"] == "1"
