@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+import trio
 from pydantic import BaseModel, ValidationError
 from quart import Response, request
 
@@ -131,6 +133,15 @@ def _parse_body(model: type[M], data: bytes) -> M:
 def json_response(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
     """A JSON response (compact, ASCII-escaped)."""
     return Response(dumps(body), status=status, content_type="application/json", headers=headers)
+
+
+async def json_response_off_loop(build: Callable[[], Any]) -> Response:
+    """A JSON response whose body `build()` makes, built and serialized in a thread.
+
+    For bodies whose size the client chooses (echo, logprobs): that work is linear in it.
+    """
+    text = await trio.to_thread.run_sync(lambda: dumps(build()))
+    return Response(text, status=200, content_type="application/json")
 
 
 def new_id(prefix: str) -> str:

@@ -11,6 +11,7 @@ import trio
 from conftest import fake_server, health_watch, wait_idle
 
 from ft.server import ServerSettings
+from ft.server.openai_format import MAX_ECHO_TOKENS
 
 USER = [{"role": "user", "content": "hi"}]
 CHAT = {"messages": USER, "max_tokens": 2}
@@ -274,3 +275,25 @@ async def test_hostile_bodies_do_not_block_the_event_loop() -> None:
                 assert r.status_code in (200, 400), r.text
             assert max(latencies) < 0.5, (route, len(content), max(latencies))
         await wait_idle(c)
+
+
+async def test_echo_amplification_is_400_naming_the_limit(client: httpx.AsyncClient) -> None:
+    prompts = [[65] * 1000 for _ in range(64)]  # ~200 KB asking to echo 1M tokens (~35 MB)
+    body = {"prompt": prompts, "n": 16, "echo": True, "logprobs": 5, "max_tokens": 1}
+    r = await client.post("/v1/completions", json=body)
+    error = assert_json_error(r, 400)
+    assert error["param"] == "echo" and str(MAX_ECHO_TOKENS) in error["message"]
+    r = await client.post("/v1/completions", json=body | {"stream": True})
+    assert assert_json_error(r, 400)["param"] == "echo"
+
+
+async def test_a_large_echo_is_built_off_the_loop() -> None:
+    prompts = [[65 + i] * 1000 for i in range(16)]  # 16 x 1000 x n 8: half the limit
+    body = {"prompt": prompts, "n": 8, "echo": True, "logprobs": 5, "max_tokens": 1}
+    async with fake_server(num_pages=4096) as s, httpx.AsyncClient(base_url=s.base_url, timeout=60) as c:
+        async with health_watch(s.base_url) as latencies:
+            r = await c.post("/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+        assert len(r.json()["choices"]) == 128
+        assert len(r.json()["choices"][0]["logprobs"]["tokens"]) == 1001
+        assert max(latencies) < 0.5, max(latencies)
