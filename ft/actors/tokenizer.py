@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import trio
@@ -12,6 +13,8 @@ from ft.engine.loading import Executor
 from ft.engine.registry import Registry
 from ft.errors import FtError, InvalidRequest, RequestFailed
 from ft.messages import Enqueue, PromptReady, SchedulerIn, Tokenize
+
+log = logging.getLogger("ft.tokenizer")
 
 FaultHook = Callable[[Tokenize], str | None]
 
@@ -79,7 +82,10 @@ class TokenizerActor:
         try:
             result = await self.executor(self.job, payload)
         except trio_parallel.BrokenWorkerError as e:
-            raise RequestFailed(f"the tokenizer worker died: {e}") from e
+            # The details (process, pid, exit code) go to the log, never to the client.
+            log.error("the tokenizer worker died: %s", e)
+            raise RequestFailed("the tokenizer worker died; retry the request") from e
         except Exception as e:  # a bug or crash in the job fails this request, not the actor
-            raise RequestFailed(f"tokenization failed: {type(e).__name__}: {e}") from e
+            log.error("tokenization failed", exc_info=e)
+            raise RequestFailed("tokenization failed (an internal error; see the server log)") from e
         return decode_result(result)

@@ -71,6 +71,8 @@ def create_app(
         BODY_TIMEOUT=60,
         PROVIDE_AUTOMATIC_OPTIONS=True,
     )
+    # `//v1//stats` is not `/v1/stats`: no redirect (werkzeug's answers 308 with an HTML body).
+    app.url_map.merge_slashes = False
     ctx = ServerContext(engine=engine, settings=settings)
     app.extensions["ft"] = ctx
     _install_edge(app, ctx)

@@ -71,30 +71,55 @@ class ServerContext:
         self.engine.check_admission()
 
     def check_token_ids(self, ids: list[int], param: str) -> None:
-        """Raise 400 for a token id outside the vocabulary."""
+        """Raise 400 for a token id outside the vocabulary (503 while there is none yet)."""
+        if ids and not self.engine.vocab_size:
+            self.check_admission()  # loading or failed: the 503 every request gets then
         vocab = self.engine.vocab_size
         for t in ids:
             if not 0 <= t < vocab:
                 raise InvalidRequest(f"token id {t} is outside the vocabulary (0..{vocab - 1})", param=param)
 
 
-def loc_to_param(loc: tuple[int | str, ...]) -> str | None:
-    """`("messages", 0, "content")` -> `"messages[0].content"` (pydantic's markers dropped)."""
-    out = ""
-    for part in loc:
+# Union members pydantic names in an error's location (`input.str`, `system.list[TextBlock]`).
+_TYPE_MARKERS = frozenset({"str", "int", "float", "bool", "dict", "list", "none", "bytes"})
+
+
+def _is_marker(part: str) -> bool:
+    """True for the parts of a pydantic location that name a validator or a union member."""
+    return "[" in part or part in _TYPE_MARKERS or part.startswith("function-") or part[:1].isupper()
+
+
+def loc_to_param(loc: tuple[int | str, ...], body: Any = None) -> str | None:
+    """`("messages", 0, "content")` -> `"messages[0].content"` (pydantic's markers dropped).
+
+    With the `body` that failed, the tag of a tagged union (`content[0].text.text` for a
+    `{"type": "text"}` block) is recognised as the node's `type` and dropped too.
+    """
+    out, node, tagged = "", body, None
+    for i, part in enumerate(loc):
         if isinstance(part, int):
             out += f"[{part}]"
-        elif part.startswith(("[", "function-")):
-            continue  # "[key]", validator markers
+            node = node[part] if isinstance(node, list) and 0 <= part < len(node) else None
+        elif _is_marker(part):
+            continue  # "[key]", validator markers, union members
+        elif isinstance(node, dict) and node is not tagged and node.get("type") == part and i + 1 < len(loc):
+            tagged = node  # a tagged union's tag: once per node, never the last part
         else:
             out = f"{out}.{part}" if out else part
+            node = node.get(part) if isinstance(node, dict) else None
     return out or None
 
 
-def validation_error(e: ValidationError) -> InvalidRequest:
-    """The first validation problem, as a 400 naming its field."""
-    first = e.errors(include_url=False, include_input=False, include_context=False)[0]
-    param = loc_to_param(tuple(first["loc"]))
+def validation_error(e: ValidationError, body: Any = None) -> InvalidRequest:
+    """The first validation problem, as a 400 naming its field.
+
+    For a union field pydantic reports one error per member; the deepest one is the member the
+    client meant (a list whose item is wrong, not "should be a valid string").
+    """
+    errors = e.errors(include_url=False, include_input=False, include_context=False)
+    field = errors[0]["loc"][:1]
+    first = max((x for x in errors if x["loc"][:1] == field), key=lambda x: len(x["loc"]))
+    param = loc_to_param(tuple(first["loc"]), body)
     where = f"'{param}'" if param else "the body"
     return InvalidRequest(f"invalid value for {where}: {first['msg']}", param=param)
 
@@ -106,7 +131,7 @@ def parse_model(model: type[M], body: Any) -> M:
     try:
         return model.model_validate(body)
     except ValidationError as e:
-        raise validation_error(e) from None
+        raise validation_error(e, body) from None
     except RecursionError:  # pragma: no cover - depth is capped before parsing
         raise InvalidRequest("the request body is nested too deeply") from None
 

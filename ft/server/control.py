@@ -42,6 +42,10 @@ def register(app: QuartTrio, ctx: ServerContext) -> None:
 
     @app.get("/v1/models")
     async def models() -> Response:
+        # A load balancer probing here must not send traffic that would fail: 503 until ready.
+        _check_ready(ctx)
+        if engine.state != "ready":
+            raise EngineStopping("the server is stopping and admits no new requests")
         data = [
             {
                 "id": name,
@@ -103,7 +107,7 @@ def _check_ready(ctx: ServerContext) -> None:
     if ctx.engine.state == "loading":
         raise EngineStopping("the model is still loading; retry shortly", code="model_loading")
     if ctx.engine.state == "error":
-        raise EngineStopping(f"the engine failed to start: {ctx.engine.error}")
+        raise EngineStopping(f"the engine failed to start: {ctx.engine.error}", code="engine_error")
 
 
 def _flatten(prefix: str, value: Any, out: list[tuple[str, float]]) -> None:

@@ -201,3 +201,131 @@ async def test_tokenize_calls_beyond_the_workers_are_503_and_cannot_starve_gener
         await s.engine.prepare_stop(drain_timeout_s=1.0)
         r = await c.post("/v1/tokenize", json={"prompt": "x"})
         assert r.status_code == 503 and r.headers["retry-after"] == "1"
+
+
+# --- the smaller holes ------------------------------------------------------------------------
+
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {}}}
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+        ({"tools": [TOOL], "tool_choice": {"type": "function"}}, "tool_choice"),
+        ({"tools": [TOOL], "tool_choice": "sometimes"}, "tool_choice"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": [{"type": "function"}]}, "tools"),
+        ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools"),
+        ({"tools": [{"type": "retrieval"}]}, "tools"),
+    ],
+)
+async def test_chat_refuses_tools_it_cannot_honour(
+    client: httpx.AsyncClient, extra: dict[str, object], param: str
+) -> None:
+    r = await client.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 1} | extra)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+
+
+async def test_chat_serves_a_tool_choice_naming_a_given_tool(client: httpx.AsyncClient) -> None:
+    for choice in ("auto", "none", "required", {"type": "function", "function": {"name": "f"}}):
+        body = {"messages": USER, "max_tokens": 1, "tools": [TOOL], "tool_choice": choice}
+        assert (await client.post("/v1/chat/completions", json=body)).status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/responses", {"input": 5}, "input"),
+        ("/v1/responses", {"input": [{"type": "message", "role": "user", "content": 5}]}, "input[0].content"),
+        ("/v1/messages", {"model": "fake", "max_tokens": 1, "messages": USER, "system": 5}, "system"),
+        (
+            "/v1/messages",
+            {"model": "fake", "max_tokens": 1, "messages": [{"role": "user", "content": [{"type": "text"}]}]},
+            "messages[0].content[0].text",
+        ),
+    ],
+)
+async def test_union_fields_name_the_field_not_the_union_member(
+    server: RunningServer, path: str, body: dict[str, object], param: str
+) -> None:
+    client = server.app.test_client()
+    r = await client.post(path, json=body)
+    assert r.status_code == 400
+    payload = await r.get_json()
+    error = payload["error"]
+    if "param" in error:
+        assert error["param"] == param, error
+    else:  # Anthropic's shape has no param: the message names it
+        assert f"'{param}'" in error["message"], error
+
+
+async def test_doubled_slashes_are_a_json_404_not_an_html_redirect(server: RunningServer) -> None:
+    out = await raw_exchange(
+        server.base_url, b"GET //v1//stats HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    )
+    head, _, body = out.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 404 ") and b"content-type: application/json" in head.lower()
+    assert body.startswith(b'{"error":')
+
+
+async def test_a_drain_abort_is_counted_aborted_and_is_no_overload() -> None:
+    import json
+
+    from ft.engine.fake import FakeRunner, text_script
+
+    runner = FakeRunner(script=text_script("lorem " * 300), step_s=0.02)
+    async with fake_server(runner) as s, httpx.AsyncClient(base_url=s.base_url, timeout=10) as c:
+        body = {"model": "fake", "max_tokens": 1000, "messages": USER, "stream": True}
+        async with c.stream("POST", "/v1/messages", json=body) as r:
+            lines = r.aiter_lines()
+            while not (await lines.__anext__()).startswith("event: content_block_delta"):
+                pass
+            stop = await c.post(STOP, json={"drain_timeout_s": 0.1})
+            rest = [line async for line in lines]
+        (error,) = [json.loads(line[6:]) for line in rest if line.startswith("data: ") and '"error"' in line]
+        assert error["error"]["type"] == "api_error" and "stopping" in error["error"]["message"]
+        totals = stop.json()["requests"]
+        assert totals["aborted"] == 1 and totals["failed"] == 0
+
+
+async def test_models_and_token_ids_are_503_while_the_model_loads() -> None:
+    import threading
+
+    from conftest import running_server
+    from fakes import fake_parts
+
+    from ft.config import EngineConfig
+    from ft.engine.fake import FakeRunner, run_inline
+    from ft.engine.loading import EngineHooks
+
+    release = threading.Event()
+    load = fake_parts(FakeRunner())
+
+    def slow_load(config: EngineConfig):  # type: ignore[no-untyped-def]
+        release.wait(10)
+        return load(config)
+
+    hooks = EngineHooks(load_model=slow_load, tokenize_executor=run_inline)
+    async with (
+        running_server(EngineConfig(num_pages=64), hooks=hooks, wait_ready=False) as s,
+        httpx.AsyncClient(base_url=s.base_url) as c,
+    ):
+        try:
+            r = await c.get("/v1/models")
+            assert r.status_code == 503 and r.json()["error"]["code"] == "model_loading"
+            for body in (
+                {"messages": USER, "logit_bias": {"5": 1}},
+                {"messages": USER, "stop_token_ids": [5]},
+            ):
+                r = await c.post("/v1/chat/completions", json=body)
+                assert r.status_code == 503 and r.json()["error"]["code"] == "model_loading", r.text
+            r = await c.post("/v1/completions", json={"prompt": [5, 6]})
+            assert r.status_code == 503 and r.json()["error"]["code"] == "model_loading"
+        finally:
+            release.set()
+        await s.engine.wait_ready()
+        assert (await c.get("/v1/models")).status_code == 200
+        await s.engine.prepare_stop()
+        assert (await c.get("/v1/models")).status_code == 503
