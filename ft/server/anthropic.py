@@ -62,8 +62,8 @@ ERROR_TYPES = {
 
 def anthropic_error_body(err: FtError) -> dict[str, Any]:
     """`{"type": "error", "error": {"type", "message"}}`; the message names the field."""
-    if isinstance(err, Overloaded):
-        kind = "overloaded_error"  # a full queue; a drain, loading or an abort is an api_error
+    if isinstance(err, Overloaded) or err.code == "model_loading":
+        kind = "overloaded_error"  # retry soon; a drain's refusals and aborts are api_error
     else:
         kind = ERROR_TYPES.get(err.status, "api_error" if err.status >= 500 else "invalid_request_error")
     return {"type": "error", "error": {"type": kind, "message": err.message}}
