@@ -251,8 +251,9 @@ HOSTILE_BODIES = [
 
 
 def _responses_body() -> str:
-    """A valid `/v1/responses` body whose tool-call arguments are an unterminated escape run."""
-    args = '{"a":"' + '\\"' * 40_000
+    """A valid `/v1/responses` body whose tool-call arguments are an unterminated escape run
+    (60 KB: short enough to be re-parsed for the chat template)."""
+    args = '{"a":"' + '\\"' * 30_000
     return json.dumps(
         {
             "input": [
