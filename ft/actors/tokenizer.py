@@ -71,13 +71,14 @@ class TokenizerActor:
     async def tokenize(self, msg: Tokenize) -> list[int]:
         """Token ids for a job (runs in a worker). Raises `FtError`."""
         if msg.prompt_token_ids is not None:
-            for t in msg.prompt_token_ids:
-                if not 0 <= t < self.vocab_size:
-                    raise InvalidRequest(
-                        f"token id {t} is outside the vocabulary (0..{self.vocab_size - 1})",
-                        param="prompt",
-                    )
-            return list(msg.prompt_token_ids)
+            ids = msg.prompt_token_ids
+            if ids and (min(ids) < 0 or max(ids) >= self.vocab_size):  # C loops, on the loop
+                t = next(t for t in ids if not 0 <= t < self.vocab_size)
+                raise InvalidRequest(
+                    f"token id {t} is outside the vocabulary (0..{self.vocab_size - 1})",
+                    param="prompt",
+                )
+            return list(ids)
         payload = encode_job(msg, self.spec_path, fault=self.fault(msg) if self.fault else None)
         try:
             result = await self.executor(self.job, payload)
