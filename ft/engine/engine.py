@@ -55,6 +55,10 @@ class Engine:
         self._ready = trio.Event()
         self._stopped = trio.Event()
         self._stop_snapshot: dict[str, Any] | None = None
+        self._nursery: trio.Nursery | None = None
+        self._drain_scope: trio.CancelScope | None = None
+        self._abort_timeout_s = 0.0
+        self._tokenize_slots = trio.CapacityLimiter(config.tokenizer_workers)
         self._tokenizer: Any = None
         self._tokenizer_actor: TokenizerActor | None = None
         self._scheduler_inbox: trio.MemorySendChannel[SchedulerIn] | None = None
@@ -139,7 +143,7 @@ class Engine:
         )
         self._scheduler_inbox, self._tokenizer_inbox = sched_send, tok_send
         if self.hooks.tokenize_executor is None:  # spawn the worker now, not on first use
-            await self.tokenize(prompt="warm up")
+            await self._tokenizer_actor.tokenize(Tokenize(uid=0, params=SamplingParams(), prompt="warm up"))
         self.stats.started()
         self.load_progress = 1.0
         if self.state == "loading":  # a drain that began while loading stands
@@ -238,6 +242,8 @@ class Engine:
             yield stream
             if stream.is_finished:
                 outcome = "completed"
+        except RequestAborted:
+            raise  # a drain's abort is counted as aborted, not as the engine failing
         except FtError as e:
             outcome = "rejected" if e.status < 500 else "failed"
             raise
@@ -264,8 +270,19 @@ class Engine:
         chat_template_kwargs: dict[str, Any] | None = None,
         add_generation_prompt: bool = True,
     ) -> list[int]:
-        """Token ids of a prompt or of rendered chat messages (no request is registered)."""
+        """Token ids of a prompt or of rendered chat messages (no request is registered).
+
+        These share the tokenizer workers with generation, so they are admitted like requests
+        (503 while loading, stopping or with a full queue) and at most `tokenizer_workers` run
+        at once; one more is refused with `Overloaded` rather than queued behind them.
+        """
+        self.check_admission()
         assert self._tokenizer_actor is not None
+        if self._tokenize_slots.borrowed_tokens >= self._tokenize_slots.total_tokens:
+            self.stats.rejected += 1
+            raise Overloaded(
+                f"{self._tokenize_slots.total_tokens} tokenize requests are running; retry later"
+            )
         msg = Tokenize(
             uid=0,
             params=SamplingParams(),
@@ -275,7 +292,8 @@ class Engine:
             chat_template_kwargs=chat_template_kwargs or {},
             add_generation_prompt=add_generation_prompt,
         )
-        return await self._tokenizer_actor.tokenize(msg)
+        async with self._tokenize_slots:
+            return await self._tokenizer_actor.tokenize(msg)
 
     def detokenize(self, token_ids: list[int], *, skip_special_tokens: bool = False) -> str:
         """Text of `token_ids`. Raises `InvalidRequest` for ids outside the vocabulary."""
@@ -302,30 +320,61 @@ class Engine:
         while len(self.registry):
             await trio.sleep(0.01)
 
+    def begin_stop(self, drain_timeout_s: float = 5.0, abort_timeout_s: float = 3.0) -> None:
+        """Stop admitting now and start the drain in the engine's nursery; return at once.
+
+        The drain waits up to `drain_timeout_s` for active requests, aborts the rest, waits
+        up to `abort_timeout_s` for their scopes to close, then sets the state to "stopped".
+        It belongs to the engine, so it completes whoever asked for it and whether they wait.
+        A later call can only shorten the drain (its deadline is the earliest asked for).
+        Synchronous, so it is safe to call from a cancelled task.
+        """
+        now = trio.current_time()
+        if self._drain_scope is not None:
+            self._drain_scope.deadline = min(self._drain_scope.deadline, now + drain_timeout_s)
+            self._abort_timeout_s = min(self._abort_timeout_s, abort_timeout_s)
+            return
+        if self._stop_snapshot is not None:
+            return
+        assert self._nursery is not None, "the engine is not running (use open_engine)"
+        self.state = "stopping"
+        self._drain_scope = trio.CancelScope(deadline=now + drain_timeout_s)
+        self._abort_timeout_s = abort_timeout_s
+        self._nursery.start_soon(self._drain, self._drain_scope)
+
+    async def _drain(self, drain_scope: trio.CancelScope) -> None:
+        with drain_scope:
+            await self._wait_idle()
+        self.abort_all()
+        with trio.move_on_after(self._abort_timeout_s):
+            await self._wait_idle()
+        self._stop_snapshot = self.snapshot() | {"drain_complete": True}
+        self.state = "stopped"
+        self._stopped.set()
+
+    def abort_all(self) -> None:
+        """Fail every live request with `RequestAborted` and free what it holds (synchronous)."""
+        for uid in self.registry.uids():
+            self.registry.fail(uid, RequestAborted("the server is stopping; request aborted"))
+            if self._scheduler_inbox is not None:
+                self._scheduler_inbox.send_nowait(Abort(uid))
+
+    async def wait_stopped(self) -> dict[str, Any]:
+        """Wait for the drain `begin_stop` started; return its final snapshot."""
+        await self._stopped.wait()
+        assert self._stop_snapshot is not None
+        return self._stop_snapshot
+
     async def prepare_stop(
         self, drain_timeout_s: float = 5.0, abort_timeout_s: float = 3.0
     ) -> dict[str, Any]:
         """Stop admitting; drain, then abort what is left; return the final snapshot.
 
-        Idempotent: later calls wait for the first to finish and return its snapshot.
+        `begin_stop` then `wait_stopped`: cancelling the caller leaves the drain running.
+        Idempotent: later calls wait for the same drain (a shorter timeout shortens it).
         """
-        if self.state == "stopping" or self._stop_snapshot is not None:
-            await self._stopped.wait()
-            assert self._stop_snapshot is not None
-            return self._stop_snapshot
-        self.state = "stopping"
-        with trio.move_on_after(drain_timeout_s):
-            await self._wait_idle()
-        for uid in self.registry.uids():
-            self.registry.fail(uid, RequestAborted("the server is stopping; request aborted"))
-            if self._scheduler_inbox is not None:
-                self._scheduler_inbox.send_nowait(Abort(uid))
-        with trio.move_on_after(abort_timeout_s):
-            await self._wait_idle()
-        self._stop_snapshot = self.snapshot() | {"drain_complete": True}
-        self.state = "stopped"
-        self._stopped.set()
-        return self._stop_snapshot
+        self.begin_stop(drain_timeout_s, abort_timeout_s)
+        return await self.wait_stopped()
 
     # --- observability -----------------------------------------------------------------------
 
@@ -381,6 +430,7 @@ async def open_engine(
     engine = Engine(config or EngineConfig(), hooks or EngineHooks())
     try:
         async with trio.open_nursery() as nursery:
+            engine._nursery = nursery
             nursery.start_soon(engine._boot, nursery)
             if wait_ready:
                 await engine.wait_ready()

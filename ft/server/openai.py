@@ -21,12 +21,19 @@ from ft.engine.stream import Choice, RequestStream
 from ft.errors import FtError, InvalidRequest
 from ft.params import SamplingParams
 from ft.server.assemble import ChatAssembler
-from ft.server.context import ServerContext, json_response, new_id, read_request
+from ft.server.context import (
+    ServerContext,
+    json_response,
+    json_response_off_loop,
+    new_id,
+    read_request,
+)
 from ft.server.http_errors import internal_error
 from ft.server.openai_format import (
     CompletionLogprobs,
     chat_logprobs,
     chat_message_for_template,
+    check_echo_size,
     finish_reason,
     make_chat_output,
     sampling_params,
@@ -95,6 +102,8 @@ class ChatCompletion:
             return sse_response(self.stream())
         async with self.open() as stream:
             choices = await stream.collect()
+        if self.params.logprobs:  # n x tokens x top_logprobs entries: build them off the loop
+            return await json_response_off_loop(lambda: self.body(choices, stream))
         return json_response(self.body(choices, stream))
 
     def body(self, choices: list[Choice], stream: RequestStream) -> dict[str, Any]:
@@ -196,6 +205,7 @@ class TextCompletion:
             logprobs=req.logprobs is not None,
             top_logprobs=req.logprobs or 0,
         )
+        check_echo_size(req, ctx.engine.max_model_len)
         ctx.check_admission()  # after validation: a bad request is a 400 whatever the load
         self.id = new_id("cmpl")
         self.created = int(time.time())
@@ -234,6 +244,13 @@ class TextCompletion:
         if errors:
             first = errors[0]
             raise first if isinstance(first, FtError) else internal_error(first)
+        if self.req.echo or self.params.logprobs:  # as large as the client asks: off the loop
+            return await json_response_off_loop(lambda: self.body(results))
+        return json_response(self.body(results))
+
+    def body(self, results: list[tuple[list[Choice], tuple[int, ...], int] | None]) -> dict[str, Any]:
+        """The non-streamed `text_completion` object (runs in a thread)."""
+        prompts = self.req.prompt
         out: list[dict[str, Any]] = []
         num_prompt = num_completion = 0
         for k, result in enumerate(results):
@@ -243,17 +260,15 @@ class TextCompletion:
             num_completion += n_completion
             for c in choices:
                 out.append(self.choice_body(k, prompts[k], prompt_ids, c))
-        return json_response(
-            {
-                "id": self.id,
-                "object": "text_completion",
-                "created": self.created,
-                "model": self.model,
-                "system_fingerprint": None,
-                "choices": out,
-                "usage": usage(num_prompt, num_completion),
-            }
-        )
+        return {
+            "id": self.id,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": None,
+            "choices": out,
+            "usage": usage(num_prompt, num_completion),
+        }
 
     def choice_body(
         self, k: int, prompt: PromptItem, prompt_ids: tuple[int, ...], c: Choice

@@ -14,11 +14,15 @@ from ft.errors import InvalidRequest
 from ft.messages import TokenLogprob
 from ft.params import SamplingParams
 from ft.server.assemble import ChatAssembler, tool_call_parser_name
-from ft.server.body import parse_json
+from ft.server.body import parse_arguments
 from ft.server.context import ServerContext
-from ft.server.schemas_openai import ChatCompletionRequest, SamplingFields
+from ft.server.schemas_openai import ChatCompletionRequest, CompletionRequest, SamplingFields
 
 FINISH_REASONS = ("stop", "length", "tool_calls")
+# The most prompt tokens a completion may echo, counting each of the `n` choices: a 576 KB
+# request (64 prompts, n 16, echo, logprobs 5) asked for ~1.5M echoed tokens, a 50 MB response.
+# At the limit a response with logprobs is ~8 MB, built and serialized off the loop.
+MAX_ECHO_TOKENS = 1 << 18
 MIN_LOGPROB = -9999.0  # stands in for -inf, which JSON cannot carry
 
 
@@ -62,6 +66,26 @@ def sampling_params(
         n=req.n,
         skip_special_tokens=req.skip_special_tokens,
     )
+
+
+def check_echo_size(req: CompletionRequest, max_model_len: int) -> None:
+    """Raise `InvalidRequest` when `echo` would return more than `MAX_ECHO_TOKENS` tokens.
+
+    A string prompt counts its UTF-8 bytes (at least its token count), capped at the context.
+    """
+    if not req.echo:
+        return
+    tokens = sum(
+        len(p) if isinstance(p, list) else min(len(p.encode("utf-8", "surrogatepass")), max_model_len)
+        for p in req.prompt
+    )
+    echoed = tokens * req.n
+    if echoed > MAX_ECHO_TOKENS:
+        raise InvalidRequest(
+            f"echo would return {echoed} prompt tokens (prompt tokens x n, each with its logprobs "
+            f"entry); the limit is {MAX_ECHO_TOKENS}: send fewer or shorter prompts or a smaller n",
+            param="echo",
+        )
 
 
 def finish_reason(reason: str | None) -> str | None:
@@ -178,10 +202,7 @@ def chat_message_for_template(message: Any) -> dict[str, Any]:
 def _template_tool_call(call: dict[str, Any]) -> dict[str, Any]:
     function = call.get("function")
     if isinstance(function, dict) and isinstance(function.get("arguments"), str):
-        try:
-            args = parse_json(function["arguments"].encode("utf-8"))
-        except InvalidRequest:
-            return call
+        args = parse_arguments(function["arguments"])
         if isinstance(args, dict):
             return call | {"function": function | {"arguments": args}}
     return call

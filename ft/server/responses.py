@@ -40,7 +40,7 @@ from ft.server.assemble import (
     require_tool_instruction,
     tool_call_parser_name,
 )
-from ft.server.body import parse_json
+from ft.server.body import parse_arguments
 from ft.server.context import ServerContext, json_response, read_request
 from ft.server.http_errors import HttpError, internal_error
 from ft.server.schemas_responses import (
@@ -98,7 +98,7 @@ def template_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
                 call = {
                     "id": call_id,
                     "type": "function",
-                    "function": {"name": name, "arguments": _arguments(arguments)},
+                    "function": {"name": name, "arguments": parse_arguments(arguments)},
                 }
                 if out and out[-1]["role"] == "assistant":
                     out[-1].setdefault("tool_calls", []).append(call)
@@ -107,14 +107,6 @@ def template_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
             case FunctionCallOutputItem(call_id=call_id, output=output):
                 out.append({"role": "tool", "tool_call_id": call_id, "content": output})
     return out
-
-
-def _arguments(text: str) -> Any:
-    try:
-        value = parse_json(text.encode("utf-8"))
-    except InvalidRequest:
-        return text
-    return value if isinstance(value, dict) else text
 
 
 def usage(input_tokens: int, output_tokens: int) -> dict[str, Any]:
