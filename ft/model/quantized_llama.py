@@ -15,14 +15,9 @@ import torch
 import torch.nn.functional as F
 
 from ft.model import kernels
-from ft.model.attention import SeqSpan, build_metadata, paged_attention, write_kv
+from ft.model.attention import AttentionMetadata, paged_attention, write_kv
 from ft.model.llama import LlamaConfig, apply_rope, rope_inv_freq
 from ft.model.quant import QuantTensor
-
-# NOTE: above this many rows (prefill chunks) a step dequantizes each weight into a scratch
-# matrix and multiplies with torch (oneDNN: AMX bfloat16 where the CPU has it): at 256 rows the
-# packed kernels took 26 ms for the [576 -> 3072] product where dequantize + bfloat16 took 1.5.
-DENSE_ROWS = 32
 
 _PROJECTIONS = (
     "self_attn.q_proj",
@@ -106,24 +101,21 @@ class QuantizedLlama:
         )
         return out
 
-    def forward(
+    def forward_packed(
         self,
         input_ids: torch.Tensor,  # [T]
         index: StepIndex,
         k_caches: torch.Tensor,  # [layers, num_slots, kv_heads, head_dim] float32
         v_caches: torch.Tensor,
         page_size: int,
-        spans: list[SeqSpan],
     ) -> torch.Tensor:
-        """Hidden states after the final norm, `[T, hidden]`; writes the tokens' KV."""
+        """Hidden states after the final norm, `[T, hidden]`, through the packed kernels (one
+        native call per layer); writes the tokens' KV. Each row's arithmetic is the same
+        whatever else is in the step."""
         c = self.config
         x = self.embed_tokens(input_ids)  # [T, hidden]
         num_tokens = x.shape[0]
-        freqs = index.positions.float()[:, None] * self.inv_freq[None, :]  # [T, head_dim // 2]
-        cos, sin = freqs.cos().contiguous(), freqs.sin().contiguous()
-        if num_tokens > DENSE_ROWS:
-            x = self._dense_layers(x, cos, sin, k_caches, v_caches, build_metadata(spans, page_size))
-            return self._final_norm(x)
+        cos, sin = self._rotary(index.positions)
         threads = torch.get_num_threads()
         tables = index.block_tables
         for i, layer in enumerate(self.layers):
@@ -136,6 +128,25 @@ class QuantizedLlama:
                 threads,
             )  # fmt: skip
         return self._final_norm(x)
+
+    def forward_dense(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        k_caches: torch.Tensor,
+        v_caches: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Hidden states after the final norm, `[T, hidden]`, with torch ops over weights
+        dequantized layer by layer into scratch matrices (prompt chunks: many rows share each
+        dequantization, and oneDNN multiplies them in AMX bfloat16 where the CPU has it)."""
+        x = self.embed_tokens(input_ids)  # [T, hidden]
+        cos, sin = self._rotary(positions)
+        return self._final_norm(self._dense_layers(x, cos, sin, k_caches, v_caches, meta))
+
+    def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, head_dim // 2]
+        return freqs.cos().contiguous(), freqs.sin().contiguous()
 
     def _final_norm(self, x: torch.Tensor) -> torch.Tensor:
         c = self.config
@@ -175,7 +186,7 @@ class QuantizedLlama:
         sin: torch.Tensor,
         k_caches: torch.Tensor,
         v_caches: torch.Tensor,
-        meta: object,
+        meta: AttentionMetadata,
     ) -> torch.Tensor:
         """The decoder stack with torch ops over dequantized weights (many rows)."""
         c = self.config
@@ -190,8 +201,8 @@ class QuantizedLlama:
                 q, k, v = q + qb, k + kb, v + vb
             q = apply_rope(q.view(num_tokens, c.num_heads, c.head_dim), cos2, sin2)  # [T, heads, hd]
             k = apply_rope(k.view(num_tokens, c.num_kv_heads, c.head_dim), cos2, sin2)  # [T, kvh, hd]
-            write_kv(k_caches[i], v_caches[i], k, v.view(num_tokens, c.num_kv_heads, c.head_dim), meta)  # type: ignore[arg-type]
-            attn = paged_attention(q, k_caches[i], v_caches[i], meta)  # type: ignore[arg-type]
+            write_kv(k_caches[i], v_caches[i], k, v.view(num_tokens, c.num_kv_heads, c.head_dim), meta)
+            attn = paged_attention(q, k_caches[i], v_caches[i], meta)
             x = x + self._linear(attn, layer.o)
             h = _rms_norm(x, layer.norm2, c.rms_norm_eps)
             x = x + self._linear(F.silu(self._linear(h, layer.gate)) * self._linear(h, layer.up), layer.down)

@@ -182,23 +182,56 @@ class TorchRunner:
             positions.extend(range(work.start_pos, work.start_pos + len(work.token_ids)))
             if work.sample:
                 sample_rows.append(len(token_ids) - 1)
-        spans = [SeqSpan(w.start_pos, len(w.token_ids), w.page_ids) for w in works]
         with torch.inference_mode():
             if self.packed is not None:
-                hidden = self.packed.forward(
-                    torch.tensor(token_ids, dtype=torch.long),
-                    self._step_index(works, positions),
-                    self.k_cache,
-                    self.v_cache,
-                    self._page_size,
-                    spans,
-                )
+                hidden = self._forward_packed(self.packed, works)
             else:
+                spans = [SeqSpan(w.start_pos, len(w.token_ids), w.page_ids) for w in works]
                 hidden = self._forward_torch(token_ids, positions, spans)
             if not sample_rows:
                 return None
             rows = hidden if len(sample_rows) == len(token_ids) else hidden[sample_rows]  # [R, hidden]
             return self._lm_head(rows)  # [R, vocab]
+
+    def _forward_packed(self, model: QuantizedLlama, works: list[SeqWork]) -> torch.Tensor:
+        """Hidden states `[T, hidden]` in `works` order: single-token rows through the packed
+        kernels, prompt chunks through the dense path.
+
+        NOTE: the choice depends on each sequence's own span, never on what else shares the step,
+        so a request's tokens do not change with the batch it lands in.
+        """
+        single = [w for w in works if len(w.token_ids) == 1]
+        multi = [w for w in works if len(w.token_ids) > 1]
+        parts: list[torch.Tensor] = []
+        if single:
+            ids = torch.tensor([w.token_ids[0] for w in single], dtype=torch.long)
+            positions = [w.start_pos for w in single]
+            parts.append(
+                model.forward_packed(
+                    ids, self._step_index(single, positions), self.k_cache, self.v_cache, self._page_size
+                )
+            )
+        if multi:
+            ids = torch.tensor([t for w in multi for t in w.token_ids], dtype=torch.long)
+            positions = [p for w in multi for p in range(w.start_pos, w.start_pos + len(w.token_ids))]
+            meta = build_metadata(
+                [SeqSpan(w.start_pos, len(w.token_ids), w.page_ids) for w in multi], self._page_size
+            )
+            parts.append(
+                model.forward_dense(
+                    ids, torch.tensor(positions, dtype=torch.long), self.k_cache, self.v_cache, meta
+                )
+            )
+        if len(parts) == 1:
+            return parts[0]
+        # Both kinds: put the rows back in `works` order.
+        first_row: dict[int, int] = {w.seq_id: i for i, w in enumerate(single)}
+        offset = len(single)
+        for w in multi:
+            first_row[w.seq_id] = offset
+            offset += len(w.token_ids)
+        order = [first_row[w.seq_id] + i for w in works for i in range(len(w.token_ids))]
+        return torch.cat(parts)[torch.tensor(order)]
 
     def _step_index(self, works: list[SeqWork], positions: list[int]) -> StepIndex:
         page = self._page_size
