@@ -277,6 +277,11 @@ class Scheduler:
         return len({seq.uid for seq in self.running.values()})
 
     @property
+    def num_held_tokens(self) -> int:
+        """Tokens whose KV the running sequences hold (a shared prefix counts once per holder)."""
+        return sum(seq.num_computed for seq in self.running.values())
+
+    @property
     def num_waiting_requests(self) -> int:
         """Tokenized requests waiting for admission."""
         return len(self.waiting)

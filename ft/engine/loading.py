@@ -46,6 +46,7 @@ def load_torch_model(config: EngineConfig, progress: Callable[[float], None] | N
 
     loaded = load_model(config.model, torch.float32, progress)  # the runner casts to its dtype
     dtype = torch.float32 if config.quantize else resolve_dtype(config.dtype, loaded.config)
+    kv_dtype = dtype if config.kv_cache_dtype == "auto" else getattr(torch, config.kv_cache_dtype)
 
     def make_runner(num_pages: int, page_size: int) -> Runner:
         return TorchRunner(
@@ -55,13 +56,14 @@ def load_torch_model(config: EngineConfig, progress: Callable[[float], None] | N
             dtype=dtype,
             threads=config.compute_threads,
             quantize=config.quantize,
+            kv_dtype=kv_dtype,
         )
 
     return ModelParts(
         model_id=loaded.model_id,
         tokenizer=loaded.tokenizer,
         make_runner=make_runner,
-        bytes_per_page=lambda ps: TorchRunner.bytes_per_page(loaded.config, ps, dtype),
+        bytes_per_page=lambda ps: TorchRunner.bytes_per_page(loaded.config, ps, kv_dtype),
         vocab_size=loaded.config.vocab_size,
         generation_defaults=loaded.generation_defaults,
     )

@@ -68,6 +68,7 @@ class TorchRunner:
         dtype: torch.dtype,
         threads: int | None = None,
         quantize: str | None = None,
+        kv_dtype: torch.dtype | None = None,
     ) -> None:
         if num_pages < 1 or page_size < 1:
             raise ValueError(f"num_pages and page_size must be positive, got {num_pages}, {page_size}")
@@ -85,8 +86,9 @@ class TorchRunner:
                 raise ValueError(f"quantize must be one of {QUANTIZATIONS} with float32 activations")
             quantize_linears(self.model)  # in place
         self._lm_head = self.model.lm_head if quantize is not None else prepacked_linear(self.model.lm_head)
-        self.k_cache = torch.zeros(shape, dtype=dtype)
-        self.v_cache = torch.zeros(shape, dtype=dtype)
+        self.kv_dtype = kv_dtype or dtype
+        self.k_cache = torch.zeros(shape, dtype=self.kv_dtype)
+        self.v_cache = torch.zeros(shape, dtype=self.kv_dtype)
 
     @staticmethod
     def bytes_per_page(config: LlamaConfig, page_size: int, dtype: torch.dtype) -> int:

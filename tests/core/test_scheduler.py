@@ -290,8 +290,7 @@ def run_all(s: Scheduler, reqs: list[tuple[list[int], SamplingParams]]) -> dict[
 
 
 PRESSURE = [
-    (list(range(1, 1 + 3 * k)), SamplingParams(max_tokens=20 + k, n=1 + k % 2, seed=k))
-    for k in range(1, 7)
+    (list(range(1, 1 + 3 * k)), SamplingParams(max_tokens=20 + k, n=1 + k % 2, seed=k)) for k in range(1, 7)
 ]
 
 
