@@ -193,7 +193,7 @@ class Scheduler:
             if needed <= 0:
                 continue
             while not self.pool.can_allocate(needed):
-                victim = self._newest_running_uid()
+                victim = self._pick_victim()
                 # NOTE: unreachable by construction: alone, a request's whole budget fits the
                 # pool (`check_fits`), so the oldest request always finds its page.
                 assert victim != self._oldest_running_uid(), "the oldest request cannot grow"
@@ -205,7 +205,8 @@ class Scheduler:
                 seq.page_ids += self.pool.allocate(needed)
         return preempted
 
-    def _newest_running_uid(self) -> int:
+    def _pick_victim(self) -> int:
+        """The request to preempt: the most recently admitted one (see the module docstring)."""
         return next(reversed(self.running.values())).uid
 
     def _oldest_running_uid(self) -> int:
