@@ -13,6 +13,8 @@ from ft.core.batch import Sampled, SeqWork
 from ft.model.attention import SeqSpan, build_metadata
 from ft.model.llama import LlamaConfig, build_model
 from ft.model.loader import LoadedModel
+from ft.model.quant import QuantTensor
+from ft.model.quantized_llama import QuantizedLlama, StepIndex
 from ft.model.sampler import sample
 
 
@@ -78,15 +80,28 @@ class TorchRunner:
         self.dtype = dtype
         self._page_size = page_size
         self._num_pages = num_pages
-        self.model = build_model(loaded.config, loaded.state_dict, dtype)
         c = loaded.config
         shape = (c.num_layers, num_pages * page_size, c.num_kv_heads, c.head_dim)
-        if quantize is not None:
-            if quantize not in QUANTIZATIONS or dtype != torch.float32:
-                raise ValueError(f"quantize must be one of {QUANTIZATIONS} with float32 activations")
-            quantize_linears(self.model)  # in place
-        self._lm_head = self.model.lm_head if quantize is not None else prepacked_linear(self.model.lm_head)
         self.kv_dtype = kv_dtype or dtype
+        self.packed: QuantizedLlama | None = None
+        if any(isinstance(v, QuantTensor) for v in loaded.state_dict.values()):
+            if quantize is not None or dtype != torch.float32 or self.kv_dtype != torch.float32:
+                raise ValueError(
+                    "weights kept as stored need float32 activations, a float32 KV cache and no --quantize"
+                )
+            from ft.model.dtypes import pick_dtype
+
+            self.packed = QuantizedLlama(c, loaded.state_dict, pick_dtype(c))
+            self._lm_head: Callable[[torch.Tensor], torch.Tensor] = self.packed.logits
+        else:
+            self.model = build_model(c, loaded.state_dict, dtype)  # type: ignore[arg-type]
+            if quantize is not None:
+                if quantize not in QUANTIZATIONS or dtype != torch.float32:
+                    raise ValueError(f"quantize must be one of {QUANTIZATIONS} with float32 activations")
+                quantize_linears(self.model)  # in place
+            self._lm_head = (
+                self.model.lm_head if quantize is not None else prepacked_linear(self.model.lm_head)
+            )
         self.k_cache = torch.zeros(shape, dtype=self.kv_dtype)
         self.v_cache = torch.zeros(shape, dtype=self.kv_dtype)
 
@@ -148,15 +163,51 @@ class TorchRunner:
                 sample_rows.append(len(token_ids) - 1)
         spans = [SeqSpan(w.start_pos, len(w.token_ids), w.page_ids) for w in works]
         with torch.inference_mode():
-            meta = build_metadata(spans, self._page_size)
-            hidden = self.model(
-                torch.tensor(token_ids, dtype=torch.long),
-                torch.tensor(positions, dtype=torch.long),
-                self.k_cache,
-                self.v_cache,
-                meta,
-            )  # [T, hidden]
+            if self.packed is not None:
+                hidden = self.packed.forward(
+                    torch.tensor(token_ids, dtype=torch.long),
+                    self._step_index(works, positions),
+                    self.k_cache,
+                    self.v_cache,
+                    self._page_size,
+                    spans,
+                )
+            else:
+                hidden = self._forward_torch(token_ids, positions, spans)
             if not sample_rows:
                 return None
             rows = hidden if len(sample_rows) == len(token_ids) else hidden[sample_rows]  # [R, hidden]
             return self._lm_head(rows)  # [R, vocab]
+
+    def _step_index(self, works: list[SeqWork], positions: list[int]) -> StepIndex:
+        page = self._page_size
+        max_pages = max((w.start_pos + len(w.token_ids) + page - 1) // page for w in works)
+        tables = torch.zeros(len(works), max_pages, dtype=torch.int32)
+        seq: list[int] = []
+        slots: list[int] = []
+        for i, w in enumerate(works):
+            n = min(len(w.page_ids), max_pages)
+            tables[i, :n] = torch.tensor(w.page_ids[:n], dtype=torch.int32)
+            seq.extend([i] * len(w.token_ids))
+            slots.extend(
+                w.page_ids[p // page] * page + p % page
+                for p in range(w.start_pos, w.start_pos + len(w.token_ids))
+            )
+        return StepIndex(
+            slot_of=torch.tensor(slots, dtype=torch.long),
+            seq=torch.tensor(seq, dtype=torch.long),
+            positions=torch.tensor(positions, dtype=torch.long),
+            block_tables=tables,
+        )
+
+    def _forward_torch(
+        self, token_ids: list[int], positions: list[int], spans: list[SeqSpan]
+    ) -> torch.Tensor:
+        meta = build_metadata(spans, self._page_size)
+        return self.model(
+            torch.tensor(token_ids, dtype=torch.long),
+            torch.tensor(positions, dtype=torch.long),
+            self.k_cache,
+            self.v_cache,
+            meta,
+        )  # [T, hidden]
