@@ -87,6 +87,7 @@ class TorchRunner:
         dtype: torch.dtype,
         threads: int | None = None,
         quantize: str | None = None,
+        kv_dtype: torch.dtype | None = None,
     ) -> None:
         if num_pages < 1 or page_size < 1:
             raise ValueError(f"num_pages and page_size must be positive, got {num_pages}, {page_size}")
@@ -100,10 +101,13 @@ class TorchRunner:
         self._num_pages = num_pages
         c = loaded.config
         shape = (c.num_layers, num_pages * page_size, c.num_kv_heads, c.head_dim)
+        self.kv_dtype = kv_dtype or dtype
         self.packed: QuantizedLlama | None = None
         if any(isinstance(v, QuantTensor) for v in loaded.state_dict.values()):
-            if quantize is not None or dtype != torch.float32:
-                raise ValueError("weights kept as stored run with float32 activations and no --quantize")
+            if quantize is not None or dtype != torch.float32 or self.kv_dtype != torch.float32:
+                raise ValueError(
+                    "weights kept as stored need float32 activations, a float32 KV cache and no --quantize"
+                )
             from ft.model.dtypes import pick_dtype
 
             self.packed = QuantizedLlama(c, loaded.state_dict, pick_dtype(c))
@@ -117,8 +121,8 @@ class TorchRunner:
             self._lm_head = (
                 self.model.lm_head if quantize is not None else prepacked_linear(self.model.lm_head)
             )
-        self.k_cache = lazy_zeros(shape, dtype)
-        self.v_cache = lazy_zeros(shape, dtype)
+        self.k_cache = lazy_zeros(shape, self.kv_dtype)
+        self.v_cache = lazy_zeros(shape, self.kv_dtype)
 
     @staticmethod
     def bytes_per_page(config: LlamaConfig, page_size: int, dtype: torch.dtype) -> int:
