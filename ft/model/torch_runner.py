@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -69,6 +70,15 @@ def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         count *= n
     raw = torch.from_numpy(np.zeros(count * itemsize, dtype=np.uint8))
     return raw.view(dtype).view(shape)
+
+
+@dataclass(frozen=True, slots=True)
+class _Part:
+    """Tokens of one work fed through one path: positions `start...`."""
+
+    work: SeqWork
+    start: int
+    tokens: tuple[int, ...]
 
 
 class TorchRunner:
@@ -188,69 +198,58 @@ class TorchRunner:
                 sample_rows.append(len(token_ids) - 1)
         with torch.inference_mode():
             if self.packed is not None:
-                hidden = self._forward_packed(self.packed, works)
-            else:
-                spans = [SeqSpan(w.start_pos, len(w.token_ids), w.page_ids) for w in works]
-                hidden = self._forward_torch(token_ids, positions, spans)
+                rows = self._sample_rows_packed(self.packed, works)
+                return self._lm_head(rows) if rows is not None else None  # [R, vocab]
+            spans = [SeqSpan(w.start_pos, len(w.token_ids), w.page_ids) for w in works]
+            hidden = self._forward_torch(token_ids, positions, spans)
             if not sample_rows:
                 return None
             rows = hidden if len(sample_rows) == len(token_ids) else hidden[sample_rows]  # [R, hidden]
             return self._lm_head(rows)  # [R, vocab]
 
-    def _forward_packed(self, model: QuantizedLlama, works: list[SeqWork]) -> torch.Tensor:
-        """Hidden states `[T, hidden]` in `works` order: single-token rows through the packed
-        kernels, prompt chunks through the dense path.
+    def _sample_rows_packed(self, model: QuantizedLlama, works: list[SeqWork]) -> torch.Tensor | None:
+        """Final hidden states `[R, hidden]` of the sampling works' last tokens (None: no sampling).
 
-        NOTE: the choice depends on each sequence's own span, never on what else shares the step,
-        so a request's tokens do not change with the batch it lands in.
+        Prompt tokens go through the dense path, generated tokens (decode steps, and the
+        recompute of a preempted request) through the packed kernels, in that order so that
+        generated tokens see their prompt's KV. Both paths compute each row the same way
+        whatever shares the step, so a request's tokens do not depend on its batch, on prefix
+        cache hits, on chunking or on being preempted.
         """
-        single = [w for w in works if len(w.token_ids) == 1]
-        multi = [w for w in works if len(w.token_ids) > 1]
-        parts: list[torch.Tensor] = []
-        if single:
-            ids = torch.tensor([w.token_ids[0] for w in single], dtype=torch.long)
-            positions = [w.start_pos for w in single]
-            parts.append(
-                model.forward_packed(
-                    ids, self._step_index(single, positions), self.k_cache, self.v_cache, self._page_size
-                )
-            )
-        if multi:
-            ids = torch.tensor([t for w in multi for t in w.token_ids], dtype=torch.long)
-            positions = [p for w in multi for p in range(w.start_pos, w.start_pos + len(w.token_ids))]
-            meta = build_metadata(
-                [SeqSpan(w.start_pos, len(w.token_ids), w.page_ids) for w in multi], self._page_size
-            )
-            parts.append(
-                model.forward_dense(
-                    ids, torch.tensor(positions, dtype=torch.long), self.k_cache, self.v_cache, meta
-                )
-            )
-        if len(parts) == 1:
-            return parts[0]
-        # Both kinds: put the rows back in `works` order.
-        first_row: dict[int, int] = {w.seq_id: i for i, w in enumerate(single)}
-        offset = len(single)
-        for w in multi:
-            first_row[w.seq_id] = offset
-            offset += len(w.token_ids)
-        order = [first_row[w.seq_id] + i for w in works for i in range(len(w.token_ids))]
-        return torch.cat(parts)[torch.tensor(order)]
+        prompt: list[_Part] = []
+        generated: list[_Part] = []
+        for w in works:
+            cut = max(0, min(len(w.token_ids), w.num_prompt_tokens - w.start_pos))
+            prompt.append(_Part(w, w.start_pos, w.token_ids[:cut]))
+            generated.append(_Part(w, w.start_pos + cut, w.token_ids[cut:]))
+        last: dict[int, torch.Tensor] = {}
+        for parts, run in ((prompt, model.forward_dense), (generated, model.forward_packed)):
+            parts = [p for p in parts if p.tokens]
+            if not parts:
+                continue
+            ids = torch.tensor([t for p in parts for t in p.tokens], dtype=torch.long)
+            hidden = run(ids, self._step_index(parts), self.k_cache, self.v_cache, self._page_size)
+            end = 0
+            for p in parts:
+                end += len(p.tokens)
+                last[p.work.seq_id] = hidden[end - 1]
+        sampled = [last[w.seq_id] for w in works if w.sample]
+        return torch.stack(sampled) if sampled else None
 
-    def _step_index(self, works: list[SeqWork], positions: list[int]) -> StepIndex:
+    def _step_index(self, parts: list[_Part]) -> StepIndex:
         page = self._page_size
-        max_pages = max((w.start_pos + len(w.token_ids) + page - 1) // page for w in works)
-        tables = torch.zeros(len(works), max_pages, dtype=torch.int32)
+        max_pages = max((p.start + len(p.tokens) + page - 1) // page for p in parts)
+        tables = torch.zeros(len(parts), max_pages, dtype=torch.int32)
         seq: list[int] = []
         slots: list[int] = []
-        for i, w in enumerate(works):
-            n = min(len(w.page_ids), max_pages)
-            tables[i, :n] = torch.tensor(w.page_ids[:n], dtype=torch.int32)
-            seq.extend([i] * len(w.token_ids))
-            slots.extend(
-                w.page_ids[p // page] * page + p % page
-                for p in range(w.start_pos, w.start_pos + len(w.token_ids))
-            )
+        positions: list[int] = []
+        for i, p in enumerate(parts):
+            pages = p.work.page_ids[:max_pages]
+            tables[i, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
+            seq.extend([i] * len(p.tokens))
+            span = range(p.start, p.start + len(p.tokens))
+            positions.extend(span)
+            slots.extend(pages[q // page] * page + q % page for q in span)
         return StepIndex(
             slot_of=torch.tensor(slots, dtype=torch.long),
             seq=torch.tensor(seq, dtype=torch.long),

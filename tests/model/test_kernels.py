@@ -107,7 +107,7 @@ def test_packed_decoder_matches_torch_decoder(tiny_packed: tuple) -> None:
             ref = ref_model(ids, positions, *caches["ref"], build_metadata(spans, page))
             index = step_index(step, page)
             fused = packed.forward_packed(ids, index, *caches["packed"], page)
-            dense = packed.forward_dense(ids, positions, *caches["dense"], build_metadata(spans, page))
+            dense = packed.forward_dense(ids, index, *caches["dense"], page)
         assert ((fused - ref).norm() / ref.norm()).item() < 0.03  # int8 activations
         assert torch.allclose(dense, ref, atol=1e-4, rtol=1e-4)  # dequantized, float32
 
@@ -136,24 +136,34 @@ def tiny_packed() -> tuple:
 
 
 def test_packed_runner_rows_do_not_depend_on_the_batch(tiny_packed: tuple, tiny_dir: pathlib.Path) -> None:
-    """Decode rows give bitwise the same logits alone and batched with other decodes and a
-    prompt chunk, and the mixed step returns its rows in order."""
+    """A request's logits are bitwise the same alone, batched with decodes and other prompts,
+    and with its prompt fed in other chunk sizes (as a prefix-cache hit or chunked prefill
+    does); the mixed step returns its rows in order."""
     config, sd_packed, _ = tiny_packed
     spec = load_model(tiny_dir, torch.float32).tokenizer
     loaded = LoadedModel(config, sd_packed, spec, "tiny-packed", torch.float32)
     greedy = SamplingParams(temperature=0.0)
+    prompt = (13, 14, 15, 16, 17, 18, 19)
+
+    def work(seq: int, tokens: tuple[int, ...], start: int, pages: tuple[int, ...], n_prompt: int) -> SeqWork:
+        return SeqWork(seq, tokens, start, pages, True, greedy, 0, num_prompt_tokens=n_prompt)
 
     def fresh() -> TorchRunner:
         runner = TorchRunner(loaded, num_pages=32, page_size=4, dtype=torch.float32)
-        runner.forward([SeqWork(1, (3, 4, 5, 6, 7), 0, (0, 1), False, greedy, 0)])
-        runner.forward([SeqWork(2, (8, 9, 10), 0, (2,), False, greedy, 0)])
+        runner.forward([work(1, (3, 4, 5, 6, 7), 0, (0, 1), 5)])
+        runner.forward([work(2, (8, 9, 10), 0, (2,), 3)])
         return runner
 
-    a = SeqWork(1, (11,), 5, (0, 1), True, greedy, 0)
-    b = SeqWork(2, (12,), 3, (2,), True, greedy, 0)
-    chunk = SeqWork(3, (13, 14, 15, 16, 17, 18), 0, (3, 4), True, greedy, 0)
-    alone = [fresh().forward([w]) for w in (a, b, chunk)]
-    mixed = fresh().forward([a, chunk, b])
+    a = work(1, (11,), 5, (0, 1), 5)
+    b = work(2, (12,), 3, (2,), 3)
+    whole = work(3, prompt, 0, (3, 4), len(prompt))
+    alone = [fresh().forward([w]) for w in (a, whole, b)]
+    mixed = fresh().forward([a, whole, b])
     assert mixed is not None and all(x is not None for x in alone)
-    assert torch.equal(mixed[0], alone[0][0]) and torch.equal(mixed[2], alone[1][0])  # type: ignore[index]
-    assert torch.allclose(mixed[1], alone[2][0], atol=1e-5)  # type: ignore[index]
+    for row, single in zip(mixed, alone, strict=True):
+        assert single is not None and torch.equal(row, single[0])
+    for cut in (1, 4, 6):  # the first `cut` prompt tokens in an earlier step
+        runner = fresh()
+        runner.forward([work(3, prompt[:cut], 0, (3, 4), len(prompt))])
+        tail = runner.forward([a, work(3, prompt[cut:], cut, (3, 4), len(prompt))])
+        assert tail is not None and torch.equal(tail[1], mixed[1])
