@@ -87,13 +87,19 @@ def test_long_prompt_is_prefilled_in_chunks_within_the_token_budget() -> None:
     assert sizes[3] == [1]
 
 
-def test_decodes_run_beside_a_prefill_chunk() -> None:
+def test_decodes_run_beside_a_prefill_chunk_of_a_quarter_budget() -> None:
+    """A step that decodes carries a quarter of the prefill budget (running streams pause for
+    a short chunk only); a step without decodes takes the whole budget."""
     s = make(max_prefill_tokens=16)
     s.add(1, [1, 2], SamplingParams(max_tokens=10))
     run_step(s)  # request 1 prefilled, now decoding
     s.add(2, list(range(1, 41)), SamplingParams(max_tokens=2))
     batch, _ = run_step(s)
-    assert [(w.seq_id, len(w.token_ids)) for w in batch.works] == [(0, 1), (1, 16)]
+    assert [(w.seq_id, len(w.token_ids)) for w in batch.works] == [(0, 1), (1, 4)]
+    alone = make(max_prefill_tokens=16)
+    alone.add(2, list(range(1, 41)), SamplingParams(max_tokens=2))
+    batch, _ = run_step(alone)
+    assert [(w.seq_id, len(w.token_ids)) for w in batch.works] == [(0, 16)]
 
 
 def test_max_running_limits_admission_and_the_rest_waits() -> None:
