@@ -27,6 +27,7 @@ class Tokenize:
     tools: tuple[dict[str, object], ...] | None = None
     chat_template_kwargs: dict[str, object] = field(default_factory=dict)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # render the last (assistant) message open
 
 
 # --- tokenizer / request exit / detokenizer -> scheduler ------------------------------------
@@ -97,6 +98,7 @@ class TokenOut:
     finish_reason: str | None = None
     stop_reason: int | None = None
     is_hidden: bool = False
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache supplied
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,6 +148,7 @@ class Delta:
     logprobs: tuple[TokenLogprob, ...] = ()
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache supplied to this choice
 
 
 @dataclass(frozen=True, slots=True)

@@ -96,6 +96,7 @@ class DetokenizerActor:
                 logprobs=logprobs,
                 finish_reason=finish_reason,
                 stop_reason=stop_reason,
+                num_cached_tokens=out.num_cached_tokens,
             ),
         )
 

@@ -15,6 +15,9 @@ from ft.engine.codec import decode_job, encode_result
 from ft.errors import InvalidRequest
 from ft.model.template import render_chat
 
+# Stands in for the content of the message to continue; it renders last, so `rfind` finds it.
+CONTINUE_MARKER = "\x00ft:continue-final-message\x00"
+
 _loaded: dict[str, tuple[Tokenizer, dict[str, Any]]] = {}
 
 
@@ -33,15 +36,28 @@ def render_prompt(job: dict[str, Any], spec: dict[str, Any]) -> tuple[str, bool]
     """The text to tokenize, and whether a BOS token must be prepended to it."""
     if job["messages"] is None:
         return job["prompt"], bool(spec["add_bos_token"])
+    messages = job["messages"]
+    if job["continue_final_message"]:
+        # Render the last message closed around a marker, then cut at the marker: what the
+        # template put before the message's content stays, its end-of-turn goes.
+        messages = [*messages[:-1], messages[-1] | {"content": CONTINUE_MARKER}]
     text = render_chat(
         spec["chat_template"],
-        job["messages"],
+        messages,
         tools=job["tools"],
         add_generation_prompt=job["add_generation_prompt"],
         bos_token=spec["bos_token"],
         eos_token=spec["eos_token"],
         extra=job["chat_template_kwargs"],
     )
+    if job["continue_final_message"]:
+        cut = text.rfind(CONTINUE_MARKER)
+        if cut < 0:
+            raise InvalidRequest(
+                "the chat template does not render the final message's content, so it cannot be continued",
+                param="messages",
+            )
+        text = text[:cut] + (job["messages"][-1].get("content") or "")
     return text, False
 
 

@@ -260,6 +260,7 @@ class Scheduler:
                     finish_reason=out[0],
                     stop_reason=out[1],
                     is_hidden=out[2],
+                    num_cached_tokens=seq.num_cached_prompt,
                 )
             )
             if out[0] is not None:

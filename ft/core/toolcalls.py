@@ -11,12 +11,11 @@ output.
 from __future__ import annotations
 
 import json
-import secrets
-import string
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+from ft.ids import random_id
 from ft.params import has_lone_surrogate
 
 
@@ -54,13 +53,10 @@ class ToolCallEnd:
 
 ToolEvent = TextDelta | ToolCallStart | ToolCallArgsDelta | ToolCallEnd
 
-_ID_ALPHABET = string.ascii_letters + string.digits
-_ID_LENGTH = 24
-
 
 def new_tool_call_id() -> str:
     """A fresh OpenAI-style call id: `call_` and 24 random alphanumerics."""
-    return "call_" + "".join(secrets.choice(_ID_ALPHABET) for _ in range(_ID_LENGTH))
+    return random_id("call_")
 
 
 class ToolCallParser(Protocol):

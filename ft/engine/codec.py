@@ -43,6 +43,7 @@ def encode_job(msg: Tokenize, spec_path: str, *, fault: str | None = None) -> by
     job: dict[str, Any] = {
         "spec_path": spec_path,
         "add_generation_prompt": msg.add_generation_prompt,
+        "continue_final_message": msg.continue_final_message,
         "fault": fault,
     }
     for name, value in fields.items():

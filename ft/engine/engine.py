@@ -196,6 +196,7 @@ class Engine:
         tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
     ) -> AsyncIterator[RequestStream]:
         """Register a request for the block's duration; yield its stream of deltas.
 
@@ -233,6 +234,7 @@ class Engine:
                     tools=tuple(tools) if tools is not None else None,
                     chat_template_kwargs=chat_template_kwargs or {},
                     add_generation_prompt=add_generation_prompt,
+                    continue_final_message=continue_final_message,
                 )
             )
             yield stream
@@ -263,8 +265,12 @@ class Engine:
         tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
     ) -> list[int]:
-        """Token ids of a prompt or of rendered chat messages (no request is registered)."""
+        """Token ids of a prompt or of rendered chat messages (no request is registered).
+
+        `continue_final_message` renders the last message open, so generation continues it.
+        """
         assert self._tokenizer_actor is not None
         msg = Tokenize(
             uid=0,
@@ -274,8 +280,26 @@ class Engine:
             tools=tuple(tools) if tools is not None else None,
             chat_template_kwargs=chat_template_kwargs or {},
             add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
         )
         return await self._tokenizer_actor.tokenize(msg)
+
+    def check_fits(self, num_prompt_tokens: int, params: SamplingParams) -> None:
+        """Raise what admission would refuse a prompt of this size for, whatever the load.
+
+        A static check (context length, `n` against the running slots, the KV pool's size):
+        a route runs it before committing to a 200, so a request that can never run is a 400.
+
+        Raises:
+            InvalidRequest: an empty prompt, or `n` above `max_running_requests`.
+            ContextLengthExceeded: the prompt and `max_tokens` do not fit.
+        """
+        assert self.core is not None
+        try:
+            self.core.check_fits(num_prompt_tokens, params)
+        except FtError:
+            self.stats.rejected += 1
+            raise
 
     def detokenize(self, token_ids: list[int], *, skip_special_tokens: bool = False) -> str:
         """Text of `token_ids`. Raises `InvalidRequest` for ids outside the vocabulary."""

@@ -7,8 +7,6 @@ no request can outlive the engine it runs on.
 from __future__ import annotations
 
 import hmac
-import importlib
-import importlib.util
 import logging
 import signal
 from collections.abc import AsyncIterator, Callable
@@ -27,7 +25,7 @@ from ft.config import EngineConfig
 from ft.engine.engine import Engine, open_engine
 from ft.engine.loading import EngineHooks
 from ft.errors import FtError
-from ft.server import control, openai
+from ft.server import anthropic, control, openai, responses
 from ft.server.context import ServerContext, error_response
 from ft.server.http_errors import HttpError, internal_error
 from ft.server.settings import ServerSettings
@@ -36,8 +34,6 @@ log = logging.getLogger("ft.server")
 
 # Paths that never need the API key: probes and scrapers.
 OPEN_PATHS = frozenset({"/health", "/metrics"})
-# Route modules another engineer adds; each defines `register(app, ctx)`.
-OPTIONAL_ROUTE_MODULES = ("ft.server.anthropic", "ft.server.responses")
 
 HTTP_ERROR_CODES = {
     400: "bad_request",
@@ -57,10 +53,9 @@ def create_app(
     *,
     extra_routes: tuple[RouteRegistrar, ...] = (),
 ) -> QuartTrio:
-    """The app serving `engine`: OpenAI routes, control plane, and any optional route modules.
+    """The app serving `engine`: the OpenAI, Anthropic and Responses routes, the control plane.
 
-    `extra_routes` are called as `register(app, ctx)` after the built-in ones; modules named
-    in `OPTIONAL_ROUTE_MODULES` that exist are registered the same way.
+    `extra_routes` are called as `register(app, ctx)` after the built-in ones.
     """
     app = QuartTrio("ft")
     app.config.update(
@@ -72,11 +67,8 @@ def create_app(
     ctx = ServerContext(engine=engine, settings=settings)
     app.extensions["ft"] = ctx
     _install_edge(app, ctx)
-    openai.register(app, ctx)
-    control.register(app, ctx)
-    for name in OPTIONAL_ROUTE_MODULES:
-        if importlib.util.find_spec(name) is not None:
-            importlib.import_module(name).register(app, ctx)
+    for module in (openai, anthropic, responses, control):
+        module.register(app, ctx)
     for register in extra_routes:
         register(app, ctx)
     return app

@@ -1,14 +1,13 @@
 """What every route needs: the engine, the settings, and the edge helpers routes share.
 
-Route modules (`openai`, `control`, and later `anthropic`, `responses`) each expose
-`register(app, ctx)`; they read the body with `read_request(ctx, Model)`, check the engine with
+Route modules (`openai`, `anthropic`, `responses`, `control`) each expose `register(app, ctx)`;
+they read the body with `read_request(ctx, Model)`, check the engine with
 `ctx.check_admission()`, and raise `FtError`s that the app's handlers render in the API's shape.
 """
 
 from __future__ import annotations
 
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -118,11 +117,6 @@ async def read_request(ctx: ServerContext, model: type[M], *, allow_empty: bool 
 def json_response(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
     """A JSON response (compact, ASCII-escaped)."""
     return Response(dumps(body), status=status, content_type="application/json", headers=headers)
-
-
-def new_id(prefix: str) -> str:
-    """An OpenAI-style id: `chatcmpl-…`, `cmpl-…`."""
-    return f"{prefix}-{uuid.uuid4().hex}"
 
 
 def error_response(ctx: ServerContext, err: FtError) -> Response:

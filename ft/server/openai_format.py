@@ -1,7 +1,7 @@
 """OpenAI response shapes: sampling params from a request, logprobs, usage, chunks, messages.
 
-`ChatOutput` is the seam where tool-call and reasoning parsers plug in: every chat response,
-streamed or not, builds its assistant message / deltas through it.
+`make_chat_output` is the seam where tool-call and reasoning parsers plug in: every chat
+response, streamed or not, builds its assistant message / deltas through a `ChatAssembler`.
 """
 
 from __future__ import annotations
@@ -10,15 +10,15 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from ft.errors import InvalidRequest
 from ft.messages import TokenLogprob
 from ft.params import SamplingParams
-from ft.server.assemble import ChatAssembler, tool_call_parser_name
-from ft.server.body import parse_json
+from ft.server import generation
+from ft.server.assemble import ChatAssembler
 from ft.server.context import ServerContext
-from ft.server.schemas_openai import ChatCompletionRequest, SamplingFields
+from ft.server.generation import Usage
+from ft.server.schemas_openai import ChatMessage, SamplingFields
+from ft.server.tools import parse_arguments, tool_call_parser_name
 
-FINISH_REASONS = ("stop", "length", "tool_calls")
 MIN_LOGPROB = -9999.0  # stands in for -inf, which JSON cannot carry
 
 
@@ -30,7 +30,7 @@ def sampling_params(
     logprobs: bool,
     top_logprobs: int,
 ) -> SamplingParams:
-    """Engine sampling params for a request; unset fields take the model's defaults.
+    """Engine sampling params for a chat or completions request.
 
     Raises:
         InvalidRequest: a token id outside the vocabulary, or a combination the engine refuses.
@@ -38,18 +38,14 @@ def sampling_params(
     bias = req.logit_bias_ids()
     ctx.check_token_ids(list(bias), "logit_bias")
     ctx.check_token_ids(list(req.stop_token_ids or ()), "stop_token_ids")
-    defaults = ctx.engine.generation_defaults
-
-    def pick(name: str, value: float | None, fallback: float) -> Any:
-        return value if value is not None else defaults.get(name, fallback)
-
-    return SamplingParams(
+    return generation.sampling_params(
+        ctx,
+        temperature=req.temperature,
+        top_p=req.top_p,
+        top_k=req.top_k,
+        min_p=req.min_p,
+        repetition_penalty=req.repetition_penalty,
         max_tokens=max_tokens,
-        temperature=float(pick("temperature", req.temperature, 1.0)),
-        top_p=float(pick("top_p", req.top_p, 1.0)),
-        top_k=int(pick("top_k", req.top_k, 0)),
-        min_p=float(pick("min_p", req.min_p, 0.0)),
-        repetition_penalty=float(pick("repetition_penalty", req.repetition_penalty, 1.0)),
         frequency_penalty=req.frequency_penalty,
         presence_penalty=req.presence_penalty,
         logit_bias=bias,
@@ -64,19 +60,13 @@ def sampling_params(
     )
 
 
-def finish_reason(reason: str | None) -> str | None:
-    """The engine's finish reason in OpenAI's vocabulary."""
-    if reason is None:
-        return None
-    return reason if reason in FINISH_REASONS else "stop"
-
-
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    """The `usage` object."""
+def usage(u: Usage) -> dict[str, Any]:
+    """The `usage` object, with the prefix-cache hits in `prompt_tokens_details`."""
     return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.completion_tokens,
+        "total_tokens": u.total_tokens,
+        "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
     }
 
 
@@ -145,16 +135,16 @@ class CompletionLogprobs:
         return {key: a[key] + b[key] for key in a}
 
 
-def make_chat_output(ctx: ServerContext, request: ChatCompletionRequest) -> ChatAssembler:
-    """The output shaper for one choice of `request`: text, tool calls and reasoning."""
-    has_tools = bool(request.tools) and request.tool_choice != "none"
+def make_chat_output(ctx: ServerContext, has_tools: bool) -> ChatAssembler:
+    """The output shaper for one chat choice: text, tool calls (when the request has tools)
+    and reasoning."""
     return ChatAssembler(
         tool_call_parser=tool_call_parser_name(ctx.engine.config.tool_call_parser, has_tools),
         reasoning_parser=ctx.engine.config.reasoning_parser,
     )
 
 
-def chat_message_for_template(message: Any) -> dict[str, Any]:
+def chat_message_for_template(message: ChatMessage) -> dict[str, Any]:
     """A validated `ChatMessage` as the dict a chat template expects.
 
     `developer` becomes `system` (templates predate it); a tool call's JSON `arguments`
@@ -178,10 +168,7 @@ def chat_message_for_template(message: Any) -> dict[str, Any]:
 def _template_tool_call(call: dict[str, Any]) -> dict[str, Any]:
     function = call.get("function")
     if isinstance(function, dict) and isinstance(function.get("arguments"), str):
-        try:
-            args = parse_json(function["arguments"].encode("utf-8"))
-        except InvalidRequest:
-            return call
+        args = parse_arguments(function["arguments"])
         if isinstance(args, dict):
             return call | {"function": function | {"arguments": args}}
     return call

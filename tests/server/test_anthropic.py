@@ -58,10 +58,14 @@ async def test_sdk_create_stream_and_count_tokens_agree(server: RunningServer) -
         assert "".join(pieces) == text and len(pieces) > 1
         assert final.content[0].text == text  # type: ignore[union-attr]
         assert final.stop_reason == "end_turn"
-        assert final.usage.input_tokens == whole.usage.input_tokens > 0
+        # The second request reads its prompt's leading pages from the prefix cache, which
+        # Anthropic counts apart from input_tokens.
+        prompt_tokens = whole.usage.input_tokens + (whole.usage.cache_read_input_tokens or 0)
+        cached = final.usage.cache_read_input_tokens or 0
+        assert final.usage.input_tokens + cached == prompt_tokens > 0 and cached > 0
         assert final.usage.output_tokens == whole.usage.output_tokens > 0
         counted = await client.messages.count_tokens(model="fake", messages=USER)
-        assert counted.input_tokens == whole.usage.input_tokens
+        assert counted.input_tokens == prompt_tokens
 
 
 async def test_sdk_bad_parameter_is_bad_request(server: RunningServer) -> None:
@@ -238,11 +242,13 @@ async def test_error_mid_stream_is_an_error_event() -> None:
             await wait_idle(c)
 
 
-async def test_context_too_long_after_headers_is_an_error_event(server: RunningServer) -> None:
+async def test_streamed_context_too_long_is_a_400_before_the_stream(server: RunningServer) -> None:
+    """The prompt is tokenized and checked before the 200, so the error has Anthropic's shape."""
     long = [{"role": "user", "content": "x" * 3000}]  # the fake model's context is 2048
     r = await post(server, {"model": "fake", "max_tokens": 5, "messages": long, "stream": True})
-    name, error = events_of(r.text)[-1]
-    assert name == "error" and error["error"]["type"] == "invalid_request_error"
+    assert r.status_code == 400
+    error = r.json()
+    assert error["type"] == "error" and error["error"]["type"] == "invalid_request_error"
     assert "context length" in error["error"]["message"]
 
 

@@ -16,11 +16,9 @@ from ft.server.assemble import (
     BlockStart,
     BlockStop,
     ChatAssembler,
-    add_system_instruction,
     assemble_blocks,
-    function_tool,
-    tool_call_parser_name,
 )
+from ft.server.tools import add_system_instruction, function_tool, tool_call_parser_name
 
 CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
 OUTPUT = "<think>\nThe user wants weather.\n</think>\n\nLet me check. " + CALL + "\n" + CALL

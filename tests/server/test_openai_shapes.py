@@ -175,12 +175,11 @@ async def test_context_length_exceeded(client: httpx.AsyncClient) -> None:
     assert r.json()["error"]["code"] == "context_length_exceeded"
 
 
-async def test_error_after_headers_is_in_stream(client: httpx.AsyncClient) -> None:
+async def test_streamed_context_length_exceeded_is_a_400_before_the_stream(client: httpx.AsyncClient) -> None:
+    """A prompt that can never fit is refused before any 200 (in-stream errors: test_faults)."""
     r = await chat(client, max_tokens=5000, stream=True)
-    assert r.status_code == 200
-    events = parse_sse(r.text)
-    assert events[-1] == "[DONE]"
-    assert events[-2]["error"]["code"] == "context_length_exceeded"
+    assert r.status_code == 400
+    assert r.json()["error"]["code"] == "context_length_exceeded"
     await wait_idle(client)
 
 
@@ -196,7 +195,12 @@ async def test_completion_shape(client: httpx.AsyncClient) -> None:
     body = r.json()
     assert body["id"].startswith("cmpl-") and body["object"] == "text_completion"
     assert body["choices"] == [{"index": 0, "text": "Hel", "logprobs": None, "finish_reason": "length"}]
-    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
+    assert body["usage"] == {
+        "prompt_tokens": 3,
+        "completion_tokens": 3,
+        "total_tokens": 6,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
 
 
 async def test_completion_default_max_tokens_is_16(client: httpx.AsyncClient) -> None:
