@@ -7,8 +7,8 @@ from typing import assert_never
 
 import trio
 
+from ft.actors.registry import Registry, RequestEntry
 from ft.core.detok import SeqDetokenizer
-from ft.engine.registry import Registry, RequestEntry
 from ft.messages import (
     Delta,
     DetokenizerIn,

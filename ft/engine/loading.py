@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from ft.config import EngineConfig
 from ft.core.batch import Runner, SeqWork
 from ft.messages import Tokenize
-from ft.model.tokenizer import TokenizerSpec
+from ft.tokenizer.spec import TokenizerSpec
 
 # Runs a tokenizer job (a function of CBOR bytes) somewhere and returns its CBOR answer.
 Executor = Callable[[Callable[[bytes], bytes], bytes], Awaitable[bytes]]

@@ -13,7 +13,7 @@ from gguf.quants import dequantize
 
 from ft.model.gguf_file import GGUFFile
 from ft.model.llama import LlamaConfig, Progress
-from ft.model.tokenizer import (
+from ft.tokenizer.spec import (
     TokenizerSpec,
     byte_level_bpe_from_gguf,
     sentencepiece_bpe_from_gguf,

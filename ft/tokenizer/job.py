@@ -11,9 +11,9 @@ from typing import Any
 import cbor2
 from tokenizers import Tokenizer
 
-from ft.engine.codec import decode_job, encode_result
 from ft.errors import InvalidRequest
-from ft.model.template import render_chat
+from ft.tokenizer.codec import decode_job, encode_result
+from ft.tokenizer.template import render_chat
 
 # Stands in for the content of the message to continue; it renders last, so `rfind` finds it.
 CONTINUE_MARKER = "\x00ft:continue-final-message\x00"
