@@ -12,11 +12,10 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import replace
 
-from ft.core.batch import SeqWork
+from ft.core.batch import Batch, SeqFailed, SeqWork, StepDone, TokenOut
 from ft.core.kv import PagePool, page_hash
 from ft.core.sequence import SeqStatus, Sequence
 from ft.errors import ContextLengthExceeded, InvalidRequest, RequestFailed
-from ft.messages import Batch, SeqFailed, StepDone, TokenOut
 from ft.params import SamplingParams
 
 
