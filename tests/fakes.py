@@ -11,8 +11,9 @@ from ft.config import EngineConfig
 from ft.core.batch import SeqWork
 from ft.engine.engine import Engine, open_engine
 from ft.engine.fake import FakeRunner, byte_tokenizer_spec, run_inline
-from ft.engine.loading import EngineHooks, Executor, ModelParts
+from ft.engine.loading import EngineHooks, ModelParts
 from ft.messages import Tokenize
+from ft.tokenizer.job import Executor
 
 
 def fake_parts(runner: FakeRunner, context_length: int = 2048) -> Callable[[EngineConfig], ModelParts]:

@@ -8,10 +8,10 @@ import trio
 import trio_parallel
 
 from ft.actors.registry import Registry
-from ft.engine.loading import Executor
 from ft.errors import FtError, InvalidRequest, RequestFailed
 from ft.messages import Enqueue, PromptReady, SchedulerIn, Tokenize
 from ft.tokenizer.codec import decode_result, encode_job
+from ft.tokenizer.job import Executor
 
 FaultHook = Callable[[Tokenize], str | None]
 

@@ -25,13 +25,13 @@ from ft.actors.tokenizer import TokenizerActor
 from ft.config import EngineConfig
 from ft.core.kv import PagePool
 from ft.core.scheduler import Scheduler
-from ft.engine.loading import EngineHooks, Executor, load_torch_model
+from ft.engine.loading import EngineHooks, load_torch_model
 from ft.engine.stats import Stats
 from ft.engine.stream import RequestStream
 from ft.errors import EngineStopping, FtError, InvalidRequest, Overloaded, RequestAborted
 from ft.messages import Abort, Batch, DetokenizerIn, SchedulerIn, StepDone, Tokenize
 from ft.params import SamplingParams
-from ft.tokenizer.job import tokenize_job
+from ft.tokenizer.job import Executor, tokenize_job
 
 
 class Engine:

@@ -6,6 +6,7 @@ Kept free of torch and trio so worker processes start fast and stay small.
 from __future__ import annotations
 
 import os
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import cbor2
@@ -17,6 +18,10 @@ from ft.tokenizer.template import render_chat
 
 # Stands in for the content of the message to continue; it renders last, so `rfind` finds it.
 CONTINUE_MARKER = "\x00ft:continue-final-message\x00"
+
+# Runs a tokenizer job (a function of CBOR bytes) somewhere and returns its CBOR answer: in a
+# worker process (the engine's default), or in-process for tests.
+Executor = Callable[[Callable[[bytes], bytes], bytes], Awaitable[bytes]]
 
 _loaded: dict[str, tuple[Tokenizer, dict[str, Any]]] = {}
 
