@@ -10,13 +10,27 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from ft.core.batch import Batch, SeqFailed, SeqWork, StepDone, TokenOut
 from ft.core.kv import PagePool, page_hash
 from ft.core.sequence import SeqStatus, Sequence
 from ft.errors import ContextLengthExceeded, InvalidRequest, RequestFailed
 from ft.params import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class Finish:
+    """Whether a sampled token ends its sequence: `reason` ("stop" | "length", None while it
+    goes on), the stop token id that ended it, and whether the token's text is hidden (eos, a
+    stop token)."""
+
+    reason: str | None
+    stop_token: int | None = None
+    is_hidden: bool = False
+
+
+NOT_FINISHED = Finish(None)
 
 
 def pages_for(num_tokens: int, page_size: int) -> int:
@@ -247,7 +261,7 @@ class Scheduler:
             if seq is None:
                 continue
             seq.output_ids.append(sampled.token_id)
-            out = self._finish_check(seq, sampled.token_id)
+            finish = self._finish_check(seq, sampled.token_id)
             outs.append(
                 TokenOut(
                     uid=seq.uid,
@@ -256,26 +270,26 @@ class Scheduler:
                     token_id=sampled.token_id,
                     logprob=sampled.logprob,
                     top_logprobs=sampled.top_logprobs,
-                    finish_reason=out[0],
-                    stop_reason=out[1],
-                    is_hidden=out[2],
+                    finish_reason=finish.reason,
+                    stop_reason=finish.stop_token,
+                    is_hidden=finish.is_hidden,
                     num_cached_tokens=seq.num_cached_prompt,
                 )
             )
-            if out[0] is not None:
+            if finish.reason is not None:
                 self._release(seq)
         return outs
 
-    def _finish_check(self, seq: Sequence, token: int) -> tuple[str | None, int | None, bool]:
+    def _finish_check(self, seq: Sequence, token: int) -> Finish:
         params = seq.params
         if token in params.stop_token_ids:
-            return "stop", token, True
+            return Finish("stop", stop_token=token, is_hidden=True)
         if token in self.eos_token_ids and not params.ignore_eos:
-            return "stop", None, True
+            return Finish("stop", is_hidden=True)
         assert params.max_tokens is not None
         if len(seq.output_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
-            return "length", None, False
-        return None, None, False
+            return Finish("length")
+        return NOT_FINISHED
 
     def _register_full_pages(self, seq: Sequence) -> None:
         if not self.enable_prefix_caching:

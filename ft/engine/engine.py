@@ -2,20 +2,22 @@
 
 from __future__ import annotations
 
+import enum
 import itertools
 import math
 import os
 import tempfile
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from functools import partial
 from typing import Any
 
 import cbor2
 import trio
 import trio_parallel
+from tokenizers import Tokenizer
 
 from ft.actors.detokenizer import DetokenizerActor
 from ft.actors.registry import Registry, RequestEntry
@@ -34,6 +36,27 @@ from ft.params import SamplingParams
 from ft.tokenizer.job import Executor, tokenize_job
 
 
+class EngineState(enum.StrEnum):
+    """Where an engine is in its life (a `str`, so it reads and serializes as its value)."""
+
+    LOADING = "loading"
+    READY = "ready"
+    STOPPING = "stopping"
+    STOPPED = "stopped"
+    ERROR = "error"
+
+
+@dataclass(frozen=True, slots=True)
+class Running:
+    """What a started engine holds: the core, the tokenizer and the actors' inboxes."""
+
+    core: Scheduler
+    tokenizer: Tokenizer
+    tokenizer_actor: TokenizerActor
+    scheduler_inbox: trio.MemorySendChannel[SchedulerIn]
+    tokenizer_inbox: trio.MemorySendChannel[Tokenize]
+
+
 class Engine:
     """A running engine. Create it with `open_engine`; enter requests with `open_request`."""
 
@@ -43,22 +66,18 @@ class Engine:
         self.instance_id = uuid.uuid4().hex[:12]
         self.registry = Registry()
         self.stats = Stats()
-        self.state = "loading"  # loading | ready | stopping | stopped | error
+        self.state = EngineState.LOADING
         self.error: str | None = None
         self.load_progress = 0.0  # fraction of the start-up done, for /health
         self.model_id = config.served_model_name or (config.model or "SmolLM2-135M-Instruct")
         self.max_model_len = 0
         self.vocab_size = 0
         self.generation_defaults: dict[str, float | int] = {}
-        self.core: Scheduler | None = None
         self._uids = itertools.count(1)
         self._ready = trio.Event()
         self._stopped = trio.Event()
         self._stop_snapshot: dict[str, Any] | None = None
-        self._tokenizer: Any = None
-        self._tokenizer_actor: TokenizerActor | None = None
-        self._scheduler_inbox: trio.MemorySendChannel[SchedulerIn] | None = None
-        self._tokenizer_inbox: trio.MemorySendChannel[Tokenize] | None = None
+        self._running: Running | None = None  # set once the actors have started
         self._tmpdir = tempfile.TemporaryDirectory(prefix="ft-")
 
     # --- lifetime ----------------------------------------------------------------------------
@@ -67,7 +86,7 @@ class Engine:
         try:
             await self._start(nursery)
         except Exception as e:
-            self.state, self.error = "error", f"{type(e).__name__}: {e}"
+            self.state, self.error = EngineState.ERROR, f"{type(e).__name__}: {e}"
         finally:
             self._ready.set()
 
@@ -88,13 +107,12 @@ class Engine:
             self.model_id = parts.model_id
         self.vocab_size = parts.vocab_size
         self.generation_defaults = parts.generation_defaults
-        self._tokenizer = spec.build()
         spec_path = os.path.join(self._tmpdir.name, "tokenizer.cbor")
         with open(spec_path, "wb") as f:
             cbor2.dump(asdict(spec), f)
 
         pool = PagePool(num_pages, cfg.page_size)
-        self.core = Scheduler(
+        core = Scheduler(
             pool,
             max_running=cfg.max_running_requests,
             max_model_len=self.max_model_len,
@@ -111,7 +129,7 @@ class Engine:
 
         executor = self.hooks.tokenize_executor or self._worker_executor(cfg.tokenizer_workers)
 
-        self._tokenizer_actor = TokenizerActor(
+        tokenizer_actor = TokenizerActor(
             tok_recv,
             sched_send.clone(),
             self.registry,
@@ -121,9 +139,9 @@ class Engine:
             job=tokenize_job,
             fault=self.hooks.tokenizer_fault,
         )
-        await nursery.start(self._tokenizer_actor.run)
+        await nursery.start(tokenizer_actor.run)
         await nursery.start(
-            SchedulerActor(sched_recv, run_send, detok_send, self.core, self.registry, self._on_step).run
+            SchedulerActor(sched_recv, run_send, detok_send, core, self.registry, self._on_step).run
         )
         await nursery.start(
             RunnerActor(run_recv, sched_send.clone(), runner, before_step=self.hooks.before_step).run
@@ -137,13 +155,13 @@ class Engine:
                 on_first_token=self._on_first_token,
             ).run
         )
-        self._scheduler_inbox, self._tokenizer_inbox = sched_send, tok_send
+        self._running = Running(core, spec.build(), tokenizer_actor, sched_send, tok_send)
         if self.hooks.tokenize_executor is None:  # spawn the worker now, not on first use
             await self.tokenize(prompt="warm up")
         self.stats.started()
         self.load_progress = 1.0
-        if self.state == "loading":  # a drain that began while loading stands
-            self.state = "ready"
+        if self.state == EngineState.LOADING:  # a drain that began while loading stands
+            self.state = EngineState.READY
 
     def _on_progress(self, fraction: float) -> None:
         # Called from the loading thread: a float assignment, nothing else.
@@ -154,15 +172,27 @@ class Engine:
         limiter = trio.CapacityLimiter(workers)
 
         async def executor(job: Callable[[bytes], bytes], payload: bytes) -> bytes:
-            return await trio_parallel.run_sync(job, payload, limiter=limiter)
+            result: bytes = await trio_parallel.run_sync(job, payload, limiter=limiter)
+            return result
 
         return executor
 
     async def wait_ready(self) -> None:
         """Wait until weights are loaded; raise `RuntimeError` if loading failed."""
         await self._ready.wait()
-        if self.state == "error":
+        if self.state == EngineState.ERROR:
             raise RuntimeError(f"the engine failed to start: {self.error}")
+
+    @property
+    def core(self) -> Scheduler | None:
+        """The scheduler core (None until the engine has started)."""
+        return self._running.core if self._running is not None else None
+
+    def _started(self) -> Running:
+        """What the started engine holds. Raises `EngineStopping` (503) while it loads."""
+        if self._running is None:
+            raise EngineStopping("the model is still loading", code="model_loading")
+        return self._running
 
     # --- requests ----------------------------------------------------------------------------
 
@@ -171,11 +201,11 @@ class Engine:
 
         A streaming route calls it first so it can answer 503 before committing to a 200.
         """
-        if self.state == "loading":
+        if self.state == EngineState.LOADING:
             raise EngineStopping("the model is still loading", code="model_loading")
-        if self.state == "error":
+        if self.state == EngineState.ERROR:
             raise EngineStopping(f"the engine failed to start: {self.error}", code="engine_error")
-        if self.state != "ready":
+        if self.state != EngineState.READY:
             raise EngineStopping("the server is stopping and admits no new requests")
         # Capacity is the running slots plus the queue; a request still being tokenized
         # counts as queued, so a burst cannot slip past the limit.
@@ -213,7 +243,7 @@ class Engine:
         if sum(x is not None for x in (messages, prompt, prompt_token_ids)) != 1:
             raise InvalidRequest("give exactly one of messages, prompt or prompt_token_ids")
         self.check_admission()
-        assert self._tokenizer_inbox is not None and self._scheduler_inbox is not None
+        running = self._started()
         uid = next(self._uids)
         # Bounded by the most events a request can receive: PromptReady, a Delta per token
         # for each choice, and one Failed.
@@ -224,7 +254,7 @@ class Engine:
         self.registry.add(entry)
         outcome = "aborted"
         try:
-            self._tokenizer_inbox.send_nowait(
+            running.tokenizer_inbox.send_nowait(
                 Tokenize(
                     uid=uid,
                     params=params,
@@ -247,7 +277,7 @@ class Engine:
             self.registry.remove(uid)
             recv.close()
             try:
-                self._scheduler_inbox.send_nowait(Abort(uid))
+                running.scheduler_inbox.send_nowait(Abort(uid))
             except (trio.ClosedResourceError, trio.BrokenResourceError):
                 pass  # the engine has stopped; its scheduler holds nothing any more
             self.stats.record(outcome, entry, stream, trio.current_time())
@@ -271,7 +301,7 @@ class Engine:
 
         `continue_final_message` renders the last message open, so generation continues it.
         """
-        assert self._tokenizer_actor is not None
+        tokenizer_actor = self._started().tokenizer_actor
         msg = Tokenize(
             uid=0,
             params=SamplingParams(),
@@ -282,7 +312,7 @@ class Engine:
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
         )
-        return await self._tokenizer_actor.tokenize(msg)
+        return await tokenizer_actor.tokenize(msg)
 
     def check_fits(self, num_prompt_tokens: int, params: SamplingParams) -> None:
         """Raise what admission would refuse a prompt of this size for, whatever the load.
@@ -294,9 +324,8 @@ class Engine:
             InvalidRequest: an empty prompt, or `n` above `max_running_requests`.
             ContextLengthExceeded: the prompt and `max_tokens` do not fit.
         """
-        assert self.core is not None
         try:
-            self.core.check_fits(num_prompt_tokens, params)
+            self._started().core.check_fits(num_prompt_tokens, params)
         except FtError:
             self.stats.rejected += 1
             raise
@@ -311,8 +340,9 @@ class Engine:
                 )
         return self._decode(token_ids, skip_special_tokens)
 
-    def _decode(self, ids: Any, skip_special_tokens: bool) -> str:
-        return str(self._tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens))
+    def _decode(self, ids: Sequence[int], skip_special_tokens: bool) -> str:
+        decoded = self._started().tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        return str(decoded)
 
     def _on_first_token(self, entry: RequestEntry) -> None:
         entry.first_token_at = trio.current_time()
@@ -333,21 +363,21 @@ class Engine:
 
         Idempotent: later calls wait for the first to finish and return its snapshot.
         """
-        if self.state == "stopping" or self._stop_snapshot is not None:
+        if self.state == EngineState.STOPPING or self._stop_snapshot is not None:
             await self._stopped.wait()
             assert self._stop_snapshot is not None
             return self._stop_snapshot
-        self.state = "stopping"
+        self.state = EngineState.STOPPING
         with trio.move_on_after(drain_timeout_s):
             await self._wait_idle()
         for uid in self.registry.uids():
             self.registry.fail(uid, RequestAborted("the server is stopping; request aborted"))
-            if self._scheduler_inbox is not None:
-                self._scheduler_inbox.send_nowait(Abort(uid))
+            if self._running is not None:
+                self._running.scheduler_inbox.send_nowait(Abort(uid))
         with trio.move_on_after(abort_timeout_s):
             await self._wait_idle()
         self._stop_snapshot = self.snapshot() | {"drain_complete": True}
-        self.state = "stopped"
+        self.state = EngineState.STOPPED
         self._stopped.set()
         return self._stop_snapshot
 
@@ -411,7 +441,7 @@ async def open_engine(
             try:
                 yield engine
             finally:
-                engine.state = "stopped"
+                engine.state = EngineState.STOPPED
                 nursery.cancel_scope.cancel()
     finally:
         engine._tmpdir.cleanup()
