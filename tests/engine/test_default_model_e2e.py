@@ -10,11 +10,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import trio
 
 from ft.config import EngineConfig
 from ft.engine.engine import Engine, open_engine
 from ft.params import SamplingParams
+
+pytestmark = pytest.mark.slow  # the real default model, or a long soak
 
 CHAT = [{"role": "user", "content": "Name three colors."}]
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 import trio
 import trio.testing
-from fakes import fake_engine
 
 from ft.engine.engine import Engine
 from ft.engine.fake import FakeRunner, delayed_inline, text_script
 from ft.errors import ContextLengthExceeded, InvalidRequest, Overloaded, RequestFailed
 from ft.messages import Tokenize
 from ft.params import SamplingParams
+from tests.support.engine import fake_engine
 
 CHAT = [{"role": "user", "content": "hi"}]
 
@@ -253,12 +253,9 @@ async def test_detokenizers_get_the_prompt_as_left_context(
 async def test_prepare_stop_while_loading_stays_stopped() -> None:
     import threading
 
-    from fakes import fake_parts
-
     from ft.config import EngineConfig
     from ft.engine.engine import open_engine
-    from ft.engine.fake import run_inline
-    from ft.engine.loading import EngineHooks
+    from tests.support.engine import fake_hooks, fake_parts
 
     release = threading.Event()
     load = fake_parts(FakeRunner())
@@ -267,7 +264,7 @@ async def test_prepare_stop_while_loading_stays_stopped() -> None:
         release.wait(10)
         return load(config)
 
-    hooks = EngineHooks(load_model=slow_load, tokenize_executor=run_inline)
+    hooks = fake_hooks(load_model=slow_load)
     with trio.fail_after(20):
         async with open_engine(EngineConfig(num_pages=64), hooks=hooks, wait_ready=False) as engine:
             snap = await engine.prepare_stop()

@@ -6,7 +6,6 @@ from dataclasses import dataclass
 
 import trio
 import trio.testing
-from fakes import fake_engine
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -15,6 +14,7 @@ from ft.engine.fake import FakeRunner, text_script
 from ft.errors import FtError
 from ft.messages import Tokenize
 from ft.params import SamplingParams
+from tests.support.engine import fake_engine
 
 STEP_FAULT_SEED = 666
 

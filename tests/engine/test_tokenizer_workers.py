@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import trio
 import trio.testing
-from fakes import fake_engine
 
 from ft.errors import RequestFailed
 from ft.messages import Tokenize
+from tests.support.engine import fake_engine
 
 
 def exit_on_bang(msg: Tokenize) -> str | None:

@@ -19,6 +19,8 @@ from ft.model.torch_runner import TorchRunner
 from ft.params import SamplingParams
 from ft.tokenizer.template import render_chat
 
+pytestmark = pytest.mark.slow  # the real default model, or a long soak
+
 transformers = pytest.importorskip("transformers")
 
 NEW_TOKENS = 32

@@ -10,12 +10,12 @@ import anthropic
 import httpx
 import pytest
 import trio
-from conftest import fake_server, wait_idle
-from scripts import ANSWER, CALL, events_of, tool_then_answer
 
 from ft.core.batch import SeqWork
 from ft.engine.fake import FakeRunner, text_script
 from ft.server import RunningServer, ServerSettings
+from tests.support.scripts import ANSWER, CALL, events_of, tool_then_answer
+from tests.support.server import fake_server, wait_idle
 
 USER = [{"role": "user", "content": "What is the weather in Paris?"}]
 TOOLS: list[Any] = [

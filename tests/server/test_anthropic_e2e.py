@@ -5,9 +5,11 @@ from __future__ import annotations
 import anthropic
 import httpx
 import pytest
-from conftest import running_server, wait_idle
 
 from ft.config import EngineConfig
+from tests.support.server import running_server, wait_idle
+
+pytestmark = pytest.mark.slow  # the real default model, or a long soak
 
 USER = [{"role": "user", "content": "Name three colours."}]
 

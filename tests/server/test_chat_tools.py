@@ -7,11 +7,11 @@ from typing import Any
 
 import httpx
 import openai
-from conftest import fake_server
-from scripts import ANSWER, CALL, QUESTION, tool_then_answer
 
 from ft.engine.fake import FakeRunner, text_script
 from ft.server import RunningServer
+from tests.support.scripts import ANSWER, CALL, QUESTION, tool_then_answer
+from tests.support.server import fake_server
 
 TOOLS: list[Any] = [
     {

@@ -7,14 +7,13 @@ import time
 
 import httpx
 import trio
-from conftest import TEST_SETTINGS, fake_server, running_server, wait_idle
-from fakes import fake_parts
 
 from ft.config import EngineConfig
-from ft.engine.fake import FakeRunner, run_inline, text_script
-from ft.engine.loading import EngineHooks
+from ft.engine.fake import FakeRunner, text_script
 from ft.server import RunningServer, ServerSettings
 from ft.server.control import is_loopback, prometheus_text
+from tests.support.engine import fake_hooks, fake_parts
+from tests.support.server import TEST_SETTINGS, fake_server, running_server, wait_idle
 
 USER = [{"role": "user", "content": "hi"}]
 LONG = "lorem ipsum " * 100
@@ -102,7 +101,7 @@ async def test_loading_answers_health_and_503() -> None:
         release.wait(10)
         return load(config)
 
-    hooks = EngineHooks(load_model=slow_load, tokenize_executor=run_inline)
+    hooks = fake_hooks(load_model=slow_load)
     cfg = EngineConfig(num_pages=64)
     async with (
         running_server(cfg, hooks=hooks, wait_ready=False) as s,
@@ -126,7 +125,7 @@ async def test_engine_load_failure_is_reported_by_health() -> None:
     def broken(config: EngineConfig):  # type: ignore[no-untyped-def]
         raise OSError("no weights here")
 
-    hooks = EngineHooks(load_model=broken, tokenize_executor=run_inline)
+    hooks = fake_hooks(load_model=broken)
     async with running_server(EngineConfig(), hooks=hooks, wait_ready=False) as s:
         with trio.fail_after(5):
             while s.engine.state == "loading":

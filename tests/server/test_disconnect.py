@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import httpx
 import trio
-from conftest import fake_server, parse_sse, wait_idle
 
 from ft.engine.fake import FakeRunner, text_script
+from tests.support.server import fake_server, parse_sse, wait_idle
 
 USER = [{"role": "user", "content": "hi"}]
 LONG = "lorem ipsum " * 200

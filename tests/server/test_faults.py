@@ -3,17 +3,13 @@
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import httpx
 import trio
-from conftest import fake_server, wait_idle
 
 from ft.core.batch import SeqWork
 from ft.engine.fake import FakeRunner, text_script
-
-sys.path.insert(0, str(Path(__file__).parents[2] / "tools"))
+from tests.support.server import fake_server, wait_idle
 
 FAULT_SEED = 666
 

@@ -7,11 +7,11 @@ from typing import Any
 
 import httpx
 import trio
-from conftest import fake_server, parse_sse, wait_idle
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ft.engine.fake import FakeRunner
+from tests.support.server import fake_server, parse_sse, wait_idle
 
 CHAT_FIELDS = [
     "model",

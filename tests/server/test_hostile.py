@@ -7,9 +7,9 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import fake_server, wait_idle
 
 from ft.server import ServerSettings
+from tests.support.server import fake_server, wait_idle
 
 USER = [{"role": "user", "content": "hi"}]
 CHAT = {"messages": USER, "max_tokens": 2}

@@ -7,13 +7,13 @@ from typing import Any
 
 import httpx
 import trio
-from conftest import fake_server, parse_sse, wait_idle
 
 from ft.engine.fake import FakeRunner, text_script
 from ft.server.context import ServerContext
 from ft.server.generation import respond
 from ft.server.openai import ChatCompletion
 from ft.server.schemas_openai import ChatCompletionRequest
+from tests.support.server import fake_server, parse_sse, wait_idle
 
 USER = [{"role": "user", "content": "hi"}]
 LONG_TEXT = "lorem ipsum " * 200

@@ -5,11 +5,14 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-import scenarios
-from conftest import running_server
+import pytest
 
 from ft.config import EngineConfig
 from ft.server import RunningServer
+from tests.support import scenarios
+from tests.support.server import running_server
+
+pytestmark = pytest.mark.slow  # the real default model, or a long soak
 
 # SmolLM2's tokenizer splits digits one by one: this is ~3,900 prompt tokens, a prefill of
 # seconds on a laptop CPU.

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import scenarios
-from conftest import fake_server
-
 from ft.engine.fake import FakeRunner, text_script
 from ft.server import RunningServer
+from tests.support import scenarios
+from tests.support.server import fake_server
 
 LONG = "All work and no play makes Jack a dull boy. " * 20
 

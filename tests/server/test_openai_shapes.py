@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from conftest import parse_sse, wait_idle
+
+from tests.support.server import parse_sse, wait_idle
 
 USER = [{"role": "user", "content": "hi"}]
 SCRIPT_TEXT = "Hello from the fake model."

@@ -9,12 +9,12 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from conftest import fake_server, wait_idle
-from scripts import ANSWER, CALL, QUESTION, events_of, tool_then_answer
 
 from ft.core.batch import SeqWork
 from ft.engine.fake import FakeRunner, text_script
 from ft.server import RunningServer
+from tests.support.scripts import ANSWER, CALL, QUESTION, events_of, tool_then_answer
+from tests.support.server import fake_server, wait_idle
 
 TOOLS: list[Any] = [
     {

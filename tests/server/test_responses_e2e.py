@@ -5,9 +5,11 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
-from conftest import running_server, wait_idle
 
 from ft.config import EngineConfig
+from tests.support.server import running_server, wait_idle
+
+pytestmark = pytest.mark.slow  # the real default model, or a long soak
 
 QUESTION = "Name three colours."
 

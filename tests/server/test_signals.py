@@ -10,14 +10,15 @@ from pathlib import Path
 import httpx
 import trio
 
-SCRIPT = Path(__file__).with_name("serve_fake.py")
+ROOT = Path(__file__).parents[2]  # `python -m tests.support.serve_fake` runs from here
 USER = [{"role": "user", "content": "hi"}]
 
 
 async def _start(shutdown_timeout: float) -> tuple[trio.Process, str, trio.abc.ReceiveStream]:
     proc = await trio.lowlevel.open_process(
-        [sys.executable, str(SCRIPT), str(shutdown_timeout)],
+        [sys.executable, "-m", "tests.support.serve_fake", str(shutdown_timeout)],
         stdout=subprocess.PIPE,
+        cwd=ROOT,
     )
     assert proc.stdout is not None
     buf = b""

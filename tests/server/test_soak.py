@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-from conftest import fake_server
+import pytest
+from soak import run_soak
 
 from ft.engine.fake import FakeRunner, text_script
+from tests.support.server import fake_server
 
-sys.path.insert(0, str(Path(__file__).parents[2] / "tools"))
-
-from soak import run_soak
+pytestmark = pytest.mark.slow  # the real default model, or a long soak
 
 
 async def test_short_soak_has_no_5xx_and_returns_to_baseline() -> None:
