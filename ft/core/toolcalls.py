@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+from ft.core.suffix import held_suffix_len
 from ft.ids import random_id
 from ft.params import has_lone_surrogate
 
@@ -109,14 +110,6 @@ def _call_from_json(text: str) -> tuple[str, str] | None:
     return name, arguments
 
 
-def _partial_suffix_len(text: str, tag: str) -> int:
-    """Length of the longest proper prefix of `tag` that `text` ends with."""
-    for n in range(min(len(text), len(tag) - 1), 0, -1):
-        if text.endswith(tag[:n]):
-            return n
-    return 0
-
-
 class _CallEmitter:
     """Numbers calls and gives each an id; shared bookkeeping of the parser families."""
 
@@ -184,7 +177,7 @@ class HermesParser:
             if not self._is_in_call:
                 start = self._buf.find(self.START)
                 if start < 0:
-                    keep = _partial_suffix_len(self._buf, self.START)
+                    keep = held_suffix_len(self._buf, (self.START,))
                     self._emit_text(self._buf[: len(self._buf) - keep], out)
                     self._buf = self._buf[len(self._buf) - keep :]
                     return out
