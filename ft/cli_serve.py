@@ -72,6 +72,17 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="require 'Authorization: Bearer KEY' (default: $FT_API_KEY; /health and /metrics stay open)",
     )
     http.add_argument(
+        "--admin-key",
+        default=os.environ.get("FT_ADMIN_KEY"),
+        help="serve /v1/admin/* to any caller with 'Authorization: Bearer KEY' (default: $FT_ADMIN_KEY; "
+        "unset, admin is loopback-only and refused through a proxy)",
+    )
+    http.add_argument(
+        "--http2",
+        action="store_true",
+        help="also serve cleartext HTTP/2 (h2c); off by default: hypercorn buffers it without limit",
+    )
+    http.add_argument(
         "--cors-origins",
         type=_origins,
         default=(),
@@ -115,6 +126,8 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerSet
         host=args.host,
         port=args.port,
         api_key=args.api_key or None,
+        admin_key=args.admin_key or None,
+        http2=args.http2,
         cors_origins=args.cors_origins,
         max_body_bytes=args.max_body_bytes,
         sse_heartbeat_s=args.sse_heartbeat_s,

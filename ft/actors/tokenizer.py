@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import trio
@@ -12,6 +13,8 @@ from ft.errors import FtError, InvalidRequest, RequestFailed
 from ft.messages import Enqueue, PromptReady, SchedulerIn, Tokenize
 from ft.tokenizer.codec import decode_result, encode_job
 from ft.tokenizer.job import Executor
+
+log = logging.getLogger("ft.tokenizer")
 
 FaultHook = Callable[[Tokenize], str | None]
 
@@ -68,18 +71,22 @@ class TokenizerActor:
     async def tokenize(self, msg: Tokenize) -> list[int]:
         """Token ids for a job (runs in a worker). Raises `FtError`."""
         if msg.prompt_token_ids is not None:
-            for t in msg.prompt_token_ids:
-                if not 0 <= t < self.vocab_size:
-                    raise InvalidRequest(
-                        f"token id {t} is outside the vocabulary (0..{self.vocab_size - 1})",
-                        param="prompt",
-                    )
-            return list(msg.prompt_token_ids)
+            ids = msg.prompt_token_ids
+            if ids and (min(ids) < 0 or max(ids) >= self.vocab_size):  # C loops, on the loop
+                t = next(t for t in ids if not 0 <= t < self.vocab_size)
+                raise InvalidRequest(
+                    f"token id {t} is outside the vocabulary (0..{self.vocab_size - 1})",
+                    param="prompt",
+                )
+            return list(ids)
         payload = encode_job(msg, self.spec_path, fault=self.fault(msg) if self.fault else None)
         try:
             result = await self.executor(self.job, payload)
         except trio_parallel.BrokenWorkerError as e:
-            raise RequestFailed(f"the tokenizer worker died: {e}") from e
+            # The details (process, pid, exit code) go to the log, never to the client.
+            log.error("the tokenizer worker died: %s", e)
+            raise RequestFailed("the tokenizer worker died; retry the request") from e
         except Exception as e:  # a bug or crash in the job fails this request, not the actor
-            raise RequestFailed(f"tokenization failed: {type(e).__name__}: {e}") from e
+            log.error("tokenization failed", exc_info=e)
+            raise RequestFailed("tokenization failed (an internal error; see the server log)") from e
         return decode_result(result)

@@ -77,6 +77,10 @@ class Engine:
         self._ready = trio.Event()
         self._stopped = trio.Event()
         self._stop_snapshot: dict[str, Any] | None = None
+        self._nursery: trio.Nursery | None = None
+        self._drain_scope: trio.CancelScope | None = None
+        self._abort_timeout_s = 0.0
+        self._tokenize_slots = trio.CapacityLimiter(config.tokenizer_workers)
         self._running: Running | None = None  # set once the actors have started
         self._tmpdir = tempfile.TemporaryDirectory(prefix="ft-")
 
@@ -157,7 +161,7 @@ class Engine:
         )
         self._running = Running(core, spec.build(), tokenizer_actor, sched_send, tok_send)
         if self.hooks.tokenize_executor is None:  # spawn the worker now, not on first use
-            await self.tokenize(prompt="warm up")
+            await tokenizer_actor.tokenize(Tokenize(uid=0, params=SamplingParams(), prompt="warm up"))
         self.stats.started()
         self.load_progress = 1.0
         if self.state == EngineState.LOADING:  # a drain that began while loading stands
@@ -270,6 +274,8 @@ class Engine:
             yield stream
             if stream.is_finished:
                 outcome = "completed"
+        except RequestAborted:
+            raise  # a drain's abort is counted as aborted, not as the engine failing
         except FtError as e:
             outcome = "rejected" if e.status < 500 else "failed"
             raise
@@ -299,7 +305,45 @@ class Engine:
     ) -> list[int]:
         """Token ids of a prompt or of rendered chat messages (no request is registered).
 
+        These share the tokenizer workers with generation, so they are admitted like requests
+        (503 while loading, stopping or with a full queue) and at most `tokenizer_workers` run
+        at once; one more is refused with `Overloaded` rather than queued behind them.
         `continue_final_message` renders the last message open, so generation continues it.
+        """
+        self.check_admission()
+        if self._tokenize_slots.borrowed_tokens >= self._tokenize_slots.total_tokens:
+            self.stats.rejected += 1
+            raise Overloaded(
+                f"{self._tokenize_slots.total_tokens} tokenize requests are running; retry later"
+            )
+        async with self._tokenize_slots:
+            return await self.tokenize_for_request(
+                prompt=prompt,
+                messages=messages,
+                tools=tools,
+                chat_template_kwargs=chat_template_kwargs,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+            )
+
+    async def tokenize_for_request(
+        self,
+        *,
+        prompt: str | None = None,
+        messages: list[dict[str, Any]] | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+    ) -> list[int]:
+        """Token ids of a generation request's prompt, before its scope opens.
+
+        Not limited like `tokenize`: a route calls it after `check_admission`, and the tokenizer
+        workers bound how many run at once (the rest wait for one, as `Tokenize` jobs do).
+
+        Raises:
+            InvalidRequest: the prompt cannot be rendered or encoded.
+            EngineStopping: the engine has not started.
         """
         tokenizer_actor = self._started().tokenizer_actor
         msg = Tokenize(
@@ -356,30 +400,61 @@ class Engine:
         while len(self.registry):
             await trio.sleep(0.01)
 
+    def begin_stop(self, drain_timeout_s: float = 5.0, abort_timeout_s: float = 3.0) -> None:
+        """Stop admitting now and start the drain in the engine's nursery; return at once.
+
+        The drain waits up to `drain_timeout_s` for active requests, aborts the rest, waits
+        up to `abort_timeout_s` for their scopes to close, then sets the state to "stopped".
+        It belongs to the engine, so it completes whoever asked for it and whether they wait.
+        A later call can only shorten the drain (its deadline is the earliest asked for).
+        Synchronous, so it is safe to call from a cancelled task.
+        """
+        now = trio.current_time()
+        if self._drain_scope is not None:
+            self._drain_scope.deadline = min(self._drain_scope.deadline, now + drain_timeout_s)
+            self._abort_timeout_s = min(self._abort_timeout_s, abort_timeout_s)
+            return
+        if self._stop_snapshot is not None:
+            return
+        assert self._nursery is not None, "the engine is not running (use open_engine)"
+        self.state = EngineState.STOPPING
+        self._drain_scope = trio.CancelScope(deadline=now + drain_timeout_s)
+        self._abort_timeout_s = abort_timeout_s
+        self._nursery.start_soon(self._drain, self._drain_scope)
+
+    async def _drain(self, drain_scope: trio.CancelScope) -> None:
+        with drain_scope:
+            await self._wait_idle()
+        self.abort_all()
+        with trio.move_on_after(self._abort_timeout_s):
+            await self._wait_idle()
+        self._stop_snapshot = self.snapshot() | {"drain_complete": True}
+        self.state = EngineState.STOPPED
+        self._stopped.set()
+
+    def abort_all(self) -> None:
+        """Fail every live request with `RequestAborted` and free what it holds (synchronous)."""
+        for uid in self.registry.uids():
+            self.registry.fail(uid, RequestAborted("the server is stopping; request aborted"))
+            if self._running is not None:
+                self._running.scheduler_inbox.send_nowait(Abort(uid))
+
+    async def wait_stopped(self) -> dict[str, Any]:
+        """Wait for the drain `begin_stop` started; return its final snapshot."""
+        await self._stopped.wait()
+        assert self._stop_snapshot is not None
+        return self._stop_snapshot
+
     async def prepare_stop(
         self, drain_timeout_s: float = 5.0, abort_timeout_s: float = 3.0
     ) -> dict[str, Any]:
         """Stop admitting; drain, then abort what is left; return the final snapshot.
 
-        Idempotent: later calls wait for the first to finish and return its snapshot.
+        `begin_stop` then `wait_stopped`: cancelling the caller leaves the drain running.
+        Idempotent: later calls wait for the same drain (a shorter timeout shortens it).
         """
-        if self.state == EngineState.STOPPING or self._stop_snapshot is not None:
-            await self._stopped.wait()
-            assert self._stop_snapshot is not None
-            return self._stop_snapshot
-        self.state = EngineState.STOPPING
-        with trio.move_on_after(drain_timeout_s):
-            await self._wait_idle()
-        for uid in self.registry.uids():
-            self.registry.fail(uid, RequestAborted("the server is stopping; request aborted"))
-            if self._running is not None:
-                self._running.scheduler_inbox.send_nowait(Abort(uid))
-        with trio.move_on_after(abort_timeout_s):
-            await self._wait_idle()
-        self._stop_snapshot = self.snapshot() | {"drain_complete": True}
-        self.state = EngineState.STOPPED
-        self._stopped.set()
-        return self._stop_snapshot
+        self.begin_stop(drain_timeout_s, abort_timeout_s)
+        return await self.wait_stopped()
 
     # --- observability -----------------------------------------------------------------------
 
@@ -435,6 +510,7 @@ async def open_engine(
     engine = Engine(config or EngineConfig(), hooks or EngineHooks())
     try:
         async with trio.open_nursery() as nursery:
+            engine._nursery = nursery
             nursery.start_soon(engine._boot, nursery)
             if wait_ready:
                 await engine.wait_ready()

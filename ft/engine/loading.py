@@ -38,12 +38,17 @@ def load_torch_model(config: EngineConfig, progress: Callable[[float], None] | N
     """Load weights and tokenizer for `config.model` (blocking; run it in a thread)."""
     import torch
 
+    from ft.model import kernels
     from ft.model.dtypes import resolve_dtype
-    from ft.model.loader import load_model
+    from ft.model.loader import is_gguf, load_model
     from ft.model.torch_runner import TorchRunner
 
-    loaded = load_model(config.model, torch.float32, progress)  # the runner casts to its dtype
-    dtype = torch.float32 if config.quantize else resolve_dtype(config.dtype, loaded.config)
+    # A quantized GGUF runs as stored unless a float dtype or --quantize was asked for.
+    packed = (
+        config.dtype == "auto" and config.quantize is None and is_gguf(config.model) and kernels.available()
+    )
+    loaded = load_model(config.model, torch.float32, progress, quantized=packed)  # the runner casts
+    dtype = torch.float32 if config.quantize or packed else resolve_dtype(config.dtype, loaded.config)
 
     def make_runner(num_pages: int, page_size: int) -> Runner:
         return TorchRunner(

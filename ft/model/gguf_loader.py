@@ -11,8 +11,9 @@ import numpy as np
 import torch
 from gguf.quants import dequantize
 
-from ft.model.gguf_file import GGUFFile
+from ft.model.gguf_file import GGUFFile, GGUFTensor
 from ft.model.llama import LlamaConfig, Progress
+from ft.model.quant import KERNEL_TYPES, QuantTensor, to_q8_0
 from ft.tokenizer.spec import (
     TokenizerSpec,
     byte_level_bpe_from_gguf,
@@ -91,19 +92,50 @@ def unpermute_rotary(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, dim, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def as_stored(tensor: GGUFTensor) -> QuantTensor:
+    """A 2-D GGUF weight as packed blocks: kept as stored when the kernels multiply its type,
+    otherwise requantized to Q8_0 once."""
+    cols = int(tensor.data.shape[-1]) if tensor.tensor_type in (0, 1) else _cols(tensor)
+    if int(tensor.tensor_type) in KERNEL_TYPES:
+        data = torch.from_numpy(np.array(tensor.data, dtype=np.uint8, copy=True))
+        return QuantTensor(data, int(tensor.tensor_type), cols)
+    try:
+        array = dequantize(tensor.data, tensor.tensor_type)
+    except NotImplementedError as exc:
+        raise ValueError(
+            f"GGUF tensor {tensor.name} has type {tensor.tensor_type.name}, which cannot be dequantized"
+        ) from exc
+    return to_q8_0(np.asarray(array, dtype=np.float32).reshape(-1, cols))
+
+
+def _cols(tensor: GGUFTensor) -> int:
+    from gguf.constants import GGML_QUANT_SIZES
+
+    block, type_size = GGML_QUANT_SIZES[tensor.tensor_type]
+    return int(tensor.data.shape[-1]) // type_size * block
+
+
 def gguf_tensors(
     reader: GGUFFile,
     config: LlamaConfig,
     arch: str,
     dtype: torch.dtype,
     progress: Progress | None = None,
-) -> tuple[dict[str, torch.Tensor], tuple[float, ...] | None]:
-    """Dequantized tensors under Hugging Face names, and llama3 `rope_freqs` factors if present."""
-    sd: dict[str, torch.Tensor] = {}
+    quantized: bool = False,
+) -> tuple[dict[str, torch.Tensor | QuantTensor], tuple[float, ...] | None]:
+    """Tensors under Hugging Face names, and llama3 `rope_freqs` factors if present.
+
+    With `quantized`, 2-D weights stay packed (`QuantTensor`); otherwise every tensor is
+    dequantized to `dtype`.
+    """
+    sd: dict[str, torch.Tensor | QuantTensor] = {}
     freq_factors: tuple[float, ...] | None = None
     for i, tensor in enumerate(reader.tensors):
         if progress is not None:
             progress(i / len(reader.tensors))
+        if quantized and tensor.data.ndim == 2 and tensor.name != "rope_freqs.weight":
+            sd[_hf_name(tensor.name)] = _unpermuted(as_stored(tensor), tensor.name, config, arch)
+            continue
         try:
             array = dequantize(tensor.data, tensor.tensor_type)
         except NotImplementedError as exc:
@@ -130,6 +162,27 @@ def gguf_tensors(
             raise ValueError(f"unexpected GGUF tensor {tensor.name}")
         sd[name] = w.to(dtype)
     return sd, freq_factors
+
+
+def _hf_name(name: str) -> str:
+    m = _BLOCK.match(name)
+    if m:
+        suffix = _LAYER_NAMES.get(m.group(2))
+        if suffix is None:
+            raise ValueError(f"unexpected GGUF tensor {name}")
+        return f"model.layers.{m.group(1)}.{suffix}"
+    if name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[name]
+    raise ValueError(f"unexpected GGUF tensor {name}")
+
+
+def _unpermuted(w: QuantTensor, name: str, config: LlamaConfig, arch: str) -> QuantTensor:
+    """Undo llama.cpp's q/k row permutation on packed rows (each row is whole blocks)."""
+    m = _BLOCK.match(name)
+    if arch != "llama" or m is None or not m.group(2).startswith(("attn_q.", "attn_k.")):
+        return w
+    heads = config.num_heads if m.group(2).startswith("attn_q.") else config.num_kv_heads
+    return w.permute_rows(unpermute_rotary(torch.arange(w.rows), heads))
 
 
 def gguf_tokenizer(meta: GGUFFile, context_length: int) -> TokenizerSpec:
@@ -168,9 +221,9 @@ def gguf_tokenizer(meta: GGUFFile, context_length: int) -> TokenizerSpec:
 
 
 def load_gguf(
-    path: pathlib.Path, dtype: torch.dtype, progress: Progress | None = None
-) -> tuple[LlamaConfig, dict[str, torch.Tensor], TokenizerSpec, str]:
-    """Config, state dict (HF names), tokenizer and model id of one GGUF file."""
+    path: pathlib.Path, dtype: torch.dtype, progress: Progress | None = None, quantized: bool = False
+) -> tuple[LlamaConfig, dict[str, torch.Tensor | QuantTensor], TokenizerSpec, str]:
+    """Config, state dict (HF names), tokenizer and model id of one GGUF file (see `gguf_tensors`)."""
     try:
         reader = GGUFFile(path)
     except (ValueError, OSError, IndexError, KeyError, struct.error, UnicodeDecodeError) as exc:
@@ -183,7 +236,7 @@ def load_gguf(
     tokens = meta.get("tokenizer.ggml.tokens") or []
     config = gguf_config(meta, names, len(tokens))
     arch = meta.require("general.architecture")
-    sd, freq_factors = gguf_tensors(reader, config, arch, dtype, progress)
+    sd, freq_factors = gguf_tensors(reader, config, arch, dtype, progress, quantized)
     if freq_factors is not None:
         config = LlamaConfig(**{**_fields(config), "rope_freq_factors": freq_factors})
     spec = gguf_tokenizer(meta, config.max_position_embeddings)

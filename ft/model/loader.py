@@ -9,15 +9,19 @@ import torch
 
 from ft.model import gguf_loader, hf_loader
 from ft.model.llama import LlamaConfig, Progress
+from ft.model.quant import QuantTensor
 from ft.tokenizer.spec import TokenizerSpec
 
 
 @dataclass(frozen=True)
 class LoadedModel:
-    """What a model directory or file holds: config, weights (HF names), tokenizer, defaults."""
+    """What a model directory or file holds: config, weights (HF names), tokenizer, defaults.
+
+    Weights are float tensors, or packed GGUF blocks (`QuantTensor`) when loaded `quantized`.
+    """
 
     config: LlamaConfig
-    state_dict: dict[str, torch.Tensor]
+    state_dict: dict[str, torch.Tensor | QuantTensor]
     tokenizer: TokenizerSpec
     model_id: str
     dtype: torch.dtype
@@ -25,11 +29,16 @@ class LoadedModel:
 
 
 def load_model(
-    path: str | pathlib.Path | None, dtype: torch.dtype, progress: Progress | None = None
+    path: str | pathlib.Path | None,
+    dtype: torch.dtype,
+    progress: Progress | None = None,
+    quantized: bool = False,
 ) -> LoadedModel:
     """Load `path` (a `.gguf` file or a HF directory; None: the default model) in `dtype`.
 
-    `progress` is called with the fraction of weights loaded so far (from this thread).
+    `progress` is called with the fraction of weights loaded so far (from this thread). With
+    `quantized`, a GGUF's 2-D weights stay as stored (see `gguf_loader.as_stored`); a Hugging
+    Face directory always loads as float.
 
     Raises:
         ModelNotFound: the default model is missing or corrupt and cannot be fetched.
@@ -45,13 +54,21 @@ def load_model(
         raise FileNotFoundError(f"model path {p} does not exist")
     if p.is_dir():
         config = hf_loader.hf_config(p)
-        sd = hf_loader.hf_state_dict(p, dtype, progress)
+        sd: dict[str, torch.Tensor | QuantTensor] = dict(hf_loader.hf_state_dict(p, dtype, progress))
         spec = hf_loader.hf_tokenizer(p, config.max_position_embeddings)
         return LoadedModel(config, sd, spec, p.name, dtype, hf_loader.generation_defaults(p))
     if p.suffix.lower() == ".gguf" or _is_gguf(p):
-        config, sd, spec, model_id = gguf_loader.load_gguf(p, dtype, progress)
+        config, sd, spec, model_id = gguf_loader.load_gguf(p, dtype, progress, quantized)
         return LoadedModel(config, sd, spec, model_id, dtype, {})
     raise ValueError(f"{p} is neither a .gguf file nor a Hugging Face model directory")
+
+
+def is_gguf(path: str | pathlib.Path | None) -> bool:
+    """Whether `path` (None: the default model) is a GGUF file."""
+    if path is None:
+        return True
+    p = pathlib.Path(path).expanduser()
+    return p.is_file() and (p.suffix.lower() == ".gguf" or _is_gguf(p))
 
 
 def _is_gguf(p: pathlib.Path) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable
 
+import numpy as np
 import torch
 import torch.utils.mkldnn
 
@@ -13,7 +14,10 @@ from ft.core.batch import Sampled, SeqWork
 from ft.model.attention import SeqSpan, build_metadata
 from ft.model.llama import LlamaConfig, build_model
 from ft.model.loader import LoadedModel
+from ft.model.quant import QuantTensor
+from ft.model.quantized_llama import QuantizedLlama, StepIndex
 from ft.model.sampler import sample
+from ft.model.threads import ThreadChooser, thread_choices
 
 
 def prepacked_linear(linear: torch.nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -52,6 +56,21 @@ def quantize_linears(model: torch.nn.Module) -> None:
         )
 
 
+def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Zeros whose memory is only made resident when written.
+
+    NOTE: `torch.zeros` writes every byte, so a 1 GiB KV budget was 1 GiB resident from the
+    start; numpy's calloc-backed zeros map zero pages lazily, so resident memory follows the
+    pages in use.
+    """
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    count = 1
+    for n in shape:
+        count *= n
+    raw = torch.from_numpy(np.zeros(count * itemsize, dtype=np.uint8))
+    return raw.view(dtype).view(shape)
+
+
 class TorchRunner:
     """Runs batched steps of a Llama-family model over `num_pages` KV pages of `page_size` slots.
 
@@ -73,20 +92,33 @@ class TorchRunner:
             raise ValueError(f"num_pages and page_size must be positive, got {num_pages}, {page_size}")
         if threads is not None:
             torch.set_num_threads(threads)
+        # A fixed thread count is the caller's; otherwise measure which count is faster here.
+        self._threads = ThreadChooser((threads,) if threads else thread_choices(torch.get_num_threads()))
         self.config = loaded.config
         self.dtype = dtype
         self._page_size = page_size
         self._num_pages = num_pages
-        self.model = build_model(loaded.config, loaded.state_dict, dtype)
         c = loaded.config
         shape = (c.num_layers, num_pages * page_size, c.num_kv_heads, c.head_dim)
-        if quantize is not None:
-            if quantize not in QUANTIZATIONS or dtype != torch.float32:
-                raise ValueError(f"quantize must be one of {QUANTIZATIONS} with float32 activations")
-            quantize_linears(self.model)  # in place
-        self._lm_head = self.model.lm_head if quantize is not None else prepacked_linear(self.model.lm_head)
-        self.k_cache = torch.zeros(shape, dtype=dtype)
-        self.v_cache = torch.zeros(shape, dtype=dtype)
+        self.packed: QuantizedLlama | None = None
+        if any(isinstance(v, QuantTensor) for v in loaded.state_dict.values()):
+            if quantize is not None or dtype != torch.float32:
+                raise ValueError("weights kept as stored run with float32 activations and no --quantize")
+            from ft.model.dtypes import pick_dtype
+
+            self.packed = QuantizedLlama(c, loaded.state_dict, pick_dtype(c))
+            self._lm_head: Callable[[torch.Tensor], torch.Tensor] = self.packed.logits
+        else:
+            self.model = build_model(c, loaded.state_dict, dtype)  # type: ignore[arg-type]
+            if quantize is not None:
+                if quantize not in QUANTIZATIONS or dtype != torch.float32:
+                    raise ValueError(f"quantize must be one of {QUANTIZATIONS} with float32 activations")
+                quantize_linears(self.model)  # in place
+            self._lm_head = (
+                self.model.lm_head if quantize is not None else prepacked_linear(self.model.lm_head)
+            )
+        self.k_cache = lazy_zeros(shape, dtype)
+        self.v_cache = lazy_zeros(shape, dtype)
 
     @staticmethod
     def bytes_per_page(config: LlamaConfig, page_size: int, dtype: torch.dtype) -> int:
@@ -124,6 +156,12 @@ class TorchRunner:
 
     def step(self, works: list[SeqWork]) -> list[Sampled]:
         """Run one forward pass; return one `Sampled` per work with `sample=True`, in order."""
+        with self._threads.timed(sum(len(w.token_ids) for w in works)) as threads:
+            if threads != torch.get_num_threads():
+                torch.set_num_threads(threads)
+            return self._step(works)
+
+    def _step(self, works: list[SeqWork]) -> list[Sampled]:
         logits = self.forward(works)
         if logits is None:
             return []
@@ -146,15 +184,51 @@ class TorchRunner:
                 sample_rows.append(len(token_ids) - 1)
         spans = [SeqSpan(w.start_pos, len(w.token_ids), w.page_ids) for w in works]
         with torch.inference_mode():
-            meta = build_metadata(spans, self._page_size)
-            hidden = self.model(
-                torch.tensor(token_ids, dtype=torch.long),
-                torch.tensor(positions, dtype=torch.long),
-                self.k_cache,
-                self.v_cache,
-                meta,
-            )  # [T, hidden]
+            if self.packed is not None:
+                hidden = self.packed.forward(
+                    torch.tensor(token_ids, dtype=torch.long),
+                    self._step_index(works, positions),
+                    self.k_cache,
+                    self.v_cache,
+                    self._page_size,
+                    spans,
+                )
+            else:
+                hidden = self._forward_torch(token_ids, positions, spans)
             if not sample_rows:
                 return None
             rows = hidden if len(sample_rows) == len(token_ids) else hidden[sample_rows]  # [R, hidden]
             return self._lm_head(rows)  # [R, vocab]
+
+    def _step_index(self, works: list[SeqWork], positions: list[int]) -> StepIndex:
+        page = self._page_size
+        max_pages = max((w.start_pos + len(w.token_ids) + page - 1) // page for w in works)
+        tables = torch.zeros(len(works), max_pages, dtype=torch.int32)
+        seq: list[int] = []
+        slots: list[int] = []
+        for i, w in enumerate(works):
+            n = min(len(w.page_ids), max_pages)
+            tables[i, :n] = torch.tensor(w.page_ids[:n], dtype=torch.int32)
+            seq.extend([i] * len(w.token_ids))
+            slots.extend(
+                w.page_ids[p // page] * page + p % page
+                for p in range(w.start_pos, w.start_pos + len(w.token_ids))
+            )
+        return StepIndex(
+            slot_of=torch.tensor(slots, dtype=torch.long),
+            seq=torch.tensor(seq, dtype=torch.long),
+            positions=torch.tensor(positions, dtype=torch.long),
+            block_tables=tables,
+        )
+
+    def _forward_torch(
+        self, token_ids: list[int], positions: list[int], spans: list[SeqSpan]
+    ) -> torch.Tensor:
+        meta = build_metadata(spans, self._page_size)
+        return self.model(
+            torch.tensor(token_ids, dtype=torch.long),
+            torch.tensor(positions, dtype=torch.long),
+            self.k_cache,
+            self.v_cache,
+            meta,
+        )  # [T, hidden]

@@ -24,7 +24,7 @@ from typing import Any
 from quart import Response
 from quart_trio import QuartTrio
 
-from ft.errors import FtError, InvalidRequest
+from ft.errors import FtError, InvalidRequest, Overloaded
 from ft.ids import random_id
 from ft.messages import Delta
 from ft.params import SamplingParams
@@ -54,15 +54,18 @@ ERROR_TYPES = {
     404: "not_found_error",
     405: "invalid_request_error",
     413: "request_too_large",
+    415: "invalid_request_error",
     429: "rate_limit_error",
-    503: "overloaded_error",
     529: "overloaded_error",
 }
 
 
 def anthropic_error_body(err: FtError) -> dict[str, Any]:
     """`{"type": "error", "error": {"type", "message"}}`; the message names the field."""
-    kind = ERROR_TYPES.get(err.status, "api_error" if err.status >= 500 else "invalid_request_error")
+    if isinstance(err, Overloaded) or err.code == "model_loading":
+        kind = "overloaded_error"  # retry soon; a drain's refusals and aborts are api_error
+    else:
+        kind = ERROR_TYPES.get(err.status, "api_error" if err.status >= 500 else "invalid_request_error")
     return {"type": "error", "error": {"type": kind, "message": err.message}}
 
 

@@ -6,7 +6,6 @@ no request can outlive the engine it runs on.
 
 from __future__ import annotations
 
-import hmac
 import logging
 import signal
 from collections.abc import AsyncIterator, Callable
@@ -25,15 +24,15 @@ from ft.config import EngineConfig
 from ft.engine.engine import Engine, open_engine
 from ft.engine.loading import EngineHooks
 from ft.errors import FtError
-from ft.server import anthropic, control, openai, responses
+from ft.server import anthropic, control, openai, protocol, responses
+from ft.server.auth import authorize
 from ft.server.context import ServerContext, error_response
 from ft.server.http_errors import HttpError, internal_error
+from ft.server.protocol import FtHypercornConfig
 from ft.server.settings import ServerSettings
 
 log = logging.getLogger("ft.server")
 
-# Paths that never need the API key: probes and scrapers.
-OPEN_PATHS = frozenset({"/health", "/metrics"})
 
 HTTP_ERROR_CODES = {
     400: "bad_request",
@@ -43,6 +42,9 @@ HTTP_ERROR_CODES = {
     413: "request_too_large",
     415: "unsupported_media_type",
 }
+
+# Seconds aborted requests get to close their scopes once a shutdown drain times out.
+ABORT_TIMEOUT_S = 3.0
 
 RouteRegistrar = Callable[[QuartTrio, ServerContext], None]
 
@@ -64,6 +66,8 @@ def create_app(
         BODY_TIMEOUT=60,
         PROVIDE_AUTOMATIC_OPTIONS=True,
     )
+    # `//v1//stats` is not `/v1/stats`: no redirect (werkzeug's answers 308 with an HTML body).
+    app.url_map.merge_slashes = False
     ctx = ServerContext(engine=engine, settings=settings)
     app.extensions["ft"] = ctx
     _install_edge(app, ctx)
@@ -80,20 +84,7 @@ def _install_edge(app: QuartTrio, ctx: ServerContext) -> None:
 
     @app.before_request
     async def authenticate() -> None:
-        if settings.api_key is None or request.method == "OPTIONS" or request.path in OPEN_PATHS:
-            return
-        given = request.headers.get("x-api-key")
-        auth = request.headers.get("Authorization", "")
-        if auth[:7].lower() == "bearer ":
-            given = auth[7:].strip()
-        expected = settings.api_key.encode("utf-8")
-        if given is None or not hmac.compare_digest(given.encode("utf-8", "replace"), expected):
-            raise HttpError(
-                401,
-                "invalid or missing API key (send 'Authorization: Bearer <key>')",
-                code="invalid_api_key",
-                headers={"WWW-Authenticate": "Bearer"},
-            )
+        authorize(request, settings)
 
     @app.after_request
     async def cors(response: Response) -> Response:
@@ -141,8 +132,11 @@ def _install_edge(app: QuartTrio, ctx: ServerContext) -> None:
 
 
 def hypercorn_config(settings: ServerSettings) -> HypercornConfig:
-    """Hypercorn's config for `settings` (access log only at debug level)."""
-    cfg = HypercornConfig()
+    """Hypercorn's config for `settings` (access log only at debug level; HTTP/1.x only
+    unless `settings.http2`, see `ft.server.protocol`)."""
+    protocol.install()
+    cfg = FtHypercornConfig()
+    cfg.http2 = settings.http2
     host = f"[{settings.host}]" if ":" in settings.host else settings.host
     cfg.bind = [f"{host}:{settings.port}"]
     cfg.graceful_timeout = settings.graceful_timeout_s
@@ -240,8 +234,10 @@ async def serve(
                         nursery.cancel_scope.cancel()
 
                 nursery.start_soon(force_on_second_signal)
-                snapshot = await server.engine.prepare_stop(
-                    drain_timeout_s=settings.shutdown_timeout_s, abort_timeout_s=3.0
-                )
-                log.info("drained: %s", snapshot["requests"])
+                # The drain runs in the engine's nursery; a drain an admin began earlier is
+                # shortened to this deadline. The outer bound holds whatever state it is in.
+                server.engine.begin_stop(settings.shutdown_timeout_s, ABORT_TIMEOUT_S)
+                with trio.move_on_after(settings.shutdown_timeout_s + ABORT_TIMEOUT_S + 1.0):
+                    snapshot = await server.engine.wait_stopped()
+                    log.info("drained: %s", snapshot["requests"])
                 nursery.cancel_scope.cancel()

@@ -8,15 +8,17 @@ they read the body with `read_request(ctx, Model)`, check the engine with
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+import trio
 from pydantic import BaseModel, ValidationError
 from quart import Response, request
 
 from ft.engine.engine import Engine
 from ft.errors import FtError, InvalidRequest
-from ft.server.body import read_json
+from ft.server.body import parse_json, read_body, require_json_content_type, run_sized
 from ft.server.http_errors import (
     ErrorFormatter,
     HttpError,
@@ -68,30 +70,55 @@ class ServerContext:
         self.engine.check_admission()
 
     def check_token_ids(self, ids: list[int], param: str) -> None:
-        """Raise 400 for a token id outside the vocabulary."""
+        """Raise 400 for a token id outside the vocabulary (503 while there is none yet)."""
+        if ids and not self.engine.vocab_size:
+            self.check_admission()  # loading or failed: the 503 every request gets then
         vocab = self.engine.vocab_size
-        for t in ids:
-            if not 0 <= t < vocab:
-                raise InvalidRequest(f"token id {t} is outside the vocabulary (0..{vocab - 1})", param=param)
+        if ids and (min(ids) < 0 or max(ids) >= vocab):  # C loops: up to ~2M ids fit a body
+            t = next(t for t in ids if not 0 <= t < vocab)
+            raise InvalidRequest(f"token id {t} is outside the vocabulary (0..{vocab - 1})", param=param)
 
 
-def loc_to_param(loc: tuple[int | str, ...]) -> str | None:
-    """`("messages", 0, "content")` -> `"messages[0].content"` (pydantic's markers dropped)."""
-    out = ""
-    for part in loc:
+# Union members pydantic names in an error's location (`input.str`, `system.list[TextBlock]`).
+_TYPE_MARKERS = frozenset({"str", "int", "float", "bool", "dict", "list", "none", "bytes"})
+
+
+def _is_marker(part: str) -> bool:
+    """True for the parts of a pydantic location that name a validator or a union member."""
+    return "[" in part or part in _TYPE_MARKERS or part.startswith("function-") or part[:1].isupper()
+
+
+def loc_to_param(loc: tuple[int | str, ...], body: Any = None) -> str | None:
+    """`("messages", 0, "content")` -> `"messages[0].content"` (pydantic's markers dropped).
+
+    With the `body` that failed, the tag of a tagged union (`content[0].text.text` for a
+    `{"type": "text"}` block) is recognised as the node's `type` and dropped too.
+    """
+    out, node, tagged = "", body, None
+    for i, part in enumerate(loc):
         if isinstance(part, int):
             out += f"[{part}]"
-        elif part.startswith(("[", "function-")):
-            continue  # "[key]", validator markers
+            node = node[part] if isinstance(node, list) and 0 <= part < len(node) else None
+        elif _is_marker(part):
+            continue  # "[key]", validator markers, union members
+        elif isinstance(node, dict) and node is not tagged and node.get("type") == part and i + 1 < len(loc):
+            tagged = node  # a tagged union's tag: once per node, never the last part
         else:
             out = f"{out}.{part}" if out else part
+            node = node.get(part) if isinstance(node, dict) else None
     return out or None
 
 
-def validation_error(e: ValidationError) -> InvalidRequest:
-    """The first validation problem, as a 400 naming its field."""
-    first = e.errors(include_url=False, include_input=False, include_context=False)[0]
-    param = loc_to_param(tuple(first["loc"]))
+def validation_error(e: ValidationError, body: Any = None) -> InvalidRequest:
+    """The first validation problem, as a 400 naming its field.
+
+    For a union field pydantic reports one error per member; the deepest one is the member the
+    client meant (a list whose item is wrong, not "should be a valid string").
+    """
+    errors = e.errors(include_url=False, include_input=False, include_context=False)
+    field = errors[0]["loc"][:1]
+    first = max((x for x in errors if x["loc"][:1] == field), key=lambda x: len(x["loc"]))
+    param = loc_to_param(tuple(first["loc"]), body)
     where = f"'{param}'" if param else "the body"
     return InvalidRequest(f"invalid value for {where}: {first['msg']}", param=param)
 
@@ -103,20 +130,42 @@ def parse_model(model: type[M], body: Any) -> M:
     try:
         return model.model_validate(body)
     except ValidationError as e:
-        raise validation_error(e) from None
+        raise validation_error(e, body) from None
     except RecursionError:  # pragma: no cover - depth is capped before parsing
         raise InvalidRequest("the request body is nested too deeply") from None
 
 
 async def read_request(ctx: ServerContext, model: type[M], *, allow_empty: bool = False) -> M:
-    """Read, parse and validate the current request's JSON body."""
-    body = await read_json(request, ctx.settings.max_body_bytes, allow_empty=allow_empty)
-    return parse_model(model, body)
+    """Read, parse and validate the current request's JSON body (an empty one is `{}` when
+    `allow_empty`).
+
+    Raises 415 unless the body is declared as JSON, 413 past the size limit, 400 for the rest.
+    A large body is parsed and validated in a thread: that work is linear in its size.
+    """
+    require_json_content_type(request)
+    data = await read_body(request, ctx.settings.max_body_bytes)
+    if allow_empty and not data.strip():
+        return parse_model(model, {})
+    result: M = await run_sized(len(data), _parse_body, model, data)
+    return result
+
+
+def _parse_body(model: type[M], data: bytes) -> M:
+    return parse_model(model, parse_json(data))
 
 
 def json_response(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
     """A JSON response (compact, ASCII-escaped)."""
     return Response(dumps(body), status=status, content_type="application/json", headers=headers)
+
+
+async def json_response_off_loop(build: Callable[[], Any]) -> Response:
+    """A JSON response whose body `build()` makes, built and serialized in a thread.
+
+    For bodies whose size the client chooses (echo, logprobs): that work is linear in it.
+    """
+    text = await trio.to_thread.run_sync(lambda: dumps(build()))
+    return Response(text, status=200, content_type="application/json")
 
 
 def error_response(ctx: ServerContext, err: FtError) -> Response:

@@ -6,12 +6,11 @@ once even while generations stream or the model loads.
 
 from __future__ import annotations
 
-import ipaddress
 import time
 from typing import Any
 
 import trio
-from quart import Response, request
+from quart import Response
 from quart_trio import QuartTrio
 
 from ft.errors import EngineStopping
@@ -43,6 +42,10 @@ def register(app: QuartTrio, ctx: ServerContext) -> None:
 
     @app.get("/v1/models")
     async def models() -> Response:
+        # A load balancer probing here must not send traffic that would fail: 503 until ready.
+        _check_ready(ctx)
+        if engine.state != "ready":
+            raise EngineStopping("the server is stopping and admits no new requests")
         data = [
             {
                 "id": name,
@@ -94,13 +97,7 @@ def register(app: QuartTrio, ctx: ServerContext) -> None:
 
     @app.post("/v1/admin/prepare-stop")
     async def prepare_stop() -> Response:
-        if not is_loopback(request.scope.get("client")):
-            raise HttpError(
-                403,
-                "prepare-stop is only served to loopback callers",
-                type="permission_error",
-                code="forbidden",
-            )
+        # Who may call it (loopback or --admin-key, no foreign Origin) is `auth.authorize_admin`.
         req = await read_request(ctx, PrepareStopRequest, allow_empty=True)
         snapshot = await engine.prepare_stop(req.drain_timeout_s, req.abort_timeout_s)
         return json_response(snapshot)
@@ -110,17 +107,7 @@ def _check_ready(ctx: ServerContext) -> None:
     if ctx.engine.state == "loading":
         raise EngineStopping("the model is still loading; retry shortly", code="model_loading")
     if ctx.engine.state == "error":
-        raise EngineStopping(f"the engine failed to start: {ctx.engine.error}")
-
-
-def is_loopback(client: Any) -> bool:
-    """True when the ASGI `client` tuple is a loopback address (headers are not trusted)."""
-    if not client:
-        return False
-    try:
-        return ipaddress.ip_address(str(client[0]).split("%")[0]).is_loopback
-    except ValueError:
-        return False
+        raise EngineStopping(f"the engine failed to start: {ctx.engine.error}", code="engine_error")
 
 
 def _flatten(prefix: str, value: Any, out: list[tuple[str, float]]) -> None:

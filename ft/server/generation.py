@@ -31,7 +31,7 @@ from ft.engine.stream import Choice, RequestStream
 from ft.errors import FtError
 from ft.messages import Delta
 from ft.params import SamplingParams
-from ft.server.context import ServerContext, json_response
+from ft.server.context import ServerContext, json_response, json_response_off_loop
 from ft.server.http_errors import internal_error
 from ft.server.sse import CONNECTED, HEARTBEAT, DeltaMux, sse_response
 
@@ -97,6 +97,7 @@ class GenerationApi:
     params: SamplingParams
     stream: bool
     heartbeat: bytes = HEARTBEAT
+    is_body_large: bool = False  # the client chooses its size (echo, logprobs): build it off the loop
 
     def start(self, usage: Usage) -> list[bytes]:
         """Frames after `: connected`, before the request opens (`usage` counts the prompt)."""
@@ -157,7 +158,10 @@ async def respond(ctx: ServerContext, api: GenerationApi) -> Response:
         return sse_response(stream_body(ctx, api, prompt_ids))
     async with open_requests(ctx, api.params, prompt_ids) as streams:
         choices = await collect(streams, api.params.n)
-    return json_response(api.body(Generated(prompt_ids, choices, Usage.of(streams))))
+    done = Generated(prompt_ids, choices, Usage.of(streams))
+    if api.is_body_large:
+        return await json_response_off_loop(lambda: api.body(done))
+    return json_response(api.body(done))
 
 
 async def prepare(ctx: ServerContext, prompt: Prompt, params: SamplingParams) -> tuple[int, ...]:
@@ -170,7 +174,7 @@ async def prepare(ctx: ServerContext, prompt: Prompt, params: SamplingParams) ->
     if prompt.token_ids is not None:
         ids = prompt.token_ids
     elif prompt.messages is not None:
-        ids = await engine.tokenize(
+        ids = await engine.tokenize_for_request(
             messages=prompt.messages,
             tools=prompt.tools,
             chat_template_kwargs=prompt.chat_template_kwargs,
@@ -178,7 +182,7 @@ async def prepare(ctx: ServerContext, prompt: Prompt, params: SamplingParams) ->
             continue_final_message=prompt.continue_final_message,
         )
     else:
-        ids = await engine.tokenize(prompt=prompt.text)
+        ids = await engine.tokenize_for_request(prompt=prompt.text)
     engine.check_fits(len(ids), params)
     return tuple(ids)
 

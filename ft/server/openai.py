@@ -25,6 +25,7 @@ from ft.server.openai_format import (
     CompletionLogprobs,
     chat_logprobs,
     chat_message_for_template,
+    check_echo_size,
     make_chat_output,
     sampling_params,
     usage,
@@ -108,6 +109,7 @@ class ChatCompletion(GenerationApi):
         ]
         self.has_tools = tools is not None
         self.stream = req.stream
+        self.is_body_large = self.params.logprobs  # n x tokens x top_logprobs entries
         self.id = openai_id("chatcmpl")
         self.created = int(time.time())
         self.model = req.model or ctx.engine.model_id
@@ -191,8 +193,10 @@ class TextCompletion(GenerationApi):
             logprobs=req.logprobs is not None,
             top_logprobs=req.logprobs or 0,
         )
+        check_echo_size(req, ctx.engine.max_model_len)
         self.prompts = [Prompt(text=p) if isinstance(p, str) else Prompt(token_ids=p) for p in req.prompt]
         self.stream = req.stream
+        self.is_body_large = req.echo or self.params.logprobs  # as large as the client asks
         self.id = openai_id("cmpl")
         self.created = int(time.time())
         self.model = req.model or ctx.engine.model_id

@@ -10,15 +10,21 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+from ft.errors import InvalidRequest
 from ft.messages import TokenLogprob
 from ft.params import SamplingParams
 from ft.server import generation
 from ft.server.assemble import ChatAssembler
+from ft.server.body import parse_arguments
 from ft.server.context import ServerContext
 from ft.server.generation import Usage
-from ft.server.schemas_openai import ChatMessage, SamplingFields
-from ft.server.tools import parse_arguments, tool_call_parser_name
+from ft.server.schemas_openai import ChatMessage, CompletionRequest, SamplingFields
+from ft.server.tools import tool_call_parser_name
 
+# The most prompt tokens a completion may echo, counting each of the `n` choices: a 576 KB
+# request (64 prompts, n 16, echo, logprobs 5) asked for ~1.5M echoed tokens, a 50 MB response.
+# At the limit a response with logprobs is ~8 MB, built and serialized off the loop.
+MAX_ECHO_TOKENS = 1 << 18
 MIN_LOGPROB = -9999.0  # stands in for -inf, which JSON cannot carry
 
 
@@ -58,6 +64,26 @@ def sampling_params(
         n=req.n,
         skip_special_tokens=req.skip_special_tokens,
     )
+
+
+def check_echo_size(req: CompletionRequest, max_model_len: int) -> None:
+    """Raise `InvalidRequest` when `echo` would return more than `MAX_ECHO_TOKENS` tokens.
+
+    A string prompt counts its UTF-8 bytes (at least its token count), capped at the context.
+    """
+    if not req.echo:
+        return
+    tokens = sum(
+        len(p) if isinstance(p, list) else min(len(p.encode("utf-8", "surrogatepass")), max_model_len)
+        for p in req.prompt
+    )
+    echoed = tokens * req.n
+    if echoed > MAX_ECHO_TOKENS:
+        raise InvalidRequest(
+            f"echo would return {echoed} prompt tokens (prompt tokens x n, each with its logprobs "
+            f"entry); the limit is {MAX_ECHO_TOKENS}: send fewer or shorter prompts or a smaller n",
+            param="echo",
+        )
 
 
 def usage(u: Usage) -> dict[str, Any]:

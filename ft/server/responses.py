@@ -36,6 +36,7 @@ from ft.server.assemble import (
     BlockStop,
     assemble_blocks,
 )
+from ft.server.body import parse_arguments
 from ft.server.context import ServerContext, read_request
 from ft.server.generation import Generated, GenerationApi, Prompt, Usage, respond
 from ft.server.http_errors import HttpError
@@ -47,13 +48,7 @@ from ft.server.schemas_responses import (
     ResponsesRequest,
 )
 from ft.server.sse import sse_event
-from ft.server.tools import (
-    ToolChoice,
-    apply_tool_choice,
-    function_tool,
-    parse_arguments,
-    tool_call_parser_name,
-)
+from ft.server.tools import ToolChoice, apply_tool_choice, function_tool, tool_call_parser_name
 
 ITEM_ID_PREFIXES = {"thinking": "rs_", "text": "msg_", "tool_call": "fc_"}
 

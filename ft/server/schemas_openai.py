@@ -211,6 +211,46 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
 
+    @field_validator("tools")
+    @classmethod
+    def _tools(cls, tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        for i, tool in enumerate(tools or ()):
+            function = tool.get("function")
+            if tool.get("type", "function") != "function":
+                raise PydanticCustomError(
+                    "tool",
+                    "tool {i} has type '{t}'; only 'function' tools are served",
+                    {"i": i, "t": tool.get("type")},
+                )
+            if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+                raise PydanticCustomError(
+                    "tool", "tool {i} needs a 'function' with a string 'name'", {"i": i}
+                )
+        return tools
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _tool_choice(cls, choice: Any, info: ValidationInfo) -> Any:
+        if choice is None or choice in ("none", "auto"):
+            return choice
+        names = {t["function"]["name"] for t in info.data.get("tools") or ()}
+        if choice == "required":
+            if not names:
+                raise PydanticCustomError("tool_choice", "tool_choice 'required' needs tools")
+            return choice
+        function = choice.get("function") if isinstance(choice, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise PydanticCustomError(
+                "tool_choice",
+                "tool_choice must be 'none', 'auto', 'required' or "
+                '{"type": "function", "function": {"name": ...}}',
+            )
+        if function["name"] not in names:
+            raise PydanticCustomError(
+                "tool_choice", "tool_choice names an unknown tool '{name}'", {"name": function["name"][:100]}
+            )
+        return choice
+
 
 PromptItem = str | list[int]
 

@@ -11,9 +11,12 @@ LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 class ServerSettings:
     """How the server listens, authenticates and frames responses.
 
-    `api_key` None disables auth. `cors_origins` empty sends no CORS headers; `("*",)` allows
-    any origin. `served_model_name` is accepted as the `model` of a request in addition to the
-    engine's model id. `port` 0 binds a free port (tests).
+    `api_key` None disables auth. `admin_key` set lets admin routes be called from anywhere
+    with that key; None keeps them to loopback callers that did not come through a proxy.
+    `cors_origins` empty sends no CORS headers; `("*",)` allows any origin (never for admin
+    routes). `served_model_name` is accepted as the `model` of a request in addition to the
+    engine's model id. `port` 0 binds a free port (tests). `http2` enables cleartext HTTP/2
+    (h2c), which hypercorn buffers without back-pressure; off, only HTTP/1.x is served.
     """
 
     host: str = "127.0.0.1"
@@ -26,12 +29,16 @@ class ServerSettings:
     log_level: str = "info"
     served_model_name: str | None = None
     graceful_timeout_s: float = 3.0
+    admin_key: str | None = None
+    http2: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty (omit it to disable auth)")
+        if self.admin_key is not None and not self.admin_key:
+            raise ValueError("admin_key must not be empty (omit it to keep admin loopback-only)")
         if not 1024 <= self.max_body_bytes <= 1 << 30:
             raise ValueError(f"max_body_bytes must be in 1024..2**30, got {self.max_body_bytes}")
         if not 0.05 <= self.sse_heartbeat_s <= 600:

@@ -1,4 +1,4 @@
-"""Tools in a prompt, for every API: definitions, the `tool_choice` policy, call arguments.
+"""Tools in a prompt, for every API: definitions and the `tool_choice` policy.
 
 Each API spells tools and `tool_choice` its own way; it translates them into `function_tool`
 definitions and a `ToolChoice`, and `apply_tool_choice` decides, once for all of them, what
@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from ft.errors import InvalidRequest
-from ft.server.body import parse_json
 
 DEFAULT_TOOL_CALL_PARSER = "hermes"
 
@@ -89,15 +88,3 @@ def add_system_instruction(messages: list[dict[str, Any]], instruction: str) -> 
         content = first.get("content") or ""
         return [first | {"content": f"{content}\n\n{instruction}" if content else instruction}, *messages[1:]]
     return [{"role": "system", "content": instruction}, *messages]
-
-
-def parse_arguments(text: str) -> dict[str, Any] | str:
-    """A tool call's JSON arguments string as an object, as Hugging Face templates expect.
-
-    Anything that is not a JSON object stays the string it was.
-    """
-    try:
-        value = parse_json(text.encode("utf-8"))
-    except InvalidRequest:
-        return text
-    return value if isinstance(value, dict) else text

@@ -8,7 +8,7 @@ import trio.testing
 
 from ft.engine.engine import Engine
 from ft.engine.fake import FakeRunner, delayed_inline, text_script
-from ft.errors import ContextLengthExceeded, InvalidRequest, Overloaded, RequestFailed
+from ft.errors import ContextLengthExceeded, InvalidRequest, Overloaded, RequestAborted, RequestFailed
 from ft.messages import Tokenize
 from ft.params import SamplingParams
 from tests.support.engine import fake_engine
@@ -275,3 +275,48 @@ async def test_prepare_stop_while_loading_stays_stopped() -> None:
             with pytest.raises(Exception, match="stopping"):
                 async with engine.open_request(prompt="late"):
                     pass  # pragma: no cover
+
+
+async def test_a_cancelled_prepare_stop_still_drains_and_aborts_at_its_deadline(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    runner = FakeRunner(text_script("w" * 1000), step_s=0.1)
+    async with fake_engine(runner) as engine:
+        errors: list[BaseException] = []
+
+        async def long_request() -> None:
+            try:
+                await engine.generate("go", SamplingParams(max_tokens=1000))
+            except Exception as e:
+                errors.append(e)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(long_request)
+            await trio.sleep(0.5)
+            with trio.move_on_after(1.0):  # the admin caller hangs up after 1 s
+                await engine.prepare_stop(drain_timeout_s=30.0, abort_timeout_s=1.0)
+            assert engine.state == "stopping"
+            started = trio.current_time()
+            snap = await engine.wait_stopped()
+        assert 28.0 <= trio.current_time() - started <= 30.5
+        assert engine.state == "stopped" and snap["requests"]["active"] == 0
+        assert len(errors) == 1 and "stopping" in str(errors[0])
+        assert snap["requests"]["aborted"] == 1 and snap["requests"]["failed"] == 0
+        await assert_nothing_held(engine)
+
+
+async def test_a_later_stop_shortens_a_running_drain(autojump_clock: trio.testing.MockClock) -> None:
+    runner = FakeRunner(text_script("w" * 1000), step_s=0.1)
+    async with fake_engine(runner) as engine, trio.open_nursery() as nursery:
+
+        async def long_request() -> None:
+            with pytest.raises(RequestAborted):
+                await engine.generate("go", SamplingParams(max_tokens=1000))
+
+        nursery.start_soon(long_request)
+        await trio.sleep(0.5)
+        engine.begin_stop(drain_timeout_s=60.0)
+        await trio.sleep(1.0)
+        started = trio.current_time()
+        snap = await engine.prepare_stop(drain_timeout_s=2.0, abort_timeout_s=1.0)
+        assert trio.current_time() - started <= 3.1 and snap["requests"]["active"] == 0

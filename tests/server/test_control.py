@@ -11,7 +11,8 @@ import trio
 from ft.config import EngineConfig
 from ft.engine.fake import FakeRunner, text_script
 from ft.server import RunningServer, ServerSettings
-from ft.server.control import is_loopback, prometheus_text
+from ft.server.auth import is_loopback
+from ft.server.control import prometheus_text
 from tests.support.engine import fake_hooks, fake_parts
 from tests.support.server import TEST_SETTINGS, fake_server, running_server, wait_idle
 
@@ -172,7 +173,7 @@ async def test_prepare_stop_on_idle_server_is_fast_and_idempotent(
 ) -> None:
     assert (await client.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 2})).is_success
     start = time.monotonic()
-    first = await client.post("/v1/admin/prepare-stop")
+    first = await client.post("/v1/admin/prepare-stop", json={})
     assert first.status_code == 200 and time.monotonic() - start < 0.5
     assert first.json()["drain_complete"] is True
     assert first.json()["requests"]["completed"] == 1

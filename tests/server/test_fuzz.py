@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ft.engine.fake import FakeRunner
-from tests.support.server import fake_server, parse_sse, wait_idle
+from tests.support.server import fake_server, health_watch, parse_sse, wait_idle
 
 CHAT_FIELDS = [
     "model",
@@ -174,3 +174,56 @@ async def test_fuzzed_bodies_never_5xx_and_never_leak() -> None:
         async with httpx.AsyncClient(base_url=s.base_url) as c:
             stats = await wait_idle(c)
         assert stats["requests"]["active"] == 0 and stats["kv"]["used_pages"] == 0
+
+
+# --- hostile shapes: the event loop must stay responsive while they are checked --------------
+
+
+def _hostile_body(kind: str, size: int, terminated: bool, field: str) -> str:
+    """A body of `size`-ish bytes in one of the shapes that once stalled the loop."""
+    if kind == "escape_run":  # `\"` repeated: a string-stripping regex rescanned from each quote
+        run = '\\"' * (size // 2)
+        text = f'{{"messages":[{{"role":"user","content":"{run}'
+        return text + ('"}],"max_tokens":1}' if terminated else "")
+    if kind == "deep_legal":  # nesting up to the limit, repeated to fill the size
+        depth = 1 + size % 64
+        one = "[" * depth + "1" + "]" * depth
+        items = ",".join([one] * max(1, size // (2 * depth + 2)))
+        return f'{{"messages":[{{"role":"user","content":"hi"}}],"max_tokens":1,"{field}":[{items}]}}'
+    if kind == "huge_string":  # valid and large, in a field that is ignored or refused
+        return f'{{"messages":[{{"role":"user","content":"hi"}}],"max_tokens":1,"{field}":"{"x" * size}"}}'
+    escapes = "\\u00e9\\n\\t" * (size // 14)  # many short escapes in one valid string
+    return f'{{"messages":[{{"role":"user","content":"hi"}}],"max_tokens":1,"{field}":"{escapes}"}}'
+
+
+hostile_bodies = st.builds(
+    _hostile_body,
+    st.sampled_from(["escape_run", "deep_legal", "huge_string", "many_escapes"]),
+    st.integers(min_value=1_000, max_value=400_000),
+    st.booleans(),
+    st.sampled_from(["unknown", "user", "stop", "chat_template_kwargs"]),
+)
+
+
+def fuzz_hostile(base_url: str) -> None:
+    with httpx.Client(base_url=base_url, timeout=30) as client:
+
+        @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+        @given(hostile_bodies)
+        def chat(text: str) -> None:
+            r = client.post(
+                "/v1/chat/completions", content=text.encode(), headers={"content-type": "application/json"}
+            )
+            assert r.status_code in (200, 400, 413), r.text[:300]
+
+        chat()
+
+
+async def test_fuzzed_hostile_bodies_keep_the_event_loop_responsive() -> None:
+    async with fake_server(FakeRunner(step_s=0.0), context_length=256) as s:
+        async with health_watch(s.base_url) as latencies:
+            await trio.to_thread.run_sync(fuzz_hostile, s.base_url)
+        assert max(latencies) < 0.5, max(latencies)
+        async with httpx.AsyncClient(base_url=s.base_url) as c:
+            stats = await wait_idle(c)
+        assert stats["requests"]["active"] == 0

@@ -7,13 +7,16 @@ from typing import Any
 
 import httpx
 import pytest
+import trio
 
 from ft.server import ServerSettings
-from tests.support.server import fake_server, wait_idle
+from ft.server.openai_format import MAX_ECHO_TOKENS
+from tests.support.server import fake_server, health_watch, wait_idle
 
 USER = [{"role": "user", "content": "hi"}]
 CHAT = {"messages": USER, "max_tokens": 2}
 COMPLETION = {"prompt": "hi", "max_tokens": 2}
+JSON = {"content-type": "application/json"}
 
 # (route, body as raw JSON text or a dict, expected status, a substring of `param`)
 CASES: list[tuple[str, str, Any, int, str | None]] = [
@@ -193,7 +196,7 @@ async def test_hostile_inputs_get_4xx_json_and_leak_nothing() -> None:
 async def test_invalid_utf8_body_is_400() -> None:
     async with fake_server() as s, httpx.AsyncClient(base_url=s.base_url) as c:
         for raw in (b"\xff\xfe{}", b'{"messages":[{"role":"user","content":"\xed\xa0\x80"}]}'):
-            r = await c.post("/v1/chat/completions", content=raw)
+            r = await c.post("/v1/chat/completions", content=raw, headers=JSON)
             assert assert_json_error(r, 400)["code"] == "invalid_body"
 
 
@@ -201,14 +204,14 @@ async def test_oversized_body_is_413_by_header_and_by_stream() -> None:
     settings = ServerSettings(port=0, max_body_bytes=64 * 1024, graceful_timeout_s=0.5)
     async with fake_server(settings=settings) as s, httpx.AsyncClient(base_url=s.base_url) as c:
         big = json.dumps({"messages": [{"role": "user", "content": "x" * 100_000}]}).encode()
-        r = await c.post("/v1/chat/completions", content=big)
+        r = await c.post("/v1/chat/completions", content=big, headers=JSON)
         assert assert_json_error(r, 413)["code"] == "request_too_large"
 
         async def chunks():  # no Content-Length: chunked transfer
             for _ in range(10):
                 yield b" " * 10_000
 
-        r = await c.post("/v1/chat/completions", content=chunks())
+        r = await c.post("/v1/chat/completions", content=chunks(), headers=JSON)
         assert_json_error(r, 413)
         r = await c.post("/v1/chat/completions", json=CHAT)
         assert r.status_code == 200
@@ -230,3 +233,66 @@ async def test_unknown_routes_and_methods_are_json(
 ) -> None:
     r = await client.request(method, path)
     assert_json_error(r, status)
+
+
+# --- the event loop stays free: body checks are linear and large ones run off the loop -------
+
+ESCAPE_RUN = '{"a":"' + '\\"' * 40_000  # 80 KB of escaped quotes, never terminated
+HOSTILE_BODIES = [
+    ("chat", ESCAPE_RUN),
+    ("chat", '{"messages":[{"role":"user","content":"' + '\\"' * 40_000 + '"}],"max_tokens":1}'),
+    ("responses", None),
+    ("chat", '{"messages":' + "[" * 60 + "]" * 60 + "," + '"x":"' + "\\u00e9" * 600_000 + '"}'),
+    # a huge valid string, refused only by the last field (tokenizing it is the workers' job)
+    ("chat", '{"messages":[{"role":"user","content":"' + "x" * 3_000_000 + '"}],"max_tokens":0}'),
+]
+
+
+def _responses_body() -> str:
+    """A valid `/v1/responses` body whose tool-call arguments are an unterminated escape run
+    (60 KB: short enough to be re-parsed for the chat template)."""
+    args = '{"a":"' + '\\"' * 30_000
+    return json.dumps(
+        {
+            "input": [
+                {"type": "function_call", "call_id": "c1", "name": "f", "arguments": args},
+                {"type": "function_call_output", "call_id": "c1", "output": "ok"},
+            ],
+            "max_output_tokens": 1,
+        }
+    )
+
+
+async def test_hostile_bodies_do_not_block_the_event_loop() -> None:
+    paths = {"chat": "/v1/chat/completions", "responses": "/v1/responses"}
+    async with fake_server() as s, httpx.AsyncClient(base_url=s.base_url, timeout=60) as c:
+        for route, body in HOSTILE_BODIES:
+            content = (body if body is not None else _responses_body()).encode()
+            async with health_watch(s.base_url) as latencies:
+                with trio.fail_after(10):
+                    r = await c.post(paths[route], content=content, headers=JSON)
+                assert r.status_code in (200, 400), r.text
+            assert max(latencies) < 0.5, (route, len(content), max(latencies))
+        await wait_idle(c)
+
+
+async def test_echo_amplification_is_400_naming_the_limit(client: httpx.AsyncClient) -> None:
+    prompts = [[65] * 1000 for _ in range(64)]  # ~200 KB asking to echo 1M tokens (~35 MB)
+    body = {"prompt": prompts, "n": 16, "echo": True, "logprobs": 5, "max_tokens": 1}
+    r = await client.post("/v1/completions", json=body)
+    error = assert_json_error(r, 400)
+    assert error["param"] == "echo" and str(MAX_ECHO_TOKENS) in error["message"]
+    r = await client.post("/v1/completions", json=body | {"stream": True})
+    assert assert_json_error(r, 400)["param"] == "echo"
+
+
+async def test_a_large_echo_is_built_off_the_loop() -> None:
+    prompts = [[65 + i] * 1000 for i in range(16)]  # 16 x 1000 x n 8: half the limit
+    body = {"prompt": prompts, "n": 8, "echo": True, "logprobs": 5, "max_tokens": 1}
+    async with fake_server(num_pages=4096) as s, httpx.AsyncClient(base_url=s.base_url, timeout=60) as c:
+        async with health_watch(s.base_url) as latencies:
+            r = await c.post("/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+        assert len(r.json()["choices"]) == 128
+        assert len(r.json()["choices"][0]["logprobs"]["tokens"]) == 1001
+        assert max(latencies) < 0.5, max(latencies)

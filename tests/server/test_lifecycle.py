@@ -148,7 +148,7 @@ async def test_chat_honours_required_and_named_tool_choice() -> None:
         assert await prompt_tokens("none") < auto  # no tools in the prompt
         unknown = {"type": "function", "function": {"name": "nope"}}
         r = await c.post("/v1/chat/completions", json=body | {"tool_choice": unknown})
-        assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice.name"
+        assert r.status_code == 400 and r.json()["error"]["param"].startswith("tool_choice")
 
 
 async def test_closing_the_stream_body_exits_the_request_scope_at_once() -> None:

@@ -73,3 +73,28 @@ async def test_sigint_on_an_idle_server_exits_zero_at_once() -> None:
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+
+
+async def test_sigterm_exits_in_time_after_an_abandoned_prepare_stop() -> None:
+    proc, url, stdout = await _start(shutdown_timeout=0.5)
+    try:
+        async with httpx.AsyncClient(base_url=url, timeout=60) as c:
+            body = {"messages": USER, "stream": True, "max_tokens": 1000}
+            async with c.stream("POST", "/v1/chat/completions", json=body) as r:
+                lines = r.aiter_lines()
+                while not (await lines.__anext__()).startswith("data: "):
+                    pass
+                with trio.move_on_after(1.0):  # the admin caller hangs up during a 30 s drain
+                    await c.post("/v1/admin/prepare-stop", json={"drain_timeout_s": 30})
+                assert (await c.get("/health")).json()["status"] == "stopping"
+                proc.send_signal(signal.SIGTERM)
+                with trio.fail_after(8):  # 0.5 s drain, then the abort: not the 30 s asked for
+                    rest = [line async for line in lines if line.startswith("data: ")]
+            assert '"error"' in rest[-2] and rest[-1] == "data: [DONE]"
+        with trio.fail_after(10):
+            assert await proc.wait() == 0
+            assert b"exited cleanly" in await _rest(stdout)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()

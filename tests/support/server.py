@@ -72,3 +72,29 @@ def parse_sse(text: str) -> list[Any]:
                 payload = line[6:]
                 out.append(payload if payload == "[DONE]" else json.loads(payload))
     return out
+
+
+@asynccontextmanager
+async def health_watch(base_url: str, period_s: float = 0.02) -> AsyncIterator[list[float]]:
+    """Poll `/health` in the background while the block runs; yield the latencies (seconds).
+
+    On leaving, waits for two more answers, so a poll stuck behind a blocked loop is counted.
+    """
+    latencies: list[float] = []
+    async with httpx.AsyncClient(base_url=base_url, timeout=60) as c, trio.open_nursery() as nursery:
+
+        async def poll() -> None:
+            while True:
+                started = trio.current_time()
+                assert (await c.get("/health")).status_code == 200
+                latencies.append(trio.current_time() - started)
+                await trio.sleep(period_s)
+
+        nursery.start_soon(poll)
+        while not latencies:
+            await trio.sleep(0.005)
+        yield latencies
+        seen = len(latencies)
+        while len(latencies) < seen + 2:
+            await trio.sleep(0.005)
+        nursery.cancel_scope.cancel()

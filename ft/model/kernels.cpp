@@ -1,0 +1,641 @@
+// Quantized matrix products over GGUF blocks as stored, for the CPU.
+//
+// Activations are quantized per block of 32 to int8 with one float scale (and the block's sum,
+// which the formats with a minimum need), as llama.cpp does; each weight block is read once per
+// tile of up to four activation rows and multiplied in integers. Built at first use by
+// ft/model/kernels.py with -march=native, so the same source runs AVX-512 VNNI, AVX2 or plain C++.
+#include <math.h>
+#include <omp.h>
+
+#include <vector>
+#include <stdint.h>
+#include <string.h>
+#if defined(__AVX2__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+// NOTE: GCC 12 at -O3 -march=native vectorized the signed-by-signed byte dot products below
+// with an unsigned-by-signed instruction (vpdpbusd), giving wrong sums; keep them scalar.
+#if defined(__GNUC__) && !defined(__clang__)
+#define FT_SCALAR __attribute__((optimize("no-tree-vectorize")))
+#else
+#define FT_SCALAR
+#endif
+
+constexpr int QK = 32;     // elements per activation block (and per Q4_0/Q4_1/Q8_0 block)
+constexpr int QK_K = 256;  // elements per K-quant super-block
+
+inline float fp16_to_float(uint16_t h) {
+  const uint32_t sign = (uint32_t)(h & 0x8000) << 16;
+  uint32_t exp = (h >> 10) & 0x1F, mant = h & 0x3FF;
+  uint32_t bits;
+  if (exp == 0) {
+    if (mant == 0) {
+      bits = sign;
+    } else {  // subnormal: normalize
+      exp = 127 - 15 + 1;
+      while (!(mant & 0x400)) { mant <<= 1; exp--; }
+      mant &= 0x3FF;
+      bits = sign | (exp << 23) | (mant << 13);
+    }
+  } else if (exp == 31) {
+    bits = sign | 0x7F800000 | (mant << 13);
+  } else {
+    bits = sign | ((exp + 127 - 15) << 23) | (mant << 13);
+  }
+  float f;
+  memcpy(&f, &bits, 4);
+  return f;
+}
+
+inline float rd16(const uint8_t* p) {
+  uint16_t h;
+  memcpy(&h, p, 2);
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
+  return fp16_to_float(h);
+#endif
+}
+
+// One quantized activation row: qs[K], d[K/32], s[K/32] (s = d * sum(qs) of the block).
+struct Act {
+  const int8_t* qs;
+  const float* d;
+  const float* s;
+};
+
+#if defined(__AVX2__)
+inline __m256i load32(const void* p) { return _mm256_loadu_si256((const __m256i*)p); }
+
+// Sum of unsigned-by-signed byte products, four adjacent products per 32-bit lane.
+inline __m256i dot_us8(__m256i u, __m256i s) {
+#if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#else
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+
+// Signed-by-signed: move the sign of `a` onto `b`.
+inline __m256i dot_ss8(__m256i a, __m256i b) {
+  return dot_us8(_mm256_sign_epi8(a, a), _mm256_sign_epi8(b, a));
+}
+
+inline float hsum(__m256 v) {
+  __m128 r = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+  r = _mm_add_ss(r, _mm_movehdup_ps(r));
+  return _mm_cvtss_f32(r);
+}
+
+inline int hsum_i32(__m256i v) {
+  __m128i r = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  r = _mm_add_epi32(r, _mm_shuffle_epi32(r, 0x4E));
+  r = _mm_add_epi32(r, _mm_shuffle_epi32(r, 0xB1));
+  return _mm_cvtsi128_si32(r);
+}
+
+// 16 bytes of nibbles -> 32 bytes: low nibbles in bytes 0..15, high nibbles in bytes 16..31.
+inline __m256i nibbles32(const uint8_t* p) {
+  const __m128i t = _mm_loadu_si128((const __m128i*)p);
+  const __m256i b = _mm256_set_m128i(_mm_srli_epi16(t, 4), t);
+  return _mm256_and_si256(b, _mm256_set1_epi8(0x0F));
+}
+#endif
+
+// ---- Q4_0 {fp16 d; u8 qs[16]}: w = d * (q - 8); Q4_1 {fp16 d; fp16 m; u8 qs[16]}: w = d * q + m;
+//      Q8_0 {fp16 d; i8 qs[32]}: w = d * q ----
+struct FmtQ4_0 {
+  static constexpr int bytes = 18;
+  static constexpr bool has_min = false;
+  static float scale(const uint8_t* w) { return rd16(w); }
+  static float min(const uint8_t*) { return 0; }
+#if defined(__AVX2__)
+  // Weights as signed bytes, multiplied with the sign trick.
+  static __m256i weights(const uint8_t* w) { return _mm256_sub_epi8(nibbles32(w + 2), _mm256_set1_epi8(8)); }
+  static __m256i mul(__m256i q, __m256i x) { return dot_ss8(q, x); }
+#endif
+  FT_SCALAR static int scalar(const uint8_t* w, const int8_t* x) {
+    int s = 0;
+    for (int j = 0; j < 16; j++) s += ((w[2 + j] & 0xF) - 8) * x[j] + ((w[2 + j] >> 4) - 8) * x[j + 16];
+    return s;
+  }
+};
+
+struct FmtQ4_1 {
+  static constexpr int bytes = 20;
+  static constexpr bool has_min = true;
+  static float scale(const uint8_t* w) { return rd16(w); }
+  static float min(const uint8_t* w) { return rd16(w + 2); }
+#if defined(__AVX2__)
+  static __m256i weights(const uint8_t* w) { return nibbles32(w + 4); }  // unsigned 0..15
+  static __m256i mul(__m256i q, __m256i x) { return dot_us8(q, x); }
+#endif
+  FT_SCALAR static int scalar(const uint8_t* w, const int8_t* x) {
+    int s = 0;
+    for (int j = 0; j < 16; j++) s += (w[4 + j] & 0xF) * x[j] + (w[4 + j] >> 4) * x[j + 16];
+    return s;
+  }
+};
+
+struct FmtQ8_0 {
+  static constexpr int bytes = 34;
+  static constexpr bool has_min = false;
+  static float scale(const uint8_t* w) { return rd16(w); }
+  static float min(const uint8_t*) { return 0; }
+#if defined(__AVX2__)
+  static __m256i weights(const uint8_t* w) { return load32(w + 2); }
+  static __m256i mul(__m256i q, __m256i x) { return dot_ss8(q, x); }
+#endif
+  FT_SCALAR static int scalar(const uint8_t* w, const int8_t* x) {
+    int s = 0;
+    for (int j = 0; j < 32; j++) s += (int8_t)w[2 + j] * x[j];
+    return s;
+  }
+};
+
+#if defined(__AVX2__)
+// Four blocks' 8-lane partial sums -> one lane each: [sum p0, sum p1, sum p2, sum p3].
+inline __m128i hsum4(__m256i p0, __m256i p1, __m256i p2, __m256i p3) {
+  const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(p0, p1), _mm256_hadd_epi32(p2, p3));
+  return _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+}
+#endif
+
+// MT activation rows against one weight row of 32-element blocks. Blocks go four at a time so
+// that the per-block scales are applied with one 4-wide multiply-add instead of four scalar ones.
+template <class Fmt, int MT>
+void rows_legacy(const uint8_t* w, int nb, const Act* a, float* out) {
+  float acc1[MT];
+  for (int r = 0; r < MT; r++) acc1[r] = 0;
+  int b = 0;
+#if defined(__AVX2__)
+  __m128 acc[MT];
+  for (int r = 0; r < MT; r++) acc[r] = _mm_setzero_ps();
+  for (; b + 4 <= nb; b += 4) {
+    const uint8_t* wb = w + b * Fmt::bytes;
+    const __m256i q0 = Fmt::weights(wb), q1 = Fmt::weights(wb + Fmt::bytes);
+    const __m256i q2 = Fmt::weights(wb + 2 * Fmt::bytes), q3 = Fmt::weights(wb + 3 * Fmt::bytes);
+    const __m128 dw = _mm_setr_ps(Fmt::scale(wb), Fmt::scale(wb + Fmt::bytes), Fmt::scale(wb + 2 * Fmt::bytes),
+                                  Fmt::scale(wb + 3 * Fmt::bytes));
+    __m128 mw = _mm_setzero_ps();
+    if (Fmt::has_min)
+      mw = _mm_setr_ps(Fmt::min(wb), Fmt::min(wb + Fmt::bytes), Fmt::min(wb + 2 * Fmt::bytes),
+                       Fmt::min(wb + 3 * Fmt::bytes));
+    for (int r = 0; r < MT; r++) {
+      const int8_t* x = a[r].qs + b * QK;
+      const __m128i p = hsum4(Fmt::mul(q0, load32(x)), Fmt::mul(q1, load32(x + 32)),
+                              Fmt::mul(q2, load32(x + 64)), Fmt::mul(q3, load32(x + 96)));
+      const __m128 scale = _mm_mul_ps(dw, _mm_loadu_ps(a[r].d + b));
+      acc[r] = _mm_fmadd_ps(scale, _mm_cvtepi32_ps(p), acc[r]);
+      if (Fmt::has_min) acc[r] = _mm_fmadd_ps(mw, _mm_loadu_ps(a[r].s + b), acc[r]);
+    }
+  }
+  for (int r = 0; r < MT; r++) {
+    __m128 v = _mm_add_ps(acc[r], _mm_movehl_ps(acc[r], acc[r]));
+    v = _mm_add_ss(v, _mm_movehdup_ps(v));
+    acc1[r] = _mm_cvtss_f32(v);
+  }
+#endif
+  for (; b < nb; b++) {
+    const uint8_t* wb = w + b * Fmt::bytes;
+    const float d = Fmt::scale(wb), m = Fmt::min(wb);
+    for (int r = 0; r < MT; r++) {
+      acc1[r] += d * a[r].d[b] * Fmt::scalar(wb, a[r].qs + b * QK);
+      if (Fmt::has_min) acc1[r] += m * a[r].s[b];
+    }
+  }
+  for (int r = 0; r < MT; r++) out[r] = acc1[r];
+}
+
+// Q4_K's 6-bit scale and min of sub-block j (llama.cpp's get_scale_min_k4).
+inline void scale_min_k4(int j, const uint8_t* q, int* sc, int* m) {
+  if (j < 4) {
+    *sc = q[j] & 63;
+    *m = q[j + 4] & 63;
+  } else {
+    *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+    *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+  }
+}
+
+// ---- Q4_K: {fp16 d; fp16 dmin; u8 scales[12]; u8 qs[128]} per 256; w = d*sc*q - dmin*m ----
+template <int MT>
+void rows_q4_k(const uint8_t* w, int nbk, const Act* a, float* out) {
+  float acc[MT];
+  for (int r = 0; r < MT; r++) acc[r] = 0;
+  for (int bk = 0; bk < nbk; bk++, w += 144) {
+    const float d = rd16(w), dmin = rd16(w + 2);
+    const uint8_t* scales = w + 4;
+    const uint8_t* qs = w + 16;
+    for (int j = 0; j < 8; j++) {  // sub-block j: qs[32*(j/2)..] low (even j) or high (odd j) nibbles
+      int sc, m;
+      scale_min_k4(j, scales, &sc, &m);
+      const int b = bk * 8 + j;
+      const uint8_t* q = qs + 32 * (j / 2);
+      const int shift = (j & 1) * 4;
+#if defined(__AVX2__)
+      const __m256i qv = _mm256_and_si256(_mm256_srli_epi16(load32(q), shift), _mm256_set1_epi8(0x0F));
+      for (int r = 0; r < MT; r++) {
+        const int isum = hsum_i32(dot_us8(qv, load32(a[r].qs + b * QK)));
+        acc[r] += d * sc * a[r].d[b] * isum - dmin * m * a[r].s[b];
+      }
+#else
+      for (int r = 0; r < MT; r++) {
+        const int8_t* x = a[r].qs + b * QK;
+        int isum = 0;
+        for (int l = 0; l < 32; l++) isum += ((q[l] >> shift) & 0xF) * x[l];
+        acc[r] += d * sc * a[r].d[b] * isum - dmin * m * a[r].s[b];
+      }
+#endif
+    }
+  }
+  for (int r = 0; r < MT; r++) out[r] = acc[r];
+}
+
+// ---- Q6_K: {u8 ql[128]; u8 qh[64]; i8 scales[16]; fp16 d} per 256; w = d*sc*(q - 32) ----
+template <int MT>
+void rows_q6_k(const uint8_t* w, int nbk, const Act* a, float* out) {
+  float acc[MT];
+  for (int r = 0; r < MT; r++) acc[r] = 0;
+  for (int bk = 0; bk < nbk; bk++, w += 210) {
+    const uint8_t* ql = w;
+    const uint8_t* qh = w + 128;
+    const int8_t* sc = (const int8_t*)(w + 192);
+    const float d = rd16(w + 208);
+    for (int half = 0; half < 2; half++) {
+      const uint8_t* l = ql + 64 * half;
+      const uint8_t* h = qh + 32 * half;
+      const int8_t* s = sc + 8 * half;
+      for (int g = 0; g < 4; g++) {  // 32 weights: element i uses scale s[2g + (i >= 16)]
+        const int b = bk * 8 + half * 4 + g;
+#if defined(__AVX2__)
+        const __m256i lo = load32(l + 32 * (g & 1));
+        const __m256i q4 = _mm256_and_si256(g < 2 ? lo : _mm256_srli_epi16(lo, 4), _mm256_set1_epi8(0x0F));
+        const __m256i q2 = _mm256_and_si256(_mm256_srli_epi16(load32(h), 2 * g), _mm256_set1_epi8(3));
+        const __m256i q = _mm256_sub_epi8(_mm256_or_si256(q4, _mm256_slli_epi16(q2, 4)), _mm256_set1_epi8(32));
+        const __m256i scv = _mm256_setr_epi32(s[2 * g], s[2 * g], s[2 * g], s[2 * g], s[2 * g + 1],
+                                              s[2 * g + 1], s[2 * g + 1], s[2 * g + 1]);
+        for (int r = 0; r < MT; r++) {
+          const __m256i p = _mm256_mullo_epi32(dot_ss8(q, load32(a[r].qs + b * QK)), scv);
+          acc[r] += d * a[r].d[b] * hsum_i32(p);
+        }
+#else
+        for (int r = 0; r < MT; r++) {
+          const int8_t* x = a[r].qs + b * QK;
+          int isum = 0;
+          for (int i = 0; i < 32; i++) {
+            const int lo4 = g < 2 ? (l[32 * (g & 1) + i] & 0xF) : (l[32 * (g & 1) + i] >> 4);
+            const int q = (lo4 | (((h[i] >> (2 * g)) & 3) << 4)) - 32;
+            isum += q * x[i] * s[2 * g + (i >= 16)];
+          }
+          acc[r] += d * a[r].d[b] * isum;
+        }
+#endif
+      }
+    }
+  }
+  for (int r = 0; r < MT; r++) out[r] = acc[r];
+}
+
+enum : int { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q6_K = 14 };
+
+template <int MT>
+void dot_rows(int type, const uint8_t* w, int64_t K, const Act* a, float* out) {
+  switch (type) {
+    case Q4_0: rows_legacy<FmtQ4_0, MT>(w, (int)(K / QK), a, out); break;
+    case Q4_1: rows_legacy<FmtQ4_1, MT>(w, (int)(K / QK), a, out); break;
+    case Q8_0: rows_legacy<FmtQ8_0, MT>(w, (int)(K / QK), a, out); break;
+    case Q4_K: rows_q4_k<MT>(w, (int)(K / QK_K), a, out); break;
+    case Q6_K: rows_q6_k<MT>(w, (int)(K / QK_K), a, out); break;
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// Types the kernels multiply directly (GGML type ids).
+int ft_supports(int type) {
+  return type == Q4_0 || type == Q4_1 || type == Q8_0 || type == Q4_K || type == Q6_K;
+}
+
+// x [M, K] float32 (row stride ldx) -> qs [M, K] int8, d and s [M, K/32]. K % 32 == 0.
+void ft_quantize_q8(const float* x, int64_t M, int64_t K, int64_t ldx, int8_t* qs, float* d, float* s,
+                    int threads) {
+  const int64_t nb = K / QK;
+#pragma omp parallel for num_threads(threads) schedule(static) if (M * K > 65536)
+  for (int64_t m = 0; m < M; m++) {
+    for (int64_t b = 0; b < nb; b++) {
+      const float* xb = x + m * ldx + b * QK;
+      float amax = 0;
+      for (int j = 0; j < QK; j++) amax = fmaxf(amax, fabsf(xb[j]));
+      const float scale = amax / 127.0f, inv = amax > 0 ? 127.0f / amax : 0.0f;
+      int sum = 0;
+      int8_t* q = qs + m * K + b * QK;
+      for (int j = 0; j < QK; j++) {
+        const int v = (int)nearbyintf(xb[j] * inv);
+        q[j] = (int8_t)v;
+        sum += v;
+      }
+      d[m * nb + b] = scale;
+      s[m * nb + b] = scale * (float)sum;
+    }
+  }
+}
+
+// y[m, n] = sum_k x[m, k] * W[n, k] for n < N, W's rows stored as `row_bytes` bytes of blocks of
+// `type`; y has row stride ldy (so a caller can fill a column slice of a wider output).
+void ft_gemm(int type, const uint8_t* w, int64_t N, int64_t K, int64_t row_bytes, const int8_t* qs,
+             const float* d, const float* s, int64_t M, float* y, int64_t ldy, int threads) {
+  const int64_t nb = K / QK;
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t n = 0; n < N; n++) {
+    const uint8_t* wrow = w + n * row_bytes;
+    int64_t m = 0;
+    Act a[4];
+    float out[4];
+    for (; m + 4 <= M; m += 4) {
+      for (int r = 0; r < 4; r++) a[r] = {qs + (m + r) * K, d + (m + r) * nb, s + (m + r) * nb};
+      dot_rows<4>(type, wrow, K, a, out);
+      for (int r = 0; r < 4; r++) y[(m + r) * ldy + n] = out[r];
+    }
+    for (; m < M; m++) {
+      a[0] = {qs + m * K, d + m * nb, s + m * nb};
+      dot_rows<1>(type, wrow, K, a, out);
+      y[m * ldy + n] = out[0];
+    }
+  }
+}
+
+}  // extern "C"
+
+// ---- Dequantized rows (embedding lookups) ----
+namespace {
+void dequant_row(int type, const uint8_t* w, int64_t K, float* out) {
+  switch (type) {
+    case Q4_0:
+      for (int64_t b = 0; b < K / QK; b++, w += 18) {
+        const float d = rd16(w);
+        for (int j = 0; j < 16; j++) {
+          out[b * QK + j] = d * ((w[2 + j] & 0xF) - 8);
+          out[b * QK + j + 16] = d * ((w[2 + j] >> 4) - 8);
+        }
+      }
+      break;
+    case Q4_1:
+      for (int64_t b = 0; b < K / QK; b++, w += 20) {
+        const float d = rd16(w), m = rd16(w + 2);
+        for (int j = 0; j < 16; j++) {
+          out[b * QK + j] = d * (w[4 + j] & 0xF) + m;
+          out[b * QK + j + 16] = d * (w[4 + j] >> 4) + m;
+        }
+      }
+      break;
+    case Q8_0:
+      for (int64_t b = 0; b < K / QK; b++, w += 34) {
+        const float d = rd16(w);
+        for (int j = 0; j < 32; j++) out[b * QK + j] = d * (int8_t)w[2 + j];
+      }
+      break;
+    case Q4_K:
+      for (int64_t bk = 0; bk < K / QK_K; bk++, w += 144) {
+        const float d = rd16(w), dmin = rd16(w + 2);
+        for (int j = 0; j < 8; j++) {
+          int sc, m;
+          scale_min_k4(j, w + 4, &sc, &m);
+          const uint8_t* q = w + 16 + 32 * (j / 2);
+          for (int l = 0; l < 32; l++)
+            out[bk * QK_K + j * 32 + l] = d * sc * ((q[l] >> ((j & 1) * 4)) & 0xF) - dmin * m;
+        }
+      }
+      break;
+    case Q6_K:
+      for (int64_t bk = 0; bk < K / QK_K; bk++, w += 210) {
+        const float d = rd16(w + 208);
+        for (int half = 0; half < 2; half++) {
+          const uint8_t* l = w + 64 * half;
+          const uint8_t* h = w + 128 + 32 * half;
+          const int8_t* s = (const int8_t*)(w + 192) + 8 * half;
+          for (int g = 0; g < 4; g++)
+            for (int i = 0; i < 32; i++) {
+              const int lo4 = g < 2 ? (l[32 * (g & 1) + i] & 0xF) : (l[32 * (g & 1) + i] >> 4);
+              const int q = (lo4 | (((h[i] >> (2 * g)) & 3) << 4)) - 32;
+              out[bk * QK_K + half * 128 + g * 32 + i] = d * s[2 * g + (i >= 16)] * q;
+            }
+        }
+      }
+      break;
+  }
+}
+
+struct Weight {  // one projection: rows of GGUF blocks
+  int64_t type;
+  const uint8_t* data;
+  int64_t rows;
+  int64_t row_bytes;
+};
+
+void quantize_rows(const float* x, int64_t M, int64_t K, int64_t ldx, int8_t* qs, float* d, float* s) {
+  const int64_t nb = K / QK;
+  for (int64_t m = 0; m < M; m++)
+    for (int64_t b = 0; b < nb; b++) {
+      const float* xb = x + m * ldx + b * QK;
+      float amax = 0;
+      for (int j = 0; j < QK; j++) amax = fmaxf(amax, fabsf(xb[j]));
+      const float scale = amax / 127.0f, inv = amax > 0 ? 127.0f / amax : 0.0f;
+      int sum = 0;
+      int8_t* q = qs + m * K + b * QK;
+      for (int j = 0; j < QK; j++) {
+        const int v = (int)nearbyintf(xb[j] * inv);
+        q[j] = (int8_t)v;
+        sum += v;
+      }
+      d[m * nb + b] = scale;
+      s[m * nb + b] = scale * (float)sum;
+    }
+}
+
+// Quantized activations of M rows, reused by every projection that reads the same input.
+struct QAct {
+  std::vector<int8_t> qs;
+  std::vector<float> d, s;
+  int64_t M = 0, K = 0;
+  void set(const float* x, int64_t m, int64_t k, int64_t ldx) {
+    M = m;
+    K = k;
+    qs.resize(m * k);
+    d.resize(m * k / QK);
+    s.resize(m * k / QK);
+    // NOTE: called inside a parallel region's single thread; rows are few or the work is small.
+    quantize_rows(x, m, k, ldx, qs.data(), d.data(), s.data());
+  }
+};
+
+// y[:, 0:N] = act @ W.T, rows of W split across the team (call from inside a parallel region).
+void gemm_team(const Weight& w, const QAct& a, float* y, int64_t ldy) {
+  const int64_t nb = a.K / QK;
+#pragma omp for schedule(static)
+  for (int64_t n = 0; n < w.rows; n++) {
+    const uint8_t* wrow = w.data + n * w.row_bytes;
+    Act rows[4];
+    float out[4];
+    int64_t m = 0;
+    for (; m + 4 <= a.M; m += 4) {
+      for (int r = 0; r < 4; r++)
+        rows[r] = {a.qs.data() + (m + r) * a.K, a.d.data() + (m + r) * nb, a.s.data() + (m + r) * nb};
+      dot_rows<4>((int)w.type, wrow, a.K, rows, out);
+      for (int r = 0; r < 4; r++) y[(m + r) * ldy + n] = out[r];
+    }
+    for (; m < a.M; m++) {
+      rows[0] = {a.qs.data() + m * a.K, a.d.data() + m * nb, a.s.data() + m * nb};
+      dot_rows<1>((int)w.type, wrow, a.K, rows, out);
+      y[m * ldy + n] = out[0];
+    }
+  }
+}
+
+void rms_norm_row(const float* x, const float* weight, float eps, int64_t H, float* out) {
+  float ss = 0;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t i = 0; i < H; i++) ss += x[i] * x[i];
+  const float r = 1.0f / sqrtf(ss / H + eps);
+#pragma omp simd
+  for (int64_t i = 0; i < H; i++) out[i] = weight[i] * (x[i] * r);
+}
+
+// Half-split (Hugging Face) rotary embedding of `heads` heads of `hd` in place.
+void rope(float* v, int64_t heads, int64_t hd, const float* cos, const float* sin) {
+  const int64_t half = hd / 2;
+  for (int64_t h = 0; h < heads; h++) {
+    float* x = v + h * hd;
+#pragma omp simd
+    for (int64_t i = 0; i < half; i++) {
+      const float a = x[i], b = x[i + half];
+      x[i] = a * cos[i] - b * sin[i];
+      x[i + half] = b * cos[i] + a * sin[i];
+    }
+  }
+}
+}  // namespace
+
+extern "C" {
+
+// out[t, :] = row ids[t] of W (GGUF blocks) as float32.
+void ft_dequantize_rows(int type, const uint8_t* w, int64_t row_bytes, int64_t K, const int64_t* ids,
+                        int64_t T, float* out) {
+  for (int64_t t = 0; t < T; t++) dequant_row(type, w + ids[t] * row_bytes, K, out + t * K);
+}
+
+// out[t, :] = rms_norm(x[t, :]) * weight.
+void ft_rms_norm(const float* x, int64_t T, int64_t H, int64_t ldx, const float* weight, float eps,
+                 float* out) {
+  for (int64_t t = 0; t < T; t++) rms_norm_row(x + t * ldx, weight, eps, H, out + t * H);
+}
+
+// One pre-norm Llama decoder layer over T new tokens, x [T, H] updated in place.
+//
+// Row t is position pos[t] of sequence seq[t]; its keys and values are written at slot_of[t],
+// then it attends every position 0..pos[t] of its sequence, found through
+// block_tables[seq[t] * max_pages + p / page_size] * page_size + p % page_size. So decode rows
+// and causal prefill chunks are the same loop. w: q, k, v, o, gate, up, down. bias: q|k|v or null.
+// cos, sin: [T, hd / 2]. Caches: this layer's [num_slots, kvh, hd] float32.
+void ft_decoder_layer(float* x, int64_t T, int64_t H, const float* norm1, const float* norm2, float eps,
+                      const Weight* w, const float* bias, const float* cos, const float* sin, float* k_cache,
+                      float* v_cache, const int64_t* slot_of, const int64_t* seq, const int64_t* pos,
+                      const int32_t* block_tables, int64_t max_pages, int64_t page_size, int64_t nh,
+                      int64_t nkvh, int64_t hd, int64_t inter, int threads) {
+  const int64_t qsz = nh * hd, kvsz = nkvh * hd, qkv_w = qsz + 2 * kvsz, group = nh / nkvh;
+  std::vector<float> h(T * H), qkv(T * qkv_w), attn(T * qsz), gu(T * 2 * inter);
+  int64_t max_len = 0;
+  for (int64_t t = 0; t < T; t++) max_len = pos[t] + 1 > max_len ? pos[t] + 1 : max_len;
+  QAct act;
+  const float scale = 1.0f / sqrtf((float)hd);
+#pragma omp parallel num_threads(threads)
+  {
+    std::vector<float> scores(max_len);
+    // attention block
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < T; t++) rms_norm_row(x + t * H, norm1, eps, H, h.data() + t * H);
+#pragma omp single
+    act.set(h.data(), T, H, H);
+    gemm_team(w[0], act, qkv.data(), qkv_w);
+    gemm_team(w[1], act, qkv.data() + qsz, qkv_w);
+    gemm_team(w[2], act, qkv.data() + qsz + kvsz, qkv_w);
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < T; t++) {
+      float* row = qkv.data() + t * qkv_w;
+      if (bias)
+        for (int64_t i = 0; i < qkv_w; i++) row[i] += bias[i];
+      rope(row, nh, hd, cos + t * (hd / 2), sin + t * (hd / 2));
+      rope(row + qsz, nkvh, hd, cos + t * (hd / 2), sin + t * (hd / 2));
+      memcpy(k_cache + slot_of[t] * kvsz, row + qsz, kvsz * sizeof(float));
+      memcpy(v_cache + slot_of[t] * kvsz, row + qsz + kvsz, kvsz * sizeof(float));
+    }
+#pragma omp for schedule(dynamic, 1) collapse(2)
+    for (int64_t t = 0; t < T; t++) {
+      for (int64_t kh = 0; kh < nkvh; kh++) {
+        const int64_t len = pos[t] + 1;
+        const int32_t* table = block_tables + seq[t] * max_pages;
+        for (int64_t g = 0; g < group; g++) {
+          const int64_t head = kh * group + g;
+          const float* q = qkv.data() + t * qkv_w + head * hd;
+          float mx = -INFINITY;
+          for (int64_t p = 0; p < len; p++) {
+            const int64_t slot = (int64_t)table[p / page_size] * page_size + p % page_size;
+            const float* k = k_cache + slot * kvsz + kh * hd;
+            float dot = 0;
+#pragma omp simd reduction(+ : dot)
+            for (int64_t i = 0; i < hd; i++) dot += q[i] * k[i];
+            scores[p] = dot * scale;
+            mx = scores[p] > mx ? scores[p] : mx;
+          }
+          float sum = 0;
+          for (int64_t p = 0; p < len; p++) {
+            scores[p] = expf(scores[p] - mx);
+            sum += scores[p];
+          }
+          float* o = attn.data() + t * qsz + head * hd;
+          for (int64_t i = 0; i < hd; i++) o[i] = 0;
+          const float inv = 1.0f / sum;
+          for (int64_t p = 0; p < len; p++) {
+            const int64_t slot = (int64_t)table[p / page_size] * page_size + p % page_size;
+            const float* v = v_cache + slot * kvsz + kh * hd;
+            const float c = scores[p] * inv;
+#pragma omp simd
+            for (int64_t i = 0; i < hd; i++) o[i] += c * v[i];
+          }
+        }
+      }
+    }
+#pragma omp single
+    act.set(attn.data(), T, qsz, qsz);
+    gemm_team(w[3], act, h.data(), H);  // h = o_proj(attn)
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < T; t++) {
+      for (int64_t i = 0; i < H; i++) x[t * H + i] += h[t * H + i];
+      rms_norm_row(x + t * H, norm2, eps, H, h.data() + t * H);
+    }
+#pragma omp single
+    act.set(h.data(), T, H, H);
+    gemm_team(w[4], act, gu.data(), 2 * inter);
+    gemm_team(w[5], act, gu.data() + inter, 2 * inter);
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < T; t++) {
+      float* g = gu.data() + t * 2 * inter;
+#pragma omp simd
+      for (int64_t i = 0; i < inter; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * g[i + inter];
+    }
+#pragma omp single
+    act.set(gu.data(), T, inter, 2 * inter);
+    gemm_team(w[6], act, h.data(), H);
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < T; t++)
+      for (int64_t i = 0; i < H; i++) x[t * H + i] += h[t * H + i];
+  }
+}
+
+}  // extern "C"

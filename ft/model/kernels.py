@@ -1,0 +1,148 @@
+"""Quantized GGUF matrix products on the CPU: build `kernels.cpp` once, call it through ctypes.
+
+The library is compiled at first use with the machine's own instruction set (`-march=native`:
+AVX-512 VNNI, AVX2 or plain C++) into `$FT_CACHE_DIR/kernels/`, keyed by the source, the
+compiler and the CPU, and shares torch's OpenMP runtime. Where no C++ compiler is found,
+`available()` is False and the loader falls back to float weights.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import pathlib
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+
+import torch
+
+SOURCE = pathlib.Path(__file__).with_name("kernels.cpp")
+QK = 32  # elements per activation block
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_error: str | None = None
+
+
+def _cpu_key() -> str:
+    try:
+        flags = next(
+            line
+            for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("flags")
+        )
+    except (OSError, StopIteration):
+        flags = platform.processor()
+    return flags
+
+
+def _cache_dir() -> pathlib.Path:
+    root = os.environ.get("FT_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "ft")
+    return pathlib.Path(root) / "kernels"
+
+
+def _build() -> ctypes.CDLL:
+    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+    if cxx is None:
+        raise RuntimeError("no C++ compiler found (g++, c++ or clang++)")
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=False).stdout
+    key = hashlib.sha256(SOURCE.read_bytes() + version.encode() + _cpu_key().encode()).hexdigest()[:16]
+    target = _cache_dir() / f"ftkernels-{key}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            out = pathlib.Path(tmp) / target.name
+            cmd = [cxx, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-o", str(out), str(SOURCE)]
+            done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+            if done.returncode != 0:
+                raise RuntimeError(f"building {SOURCE.name} failed: {done.stderr.strip()[-400:]}")
+            os.replace(out, target)  # atomic: concurrent builders leave one complete file
+    lib = ctypes.CDLL(str(target))
+    i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+    lib.ft_supports.argtypes = [i32]
+    lib.ft_supports.restype = i32
+    lib.ft_quantize_q8.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, i32]
+    lib.ft_quantize_q8.restype = None
+    lib.ft_gemm.argtypes = [i32, ptr, i64, i64, i64, ptr, ptr, ptr, i64, ptr, i64, i32]
+    lib.ft_gemm.restype = None
+    lib.ft_dequantize_rows.argtypes = [i32, ptr, i64, i64, ptr, i64, ptr]
+    lib.ft_dequantize_rows.restype = None
+    lib.ft_rms_norm.argtypes = [ptr, i64, i64, i64, ptr, ctypes.c_float, ptr]
+    lib.ft_rms_norm.restype = None
+    lib.ft_decoder_layer.argtypes = [
+        ptr, i64, i64, ptr, ptr, ctypes.c_float, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr,
+        i64, i64, i64, i64, i64, i64, i32,
+    ]  # fmt: skip
+    lib.ft_decoder_layer.restype = None
+    return lib
+
+
+def library() -> ctypes.CDLL:
+    """The compiled kernels (built on first call).
+
+    Raises:
+        RuntimeError: no compiler, or the build failed (the message says which).
+    """
+    global _lib, _error
+    with _lock:
+        if _lib is None and _error is None:
+            try:
+                _lib = _build()
+            except (RuntimeError, OSError) as exc:
+                _error = str(exc)
+        if _lib is None:
+            raise RuntimeError(f"quantized kernels unavailable: {_error}")
+        return _lib
+
+
+def available() -> bool:
+    """Whether the kernels can be built and loaded here."""
+    try:
+        library()
+    except RuntimeError:
+        return False
+    return True
+
+
+def supports(qtype: int) -> bool:
+    """Whether `qtype` (a GGML type id) is multiplied directly."""
+    return bool(library().ft_supports(qtype))
+
+
+class QuantizedActivations:
+    """`x` `[M, K]` as int8 blocks of 32 with a scale and a scaled sum per block."""
+
+    __slots__ = ("qs", "d", "s", "rows", "cols")
+
+    def __init__(self, x: torch.Tensor) -> None:
+        assert x.dtype == torch.float32 and x.dim() == 2 and x.stride(1) == 1, (x.dtype, x.shape)
+        self.rows, self.cols = x.shape
+        if self.cols % QK:
+            raise ValueError(f"row length {self.cols} is not a multiple of {QK}")
+        self.qs = torch.empty(self.rows, self.cols, dtype=torch.int8)
+        self.d = torch.empty(self.rows, self.cols // QK, dtype=torch.float32)
+        self.s = torch.empty_like(self.d)
+        library().ft_quantize_q8(
+            x.data_ptr(), self.rows, self.cols, x.stride(0), self.qs.data_ptr(), self.d.data_ptr(),
+            self.s.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+
+
+def gemm_into(
+    out: torch.Tensor,  # [M, >= N] float32, row-major rows (a column slice is fine)
+    qtype: int,
+    weight: torch.Tensor,  # [N, row_bytes] uint8: GGUF blocks as stored
+    cols: int,  # K
+    x: QuantizedActivations,
+) -> None:
+    """`out[:, :N] = x @ W.T` for `W` stored as GGUF blocks of `qtype`."""
+    assert out.dtype == torch.float32 and out.stride(1) == 1 and out.shape[0] == x.rows
+    assert weight.dtype == torch.uint8 and weight.is_contiguous() and cols == x.cols
+    library().ft_gemm(
+        qtype, weight.data_ptr(), weight.shape[0], cols, weight.shape[1], x.qs.data_ptr(), x.d.data_ptr(),
+        x.s.data_ptr(), x.rows, out.data_ptr(), out.stride(0), torch.get_num_threads(),
+    )  # fmt: skip

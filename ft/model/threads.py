@@ -1,0 +1,67 @@
+"""How many compute threads a step gets: measured per batch size, re-measured as load changes.
+
+On a 2-core machine the forward pass shares the cores with the event loop, the tokenizer
+workers and whatever else runs there. Two OpenMP threads are fastest on a quiet machine, but
+when another process keeps one core busy each barrier waits for a descheduled thread and a step
+took up to 7x longer than with one thread. So the runner times every step, keeps a moving
+average of seconds per row for each thread count and batch-size bucket, uses the faster one,
+and now and then tries the other so that a change in load is noticed.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+BUCKETS = (1, 4, 16, 64)  # rows: 1, 2-4, 5-16, 17-64, more
+EXPLORE_EVERY = 32  # steps of a bucket between two tries of the slower choice
+SMOOTHING = 0.25  # weight of the newest measurement in the moving average
+
+
+def _bucket(rows: int) -> int:
+    return next((i for i, top in enumerate(BUCKETS) if rows <= top), len(BUCKETS))
+
+
+class ThreadChooser:
+    """Picks the thread count for a step of `rows` rows among `choices`, by measurement."""
+
+    def __init__(self, choices: tuple[int, ...]) -> None:
+        self.choices = choices
+        self._cost: dict[tuple[int, int], float] = {}  # (bucket, threads) -> seconds per row
+        self._steps: dict[int, int] = {}
+
+    def choose(self, rows: int) -> int:
+        """The thread count for the next step of `rows` rows."""
+        bucket = _bucket(rows)
+        count = self._steps.get(bucket, 0)
+        self._steps[bucket] = count + 1
+        untried = [n for n in self.choices if (bucket, n) not in self._cost]
+        if untried:
+            return untried[0]
+        ranked = sorted(self.choices, key=lambda n: self._cost[bucket, n])
+        if len(ranked) > 1 and count % EXPLORE_EVERY == 0:
+            return ranked[1]
+        return ranked[0]
+
+    def record(self, rows: int, threads: int, seconds: float) -> None:
+        """Fold one step's duration into the moving average of its bucket and thread count."""
+        key = (_bucket(rows), threads)
+        cost = seconds / max(rows, 1)
+        old = self._cost.get(key)
+        self._cost[key] = cost if old is None else (1 - SMOOTHING) * old + SMOOTHING * cost
+
+    @contextmanager
+    def timed(self, rows: int) -> Iterator[int]:
+        """Choose for `rows`, yield the count, and record how long the block took."""
+        threads = self.choose(rows)
+        start = time.perf_counter()
+        yield threads
+        self.record(rows, threads, time.perf_counter() - start)
+
+
+def thread_choices(max_threads: int) -> tuple[int, ...]:
+    """One thread and all of them (half and all past four cores)."""
+    if max_threads <= 1:
+        return (1,)
+    return (1, max_threads) if max_threads <= 4 else (max_threads // 2, max_threads)

@@ -1,0 +1,96 @@
+"""Who may call what: the API key, and the admin routes' stricter rules (see docs/security.md).
+
+Every route but the probes needs `--api-key` when one is set. Admin routes (`/v1/admin/...`)
+change the server's state, so they also refuse what a web page or a proxied client could send:
+
+- any request carrying an `Origin` not listed in `--cors-origins` (a `*` there does not count);
+- with `--admin-key`: any request without that key (then the peer's address does not matter);
+- without it: any peer that is not loopback, and any request that came through a proxy (it
+  carries a forwarding header: behind a proxy every client looks like loopback).
+
+JSON routes refuse bodies not declared `application/json` (`body.require_json_content_type`),
+so a cross-site "simple request" (`text/plain`, forms) never reaches a route.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+from typing import Any
+
+from quart import Request
+
+from ft.server.http_errors import HttpError
+from ft.server.settings import ServerSettings
+
+# Paths that never need the API key: probes and scrapers.
+OPEN_PATHS = frozenset({"/health", "/metrics"})
+ADMIN_PREFIX = "/v1/admin/"
+# Headers a reverse proxy adds; their presence means the loopback peer is only the proxy.
+FORWARDING_HEADERS = ("Forwarded", "X-Forwarded-For", "X-Forwarded-Host", "X-Real-Ip")
+
+
+def authorize(request: Request, settings: ServerSettings) -> None:
+    """Raise 401/403 unless the current request may reach its route."""
+    if request.method == "OPTIONS" or request.path in OPEN_PATHS:
+        return
+    if request.path.startswith(ADMIN_PREFIX):
+        authorize_admin(request, settings)
+    elif settings.api_key is not None and not key_matches(presented_key(request), settings.api_key):
+        raise _unauthorized("invalid or missing API key (send 'Authorization: Bearer <key>')")
+
+
+def authorize_admin(request: Request, settings: ServerSettings) -> None:
+    """Raise 401/403 unless the current request may use an admin route (rules above)."""
+    origin = request.headers.get("Origin")
+    if origin is not None and origin not in settings.cors_origins:
+        raise _forbidden(
+            f"admin routes refuse cross-site requests: the Origin '{origin[:100]}' is not listed "
+            "in --cors-origins"
+        )
+    if settings.admin_key is not None:
+        if not key_matches(presented_key(request), settings.admin_key):
+            raise _unauthorized("invalid or missing admin key (send 'Authorization: Bearer <admin key>')")
+        return
+    if not is_loopback(request.scope.get("client")):
+        raise _forbidden("admin routes are only served to loopback callers (or with --admin-key)")
+    if any(name in request.headers for name in FORWARDING_HEADERS):
+        raise _forbidden("this request came through a proxy; admin routes behind a proxy need --admin-key")
+    if settings.api_key is not None and not key_matches(presented_key(request), settings.api_key):
+        raise _unauthorized("invalid or missing API key (send 'Authorization: Bearer <key>')")
+
+
+def presented_key(request: Request) -> bytes | None:
+    """The key the request carries (`Authorization: Bearer` wins over `x-api-key`), as sent.
+
+    Header values reach us decoded as latin-1, so encoding them back gives the bytes on the
+    wire: a key sent as UTF-8 compares equal to the configured key's UTF-8 bytes.
+    """
+    given = request.headers.get("x-api-key")
+    auth = request.headers.get("Authorization", "")
+    if auth[:7].lower() == "bearer ":
+        given = auth[7:].strip()
+    return None if given is None else given.encode("latin-1", errors="replace")
+
+
+def key_matches(given: bytes | None, expected: str) -> bool:
+    """Constant-time comparison of a presented key with the configured one."""
+    return given is not None and hmac.compare_digest(given, expected.encode("utf-8"))
+
+
+def is_loopback(client: Any) -> bool:
+    """True when the ASGI `client` tuple is a loopback address (headers are not trusted)."""
+    if not client:
+        return False
+    try:
+        return ipaddress.ip_address(str(client[0]).split("%")[0]).is_loopback
+    except ValueError:
+        return False
+
+
+def _unauthorized(message: str) -> HttpError:
+    return HttpError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+
+def _forbidden(message: str) -> HttpError:
+    return HttpError(403, message, type="permission_error", code="forbidden")

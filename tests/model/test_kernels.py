@@ -1,0 +1,134 @@
+"""The packed GGUF kernels: exact products on every supported type, and a packed decoder that
+matches the torch one on a tiny random model (mixed prefill chunks and decode rows, paged KV)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize, quantize
+
+import ft.model.quantized_llama as quantized_llama
+from ft.model import kernels
+from ft.model.attention import SeqSpan, build_metadata
+from ft.model.llama import build_model
+from ft.model.quant import KERNEL_TYPES, QuantTensor, to_q8_0
+from ft.model.quantized_llama import QuantizedLlama, StepIndex
+from tests.support.tiny_model import random_hf_state_dict, tiny_config
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="no C++ compiler for the kernels")
+
+BLOCK_BYTES = {12: (256, 144), 14: (256, 210)}
+
+
+def packed_weight(qtype: int, rows: int, cols: int, seed: int = 0) -> QuantTensor:
+    """Random weights of `qtype`: quantized floats, or random K-quant blocks with sane scales."""
+    rng = np.random.default_rng(seed)
+    t = GGMLQuantizationType(qtype)
+    if qtype in BLOCK_BYTES:
+        block, size = BLOCK_BYTES[qtype]
+        raw = rng.integers(0, 256, size=(rows, cols // block, size), dtype=np.uint8)
+        scales = rng.uniform(0.001, 0.01, size=(rows, cols // block)).astype(np.float16)
+        for at in (0, 2) if qtype == 12 else (208,):
+            raw[..., at : at + 2] = scales.view(np.uint8).reshape(rows, cols // block, 2)
+        data = raw.reshape(rows, -1)
+    else:
+        data = quantize(rng.standard_normal((rows, cols)).astype(np.float32) * 0.05, t)
+    return QuantTensor(torch.from_numpy(np.ascontiguousarray(data)), qtype, cols)
+
+
+def product(w: QuantTensor, x: torch.Tensor) -> torch.Tensor:
+    out = torch.empty(x.shape[0], w.rows)
+    kernels.gemm_into(out, w.qtype, w.data, w.cols, kernels.QuantizedActivations(x))
+    return out
+
+
+@pytest.mark.parametrize("qtype", sorted(KERNEL_TYPES))
+@pytest.mark.parametrize("rows", [1, 3, 4, 9])
+@pytest.mark.parametrize("cols", [32, 224, 512])
+def test_product_is_exact_when_activations_are_representable(qtype: int, rows: int, cols: int) -> None:
+    """Integer activations with a 127 in every block quantize exactly, so only rounding of the
+    float sums separates the kernel from dequantize-then-matmul (every row tile, block tail)."""
+    cols = max(cols, BLOCK_BYTES.get(qtype, (32, 0))[0])
+    w = packed_weight(qtype, 40, cols)
+    x = torch.randint(-127, 128, (rows, cols)).float()
+    x[:, ::32] = 127
+    ref = x @ w.dequantize().T
+    assert torch.allclose(product(w, x), ref, rtol=1e-5, atol=1e-3 * ref.abs().max().item())
+
+
+@pytest.mark.parametrize("qtype", sorted(KERNEL_TYPES))
+def test_product_of_float_activations_is_within_int8_rounding(qtype: int) -> None:
+    """Float activations are rounded to int8 per block of 32: about 0.5% relative error."""
+    w = packed_weight(qtype, 64, 512, seed=1)
+    x = torch.randn(5, 512)
+    ref = x @ w.dequantize().T
+    assert ((product(w, x) - ref).norm() / ref.norm()).item() < 0.02
+
+
+@pytest.mark.parametrize("qtype", sorted(KERNEL_TYPES))
+def test_dequantized_rows_match_gguf(qtype: int) -> None:
+    """The embedding lookup decodes blocks exactly as the gguf package does."""
+    w = packed_weight(qtype, 12, 256, seed=2)
+    ids = torch.tensor([3, 0, 11, 3])
+    out = torch.empty(4, 256)
+    kernels.library().ft_dequantize_rows(
+        qtype, w.data.data_ptr(), w.data.shape[1], 256, ids.data_ptr(), 4, out.data_ptr()
+    )
+    ref = dequantize(w.data.numpy(), GGMLQuantizationType(qtype)).reshape(12, 256)[ids.numpy()]
+    assert np.array_equal(out.numpy(), ref)
+
+
+def test_packed_decoder_matches_torch_decoder(tiny_packed: tuple) -> None:
+    """Prefill chunks on top of cached positions and decode rows in one step give the hidden
+    states of the float torch model over the same (dequantized) weights."""
+    config, sd_packed, sd_float = tiny_packed
+    page, pages = 4, 32
+    shape = (config.num_layers, pages * page, config.num_kv_heads, config.head_dim)
+    ref_model = build_model(config, sd_float, torch.float32)
+    packed = QuantizedLlama(config, sd_packed, torch.float32)
+    # seq 0: 6 prompt tokens then 1 decode; seq 1: 3 tokens, then a 5-token chunk on top.
+    steps = [
+        [(0, (5, 7, 9, 11, 13, 15), 0, (0, 1)), (1, (2, 4, 6), 0, (2, 3, 4))],
+        [(0, (17,), 6, (0, 1)), (1, (8, 10, 12, 14, 16), 3, (2, 3, 4))],
+    ]
+    caches = {name: (torch.zeros(shape), torch.zeros(shape)) for name in ("ref", "packed", "dense")}
+    for step in steps:
+        ids = torch.tensor([t for _, toks, _, _ in step for t in toks])
+        positions = torch.tensor([s + i for _, toks, s, _ in step for i in range(len(toks))])
+        spans = [SeqSpan(s, len(toks), p) for _, toks, s, p in step]
+        with torch.inference_mode():
+            ref = ref_model(ids, positions, *caches["ref"], build_metadata(spans, page))
+            index = step_index(step, page)
+            fused = packed.forward(ids, index, *caches["packed"], page, spans)
+            saved, quantized_llama.DENSE_ROWS = quantized_llama.DENSE_ROWS, 0
+            try:
+                dense = packed.forward(ids, index, *caches["dense"], page, spans)
+            finally:
+                quantized_llama.DENSE_ROWS = saved
+        assert ((fused - ref).norm() / ref.norm()).item() < 0.03  # int8 activations
+        assert torch.allclose(dense, ref, atol=1e-4, rtol=1e-4)  # dequantized, float32
+
+
+def step_index(step: list, page: int) -> StepIndex:
+    """The packed decoder's index arrays for `(seq, tokens, start, pages)` entries."""
+    slots = [p[q // page] * page + q % page for _, t, s, p in step for q in range(s, s + len(t))]
+    tables = [list(p) + [0] * (3 - len(p)) for _, _, _, p in step]
+    return StepIndex(
+        slot_of=torch.tensor(slots),
+        seq=torch.tensor([i for i, (_, t, _, _) in enumerate(step) for _ in t]),
+        positions=torch.tensor([s + i for _, t, s, _ in step for i in range(len(t))]),
+        block_tables=torch.tensor(tables, dtype=torch.int32),
+    )
+
+
+@pytest.fixture
+def tiny_packed() -> tuple:
+    config = tiny_config(hidden_size=64, intermediate_size=128, vocab_size=64)
+    sd = random_hf_state_dict(config)
+    packed: dict[str, torch.Tensor | QuantTensor] = {
+        k: to_q8_0(v.numpy()) if v.dim() == 2 else v for k, v in sd.items()
+    }
+    dense = {k: v.dequantize() if isinstance(v, QuantTensor) else v for k, v in packed.items()}
+    return config, packed, dense

@@ -1,0 +1,50 @@
+"""The compute thread count follows measurements: the faster count wins, and a change in load
+(the other count becoming faster) is noticed through the periodic tries."""
+
+from __future__ import annotations
+
+from ft.model.threads import EXPLORE_EVERY, ThreadChooser, thread_choices
+
+
+def run_steps(chooser: ThreadChooser, rows: int, cost: dict[int, float], steps: int) -> list[int]:
+    """`steps` steps where a step with n threads takes `cost[n]` seconds per row."""
+    picks = []
+    for _ in range(steps):
+        n = chooser.choose(rows)
+        chooser.record(rows, n, cost[n] * rows)
+        picks.append(n)
+    return picks
+
+
+def test_tries_each_count_then_keeps_the_faster() -> None:
+    """The first steps try every count; afterwards the faster one runs all but the tries."""
+    chooser = ThreadChooser((1, 2))
+    picks = run_steps(chooser, 16, {1: 0.004, 2: 0.002}, 200)
+    assert picks[:2] == [1, 2]
+    assert picks[2:].count(1) <= 200 // EXPLORE_EVERY + 1
+
+
+def test_contention_turns_the_choice_to_one_thread() -> None:
+    """When two threads become slower (a busy neighbour), one thread takes over."""
+    chooser = ThreadChooser((1, 2))
+    run_steps(chooser, 1, {1: 0.010, 2: 0.006}, 100)
+    picks = run_steps(chooser, 1, {1: 0.010, 2: 0.040}, 200)
+    assert picks[-50:].count(1) >= 48
+
+
+def test_batch_sizes_are_measured_apart() -> None:
+    """A count that is best for single rows need not be best for large batches."""
+    chooser = ThreadChooser((1, 2))
+    cost_small, cost_large = {1: 0.001, 2: 0.003}, {1: 0.004, 2: 0.002}
+    for _ in range(100):
+        for rows, cost in ((1, cost_small), (32, cost_large)):
+            n = chooser.choose(rows)
+            chooser.record(rows, n, cost[n] * rows)
+    assert chooser.choose(1) == 1 and chooser.choose(32) == 2
+
+
+def test_choices() -> None:
+    """One core: one thread; few cores: one or all; many: half or all."""
+    assert thread_choices(1) == (1,)
+    assert thread_choices(2) == (1, 2)
+    assert thread_choices(16) == (8, 16)
