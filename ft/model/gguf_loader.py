@@ -244,4 +244,4 @@ def load_gguf(
 
 
 def _fields(config: LlamaConfig) -> dict[str, Any]:
-    return {name: getattr(config, name) for name in config.__slots__}  # type: ignore[attr-defined]
+    return {name: getattr(config, name) for name in config.__slots__}
