@@ -16,7 +16,7 @@ from ft.core.batch import Batch, SeqFailed, SeqWork, StepDone, TokenOut
 from ft.core.kv import PagePool, page_hash
 from ft.core.sequence import SeqStatus, Sequence
 from ft.errors import ContextLengthExceeded, InvalidRequest, RequestFailed
-from ft.params import SamplingParams
+from ft.params import SamplingParams, mix_seed
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,7 +115,7 @@ class Scheduler:
             seeded = (
                 params
                 if params.seed is None or index == 0
-                else replace(params, seed=(params.seed + index * 1_000_033 + 2**63) % 2**64 - 2**63)
+                else replace(params, seed=mix_seed(params.seed, index))
             )
             group.append(Sequence(self._next_seq_id, uid, index, list(prompt_ids), seeded))
             self._next_seq_id += 1
