@@ -45,6 +45,7 @@ async def post(
 
 
 async def test_sdk_create_stream_and_count_tokens_agree(server: RunningServer) -> None:
+    """The SDK's create, stream and count_tokens agree on text, stop reason and token counts."""
     async with sdk(server) as client:
         whole = await client.messages.create(model="fake", max_tokens=64, messages=USER)
         assert whole.id.startswith("msg_") and whole.type == "message"
@@ -69,6 +70,7 @@ async def test_sdk_create_stream_and_count_tokens_agree(server: RunningServer) -
 
 
 async def test_sdk_bad_parameter_is_bad_request(server: RunningServer) -> None:
+    """A bad parameter raises the SDK's BadRequestError."""
     async with sdk(server) as client:
         with pytest.raises(anthropic.BadRequestError) as info:
             # NOTE: this SDK version has no `temperature` argument; the API still takes it.
@@ -84,6 +86,7 @@ async def test_sdk_bad_parameter_is_bad_request(server: RunningServer) -> None:
 
 
 async def test_api_key_via_x_api_key_and_anthropic_error_shape() -> None:
+    """The key may come as x-api-key; a wrong one is a 401 in Anthropic's error shape."""
     settings = ServerSettings(port=0, api_key="sekrit", graceful_timeout_s=0.5)
     async with fake_server(settings=settings) as s:
         async with sdk(s, api_key="sekrit") as client:
@@ -96,6 +99,7 @@ async def test_api_key_via_x_api_key_and_anthropic_error_shape() -> None:
 
 
 async def test_system_blocks_metadata_and_thinking_are_accepted(server: RunningServer) -> None:
+    """System text blocks, metadata and thinking are accepted."""
     r = await post(
         server,
         {
@@ -115,6 +119,7 @@ async def test_system_blocks_metadata_and_thinking_are_accepted(server: RunningS
 
 
 async def test_stop_sequence_is_reported(server: RunningServer) -> None:
+    """A matched stop sequence is reported as stop_reason "stop_sequence" with the sequence."""
     async with sdk(server) as client:
         done = await client.messages.create(
             model="fake", max_tokens=64, messages=USER, stop_sequences=["fake"]
@@ -156,6 +161,7 @@ async def test_stop_sequence_is_reported(server: RunningServer) -> None:
 async def test_invalid_requests_get_anthropic_400(
     server: RunningServer, body: dict[str, Any], field: str
 ) -> None:
+    """Invalid bodies are 400s in Anthropic's shape, naming the field in the message."""
     r = await post(server, body)
     assert r.status_code == 400, r.text
     error = r.json()
@@ -167,6 +173,7 @@ async def test_invalid_requests_get_anthropic_400(
 
 
 async def test_unpackable_fields_are_400_and_leak_nothing(server: RunningServer) -> None:
+    """Values the engine cannot carry are 400s, streamed or not, and leave nothing registered."""
     async with httpx.AsyncClient(base_url=server.base_url, timeout=10) as c:
         baseline = (await wait_idle(c))["requests"]["active"]
         base = '{"model":"fake","max_tokens":4,"messages":[{"role":"user","content":"hi"}]'
@@ -190,6 +197,7 @@ async def test_unpackable_fields_are_400_and_leak_nothing(server: RunningServer)
 
 
 async def test_stream_event_order_for_text(server: RunningServer) -> None:
+    """A stream follows Anthropic's order: message_start, block events, message_delta, message_stop."""
     r = await post(server, {"model": "fake", "max_tokens": 64, "messages": USER, "stream": True})
     assert r.status_code == 200
     assert r.headers["content-type"].startswith("text/event-stream")
@@ -208,6 +216,7 @@ async def test_stream_event_order_for_text(server: RunningServer) -> None:
 
 
 async def test_ping_while_prefill_is_slow() -> None:
+    """A slow prefill gets ping events before the first content block."""
     async with fake_server(FakeRunner(script=text_script("Hi"), step_s=0.7)) as s:
         r = await post(s, {"model": "fake", "max_tokens": 8, "messages": USER, "stream": True})
         names = [n for n, _ in events_of(r.text)]
@@ -225,6 +234,7 @@ def fail_after(num_generated: int) -> Callable[[list[SeqWork]], None]:
 
 
 async def test_error_mid_stream_is_an_error_event() -> None:
+    """A fault after the headers ends the stream with an error event; the SDK raises."""
     async with fake_server(before_step=fail_after(3)) as s:
         r = await post(s, {"model": "fake", "max_tokens": 64, "messages": USER, "stream": True})
         assert r.status_code == 200
@@ -256,6 +266,7 @@ async def test_streamed_context_too_long_is_a_400_before_the_stream(server: Runn
 
 
 async def test_tool_call_round_trip() -> None:
+    """A tool_use block and its tool_result make a round trip through the SDK."""
     async with fake_server(FakeRunner(script=tool_then_answer())) as s, sdk(s) as client:
         first = await client.messages.create(model="fake", max_tokens=200, messages=USER, tools=TOOLS)
         assert first.stop_reason == "tool_use"
@@ -276,6 +287,7 @@ async def test_tool_call_round_trip() -> None:
 
 
 async def test_streamed_tool_call_uses_input_json_delta() -> None:
+    """A streamed tool call is a tool_use block with input_json_delta."""
     async with fake_server(FakeRunner(script=text_script("Checking. " + CALL))) as s:
         r = await post(
             s, {"model": "fake", "max_tokens": 200, "messages": USER, "tools": TOOLS, "stream": True}
@@ -312,6 +324,7 @@ async def test_streamed_tool_call_uses_input_json_delta() -> None:
 
 
 async def test_tool_choice_none_sends_no_tools_and_parses_nothing() -> None:
+    """tool_choice none hides the tools and leaves call-shaped text as text; any, tool and auto parse it."""
     async with fake_server(FakeRunner(script=text_script(CALL))) as s, sdk(s) as client:
         done = await client.messages.create(
             model="fake", max_tokens=200, messages=USER, tools=TOOLS, tool_choice={"type": "none"}
@@ -326,6 +339,7 @@ async def test_tool_choice_none_sends_no_tools_and_parses_nothing() -> None:
 
 
 async def test_thinking_blocks_with_a_reasoning_parser() -> None:
+    """With a reasoning parser, <think> output becomes a thinking block."""
     runner = FakeRunner(script=text_script("<think>\nPonder.\n</think>\n\nDone."))
     async with fake_server(runner, reasoning_parser="think") as s, sdk(s) as client:
         done = await client.messages.create(model="fake", max_tokens=64, messages=USER)
@@ -340,6 +354,7 @@ async def test_thinking_blocks_with_a_reasoning_parser() -> None:
 
 
 async def test_disconnect_mid_stream_frees_everything() -> None:
+    """A client leaving a Messages stream frees its request and pages."""
     runner = FakeRunner(script=text_script("x" * 500), step_s=0.01)
     async with fake_server(runner) as s, httpx.AsyncClient(base_url=s.base_url) as c:
         body = {"model": "fake", "max_tokens": 400, "messages": USER, "stream": True}
@@ -353,6 +368,7 @@ async def test_disconnect_mid_stream_frees_everything() -> None:
 
 async def test_max_tokens_beyond_the_context_means_up_to_the_context(server: RunningServer) -> None:
     # Agents send max_tokens far beyond a small model's context (Claude Code: 32000).
+    """A max_tokens at or past the context means "up to the context" (agents send 32000)."""
     r = await post(server, {"model": "fake", "max_tokens": 32000, "messages": USER})
     assert r.status_code == 200 and r.json()["stop_reason"] == "end_turn"
     async with (
