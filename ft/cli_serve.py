@@ -9,7 +9,14 @@ import re
 
 import trio
 
-from ft.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig, add_model_arguments, model_config_fields
+from ft.config import (
+    ADMISSIONS,
+    DEFAULT_KV_CACHE_MEMORY,
+    KV_CACHE_DTYPES,
+    EngineConfig,
+    add_model_arguments,
+    model_config_fields,
+)
 from ft.server.settings import LOG_LEVELS, ServerSettings
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
@@ -62,6 +69,19 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="KV cache budget, e.g. 512MiB, 1G, or bytes (default: 1GiB)",
     )
     engine.add_argument("--page-size", type=int, default=16, help="tokens per KV page (default: 16)")
+    engine.add_argument(
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPES,
+        default="auto",
+        help="KV cache element type; float16/bfloat16 hold 2x the tokens of float32 (default: the model's)",
+    )
+    engine.add_argument(
+        "--admission",
+        choices=ADMISSIONS,
+        default="need",
+        help="need: admit on what a request needs now and preempt when short; "
+        "reserve: reserve each request's whole budget (default: need)",
+    )
 
     http = parser.add_argument_group("http")
     http.add_argument("--host", default="127.0.0.1", help="bind address (default: 127.0.0.1)")
@@ -117,6 +137,8 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerSet
         page_size=args.page_size,
         num_pages=args.num_pages,
         kv_cache_memory=args.kv_cache_memory,
+        kv_cache_dtype=args.kv_cache_dtype,
+        admission=args.admission,
         max_running_requests=args.max_running_requests,
         max_queued_requests=args.max_queued_requests,
         tool_call_parser=args.tool_call_parser,

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from typing import Any
 
 DTYPES = ("auto", "float32", "bfloat16")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")  # auto: the model's dtype
+ADMISSIONS = ("need", "reserve")
 QUANTIZATIONS = ("int8",)
 # 1 GiB of KV holds ~23k tokens of the default model in float32 (46 KiB a token).
 DEFAULT_KV_CACHE_MEMORY = 1 << 30
@@ -28,6 +30,10 @@ class EngineConfig:
     page_size: int = 16
     num_pages: int | None = None
     kv_cache_memory: int = DEFAULT_KV_CACHE_MEMORY
+    kv_cache_dtype: str = "auto"  # float16/bfloat16 hold twice the tokens of float32
+    # "need": admit on the uncached prompt + one decode token, preempt by recompute when short.
+    # "reserve": admit only when pages for the whole budget are free (the old policy, a baseline).
+    admission: str = "need"
     max_model_len: int | None = None
     max_running_requests: int = 16
     max_queued_requests: int = 256
@@ -45,6 +51,12 @@ class EngineConfig:
             raise ValueError(f"quantize must be one of {', '.join(QUANTIZATIONS)}, got {self.quantize!r}")
         if self.quantize is not None and self.dtype == "bfloat16":
             raise ValueError("quantize=int8 computes in float32; it cannot be combined with bfloat16")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}"
+            )
+        if self.admission not in ADMISSIONS:
+            raise ValueError(f"admission must be one of {', '.join(ADMISSIONS)}, got {self.admission!r}")
         if not 1 <= self.page_size <= 1024:
             raise ValueError(f"page_size must be in 1..1024, got {self.page_size}")
         if self.num_pages is not None and self.num_pages < 2:

@@ -18,6 +18,8 @@ from ft.config import EngineConfig
         ({"max_running_requests": 0}, "max_running_requests"),
         ({"max_model_len": 3}, "max_model_len"),
         ({"kv_cache_memory": 10}, "kv_cache_memory"),
+        ({"kv_cache_dtype": "int4"}, "kv_cache_dtype"),
+        ({"admission": "greedy"}, "admission"),
     ],
 )
 def test_bad_values_are_refused_naming_the_field(fields: dict[str, object], message: str) -> None:
@@ -28,3 +30,4 @@ def test_bad_values_are_refused_naming_the_field(fields: dict[str, object], mess
 def test_defaults_are_valid() -> None:
     config = EngineConfig()
     assert config.quantize is None and config.dtype == "auto"
+    assert config.kv_cache_dtype == "auto" and config.admission == "need"

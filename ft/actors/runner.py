@@ -47,7 +47,9 @@ class RunnerActor:
                         sampled += await self._run([work])
                     except Exception as e:
                         failed.append((work.seq_id, f"model step failed: {type(e).__name__}: {e}"))
-            decodes = [w for w in works if w.start_pos >= w.num_prompt_tokens]
+            # A recompute after preemption feeds generated tokens in chunks: only single-token
+            # works past the prompt are decodes.
+            decodes = [w for w in works if len(w.token_ids) == 1 and w.start_pos >= w.num_prompt_tokens]
             self.scheduler.send_nowait(
                 StepDone(
                     step=batch.step,

@@ -1,9 +1,21 @@
-"""The synchronous scheduler: admission, continuous batching, chunked prefill, finish rules.
+"""The synchronous scheduler: admission by need, preemption by recompute, continuous batching.
 
-One `schedule()` builds a batch (decodes first, then prefill chunks within a token budget);
-`on_step_done()` folds the runner's samples back in and says which tokens go out. A request is
-admitted only when KV pages for its whole budget (prompt + max_tokens, for each of its `n`
-sequences) can be allocated, so a running sequence never runs out of pages.
+One `schedule()` grows the running sequences by the page their next token needs (preempting
+when the pool is short), admits what fits, and builds a batch (decodes first, then prefill
+chunks within a token budget); `on_step_done()` folds the runner's samples back in and says which
+tokens go out.
+
+Admission is by need: a request is admitted when its uncached prompt plus one decode token
+(for each of its `n` sequences) fits, leaving a small watermark free; `max_tokens` bounds a
+sequence but reserves nothing. When a running sequence needs a page and none is allocatable,
+the most recently admitted request is preempted: its pages are freed (full pages stay in the
+prefix cache), it goes back to the head of the waiting queue, and when re-admitted it recomputes
+its prompt plus the tokens it already generated, then samples where it left off.
+
+Guarantee (no livelock): the oldest running request is never preempted, and `check_fits`
+refuses any request whose whole budget could not fit the pool alone, so the oldest request
+always gets its next page and advances every step. The queue is FIFO with preempted requests at
+its head, so nothing admitted later overtakes an earlier request: every request finishes.
 """
 
 from __future__ import annotations
@@ -50,6 +62,7 @@ class Scheduler:
         max_prefill_tokens: int,
         eos_token_ids: Iterable[int],
         enable_prefix_caching: bool = True,
+        reserve_full_budget: bool = False,
     ) -> None:
         self.pool = pool
         self.max_running = max_running
@@ -57,11 +70,19 @@ class Scheduler:
         self.max_prefill_tokens = max_prefill_tokens
         self.eos_token_ids = frozenset(eos_token_ids)
         self.enable_prefix_caching = enable_prefix_caching
+        # The old policy, kept as a measurable baseline: admit only when pages for the whole
+        # budget (prompt + max_tokens) are free, so nothing is ever preempted.
+        self.reserve_full_budget = reserve_full_budget
+        # Pages admission leaves free while something runs, so an admission does not force a
+        # preemption on the very next step (vLLM keeps 1% too).
+        self.watermark_pages = pool.num_pages // 100
         self.waiting: deque[list[Sequence]] = deque()  # one group of `n` sequences per request
         self.running: dict[int, Sequence] = {}  # seq_id -> sequence, in admission order
         self._next_seq_id = 0
         self._step = 0
         self.num_prefix_hit_tokens = 0
+        self.num_preemptions = 0  # requests preempted (one count per request, not per choice)
+        self.num_recomputed_tokens = 0  # tokens computed again after a preemption
 
     # --- admission ---------------------------------------------------------------------------
 
@@ -77,7 +98,7 @@ class Scheduler:
             )
         if params.max_tokens is None:
             # Up to the end of the context, as OpenAI does, but never more than the pool holds:
-            # the whole budget is reserved at admission.
+            # a request alone must always be able to finish (the no-livelock guarantee).
             pool_tokens = self.pool.num_pages // params.n * self.pool.page_size
             max_tokens = min(room, pool_tokens - num_prompt_tokens)
             if max_tokens < 1:
@@ -125,35 +146,101 @@ class Scheduler:
         """Admit all of a request's sequences, or none: nothing is held unless all fit."""
         if len(self.running) + len(group) > self.max_running:
             return False
-        hashes = self._prompt_hashes(group[0]) if self.enable_prefix_caching else []
-        matched = [self.pool.match_prefix(hashes) for _ in group]
+        matched = [
+            self.pool.match_prefix(self._full_page_hashes(seq) if self.enable_prefix_caching else [])
+            for seq in group
+        ]
         fresh = [
-            pages_for(seq.max_total_tokens, self.pool.page_size) - len(m)
+            pages_for(self._admission_tokens(seq), self.pool.page_size) - len(m)
             for seq, m in zip(group, matched, strict=True)
         ]
-        if not self.pool.can_allocate(sum(fresh)):
+        reserve = self.watermark_pages if self.running and not self.reserve_full_budget else 0
+        if not self.pool.can_allocate(sum(fresh) + reserve):
             for pages in matched:
                 self.pool.release(pages)
             return False
         for seq, m, n in zip(group, matched, fresh, strict=True):
             seq.page_ids = m + self.pool.allocate(n)
-            seq.page_hashes = hashes[: len(m)]
-            seq.num_computed = seq.num_cached_prompt = len(m) * self.pool.page_size
-            self.num_prefix_hit_tokens += seq.num_cached_prompt
+            seq.num_registered = len(m)
+            seq.num_computed = len(m) * self.pool.page_size
+            self.num_prefix_hit_tokens += seq.num_computed
+            if not seq.output_ids:  # what usage reports: hits on the prompt, before any output
+                seq.num_cached_prompt = min(seq.num_computed, len(seq.prompt_ids))
+            if seq.num_lost:
+                self.num_recomputed_tokens += max(0, seq.num_lost - seq.num_computed)
+                seq.num_lost = 0
             seq.status = SeqStatus.RUNNING
             self.running[seq.seq_id] = seq
         return True
 
-    def _prompt_hashes(self, seq: Sequence) -> list[int]:
-        # The last prompt token is always recomputed (its logits are needed), so only pages
-        # wholly before it are reusable.
+    def _admission_tokens(self, seq: Sequence) -> int:
+        """Tokens whose pages admission allocates: its whole budget, or what it needs now."""
+        if self.reserve_full_budget:
+            return seq.max_total_tokens
+        # Everything to (re)compute plus the first decode token after it.
+        return min(seq.num_tokens + 1, seq.max_total_tokens)
+
+    def _full_page_hashes(self, seq: Sequence) -> list[int]:
+        """Content hashes of the sequence's full pages before its last token (kept on `seq`).
+
+        The last token is always recomputed (its logits are needed), so only pages wholly
+        before it are reusable. Hashes depend on content only, so they survive a preemption.
+        """
         size = self.pool.page_size
-        hashes: list[int] = []
-        parent = None
-        for i in range((len(seq.prompt_ids) - 1) // size):
-            parent = page_hash(parent, seq.prompt_ids[i * size : (i + 1) * size])
-            hashes.append(parent)
-        return hashes
+        hashes = seq.page_hashes
+        for i in range(len(hashes), (seq.num_tokens - 1) // size):
+            hashes.append(page_hash(hashes[-1] if hashes else None, seq.tokens(i * size, (i + 1) * size)))
+        return hashes[: (seq.num_tokens - 1) // size]
+
+    # --- preemption --------------------------------------------------------------------------
+
+    def _grow(self) -> bool:
+        """Give each running sequence the page its next token needs, preempting when short.
+
+        Oldest first; the victim is always the most recently admitted request (possibly the
+        sequence's own, which then waits). Returns whether anything was preempted.
+        """
+        preempted = False
+        for seq in list(self.running.values()):
+            if seq.seq_id not in self.running:
+                continue  # preempted earlier in this loop
+            needed = pages_for(seq.num_tokens, self.pool.page_size) - len(seq.page_ids)
+            if needed <= 0:
+                continue
+            while not self.pool.can_allocate(needed):
+                victim = self._pick_victim()
+                # NOTE: unreachable by construction: alone, a request's whole budget fits the
+                # pool (`check_fits`), so the oldest request always finds its page.
+                assert victim != self._oldest_running_uid(), "the oldest request cannot grow"
+                self.preempt(victim)
+                preempted = True
+                if victim == seq.uid:
+                    break
+            if seq.seq_id in self.running:
+                seq.page_ids += self.pool.allocate(needed)
+        return preempted
+
+    def _pick_victim(self) -> int:
+        """The request to preempt: the most recently admitted one (see the module docstring)."""
+        return next(reversed(self.running.values())).uid
+
+    def _oldest_running_uid(self) -> int:
+        return next(iter(self.running.values())).uid
+
+    def preempt(self, uid: int) -> None:
+        """Free every running sequence of request `uid` and queue it first, to be recomputed."""
+        group = [seq for seq in self.running.values() if seq.uid == uid]
+        for seq in group:
+            del self.running[seq.seq_id]
+            self.pool.release(seq.page_ids)
+            seq.page_ids = []
+            seq.num_lost = max(seq.num_lost, seq.num_computed)
+            seq.num_computed = seq.num_registered = 0
+            seq.num_preemptions += 1
+            seq.status = SeqStatus.PREEMPTED
+        if group:
+            self.num_preemptions += 1
+            self.waiting.appendleft(group)
 
     # --- leaving -----------------------------------------------------------------------------
 
@@ -170,12 +257,22 @@ class Scheduler:
         return dropped
 
     def finish_seq(self, seq_id: int) -> bool:
-        """End one running sequence early (stop string). Returns whether it was running."""
+        """End one sequence early (stop string). Returns whether it was running or preempted."""
         seq = self.running.get(seq_id)
-        if seq is None:
-            return False
-        self._release(seq)
-        return True
+        if seq is not None:
+            self._release(seq)
+            return True
+        # A stop string can be found in a token the sequence produced just before it was
+        # preempted: drop it from its waiting group (a preempted sequence holds no pages).
+        for group in self.waiting:
+            for seq in group:
+                if seq.seq_id == seq_id:
+                    group.remove(seq)
+                    seq.status = SeqStatus.FINISHED
+                    if not group:
+                        self.waiting.remove(group)
+                    return True
+        return False
 
     def _release(self, seq: Sequence) -> None:
         seq.status = SeqStatus.FINISHED
@@ -196,14 +293,22 @@ class Scheduler:
         return len({seq.uid for seq in self.running.values()})
 
     @property
+    def num_held_tokens(self) -> int:
+        """Tokens whose KV the running sequences hold (a shared prefix counts once per holder)."""
+        return sum(seq.num_computed for seq in self.running.values())
+
+    @property
     def num_waiting_requests(self) -> int:
         """Tokenized requests waiting for admission."""
         return len(self.waiting)
 
     def schedule(self) -> Batch | None:
-        """Admit what fits, then build the next batch; None when nothing can run."""
-        while self.waiting and self._try_admit(self.waiting[0]):
-            self.waiting.popleft()
+        """Grow (preempting if short), admit what fits, build the next batch; None when idle."""
+        # After a preemption admit nothing this step: the pages just freed go to the running
+        # sequences' growth, and the victim (now first in the queue) would only thrash.
+        if not self._grow():
+            while self.waiting and self._try_admit(self.waiting[0]):
+                self.waiting.popleft()
         works: list[SeqWork] = []
         budget = self.max_prefill_tokens
         for seq in self.running.values():
@@ -214,10 +319,10 @@ class Scheduler:
             if budget <= 0:
                 break
             if seq.is_prefilling:
-                remaining = len(seq.prompt_ids) - seq.num_computed
+                remaining = seq.num_tokens - seq.num_computed
                 chunk = min(remaining, budget)
                 start = seq.num_computed
-                tokens = seq.prompt_ids[start : start + chunk]
+                tokens = seq.tokens(start, start + chunk)
                 works.append(self._work(seq, tokens, start, sample=chunk == remaining))
                 budget -= chunk
         if not works:
@@ -295,9 +400,12 @@ class Scheduler:
         if not self.enable_prefix_caching:
             return
         size = self.pool.page_size
-        while len(seq.page_hashes) < seq.num_computed // size:
-            i = len(seq.page_hashes)
-            parent = seq.page_hashes[-1] if seq.page_hashes else None
-            h = page_hash(parent, seq.tokens(i * size, (i + 1) * size))
-            seq.page_hashes.append(h)
-            self.pool.register(seq.page_ids[i], h)
+        full = min(seq.num_computed // size, len(seq.page_ids))
+        if seq.num_registered >= full:
+            return
+        hashes = seq.page_hashes
+        for i in range(len(hashes), full):
+            hashes.append(page_hash(hashes[-1] if hashes else None, seq.tokens(i * size, (i + 1) * size)))
+        for i in range(seq.num_registered, full):
+            self.pool.register(seq.page_ids[i], hashes[i])
+        seq.num_registered = full

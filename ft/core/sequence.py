@@ -12,6 +12,7 @@ class SeqStatus(enum.Enum):
     """Where a sequence is in its life."""
 
     WAITING = "waiting"
+    PREEMPTED = "preempted"  # waiting again, pages freed, to be recomputed
     RUNNING = "running"
     FINISHED = "finished"
 
@@ -27,9 +28,12 @@ class Sequence:
     params: SamplingParams
     output_ids: list[int] = field(default_factory=list)
     page_ids: list[int] = field(default_factory=list)
-    page_hashes: list[int] = field(default_factory=list)  # hashes of the leading full pages
+    page_hashes: list[int] = field(default_factory=list)  # content hashes of leading full pages
+    num_registered: int = 0  # leading pages registered in the prefix cache
     num_computed: int = 0  # tokens whose KV is in the cache
-    num_cached_prompt: int = 0  # prompt tokens reused from the prefix cache
+    num_cached_prompt: int = 0  # prompt tokens the prefix cache supplied at its first admission
+    num_lost: int = 0  # tokens computed before its last preemption (to recompute)
+    num_preemptions: int = 0
     status: SeqStatus = SeqStatus.WAITING
 
     @property
@@ -45,8 +49,12 @@ class Sequence:
 
     @property
     def is_prefilling(self) -> bool:
-        """True while prompt tokens remain to be computed."""
-        return self.num_computed < len(self.prompt_ids)
+        """True while more than the last token remains to be computed.
+
+        A fresh sequence prefills its prompt; a preempted one, re-admitted, prefills its prompt
+        plus the tokens it had already generated (recompute), then samples where it left off.
+        """
+        return self.num_tokens - self.num_computed > 1
 
     def token_at(self, pos: int) -> int:
         """The token at position `pos` of prompt + output."""

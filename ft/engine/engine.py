@@ -72,6 +72,7 @@ class Engine:
         self.model_id = config.served_model_name or (config.model or "SmolLM2-135M-Instruct")
         self.max_model_len = 0
         self.vocab_size = 0
+        self.kv_cache_dtype = config.kv_cache_dtype  # resolved to a real dtype once loaded
         self.generation_defaults: dict[str, float | int] = {}
         self._uids = itertools.count(1)
         self._ready = trio.Event()
@@ -107,6 +108,9 @@ class Engine:
             )
         num_pages = cfg.num_pages or max(2, cfg.kv_cache_memory // parts.bytes_per_page(cfg.page_size))
         runner = await trio.to_thread.run_sync(parts.make_runner, num_pages, cfg.page_size)
+        kv_dtype = getattr(runner, "kv_dtype", None)
+        if kv_dtype is not None:
+            self.kv_cache_dtype = str(kv_dtype).removeprefix("torch.")
         if not cfg.served_model_name:
             self.model_id = parts.model_id
         self.vocab_size = parts.vocab_size
@@ -123,6 +127,7 @@ class Engine:
             max_prefill_tokens=cfg.max_prefill_tokens,
             eos_token_ids=spec.eos_token_ids,
             enable_prefix_caching=cfg.enable_prefix_caching,
+            reserve_full_budget=cfg.admission == "reserve",
         )
         # Unbounded inboxes, each bounded by what feeds it: every live request posts one
         # Tokenize and O(1) scheduler commands; one StepDone and one detokenizer tuple per step.
@@ -473,6 +478,16 @@ class Engine:
                 "total_pages": pool.num_pages if pool else 0,
                 "page_size": self.config.page_size,
                 "cached_pages": pool.num_cached if pool else 0,
+                "free_pages": pool.num_allocatable - pool.num_cached if pool else 0,
+                "used_tokens": core.num_held_tokens if core else 0,
+                "usage": round(pool.num_used / pool.num_pages, 4) if pool else 0.0,
+                "dtype": self.kv_cache_dtype,
+            },
+            "scheduler": {
+                "admission": self.config.admission,
+                "preemptions": core.num_preemptions if core else 0,
+                "recomputed_tokens": core.num_recomputed_tokens if core else 0,
+                "prefix_hit_tokens": core.num_prefix_hit_tokens if core else 0,
             },
             "throughput": self.stats.throughput(trio.current_time()),
             "requests": {

@@ -43,12 +43,18 @@ def load_torch_model(config: EngineConfig, progress: Callable[[float], None] | N
     from ft.model.loader import is_gguf, load_model
     from ft.model.torch_runner import TorchRunner
 
-    # A quantized GGUF runs as stored unless a float dtype or --quantize was asked for.
+    # A quantized GGUF runs as stored unless a float dtype, --quantize or a 16-bit KV cache was
+    # asked for (the packed decode kernels read and write a float32 KV cache).
     packed = (
-        config.dtype == "auto" and config.quantize is None and is_gguf(config.model) and kernels.available()
+        config.dtype == "auto"
+        and config.quantize is None
+        and config.kv_cache_dtype in ("auto", "float32")
+        and is_gguf(config.model)
+        and kernels.available()
     )
     loaded = load_model(config.model, torch.float32, progress, quantized=packed)  # the runner casts
     dtype = torch.float32 if config.quantize or packed else resolve_dtype(config.dtype, loaded.config)
+    kv_dtype = dtype if config.kv_cache_dtype == "auto" else getattr(torch, config.kv_cache_dtype)
 
     def make_runner(num_pages: int, page_size: int) -> Runner:
         return TorchRunner(
@@ -58,13 +64,14 @@ def load_torch_model(config: EngineConfig, progress: Callable[[float], None] | N
             dtype=dtype,
             threads=config.compute_threads,
             quantize=config.quantize,
+            kv_dtype=kv_dtype,
         )
 
     return ModelParts(
         model_id=loaded.model_id,
         tokenizer=loaded.tokenizer,
         make_runner=make_runner,
-        bytes_per_page=lambda ps: TorchRunner.bytes_per_page(loaded.config, ps, dtype),
+        bytes_per_page=lambda ps: TorchRunner.bytes_per_page(loaded.config, ps, kv_dtype),
         vocab_size=loaded.config.vocab_size,
         generation_defaults=loaded.generation_defaults,
     )

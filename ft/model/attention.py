@@ -108,9 +108,9 @@ def write_kv(
     v: torch.Tensor,
     meta: AttentionMetadata,
 ) -> None:
-    """Store the new tokens' keys and values at their slots."""
-    k_cache.index_copy_(0, meta.slot_mapping, k)
-    v_cache.index_copy_(0, meta.slot_mapping, v)
+    """Store the new tokens' keys and values at their slots (cast to the cache's dtype)."""
+    k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
+    v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
 
 
 def paged_attention(
@@ -132,8 +132,9 @@ def paged_attention(
         qd = qd.view(batch, kv_heads, group, head_dim)  # [B, kvh, group, hd]
         kv_len = meta.decode_slots.shape[1]
         flat = meta.decode_slots.view(-1)  # [B * L]
-        kd = k_cache.index_select(0, flat).view(batch, kv_len, kv_heads, head_dim).transpose(1, 2)
-        vd = v_cache.index_select(0, flat).view(batch, kv_len, kv_heads, head_dim).transpose(1, 2)
+        # NOTE: `.to(q.dtype)` is a no-op unless --kv-cache-dtype stores k/v narrower than q.
+        kd = k_cache.index_select(0, flat).to(q.dtype).view(batch, kv_len, kv_heads, head_dim).transpose(1, 2)
+        vd = v_cache.index_select(0, flat).to(q.dtype).view(batch, kv_len, kv_heads, head_dim).transpose(1, 2)
         # NOTE: explicit matmuls: for one query row per sequence they beat the SDPA kernels on CPU.
         scores = torch.matmul(qd, kd.transpose(-1, -2)) * head_dim**-0.5  # [B, kvh, group, L]
         scores = scores.masked_fill(~meta.decode_mask, float("-inf")).softmax(-1)
@@ -148,8 +149,8 @@ def paged_attention(
         q_len = chunk.row_end - chunk.row_start
         qc = q[chunk.row_start : chunk.row_end].view(q_len, kv_heads, group, head_dim)
         qc = qc.permute(1, 2, 0, 3).reshape(kv_heads, group * q_len, head_dim)  # [kvh, group*q, hd]
-        kc = k_cache.index_select(0, chunk.slots).transpose(0, 1)  # [kvh, L, hd]
-        vc = v_cache.index_select(0, chunk.slots).transpose(0, 1)  # [kvh, L, hd]
+        kc = k_cache.index_select(0, chunk.slots).to(q.dtype).transpose(0, 1)  # [kvh, L, hd]
+        vc = v_cache.index_select(0, chunk.slots).to(q.dtype).transpose(0, 1)  # [kvh, L, hd]
         mask = chunk.mask.repeat(group, 1)  # [group*q, L]
         oc = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask)  # [kvh, group*q, hd]
         oc = oc.view(kv_heads, group, q_len, head_dim).permute(2, 0, 1, 3)  # [q, kvh, group, hd]

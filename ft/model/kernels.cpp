@@ -498,6 +498,52 @@ void gemm_team(const Weight& w, const QAct& a, float* y, int64_t ldy) {
   }
 }
 
+// Paged attention of T rows (call from inside a parallel region; `scores` holds max_len floats
+// per thread). Row t reads queries at q + t * ldq, writes out + t * ldo.
+void attend_team(const float* qbase, int64_t ldq, const float* k_cache, const float* v_cache, int64_t T,
+                 const int64_t* seq, const int64_t* pos, const int32_t* block_tables, int64_t max_pages,
+                 int64_t page_size, int64_t nh, int64_t nkvh, int64_t hd, float* obase, int64_t ldo,
+                 float* scores) {
+  const int64_t kvsz = nkvh * hd, group = nh / nkvh;
+  const float scale = 1.0f / sqrtf((float)hd);
+#pragma omp for schedule(dynamic, 1) collapse(2)
+    for (int64_t t = 0; t < T; t++) {
+      for (int64_t kh = 0; kh < nkvh; kh++) {
+        const int64_t len = pos[t] + 1;
+        const int32_t* table = block_tables + seq[t] * max_pages;
+        for (int64_t g = 0; g < group; g++) {
+          const int64_t head = kh * group + g;
+          const float* q = qbase + t * ldq + head * hd;
+          float mx = -INFINITY;
+          for (int64_t p = 0; p < len; p++) {
+            const int64_t slot = (int64_t)table[p / page_size] * page_size + p % page_size;
+            const float* k = k_cache + slot * kvsz + kh * hd;
+            float dot = 0;
+#pragma omp simd reduction(+ : dot)
+            for (int64_t i = 0; i < hd; i++) dot += q[i] * k[i];
+            scores[p] = dot * scale;
+            mx = scores[p] > mx ? scores[p] : mx;
+          }
+          float sum = 0;
+          for (int64_t p = 0; p < len; p++) {
+            scores[p] = expf(scores[p] - mx);
+            sum += scores[p];
+          }
+          float* o = obase + t * ldo + head * hd;
+          for (int64_t i = 0; i < hd; i++) o[i] = 0;
+          const float inv = 1.0f / sum;
+          for (int64_t p = 0; p < len; p++) {
+            const int64_t slot = (int64_t)table[p / page_size] * page_size + p % page_size;
+            const float* v = v_cache + slot * kvsz + kh * hd;
+            const float c = scores[p] * inv;
+#pragma omp simd
+            for (int64_t i = 0; i < hd; i++) o[i] += c * v[i];
+          }
+        }
+      }
+    }
+}
+
 void rms_norm_row(const float* x, const float* weight, float eps, int64_t H, float* out) {
   float ss = 0;
 #pragma omp simd reduction(+ : ss)
@@ -548,12 +594,11 @@ void ft_decoder_layer(float* x, int64_t T, int64_t H, const float* norm1, const 
                       float* v_cache, const int64_t* slot_of, const int64_t* seq, const int64_t* pos,
                       const int32_t* block_tables, int64_t max_pages, int64_t page_size, int64_t nh,
                       int64_t nkvh, int64_t hd, int64_t inter, int threads) {
-  const int64_t qsz = nh * hd, kvsz = nkvh * hd, qkv_w = qsz + 2 * kvsz, group = nh / nkvh;
+  const int64_t qsz = nh * hd, kvsz = nkvh * hd, qkv_w = qsz + 2 * kvsz;
   std::vector<float> h(T * H), qkv(T * qkv_w), attn(T * qsz), gu(T * 2 * inter);
   int64_t max_len = 0;
   for (int64_t t = 0; t < T; t++) max_len = pos[t] + 1 > max_len ? pos[t] + 1 : max_len;
   QAct act;
-  const float scale = 1.0f / sqrtf((float)hd);
 #pragma omp parallel num_threads(threads)
   {
     std::vector<float> scores(max_len);
@@ -575,42 +620,8 @@ void ft_decoder_layer(float* x, int64_t T, int64_t H, const float* norm1, const 
       memcpy(k_cache + slot_of[t] * kvsz, row + qsz, kvsz * sizeof(float));
       memcpy(v_cache + slot_of[t] * kvsz, row + qsz + kvsz, kvsz * sizeof(float));
     }
-#pragma omp for schedule(dynamic, 1) collapse(2)
-    for (int64_t t = 0; t < T; t++) {
-      for (int64_t kh = 0; kh < nkvh; kh++) {
-        const int64_t len = pos[t] + 1;
-        const int32_t* table = block_tables + seq[t] * max_pages;
-        for (int64_t g = 0; g < group; g++) {
-          const int64_t head = kh * group + g;
-          const float* q = qkv.data() + t * qkv_w + head * hd;
-          float mx = -INFINITY;
-          for (int64_t p = 0; p < len; p++) {
-            const int64_t slot = (int64_t)table[p / page_size] * page_size + p % page_size;
-            const float* k = k_cache + slot * kvsz + kh * hd;
-            float dot = 0;
-#pragma omp simd reduction(+ : dot)
-            for (int64_t i = 0; i < hd; i++) dot += q[i] * k[i];
-            scores[p] = dot * scale;
-            mx = scores[p] > mx ? scores[p] : mx;
-          }
-          float sum = 0;
-          for (int64_t p = 0; p < len; p++) {
-            scores[p] = expf(scores[p] - mx);
-            sum += scores[p];
-          }
-          float* o = attn.data() + t * qsz + head * hd;
-          for (int64_t i = 0; i < hd; i++) o[i] = 0;
-          const float inv = 1.0f / sum;
-          for (int64_t p = 0; p < len; p++) {
-            const int64_t slot = (int64_t)table[p / page_size] * page_size + p % page_size;
-            const float* v = v_cache + slot * kvsz + kh * hd;
-            const float c = scores[p] * inv;
-#pragma omp simd
-            for (int64_t i = 0; i < hd; i++) o[i] += c * v[i];
-          }
-        }
-      }
-    }
+    attend_team(qkv.data(), qkv_w, k_cache, v_cache, T, seq, pos, block_tables, max_pages, page_size, nh, nkvh,
+                hd, attn.data(), qsz, scores.data());
 #pragma omp single
     act.set(attn.data(), T, qsz, qsz);
     gemm_team(w[3], act, h.data(), H);  // h = o_proj(attn)
@@ -635,6 +646,21 @@ void ft_decoder_layer(float* x, int64_t T, int64_t H, const float* norm1, const 
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < T; t++)
       for (int64_t i = 0; i < H; i++) x[t * H + i] += h[t * H + i];
+  }
+}
+
+// Paged attention of T rows whose keys and values are already in the caches: q [T, nh * hd]
+// (rotary applied) -> out [T, nh * hd]; indices as for ft_decoder_layer.
+void ft_attention(const float* q, int64_t T, const float* k_cache, const float* v_cache, const int64_t* seq,
+                  const int64_t* pos, const int32_t* block_tables, int64_t max_pages, int64_t page_size,
+                  int64_t nh, int64_t nkvh, int64_t hd, float* out, int threads) {
+  int64_t max_len = 0;
+  for (int64_t t = 0; t < T; t++) max_len = pos[t] + 1 > max_len ? pos[t] + 1 : max_len;
+#pragma omp parallel num_threads(threads)
+  {
+    std::vector<float> scores(max_len);
+    attend_team(q, nh * hd, k_cache, v_cache, T, seq, pos, block_tables, max_pages, page_size, nh, nkvh, hd, out,
+                nh * hd, scores.data());
   }
 }
 

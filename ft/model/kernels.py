@@ -78,6 +78,8 @@ def _build() -> ctypes.CDLL:
         i64, i64, i64, i64, i64, i64, i32,
     ]  # fmt: skip
     lib.ft_decoder_layer.restype = None
+    lib.ft_attention.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, ptr, i32]
+    lib.ft_attention.restype = None
     return lib
 
 

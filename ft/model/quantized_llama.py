@@ -15,14 +15,13 @@ import torch
 import torch.nn.functional as F
 
 from ft.model import kernels
-from ft.model.attention import SeqSpan, build_metadata, paged_attention, write_kv
 from ft.model.llama import LlamaConfig, apply_rope, rope_inv_freq
 from ft.model.quant import QuantTensor
 
-# NOTE: above this many rows (prefill chunks) a step dequantizes each weight into a scratch
-# matrix and multiplies with torch (oneDNN: AMX bfloat16 where the CPU has it): at 256 rows the
-# packed kernels took 26 ms for the [576 -> 3072] product where dequantize + bfloat16 took 1.5.
-DENSE_ROWS = 32
+# NOTE: oneDNN's matmuls give a row different last bits depending on how many rows share the
+# call (seen for 3, 5, 8, 16, 17, 31 and 32 of 64 rows here), but the same bits for a row wherever
+# it sits in a call of a fixed size. Tiles of 64 cost 2x a single call in bfloat16 here; 32, 3x.
+DENSE_TILE = 64
 
 _PROJECTIONS = (
     "self_attn.q_proj",
@@ -106,24 +105,21 @@ class QuantizedLlama:
         )
         return out
 
-    def forward(
+    def forward_packed(
         self,
         input_ids: torch.Tensor,  # [T]
         index: StepIndex,
         k_caches: torch.Tensor,  # [layers, num_slots, kv_heads, head_dim] float32
         v_caches: torch.Tensor,
         page_size: int,
-        spans: list[SeqSpan],
     ) -> torch.Tensor:
-        """Hidden states after the final norm, `[T, hidden]`; writes the tokens' KV."""
+        """Hidden states after the final norm, `[T, hidden]`, through the packed kernels (one
+        native call per layer); writes the tokens' KV. Each row's arithmetic is the same
+        whatever else is in the step."""
         c = self.config
         x = self.embed_tokens(input_ids)  # [T, hidden]
         num_tokens = x.shape[0]
-        freqs = index.positions.float()[:, None] * self.inv_freq[None, :]  # [T, head_dim // 2]
-        cos, sin = freqs.cos().contiguous(), freqs.sin().contiguous()
-        if num_tokens > DENSE_ROWS:
-            x = self._dense_layers(x, cos, sin, k_caches, v_caches, build_metadata(spans, page_size))
-            return self._final_norm(x)
+        cos, sin = self._rotary(index.positions)
         threads = torch.get_num_threads()
         tables = index.block_tables
         for i, layer in enumerate(self.layers):
@@ -136,6 +132,56 @@ class QuantizedLlama:
                 threads,
             )  # fmt: skip
         return self._final_norm(x)
+
+    def forward_dense(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        index: StepIndex,
+        k_caches: torch.Tensor,
+        v_caches: torch.Tensor,
+        page_size: int,
+    ) -> torch.Tensor:
+        """Hidden states after the final norm, `[T, hidden]`, with torch matmuls over weights
+        dequantized layer by layer into scratch matrices (prompt chunks: many rows share each
+        dequantization, and oneDNN multiplies them in AMX bfloat16 where the CPU has it).
+
+        Row for row the same numbers whatever the step holds: the matmuls run on fixed tiles
+        of `DENSE_TILE` rows (oneDNN picks its kernel by row count) and the norms and the
+        attention are the native row-wise ones.
+        """
+        c = self.config
+        x = self.embed_tokens(input_ids)  # [T, hidden]
+        num_tokens = x.shape[0]
+        cos, sin = self._rotary(index.positions)
+        cos2 = torch.cat((cos, cos), -1)[:, None, :]  # [T, 1, head_dim]
+        sin2 = torch.cat((sin, sin), -1)[:, None, :]
+        threads = torch.get_num_threads()
+        tables = index.block_tables
+        attn = torch.empty(num_tokens, c.q_size)
+        for i, layer in enumerate(self.layers):
+            h = self._rms_norm(x, layer.norm1)
+            q, k, v = (self._linear(h, w) for w in (layer.q, layer.k, layer.v))
+            if layer.bias is not None:
+                qb, kb, vb = layer.bias.split([c.q_size, c.kv_size, c.kv_size])
+                q, k, v = q + qb, k + kb, v + vb
+            q = apply_rope(q.view(num_tokens, c.num_heads, c.head_dim), cos2, sin2).contiguous()
+            k = apply_rope(k.view(num_tokens, c.num_kv_heads, c.head_dim), cos2, sin2)
+            k_caches[i].index_copy_(0, index.slot_of, k)
+            v_caches[i].index_copy_(0, index.slot_of, v.view(num_tokens, c.num_kv_heads, c.head_dim))
+            k_cache, v_cache = k_caches[i], v_caches[i]
+            self.lib.ft_attention(
+                q.data_ptr(), num_tokens, k_cache.data_ptr(), v_cache.data_ptr(), index.seq.data_ptr(),
+                index.positions.data_ptr(), tables.data_ptr(), tables.shape[1], page_size, c.num_heads,
+                c.num_kv_heads, c.head_dim, attn.data_ptr(), threads,
+            )  # fmt: skip
+            x = x + self._linear(attn, layer.o)
+            h = self._rms_norm(x, layer.norm2)
+            x = x + self._linear(F.silu(self._linear(h, layer.gate)) * self._linear(h, layer.up), layer.down)
+        return self._final_norm(x)
+
+    def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, head_dim // 2]
+        return freqs.cos().contiguous(), freqs.sin().contiguous()
 
     def _final_norm(self, x: torch.Tensor) -> torch.Tensor:
         c = self.config
@@ -166,37 +212,23 @@ class QuantizedLlama:
         return out.to(self.dense_dtype)
 
     def _linear(self, x: torch.Tensor, w: QuantTensor) -> torch.Tensor:
-        return F.linear(x.to(self.dense_dtype), self.dense(w)).float()
+        """`x @ w.T` on tiles of `DENSE_TILE` rows (the last one zero-padded)."""
+        weight = self.dense(w)
+        rows = x.shape[0]
+        padded = -(-rows // DENSE_TILE) * DENSE_TILE
+        xs = torch.zeros(padded, x.shape[1], dtype=self.dense_dtype)
+        xs[:rows] = x
+        out = torch.empty(padded, w.rows, dtype=self.dense_dtype)
+        for start in range(0, padded, DENSE_TILE):
+            torch.mm(xs[start : start + DENSE_TILE], weight.T, out=out[start : start + DENSE_TILE])
+        return out[:rows].float()
 
-    def _dense_layers(
-        self,
-        x: torch.Tensor,  # [T, hidden] float32
-        cos: torch.Tensor,  # [T, head_dim // 2]
-        sin: torch.Tensor,
-        k_caches: torch.Tensor,
-        v_caches: torch.Tensor,
-        meta: object,
-    ) -> torch.Tensor:
-        """The decoder stack with torch ops over dequantized weights (many rows)."""
+    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         c = self.config
-        num_tokens = x.shape[0]
-        cos2 = torch.cat((cos, cos), -1)[:, None, :]  # [T, 1, head_dim]
-        sin2 = torch.cat((sin, sin), -1)[:, None, :]
-        for i, layer in enumerate(self.layers):
-            h = _rms_norm(x, layer.norm1, c.rms_norm_eps)
-            q, k, v = (self._linear(h, w) for w in (layer.q, layer.k, layer.v))
-            if layer.bias is not None:
-                qb, kb, vb = layer.bias.split([c.q_size, c.kv_size, c.kv_size])
-                q, k, v = q + qb, k + kb, v + vb
-            q = apply_rope(q.view(num_tokens, c.num_heads, c.head_dim), cos2, sin2)  # [T, heads, hd]
-            k = apply_rope(k.view(num_tokens, c.num_kv_heads, c.head_dim), cos2, sin2)  # [T, kvh, hd]
-            write_kv(k_caches[i], v_caches[i], k, v.view(num_tokens, c.num_kv_heads, c.head_dim), meta)  # type: ignore[arg-type]
-            attn = paged_attention(q, k_caches[i], v_caches[i], meta)  # type: ignore[arg-type]
-            x = x + self._linear(attn, layer.o)
-            h = _rms_norm(x, layer.norm2, c.rms_norm_eps)
-            x = x + self._linear(F.silu(self._linear(h, layer.gate)) * self._linear(h, layer.up), layer.down)
-        return x
-
-
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        self.lib.ft_rms_norm(
+            x.data_ptr(), x.shape[0], c.hidden_size, c.hidden_size, weight.data_ptr(), c.rms_norm_eps,
+            out.data_ptr(),
+        )  # fmt: skip
+        return out

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -72,6 +73,15 @@ def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return raw.view(dtype).view(shape)
 
 
+@dataclass(frozen=True, slots=True)
+class _Part:
+    """Tokens of one work fed through one path: positions `start...`."""
+
+    work: SeqWork
+    start: int
+    tokens: tuple[int, ...]
+
+
 class TorchRunner:
     """Runs batched steps of a Llama-family model over `num_pages` KV pages of `page_size` slots.
 
@@ -88,6 +98,7 @@ class TorchRunner:
         dtype: torch.dtype,
         threads: int | None = None,
         quantize: str | None = None,
+        kv_dtype: torch.dtype | None = None,
     ) -> None:
         if num_pages < 1 or page_size < 1:
             raise ValueError(f"num_pages and page_size must be positive, got {num_pages}, {page_size}")
@@ -101,10 +112,13 @@ class TorchRunner:
         self._num_pages = num_pages
         c = loaded.config
         shape = (c.num_layers, num_pages * page_size, c.num_kv_heads, c.head_dim)
+        self.kv_dtype = kv_dtype or dtype
         self.packed: QuantizedLlama | None = None
         if any(isinstance(v, QuantTensor) for v in loaded.state_dict.values()):
-            if quantize is not None or dtype != torch.float32:
-                raise ValueError("weights kept as stored run with float32 activations and no --quantize")
+            if quantize is not None or dtype != torch.float32 or self.kv_dtype != torch.float32:
+                raise ValueError(
+                    "weights kept as stored need float32 activations, a float32 KV cache and no --quantize"
+                )
             from ft.model.dtypes import pick_dtype
 
             self.packed = QuantizedLlama(c, loaded.state_dict, pick_dtype(c))
@@ -118,8 +132,8 @@ class TorchRunner:
             self._lm_head = (
                 self.model.lm_head if quantize is not None else prepacked_linear(self.model.lm_head)
             )
-        self.k_cache = lazy_zeros(shape, dtype)
-        self.v_cache = lazy_zeros(shape, dtype)
+        self.k_cache = lazy_zeros(shape, self.kv_dtype)
+        self.v_cache = lazy_zeros(shape, self.kv_dtype)
 
     @staticmethod
     def bytes_per_page(config: LlamaConfig, page_size: int, dtype: torch.dtype) -> int:
@@ -183,38 +197,60 @@ class TorchRunner:
             positions.extend(range(work.start_pos, work.start_pos + len(work.token_ids)))
             if work.sample:
                 sample_rows.append(len(token_ids) - 1)
-        spans = [SeqSpan(w.start_pos, len(w.token_ids), w.page_ids) for w in works]
         with torch.inference_mode():
             if self.packed is not None:
-                hidden = self.packed.forward(
-                    torch.tensor(token_ids, dtype=torch.long),
-                    self._step_index(works, positions),
-                    self.k_cache,
-                    self.v_cache,
-                    self._page_size,
-                    spans,
-                )
-            else:
-                hidden = self._forward_torch(token_ids, positions, spans)
+                rows = self._sample_rows_packed(self.packed, works)
+                return self._lm_head(rows) if rows is not None else None  # [R, vocab]
+            spans = [SeqSpan(w.start_pos, len(w.token_ids), w.page_ids) for w in works]
+            hidden = self._forward_torch(token_ids, positions, spans)
             if not sample_rows:
                 return None
             rows = hidden if len(sample_rows) == len(token_ids) else hidden[sample_rows]  # [R, hidden]
             return self._lm_head(rows)  # [R, vocab]
 
-    def _step_index(self, works: list[SeqWork], positions: list[int]) -> StepIndex:
+    def _sample_rows_packed(self, model: QuantizedLlama, works: list[SeqWork]) -> torch.Tensor | None:
+        """Final hidden states `[R, hidden]` of the sampling works' last tokens (None: no sampling).
+
+        Prompt tokens go through the dense path, generated tokens (decode steps, and the
+        recompute of a preempted request) through the packed kernels, in that order so that
+        generated tokens see their prompt's KV. Both paths compute each row the same way
+        whatever shares the step, so a request's tokens do not depend on its batch, on prefix
+        cache hits, on chunking or on being preempted.
+        """
+        prompt: list[_Part] = []
+        generated: list[_Part] = []
+        for w in works:
+            cut = max(0, min(len(w.token_ids), w.num_prompt_tokens - w.start_pos))
+            prompt.append(_Part(w, w.start_pos, w.token_ids[:cut]))
+            generated.append(_Part(w, w.start_pos + cut, w.token_ids[cut:]))
+        last: dict[int, torch.Tensor] = {}
+        for parts, run in ((prompt, model.forward_dense), (generated, model.forward_packed)):
+            parts = [p for p in parts if p.tokens]
+            if not parts:
+                continue
+            ids = torch.tensor([t for p in parts for t in p.tokens], dtype=torch.long)
+            hidden = run(ids, self._step_index(parts), self.k_cache, self.v_cache, self._page_size)
+            end = 0
+            for p in parts:
+                end += len(p.tokens)
+                last[p.work.seq_id] = hidden[end - 1]
+        sampled = [last[w.seq_id] for w in works if w.sample]
+        return torch.stack(sampled) if sampled else None
+
+    def _step_index(self, parts: list[_Part]) -> StepIndex:
         page = self._page_size
-        max_pages = max((w.start_pos + len(w.token_ids) + page - 1) // page for w in works)
-        tables = torch.zeros(len(works), max_pages, dtype=torch.int32)
+        max_pages = max((p.start + len(p.tokens) + page - 1) // page for p in parts)
+        tables = torch.zeros(len(parts), max_pages, dtype=torch.int32)
         seq: list[int] = []
         slots: list[int] = []
-        for i, w in enumerate(works):
-            n = min(len(w.page_ids), max_pages)
-            tables[i, :n] = torch.tensor(w.page_ids[:n], dtype=torch.int32)
-            seq.extend([i] * len(w.token_ids))
-            slots.extend(
-                w.page_ids[p // page] * page + p % page
-                for p in range(w.start_pos, w.start_pos + len(w.token_ids))
-            )
+        positions: list[int] = []
+        for i, p in enumerate(parts):
+            pages = p.work.page_ids[:max_pages]
+            tables[i, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
+            seq.extend([i] * len(p.tokens))
+            span = range(p.start, p.start + len(p.tokens))
+            positions.extend(span)
+            slots.extend(pages[q // page] * page + q % page for q in span)
         return StepIndex(
             slot_of=torch.tensor(slots, dtype=torch.long),
             seq=torch.tensor(seq, dtype=torch.long),

@@ -21,7 +21,17 @@ from ft.server.schemas_openai import DetokenizeRequest, PrepareStopRequest, Toke
 
 # Counters in the stats snapshot (everything else numeric is a gauge).
 COUNTERS = frozenset(
-    {"completed", "aborted", "rejected", "failed", "prompt_tokens_total", "completion_tokens_total"}
+    {
+        "completed",
+        "aborted",
+        "rejected",
+        "failed",
+        "prompt_tokens_total",
+        "completion_tokens_total",
+        "preemptions",
+        "recomputed_tokens",
+        "prefix_hit_tokens",
+    }
 )
 
 

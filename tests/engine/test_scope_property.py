@@ -1,4 +1,9 @@
-"""Property: any mix of requests, cancellations and faults leaves the engine holding nothing."""
+"""Property: any mix of requests, cancellations, faults and preemptions leaves nothing held.
+
+Small pools make preemption frequent: a request may be cancelled or fail while it waits after
+a preemption or while it is recomputed, and must still free everything exactly once; one that
+runs to its end gets its whole answer, nothing resent.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +11,7 @@ from dataclasses import dataclass
 
 import trio
 import trio.testing
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from ft.core.batch import SeqWork
@@ -17,6 +22,8 @@ from ft.params import SamplingParams
 from tests.support.engine import fake_engine
 
 STEP_FAULT_SEED = 666
+TEXT = "hello world, all is well " * 4
+PAGE_SIZE = 4
 
 
 @dataclass(frozen=True)
@@ -44,13 +51,27 @@ plans = st.builds(
 )
 
 
+# Long answers arriving together, fewer faults and stop strings: the pressure mix.
+pressure_plans = st.builds(
+    Plan,
+    arrive_s=st.floats(0, 0.2),
+    prompt_len=st.integers(1, 30),
+    max_tokens=st.integers(16, 40),
+    n=st.integers(1, 2),
+    cancel_after_s=st.none() | st.floats(0, 1.5),
+    fault=st.sampled_from([None, None, None, None, "step", "tokenizer"]),
+    stops=st.sampled_from([(), (), (), ("ll",)]),
+)
+
+
 def before_step(works: list[SeqWork]) -> None:
     if any(w.params.seed == STEP_FAULT_SEED for w in works):
         raise RuntimeError("injected step fault")
 
 
-async def scenario(reqs: list[Plan], max_running: int, num_pages: int) -> None:
-    runner = FakeRunner(text_script("hello world, all is well " * 4), step_s=0.03)
+async def scenario(reqs: list[Plan], max_running: int, num_pages: int, admission: str) -> int:
+    """Run `reqs`; check nothing is held after; return how many preemptions happened."""
+    runner = FakeRunner(text_script(TEXT), step_s=0.03)
 
     def fault(m: Tokenize) -> str | None:
         return "raise" if m.prompt and m.prompt.startswith("!") else None
@@ -61,9 +82,10 @@ async def scenario(reqs: list[Plan], max_running: int, num_pages: int) -> None:
         tokenizer_fault=fault,
         max_running_requests=max_running,
         num_pages=num_pages,
-        page_size=4,
+        page_size=PAGE_SIZE,
         max_prefill_tokens=32,
         context_length=128,
+        admission=admission,
     ) as engine:
         ended: list[str] = []
 
@@ -95,6 +117,10 @@ async def scenario(reqs: list[Plan], max_running: int, num_pages: int) -> None:
                     async with cm as stream:
                         choices = await stream.collect()
                         assert all(c.finish_reason for c in choices)
+                        for c in choices:  # the scripted text, paused maybe, never repeated
+                            assert TEXT.startswith(c.text)
+                            if not plan.stops and plan.fault is None:
+                                assert c.text == TEXT[:max_tokens]
                 except FtError:
                     pass
             ended.append("x")
@@ -109,15 +135,49 @@ async def scenario(reqs: list[Plan], max_running: int, num_pages: int) -> None:
         assert not engine.core.running and not engine.core.waiting
         assert engine.core.pool.num_used == 0
         assert engine.snapshot()["requests"]["active"] == 0
+        return engine.core.num_preemptions
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     reqs=st.lists(plans, min_size=1, max_size=12),
     max_running=st.integers(1, 4),
-    num_pages=st.integers(24, 200),
+    num_pages=st.integers(8, 40) | st.integers(24, 200),
+    admission=st.sampled_from(["need", "need", "reserve"]),
 )
-def test_any_mix_of_requests_cancels_and_faults_leaks_nothing(
-    reqs: list[Plan], max_running: int, num_pages: int
+def test_any_mix_of_requests_cancels_faults_and_preemptions_leaks_nothing(
+    reqs: list[Plan], max_running: int, num_pages: int, admission: str
 ) -> None:
-    trio.run(scenario, reqs, max_running, num_pages, clock=trio.testing.MockClock(autojump_threshold=0))
+    preemptions = trio.run(
+        scenario,
+        reqs,
+        max_running,
+        num_pages,
+        admission,
+        clock=trio.testing.MockClock(autojump_threshold=0),
+    )
+    event(f"preempted: {preemptions > 0}")
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    reqs=st.lists(pressure_plans, min_size=3, max_size=12),
+    max_running=st.integers(2, 6),
+    tightness=st.floats(1.0, 1.25),
+)
+def test_preemption_under_pressure_with_cancels_and_faults_leaks_nothing(
+    reqs: list[Plan], max_running: int, tightness: float
+) -> None:
+    # A pool just above the largest request's whole budget: every request fits alone, several
+    # together do not, so requests are preempted, recomputed, cancelled and failed in any order.
+    budgets = [min(p.n, max_running) * -(-(p.prompt_len + 1 + p.max_tokens) // PAGE_SIZE) for p in reqs]
+    num_pages = max(8, int(tightness * max(budgets)))
+    preemptions = trio.run(
+        scenario,
+        reqs,
+        max_running,
+        num_pages,
+        "need",
+        clock=trio.testing.MockClock(autojump_threshold=0),
+    )
+    event(f"preempted: {preemptions > 0}")

@@ -3,18 +3,23 @@ matches the torch one on a tiny random model (mixed prefill chunks and decode ro
 
 from __future__ import annotations
 
+import pathlib
+
 import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
-import ft.model.quantized_llama as quantized_llama
+from ft.core.batch import SeqWork
 from ft.model import kernels
 from ft.model.attention import SeqSpan, build_metadata
 from ft.model.llama import build_model
+from ft.model.loader import LoadedModel, load_model
 from ft.model.quant import KERNEL_TYPES, QuantTensor, to_q8_0
 from ft.model.quantized_llama import QuantizedLlama, StepIndex
+from ft.model.torch_runner import TorchRunner
+from ft.params import SamplingParams
 from tests.support.tiny_model import random_hf_state_dict, tiny_config
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="no C++ compiler for the kernels")
@@ -101,12 +106,8 @@ def test_packed_decoder_matches_torch_decoder(tiny_packed: tuple) -> None:
         with torch.inference_mode():
             ref = ref_model(ids, positions, *caches["ref"], build_metadata(spans, page))
             index = step_index(step, page)
-            fused = packed.forward(ids, index, *caches["packed"], page, spans)
-            saved, quantized_llama.DENSE_ROWS = quantized_llama.DENSE_ROWS, 0
-            try:
-                dense = packed.forward(ids, index, *caches["dense"], page, spans)
-            finally:
-                quantized_llama.DENSE_ROWS = saved
+            fused = packed.forward_packed(ids, index, *caches["packed"], page)
+            dense = packed.forward_dense(ids, index, *caches["dense"], page)
         assert ((fused - ref).norm() / ref.norm()).item() < 0.03  # int8 activations
         assert torch.allclose(dense, ref, atol=1e-4, rtol=1e-4)  # dequantized, float32
 
@@ -132,3 +133,37 @@ def tiny_packed() -> tuple:
     }
     dense = {k: v.dequantize() if isinstance(v, QuantTensor) else v for k, v in packed.items()}
     return config, packed, dense
+
+
+def test_packed_runner_rows_do_not_depend_on_the_batch(tiny_packed: tuple, tiny_dir: pathlib.Path) -> None:
+    """A request's logits are bitwise the same alone, batched with decodes and other prompts,
+    and with its prompt fed in other chunk sizes (as a prefix-cache hit or chunked prefill
+    does); the mixed step returns its rows in order."""
+    config, sd_packed, _ = tiny_packed
+    spec = load_model(tiny_dir, torch.float32).tokenizer
+    loaded = LoadedModel(config, sd_packed, spec, "tiny-packed", torch.float32)
+    greedy = SamplingParams(temperature=0.0)
+    prompt = (13, 14, 15, 16, 17, 18, 19)
+
+    def work(seq: int, tokens: tuple[int, ...], start: int, pages: tuple[int, ...], n_prompt: int) -> SeqWork:
+        return SeqWork(seq, tokens, start, pages, True, greedy, 0, num_prompt_tokens=n_prompt)
+
+    def fresh() -> TorchRunner:
+        runner = TorchRunner(loaded, num_pages=32, page_size=4, dtype=torch.float32)
+        runner.forward([work(1, (3, 4, 5, 6, 7), 0, (0, 1), 5)])
+        runner.forward([work(2, (8, 9, 10), 0, (2,), 3)])
+        return runner
+
+    a = work(1, (11,), 5, (0, 1), 5)
+    b = work(2, (12,), 3, (2,), 3)
+    whole = work(3, prompt, 0, (3, 4), len(prompt))
+    alone = [fresh().forward([w]) for w in (a, whole, b)]
+    mixed = fresh().forward([a, whole, b])
+    assert mixed is not None and all(x is not None for x in alone)
+    for row, single in zip(mixed, alone, strict=True):
+        assert single is not None and torch.equal(row, single[0])
+    for cut in (1, 4, 6):  # the first `cut` prompt tokens in an earlier step
+        runner = fresh()
+        runner.forward([work(3, prompt[:cut], 0, (3, 4), len(prompt))])
+        tail = runner.forward([a, work(3, prompt[cut:], cut, (3, 4), len(prompt))])
+        assert tail is not None and torch.equal(tail[1], mixed[1])

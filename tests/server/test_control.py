@@ -35,6 +35,22 @@ async def test_health_models_stats_metrics(client: httpx.AsyncClient) -> None:
     assert "# TYPE ft_requests_completed_total counter" in metrics.text
 
 
+async def test_stats_and_metrics_report_preemption_and_the_pools_use(client: httpx.AsyncClient) -> None:
+    stats = (await client.get("/v1/stats")).json()
+    assert stats["scheduler"] == {
+        "admission": "need",
+        "preemptions": 0,
+        "recomputed_tokens": 0,
+        "prefix_hit_tokens": stats["scheduler"]["prefix_hit_tokens"],
+    }
+    kv = stats["kv"]
+    assert kv["used_pages"] + kv["cached_pages"] + kv["free_pages"] == kv["total_pages"]
+    assert kv["used_tokens"] == 0 and kv["usage"] == 0.0 and kv["dtype"] == "auto"
+    metrics = (await client.get("/metrics")).text
+    assert "# TYPE ft_scheduler_preemptions_total counter" in metrics
+    assert "ft_scheduler_recomputed_tokens_total 0" in metrics and "ft_kv_usage 0" in metrics
+
+
 def test_prometheus_text_names_counters_and_gauges() -> None:
     """The Prometheus text marks counters (with _total) and gauges from the stats snapshot."""
     text = prometheus_text(
