@@ -62,8 +62,40 @@ def chat_tool_choice(req: ChatCompletionRequest) -> ToolChoice:
     return ToolChoice("required", choice.function.name)
 
 
-class ChatCompletion(GenerationApi):
+class OpenAIGeneration(GenerationApi):
+    """What chat and completions share: the response object, the usage chunk, `[DONE]`."""
+
+    id: str
+    created: int
+    model: str
+    kind: str  # the `object` of the response and its chunks
+    include_usage: bool
+
+    def _object(self, choices: list[dict[str, Any]], kind: str | None = None) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": kind or self.kind,
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": None,
+            "choices": choices,
+        }
+
+    def end(self, u: Usage) -> list[bytes]:
+        """The usage chunk when asked for, then `[DONE]`."""
+        if not self.include_usage:
+            return [DONE]
+        return [sse_data(self._object([]) | {"usage": usage(u)}), DONE]
+
+    def error(self, err: FtError) -> list[bytes]:
+        """`data: {"error": ...}` then `[DONE]`."""
+        return [sse_error(err), DONE]
+
+
+class ChatCompletion(OpenAIGeneration):
     """One chat completion request: its prompt, and OpenAI's chat shapes."""
+
+    kind = "chat.completion.chunk"
 
     def __init__(self, ctx: ServerContext, req: ChatCompletionRequest) -> None:
         self.ctx, self.req = ctx, req
@@ -108,7 +140,7 @@ class ChatCompletion(GenerationApi):
             )
         ]
         self.has_tools = tools is not None
-        self.stream = req.stream
+        self.stream, self.include_usage = req.stream, req.include_usage
         self.is_body_large = self.params.logprobs  # n x tokens x top_logprobs entries
         self.id = openai_id("chatcmpl")
         self.created = int(time.time())
@@ -122,17 +154,7 @@ class ChatCompletion(GenerationApi):
             message, reason = make_chat_output(self.ctx, self.has_tools).message(c)
             logprobs = chat_logprobs(c.logprobs) if self.params.logprobs else None
             out.append({"index": c.index, "message": message, "logprobs": logprobs, "finish_reason": reason})
-        return self._object("chat.completion", out) | {"usage": usage(done.usage)}
-
-    def _object(self, kind: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "object": kind,
-            "created": self.created,
-            "model": self.model,
-            "system_fingerprint": None,
-            "choices": choices,
-        }
+        return self._object(out, "chat.completion") | {"usage": usage(done.usage)}
 
     def chunk(
         self,
@@ -144,7 +166,7 @@ class ChatCompletion(GenerationApi):
     ) -> bytes:
         """One `chat.completion.chunk` frame for one choice."""
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
-        return sse_data(self._object("chat.completion.chunk", [choice]))
+        return sse_data(self._object([choice]))
 
     def delta(self, k: int, delta: Delta) -> list[bytes]:
         """The role chunk first, then content / tool-call / reasoning deltas, then the finish."""
@@ -162,19 +184,11 @@ class ChatCompletion(GenerationApi):
             frames.append(self.chunk(delta.index, rest or {}, reason=reason))
         return frames
 
-    def end(self, u: Usage) -> list[bytes]:
-        """The usage chunk when asked for, then `[DONE]`."""
-        if not self.req.include_usage:
-            return [DONE]
-        return [sse_data(self._object("chat.completion.chunk", []) | {"usage": usage(u)}), DONE]
 
-    def error(self, err: FtError) -> list[bytes]:
-        """`data: {"error": ...}` then `[DONE]`."""
-        return [sse_error(err), DONE]
-
-
-class TextCompletion(GenerationApi):
+class TextCompletion(OpenAIGeneration):
     """One text completion request (possibly several prompts, each with `n` choices)."""
+
+    kind = "text_completion"
 
     def __init__(self, ctx: ServerContext, req: CompletionRequest) -> None:
         self.ctx, self.req = ctx, req
@@ -195,7 +209,7 @@ class TextCompletion(GenerationApi):
         )
         check_echo_size(req, ctx.engine.max_model_len)
         self.prompts = [Prompt(text=p) if isinstance(p, str) else Prompt(token_ids=p) for p in req.prompt]
-        self.stream = req.stream
+        self.stream, self.include_usage = req.stream, req.include_usage
         self.is_body_large = req.echo or self.params.logprobs  # as large as the client asks
         self.id = openai_id("cmpl")
         self.created = int(time.time())
@@ -206,16 +220,6 @@ class TextCompletion(GenerationApi):
     def prompt_text(self, prompt: PromptItem) -> str:
         """The prompt as text (for `echo`)."""
         return prompt if isinstance(prompt, str) else self.ctx.engine.detokenize(prompt)
-
-    def _object(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "object": "text_completion",
-            "created": self.created,
-            "model": self.model,
-            "system_fingerprint": None,
-            "choices": choices,
-        }
 
     def body(self, done: Generated) -> dict[str, Any]:
         """The non-streamed `text_completion` object."""
@@ -271,13 +275,3 @@ class TextCompletion(GenerationApi):
         if delta.finish_reason is not None:
             frames.append(self.chunk(index, "", reason=openai_finish_reason(delta.finish_reason)))
         return frames
-
-    def end(self, u: Usage) -> list[bytes]:
-        """The usage chunk when asked for, then `[DONE]`."""
-        if not self.req.include_usage:
-            return [DONE]
-        return [sse_data(self._object([]) | {"usage": usage(u)}), DONE]
-
-    def error(self, err: FtError) -> list[bytes]:
-        """`data: {"error": ...}` then `[DONE]`."""
-        return [sse_error(err), DONE]
