@@ -12,6 +12,7 @@ pytestmark = pytest.mark.slow  # the real default model, or a long soak
 
 
 async def test_short_soak_has_no_5xx_and_returns_to_baseline() -> None:
+    """A short soak of mixed traffic gets no 5xx, and active requests and pages return to their baseline."""
     runner = FakeRunner(script=text_script("soak " * 40), step_s=0.005)
     async with fake_server(runner, max_running_requests=4, max_queued_requests=4) as server:
         report = await run_soak(server.base_url, clients=4, duration_s=6.0, warmup_s=1.0)
