@@ -60,11 +60,12 @@ inline float rd16(const uint8_t* p) {
 #endif
 }
 
-// One quantized activation row: qs[K], d[K/32], s[K/32] (s = d * sum(qs) of the block).
+// One quantized activation row: qs[K], and per block of 32: d, s = d * sum(qs) and sx = sum(qs).
 struct Act {
   const int8_t* qs;
   const float* d;
   const float* s;
+  const int32_t* sx;
 };
 
 #if defined(__AVX2__)
@@ -108,31 +109,31 @@ inline __m256i nibbles32(const uint8_t* p) {
 
 // ---- Q4_0 {fp16 d; u8 qs[16]}: w = d * (q - 8); Q4_1 {fp16 d; fp16 m; u8 qs[16]}: w = d * q + m;
 //      Q8_0 {fp16 d; i8 qs[32]}: w = d * q ----
+// All three are multiplied as unsigned bytes u (so one unsigned-by-signed instruction does the
+// products): Q4_0 u = q with w = d * (u - 8), Q8_0 u = q + 128 with w = d * (u - 128); the offset
+// comes off the integer sum exactly, as `offset * sum(x)` of the block; Q4_1 adds m * sum(x).
 struct FmtQ4_0 {
-  static constexpr int bytes = 18;
+  static constexpr int bytes = 18, offset = 8;
   static constexpr bool has_min = false;
   static float scale(const uint8_t* w) { return rd16(w); }
   static float min(const uint8_t*) { return 0; }
 #if defined(__AVX2__)
-  // Weights as signed bytes, multiplied with the sign trick.
-  static __m256i weights(const uint8_t* w) { return _mm256_sub_epi8(nibbles32(w + 2), _mm256_set1_epi8(8)); }
-  static __m256i mul(__m256i q, __m256i x) { return dot_ss8(q, x); }
+  static __m256i weights(const uint8_t* w) { return nibbles32(w + 2); }
 #endif
   FT_SCALAR static int scalar(const uint8_t* w, const int8_t* x) {
     int s = 0;
-    for (int j = 0; j < 16; j++) s += ((w[2 + j] & 0xF) - 8) * x[j] + ((w[2 + j] >> 4) - 8) * x[j + 16];
+    for (int j = 0; j < 16; j++) s += (w[2 + j] & 0xF) * x[j] + (w[2 + j] >> 4) * x[j + 16];
     return s;
   }
 };
 
 struct FmtQ4_1 {
-  static constexpr int bytes = 20;
+  static constexpr int bytes = 20, offset = 0;
   static constexpr bool has_min = true;
   static float scale(const uint8_t* w) { return rd16(w); }
   static float min(const uint8_t* w) { return rd16(w + 2); }
 #if defined(__AVX2__)
-  static __m256i weights(const uint8_t* w) { return nibbles32(w + 4); }  // unsigned 0..15
-  static __m256i mul(__m256i q, __m256i x) { return dot_us8(q, x); }
+  static __m256i weights(const uint8_t* w) { return nibbles32(w + 4); }
 #endif
   FT_SCALAR static int scalar(const uint8_t* w, const int8_t* x) {
     int s = 0;
@@ -142,72 +143,83 @@ struct FmtQ4_1 {
 };
 
 struct FmtQ8_0 {
-  static constexpr int bytes = 34;
+  static constexpr int bytes = 34, offset = 128;
   static constexpr bool has_min = false;
   static float scale(const uint8_t* w) { return rd16(w); }
   static float min(const uint8_t*) { return 0; }
 #if defined(__AVX2__)
-  static __m256i weights(const uint8_t* w) { return load32(w + 2); }
-  static __m256i mul(__m256i q, __m256i x) { return dot_ss8(q, x); }
+  static __m256i weights(const uint8_t* w) { return _mm256_xor_si256(load32(w + 2), _mm256_set1_epi8((char)0x80)); }
 #endif
   FT_SCALAR static int scalar(const uint8_t* w, const int8_t* x) {
     int s = 0;
-    for (int j = 0; j < 32; j++) s += (int8_t)w[2 + j] * x[j];
+    for (int j = 0; j < 32; j++) s += ((int8_t)w[2 + j] + 128) * x[j];
     return s;
   }
 };
 
 #if defined(__AVX2__)
-// Four blocks' 8-lane partial sums -> one lane each: [sum p0, sum p1, sum p2, sum p3].
-inline __m128i hsum4(__m256i p0, __m256i p1, __m256i p2, __m256i p3) {
-  const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(p0, p1), _mm256_hadd_epi32(p2, p3));
-  return _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+// Eight blocks' 8-lane partial sums -> one lane each, in block order.
+inline __m256i hsum8(const __m256i* p) {
+  const __m256i c = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
+  const __m256i d = _mm256_hadd_epi32(_mm256_hadd_epi32(p[4], p[5]), _mm256_hadd_epi32(p[6], p[7]));
+  return _mm256_add_epi32(_mm256_permute2x128_si256(c, d, 0x20), _mm256_permute2x128_si256(c, d, 0x31));
 }
 #endif
 
-// MT activation rows against one weight row of 32-element blocks. Blocks go four at a time so
-// that the per-block scales are applied with one 4-wide multiply-add instead of four scalar ones.
+// MT activation rows against one weight row of 32-element blocks. Blocks go eight at a time:
+// their integer sums are reduced into one vector, so the per-block scales cost one 8-wide
+// multiply-add per row instead of eight scalar ones.
 template <class Fmt, int MT>
 void rows_legacy(const uint8_t* w, int nb, const Act* a, float* out) {
   float acc1[MT];
   for (int r = 0; r < MT; r++) acc1[r] = 0;
   int b = 0;
 #if defined(__AVX2__)
-  __m128 acc[MT];
-  for (int r = 0; r < MT; r++) acc[r] = _mm_setzero_ps();
-  for (; b + 4 <= nb; b += 4) {
+  __m256 acc[MT];
+  for (int r = 0; r < MT; r++) acc[r] = _mm256_setzero_ps();
+  for (; b + 8 <= nb; b += 8) {
     const uint8_t* wb = w + b * Fmt::bytes;
-    const __m256i q0 = Fmt::weights(wb), q1 = Fmt::weights(wb + Fmt::bytes);
-    const __m256i q2 = Fmt::weights(wb + 2 * Fmt::bytes), q3 = Fmt::weights(wb + 3 * Fmt::bytes);
-    const __m128 dw = _mm_setr_ps(Fmt::scale(wb), Fmt::scale(wb + Fmt::bytes), Fmt::scale(wb + 2 * Fmt::bytes),
-                                  Fmt::scale(wb + 3 * Fmt::bytes));
-    __m128 mw = _mm_setzero_ps();
-    if (Fmt::has_min)
-      mw = _mm_setr_ps(Fmt::min(wb), Fmt::min(wb + Fmt::bytes), Fmt::min(wb + 2 * Fmt::bytes),
-                       Fmt::min(wb + 3 * Fmt::bytes));
+    __m256i q[8];
+    float dw_[8], mw_[8];
+    for (int i = 0; i < 8; i++) {
+      q[i] = Fmt::weights(wb + i * Fmt::bytes);
+      dw_[i] = Fmt::scale(wb + i * Fmt::bytes);
+      if (Fmt::has_min) mw_[i] = Fmt::min(wb + i * Fmt::bytes);
+    }
+    const __m256 dw = _mm256_loadu_ps(dw_);
     for (int r = 0; r < MT; r++) {
       const int8_t* x = a[r].qs + b * QK;
-      const __m128i p = hsum4(Fmt::mul(q0, load32(x)), Fmt::mul(q1, load32(x + 32)),
-                              Fmt::mul(q2, load32(x + 64)), Fmt::mul(q3, load32(x + 96)));
-      const __m128 scale = _mm_mul_ps(dw, _mm_loadu_ps(a[r].d + b));
-      acc[r] = _mm_fmadd_ps(scale, _mm_cvtepi32_ps(p), acc[r]);
-      if (Fmt::has_min) acc[r] = _mm_fmadd_ps(mw, _mm_loadu_ps(a[r].s + b), acc[r]);
+      __m256i p[8];
+      for (int i = 0; i < 8; i++) p[i] = dot_us8(q[i], load32(x + 32 * i));
+      __m256i isum = hsum8(p);
+      if (Fmt::offset)
+        isum = _mm256_sub_epi32(isum, _mm256_slli_epi32(_mm256_loadu_si256((const __m256i*)(a[r].sx + b)),
+                                                        Fmt::offset == 8 ? 3 : 7));
+      acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_loadu_ps(a[r].d + b)), _mm256_cvtepi32_ps(isum), acc[r]);
+      if (Fmt::has_min) acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(mw_), _mm256_loadu_ps(a[r].s + b), acc[r]);
     }
   }
-  for (int r = 0; r < MT; r++) {
-    __m128 v = _mm_add_ps(acc[r], _mm_movehl_ps(acc[r], acc[r]));
-    v = _mm_add_ss(v, _mm_movehdup_ps(v));
-    acc1[r] = _mm_cvtss_f32(v);
+  for (int r = 0; r < MT; r++) acc1[r] = hsum(acc[r]);
+  for (; b < nb; b++) {  // the last blocks one at a time, still with vector products
+    const uint8_t* wb = w + b * Fmt::bytes;
+    const __m256i q = Fmt::weights(wb);
+    const float d = Fmt::scale(wb), m = Fmt::min(wb);
+    for (int r = 0; r < MT; r++) {
+      const int isum = hsum_i32(dot_us8(q, load32(a[r].qs + b * QK))) - Fmt::offset * a[r].sx[b];
+      acc1[r] += d * a[r].d[b] * isum;
+      if (Fmt::has_min) acc1[r] += m * a[r].s[b];
+    }
   }
-#endif
+#else
   for (; b < nb; b++) {
     const uint8_t* wb = w + b * Fmt::bytes;
     const float d = Fmt::scale(wb), m = Fmt::min(wb);
     for (int r = 0; r < MT; r++) {
-      acc1[r] += d * a[r].d[b] * Fmt::scalar(wb, a[r].qs + b * QK);
+      acc1[r] += d * a[r].d[b] * (Fmt::scalar(wb, a[r].qs + b * QK) - Fmt::offset * a[r].sx[b]);
       if (Fmt::has_min) acc1[r] += m * a[r].s[b];
     }
   }
+#endif
   for (int r = 0; r < MT; r++) out[r] = acc1[r];
 }
 
@@ -316,6 +328,55 @@ void dot_rows(int type, const uint8_t* w, int64_t K, const Act* a, float* out) {
 
 }  // namespace
 
+// One row x[K] -> int8 blocks of 32 with scale d, scaled sum s and integer sum sx per block.
+void quantize_row(const float* x, int64_t K, int8_t* qs, float* d, float* s, int32_t* sx) {
+  for (int64_t b = 0; b < K / QK; b++) {
+    const float* xb = x + b * QK;
+    float amax = 0;
+    for (int j = 0; j < QK; j++) amax = fmaxf(amax, fabsf(xb[j]));
+    const float scale = amax / 127.0f, inv = amax > 0 ? 127.0f / amax : 0.0f;
+    int sum = 0;
+    for (int j = 0; j < QK; j++) {
+      const int v = (int)nearbyintf(xb[j] * inv);
+      qs[b * QK + j] = (int8_t)v;
+      sum += v;
+    }
+    d[b] = scale;
+    s[b] = scale * (float)sum;
+    sx[b] = sum;
+  }
+}
+
+// M quantized activation rows of K elements.
+struct ActRows {
+  const int8_t* qs;
+  const float* d;
+  const float* s;
+  const int32_t* sx;
+  int64_t K;
+  Act row(int64_t m) const {
+    const int64_t nb = K / QK;
+    return {qs + m * K, d + m * nb, s + m * nb, sx + m * nb};
+  }
+};
+
+// y[m * ldy] = dot(W row, activation row m) for every m, four rows per pass over the weights.
+void gemm_row(int type, const uint8_t* wrow, const ActRows& a, int64_t M, float* y, int64_t ldy) {
+  Act rows[4];
+  float out[4] = {0, 0, 0, 0};
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4) {
+    for (int r = 0; r < 4; r++) rows[r] = a.row(m + r);
+    dot_rows<4>(type, wrow, a.K, rows, out);
+    for (int r = 0; r < 4; r++) y[(m + r) * ldy] = out[r];
+  }
+  for (; m < M; m++) {
+    rows[0] = a.row(m);
+    dot_rows<1>(type, wrow, a.K, rows, out);
+    y[m * ldy] = out[0];
+  }
+}
+
 extern "C" {
 
 // Types the kernels multiply directly (GGML type ids).
@@ -323,52 +384,21 @@ int ft_supports(int type) {
   return type == Q4_0 || type == Q4_1 || type == Q8_0 || type == Q4_K || type == Q6_K;
 }
 
-// x [M, K] float32 (row stride ldx) -> qs [M, K] int8, d and s [M, K/32]. K % 32 == 0.
+// x [M, K] float32 (row stride ldx) -> qs [M, K] int8; d, s, sx [M, K/32]. K % 32 == 0.
 void ft_quantize_q8(const float* x, int64_t M, int64_t K, int64_t ldx, int8_t* qs, float* d, float* s,
-                    int threads) {
+                    int32_t* sx, int threads) {
   const int64_t nb = K / QK;
 #pragma omp parallel for num_threads(threads) schedule(static) if (M * K > 65536)
-  for (int64_t m = 0; m < M; m++) {
-    for (int64_t b = 0; b < nb; b++) {
-      const float* xb = x + m * ldx + b * QK;
-      float amax = 0;
-      for (int j = 0; j < QK; j++) amax = fmaxf(amax, fabsf(xb[j]));
-      const float scale = amax / 127.0f, inv = amax > 0 ? 127.0f / amax : 0.0f;
-      int sum = 0;
-      int8_t* q = qs + m * K + b * QK;
-      for (int j = 0; j < QK; j++) {
-        const int v = (int)nearbyintf(xb[j] * inv);
-        q[j] = (int8_t)v;
-        sum += v;
-      }
-      d[m * nb + b] = scale;
-      s[m * nb + b] = scale * (float)sum;
-    }
-  }
+  for (int64_t m = 0; m < M; m++) quantize_row(x + m * ldx, K, qs + m * K, d + m * nb, s + m * nb, sx + m * nb);
 }
 
 // y[m, n] = sum_k x[m, k] * W[n, k] for n < N, W's rows stored as `row_bytes` bytes of blocks of
 // `type`; y has row stride ldy (so a caller can fill a column slice of a wider output).
 void ft_gemm(int type, const uint8_t* w, int64_t N, int64_t K, int64_t row_bytes, const int8_t* qs,
-             const float* d, const float* s, int64_t M, float* y, int64_t ldy, int threads) {
-  const int64_t nb = K / QK;
+             const float* d, const float* s, const int32_t* sx, int64_t M, float* y, int64_t ldy, int threads) {
+  const ActRows a{qs, d, s, sx, K};
 #pragma omp parallel for num_threads(threads) schedule(static)
-  for (int64_t n = 0; n < N; n++) {
-    const uint8_t* wrow = w + n * row_bytes;
-    int64_t m = 0;
-    Act a[4];
-    float out[4];
-    for (; m + 4 <= M; m += 4) {
-      for (int r = 0; r < 4; r++) a[r] = {qs + (m + r) * K, d + (m + r) * nb, s + (m + r) * nb};
-      dot_rows<4>(type, wrow, K, a, out);
-      for (int r = 0; r < 4; r++) y[(m + r) * ldy + n] = out[r];
-    }
-    for (; m < M; m++) {
-      a[0] = {qs + m * K, d + m * nb, s + m * nb};
-      dot_rows<1>(type, wrow, K, a, out);
-      y[m * ldy + n] = out[0];
-    }
-  }
+  for (int64_t n = 0; n < N; n++) gemm_row(type, w + n * row_bytes, a, M, y + n, ldy);
 }
 
 }  // extern "C"
@@ -439,30 +469,11 @@ struct Weight {  // one projection: rows of GGUF blocks
   int64_t row_bytes;
 };
 
-void quantize_rows(const float* x, int64_t M, int64_t K, int64_t ldx, int8_t* qs, float* d, float* s) {
-  const int64_t nb = K / QK;
-  for (int64_t m = 0; m < M; m++)
-    for (int64_t b = 0; b < nb; b++) {
-      const float* xb = x + m * ldx + b * QK;
-      float amax = 0;
-      for (int j = 0; j < QK; j++) amax = fmaxf(amax, fabsf(xb[j]));
-      const float scale = amax / 127.0f, inv = amax > 0 ? 127.0f / amax : 0.0f;
-      int sum = 0;
-      int8_t* q = qs + m * K + b * QK;
-      for (int j = 0; j < QK; j++) {
-        const int v = (int)nearbyintf(xb[j] * inv);
-        q[j] = (int8_t)v;
-        sum += v;
-      }
-      d[m * nb + b] = scale;
-      s[m * nb + b] = scale * (float)sum;
-    }
-}
-
 // Quantized activations of M rows, reused by every projection that reads the same input.
 struct QAct {
   std::vector<int8_t> qs;
   std::vector<float> d, s;
+  std::vector<int32_t> sx;
   int64_t M = 0, K = 0;
   void set(const float* x, int64_t m, int64_t k, int64_t ldx) {
     M = m;
@@ -470,32 +481,19 @@ struct QAct {
     qs.resize(m * k);
     d.resize(m * k / QK);
     s.resize(m * k / QK);
+    sx.resize(m * k / QK);
     // NOTE: called inside a parallel region's single thread; rows are few or the work is small.
-    quantize_rows(x, m, k, ldx, qs.data(), d.data(), s.data());
+    for (int64_t r = 0; r < m; r++)
+      quantize_row(x + r * ldx, k, &qs[r * k], &d[r * k / QK], &s[r * k / QK], &sx[r * k / QK]);
   }
+  ActRows rows() const { return {qs.data(), d.data(), s.data(), sx.data(), K}; }
 };
 
 // y[:, 0:N] = act @ W.T, rows of W split across the team (call from inside a parallel region).
 void gemm_team(const Weight& w, const QAct& a, float* y, int64_t ldy) {
-  const int64_t nb = a.K / QK;
+  const ActRows rows = a.rows();
 #pragma omp for schedule(static)
-  for (int64_t n = 0; n < w.rows; n++) {
-    const uint8_t* wrow = w.data + n * w.row_bytes;
-    Act rows[4];
-    float out[4];
-    int64_t m = 0;
-    for (; m + 4 <= a.M; m += 4) {
-      for (int r = 0; r < 4; r++)
-        rows[r] = {a.qs.data() + (m + r) * a.K, a.d.data() + (m + r) * nb, a.s.data() + (m + r) * nb};
-      dot_rows<4>((int)w.type, wrow, a.K, rows, out);
-      for (int r = 0; r < 4; r++) y[(m + r) * ldy + n] = out[r];
-    }
-    for (; m < a.M; m++) {
-      rows[0] = {a.qs.data() + m * a.K, a.d.data() + m * nb, a.s.data() + m * nb};
-      dot_rows<1>((int)w.type, wrow, a.K, rows, out);
-      y[m * ldy + n] = out[0];
-    }
-  }
+  for (int64_t n = 0; n < w.rows; n++) gemm_row((int)w.type, w.data + n * w.row_bytes, rows, a.M, y + n, ldy);
 }
 
 // Paged attention of T rows (call from inside a parallel region; `scores` holds max_len floats

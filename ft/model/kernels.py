@@ -45,18 +45,24 @@ def _cache_dir() -> pathlib.Path:
     return pathlib.Path(root) / "kernels"
 
 
-def _build() -> ctypes.CDLL:
+def build_library(march: str = "native") -> ctypes.CDLL:
+    """Compile (once per source, compiler, CPU and `march`) and load the kernels.
+
+    `march="x86-64"` builds the portable C++ paths (no AVX2): the tests check them against the
+    native build.
+    """
     cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
     if cxx is None:
         raise RuntimeError("no C++ compiler found (g++, c++ or clang++)")
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=False).stdout
-    key = hashlib.sha256(SOURCE.read_bytes() + version.encode() + _cpu_key().encode()).hexdigest()[:16]
+    digest = hashlib.sha256(SOURCE.read_bytes() + version.encode() + _cpu_key().encode() + march.encode())
+    key = digest.hexdigest()[:16]
     target = _cache_dir() / f"ftkernels-{key}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             out = pathlib.Path(tmp) / target.name
-            cmd = [cxx, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-o", str(out), str(SOURCE)]
+            cmd = [cxx, "-O3", f"-march={march}", "-fopenmp", "-shared", "-fPIC", "-o", str(out), str(SOURCE)]
             done = subprocess.run(cmd, capture_output=True, text=True, check=False)
             if done.returncode != 0:
                 raise RuntimeError(f"building {SOURCE.name} failed: {done.stderr.strip()[-400:]}")
@@ -65,9 +71,9 @@ def _build() -> ctypes.CDLL:
     i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
     lib.ft_supports.argtypes = [i32]
     lib.ft_supports.restype = i32
-    lib.ft_quantize_q8.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, i32]
+    lib.ft_quantize_q8.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, ptr, i32]
     lib.ft_quantize_q8.restype = None
-    lib.ft_gemm.argtypes = [i32, ptr, i64, i64, i64, ptr, ptr, ptr, i64, ptr, i64, i32]
+    lib.ft_gemm.argtypes = [i32, ptr, i64, i64, i64, ptr, ptr, ptr, ptr, i64, ptr, i64, i32]
     lib.ft_gemm.restype = None
     lib.ft_dequantize_rows.argtypes = [i32, ptr, i64, i64, ptr, i64, ptr]
     lib.ft_dequantize_rows.restype = None
@@ -93,7 +99,7 @@ def library() -> ctypes.CDLL:
     with _lock:
         if _lib is None and _error is None:
             try:
-                _lib = _build()
+                _lib = build_library()
             except (RuntimeError, OSError) as exc:
                 _error = str(exc)
         if _lib is None:
@@ -116,11 +122,11 @@ def supports(qtype: int) -> bool:
 
 
 class QuantizedActivations:
-    """`x` `[M, K]` as int8 blocks of 32 with a scale and a scaled sum per block."""
+    """`x` `[M, K]` as int8 blocks of 32 with a scale, a scaled sum and an integer sum per block."""
 
-    __slots__ = ("qs", "d", "s", "rows", "cols")
+    __slots__ = ("qs", "d", "s", "sx", "rows", "cols")
 
-    def __init__(self, x: torch.Tensor) -> None:
+    def __init__(self, x: torch.Tensor, lib: ctypes.CDLL | None = None) -> None:
         assert x.dtype == torch.float32 and x.dim() == 2 and x.stride(1) == 1, (x.dtype, x.shape)
         self.rows, self.cols = x.shape
         if self.cols % QK:
@@ -128,9 +134,10 @@ class QuantizedActivations:
         self.qs = torch.empty(self.rows, self.cols, dtype=torch.int8)
         self.d = torch.empty(self.rows, self.cols // QK, dtype=torch.float32)
         self.s = torch.empty_like(self.d)
-        library().ft_quantize_q8(
+        self.sx = torch.empty(self.rows, self.cols // QK, dtype=torch.int32)
+        (lib or library()).ft_quantize_q8(
             x.data_ptr(), self.rows, self.cols, x.stride(0), self.qs.data_ptr(), self.d.data_ptr(),
-            self.s.data_ptr(), torch.get_num_threads(),
+            self.s.data_ptr(), self.sx.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip
 
 
@@ -140,11 +147,12 @@ def gemm_into(
     weight: torch.Tensor,  # [N, row_bytes] uint8: GGUF blocks as stored
     cols: int,  # K
     x: QuantizedActivations,
+    lib: ctypes.CDLL | None = None,
 ) -> None:
     """`out[:, :N] = x @ W.T` for `W` stored as GGUF blocks of `qtype`."""
     assert out.dtype == torch.float32 and out.stride(1) == 1 and out.shape[0] == x.rows
     assert weight.dtype == torch.uint8 and weight.is_contiguous() and cols == x.cols
-    library().ft_gemm(
+    (lib or library()).ft_gemm(
         qtype, weight.data_ptr(), weight.shape[0], cols, weight.shape[1], x.qs.data_ptr(), x.d.data_ptr(),
-        x.s.data_ptr(), x.rows, out.data_ptr(), out.stride(0), torch.get_num_threads(),
+        x.s.data_ptr(), x.sx.data_ptr(), x.rows, out.data_ptr(), out.stride(0), torch.get_num_threads(),
     )  # fmt: skip

@@ -64,6 +64,18 @@ def test_product_is_exact_when_activations_are_representable(qtype: int, rows: i
 
 
 @pytest.mark.parametrize("qtype", sorted(KERNEL_TYPES))
+def test_portable_build_gives_the_same_products(qtype: int) -> None:
+    """The plain C++ paths (built without AVX2, as on CPUs that lack it) give the same sums."""
+    portable = kernels.build_library("x86-64")
+    w = packed_weight(qtype, 24, 512, seed=3)
+    x = torch.randint(-127, 128, (5, 512)).float()
+    x[:, ::32] = 127
+    out = torch.empty(5, 24)
+    kernels.gemm_into(out, w.qtype, w.data, w.cols, kernels.QuantizedActivations(x, portable), portable)
+    assert torch.allclose(out, product(w, x), rtol=1e-5, atol=1e-3 * out.abs().max().item())
+
+
+@pytest.mark.parametrize("qtype", sorted(KERNEL_TYPES))
 def test_product_of_float_activations_is_within_int8_rounding(qtype: int) -> None:
     """Float activations are rounded to int8 per block of 32: about 0.5% relative error."""
     w = packed_weight(qtype, 64, 512, seed=1)
