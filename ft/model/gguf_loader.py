@@ -134,7 +134,9 @@ def gguf_tensors(
         if progress is not None:
             progress(i / len(reader.tensors))
         if quantized and tensor.data.ndim == 2 and tensor.name != "rope_freqs.weight":
-            sd[_hf_name(tensor.name)] = _unpermuted(as_stored(tensor), tensor.name, config, arch)
+            from ft.model.kernels import repacked
+
+            sd[_hf_name(tensor.name)] = repacked(_unpermuted(as_stored(tensor), tensor.name, config, arch))
             continue
         try:
             array = dequantize(tensor.data, tensor.tensor_type)

@@ -315,6 +315,107 @@ void rows_q6_k(const uint8_t* w, int nbk, const Act* a, float* out) {
 
 enum : int { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q6_K = 14 };
 
+// ---- Repacked Q4_0 / Q4_1 / Q8_0: RC output columns interleaved per block ----
+// For a group of RC weight rows (output columns) and one block of 32, vector j holds 4 bytes of
+// each column: bytes qs[4j .. 4j + 4) of column c at [4c, 4c + 4). One vector times the
+// broadcast 4 activation bytes then adds into RC column sums at once (no horizontal sums),
+// and a block's scales for all RC columns are one fp16 vector. Same bytes as the GGUF blocks.
+// Q4_x: 4 vectors (low nibbles: elements 4j.., high: 16 + 4j..), then d[RC] (and m[RC]) fp16.
+// Q8_0: 8 vectors of q + 128, then d[RC] fp16.
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
+constexpr int RC = 16;
+#else
+constexpr int RC = 0;
+#endif
+
+inline int64_t repacked_bytes(int type) {  // one block of RC columns
+  switch (type) {
+    case Q4_0: return RC * 18;
+    case Q4_1: return RC * 20;
+    case Q8_0: return RC * 34;
+  }
+  return 0;
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
+inline __m512i bcast4(const int8_t* p) {
+  int32_t v;
+  memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+
+// MT activation rows against RC columns: y[r * ldy + c] for c < RC.
+template <int Type, int MT>
+void group_rows(const uint8_t* wg, int64_t nb, const Act* a, float* y, int64_t ldy) {
+  constexpr int64_t gbytes = Type == Q4_0 ? RC * 18 : Type == Q4_1 ? RC * 20 : RC * 34;
+  constexpr int nvec = Type == Q8_0 ? 8 : 4;
+  constexpr int offset = Type == Q4_0 ? 8 : Type == Q8_0 ? 128 : 0;
+  __m512 facc[MT];
+  for (int r = 0; r < MT; r++) facc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; b++) {
+    const uint8_t* gb = wg + b * gbytes;
+    __m512i wv[8];
+    if (Type == Q8_0) {
+      for (int j = 0; j < 8; j++) wv[j] = _mm512_loadu_si512(gb + 64 * j);
+    } else {
+      const __m512i lo = _mm512_set1_epi8(0x0F);
+      for (int j = 0; j < 4; j++) {
+        const __m512i v = _mm512_loadu_si512(gb + 64 * j);
+        wv[j] = _mm512_and_si512(v, lo);
+        wv[4 + j] = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo);
+      }
+    }
+    const __m512 dvec = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(gb + 64 * nvec)));
+    __m512 mvec = _mm512_setzero_ps();
+    if (Type == Q4_1) mvec = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(gb + 64 * nvec + 2 * RC)));
+    for (int r = 0; r < MT; r++) {
+      const int8_t* x = a[r].qs + b * QK;
+      __m512i acc = _mm512_setzero_si512();
+      if (Type == Q8_0) {
+        for (int j = 0; j < 8; j++) acc = _mm512_dpbusd_epi32(acc, wv[j], bcast4(x + 4 * j));
+      } else {
+        for (int j = 0; j < 4; j++) {
+          acc = _mm512_dpbusd_epi32(acc, wv[j], bcast4(x + 4 * j));
+          acc = _mm512_dpbusd_epi32(acc, wv[4 + j], bcast4(x + 16 + 4 * j));
+        }
+      }
+      if (offset) acc = _mm512_sub_epi32(acc, _mm512_set1_epi32(offset * a[r].sx[b]));
+      facc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_mul_ps(dvec, _mm512_set1_ps(a[r].d[b])), facc[r]);
+      if (Type == Q4_1) facc[r] = _mm512_fmadd_ps(mvec, _mm512_set1_ps(a[r].s[b]), facc[r]);
+    }
+  }
+  for (int r = 0; r < MT; r++) _mm512_storeu_ps(y + r * ldy, facc[r]);
+}
+
+template <int MT>
+void group_dispatch(int type, const uint8_t* wg, int64_t nb, const Act* a, float* y, int64_t ldy) {
+  switch (type) {
+    case Q4_0: group_rows<Q4_0, MT>(wg, nb, a, y, ldy); break;
+    case Q4_1: group_rows<Q4_1, MT>(wg, nb, a, y, ldy); break;
+    case Q8_0: group_rows<Q8_0, MT>(wg, nb, a, y, ldy); break;
+  }
+}
+#else
+template <int MT>
+void group_dispatch(int, const uint8_t*, int64_t, const Act*, float*, int64_t) {}
+#endif
+
+// Element k of column c (of a group) in repacked block `gb`, as float.
+inline float repacked_at(int type, const uint8_t* gb, int c, int k) {
+  if (type == Q8_0) {
+    const int v = (int)gb[(k / 4) * 4 * RC + 4 * c + k % 4] - 128;
+    uint16_t h;
+    memcpy(&h, gb + 32 * RC + 2 * c, 2);
+    return rd16((const uint8_t*)&h) * v;
+  }
+  const int j = (k % 16) / 4, i = k % 4;
+  const uint8_t byte = gb[j * 4 * RC + 4 * c + i];
+  const int q = k < 16 ? (byte & 0xF) : (byte >> 4);
+  const float d = rd16(gb + 16 * RC + 2 * c);
+  return type == Q4_0 ? d * (q - 8) : d * q + rd16(gb + 18 * RC + 2 * c);
+}
+
+
 template <int MT>
 void dot_rows(int type, const uint8_t* w, int64_t K, const Act* a, float* out) {
   switch (type) {
@@ -377,6 +478,21 @@ void gemm_row(int type, const uint8_t* wrow, const ActRows& a, int64_t M, float*
   }
 }
 
+// y[m * ldy + c] for c < RC: one repacked group of RC columns against M rows, four at a time.
+void gemm_group(int type, const uint8_t* wg, const ActRows& a, int64_t M, float* y, int64_t ldy) {
+  Act rows[4];
+  const int64_t nb = a.K / QK;
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4) {
+    for (int r = 0; r < 4; r++) rows[r] = a.row(m + r);
+    group_dispatch<4>(type, wg, nb, rows, y + m * ldy, ldy);
+  }
+  for (; m < M; m++) {
+    rows[0] = a.row(m);
+    group_dispatch<1>(type, wg, nb, rows, y + m * ldy, ldy);
+  }
+}
+
 extern "C" {
 
 // Types the kernels multiply directly (GGML type ids).
@@ -394,12 +510,47 @@ void ft_quantize_q8(const float* x, int64_t M, int64_t K, int64_t ldx, int8_t* q
 
 // y[m, n] = sum_k x[m, k] * W[n, k] for n < N, W's rows stored as `row_bytes` bytes of blocks of
 // `type`; y has row stride ldy (so a caller can fill a column slice of a wider output).
-void ft_gemm(int type, const uint8_t* w, int64_t N, int64_t K, int64_t row_bytes, const int8_t* qs,
-             const float* d, const float* s, const int32_t* sx, int64_t M, float* y, int64_t ldy, int threads) {
+void ft_gemm(int type, const uint8_t* w, int64_t N, int64_t K, int64_t row_bytes, int64_t columns,
+             const int8_t* qs, const float* d, const float* s, const int32_t* sx, int64_t M, float* y, int64_t ldy,
+             int threads) {
   const ActRows a{qs, d, s, sx, K};
+  if (columns) {
+    const int64_t group_bytes = K / QK * repacked_bytes(type);
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t g = 0; g < N / columns; g++) gemm_group(type, w + g * group_bytes, a, M, y + g * columns, ldy);
+    return;
+  }
 #pragma omp parallel for num_threads(threads) schedule(static)
   for (int64_t n = 0; n < N; n++) gemm_row(type, w + n * row_bytes, a, M, y + n, ldy);
 }
+
+// Columns per repacked group on this build (0: no repacked kernels here).
+int ft_repack_columns() { return RC; }
+
+// src: N rows of GGUF blocks (Q4_0, Q4_1 or Q8_0), N % RC == 0 -> dst in the repacked layout
+// (the same number of bytes).
+void ft_repack(int type, const uint8_t* src, int64_t N, int64_t K, int64_t row_bytes, uint8_t* dst) {
+  if (!RC) return;
+  const int64_t nb = K / QK, gbytes = repacked_bytes(type);
+  const int bytes = type == Q4_0 ? 18 : type == Q4_1 ? 20 : 34;
+  const int qs_at = type == Q4_1 ? 4 : 2;
+  for (int64_t g = 0; g < N / RC; g++)
+    for (int64_t b = 0; b < nb; b++) {
+      uint8_t* out = dst + (g * nb + b) * gbytes;
+      for (int c = 0; c < RC; c++) {
+        const uint8_t* blk = src + (g * RC + c) * row_bytes + b * bytes;
+        const int nvec = type == Q8_0 ? 8 : 4;
+        for (int j = 0; j < nvec; j++)
+          for (int i = 0; i < 4; i++) {
+            const uint8_t v = blk[qs_at + 4 * j + i];
+            out[j * 4 * RC + 4 * c + i] = type == Q8_0 ? (uint8_t)(v ^ 0x80) : v;
+          }
+        memcpy(out + nvec * 4 * RC + 2 * c, blk, 2);                       // d
+        if (type == Q4_1) memcpy(out + nvec * 4 * RC + 2 * RC + 2 * c, blk + 2, 2);  // m
+      }
+    }
+}
+
 
 }  // extern "C"
 
@@ -462,11 +613,12 @@ void dequant_row(int type, const uint8_t* w, int64_t K, float* out) {
   }
 }
 
-struct Weight {  // one projection: rows of GGUF blocks
+struct Weight {  // one projection: rows of GGUF blocks, or groups of `columns` repacked rows
   int64_t type;
   const uint8_t* data;
   int64_t rows;
   int64_t row_bytes;
+  int64_t columns;
 };
 
 // Quantized activations of M rows, reused by every projection that reads the same input.
@@ -492,8 +644,15 @@ struct QAct {
 // y[:, 0:N] = act @ W.T, rows of W split across the team (call from inside a parallel region).
 void gemm_team(const Weight& w, const QAct& a, float* y, int64_t ldy) {
   const ActRows rows = a.rows();
+  if (w.columns) {
+    const int64_t nb = a.K / QK, group_bytes = nb * repacked_bytes((int)w.type);
 #pragma omp for schedule(static)
-  for (int64_t n = 0; n < w.rows; n++) gemm_row((int)w.type, w.data + n * w.row_bytes, rows, a.M, y + n, ldy);
+    for (int64_t g = 0; g < w.rows / w.columns; g++)
+      gemm_group((int)w.type, w.data + g * group_bytes, rows, a.M, y + g * w.columns, ldy);
+  } else {
+#pragma omp for schedule(static)
+    for (int64_t n = 0; n < w.rows; n++) gemm_row((int)w.type, w.data + n * w.row_bytes, rows, a.M, y + n, ldy);
+  }
 }
 
 // Paged attention of T rows (call from inside a parallel region; `scores` holds max_len floats
@@ -569,9 +728,21 @@ void rope(float* v, int64_t heads, int64_t hd, const float* cos, const float* si
 extern "C" {
 
 // out[t, :] = row ids[t] of W (GGUF blocks) as float32.
-void ft_dequantize_rows(int type, const uint8_t* w, int64_t row_bytes, int64_t K, const int64_t* ids,
-                        int64_t T, float* out) {
-  for (int64_t t = 0; t < T; t++) dequant_row(type, w + ids[t] * row_bytes, K, out + t * K);
+// out[t, :] = row ids[t] of W (GGUF blocks, or repacked groups of `columns`) as float32.
+void ft_dequantize_rows(int type, const uint8_t* w, int64_t row_bytes, int64_t columns, int64_t K,
+                        const int64_t* ids, int64_t T, float* out) {
+  for (int64_t t = 0; t < T; t++) {
+    if (!columns) {
+      dequant_row(type, w + ids[t] * row_bytes, K, out + t * K);
+      continue;
+    }
+    const int64_t nb = K / QK, g = ids[t] / columns;
+    const int c = (int)(ids[t] % columns);
+    for (int64_t b = 0; b < nb; b++) {
+      const uint8_t* gb = w + (g * nb + b) * repacked_bytes(type);
+      for (int k = 0; k < QK; k++) out[t * K + b * QK + k] = repacked_at(type, gb, c, k);
+    }
+  }
 }
 
 // out[t, :] = rms_norm(x[t, :]) * weight.

@@ -20,6 +20,8 @@ import threading
 
 import torch
 
+from ft.model.quant import Q4_0, Q4_1, Q8_0, QuantTensor
+
 SOURCE = pathlib.Path(__file__).with_name("kernels.cpp")
 QK = 32  # elements per activation block
 
@@ -73,9 +75,13 @@ def build_library(march: str = "native") -> ctypes.CDLL:
     lib.ft_supports.restype = i32
     lib.ft_quantize_q8.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, ptr, i32]
     lib.ft_quantize_q8.restype = None
-    lib.ft_gemm.argtypes = [i32, ptr, i64, i64, i64, ptr, ptr, ptr, ptr, i64, ptr, i64, i32]
+    lib.ft_gemm.argtypes = [i32, ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr, i64, ptr, i64, i32]
     lib.ft_gemm.restype = None
-    lib.ft_dequantize_rows.argtypes = [i32, ptr, i64, i64, ptr, i64, ptr]
+    lib.ft_dequantize_rows.argtypes = [i32, ptr, i64, i64, i64, ptr, i64, ptr]
+    lib.ft_repack_columns.argtypes = []
+    lib.ft_repack_columns.restype = i32
+    lib.ft_repack.argtypes = [i32, ptr, i64, i64, i64, ptr]
+    lib.ft_repack.restype = None
     lib.ft_dequantize_rows.restype = None
     lib.ft_rms_norm.argtypes = [ptr, i64, i64, i64, ptr, ctypes.c_float, ptr]
     lib.ft_rms_norm.restype = None
@@ -143,16 +149,42 @@ class QuantizedActivations:
 
 def gemm_into(
     out: torch.Tensor,  # [M, >= N] float32, row-major rows (a column slice is fine)
-    qtype: int,
-    weight: torch.Tensor,  # [N, row_bytes] uint8: GGUF blocks as stored
-    cols: int,  # K
+    weight: QuantTensor,
     x: QuantizedActivations,
     lib: ctypes.CDLL | None = None,
 ) -> None:
-    """`out[:, :N] = x @ W.T` for `W` stored as GGUF blocks of `qtype`."""
+    """`out[:, :N] = x @ W.T` for `W` stored as GGUF blocks (or repacked groups of them)."""
+    data = weight.data
     assert out.dtype == torch.float32 and out.stride(1) == 1 and out.shape[0] == x.rows
-    assert weight.dtype == torch.uint8 and weight.is_contiguous() and cols == x.cols
+    assert data.dtype == torch.uint8 and data.is_contiguous() and weight.cols == x.cols
     (lib or library()).ft_gemm(
-        qtype, weight.data_ptr(), weight.shape[0], cols, weight.shape[1], x.qs.data_ptr(), x.d.data_ptr(),
-        x.s.data_ptr(), x.sx.data_ptr(), x.rows, out.data_ptr(), out.stride(0), torch.get_num_threads(),
+        weight.qtype, data.data_ptr(), weight.rows, weight.cols, data.shape[1], weight.columns,
+        x.qs.data_ptr(), x.d.data_ptr(), x.s.data_ptr(), x.sx.data_ptr(), x.rows, out.data_ptr(),
+        out.stride(0), torch.get_num_threads(),
     )  # fmt: skip
+
+
+REPACKABLE = (Q4_0, Q4_1, Q8_0)
+
+
+def repacked(weight: QuantTensor) -> QuantTensor:
+    """`weight` in the interleaved layout of the column kernels when this CPU has them (AVX-512
+    VNNI) and its type and row count allow; otherwise unchanged. Same bytes, reordered."""
+    columns = library().ft_repack_columns()
+    if weight.columns or not columns or weight.qtype not in REPACKABLE or weight.rows % columns:
+        return weight
+    src = weight.data.contiguous()
+    dst = torch.empty_like(src)
+    library().ft_repack(weight.qtype, src.data_ptr(), weight.rows, weight.cols, src.shape[1], dst.data_ptr())
+    return QuantTensor(dst, weight.qtype, weight.cols, columns)
+
+
+def dequantize_rows(weight: QuantTensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` `[T]` of `weight` as float32 `[T, cols]`."""
+    ids = ids.contiguous()
+    out = torch.empty(ids.shape[0], weight.cols)
+    library().ft_dequantize_rows(
+        weight.qtype, weight.data.data_ptr(), weight.data.shape[1], weight.columns, weight.cols,
+        ids.data_ptr(), ids.shape[0], out.data_ptr(),
+    )  # fmt: skip
+    return out

@@ -19,11 +19,16 @@ KERNEL_TYPES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0", Q4_K: "Q4_K", Q6_K: "Q
 
 @dataclass(frozen=True, slots=True)
 class QuantTensor:
-    """A `[rows, cols]` weight stored as `data` `[rows, row_bytes]` uint8 blocks of `qtype`."""
+    """A `[rows, cols]` weight stored as `data` `[rows, row_bytes]` uint8 blocks of `qtype`.
+
+    `columns` > 0: the same bytes reordered into groups of `columns` interleaved rows for the
+    column kernels (`kernels.repacked`).
+    """
 
     data: torch.Tensor
     qtype: int
     cols: int
+    columns: int = 0
 
     @property
     def rows(self) -> int:
@@ -37,6 +42,10 @@ class QuantTensor:
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weight `[rows, cols]` (tests and fallbacks only)."""
+        if self.columns:
+            from ft.model.kernels import dequantize_rows
+
+            return dequantize_rows(self, torch.arange(self.rows))
         from gguf import GGMLQuantizationType
         from gguf.quants import dequantize
 
@@ -45,6 +54,7 @@ class QuantTensor:
 
     def permute_rows(self, order: torch.Tensor) -> QuantTensor:
         """Rows reordered (a rows permutation keeps every block intact)."""
+        assert not self.columns, "permute before repacking"
         return QuantTensor(self.data[order].contiguous(), self.qtype, self.cols)
 
 

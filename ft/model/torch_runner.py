@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -73,15 +72,6 @@ def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return raw.view(dtype).view(shape)
 
 
-@dataclass(frozen=True, slots=True)
-class _Part:
-    """Tokens of one work fed through one path: positions `start...`."""
-
-    work: SeqWork
-    start: int
-    tokens: tuple[int, ...]
-
-
 class TorchRunner:
     """Runs batched steps of a Llama-family model over `num_pages` KV pages of `page_size` slots.
 
@@ -119,9 +109,7 @@ class TorchRunner:
                 raise ValueError(
                     "weights kept as stored need float32 activations, a float32 KV cache and no --quantize"
                 )
-            from ft.model.dtypes import pick_dtype
-
-            self.packed = QuantizedLlama(c, loaded.state_dict, pick_dtype(c))
+            self.packed = QuantizedLlama(c, loaded.state_dict)
             self._lm_head: Callable[[torch.Tensor], torch.Tensor] = self.packed.logits
         else:
             self.model = build_model(c, loaded.state_dict, dtype)  # type: ignore[arg-type]
@@ -199,56 +187,29 @@ class TorchRunner:
                 sample_rows.append(len(token_ids) - 1)
         with torch.inference_mode():
             if self.packed is not None:
-                rows = self._sample_rows_packed(self.packed, works)
-                return self._lm_head(rows) if rows is not None else None  # [R, vocab]
-            spans = [SeqSpan(w.start_pos, len(w.token_ids), w.page_ids) for w in works]
-            hidden = self._forward_torch(token_ids, positions, spans)
+                ids = torch.tensor(token_ids, dtype=torch.long)
+                index = self._step_index(works)
+                hidden = self.packed.forward(ids, index, self.k_cache, self.v_cache, self._page_size)
+            else:
+                spans = [SeqSpan(w.start_pos, len(w.token_ids), w.page_ids) for w in works]
+                hidden = self._forward_torch(token_ids, positions, spans)
             if not sample_rows:
                 return None
             rows = hidden if len(sample_rows) == len(token_ids) else hidden[sample_rows]  # [R, hidden]
             return self._lm_head(rows)  # [R, vocab]
 
-    def _sample_rows_packed(self, model: QuantizedLlama, works: list[SeqWork]) -> torch.Tensor | None:
-        """Final hidden states `[R, hidden]` of the sampling works' last tokens (None: no sampling).
-
-        Prompt tokens go through the dense path, generated tokens (decode steps, and the
-        recompute of a preempted request) through the packed kernels, in that order so that
-        generated tokens see their prompt's KV. Both paths compute each row the same way
-        whatever shares the step, so a request's tokens do not depend on its batch, on prefix
-        cache hits, on chunking or on being preempted.
-        """
-        prompt: list[_Part] = []
-        generated: list[_Part] = []
-        for w in works:
-            cut = max(0, min(len(w.token_ids), w.num_prompt_tokens - w.start_pos))
-            prompt.append(_Part(w, w.start_pos, w.token_ids[:cut]))
-            generated.append(_Part(w, w.start_pos + cut, w.token_ids[cut:]))
-        last: dict[int, torch.Tensor] = {}
-        for parts, run in ((prompt, model.forward_dense), (generated, model.forward_packed)):
-            parts = [p for p in parts if p.tokens]
-            if not parts:
-                continue
-            ids = torch.tensor([t for p in parts for t in p.tokens], dtype=torch.long)
-            hidden = run(ids, self._step_index(parts), self.k_cache, self.v_cache, self._page_size)
-            end = 0
-            for p in parts:
-                end += len(p.tokens)
-                last[p.work.seq_id] = hidden[end - 1]
-        sampled = [last[w.seq_id] for w in works if w.sample]
-        return torch.stack(sampled) if sampled else None
-
-    def _step_index(self, parts: list[_Part]) -> StepIndex:
+    def _step_index(self, works: list[SeqWork]) -> StepIndex:
         page = self._page_size
-        max_pages = max((p.start + len(p.tokens) + page - 1) // page for p in parts)
-        tables = torch.zeros(len(parts), max_pages, dtype=torch.int32)
+        max_pages = max((w.start_pos + len(w.token_ids) + page - 1) // page for w in works)
+        tables = torch.zeros(len(works), max_pages, dtype=torch.int32)
         seq: list[int] = []
         slots: list[int] = []
         positions: list[int] = []
-        for i, p in enumerate(parts):
-            pages = p.work.page_ids[:max_pages]
+        for i, w in enumerate(works):
+            pages = w.page_ids[:max_pages]
             tables[i, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
-            seq.extend([i] * len(p.tokens))
-            span = range(p.start, p.start + len(p.tokens))
+            seq.extend([i] * len(w.token_ids))
+            span = range(w.start_pos, w.start_pos + len(w.token_ids))
             positions.extend(span)
             slots.extend(pages[q // page] * page + q % page for q in span)
         return StepIndex(

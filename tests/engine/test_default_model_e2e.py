@@ -93,14 +93,12 @@ async def test_default_model_generates_batches_and_frees_everything() -> None:
             assert snap["kv"]["cached_pages"] > 0
 
 
-async def test_default_model_preempted_requests_continue_as_if_uninterrupted() -> None:
+@pytest.mark.parametrize("dtype", ["auto", "float32"])  # packed GGUF kernels, float weights
+async def test_default_model_preempted_requests_continue_as_if_uninterrupted(dtype: str) -> None:
+    """On the default model, preempted requests produce the tokens they would have alone."""
     # 8 pages of 16 tokens: each request (~50 prompt tokens + 40) fits alone; three together
     # collide, so at least one is preempted, recomputed from its prompt + output, and resumed.
-    # NOTE: float weights. With the packed GGUF kernels a recompute (like a prefix-cache hit)
-    # computes KV through the dense prefill path instead of the int8 decode kernel, so a sampled
-    # continuation matches only as closely as those two paths agree.
-    """On the default model, preempted requests produce the tokens they would have alone."""
-    config = EngineConfig(dtype="float32", num_pages=8, max_running_requests=4, compute_threads=1)
+    config = EngineConfig(dtype=dtype, num_pages=8, max_running_requests=4, compute_threads=1)
     seeds = (11, 22, 33)
     with trio.fail_after(240):
         async with open_engine(config) as engine:

@@ -169,9 +169,9 @@ def test_any_mix_of_requests_cancels_faults_and_preemptions_leaks_nothing(
 def test_preemption_under_pressure_with_cancels_and_faults_leaks_nothing(
     reqs: list[Plan], max_running: int, tightness: float
 ) -> None:
+    """A pool tight enough to preempt often, with cancels and faults, leaks nothing either."""
     # A pool just above the largest request's whole budget: every request fits alone, several
     # together do not, so requests are preempted, recomputed, cancelled and failed in any order.
-    """A pool tight enough to preempt often, with cancels and faults, leaks nothing either."""
     budgets = [min(p.n, max_running) * -(-(p.prompt_len + 1 + p.max_tokens) // PAGE_SIZE) for p in reqs]
     num_pages = max(8, int(tightness * max(budgets)))
     preemptions = trio.run(

@@ -367,8 +367,8 @@ async def test_disconnect_mid_stream_frees_everything() -> None:
 
 
 async def test_max_tokens_beyond_the_context_means_up_to_the_context(server: RunningServer) -> None:
-    # Agents send max_tokens far beyond a small model's context (Claude Code: 32000).
     """A max_tokens at or past the context means "up to the context" (agents send 32000)."""
+    # Agents send max_tokens far beyond a small model's context (Claude Code: 32000).
     r = await post(server, {"model": "fake", "max_tokens": 32000, "messages": USER})
     assert r.status_code == 200 and r.json()["stop_reason"] == "end_turn"
     async with (
