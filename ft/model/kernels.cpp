@@ -655,50 +655,123 @@ void gemm_team(const Weight& w, const QAct& a, float* y, int64_t ldy) {
   }
 }
 
-// Paged attention of T rows (call from inside a parallel region; `scores` holds max_len floats
-// per thread). Row t reads queries at q + t * ldq, writes out + t * ldo.
-void attend_team(const float* qbase, int64_t ldq, const float* k_cache, const float* v_cache, int64_t T,
+// KV cache element types: float32, IEEE half, bfloat16.
+enum : int { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2 };
+struct half_t {
+  uint16_t bits;
+};
+struct bfloat_t {
+  uint16_t bits;
+};
+
+inline float to_float(float x) { return x; }
+inline float to_float(half_t x) { return rd16((const uint8_t*)&x.bits); }
+inline float to_float(bfloat_t x) {
+  const uint32_t b = (uint32_t)x.bits << 16;
+  float f;
+  memcpy(&f, &b, 4);
+  return f;
+}
+inline void from_float(float x, float* out) { *out = x; }
+inline void from_float(float x, half_t* out) {
+#if defined(__F16C__)
+  out->bits = _cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT);
+#else
+  // round to nearest even via float arithmetic on the exponent range of half (normals only)
+  uint32_t b;
+  memcpy(&b, &x, 4);
+  const uint32_t sign = (b >> 16) & 0x8000;
+  const int exp = (int)((b >> 23) & 0xFF) - 127 + 15;
+  if (exp <= 0) {
+    out->bits = (uint16_t)sign;
+  } else if (exp >= 31) {
+    out->bits = (uint16_t)(sign | 0x7C00);
+  } else {
+    uint32_t mant = b & 0x7FFFFF, h = sign | (exp << 10) | (mant >> 13);
+    const uint32_t rest = mant & 0x1FFF;
+    if (rest > 0x1000 || (rest == 0x1000 && (h & 1))) h++;
+    out->bits = (uint16_t)h;
+  }
+#endif
+}
+inline void from_float(float x, bfloat_t* out) {  // round to nearest even, as torch does
+  uint32_t b;
+  memcpy(&b, &x, 4);
+  out->bits = (uint16_t)((b + 0x7FFF + ((b >> 16) & 1)) >> 16);
+}
+
+#if defined(__AVX2__)
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const half_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
+inline __m256 load8(const bfloat_t* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+#endif
+
+// dot(q, k) over hd elements.
+template <class T>
+inline float dot_kv(const float* q, const T* k, int64_t hd) {
+  int64_t i = 0;
+  float sum = 0;
+#if defined(__AVX2__)
+  __m256 acc = _mm256_setzero_ps();
+  for (; i + 8 <= hd; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), load8(k + i), acc);
+  sum = hsum(acc);
+#endif
+  for (; i < hd; i++) sum += q[i] * to_float(k[i]);
+  return sum;
+}
+
+// o += c * v over hd elements.
+template <class T>
+inline void axpy_kv(float c, const T* v, float* o, int64_t hd) {
+  int64_t i = 0;
+#if defined(__AVX2__)
+  const __m256 cv = _mm256_set1_ps(c);
+  for (; i + 8 <= hd; i += 8) _mm256_storeu_ps(o + i, _mm256_fmadd_ps(cv, load8(v + i), _mm256_loadu_ps(o + i)));
+#endif
+  for (; i < hd; i++) o[i] += c * to_float(v[i]);
+}
+
+// Paged attention of T rows (call from inside a parallel region; `scores` holds group * max_len
+// floats per thread). Row t reads queries at q + t * ldq, writes out + t * ldo. The query heads
+// that share a KV head read each cached key and value once.
+template <class T>
+void attend_team(const float* qbase, int64_t ldq, const T* k_cache, const T* v_cache, int64_t T_,
                  const int64_t* seq, const int64_t* pos, const int32_t* block_tables, int64_t max_pages,
                  int64_t page_size, int64_t nh, int64_t nkvh, int64_t hd, float* obase, int64_t ldo,
                  float* scores) {
   const int64_t kvsz = nkvh * hd, group = nh / nkvh;
   const float scale = 1.0f / sqrtf((float)hd);
 #pragma omp for schedule(dynamic, 1) collapse(2)
-    for (int64_t t = 0; t < T; t++) {
-      for (int64_t kh = 0; kh < nkvh; kh++) {
-        const int64_t len = pos[t] + 1;
-        const int32_t* table = block_tables + seq[t] * max_pages;
-        for (int64_t g = 0; g < group; g++) {
-          const int64_t head = kh * group + g;
-          const float* q = qbase + t * ldq + head * hd;
-          float mx = -INFINITY;
-          for (int64_t p = 0; p < len; p++) {
-            const int64_t slot = (int64_t)table[p / page_size] * page_size + p % page_size;
-            const float* k = k_cache + slot * kvsz + kh * hd;
-            float dot = 0;
-#pragma omp simd reduction(+ : dot)
-            for (int64_t i = 0; i < hd; i++) dot += q[i] * k[i];
-            scores[p] = dot * scale;
-            mx = scores[p] > mx ? scores[p] : mx;
-          }
-          float sum = 0;
-          for (int64_t p = 0; p < len; p++) {
-            scores[p] = expf(scores[p] - mx);
-            sum += scores[p];
-          }
-          float* o = obase + t * ldo + head * hd;
-          for (int64_t i = 0; i < hd; i++) o[i] = 0;
-          const float inv = 1.0f / sum;
-          for (int64_t p = 0; p < len; p++) {
-            const int64_t slot = (int64_t)table[p / page_size] * page_size + p % page_size;
-            const float* v = v_cache + slot * kvsz + kh * hd;
-            const float c = scores[p] * inv;
-#pragma omp simd
-            for (int64_t i = 0; i < hd; i++) o[i] += c * v[i];
-          }
+  for (int64_t t = 0; t < T_; t++) {
+    for (int64_t kh = 0; kh < nkvh; kh++) {
+      const int64_t len = pos[t] + 1;
+      const int32_t* table = block_tables + seq[t] * max_pages;
+      const float* q = qbase + t * ldq + kh * group * hd;
+      for (int64_t p = 0; p < len; p++) {
+        const T* k = k_cache + ((int64_t)table[p / page_size] * page_size + p % page_size) * kvsz + kh * hd;
+        for (int64_t g = 0; g < group; g++) scores[g * len + p] = dot_kv(q + g * hd, k, hd) * scale;
+      }
+      for (int64_t g = 0; g < group; g++) {
+        float* sc = scores + g * len;
+        float mx = -INFINITY, sum = 0;
+        for (int64_t p = 0; p < len; p++) mx = sc[p] > mx ? sc[p] : mx;
+        for (int64_t p = 0; p < len; p++) {
+          sc[p] = expf(sc[p] - mx);
+          sum += sc[p];
         }
+        const float inv = 1.0f / sum;
+        for (int64_t p = 0; p < len; p++) sc[p] *= inv;
+      }
+      float* o = obase + t * ldo + kh * group * hd;
+      for (int64_t i = 0; i < group * hd; i++) o[i] = 0;
+      for (int64_t p = 0; p < len; p++) {
+        const T* v = v_cache + ((int64_t)table[p / page_size] * page_size + p % page_size) * kvsz + kh * hd;
+        for (int64_t g = 0; g < group; g++) axpy_kv(scores[g * len + p], v, o + g * hd, hd);
       }
     }
+  }
 }
 
 void rms_norm_row(const float* x, const float* weight, float eps, int64_t H, float* out) {
@@ -751,6 +824,9 @@ void ft_rms_norm(const float* x, int64_t T, int64_t H, int64_t ldx, const float*
   for (int64_t t = 0; t < T; t++) rms_norm_row(x + t * ldx, weight, eps, H, out + t * H);
 }
 
+}  // extern "C"
+
+namespace {
 // One pre-norm Llama decoder layer over T new tokens, x [T, H] updated in place.
 //
 // Row t is position pos[t] of sequence seq[t]; its keys and values are written at slot_of[t],
@@ -758,11 +834,12 @@ void ft_rms_norm(const float* x, int64_t T, int64_t H, int64_t ldx, const float*
 // block_tables[seq[t] * max_pages + p / page_size] * page_size + p % page_size. So decode rows
 // and causal prefill chunks are the same loop. w: q, k, v, o, gate, up, down. bias: q|k|v or null.
 // cos, sin: [T, hd / 2]. Caches: this layer's [num_slots, kvh, hd] float32.
-void ft_decoder_layer(float* x, int64_t T, int64_t H, const float* norm1, const float* norm2, float eps,
-                      const Weight* w, const float* bias, const float* cos, const float* sin, float* k_cache,
-                      float* v_cache, const int64_t* slot_of, const int64_t* seq, const int64_t* pos,
-                      const int32_t* block_tables, int64_t max_pages, int64_t page_size, int64_t nh,
-                      int64_t nkvh, int64_t hd, int64_t inter, int threads) {
+template <class KT>
+void decoder_layer(float* x, int64_t T, int64_t H, const float* norm1, const float* norm2, float eps,
+                   const Weight* w, const float* bias, const float* cos, const float* sin, KT* k_cache, KT* v_cache,
+                   const int64_t* slot_of, const int64_t* seq, const int64_t* pos, const int32_t* block_tables,
+                   int64_t max_pages, int64_t page_size, int64_t nh, int64_t nkvh, int64_t hd, int64_t inter,
+                   int threads) {
   const int64_t qsz = nh * hd, kvsz = nkvh * hd, qkv_w = qsz + 2 * kvsz;
   std::vector<float> h(T * H), qkv(T * qkv_w), attn(T * qsz), gu(T * 2 * inter);
   int64_t max_len = 0;
@@ -770,7 +847,7 @@ void ft_decoder_layer(float* x, int64_t T, int64_t H, const float* norm1, const 
   QAct act;
 #pragma omp parallel num_threads(threads)
   {
-    std::vector<float> scores(max_len);
+    std::vector<float> scores(max_len * (nh / nkvh));
     // attention block
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < T; t++) rms_norm_row(x + t * H, norm1, eps, H, h.data() + t * H);
@@ -786,8 +863,10 @@ void ft_decoder_layer(float* x, int64_t T, int64_t H, const float* norm1, const 
         for (int64_t i = 0; i < qkv_w; i++) row[i] += bias[i];
       rope(row, nh, hd, cos + t * (hd / 2), sin + t * (hd / 2));
       rope(row + qsz, nkvh, hd, cos + t * (hd / 2), sin + t * (hd / 2));
-      memcpy(k_cache + slot_of[t] * kvsz, row + qsz, kvsz * sizeof(float));
-      memcpy(v_cache + slot_of[t] * kvsz, row + qsz + kvsz, kvsz * sizeof(float));
+      for (int64_t i = 0; i < kvsz; i++) {
+        from_float(row[qsz + i], k_cache + slot_of[t] * kvsz + i);
+        from_float(row[qsz + kvsz + i], v_cache + slot_of[t] * kvsz + i);
+      }
     }
     attend_team(qkv.data(), qkv_w, k_cache, v_cache, T, seq, pos, block_tables, max_pages, page_size, nh, nkvh,
                 hd, attn.data(), qsz, scores.data());
@@ -818,18 +897,30 @@ void ft_decoder_layer(float* x, int64_t T, int64_t H, const float* norm1, const 
   }
 }
 
-// Paged attention of T rows whose keys and values are already in the caches: q [T, nh * hd]
-// (rotary applied) -> out [T, nh * hd]; indices as for ft_decoder_layer.
-void ft_attention(const float* q, int64_t T, const float* k_cache, const float* v_cache, const int64_t* seq,
-                  const int64_t* pos, const int32_t* block_tables, int64_t max_pages, int64_t page_size,
-                  int64_t nh, int64_t nkvh, int64_t hd, float* out, int threads) {
-  int64_t max_len = 0;
-  for (int64_t t = 0; t < T; t++) max_len = pos[t] + 1 > max_len ? pos[t] + 1 : max_len;
-#pragma omp parallel num_threads(threads)
-  {
-    std::vector<float> scores(max_len);
-    attend_team(q, nh * hd, k_cache, v_cache, T, seq, pos, block_tables, max_pages, page_size, nh, nkvh, hd, out,
-                nh * hd, scores.data());
+}  // namespace
+
+extern "C" {
+
+// decoder_layer over a KV cache of `kv_type` (KV_F32, KV_F16, KV_BF16); caches are this layer's
+// [num_slots, kvh, hd] of that type.
+void ft_decoder_layer(float* x, int64_t T, int64_t H, const float* norm1, const float* norm2, float eps,
+                      const Weight* w, const float* bias, const float* cos, const float* sin, void* k_cache,
+                      void* v_cache, int kv_type, const int64_t* slot_of, const int64_t* seq, const int64_t* pos,
+                      const int32_t* block_tables, int64_t max_pages, int64_t page_size, int64_t nh, int64_t nkvh,
+                      int64_t hd, int64_t inter, int threads) {
+  switch (kv_type) {
+    case KV_F32:
+      decoder_layer(x, T, H, norm1, norm2, eps, w, bias, cos, sin, (float*)k_cache, (float*)v_cache, slot_of, seq,
+                    pos, block_tables, max_pages, page_size, nh, nkvh, hd, inter, threads);
+      break;
+    case KV_F16:
+      decoder_layer(x, T, H, norm1, norm2, eps, w, bias, cos, sin, (half_t*)k_cache, (half_t*)v_cache, slot_of,
+                    seq, pos, block_tables, max_pages, page_size, nh, nkvh, hd, inter, threads);
+      break;
+    case KV_BF16:
+      decoder_layer(x, T, H, norm1, norm2, eps, w, bias, cos, sin, (bfloat_t*)k_cache, (bfloat_t*)v_cache,
+                    slot_of, seq, pos, block_tables, max_pages, page_size, nh, nkvh, hd, inter, threads);
+      break;
   }
 }
 

@@ -86,12 +86,10 @@ def build_library(march: str = "native") -> ctypes.CDLL:
     lib.ft_rms_norm.argtypes = [ptr, i64, i64, i64, ptr, ctypes.c_float, ptr]
     lib.ft_rms_norm.restype = None
     lib.ft_decoder_layer.argtypes = [
-        ptr, i64, i64, ptr, ptr, ctypes.c_float, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr,
+        ptr, i64, i64, ptr, ptr, ctypes.c_float, ptr, ptr, ptr, ptr, ptr, ptr, i32, ptr, ptr, ptr, ptr,
         i64, i64, i64, i64, i64, i64, i32,
     ]  # fmt: skip
     lib.ft_decoder_layer.restype = None
-    lib.ft_attention.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, ptr, i32]
-    lib.ft_attention.restype = None
     return lib
 
 
@@ -165,6 +163,7 @@ def gemm_into(
 
 
 REPACKABLE = (Q4_0, Q4_1, Q8_0)
+KV_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # KV cache element types
 
 
 def repacked(weight: QuantTensor) -> QuantTensor:

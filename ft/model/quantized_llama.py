@@ -2,8 +2,8 @@
 
 Each layer (norms, q/k/v/o and gate/up/down products on packed blocks, rotary, the KV write and
 paged attention) runs in one call with torch's OpenMP threads; Python only prepares the step's
-index arrays. Activations and the KV cache are float32; the products quantize activations to
-int8 blocks of 32, as llama.cpp does.
+index arrays. Activations are float32; the products quantize activations to
+int8 blocks of 32, as llama.cpp does; the KV cache is float32, float16 or bfloat16.
 
 Every row is computed the same way whatever else is in the step (the kernels never mix rows),
 so a request's tokens do not depend on its batch, on prefix-cache hits, on how its prompt was
@@ -94,11 +94,12 @@ class QuantizedLlama:
         self,
         input_ids: torch.Tensor,  # [T]
         index: StepIndex,
-        k_caches: torch.Tensor,  # [layers, num_slots, kv_heads, head_dim] float32
+        k_caches: torch.Tensor,  # [layers, num_slots, kv_heads, head_dim] float32/float16/bfloat16
         v_caches: torch.Tensor,
         page_size: int,
     ) -> torch.Tensor:
         """Hidden states after the final norm, `[T, hidden]`; writes the tokens' KV."""
+        kv_type = kernels.KV_TYPES[k_caches.dtype]
         c = self.config
         x = kernels.dequantize_rows(self.embed, input_ids)  # [T, hidden]
         num_tokens = x.shape[0]
@@ -110,7 +111,7 @@ class QuantizedLlama:
             self.lib.ft_decoder_layer(
                 x.data_ptr(), num_tokens, c.hidden_size, layer.norm1.data_ptr(), layer.norm2.data_ptr(),
                 c.rms_norm_eps, layer.weights, layer.bias.data_ptr() if layer.bias is not None else None,
-                cos.data_ptr(), sin.data_ptr(), k_caches[i].data_ptr(), v_caches[i].data_ptr(),
+                cos.data_ptr(), sin.data_ptr(), k_caches[i].data_ptr(), v_caches[i].data_ptr(), kv_type,
                 index.slot_of.data_ptr(), index.seq.data_ptr(), index.positions.data_ptr(), tables.data_ptr(),
                 tables.shape[1], page_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size,
                 threads,

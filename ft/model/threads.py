@@ -5,7 +5,10 @@ workers and whatever else runs there. Two OpenMP threads are fastest on a quiet 
 when another process keeps one core busy each barrier waits for a descheduled thread and a step
 took up to 7x longer than with one thread. So the runner times every step, keeps a moving
 average of seconds per row for each thread count and batch-size bucket, uses the faster one,
-and now and then tries the other so that a change in load is noticed.
+and now and then tries the other so that a change in load is noticed. A try costs what the
+slower choice costs, so tries are spaced in proportion to how much slower it was: under heavy
+contention a two-thread step took 2.6 s against 20 ms for one thread, and trying it every 32
+steps stalled streams for seconds.
 """
 
 from __future__ import annotations
@@ -15,7 +18,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 BUCKETS = (1, 4, 16, 64)  # rows: 1, 2-4, 5-16, 17-64, more
-EXPLORE_EVERY = 32  # steps of a bucket between two tries of the slower choice
+EXPLORE_EVERY = 32  # steps of a bucket between two tries of the slower choice, when close
+MAX_SPACING = 4096  # at most this many steps between two tries
 SMOOTHING = 0.25  # weight of the newest measurement in the moving average
 
 
@@ -30,6 +34,7 @@ class ThreadChooser:
         self.choices = choices
         self._cost: dict[tuple[int, int], float] = {}  # (bucket, threads) -> seconds per row
         self._steps: dict[int, int] = {}
+        self._next_try: dict[int, int] = {}  # bucket -> step count of the next try
 
     def choose(self, rows: int) -> int:
         """The thread count for the next step of `rows` rows."""
@@ -40,9 +45,11 @@ class ThreadChooser:
         if untried:
             return untried[0]
         ranked = sorted(self.choices, key=lambda n: self._cost[bucket, n])
-        if len(ranked) > 1 and count % EXPLORE_EVERY == 0:
-            return ranked[1]
-        return ranked[0]
+        if len(ranked) == 1 or count < self._next_try.get(bucket, 0):
+            return ranked[0]
+        ratio = self._cost[bucket, ranked[1]] / max(self._cost[bucket, ranked[0]], 1e-9)
+        self._next_try[bucket] = count + min(MAX_SPACING, int(EXPLORE_EVERY * max(1.0, ratio)))
+        return ranked[1]
 
     def record(self, rows: int, threads: int, seconds: float) -> None:
         """Fold one step's duration into the moving average of its bucket and thread count."""

@@ -11,6 +11,7 @@ import torch.utils.mkldnn
 
 from ft.config import QUANTIZATIONS
 from ft.core.batch import Sampled, SeqWork
+from ft.model import kernels
 from ft.model.attention import SeqSpan, build_metadata
 from ft.model.llama import LlamaConfig, build_model
 from ft.model.loader import LoadedModel
@@ -105,10 +106,8 @@ class TorchRunner:
         self.kv_dtype = kv_dtype or dtype
         self.packed: QuantizedLlama | None = None
         if any(isinstance(v, QuantTensor) for v in loaded.state_dict.values()):
-            if quantize is not None or dtype != torch.float32 or self.kv_dtype != torch.float32:
-                raise ValueError(
-                    "weights kept as stored need float32 activations, a float32 KV cache and no --quantize"
-                )
+            if quantize is not None or dtype != torch.float32 or self.kv_dtype not in kernels.KV_TYPES:
+                raise ValueError("weights kept as stored need float32 activations and no --quantize")
             self.packed = QuantizedLlama(c, loaded.state_dict)
             self._lm_head: Callable[[torch.Tensor], torch.Tensor] = self.packed.logits
         else:

@@ -119,10 +119,11 @@ def test_dequantized_rows_match_gguf(qtype: int) -> None:
     assert np.array_equal(out.numpy(), ref)
 
 
-def test_packed_decoder_matches_torch_decoder(tiny_packed: tuple) -> None:
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_packed_decoder_matches_torch_decoder(tiny_packed: tuple, kv_dtype: torch.dtype) -> None:
     """Prefill chunks on top of cached positions and decode rows in one step give the hidden
     states of the float torch model over the same (dequantized) weights, within the int8
-    rounding of the activations."""
+    rounding of the activations (and of a 16-bit KV cache)."""
     config, sd_packed, sd_float = tiny_packed
     page, pages = 4, 32
     shape = (config.num_layers, pages * page, config.num_kv_heads, config.head_dim)
@@ -134,7 +135,7 @@ def test_packed_decoder_matches_torch_decoder(tiny_packed: tuple) -> None:
         [(0, (17,), 6, (0, 1)), (1, (8, 10, 12, 14, 16), 3, (2, 3, 4))],
     ]
     ref_caches = (torch.zeros(shape), torch.zeros(shape))
-    caches = (torch.zeros(shape), torch.zeros(shape))
+    caches = (torch.zeros(shape, dtype=kv_dtype), torch.zeros(shape, dtype=kv_dtype))
     for step in steps:
         ids = torch.tensor([t for _, toks, _, _ in step for t in toks])
         spans = [SeqSpan(s, len(toks), p) for _, toks, s, p in step]

@@ -24,6 +24,14 @@ def test_tries_each_count_then_keeps_the_faster() -> None:
     assert picks[2:].count(1) <= 200 // EXPLORE_EVERY + 1
 
 
+def test_a_much_slower_choice_is_tried_rarely() -> None:
+    """Tries are spaced by how much slower the other count was: a 100x slower choice is tried
+    about once per 32 x 100 steps, not every 32."""
+    chooser = ThreadChooser((1, 2))
+    picks = run_steps(chooser, 1, {1: 0.01, 2: 1.0}, 5000)
+    assert 1 <= picks[2:].count(2) <= 3
+
+
 def test_contention_turns_the_choice_to_one_thread() -> None:
     """When two threads become slower (a busy neighbour), one thread takes over."""
     chooser = ThreadChooser((1, 2))
