@@ -8,9 +8,9 @@ install:
 test:
     python -m pytest -q
 
-# Fast tests only: the synchronous core and the fake-model engine.
+# Fast tests only: everything but the real default model and the soak (`-m "not slow"`).
 test-fast:
-    python -m pytest -q tests/core tests/engine
+    python -m pytest -q -m "not slow"
 
 # Serve the default model on 127.0.0.1:1941.
 serve *ARGS:
@@ -20,7 +20,7 @@ serve *ARGS:
 bench:
     ft bench
 
-# Lint and type-check (`pip install -e ".[dev]"` first).
+# Lint and type-check, as .ci/run does (ruff and mypy come with the test extra).
 lint:
     python -m ruff check ft tests tools
     python -m ruff format --check ft tests tools

@@ -1,7 +1,7 @@
 """ft: an LLM inference engine and HTTP server on trio that does not leak request state.
 
 The public API is imported lazily so that tokenizer worker processes, which import
-`ft.actors.tokenize_job`, do not pay for torch.
+`ft.tokenizer.job`, do not pay for torch.
 """
 
 from __future__ import annotations

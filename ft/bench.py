@@ -16,7 +16,7 @@ import time
 
 import trio
 
-from ft.config import QUANTIZATIONS, EngineConfig
+from ft.config import EngineConfig, add_model_arguments, model_config_fields
 from ft.engine.engine import Engine, open_engine
 from ft.params import SamplingParams
 
@@ -62,9 +62,7 @@ async def run_level(engine: Engine, concurrency: int, max_tokens: int) -> dict[s
 
 async def main(args: argparse.Namespace) -> None:
     config = EngineConfig(
-        model=args.model,
-        dtype=args.dtype,
-        quantize=args.quantize,
+        **model_config_fields(args),
         max_running_requests=max(args.concurrency),
         compute_threads=args.threads,
     )
@@ -86,9 +84,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of `ft bench`."""
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--model", default=None)
-    parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--quantize", default=None, choices=QUANTIZATIONS)
+    add_model_arguments(parser)
     parser.add_argument("--threads", type=int, default=None)
 
 

@@ -10,7 +10,7 @@ import trio
 
 from ft.bench import add_bench_arguments, run_bench
 from ft.cli_serve import add_serve_arguments, run_serve
-from ft.config import DTYPES, QUANTIZATIONS, EngineConfig
+from ft.config import EngineConfig, add_model_arguments, model_config_fields
 from ft.errors import FtError
 from ft.params import SamplingParams
 
@@ -20,13 +20,6 @@ def _version() -> str:
         return version("ft")
     except PackageNotFoundError:  # pragma: no cover - running from a source tree
         return "0+unknown"
-
-
-def _add_model_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help="GGUF file or Hugging Face directory (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--dtype", choices=DTYPES, default="auto")
-    p.add_argument("--quantize", choices=QUANTIZATIONS, default=None, help="int8 linear weights")
-    p.add_argument("--max-model-len", type=int, default=None)
 
 
 def _add_sampling_arguments(p: argparse.ArgumentParser) -> None:
@@ -50,9 +43,7 @@ def _params(args: argparse.Namespace) -> SamplingParams:
 
 
 def _engine_config(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(
-        model=args.model, dtype=args.dtype, quantize=args.quantize, max_model_len=args.max_model_len
-    )
+    return EngineConfig(**model_config_fields(args))
 
 
 async def _generate(args: argparse.Namespace) -> None:
@@ -104,12 +95,12 @@ def main(argv: list[str] | None = None) -> int:
     gen = sub.add_parser("generate", help="complete one prompt and print it")
     gen.add_argument("prompt")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
-    _add_model_arguments(gen)
+    add_model_arguments(gen)
     _add_sampling_arguments(gen)
 
     chat = sub.add_parser("chat", help="interactive chat in the terminal")
     chat.add_argument("--system", default=None)
-    _add_model_arguments(chat)
+    add_model_arguments(chat)
     _add_sampling_arguments(chat)
 
     add_bench_arguments(sub.add_parser("bench", help="output tokens/s at several concurrency levels (JSON)"))

@@ -12,10 +12,10 @@ import trio
 from ft.config import (
     ADMISSIONS,
     DEFAULT_KV_CACHE_MEMORY,
-    DTYPES,
     KV_CACHE_DTYPES,
-    QUANTIZATIONS,
     EngineConfig,
+    add_model_arguments,
+    model_config_fields,
 )
 from ft.server.settings import LOG_LEVELS, ServerSettings
 
@@ -39,23 +39,11 @@ def _origins(text: str) -> tuple[str, ...]:
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """Add `ft serve`'s options to `parser`."""
     model = parser.add_argument_group("model")
-    model.add_argument(
-        "--model", default=None, help="GGUF file or Hugging Face directory (default: SmolLM2-135M-Instruct)"
-    )
+    add_model_arguments(model)
     model.add_argument(
         "--served-model-name",
         default=None,
         help="the model id clients see and send (default: from the model)",
-    )
-    model.add_argument("--dtype", choices=DTYPES, default="auto")
-    model.add_argument(
-        "--quantize",
-        choices=QUANTIZATIONS,
-        default=None,
-        help="int8 weights for the linear layers: ~2-3x faster decode, approximate output",
-    )
-    model.add_argument(
-        "--max-model-len", type=int, default=None, help="context length (default: the model's)"
     )
     model.add_argument(
         "--tool-call-parser", default=None, help="parse tool calls out of chat output with this parser"
@@ -144,16 +132,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerSettings]:
     """The engine config and server settings `args` describe. Raises `ValueError`."""
     engine = EngineConfig(
-        model=args.model,
+        **model_config_fields(args),
         served_model_name=args.served_model_name,
-        dtype=args.dtype,
-        quantize=args.quantize,
         page_size=args.page_size,
         num_pages=args.num_pages,
         kv_cache_memory=args.kv_cache_memory,
         kv_cache_dtype=args.kv_cache_dtype,
         admission=args.admission,
-        max_model_len=args.max_model_len,
         max_running_requests=args.max_running_requests,
         max_queued_requests=args.max_queued_requests,
         tool_call_parser=args.tool_call_parser,

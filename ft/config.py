@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
+from typing import Any
 
 DTYPES = ("auto", "float32", "bfloat16")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")  # auto: the model's dtype
@@ -73,3 +75,31 @@ class EngineConfig:
             raise ValueError(f"tokenizer_workers must be in 1..64, got {self.tokenizer_workers}")
         if self.compute_threads is not None and not 1 <= self.compute_threads <= 256:
             raise ValueError(f"compute_threads must be in 1..256, got {self.compute_threads}")
+
+
+def add_model_arguments(parser: argparse.ArgumentParser | Any) -> None:
+    """Add the model options every command takes (`--model`, `--dtype`, `--quantize`,
+    `--max-model-len`) to `parser` or an argument group of it."""
+    parser.add_argument(
+        "--model", default=None, help="GGUF file or Hugging Face directory (default: SmolLM2-135M-Instruct)"
+    )
+    parser.add_argument("--dtype", choices=DTYPES, default="auto")
+    parser.add_argument(
+        "--quantize",
+        choices=QUANTIZATIONS,
+        default=None,
+        help="int8 weights for the linear layers: ~2-3x faster decode, approximate output",
+    )
+    parser.add_argument(
+        "--max-model-len", type=int, default=None, help="context length (default: the model's)"
+    )
+
+
+def model_config_fields(args: argparse.Namespace) -> dict[str, Any]:
+    """The `EngineConfig` fields the model options set."""
+    return {
+        "model": args.model,
+        "dtype": args.dtype,
+        "quantize": args.quantize,
+        "max_model_len": args.max_model_len,
+    }

@@ -1,16 +1,37 @@
 """Every message the actors exchange, and every event a request stream yields.
 
 Commands are verbs (`Tokenize`, `Enqueue`, `Abort`), events are nouns (`StepDone`, `TokenOut`).
-All are frozen, slotted dataclasses of plain data.
+All are frozen, slotted dataclasses of plain data. The step messages the scheduler core makes and
+reads (`Batch`, `StepDone`, `TokenOut`, `SeqFailed`) live beside its batch types in
+`ft.core.batch`, so the core imports nothing from here; they are re-exported.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ft.core.batch import Sampled, SeqWork
+from ft.core.batch import Batch, SeqFailed, StepDone, TokenOut
 from ft.errors import FtError
 from ft.params import SamplingParams
+
+__all__ = [
+    "Abort",
+    "Batch",
+    "Delta",
+    "DetokenizerIn",
+    "Enqueue",
+    "Failed",
+    "FinishSeq",
+    "PromptReady",
+    "RequestEvent",
+    "SchedulerIn",
+    "SeqFailed",
+    "StepDone",
+    "TokenLogprob",
+    "TokenOut",
+    "Tokenize",
+    "TopLogprob",
+]
 
 # --- request -> tokenizer ------------------------------------------------------------------
 
@@ -27,6 +48,7 @@ class Tokenize:
     tools: tuple[dict[str, object], ...] | None = None
     chat_template_kwargs: dict[str, object] = field(default_factory=dict)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # render the last (assistant) message open
 
 
 # --- tokenizer / request exit / detokenizer -> scheduler ------------------------------------
@@ -55,56 +77,10 @@ class FinishSeq:
     seq_id: int
 
 
-@dataclass(frozen=True, slots=True)
-class Batch:
-    """One step's work for the runner."""
-
-    step: int
-    works: tuple[SeqWork, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class StepDone:
-    """The runner finished a step; `failed` maps seq ids to the error that failed them."""
-
-    step: int
-    sampled: tuple[Sampled, ...]
-    failed: tuple[tuple[int, str], ...] = ()
-    duration_s: float = 0.0
-    num_prefill_tokens: int = 0
-    num_decode_tokens: int = 0
-
-
 SchedulerIn = Enqueue | Abort | FinishSeq | StepDone
 
 
 # --- scheduler -> detokenizer --------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class TokenOut:
-    """A token generated for one sequence; `finish_reason` set on its last one.
-
-    `is_hidden` marks a final token whose text is not part of the output (eos, stop token id).
-    """
-
-    uid: int
-    index: int
-    seq_id: int
-    token_id: int
-    logprob: float | None = None
-    top_logprobs: tuple[tuple[int, float], ...] = ()
-    finish_reason: str | None = None
-    stop_reason: int | None = None
-    is_hidden: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class SeqFailed:
-    """A sequence ended with an error (runner fault, admission refusal)."""
-
-    uid: int
-    error: FtError
 
 
 DetokenizerIn = tuple[TokenOut | SeqFailed, ...]
@@ -146,6 +122,7 @@ class Delta:
     logprobs: tuple[TokenLogprob, ...] = ()
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache supplied to this choice
 
 
 @dataclass(frozen=True, slots=True)

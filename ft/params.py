@@ -18,6 +18,14 @@ MAX_LOGIT_BIAS = 1024
 MIN_TEMPERATURE = 1e-5
 
 
+def mix_seed(seed: int, k: int) -> int:
+    """A signed 64-bit seed derived from `seed` and a counter `k` (a choice index, a step).
+
+    Distinct `k` give distinct streams; the one mixing rule for every derived seed.
+    """
+    return (seed * 1_000_003 + k + 2**63) % 2**64 - 2**63
+
+
 def _finite(name: str, value: float, lo: float, hi: float) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise InvalidRequest(f"{name} must be a number", param=name)

@@ -23,11 +23,13 @@ from ft.config import EngineConfig
     ],
 )
 def test_bad_values_are_refused_naming_the_field(fields: dict[str, object], message: str) -> None:
+    """Bad config values are refused with a ValueError naming the field."""
     with pytest.raises(ValueError, match=message):
         EngineConfig(**fields)  # type: ignore[arg-type]
 
 
 def test_defaults_are_valid() -> None:
+    """The defaults are valid and are the documented ones."""
     config = EngineConfig()
     assert config.quantize is None and config.dtype == "auto"
     assert config.kv_cache_dtype == "auto" and config.admission == "need"

@@ -7,8 +7,8 @@ from typing import assert_never
 
 import trio
 
+from ft.actors.registry import Registry, RequestEntry
 from ft.core.detok import SeqDetokenizer
-from ft.engine.registry import Registry, RequestEntry
 from ft.messages import (
     Delta,
     DetokenizerIn,
@@ -96,6 +96,7 @@ class DetokenizerActor:
                 logprobs=logprobs,
                 finish_reason=finish_reason,
                 stop_reason=stop_reason,
+                num_cached_tokens=out.num_cached_tokens,
             ),
         )
 

@@ -7,8 +7,8 @@ from typing import assert_never
 
 import trio
 
+from ft.actors.registry import Registry
 from ft.core.scheduler import Scheduler
-from ft.engine.registry import Registry
 from ft.errors import FtError
 from ft.messages import (
     Abort,

@@ -8,11 +8,11 @@ from collections.abc import Callable
 import trio
 import trio_parallel
 
-from ft.engine.codec import decode_result, encode_job
-from ft.engine.loading import Executor
-from ft.engine.registry import Registry
+from ft.actors.registry import Registry
 from ft.errors import FtError, InvalidRequest, RequestFailed
 from ft.messages import Enqueue, PromptReady, SchedulerIn, Tokenize
+from ft.tokenizer.codec import decode_result, encode_job
+from ft.tokenizer.job import Executor
 
 log = logging.getLogger("ft.tokenizer")
 

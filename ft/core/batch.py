@@ -1,6 +1,8 @@
 """What the scheduler hands the runner for one step, and what one step gives back.
 
 These are plain data: the runner (torch model, or a fake in tests) never sees scheduler state.
+The step messages (`Batch`, `StepDone`, `TokenOut`, `SeqFailed`) are here too, beside the types
+they carry, so the core depends on no actor message module.
 """
 
 from __future__ import annotations
@@ -8,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+from ft.errors import FtError
 from ft.params import SamplingParams
 
 
@@ -57,3 +60,50 @@ class Runner(Protocol):
     def step(self, works: list[SeqWork]) -> list[Sampled]:
         """Run one forward pass; return one `Sampled` per work with `sample=True`, in order."""
         ...
+
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    """One step's work for the runner."""
+
+    step: int
+    works: tuple[SeqWork, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class StepDone:
+    """The runner finished a step; `failed` maps seq ids to the error that failed them."""
+
+    step: int
+    sampled: tuple[Sampled, ...]
+    failed: tuple[tuple[int, str], ...] = ()
+    duration_s: float = 0.0
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class TokenOut:
+    """A token generated for one sequence; `finish_reason` set on its last one.
+
+    `is_hidden` marks a final token whose text is not part of the output (eos, stop token id).
+    """
+
+    uid: int
+    index: int
+    seq_id: int
+    token_id: int
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] = ()
+    finish_reason: str | None = None
+    stop_reason: int | None = None
+    is_hidden: bool = False
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache supplied
+
+
+@dataclass(frozen=True, slots=True)
+class SeqFailed:
+    """A sequence ended with an error (runner fault, admission refusal)."""
+
+    uid: int
+    error: FtError

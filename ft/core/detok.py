@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from ft.core.suffix import held_suffix_len
+
 Decode = Callable[[Sequence[int]], str]
 
 REPLACEMENT = "\ufffd"
@@ -44,17 +46,6 @@ class IncrementalDecoder:
         return new_text[len(prefix_text) :] if len(new_text) > len(prefix_text) else ""
 
 
-def _held_suffix_len(text: str, stops: Sequence[str]) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of some stop string."""
-    best = 0
-    for stop in stops:
-        for k in range(min(len(stop) - 1, len(text)), best, -1):
-            if text.endswith(stop[:k]):
-                best = k
-                break
-    return best
-
-
 class StopMatcher:
     """Finds stop strings in streamed text, holding back partial matches."""
 
@@ -76,7 +67,7 @@ class StopMatcher:
             out = self._pending[: hit[0]]
             self._pending = ""
             return out, hit[1]
-        keep = _held_suffix_len(self._pending, self._stops)
+        keep = held_suffix_len(self._pending, self._stops)
         cut = len(self._pending) - keep
         out, self._pending = self._pending[:cut], self._pending[cut:]
         return out, None

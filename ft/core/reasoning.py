@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum, auto
 
+from ft.core.suffix import held_suffix_len
+
 
 @dataclass(frozen=True, slots=True)
 class ReasoningDelta:
@@ -36,14 +38,6 @@ class _Phase(Enum):
     BEFORE = auto()  # content; an opening tag starts reasoning
     REASONING = auto()
     AFTER = auto()  # content, with no more tags to look for
-
-
-def _partial_suffix_len(text: str, tag: str) -> int:
-    """Length of the longest proper prefix of `tag` that `text` ends with."""
-    for n in range(min(len(text), len(tag) - 1), 0, -1):
-        if text.endswith(tag[:n]):
-            return n
-    return 0
 
 
 class ReasoningParser:
@@ -85,7 +79,7 @@ class ReasoningParser:
         if self._phase is _Phase.BEFORE:
             start = self._buf.find(OPEN_TAG)
             if start < 0:
-                self._emit_held_back(ContentDelta, _partial_suffix_len(self._buf, OPEN_TAG), out)
+                self._emit_held_back(ContentDelta, held_suffix_len(self._buf, (OPEN_TAG,)), out)
                 return False
             if start:
                 out.append(ContentDelta(self._buf[:start]))
@@ -107,7 +101,7 @@ class ReasoningParser:
                 self._is_at_block_start = False
             end = self._buf.find(CLOSE_TAG)
             if end < 0:
-                keep = _partial_suffix_len(self._buf, CLOSE_TAG)
+                keep = held_suffix_len(self._buf, (CLOSE_TAG,))
                 body = self._buf[: len(self._buf) - keep].rstrip("\n")
                 self._emit_held_back(ReasoningDelta, len(self._buf) - len(body), out)
                 return False

@@ -22,14 +22,27 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
-from ft.core.batch import SeqWork
+from ft.core.batch import Batch, SeqFailed, SeqWork, StepDone, TokenOut
 from ft.core.kv import PagePool, page_hash
 from ft.core.sequence import SeqStatus, Sequence
 from ft.errors import ContextLengthExceeded, InvalidRequest, RequestFailed
-from ft.messages import Batch, SeqFailed, StepDone, TokenOut
-from ft.params import SamplingParams
+from ft.params import SamplingParams, mix_seed
+
+
+@dataclass(frozen=True, slots=True)
+class Finish:
+    """Whether a sampled token ends its sequence: `reason` ("stop" | "length", None while it
+    goes on), the stop token id that ended it, and whether the token's text is hidden (eos, a
+    stop token)."""
+
+    reason: str | None
+    stop_token: int | None = None
+    is_hidden: bool = False
+
+
+NOT_FINISHED = Finish(None)
 
 
 def pages_for(num_tokens: int, page_size: int) -> int:
@@ -123,7 +136,7 @@ class Scheduler:
             seeded = (
                 params
                 if params.seed is None or index == 0
-                else replace(params, seed=(params.seed + index * 1_000_033 + 2**63) % 2**64 - 2**63)
+                else replace(params, seed=mix_seed(params.seed, index))
             )
             group.append(Sequence(self._next_seq_id, uid, index, list(prompt_ids), seeded))
             self._next_seq_id += 1
@@ -151,6 +164,8 @@ class Scheduler:
             seq.num_registered = len(m)
             seq.num_computed = len(m) * self.pool.page_size
             self.num_prefix_hit_tokens += seq.num_computed
+            if not seq.output_ids:  # what usage reports: hits on the prompt, before any output
+                seq.num_cached_prompt = min(seq.num_computed, len(seq.prompt_ids))
             if seq.num_lost:
                 self.num_recomputed_tokens += max(0, seq.num_lost - seq.num_computed)
                 seq.num_lost = 0
@@ -354,7 +369,7 @@ class Scheduler:
             if seq is None:
                 continue
             seq.output_ids.append(sampled.token_id)
-            out = self._finish_check(seq, sampled.token_id)
+            finish = self._finish_check(seq, sampled.token_id)
             outs.append(
                 TokenOut(
                     uid=seq.uid,
@@ -363,25 +378,26 @@ class Scheduler:
                     token_id=sampled.token_id,
                     logprob=sampled.logprob,
                     top_logprobs=sampled.top_logprobs,
-                    finish_reason=out[0],
-                    stop_reason=out[1],
-                    is_hidden=out[2],
+                    finish_reason=finish.reason,
+                    stop_reason=finish.stop_token,
+                    is_hidden=finish.is_hidden,
+                    num_cached_tokens=seq.num_cached_prompt,
                 )
             )
-            if out[0] is not None:
+            if finish.reason is not None:
                 self._release(seq)
         return outs
 
-    def _finish_check(self, seq: Sequence, token: int) -> tuple[str | None, int | None, bool]:
+    def _finish_check(self, seq: Sequence, token: int) -> Finish:
         params = seq.params
         if token in params.stop_token_ids:
-            return "stop", token, True
+            return Finish("stop", stop_token=token, is_hidden=True)
         if token in self.eos_token_ids and not params.ignore_eos:
-            return "stop", None, True
+            return Finish("stop", is_hidden=True)
         assert params.max_tokens is not None
         if len(seq.output_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
-            return "length", None, False
-        return None, None, False
+            return Finish("length")
+        return NOT_FINISHED
 
     def _register_full_pages(self, seq: Sequence) -> None:
         if not self.enable_prefix_caching:

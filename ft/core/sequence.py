@@ -31,6 +31,7 @@ class Sequence:
     page_hashes: list[int] = field(default_factory=list)  # content hashes of leading full pages
     num_registered: int = 0  # leading pages registered in the prefix cache
     num_computed: int = 0  # tokens whose KV is in the cache
+    num_cached_prompt: int = 0  # prompt tokens the prefix cache supplied at its first admission
     num_lost: int = 0  # tokens computed before its last preemption (to recompute)
     num_preemptions: int = 0
     status: SeqStatus = SeqStatus.WAITING

@@ -11,12 +11,12 @@ output.
 from __future__ import annotations
 
 import json
-import secrets
-import string
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+from ft.core.suffix import held_suffix_len
+from ft.ids import random_id
 from ft.params import has_lone_surrogate
 
 
@@ -54,13 +54,10 @@ class ToolCallEnd:
 
 ToolEvent = TextDelta | ToolCallStart | ToolCallArgsDelta | ToolCallEnd
 
-_ID_ALPHABET = string.ascii_letters + string.digits
-_ID_LENGTH = 24
-
 
 def new_tool_call_id() -> str:
     """A fresh OpenAI-style call id: `call_` and 24 random alphanumerics."""
-    return "call_" + "".join(secrets.choice(_ID_ALPHABET) for _ in range(_ID_LENGTH))
+    return random_id("call_")
 
 
 class ToolCallParser(Protocol):
@@ -111,14 +108,6 @@ def _call_from_json(text: str) -> tuple[str, str] | None:
     if has_lone_surrogate(name) or has_lone_surrogate(arguments):
         return None
     return name, arguments
-
-
-def _partial_suffix_len(text: str, tag: str) -> int:
-    """Length of the longest proper prefix of `tag` that `text` ends with."""
-    for n in range(min(len(text), len(tag) - 1), 0, -1):
-        if text.endswith(tag[:n]):
-            return n
-    return 0
 
 
 class _CallEmitter:
@@ -188,7 +177,7 @@ class HermesParser:
             if not self._is_in_call:
                 start = self._buf.find(self.START)
                 if start < 0:
-                    keep = _partial_suffix_len(self._buf, self.START)
+                    keep = held_suffix_len(self._buf, (self.START,))
                     self._emit_text(self._buf[: len(self._buf) - keep], out)
                     self._buf = self._buf[len(self._buf) - keep :]
                     return out

@@ -2,36 +2,59 @@
 
 from __future__ import annotations
 
+import enum
 import itertools
 import math
 import os
 import tempfile
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from functools import partial
 from typing import Any
 
 import cbor2
 import trio
 import trio_parallel
+from tokenizers import Tokenizer
 
 from ft.actors.detokenizer import DetokenizerActor
+from ft.actors.registry import Registry, RequestEntry
 from ft.actors.runner import RunnerActor
 from ft.actors.scheduler import SchedulerActor
-from ft.actors.tokenize_job import tokenize_job
 from ft.actors.tokenizer import TokenizerActor
 from ft.config import EngineConfig
 from ft.core.kv import PagePool
 from ft.core.scheduler import Scheduler
-from ft.engine.loading import EngineHooks, Executor, load_torch_model
-from ft.engine.registry import Registry, RequestEntry
+from ft.engine.loading import EngineHooks, load_torch_model
 from ft.engine.stats import Stats
 from ft.engine.stream import RequestStream
 from ft.errors import EngineStopping, FtError, InvalidRequest, Overloaded, RequestAborted
 from ft.messages import Abort, Batch, DetokenizerIn, SchedulerIn, StepDone, Tokenize
 from ft.params import SamplingParams
+from ft.tokenizer.job import Executor, tokenize_job
+
+
+class EngineState(enum.StrEnum):
+    """Where an engine is in its life (a `str`, so it reads and serializes as its value)."""
+
+    LOADING = "loading"
+    READY = "ready"
+    STOPPING = "stopping"
+    STOPPED = "stopped"
+    ERROR = "error"
+
+
+@dataclass(frozen=True, slots=True)
+class Running:
+    """What a started engine holds: the core, the tokenizer and the actors' inboxes."""
+
+    core: Scheduler
+    tokenizer: Tokenizer
+    tokenizer_actor: TokenizerActor
+    scheduler_inbox: trio.MemorySendChannel[SchedulerIn]
+    tokenizer_inbox: trio.MemorySendChannel[Tokenize]
 
 
 class Engine:
@@ -43,7 +66,7 @@ class Engine:
         self.instance_id = uuid.uuid4().hex[:12]
         self.registry = Registry()
         self.stats = Stats()
-        self.state = "loading"  # loading | ready | stopping | stopped | error
+        self.state = EngineState.LOADING
         self.error: str | None = None
         self.load_progress = 0.0  # fraction of the start-up done, for /health
         self.model_id = config.served_model_name or (config.model or "SmolLM2-135M-Instruct")
@@ -51,7 +74,6 @@ class Engine:
         self.vocab_size = 0
         self.kv_cache_dtype = config.kv_cache_dtype  # resolved to a real dtype once loaded
         self.generation_defaults: dict[str, float | int] = {}
-        self.core: Scheduler | None = None
         self._uids = itertools.count(1)
         self._ready = trio.Event()
         self._stopped = trio.Event()
@@ -60,10 +82,7 @@ class Engine:
         self._drain_scope: trio.CancelScope | None = None
         self._abort_timeout_s = 0.0
         self._tokenize_slots = trio.CapacityLimiter(config.tokenizer_workers)
-        self._tokenizer: Any = None
-        self._tokenizer_actor: TokenizerActor | None = None
-        self._scheduler_inbox: trio.MemorySendChannel[SchedulerIn] | None = None
-        self._tokenizer_inbox: trio.MemorySendChannel[Tokenize] | None = None
+        self._running: Running | None = None  # set once the actors have started
         self._tmpdir = tempfile.TemporaryDirectory(prefix="ft-")
 
     # --- lifetime ----------------------------------------------------------------------------
@@ -72,7 +91,7 @@ class Engine:
         try:
             await self._start(nursery)
         except Exception as e:
-            self.state, self.error = "error", f"{type(e).__name__}: {e}"
+            self.state, self.error = EngineState.ERROR, f"{type(e).__name__}: {e}"
         finally:
             self._ready.set()
 
@@ -96,13 +115,12 @@ class Engine:
             self.model_id = parts.model_id
         self.vocab_size = parts.vocab_size
         self.generation_defaults = parts.generation_defaults
-        self._tokenizer = spec.build()
         spec_path = os.path.join(self._tmpdir.name, "tokenizer.cbor")
         with open(spec_path, "wb") as f:
             cbor2.dump(asdict(spec), f)
 
         pool = PagePool(num_pages, cfg.page_size)
-        self.core = Scheduler(
+        core = Scheduler(
             pool,
             max_running=cfg.max_running_requests,
             max_model_len=self.max_model_len,
@@ -120,7 +138,7 @@ class Engine:
 
         executor = self.hooks.tokenize_executor or self._worker_executor(cfg.tokenizer_workers)
 
-        self._tokenizer_actor = TokenizerActor(
+        tokenizer_actor = TokenizerActor(
             tok_recv,
             sched_send.clone(),
             self.registry,
@@ -130,9 +148,9 @@ class Engine:
             job=tokenize_job,
             fault=self.hooks.tokenizer_fault,
         )
-        await nursery.start(self._tokenizer_actor.run)
+        await nursery.start(tokenizer_actor.run)
         await nursery.start(
-            SchedulerActor(sched_recv, run_send, detok_send, self.core, self.registry, self._on_step).run
+            SchedulerActor(sched_recv, run_send, detok_send, core, self.registry, self._on_step).run
         )
         await nursery.start(
             RunnerActor(run_recv, sched_send.clone(), runner, before_step=self.hooks.before_step).run
@@ -146,13 +164,13 @@ class Engine:
                 on_first_token=self._on_first_token,
             ).run
         )
-        self._scheduler_inbox, self._tokenizer_inbox = sched_send, tok_send
+        self._running = Running(core, spec.build(), tokenizer_actor, sched_send, tok_send)
         if self.hooks.tokenize_executor is None:  # spawn the worker now, not on first use
-            await self._tokenizer_actor.tokenize(Tokenize(uid=0, params=SamplingParams(), prompt="warm up"))
+            await tokenizer_actor.tokenize(Tokenize(uid=0, params=SamplingParams(), prompt="warm up"))
         self.stats.started()
         self.load_progress = 1.0
-        if self.state == "loading":  # a drain that began while loading stands
-            self.state = "ready"
+        if self.state == EngineState.LOADING:  # a drain that began while loading stands
+            self.state = EngineState.READY
 
     def _on_progress(self, fraction: float) -> None:
         # Called from the loading thread: a float assignment, nothing else.
@@ -163,15 +181,27 @@ class Engine:
         limiter = trio.CapacityLimiter(workers)
 
         async def executor(job: Callable[[bytes], bytes], payload: bytes) -> bytes:
-            return await trio_parallel.run_sync(job, payload, limiter=limiter)
+            result: bytes = await trio_parallel.run_sync(job, payload, limiter=limiter)
+            return result
 
         return executor
 
     async def wait_ready(self) -> None:
         """Wait until weights are loaded; raise `RuntimeError` if loading failed."""
         await self._ready.wait()
-        if self.state == "error":
+        if self.state == EngineState.ERROR:
             raise RuntimeError(f"the engine failed to start: {self.error}")
+
+    @property
+    def core(self) -> Scheduler | None:
+        """The scheduler core (None until the engine has started)."""
+        return self._running.core if self._running is not None else None
+
+    def _started(self) -> Running:
+        """What the started engine holds. Raises `EngineStopping` (503) while it loads."""
+        if self._running is None:
+            raise EngineStopping("the model is still loading", code="model_loading")
+        return self._running
 
     # --- requests ----------------------------------------------------------------------------
 
@@ -180,11 +210,11 @@ class Engine:
 
         A streaming route calls it first so it can answer 503 before committing to a 200.
         """
-        if self.state == "loading":
+        if self.state == EngineState.LOADING:
             raise EngineStopping("the model is still loading", code="model_loading")
-        if self.state == "error":
+        if self.state == EngineState.ERROR:
             raise EngineStopping(f"the engine failed to start: {self.error}", code="engine_error")
-        if self.state != "ready":
+        if self.state != EngineState.READY:
             raise EngineStopping("the server is stopping and admits no new requests")
         # Capacity is the running slots plus the queue; a request still being tokenized
         # counts as queued, so a burst cannot slip past the limit.
@@ -205,6 +235,7 @@ class Engine:
         tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
     ) -> AsyncIterator[RequestStream]:
         """Register a request for the block's duration; yield its stream of deltas.
 
@@ -221,7 +252,7 @@ class Engine:
         if sum(x is not None for x in (messages, prompt, prompt_token_ids)) != 1:
             raise InvalidRequest("give exactly one of messages, prompt or prompt_token_ids")
         self.check_admission()
-        assert self._tokenizer_inbox is not None and self._scheduler_inbox is not None
+        running = self._started()
         uid = next(self._uids)
         # Bounded by the most events a request can receive: PromptReady, a Delta per token
         # for each choice, and one Failed.
@@ -232,7 +263,7 @@ class Engine:
         self.registry.add(entry)
         outcome = "aborted"
         try:
-            self._tokenizer_inbox.send_nowait(
+            running.tokenizer_inbox.send_nowait(
                 Tokenize(
                     uid=uid,
                     params=params,
@@ -242,6 +273,7 @@ class Engine:
                     tools=tuple(tools) if tools is not None else None,
                     chat_template_kwargs=chat_template_kwargs or {},
                     add_generation_prompt=add_generation_prompt,
+                    continue_final_message=continue_final_message,
                 )
             )
             yield stream
@@ -256,7 +288,7 @@ class Engine:
             self.registry.remove(uid)
             recv.close()
             try:
-                self._scheduler_inbox.send_nowait(Abort(uid))
+                running.scheduler_inbox.send_nowait(Abort(uid))
             except (trio.ClosedResourceError, trio.BrokenResourceError):
                 pass  # the engine has stopped; its scheduler holds nothing any more
             self.stats.record(outcome, entry, stream, trio.current_time())
@@ -274,20 +306,51 @@ class Engine:
         tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
     ) -> list[int]:
         """Token ids of a prompt or of rendered chat messages (no request is registered).
 
         These share the tokenizer workers with generation, so they are admitted like requests
         (503 while loading, stopping or with a full queue) and at most `tokenizer_workers` run
         at once; one more is refused with `Overloaded` rather than queued behind them.
+        `continue_final_message` renders the last message open, so generation continues it.
         """
         self.check_admission()
-        assert self._tokenizer_actor is not None
         if self._tokenize_slots.borrowed_tokens >= self._tokenize_slots.total_tokens:
             self.stats.rejected += 1
             raise Overloaded(
                 f"{self._tokenize_slots.total_tokens} tokenize requests are running; retry later"
             )
+        async with self._tokenize_slots:
+            return await self.tokenize_for_request(
+                prompt=prompt,
+                messages=messages,
+                tools=tools,
+                chat_template_kwargs=chat_template_kwargs,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+            )
+
+    async def tokenize_for_request(
+        self,
+        *,
+        prompt: str | None = None,
+        messages: list[dict[str, Any]] | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+    ) -> list[int]:
+        """Token ids of a generation request's prompt, before its scope opens.
+
+        Not limited like `tokenize`: a route calls it after `check_admission`, and the tokenizer
+        workers bound how many run at once (the rest wait for one, as `Tokenize` jobs do).
+
+        Raises:
+            InvalidRequest: the prompt cannot be rendered or encoded.
+            EngineStopping: the engine has not started.
+        """
+        tokenizer_actor = self._started().tokenizer_actor
         msg = Tokenize(
             uid=0,
             params=SamplingParams(),
@@ -296,9 +359,25 @@ class Engine:
             tools=tuple(tools) if tools is not None else None,
             chat_template_kwargs=chat_template_kwargs or {},
             add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
         )
-        async with self._tokenize_slots:
-            return await self._tokenizer_actor.tokenize(msg)
+        return await tokenizer_actor.tokenize(msg)
+
+    def check_fits(self, num_prompt_tokens: int, params: SamplingParams) -> None:
+        """Raise what admission would refuse a prompt of this size for, whatever the load.
+
+        A static check (context length, `n` against the running slots, the KV pool's size):
+        a route runs it before committing to a 200, so a request that can never run is a 400.
+
+        Raises:
+            InvalidRequest: an empty prompt, or `n` above `max_running_requests`.
+            ContextLengthExceeded: the prompt and `max_tokens` do not fit.
+        """
+        try:
+            self._started().core.check_fits(num_prompt_tokens, params)
+        except FtError:
+            self.stats.rejected += 1
+            raise
 
     def detokenize(self, token_ids: list[int], *, skip_special_tokens: bool = False) -> str:
         """Text of `token_ids`. Raises `InvalidRequest` for ids outside the vocabulary."""
@@ -310,8 +389,9 @@ class Engine:
                 )
         return self._decode(token_ids, skip_special_tokens)
 
-    def _decode(self, ids: Any, skip_special_tokens: bool) -> str:
-        return str(self._tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens))
+    def _decode(self, ids: Sequence[int], skip_special_tokens: bool) -> str:
+        decoded = self._started().tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        return str(decoded)
 
     def _on_first_token(self, entry: RequestEntry) -> None:
         entry.first_token_at = trio.current_time()
@@ -342,7 +422,7 @@ class Engine:
         if self._stop_snapshot is not None:
             return
         assert self._nursery is not None, "the engine is not running (use open_engine)"
-        self.state = "stopping"
+        self.state = EngineState.STOPPING
         self._drain_scope = trio.CancelScope(deadline=now + drain_timeout_s)
         self._abort_timeout_s = abort_timeout_s
         self._nursery.start_soon(self._drain, self._drain_scope)
@@ -354,15 +434,15 @@ class Engine:
         with trio.move_on_after(self._abort_timeout_s):
             await self._wait_idle()
         self._stop_snapshot = self.snapshot() | {"drain_complete": True}
-        self.state = "stopped"
+        self.state = EngineState.STOPPED
         self._stopped.set()
 
     def abort_all(self) -> None:
         """Fail every live request with `RequestAborted` and free what it holds (synchronous)."""
         for uid in self.registry.uids():
             self.registry.fail(uid, RequestAborted("the server is stopping; request aborted"))
-            if self._scheduler_inbox is not None:
-                self._scheduler_inbox.send_nowait(Abort(uid))
+            if self._running is not None:
+                self._running.scheduler_inbox.send_nowait(Abort(uid))
 
     async def wait_stopped(self) -> dict[str, Any]:
         """Wait for the drain `begin_stop` started; return its final snapshot."""
@@ -452,7 +532,7 @@ async def open_engine(
             try:
                 yield engine
             finally:
-                engine.state = "stopped"
+                engine.state = EngineState.STOPPED
                 nursery.cancel_scope.cancel()
     finally:
         engine._tmpdir.cleanup()

@@ -13,7 +13,7 @@ import trio
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from ft.core.batch import Sampled, SeqWork
-from ft.model.tokenizer import TokenizerSpec, bytes_to_unicode
+from ft.tokenizer.spec import TokenizerSpec, bytes_to_unicode
 
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 EOS_ID = 0

@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ft.config import EngineConfig
 from ft.core.batch import Runner, SeqWork
 from ft.messages import Tokenize
-from ft.model.tokenizer import TokenizerSpec
-
-# Runs a tokenizer job (a function of CBOR bytes) somewhere and returns its CBOR answer.
-Executor = Callable[[Callable[[bytes], bytes], bytes], Awaitable[bytes]]
+from ft.tokenizer.job import Executor
+from ft.tokenizer.spec import TokenizerSpec
 
 
 @dataclass(frozen=True)

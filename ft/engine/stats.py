@@ -6,7 +6,7 @@ import time
 from collections import deque
 from typing import Any
 
-from ft.engine.registry import RequestEntry
+from ft.actors.registry import RequestEntry
 from ft.engine.stream import RequestStream
 from ft.messages import StepDone
 

@@ -22,6 +22,14 @@ class Choice:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
 
+    def add(self, delta: Delta) -> None:
+        """Append one of this choice's deltas."""
+        self.text += delta.text
+        self.token_ids += delta.token_ids
+        self.logprobs += delta.logprobs
+        if delta.finish_reason is not None:
+            self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
+
 
 class RequestStream:
     """Deltas for one request until each of its `n` choices has finished.
@@ -37,6 +45,7 @@ class RequestStream:
         self.params = params
         self.prompt_ids: tuple[int, ...] = ()
         self.num_completion_tokens = 0
+        self.num_cached_tokens = 0  # prompt tokens the prefix cache supplied (once admitted)
         self._recv = recv
         self._finished: set[int] = set()
         self._pending: Delta | None = None
@@ -59,6 +68,7 @@ class RequestStream:
             raise StopAsyncIteration
         delta = await self._next_delta()
         self.num_completion_tokens += len(delta.token_ids)
+        self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
         if delta.finish_reason is not None:
             self._finished.add(delta.index)
         return delta
@@ -91,10 +101,5 @@ class RequestStream:
         """Consume the stream; return each choice's whole output."""
         choices = [Choice(i) for i in range(self.params.n)]
         async for delta in self:
-            c = choices[delta.index]
-            c.text += delta.text
-            c.token_ids += delta.token_ids
-            c.logprobs += delta.logprobs
-            if delta.finish_reason is not None:
-                c.finish_reason, c.stop_reason = delta.finish_reason, delta.stop_reason
+            choices[delta.index].add(delta)
         return choices

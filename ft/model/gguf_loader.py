@@ -14,7 +14,7 @@ from gguf.quants import dequantize
 from ft.model.gguf_file import GGUFFile, GGUFTensor
 from ft.model.llama import LlamaConfig, Progress
 from ft.model.quant import KERNEL_TYPES, QuantTensor, to_q8_0
-from ft.model.tokenizer import (
+from ft.tokenizer.spec import (
     TokenizerSpec,
     byte_level_bpe_from_gguf,
     sentencepiece_bpe_from_gguf,
@@ -246,4 +246,4 @@ def load_gguf(
 
 
 def _fields(config: LlamaConfig) -> dict[str, Any]:
-    return {name: getattr(config, name) for name in config.__slots__}  # type: ignore[attr-defined]
+    return {name: getattr(config, name) for name in config.__slots__}

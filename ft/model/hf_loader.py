@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
 from ft.model.llama import LlamaConfig, Progress
-from ft.model.tokenizer import TokenizerSpec, tokenizer_json_of
+from ft.tokenizer.spec import TokenizerSpec, tokenizer_json_of
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 GENERATION_KEYS = ("temperature", "top_p", "top_k", "repetition_penalty")

@@ -187,7 +187,8 @@ class DecoderLayer(nn.Module):
         attn = paged_attention(q, k_cache, v_cache, meta)  # [T, heads * hd]
         h = x + self.o_proj(attn)
         gate, up = self.gate_up_proj(self.post_attention_layernorm(h)).chunk(2, dim=-1)
-        return h + self.down_proj(F.silu(gate) * up)
+        out: torch.Tensor = h + self.down_proj(F.silu(gate) * up)
+        return out
 
 
 class LlamaForCausalLM(nn.Module):
@@ -216,11 +217,13 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, k_caches[i], v_caches[i], meta)
-        return self.norm(x)
+        out: torch.Tensor = self.norm(x)
+        return out
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """lm_head over `hidden` `[R, hidden]` → `[R, vocab]`."""
-        return self.lm_head(hidden)
+        logits: torch.Tensor = self.lm_head(hidden)
+        return logits
 
 
 def fuse_hf_state_dict(config: LlamaConfig, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

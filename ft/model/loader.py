@@ -10,7 +10,7 @@ import torch
 from ft.model import gguf_loader, hf_loader
 from ft.model.llama import LlamaConfig, Progress
 from ft.model.quant import QuantTensor
-from ft.model.tokenizer import TokenizerSpec
+from ft.tokenizer.spec import TokenizerSpec
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from ft.core.batch import Sampled, SeqWork
-from ft.params import SamplingParams
+from ft.params import SamplingParams, mix_seed
 
 _SEED_MASK = (1 << 63) - 1
 
@@ -24,7 +24,7 @@ def row_generator(seed: int | None, num_generated: int) -> torch.Generator | Non
     if seed is None:
         return None
     g = torch.Generator()
-    g.manual_seed((seed * 1000003 + num_generated) & _SEED_MASK)
+    g.manual_seed(mix_seed(seed, num_generated) & _SEED_MASK)
     return g
 
 

@@ -34,7 +34,8 @@ def prepacked_linear(linear: torch.nn.Linear) -> Callable[[torch.Tensor], torch.
     packed = torch.utils.mkldnn.to_mkldnn(linear)
 
     def run(x: torch.Tensor) -> torch.Tensor:
-        return packed(x.to_mkldnn()).to_dense()
+        out: torch.Tensor = packed(x.to_mkldnn()).to_dense()
+        return out
 
     return run
 
@@ -221,10 +222,11 @@ class TorchRunner:
         self, token_ids: list[int], positions: list[int], spans: list[SeqSpan]
     ) -> torch.Tensor:
         meta = build_metadata(spans, self._page_size)
-        return self.model(
+        hidden: torch.Tensor = self.model(
             torch.tensor(token_ids, dtype=torch.long),
             torch.tensor(positions, dtype=torch.long),
             self.k_cache,
             self.v_cache,
             meta,
         )  # [T, hidden]
+        return hidden

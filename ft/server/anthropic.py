@@ -8,23 +8,27 @@ Anthropic's 529 — the SDK retries both). Auth takes `x-api-key` or `Authorizat
 A streamed response follows Anthropic's event sequence exactly: `message_start`, then per
 content block `content_block_start` / `content_block_delta`… / `content_block_stop`, then
 `message_delta` (stop reason, usage) and `message_stop`; `ping` while the request is queued or
-prefilling; `error` if the request fails after the headers went out. As on the OpenAI routes,
-the engine work runs inside the response generator, so a client that leaves cancels it.
+prefilling; `error` if the request fails after the headers went out. The lifecycle is
+`ft.server.generation`'s; this module supplies the prompt and the shapes.
+
+A final assistant turn is a prefill: the model continues it, and the response holds only the
+continuation, as Anthropic's does. Usage reports the prefix-cache hits as
+`cache_read_input_tokens` (not counted in `input_tokens`).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
 from typing import Any
 
-import trio
 from quart import Response
 from quart_trio import QuartTrio
 
-from ft.engine.stream import RequestStream
 from ft.errors import FtError, InvalidRequest, Overloaded
+from ft.ids import random_id
+from ft.messages import Delta
 from ft.params import SamplingParams
+from ft.server import generation
 from ft.server.assemble import (
     Block,
     BlockAssembler,
@@ -32,17 +36,13 @@ from ft.server.assemble import (
     BlockEvent,
     BlockStart,
     BlockStop,
-    add_system_instruction,
     assemble_blocks,
-    function_tool,
-    random_id,
-    require_tool_instruction,
-    tool_call_parser_name,
 )
 from ft.server.context import ServerContext, json_response, read_request
-from ft.server.http_errors import internal_error
+from ft.server.generation import Generated, GenerationApi, Prompt, Usage, respond
 from ft.server.schemas_anthropic import CountTokensRequest, MessagesRequest, PromptFields
-from ft.server.sse import CONNECTED, DeltaMux, sse_event, sse_response
+from ft.server.sse import sse_event
+from ft.server.tools import ToolChoice, apply_tool_choice, function_tool, tool_call_parser_name
 
 PATH_PREFIX = "/v1/messages"
 
@@ -85,18 +85,21 @@ def register(app: QuartTrio, ctx: ServerContext) -> None:
     @app.post("/v1/messages")
     async def messages() -> Response:
         req = await read_request(ctx, MessagesRequest)
-        return await MessagesCall(ctx, req).respond()
+        return await respond(ctx, MessagesCall(ctx, req))
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens() -> Response:
         req = await read_request(ctx, CountTokensRequest)
         ctx.check_model(req.model)
+        prompt = messages_prompt(req)
         ctx.check_admission()
-        prompt = Prompt(ctx, req)
+        assert prompt.messages is not None
         ids = await ctx.engine.tokenize(
             messages=prompt.messages,
             tools=prompt.tools,
             chat_template_kwargs=prompt.chat_template_kwargs,
+            add_generation_prompt=prompt.add_generation_prompt,
+            continue_final_message=prompt.continue_final_message,
         )
         return json_response({"input_tokens": len(ids)})
 
@@ -168,62 +171,69 @@ def _user_messages(blocks: list[Any]) -> list[dict[str, Any]]:
     return out
 
 
-class Prompt:
+def messages_prompt(req: PromptFields) -> Prompt:
     """The engine-side prompt of a Messages request: template messages, tools, kwargs.
 
-    `tool_choice` `none` sends no tools; `any` and `tool` are best effort: the tools are sent
-    and the system prompt gains an instruction to call one (or the named one), since there is
-    no constrained decoding to force it.
+    A final assistant turn is a prefill: the model continues it. `tool_choice` follows the
+    shared policy (`ft.server.tools`): `none` sends no tools, `any` and `tool` are best effort.
     """
-
-    def __init__(self, ctx: ServerContext, req: PromptFields) -> None:
-        choice = req.tool_choice
-        messages = template_messages(req)
-        tools = None
-        if req.tools and (choice is None or choice.type != "none"):
-            tools = [function_tool(t.name, t.description, t.input_schema) for t in req.tools]
-            if choice is not None and choice.type == "tool":
-                if choice.name is None:
+    choice = ToolChoice()
+    if req.tool_choice is not None:
+        match req.tool_choice.type:
+            case "none":
+                choice = ToolChoice("none")
+            case "any":
+                choice = ToolChoice("required")
+            case "tool":
+                if req.tool_choice.name is None:
                     raise InvalidRequest("tool_choice of type 'tool' needs a name", param="tool_choice.name")
-                if choice.name not in {t.name for t in req.tools}:
-                    raise InvalidRequest(
-                        f"tool_choice names an unknown tool '{choice.name}'", param="tool_choice.name"
-                    )
-                messages = add_system_instruction(messages, require_tool_instruction(choice.name))
-            elif choice is not None and choice.type == "any":
-                messages = add_system_instruction(messages, require_tool_instruction(None))
-        self.messages = messages
-        self.tools = tools
-        self.chat_template_kwargs: dict[str, Any] | None = None
-        if req.thinking is not None:
-            self.chat_template_kwargs = {"enable_thinking": req.thinking.type != "disabled"}
-        config = ctx.engine.config
-        self.tool_call_parser = tool_call_parser_name(config.tool_call_parser, tools is not None)
-        self.reasoning_parser = config.reasoning_parser
+                choice = ToolChoice("required", req.tool_choice.name)
+    tools = [function_tool(t.name, t.description, t.input_schema) for t in req.tools or ()]
+    messages, sent_tools = apply_tool_choice(template_messages(req), tools, choice)
+    is_prefill = req.messages[-1].role == "assistant"
+    return Prompt(
+        messages=messages,
+        tools=sent_tools,
+        chat_template_kwargs=(
+            {"enable_thinking": req.thinking.type != "disabled"} if req.thinking is not None else None
+        ),
+        add_generation_prompt=not is_prefill,
+        continue_final_message=is_prefill,
+    )
 
 
 def sampling_params(ctx: ServerContext, req: MessagesRequest) -> SamplingParams:
     """Engine sampling params; unset fields take the model's generation defaults."""
-    defaults = ctx.engine.generation_defaults
-
-    def pick(name: str, value: float | None, fallback: float) -> Any:
-        return value if value is not None else defaults.get(name, fallback)
-
     # Anthropic's max_tokens is a ceiling, and agents send far more than a small model's
     # context (Claude Code: 32000). One that reaches the context means "up to the context".
     max_tokens = None if req.max_tokens >= ctx.engine.max_model_len else req.max_tokens
     try:
-        return SamplingParams(
+        return generation.sampling_params(
+            ctx,
+            temperature=req.temperature,
+            top_p=req.top_p,
+            top_k=req.top_k,
             max_tokens=max_tokens,
-            temperature=float(pick("temperature", req.temperature, 1.0)),
-            top_p=float(pick("top_p", req.top_p, 1.0)),
-            top_k=int(pick("top_k", req.top_k, 0)),
             stop=tuple(req.stop_sequences or ()),
         )
     except InvalidRequest as e:
         if e.param == "stop":
             e.param = "stop_sequences"
         raise
+
+
+def usage(u: Usage) -> dict[str, int]:
+    """Anthropic's `usage`: `input_tokens` excludes the prompt tokens read from the cache.
+
+    ft writes every prompt page to its prefix cache at no extra cost, so nothing is reported
+    as `cache_creation_input_tokens`.
+    """
+    return {
+        "input_tokens": u.prompt_tokens - u.cached_tokens,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": u.cached_tokens,
+        "output_tokens": u.completion_tokens,
+    }
 
 
 # --- engine -> response ----------------------------------------------------------------------
@@ -281,53 +291,28 @@ def new_tool_use_id() -> str:
     return random_id("toolu_")
 
 
-class MessagesCall:
-    """One `/v1/messages` request, from validated body to response."""
+class MessagesCall(GenerationApi):
+    """One `/v1/messages` request: its prompt, and Anthropic's shapes."""
+
+    heartbeat = PING
 
     def __init__(self, ctx: ServerContext, req: MessagesRequest) -> None:
         self.ctx, self.req = ctx, req
         ctx.check_model(req.model)
-        self.prompt = Prompt(ctx, req)
+        prompt = messages_prompt(req)
+        self.prompts = [prompt]
         self.params = sampling_params(ctx, req)
-        ctx.check_admission()
+        self.stream = req.stream
         self.id = random_id("msg_")
         self.model = req.model or ctx.engine.model_id
-
-    def open(self) -> Any:
-        """The engine request scope."""
-        return self.ctx.engine.open_request(
-            messages=self.prompt.messages,
-            params=self.params,
-            tools=self.prompt.tools,
-            chat_template_kwargs=self.prompt.chat_template_kwargs,
-        )
-
-    def assembler(self) -> BlockAssembler:
-        """A fresh block assembler for this request's parsers."""
-        return BlockAssembler(self.prompt.tool_call_parser, self.prompt.reasoning_parser, new_tool_use_id)
-
-    async def respond(self) -> Response:
-        """An event stream, or the whole message as JSON."""
-        if self.req.stream:
-            return sse_response(self.stream())
-        async with self.open() as stream:
-            (choice,) = await stream.collect()
-        blocks = assemble_blocks(
-            choice.text,
-            tool_call_parser=self.prompt.tool_call_parser,
-            reasoning_parser=self.prompt.reasoning_parser,
-            id_factory=new_tool_use_id,
-        )
-        has_calls = any(b.kind == "tool_call" for b in blocks)
-        reason, sequence = stop_reason(choice.finish_reason, choice.stop_reason, has_calls)
-        return json_response(self.message([content_block(b) for b in blocks], reason, sequence, stream))
+        config = ctx.engine.config
+        self.tool_call_parser = tool_call_parser_name(config.tool_call_parser, prompt.tools is not None)
+        self.reasoning_parser = config.reasoning_parser
+        self.assembler = BlockAssembler(self.tool_call_parser, self.reasoning_parser, new_tool_use_id)
+        self.finish: tuple[str | None, str | int | None] = (None, None)
 
     def message(
-        self,
-        content: list[dict[str, Any]],
-        reason: str | None,
-        sequence: str | None,
-        stream: RequestStream,
+        self, content: list[dict[str, Any]], reason: str | None, sequence: str | None, u: Usage
     ) -> dict[str, Any]:
         """The `message` object (empty `content` and no stop reason in `message_start`)."""
         return {
@@ -338,82 +323,60 @@ class MessagesCall:
             "content": content,
             "stop_reason": reason,
             "stop_sequence": sequence,
-            "usage": {
-                "input_tokens": stream.num_prompt_tokens,
-                "output_tokens": stream.num_completion_tokens,
-            },
+            "usage": usage(u),
         }
 
-    async def stream(self) -> AsyncIterator[bytes]:
-        """The event stream (see the module docstring)."""
-        yield CONNECTED
-        heartbeat_s = self.ctx.settings.sse_heartbeat_s
-        try:
-            async with self.open() as stream:
-                while True:  # queued or tokenizing: ping until the prompt's size is known
-                    with trio.move_on_after(heartbeat_s) as scope:
-                        await stream.wait_prompt()
-                    if not scope.cancelled_caught:
-                        break
-                    yield PING
-                yield sse_event(
-                    "message_start",
-                    {"type": "message_start", "message": self.message([], None, None, stream)},
-                )
-                assembler = self.assembler()
-                finish: tuple[str | None, str | int | None] = (None, None)
-                mux = DeltaMux([stream])
-                while not mux.is_done:
-                    got = await mux.next(heartbeat_s)
-                    if got.is_timeout:
-                        yield PING
-                    for _, delta in got.deltas:
-                        for event in assembler.feed(delta.text):
-                            yield self.block_event(event)
-                        if delta.finish_reason is not None:
-                            finish = (delta.finish_reason, delta.stop_reason)
-                for event in assembler.finish():
-                    yield self.block_event(event)
-                reason, sequence = stop_reason(*finish, assembler.has_tool_calls)
-                yield sse_event(
-                    "message_delta",
-                    {
-                        "type": "message_delta",
-                        "delta": {"stop_reason": reason, "stop_sequence": sequence},
-                        "usage": {
-                            "input_tokens": stream.num_prompt_tokens,
-                            "output_tokens": stream.num_completion_tokens,
-                        },
-                    },
-                )
-                yield sse_event("message_stop", {"type": "message_stop"})
-        except FtError as e:
-            yield sse_anthropic_error(e)
-        except Exception as e:  # noqa: BLE001 - reported in-stream, logged
-            yield sse_anthropic_error(internal_error(e))
+    def body(self, done: Generated) -> dict[str, Any]:
+        """The whole message."""
+        (choice,) = done.choices[0]
+        blocks = assemble_blocks(
+            choice.text,
+            tool_call_parser=self.tool_call_parser,
+            reasoning_parser=self.reasoning_parser,
+            id_factory=new_tool_use_id,
+        )
+        has_calls = any(b.kind == "tool_call" for b in blocks)
+        reason, sequence = stop_reason(choice.finish_reason, choice.stop_reason, has_calls)
+        return self.message([content_block(b) for b in blocks], reason, sequence, done.usage)
 
-    @staticmethod
-    def block_event(event: BlockEvent) -> bytes:
-        """One content block event."""
-        match event:
-            case BlockStart(index=index, block=block):
-                return sse_event(
-                    "content_block_start",
-                    {
-                        "type": "content_block_start",
-                        "index": index,
-                        "content_block": start_block(block),
-                    },
-                )
-            case BlockDelta(index=index, kind=kind, text=text):
-                delta_type, key = DELTA_TYPES[kind]
-                return sse_event(
-                    "content_block_delta",
-                    {
-                        "type": "content_block_delta",
-                        "index": index,
-                        "delta": {"type": delta_type, key: text},
-                    },
-                )
-            case BlockStop(index=index):
-                return sse_event("content_block_stop", {"type": "content_block_stop", "index": index})
+    def start(self, u: Usage) -> list[bytes]:
+        """`message_start`, as soon as the prompt's size is known."""
+        message = self.message([], None, None, u)
+        return [sse_event("message_start", {"type": "message_start", "message": message})]
+
+    def delta(self, k: int, delta: Delta) -> list[bytes]:
+        """Content block events."""
+        if delta.finish_reason is not None:
+            self.finish = (delta.finish_reason, delta.stop_reason)
+        return [block_event(e) for e in self.assembler.feed(delta.text)]
+
+    def end(self, u: Usage) -> list[bytes]:
+        """The last block events, `message_delta` (stop reason, usage) and `message_stop`."""
+        frames = [block_event(e) for e in self.assembler.finish()]
+        reason, sequence = stop_reason(*self.finish, self.assembler.has_tool_calls)
+        message_delta = {
+            "type": "message_delta",
+            "delta": {"stop_reason": reason, "stop_sequence": sequence},
+            "usage": usage(u),
+        }
+        frames.append(sse_event("message_delta", message_delta))
+        frames.append(sse_event("message_stop", {"type": "message_stop"}))
+        return frames
+
+    def error(self, err: FtError) -> list[bytes]:
+        """`event: error`."""
+        return [sse_anthropic_error(err)]
+
+
+def block_event(event: BlockEvent) -> bytes:
+    """One content block event."""
+    match event:
+        case BlockStart(index=index, block=block):
+            start = {"type": "content_block_start", "index": index, "content_block": start_block(block)}
+            return sse_event("content_block_start", start)
+        case BlockDelta(index=index, kind=kind, text=text):
+            delta_type, key = DELTA_TYPES[kind]
+            delta = {"type": "content_block_delta", "index": index, "delta": {"type": delta_type, key: text}}
+            return sse_event("content_block_delta", delta)
+        case BlockStop(index=index):
+            return sse_event("content_block_stop", {"type": "content_block_stop", "index": index})

@@ -6,8 +6,6 @@ no request can outlive the engine it runs on.
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import logging
 import signal
 from collections.abc import AsyncIterator, Callable
@@ -26,7 +24,7 @@ from ft.config import EngineConfig
 from ft.engine.engine import Engine, open_engine
 from ft.engine.loading import EngineHooks
 from ft.errors import FtError
-from ft.server import control, openai, protocol
+from ft.server import anthropic, control, openai, protocol, responses
 from ft.server.auth import authorize
 from ft.server.context import ServerContext, error_response
 from ft.server.http_errors import HttpError, internal_error
@@ -35,8 +33,6 @@ from ft.server.settings import ServerSettings
 
 log = logging.getLogger("ft.server")
 
-# Route modules another engineer adds; each defines `register(app, ctx)`.
-OPTIONAL_ROUTE_MODULES = ("ft.server.anthropic", "ft.server.responses")
 
 HTTP_ERROR_CODES = {
     400: "bad_request",
@@ -59,10 +55,9 @@ def create_app(
     *,
     extra_routes: tuple[RouteRegistrar, ...] = (),
 ) -> QuartTrio:
-    """The app serving `engine`: OpenAI routes, control plane, and any optional route modules.
+    """The app serving `engine`: the OpenAI, Anthropic and Responses routes, the control plane.
 
-    `extra_routes` are called as `register(app, ctx)` after the built-in ones; modules named
-    in `OPTIONAL_ROUTE_MODULES` that exist are registered the same way.
+    `extra_routes` are called as `register(app, ctx)` after the built-in ones.
     """
     app = QuartTrio("ft")
     app.config.update(
@@ -76,11 +71,8 @@ def create_app(
     ctx = ServerContext(engine=engine, settings=settings)
     app.extensions["ft"] = ctx
     _install_edge(app, ctx)
-    openai.register(app, ctx)
-    control.register(app, ctx)
-    for name in OPTIONAL_ROUTE_MODULES:
-        if importlib.util.find_spec(name) is not None:
-            importlib.import_module(name).register(app, ctx)
+    for module in (openai, anthropic, responses, control):
+        module.register(app, ctx)
     for register in extra_routes:
         register(app, ctx)
     return app

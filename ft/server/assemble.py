@@ -18,8 +18,6 @@ reason `tool_calls`.
 
 from __future__ import annotations
 
-import secrets
-import string
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -35,23 +33,7 @@ from ft.core.toolcalls import (
 )
 from ft.engine.stream import Choice
 
-DEFAULT_TOOL_CALL_PARSER = "hermes"
-
 OutputEvent = ReasoningDelta | TextDelta | ToolCallStart | ToolCallArgsDelta | ToolCallEnd
-
-_ALPHANUMERIC = string.ascii_letters + string.digits
-
-
-def random_id(prefix: str, length: int = 24) -> str:
-    """`prefix` and `length` random alphanumerics (`toolu_…`, `msg_…`, `resp_…`)."""
-    return prefix + "".join(secrets.choice(_ALPHANUMERIC) for _ in range(length))
-
-
-def tool_call_parser_name(configured: str | None, has_tools: bool) -> str | None:
-    """The tool-call format to parse: none without tools, else the configured one or hermes."""
-    if not has_tools:
-        return None
-    return configured or DEFAULT_TOOL_CALL_PARSER
 
 
 class OutputAssembler:
@@ -230,7 +212,8 @@ def assemble_blocks(
 # --- OpenAI chat completions ---------------------------------------------------------------
 
 
-def _chat_finish_reason(reason: str | None, has_tool_calls: bool) -> str | None:
+def openai_finish_reason(reason: str | None, has_tool_calls: bool = False) -> str | None:
+    """The engine's finish reason in OpenAI's vocabulary (`tool_calls` when calls were parsed)."""
     if reason is None:
         return None
     if reason == "stop" and has_tool_calls:
@@ -276,7 +259,7 @@ class ChatAssembler:
             message["reasoning_content"] = fields["reasoning_content"]
         if calls:
             message["tool_calls"] = [{k: v for k, v in c.items() if k != "index"} for c in calls]
-        return message, _chat_finish_reason(choice.finish_reason, output.has_tool_calls)
+        return message, openai_finish_reason(choice.finish_reason, output.has_tool_calls)
 
     def delta(self, text: str) -> dict[str, Any] | None:
         """Delta fields for new text (None: nothing to send yet)."""
@@ -285,7 +268,7 @@ class ChatAssembler:
     def finish(self, reason: str | None) -> tuple[dict[str, Any] | None, str | None]:
         """Delta fields held back until the end, and the finish reason."""
         fields = self._fields(self._output.finish())
-        return fields or None, _chat_finish_reason(reason, self._output.has_tool_calls)
+        return fields or None, openai_finish_reason(reason, self._output.has_tool_calls)
 
     @staticmethod
     def _fields(events: list[OutputEvent]) -> dict[str, Any]:
@@ -311,31 +294,3 @@ class ChatAssembler:
         if calls:
             fields["tool_calls"] = [calls[i] for i in sorted(calls)]
         return fields
-
-
-# --- tool definitions and tool_choice, shared by the Anthropic and Responses routes ----------
-
-
-def function_tool(name: str, description: str | None, parameters: dict[str, Any] | None) -> dict[str, Any]:
-    """A tool definition as chat templates expect it (OpenAI's function shape)."""
-    function: dict[str, Any] = {"name": name}
-    if description is not None:
-        function["description"] = description
-    function["parameters"] = parameters if parameters is not None else {"type": "object", "properties": {}}
-    return {"type": "function", "function": function}
-
-
-def require_tool_instruction(name: str | None) -> str:
-    """The system-prompt instruction that stands in for a forced tool choice (best effort)."""
-    if name is None:
-        return "You must respond by calling one or more of the provided tools."
-    return f"You must respond by calling the tool `{name}`."
-
-
-def add_system_instruction(messages: list[dict[str, Any]], instruction: str) -> list[dict[str, Any]]:
-    """`messages` with `instruction` appended to the system message (one is added if none)."""
-    if messages and messages[0].get("role") == "system":
-        first = messages[0]
-        content = first.get("content") or ""
-        return [first | {"content": f"{content}\n\n{instruction}" if content else instruction}, *messages[1:]]
-    return [{"role": "system", "content": instruction}, *messages]

@@ -1,14 +1,13 @@
 """What every route needs: the engine, the settings, and the edge helpers routes share.
 
-Route modules (`openai`, `control`, and later `anthropic`, `responses`) each expose
-`register(app, ctx)`; they read the body with `read_request(ctx, Model)`, check the engine with
+Route modules (`openai`, `anthropic`, `responses`, `control`) each expose `register(app, ctx)`;
+they read the body with `read_request(ctx, Model)`, check the engine with
 `ctx.check_admission()`, and raise `FtError`s that the app's handlers render in the API's shape.
 """
 
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -167,11 +166,6 @@ async def json_response_off_loop(build: Callable[[], Any]) -> Response:
     """
     text = await trio.to_thread.run_sync(lambda: dumps(build()))
     return Response(text, status=200, content_type="application/json")
-
-
-def new_id(prefix: str) -> str:
-    """An OpenAI-style id: `chatcmpl-…`, `cmpl-…`."""
-    return f"{prefix}-{uuid.uuid4().hex}"
 
 
 def error_response(ctx: ServerContext, err: FtError) -> Response:

@@ -13,6 +13,7 @@ import trio
 from quart import Response
 from quart_trio import QuartTrio
 
+from ft.engine.engine import EngineState
 from ft.errors import EngineStopping
 from ft.server.context import ServerContext, json_response, read_request
 from ft.server.http_errors import HttpError
@@ -33,6 +34,8 @@ COUNTERS = frozenset(
         "prefix_hit_tokens",
     }
 )
+# `/health`'s status for each engine state (any other: "stopping").
+HEALTH_STATUS = {EngineState.READY: "ok", EngineState.LOADING: "loading", EngineState.ERROR: "error"}
 
 
 def register(app: QuartTrio, ctx: ServerContext) -> None:
@@ -41,9 +44,9 @@ def register(app: QuartTrio, ctx: ServerContext) -> None:
 
     @app.get("/health")
     async def health() -> Response:
-        status = {"ready": "ok", "loading": "loading", "error": "error"}.get(engine.state, "stopping")
+        status = HEALTH_STATUS.get(engine.state, "stopping")
         body: dict[str, Any] = {"status": status, "state": engine.state, "model": engine.model_id}
-        if engine.state == "loading":
+        if engine.state == EngineState.LOADING:
             body["loading_s"] = round(time.time() - ctx.started_at, 1)
             body["progress"] = engine.load_progress
         if engine.error:
@@ -54,7 +57,7 @@ def register(app: QuartTrio, ctx: ServerContext) -> None:
     async def models() -> Response:
         # A load balancer probing here must not send traffic that would fail: 503 until ready.
         _check_ready(ctx)
-        if engine.state != "ready":
+        if engine.state != EngineState.READY:
             raise EngineStopping("the server is stopping and admits no new requests")
         data = [
             {
@@ -114,9 +117,9 @@ def register(app: QuartTrio, ctx: ServerContext) -> None:
 
 
 def _check_ready(ctx: ServerContext) -> None:
-    if ctx.engine.state == "loading":
+    if ctx.engine.state == EngineState.LOADING:
         raise EngineStopping("the model is still loading; retry shortly", code="model_loading")
-    if ctx.engine.state == "error":
+    if ctx.engine.state == EngineState.ERROR:
         raise EngineStopping(f"the engine failed to start: {ctx.engine.error}", code="engine_error")
 
 

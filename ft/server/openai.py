@@ -1,46 +1,38 @@
 """OpenAI routes: `POST /v1/chat/completions` and `POST /v1/completions`, streamed or not.
 
-Each request is validated whole before the engine sees it. A streamed response commits to
-200 once admission passes, sends `: connected` before the request reaches the tokenizer, and
-does the engine work inside the response generator, so a client that leaves cancels it and the
-request scope frees everything it held.
+Each class parses its body into prompts and sampling params and renders OpenAI's shapes; the
+request's lifecycle (static checks, scopes, heartbeats, in-stream errors) is
+`ft.server.generation`'s.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
-from contextlib import AsyncExitStack
 from typing import Any
 
-import trio
 from quart import Response
 from quart_trio import QuartTrio
 
-from ft.engine.stream import Choice, RequestStream
+from ft.engine.stream import Choice
 from ft.errors import FtError, InvalidRequest
+from ft.ids import random_id
+from ft.messages import Delta
 from ft.params import SamplingParams
-from ft.server.assemble import ChatAssembler
-from ft.server.context import (
-    ServerContext,
-    json_response,
-    json_response_off_loop,
-    new_id,
-    read_request,
-)
-from ft.server.http_errors import internal_error
+from ft.server.assemble import ChatAssembler, openai_finish_reason
+from ft.server.context import ServerContext, read_request
+from ft.server.generation import Generated, GenerationApi, Prompt, Usage, respond
 from ft.server.openai_format import (
     CompletionLogprobs,
     chat_logprobs,
     chat_message_for_template,
     check_echo_size,
-    finish_reason,
     make_chat_output,
     sampling_params,
     usage,
 )
 from ft.server.schemas_openai import ChatCompletionRequest, CompletionRequest, PromptItem
-from ft.server.sse import CONNECTED, DONE, HEARTBEAT, DeltaMux, sse_data, sse_error, sse_response
+from ft.server.sse import DONE, sse_data, sse_error
+from ft.server.tools import ToolChoice, apply_tool_choice
 
 
 def register(app: QuartTrio, ctx: ServerContext) -> None:
@@ -49,16 +41,61 @@ def register(app: QuartTrio, ctx: ServerContext) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions() -> Response:
         req = await read_request(ctx, ChatCompletionRequest)
-        return await ChatCompletion(ctx, req).respond()
+        return await respond(ctx, ChatCompletion(ctx, req))
 
     @app.post("/v1/completions")
     async def completions() -> Response:
         req = await read_request(ctx, CompletionRequest)
-        return await TextCompletion(ctx, req).respond()
+        return await respond(ctx, TextCompletion(ctx, req))
 
 
-class ChatCompletion:
-    """One chat completion request, from validated body to response."""
+def openai_id(prefix: str) -> str:
+    """An OpenAI-style response id: `chatcmpl-…`, `cmpl-…`."""
+    return random_id(f"{prefix}-", 32)
+
+
+def chat_tool_choice(req: ChatCompletionRequest) -> ToolChoice:
+    """Chat's `tool_choice` as the shared policy record."""
+    choice = req.tool_choice
+    if choice is None or isinstance(choice, str):
+        return ToolChoice(choice or "auto")
+    return ToolChoice("required", choice.function.name)
+
+
+class OpenAIGeneration(GenerationApi):
+    """What chat and completions share: the response object, the usage chunk, `[DONE]`."""
+
+    id: str
+    created: int
+    model: str
+    kind: str  # the `object` of the response and its chunks
+    include_usage: bool
+
+    def _object(self, choices: list[dict[str, Any]], kind: str | None = None) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": kind or self.kind,
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": None,
+            "choices": choices,
+        }
+
+    def end(self, u: Usage) -> list[bytes]:
+        """The usage chunk when asked for, then `[DONE]`."""
+        if not self.include_usage:
+            return [DONE]
+        return [sse_data(self._object([]) | {"usage": usage(u)}), DONE]
+
+    def error(self, err: FtError) -> list[bytes]:
+        """`data: {"error": ...}` then `[DONE]`."""
+        return [sse_error(err), DONE]
+
+
+class ChatCompletion(OpenAIGeneration):
+    """One chat completion request: its prompt, and OpenAI's chat shapes."""
+
+    kind = "chat.completion.chunk"
 
     def __init__(self, ctx: ServerContext, req: ChatCompletionRequest) -> None:
         self.ctx, self.req = ctx, req
@@ -72,121 +109,86 @@ class ChatCompletion:
             )
         if req.top_logprobs and not req.logprobs:
             raise InvalidRequest("top_logprobs requires logprobs: true", param="top_logprobs")
-        self.params = sampling_params(
+        if req.continue_final_message:
+            if req.add_generation_prompt:
+                raise InvalidRequest(
+                    "continue_final_message needs add_generation_prompt: false",
+                    param="continue_final_message",
+                )
+            if req.messages[-1].role != "assistant":
+                raise InvalidRequest(
+                    "continue_final_message needs a final assistant message to continue",
+                    param="continue_final_message",
+                )
+        self.params: SamplingParams = sampling_params(
             ctx,
             req,
             max_tokens=req.max_completion_tokens or req.max_tokens,
             logprobs=req.logprobs,
             top_logprobs=req.top_logprobs or 0,
         )
-        ctx.check_admission()  # after validation: a bad request is a 400 whatever the load
-        self.messages = [chat_message_for_template(m) for m in req.messages]
-        self.tools = req.tools if req.tools and req.tool_choice != "none" else None
-        self.id = new_id("chatcmpl")
+        messages, tools = apply_tool_choice(
+            [chat_message_for_template(m) for m in req.messages], req.tools, chat_tool_choice(req)
+        )
+        self.prompts = [
+            Prompt(
+                messages=messages,
+                tools=tools,
+                chat_template_kwargs=req.chat_template_kwargs,
+                add_generation_prompt=req.add_generation_prompt,
+                continue_final_message=req.continue_final_message,
+            )
+        ]
+        self.has_tools = tools is not None
+        self.stream, self.include_usage = req.stream, req.include_usage
+        self.is_body_large = self.params.logprobs  # n x tokens x top_logprobs entries
+        self.id = openai_id("chatcmpl")
         self.created = int(time.time())
         self.model = req.model or ctx.engine.model_id
+        self.outputs: dict[int, ChatAssembler] = {}
 
-    def open(self) -> Any:
-        """The engine request scope."""
-        return self.ctx.engine.open_request(
-            messages=self.messages,
-            params=self.params,
-            tools=self.tools,
-            chat_template_kwargs=self.req.chat_template_kwargs,
-            add_generation_prompt=self.req.add_generation_prompt,
-        )
-
-    async def respond(self) -> Response:
-        """The response: an event stream, or the whole completion as JSON."""
-        if self.req.stream:
-            return sse_response(self.stream())
-        async with self.open() as stream:
-            choices = await stream.collect()
-        if self.params.logprobs:  # n x tokens x top_logprobs entries: build them off the loop
-            return await json_response_off_loop(lambda: self.body(choices, stream))
-        return json_response(self.body(choices, stream))
-
-    def body(self, choices: list[Choice], stream: RequestStream) -> dict[str, Any]:
+    def body(self, done: Generated) -> dict[str, Any]:
         """The non-streamed `chat.completion` object."""
         out = []
-        for c in choices:
-            message, reason = make_chat_output(self.ctx, self.req).message(c)
+        for c in done.choices[0]:
+            message, reason = make_chat_output(self.ctx, self.has_tools).message(c)
             logprobs = chat_logprobs(c.logprobs) if self.params.logprobs else None
             out.append({"index": c.index, "message": message, "logprobs": logprobs, "finish_reason": reason})
-        return {
-            "id": self.id,
-            "object": "chat.completion",
-            "created": self.created,
-            "model": self.model,
-            "system_fingerprint": None,
-            "choices": out,
-            "usage": usage(stream.num_prompt_tokens, stream.num_completion_tokens),
-        }
+        return self._object(out, "chat.completion") | {"usage": usage(done.usage)}
 
     def chunk(
         self,
         index: int,
         delta: dict[str, Any],
         *,
-        logprobs: Any = None,
+        logprobs: dict[str, Any] | None = None,
         reason: str | None = None,
     ) -> bytes:
         """One `chat.completion.chunk` frame for one choice."""
-        return sse_data(
-            {
-                "id": self.id,
-                "object": "chat.completion.chunk",
-                "created": self.created,
-                "model": self.model,
-                "system_fingerprint": None,
-                "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}],
-            }
-        )
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
+        return sse_data(self._object([choice]))
 
-    async def stream(self) -> AsyncIterator[bytes]:
-        """The event stream (see the module docstring for its lifetime)."""
-        yield CONNECTED
-        outputs: dict[int, ChatAssembler] = {}
-        try:
-            async with self.open() as stream:
-                mux = DeltaMux([stream])
-                while not mux.is_done:
-                    got = await mux.next(self.ctx.settings.sse_heartbeat_s)
-                    if got.is_timeout:
-                        yield HEARTBEAT
-                    for _, d in got.deltas:
-                        out = outputs.get(d.index)
-                        if out is None:
-                            out = outputs[d.index] = make_chat_output(self.ctx, self.req)
-                            yield self.chunk(d.index, {"role": "assistant", "content": ""})
-                        fields = out.delta(d.text)
-                        lps = chat_logprobs(d.logprobs) if d.logprobs else None
-                        if fields is not None or lps is not None:
-                            yield self.chunk(d.index, fields or {"content": ""}, logprobs=lps)
-                        if d.finish_reason is not None:
-                            rest, reason = out.finish(d.finish_reason)
-                            yield self.chunk(d.index, rest or {}, reason=reason)
-                if self.req.include_usage:
-                    yield sse_data(
-                        {
-                            "id": self.id,
-                            "object": "chat.completion.chunk",
-                            "created": self.created,
-                            "model": self.model,
-                            "system_fingerprint": None,
-                            "choices": [],
-                            "usage": usage(stream.num_prompt_tokens, stream.num_completion_tokens),
-                        }
-                    )
-        except FtError as e:
-            yield sse_error(e)
-        except Exception as e:  # noqa: BLE001 - reported in-stream, logged
-            yield sse_error(internal_error(e))
-        yield DONE
+    def delta(self, k: int, delta: Delta) -> list[bytes]:
+        """The role chunk first, then content / tool-call / reasoning deltas, then the finish."""
+        frames = []
+        out = self.outputs.get(delta.index)
+        if out is None:
+            out = self.outputs[delta.index] = make_chat_output(self.ctx, self.has_tools)
+            frames.append(self.chunk(delta.index, {"role": "assistant", "content": ""}))
+        fields = out.delta(delta.text)
+        lps = chat_logprobs(delta.logprobs) if delta.logprobs else None
+        if fields is not None or lps is not None:
+            frames.append(self.chunk(delta.index, fields or {"content": ""}, logprobs=lps))
+        if delta.finish_reason is not None:
+            rest, reason = out.finish(delta.finish_reason)
+            frames.append(self.chunk(delta.index, rest or {}, reason=reason))
+        return frames
 
 
-class TextCompletion:
+class TextCompletion(OpenAIGeneration):
     """One text completion request (possibly several prompts, each with `n` choices)."""
+
+    kind = "text_completion"
 
     def __init__(self, ctx: ServerContext, req: CompletionRequest) -> None:
         self.ctx, self.req = ctx, req
@@ -198,7 +200,7 @@ class TextCompletion:
         for i, p in enumerate(req.prompt):
             if isinstance(p, list):
                 ctx.check_token_ids(p, "prompt" if len(req.prompt) == 1 else f"prompt[{i}]")
-        self.params: SamplingParams = sampling_params(
+        self.params = sampling_params(
             ctx,
             req,
             max_tokens=req.max_tokens,
@@ -206,69 +208,27 @@ class TextCompletion:
             top_logprobs=req.logprobs or 0,
         )
         check_echo_size(req, ctx.engine.max_model_len)
-        ctx.check_admission()  # after validation: a bad request is a 400 whatever the load
-        self.id = new_id("cmpl")
+        self.prompts = [Prompt(text=p) if isinstance(p, str) else Prompt(token_ids=p) for p in req.prompt]
+        self.stream, self.include_usage = req.stream, req.include_usage
+        self.is_body_large = req.echo or self.params.logprobs  # as large as the client asks
+        self.id = openai_id("cmpl")
         self.created = int(time.time())
         self.model = req.model or ctx.engine.model_id
-
-    def open(self, prompt: PromptItem) -> Any:
-        """The engine request scope for one prompt."""
-        if isinstance(prompt, str):
-            return self.ctx.engine.open_request(prompt=prompt, params=self.params)
-        return self.ctx.engine.open_request(prompt_token_ids=prompt, params=self.params)
+        self.started: set[int] = set()
+        self.offsets: dict[int, CompletionLogprobs] = {}
 
     def prompt_text(self, prompt: PromptItem) -> str:
         """The prompt as text (for `echo`)."""
         return prompt if isinstance(prompt, str) else self.ctx.engine.detokenize(prompt)
 
-    async def respond(self) -> Response:
-        """The response: an event stream, or the whole completion as JSON."""
-        if self.req.stream:
-            return sse_response(self.stream())
-        prompts = self.req.prompt
-        results: list[tuple[list[Choice], tuple[int, ...], int] | None] = [None] * len(prompts)
-        errors: list[Exception] = []
-
-        async def run_one(k: int, nursery: trio.Nursery) -> None:
-            try:
-                async with self.open(prompts[k]) as stream:
-                    choices = await stream.collect()
-                results[k] = (choices, stream.prompt_ids, stream.num_completion_tokens)
-            except Exception as e:  # noqa: BLE001 - the first error answers the request
-                errors.append(e)
-                nursery.cancel_scope.cancel()
-
-        async with trio.open_nursery() as nursery:
-            for k in range(len(prompts)):
-                nursery.start_soon(run_one, k, nursery)
-        if errors:
-            first = errors[0]
-            raise first if isinstance(first, FtError) else internal_error(first)
-        if self.req.echo or self.params.logprobs:  # as large as the client asks: off the loop
-            return await json_response_off_loop(lambda: self.body(results))
-        return json_response(self.body(results))
-
-    def body(self, results: list[tuple[list[Choice], tuple[int, ...], int] | None]) -> dict[str, Any]:
-        """The non-streamed `text_completion` object (runs in a thread)."""
-        prompts = self.req.prompt
-        out: list[dict[str, Any]] = []
-        num_prompt = num_completion = 0
-        for k, result in enumerate(results):
-            assert result is not None
-            choices, prompt_ids, n_completion = result
-            num_prompt += len(prompt_ids)
-            num_completion += n_completion
-            for c in choices:
-                out.append(self.choice_body(k, prompts[k], prompt_ids, c))
-        return {
-            "id": self.id,
-            "object": "text_completion",
-            "created": self.created,
-            "model": self.model,
-            "system_fingerprint": None,
-            "choices": out,
-            "usage": usage(num_prompt, num_completion),
-        }
+    def body(self, done: Generated) -> dict[str, Any]:
+        """The non-streamed `text_completion` object."""
+        out = [
+            self.choice_body(k, self.req.prompt[k], done.prompt_ids[k], c)
+            for k, choices in enumerate(done.choices)
+            for c in choices
+        ]
+        return self._object(out) | {"usage": usage(done.usage)}
 
     def choice_body(
         self, k: int, prompt: PromptItem, prompt_ids: tuple[int, ...], c: Choice
@@ -288,68 +248,30 @@ class TextCompletion:
             "index": k * self.params.n + c.index,
             "text": echo + text,
             "logprobs": logprobs,
-            "finish_reason": finish_reason(c.finish_reason),
+            "finish_reason": openai_finish_reason(c.finish_reason),
         }
 
-    def chunk(self, index: int, text: str, *, logprobs: Any = None, reason: str | None = None) -> bytes:
+    def chunk(
+        self, index: int, text: str, *, logprobs: dict[str, Any] | None = None, reason: str | None = None
+    ) -> bytes:
         """One streamed `text_completion` frame for one choice."""
-        return sse_data(
-            {
-                "id": self.id,
-                "object": "text_completion",
-                "created": self.created,
-                "model": self.model,
-                "system_fingerprint": None,
-                "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}],
-            }
-        )
+        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
+        return sse_data(self._object([choice]))
 
-    async def stream(self) -> AsyncIterator[bytes]:
-        """The event stream: every prompt's choices, interleaved as they arrive."""
-        yield CONNECTED
-        n = self.params.n
-        prompts = self.req.prompt
-        started: set[int] = set()
-        offsets: dict[int, CompletionLogprobs] = {}
-        try:
-            async with AsyncExitStack() as stack:
-                streams = [await stack.enter_async_context(self.open(p)) for p in prompts]
-                mux = DeltaMux(streams)
-                while not mux.is_done:
-                    got = await mux.next(self.ctx.settings.sse_heartbeat_s)
-                    if got.is_timeout:
-                        yield HEARTBEAT
-                    for k, d in got.deltas:
-                        index = k * n + d.index
-                        text = d.text
-                        if index not in started:
-                            started.add(index)
-                            if self.req.echo:
-                                text = self.prompt_text(prompts[k]) + text
-                        lps = None
-                        if self.params.logprobs:
-                            lp = offsets.setdefault(index, CompletionLogprobs())
-                            lps = lp.add(d.logprobs)
-                        if text or (lps and lps["tokens"]):
-                            yield self.chunk(index, text, logprobs=lps)
-                        if d.finish_reason is not None:
-                            yield self.chunk(index, "", reason=finish_reason(d.finish_reason))
-                if self.req.include_usage:
-                    yield sse_data(
-                        {
-                            "id": self.id,
-                            "object": "text_completion",
-                            "created": self.created,
-                            "model": self.model,
-                            "choices": [],
-                            "usage": usage(
-                                sum(s.num_prompt_tokens for s in streams),
-                                sum(s.num_completion_tokens for s in streams),
-                            ),
-                        }
-                    )
-        except FtError as e:
-            yield sse_error(e)
-        except Exception as e:  # noqa: BLE001 - reported in-stream, logged
-            yield sse_error(internal_error(e))
-        yield DONE
+    def delta(self, k: int, delta: Delta) -> list[bytes]:
+        """Every prompt's choices, interleaved as they arrive (prompt `k`'s at `k * n + i`)."""
+        frames = []
+        index = k * self.params.n + delta.index
+        text = delta.text
+        if index not in self.started:
+            self.started.add(index)
+            if self.req.echo:
+                text = self.prompt_text(self.req.prompt[k]) + text
+        lps = None
+        if self.params.logprobs:
+            lps = self.offsets.setdefault(index, CompletionLogprobs()).add(delta.logprobs)
+        if text or (lps and lps["tokens"]):
+            frames.append(self.chunk(index, text, logprobs=lps))
+        if delta.finish_reason is not None:
+            frames.append(self.chunk(index, "", reason=openai_finish_reason(delta.finish_reason)))
+        return frames

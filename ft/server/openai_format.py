@@ -1,7 +1,7 @@
 """OpenAI response shapes: sampling params from a request, logprobs, usage, chunks, messages.
 
-`ChatOutput` is the seam where tool-call and reasoning parsers plug in: every chat response,
-streamed or not, builds its assistant message / deltas through it.
+`make_chat_output` is the seam where tool-call and reasoning parsers plug in: every chat
+response, streamed or not, builds its assistant message / deltas through a `ChatAssembler`.
 """
 
 from __future__ import annotations
@@ -13,12 +13,14 @@ from typing import Any
 from ft.errors import InvalidRequest
 from ft.messages import TokenLogprob
 from ft.params import SamplingParams
-from ft.server.assemble import ChatAssembler, tool_call_parser_name
+from ft.server import generation
+from ft.server.assemble import ChatAssembler
 from ft.server.body import parse_arguments
 from ft.server.context import ServerContext
-from ft.server.schemas_openai import ChatCompletionRequest, CompletionRequest, SamplingFields
+from ft.server.generation import Usage
+from ft.server.schemas_openai import ChatMessage, CompletionRequest, SamplingFields
+from ft.server.tools import tool_call_parser_name
 
-FINISH_REASONS = ("stop", "length", "tool_calls")
 # The most prompt tokens a completion may echo, counting each of the `n` choices: a 576 KB
 # request (64 prompts, n 16, echo, logprobs 5) asked for ~1.5M echoed tokens, a 50 MB response.
 # At the limit a response with logprobs is ~8 MB, built and serialized off the loop.
@@ -34,7 +36,7 @@ def sampling_params(
     logprobs: bool,
     top_logprobs: int,
 ) -> SamplingParams:
-    """Engine sampling params for a request; unset fields take the model's defaults.
+    """Engine sampling params for a chat or completions request.
 
     Raises:
         InvalidRequest: a token id outside the vocabulary, or a combination the engine refuses.
@@ -42,18 +44,14 @@ def sampling_params(
     bias = req.logit_bias_ids()
     ctx.check_token_ids(list(bias), "logit_bias")
     ctx.check_token_ids(list(req.stop_token_ids or ()), "stop_token_ids")
-    defaults = ctx.engine.generation_defaults
-
-    def pick(name: str, value: float | None, fallback: float) -> Any:
-        return value if value is not None else defaults.get(name, fallback)
-
-    return SamplingParams(
+    return generation.sampling_params(
+        ctx,
+        temperature=req.temperature,
+        top_p=req.top_p,
+        top_k=req.top_k,
+        min_p=req.min_p,
+        repetition_penalty=req.repetition_penalty,
         max_tokens=max_tokens,
-        temperature=float(pick("temperature", req.temperature, 1.0)),
-        top_p=float(pick("top_p", req.top_p, 1.0)),
-        top_k=int(pick("top_k", req.top_k, 0)),
-        min_p=float(pick("min_p", req.min_p, 0.0)),
-        repetition_penalty=float(pick("repetition_penalty", req.repetition_penalty, 1.0)),
         frequency_penalty=req.frequency_penalty,
         presence_penalty=req.presence_penalty,
         logit_bias=bias,
@@ -88,19 +86,13 @@ def check_echo_size(req: CompletionRequest, max_model_len: int) -> None:
         )
 
 
-def finish_reason(reason: str | None) -> str | None:
-    """The engine's finish reason in OpenAI's vocabulary."""
-    if reason is None:
-        return None
-    return reason if reason in FINISH_REASONS else "stop"
-
-
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    """The `usage` object."""
+def usage(u: Usage) -> dict[str, Any]:
+    """The `usage` object, with the prefix-cache hits in `prompt_tokens_details`."""
     return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.completion_tokens,
+        "total_tokens": u.total_tokens,
+        "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
     }
 
 
@@ -169,16 +161,16 @@ class CompletionLogprobs:
         return {key: a[key] + b[key] for key in a}
 
 
-def make_chat_output(ctx: ServerContext, request: ChatCompletionRequest) -> ChatAssembler:
-    """The output shaper for one choice of `request`: text, tool calls and reasoning."""
-    has_tools = bool(request.tools) and request.tool_choice != "none"
+def make_chat_output(ctx: ServerContext, has_tools: bool) -> ChatAssembler:
+    """The output shaper for one chat choice: text, tool calls (when the request has tools)
+    and reasoning."""
     return ChatAssembler(
         tool_call_parser=tool_call_parser_name(ctx.engine.config.tool_call_parser, has_tools),
         reasoning_parser=ctx.engine.config.reasoning_parser,
     )
 
 
-def chat_message_for_template(message: Any) -> dict[str, Any]:
+def chat_message_for_template(message: ChatMessage) -> dict[str, Any]:
     """A validated `ChatMessage` as the dict a chat template expects.
 
     `developer` becomes `system` (templates predate it); a tool call's JSON `arguments`

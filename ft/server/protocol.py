@@ -79,4 +79,4 @@ class GuardedH11Protocol(H11Protocol):
 
 def install() -> None:
     """Make hypercorn build `GuardedH11Protocol` for HTTP/1 connections (idempotent)."""
-    hypercorn.protocol.H11Protocol = GuardedH11Protocol  # type: ignore[misc]
+    hypercorn.protocol.H11Protocol = GuardedH11Protocol  # type: ignore[attr-defined]

@@ -18,14 +18,15 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 from quart import Response
 from quart_trio import QuartTrio
 
 from ft.errors import FtError, InvalidRequest
-from ft.params import SamplingParams
+from ft.ids import random_id
+from ft.messages import Delta
+from ft.server import generation
 from ft.server.assemble import (
     Block,
     BlockAssembler,
@@ -33,16 +34,12 @@ from ft.server.assemble import (
     BlockEvent,
     BlockStart,
     BlockStop,
-    add_system_instruction,
     assemble_blocks,
-    function_tool,
-    random_id,
-    require_tool_instruction,
-    tool_call_parser_name,
 )
 from ft.server.body import parse_arguments
-from ft.server.context import ServerContext, json_response, read_request
-from ft.server.http_errors import HttpError, internal_error
+from ft.server.context import ServerContext, read_request
+from ft.server.generation import Generated, GenerationApi, Prompt, Usage, respond
+from ft.server.http_errors import HttpError
 from ft.server.schemas_responses import (
     FunctionCallItem,
     FunctionCallOutputItem,
@@ -50,7 +47,8 @@ from ft.server.schemas_responses import (
     MessageItem,
     ResponsesRequest,
 )
-from ft.server.sse import CONNECTED, HEARTBEAT, DeltaMux, sse_event, sse_response
+from ft.server.sse import sse_event
+from ft.server.tools import ToolChoice, apply_tool_choice, function_tool, tool_call_parser_name
 
 ITEM_ID_PREFIXES = {"thinking": "rs_", "text": "msg_", "tool_call": "fc_"}
 
@@ -61,7 +59,7 @@ def register(app: QuartTrio, ctx: ServerContext) -> None:
     @app.post("/v1/responses")
     async def create_response() -> Response:
         req = await read_request(ctx, ResponsesRequest)
-        return await ResponseCall(ctx, req).respond()
+        return await respond(ctx, ResponseCall(ctx, req))
 
     @app.route("/v1/responses/<response_id>", methods=["GET", "DELETE"])
     async def stored_response(response_id: str) -> Response:
@@ -109,14 +107,14 @@ def template_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
     return out
 
 
-def usage(input_tokens: int, output_tokens: int) -> dict[str, Any]:
-    """The Responses `usage` object."""
+def usage(u: Usage) -> dict[str, Any]:
+    """The Responses `usage` object, with the prefix-cache hits in `input_tokens_details`."""
     return {
-        "input_tokens": input_tokens,
-        "input_tokens_details": {"cached_tokens": 0},
-        "output_tokens": output_tokens,
+        "input_tokens": u.prompt_tokens,
+        "input_tokens_details": {"cached_tokens": u.cached_tokens},
+        "output_tokens": u.completion_tokens,
         "output_tokens_details": {"reasoning_tokens": 0},
-        "total_tokens": input_tokens + output_tokens,
+        "total_tokens": u.total_tokens,
     }
 
 
@@ -155,7 +153,7 @@ def output_text(text: str) -> dict[str, Any]:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
 
-class ResponseCall:
+class ResponseCall(GenerationApi):
     """One `/v1/responses` request, from validated body to response."""
 
     def __init__(self, ctx: ServerContext, req: ResponsesRequest) -> None:
@@ -178,47 +176,33 @@ class ResponseCall:
                 f"text.format type '{fmt.type}' is not supported yet (no constrained decoding); use 'text'",
                 param="text.format",
             )
-        messages = template_messages(req)
-        self.tools: list[dict[str, Any]] | None = None
         choice = req.tool_choice
-        if req.tools and choice != "none":
-            self.tools = [function_tool(t.name, t.description, t.parameters) for t in req.tools]
-            if isinstance(choice, FunctionChoice):
-                if choice.name not in {t.name for t in req.tools}:
-                    raise InvalidRequest(
-                        f"tool_choice names an unknown function '{choice.name}'", param="tool_choice.name"
-                    )
-                messages = add_system_instruction(messages, require_tool_instruction(choice.name))
-            elif choice == "required":
-                messages = add_system_instruction(messages, require_tool_instruction(None))
-        self.messages = messages
+        tool_choice = (
+            ToolChoice("required", choice.name)
+            if isinstance(choice, FunctionChoice)
+            else ToolChoice(choice or "auto")
+        )
+        tools = [function_tool(t.name, t.description, t.parameters) for t in req.tools or ()]
+        messages, sent_tools = apply_tool_choice(template_messages(req), tools, tool_choice)
+        self.prompts = [Prompt(messages=messages, tools=sent_tools)]
         config = ctx.engine.config
-        self.tool_call_parser = tool_call_parser_name(config.tool_call_parser, bool(self.tools))
+        self.tool_call_parser = tool_call_parser_name(config.tool_call_parser, sent_tools is not None)
         self.reasoning_parser = config.reasoning_parser
-        self.params = self.sampling_params()
-        ctx.check_admission()
+        self.params = generation.sampling_params(
+            ctx,
+            temperature=req.temperature,
+            top_p=req.top_p,
+            top_k=req.top_k,
+            max_tokens=req.max_output_tokens,
+        )
+        self.stream = req.stream
         self.id = random_id("resp_", 32)
         self.created = int(time.time())
         self.model = req.model or ctx.engine.model_id
         self.item_ids: dict[int, str] = {}
-
-    def sampling_params(self) -> SamplingParams:
-        """Engine sampling params; unset fields take the model's generation defaults."""
-        req, defaults = self.req, self.ctx.engine.generation_defaults
-
-        def pick(name: str, value: float | None, fallback: float) -> Any:
-            return value if value is not None else defaults.get(name, fallback)
-
-        return SamplingParams(
-            max_tokens=req.max_output_tokens,
-            temperature=float(pick("temperature", req.temperature, 1.0)),
-            top_p=float(pick("top_p", req.top_p, 1.0)),
-            top_k=int(pick("top_k", req.top_k, 0)),
-        )
-
-    def open(self) -> Any:
-        """The engine request scope."""
-        return self.ctx.engine.open_request(messages=self.messages, params=self.params, tools=self.tools)
+        self.assembler = BlockAssembler(self.tool_call_parser, self.reasoning_parser)
+        self.numbers = itertools.count()
+        self.finish_reason: str | None = None
 
     def item_id(self, index: int, block: Block) -> str:
         """The id of output item `index` (made on first use)."""
@@ -238,7 +222,7 @@ class ResponseCall:
         self,
         status: str,
         output: list[dict[str, Any]],
-        usage_: dict[str, Any] | None,
+        u: Usage | None,
         *,
         error: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
@@ -267,77 +251,63 @@ class ResponseCall:
             "tools": [t.model_dump() for t in req.tools or ()],
             "top_p": self.params.top_p,
             "truncation": "disabled",
-            "usage": usage_,
+            "usage": usage(u) if u is not None else None,
             "user": req.user,
             "metadata": req.metadata or {},
         }
 
-    async def respond(self) -> Response:
-        """An event stream, or the whole response as JSON."""
-        if self.req.stream:
-            return sse_response(self.stream())
-        async with self.open() as stream:
-            (choice,) = await stream.collect()
+    def body(self, done: Generated) -> dict[str, Any]:
+        """The whole response."""
+        (choice,) = done.choices[0]
         blocks = assemble_blocks(
             choice.text,
             tool_call_parser=self.tool_call_parser,
             reasoning_parser=self.reasoning_parser,
         )
         is_incomplete = choice.finish_reason == "length"
-        return json_response(
-            self.response(
-                "incomplete" if is_incomplete else "completed",
-                self.items(blocks, is_incomplete),
-                usage(stream.num_prompt_tokens, stream.num_completion_tokens),
-            )
-        )
+        status = "incomplete" if is_incomplete else "completed"
+        return self.response(status, self.items(blocks, is_incomplete), done.usage)
 
-    async def stream(self) -> AsyncIterator[bytes]:
-        """The event stream (see the module docstring)."""
-        numbers = itertools.count()
+    def event(self, kind: str, **fields: Any) -> bytes:
+        """One named event with the next `sequence_number`."""
+        return sse_event(kind, {"type": kind, "sequence_number": next(self.numbers), **fields})
 
-        def event(kind: str, **fields: Any) -> bytes:
-            return sse_event(kind, {"type": kind, "sequence_number": next(numbers), **fields})
+    def start(self, u: Usage) -> list[bytes]:
+        """`response.created` and `response.in_progress`."""
+        return [
+            self.event("response.created", response=self.response("in_progress", [], None)),
+            self.event("response.in_progress", response=self.response("in_progress", [], None)),
+        ]
 
-        yield CONNECTED
-        yield event("response.created", response=self.response("in_progress", [], None))
-        yield event("response.in_progress", response=self.response("in_progress", [], None))
-        assembler = BlockAssembler(self.tool_call_parser, self.reasoning_parser)
-        try:
-            async with self.open() as stream:
-                finish_reason: str | None = None
-                mux = DeltaMux([stream])
-                while not mux.is_done:
-                    got = await mux.next(self.ctx.settings.sse_heartbeat_s)
-                    if got.is_timeout:
-                        yield HEARTBEAT
-                    for _, delta in got.deltas:
-                        for block_event in assembler.feed(delta.text):
-                            for kind, fields in self.item_events(block_event, False):
-                                yield event(kind, **fields)
-                        if delta.finish_reason is not None:
-                            finish_reason = delta.finish_reason
-                is_incomplete = finish_reason == "length"
-                for block_event in assembler.finish():
-                    is_last = block_event.index == len(assembler.blocks) - 1
-                    for kind, fields in self.item_events(block_event, is_incomplete and is_last):
-                        yield event(kind, **fields)
-                status = "incomplete" if is_incomplete else "completed"
-                yield event(
-                    f"response.{status}",
-                    response=self.response(
-                        status,
-                        self.items(assembler.blocks, is_incomplete),
-                        usage(stream.num_prompt_tokens, stream.num_completion_tokens),
-                    ),
-                )
-        except Exception as e:  # noqa: BLE001 - reported in-stream (and logged if unexpected)
-            err = e if isinstance(e, FtError) else internal_error(e)
-            error = {"code": err.code or err.type, "message": err.message}
-            yield event(
-                "response.failed",
-                response=self.response("failed", self.items(assembler.blocks, False), None, error=error),
-            )
+    def delta(self, k: int, delta: Delta) -> list[bytes]:
+        """Output item events."""
+        if delta.finish_reason is not None:
+            self.finish_reason = delta.finish_reason
+        return [
+            self.event(kind, **fields)
+            for block_event in self.assembler.feed(delta.text)
+            for kind, fields in self.item_events(block_event, False)
+        ]
+
+    def end(self, u: Usage) -> list[bytes]:
+        """The last item events, then `response.completed` (or `.incomplete`, cut short)."""
+        is_incomplete = self.finish_reason == "length"
+        last = len(self.assembler.blocks) - 1
+        frames = [
+            self.event(kind, **fields)
+            for block_event in self.assembler.finish()
+            for kind, fields in self.item_events(block_event, is_incomplete and block_event.index == last)
+        ]
+        status = "incomplete" if is_incomplete else "completed"
+        items = self.items(self.assembler.blocks, is_incomplete)
+        frames.append(self.event(f"response.{status}", response=self.response(status, items, u)))
+        return frames
+
+    def error(self, err: FtError) -> list[bytes]:
+        """`response.failed`, with the items so far."""
+        error = {"code": err.code or err.type, "message": err.message}
+        failed = self.response("failed", self.items(self.assembler.blocks, False), None, error=error)
+        return [self.event("response.failed", response=failed)]
 
     def item_events(self, event: BlockEvent, is_incomplete: bool) -> list[tuple[str, dict[str, Any]]]:
         """The Responses events for one block event: (event type, fields)."""

@@ -183,6 +183,19 @@ class SamplingFields(StrictModel):
         return self.stream_options is not None and self.stream_options.include_usage
 
 
+class FunctionName(StrictModel):
+    """`{"name": ...}`."""
+
+    name: Name
+
+
+class NamedToolChoice(StrictModel):
+    """`{"type": "function", "function": {"name"}}`: call this function."""
+
+    type: Literal["function"]
+    function: FunctionName
+
+
 class ChatCompletionRequest(SamplingFields):
     """`POST /v1/chat/completions`."""
 
@@ -192,10 +205,11 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     response_format: ResponseFormat | None = None
     tools: Annotated[list[dict[str, Any]], Field(max_length=MAX_TOOLS)] | None = None
-    tool_choice: Any = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
     @field_validator("tools")
     @classmethod
@@ -214,7 +228,7 @@ class ChatCompletionRequest(SamplingFields):
                 )
         return tools
 
-    @field_validator("tool_choice")
+    @field_validator("tool_choice", mode="before")
     @classmethod
     def _tool_choice(cls, choice: Any, info: ValidationInfo) -> Any:
         if choice is None or choice in ("none", "auto"):

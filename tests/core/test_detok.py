@@ -22,6 +22,7 @@ def ids_of(text: str) -> list[int]:
 @settings(max_examples=200, deadline=None)
 @given(st.text(max_size=40))
 def test_deltas_concatenate_to_the_full_decode(text: str) -> None:
+    """Incremental deltas add up to the decode of all the ids."""
     dec = IncrementalDecoder(decode)
     ids = ids_of(text)
     deltas = [dec.add(t) for t in ids] + [dec.flush()]
@@ -30,6 +31,7 @@ def test_deltas_concatenate_to_the_full_decode(text: str) -> None:
 
 
 def test_multibyte_character_is_held_until_complete() -> None:
+    """A character split across tokens is sent once complete."""
     dec = IncrementalDecoder(decode)
     ids = ids_of("é")  # two bytes
     assert dec.add(ids[0]) == ""
@@ -37,6 +39,7 @@ def test_multibyte_character_is_held_until_complete() -> None:
 
 
 def test_truncated_character_is_flushed_at_the_end() -> None:
+    """A character cut off by the end of output is flushed as U+FFFD."""
     dec = IncrementalDecoder(decode)
     dec.add(ids_of("é")[0])
     assert dec.flush() == "\ufffd"
@@ -49,6 +52,7 @@ def test_truncated_character_is_flushed_at_the_end() -> None:
     st.data(),
 )
 def test_stop_matcher_equals_a_whole_text_search(text: str, stops: list[str], data: st.DataObject) -> None:
+    """Matching stop strings over streamed pieces finds what a search of the whole text finds."""
     cuts = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=6)))
     pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
     matcher = StopMatcher(stops)
@@ -71,6 +75,7 @@ def test_stop_matcher_equals_a_whole_text_search(text: str, stops: list[str], da
 
 
 def test_stop_string_spanning_tokens_is_never_emitted() -> None:
+    """A stop string spread over several tokens never reaches the output."""
     detok = SeqDetokenizer(decode, ["STOP"])
     out = ""
     for i, t in enumerate(ids_of("abSTOPcd")):
@@ -83,6 +88,7 @@ def test_stop_string_spanning_tokens_is_never_emitted() -> None:
 
 
 def test_partial_stop_match_is_released_when_the_output_ends() -> None:
+    """Text held as a possible stop string is released when the output ends."""
     detok = SeqDetokenizer(decode, ["STOP"])
     ids = ids_of("abST")
     out = "".join(detok.add(t, is_last=False, is_hidden=False)[0] for t in ids[:-1])
@@ -91,6 +97,7 @@ def test_partial_stop_match_is_released_when_the_output_ends() -> None:
 
 
 def test_hidden_last_token_adds_no_text() -> None:
+    """A hidden last token (eos) adds no text."""
     detok = SeqDetokenizer(decode, [])
     assert detok.add(ids_of("a")[0], is_last=False, is_hidden=False)[0] == "a"
     assert detok.add(0, is_last=True, is_hidden=True) == ("", None)

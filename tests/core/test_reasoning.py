@@ -75,12 +75,14 @@ CASES: dict[str, tuple[str, bool, tuple[str, str]]] = {
 
 @pytest.mark.parametrize("case", CASES, ids=list(CASES))
 def test_cases_split_as_expected(case: str) -> None:
+    """Each case splits into the expected reasoning and content."""
     text, starts_in_reasoning, expected = CASES[case]
     assert parse("think", text, starts_in_reasoning) == expected
 
 
 @given(case=st.sampled_from(sorted(CASES)), cuts=cuts_strategy)
 def test_events_do_not_depend_on_split_points(case: str, cuts: list[int]) -> None:
+    """However the output is split into deltas, the split is the same."""
     text, starts_in_reasoning, expected = CASES[case]
     assert summarize(run("think", split(text, cuts), starts_in_reasoning)) == expected
     assert summarize(run("think", list(text), starts_in_reasoning)) == expected
@@ -100,6 +102,7 @@ outputs = st.lists(st.sampled_from(FRAGMENTS) | st.text(max_size=4), max_size=12
 def test_arbitrary_output_does_not_depend_on_split_points(
     name: str | None, starts_in_reasoning: bool, text: str, cuts: list[int]
 ) -> None:
+    """Any output, however split, gives the same reasoning and content."""
     whole = parse(name, text, starts_in_reasoning)
     assert summarize(run(name, split(text, cuts), starts_in_reasoning)) == whole
     assert summarize(run(name, list(text), starts_in_reasoning)) == whole
@@ -107,20 +110,24 @@ def test_arbitrary_output_does_not_depend_on_split_points(
 
 @given(text=st.text().filter(lambda t: "<think>" not in t))
 def test_output_without_an_opening_tag_is_all_content(text: str) -> None:
+    """Output without `<think>` is all content."""
     assert parse("think", text) == ("", text)
 
 
 @given(text=st.text())
 def test_no_parser_passes_everything_through_as_content(text: str) -> None:
+    """Without a parser everything is content."""
     assert parse(None, text) == ("", text)
 
 
 def test_deepseek_r1_starts_in_reasoning_by_default() -> None:
+    """deepseek_r1 starts in reasoning (its template wrote `<think>`)."""
     assert parse("deepseek_r1", "Okay, so.\n</think>\n\nAnswer") == ("Okay, so.", "Answer")
     assert parse("deepseek_r1", "Answer only", starts_in_reasoning=False) == ("", "Answer only")
 
 
 def test_only_one_newline_block_after_close_tag_is_stripped_not_inner_text() -> None:
+    """Only the newlines right after `</think>` are stripped, not those inside the answer."""
     assert parse("think", "<think>r</think>\n\nline one\n\nline two\n") == (
         "r",
         "line one\n\nline two\n",
@@ -128,6 +135,7 @@ def test_only_one_newline_block_after_close_tag_is_stripped_not_inner_text() -> 
 
 
 def test_partial_tags_are_held_back_and_text_streams_otherwise() -> None:
+    """A partial tag is held back; other text streams at once."""
     parser = make_reasoning_parser("think")
     assert parser.feed("Hi <th") == [ContentDelta("Hi ")]
     assert parser.feed("ink>x") == [ReasoningDelta("x")]
@@ -138,5 +146,6 @@ def test_partial_tags_are_held_back_and_text_streams_otherwise() -> None:
 
 
 def test_unknown_parser_name_lists_the_known_ones() -> None:
+    """An unknown parser name is refused with the list of known ones."""
     with pytest.raises(ValueError, match=r"think.*deepseek_r1"):
         make_reasoning_parser("nope")

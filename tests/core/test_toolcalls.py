@@ -113,6 +113,7 @@ HERMES_CASES: dict[str, tuple[str, list[tuple[str, str]]]] = {
 
 @pytest.mark.parametrize("case", HERMES_CASES, ids=list(HERMES_CASES))
 def test_hermes_cases_parse_as_expected(case: str) -> None:
+    """Each Hermes case gives the expected text and calls."""
     text, expected = HERMES_CASES[case]
     content, calls = parse_tool_calls(text, "hermes")
     assert calls == expected
@@ -122,15 +123,18 @@ def test_hermes_cases_parse_as_expected(case: str) -> None:
 
 @given(case=st.sampled_from(sorted(HERMES_CASES)), cuts=cuts_strategy)
 def test_hermes_events_do_not_depend_on_split_points(case: str, cuts: list[int]) -> None:
+    """However the output is split into deltas, the Hermes events are the same."""
     assert_split_invariant("hermes", HERMES_CASES[case][0], cuts)
 
 
 def test_hermes_text_before_a_call_is_content() -> None:
+    """Text before a call is content, the call a call."""
     text = 'Let me check.\n<tool_call>{"name": "f", "arguments": {}}</tool_call>'
     assert parse_tool_calls(text, "hermes") == ("Let me check.\n", [("f", "{}")])
 
 
 def test_hermes_whitespace_between_and_after_calls_is_dropped() -> None:
+    """Whitespace between and after calls is not content."""
     call = '<tool_call>{"name": "f", "arguments": {}}</tool_call>'
     content, calls = parse_tool_calls(f"\n{call}\n\n{call}\n", "hermes")
     assert content == ""
@@ -138,11 +142,13 @@ def test_hermes_whitespace_between_and_after_calls_is_dropped() -> None:
 
 
 def test_hermes_text_after_a_call_is_content() -> None:
+    """Text after a call is content."""
     call = '<tool_call>{"name": "f", "arguments": {}}</tool_call>'
     assert parse_tool_calls(f"{call}\n\nDone.", "hermes") == ("\n\nDone.", [("f", "{}")])
 
 
 def test_hermes_whitespace_only_output_is_kept() -> None:
+    """Output that is only whitespace stays as it is."""
     assert parse_tool_calls(" \n", "hermes") == (" \n", [])
 
 
@@ -158,31 +164,37 @@ def test_hermes_whitespace_only_output_is_kept() -> None:
     ],
 )
 def test_hermes_invalid_call_is_returned_as_raw_text(body: str) -> None:
+    """A call whose JSON is invalid comes back as the raw text."""
     text = f"before <tool_call>{body}</tool_call> after"
     assert parse_tool_calls(text, "hermes") == (text, [])
 
 
 def test_hermes_invalid_call_does_not_stop_later_calls() -> None:
+    """An invalid call does not stop the next valid one from parsing."""
     bad = "<tool_call>{oops}</tool_call>"
     good = '<tool_call>{"name": "f", "arguments": {}}</tool_call>'
     assert parse_tool_calls(bad + good, "hermes") == (bad, [("f", "{}")])
 
 
 def test_hermes_unterminated_call_at_finish_is_text() -> None:
+    """A call left open at the end of output is text."""
     text = 'Sure <tool_call>\n{"name": "f", "arguments": {"a": '
     assert parse_tool_calls(text, "hermes") == (text, [])
 
 
 def test_hermes_complete_call_missing_its_closing_tag_is_accepted() -> None:
+    """A complete call without its closing tag is still a call."""
     text = '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n'
     assert parse_tool_calls(text, "hermes") == ("", [("f", '{"a": 1}')])
 
 
 def test_hermes_partial_tag_at_finish_is_text() -> None:
+    """A partial opening tag at the end of output is text."""
     assert parse_tool_calls("see <tool_ca", "hermes") == ("see <tool_ca", [])
 
 
 def test_hermes_holds_back_only_a_partial_tag() -> None:
+    """Only text that may still become `<tool_call>` is held back."""
     parser = make_tool_call_parser("hermes")
     assert parser.feed("a < b <tool") == [TextDelta("a < b ")]
     assert parser.feed("box") == [TextDelta("<toolbox")]
@@ -191,6 +203,7 @@ def test_hermes_holds_back_only_a_partial_tag() -> None:
 
 
 def test_hermes_streams_a_call_as_start_args_end() -> None:
+    """A call streams as start, one arguments delta, end, once its JSON is complete."""
     parser = make_tool_call_parser("hermes", id_factory=lambda: "call_x")
     assert parser.feed('<tool_call>{"name": "f", "arguments": {"b":') == []
     assert parser.feed(" 2}}</tool_call>") == [
@@ -243,16 +256,19 @@ LLAMA3_CASES: dict[str, tuple[str, str, list[tuple[str, str]]]] = {
 
 @pytest.mark.parametrize("case", LLAMA3_CASES, ids=list(LLAMA3_CASES))
 def test_llama3_cases_parse_as_expected(case: str) -> None:
+    """Each Llama 3 JSON case gives the expected text and calls."""
     text, content, calls = LLAMA3_CASES[case]
     assert parse_tool_calls(text, "llama3_json") == (content, calls)
 
 
 @given(case=st.sampled_from(sorted(LLAMA3_CASES)), cuts=cuts_strategy)
 def test_llama3_events_do_not_depend_on_split_points(case: str, cuts: list[int]) -> None:
+    """However the output is split, the Llama 3 events are the same."""
     assert_split_invariant("llama3_json", LLAMA3_CASES[case][0], cuts)
 
 
 def test_llama3_plain_text_streams_without_delay() -> None:
+    """Plain text streams at once; only leading whitespace waits."""
     parser = make_tool_call_parser("llama3_json")
     assert parser.feed("  ") == []
     assert parser.feed("Hi") == [TextDelta("  Hi")]
@@ -260,12 +276,14 @@ def test_llama3_plain_text_streams_without_delay() -> None:
 
 
 def test_llama3_brace_prose_is_rejected_before_it_ends() -> None:
+    """Prose that starts with a brace is released as text as soon as it cannot be a call."""
     parser = make_tool_call_parser("llama3_json")
     assert parser.feed("{") == []
     assert parser.feed(" x") == [TextDelta("{ x")]
 
 
 def test_llama3_trailing_semicolon_is_dropped() -> None:
+    """A trailing semicolon after a call is dropped."""
     assert parse_tool_calls('{"name": "f", "parameters": {}};\n', "llama3_json") == (
         "",
         [("f", "{}")],
@@ -302,6 +320,7 @@ outputs = st.lists(st.sampled_from(FRAGMENTS) | st.text(max_size=5), max_size=12
 def test_arbitrary_output_never_raises_and_does_not_depend_on_split_points(
     name: str, text: str, cuts: list[int]
 ) -> None:
+    """Any output, however split, parses without raising and to the same result."""
     content, calls = assert_split_invariant(name, text, cuts)
     if not calls:
         assert content == text
@@ -309,15 +328,18 @@ def test_arbitrary_output_never_raises_and_does_not_depend_on_split_points(
 
 @given(text=st.text(), cuts=cuts_strategy)
 def test_passthrough_returns_all_text(text: str, cuts: list[int]) -> None:
+    """Without a parser, every character comes back as text."""
     assert summarize(run(None, split(text, cuts))) == (text, [])
 
 
 def test_unknown_parser_name_lists_the_known_ones() -> None:
+    """An unknown parser name is refused with the list of known ones."""
     with pytest.raises(ValueError, match=r"hermes.*llama3_json"):
         make_tool_call_parser("nope")
 
 
 def test_call_ids_are_call_and_24_alphanumerics() -> None:
+    """Call ids are `call_` and 24 alphanumerics, and distinct."""
     ids = {new_tool_call_id() for _ in range(100)}
     assert len(ids) == 100
     assert all(re.fullmatch(r"call_[A-Za-z0-9]{24}", i) for i in ids)
@@ -325,6 +347,7 @@ def test_call_ids_are_call_and_24_alphanumerics() -> None:
 
 @pytest.mark.parametrize("name", TOOL_CALL_PARSERS)
 def test_deeply_nested_arguments_are_text_not_an_error(name: str) -> None:
+    """Arguments nested past the JSON parser's depth are text, not an error."""
     nested = "[" * 100_000 + "]" * 100_000
     call = f'{{"name": "f", "arguments": {{"a": {nested}}}}}'
     text = f"<tool_call>{call}</tool_call>" if name == "hermes" else call
@@ -332,6 +355,7 @@ def test_deeply_nested_arguments_are_text_not_an_error(name: str) -> None:
 
 
 def test_arguments_that_overflow_to_infinity_are_not_a_call() -> None:
+    """Arguments with a number that overflows to infinity are not a call."""
     text = '<tool_call>{"name": "f", "arguments": {"a": 1e400}}</tool_call>'
     content, calls = parse_tool_calls(text, "hermes")
     assert calls == [] and content == text

@@ -17,6 +17,8 @@ from ft.config import EngineConfig
 from ft.engine.engine import Engine, open_engine
 from ft.params import SamplingParams
 
+pytestmark = pytest.mark.slow  # the real default model, or a long soak
+
 CHAT = [{"role": "user", "content": "Name three colors."}]
 
 
@@ -27,6 +29,7 @@ async def greedy(engine: Engine, **kw: object) -> list[int]:
 
 
 async def test_default_model_generates_batches_and_frees_everything() -> None:
+    """The default model answers in text; batching changes no seeded or greedy token; all is freed."""
     config = EngineConfig(max_running_requests=8, compute_threads=1)
     with trio.fail_after(240):
         async with open_engine(config) as engine:
@@ -92,6 +95,7 @@ async def test_default_model_generates_batches_and_frees_everything() -> None:
 
 @pytest.mark.parametrize("dtype", ["auto", "float32"])  # packed GGUF kernels, float weights
 async def test_default_model_preempted_requests_continue_as_if_uninterrupted(dtype: str) -> None:
+    """On the default model, preempted requests produce the tokens they would have alone."""
     # 8 pages of 16 tokens: each request (~50 prompt tokens + 40) fits alone; three together
     # collide, so at least one is preempted, recomputed from its prompt + output, and resumed.
     config = EngineConfig(dtype=dtype, num_pages=8, max_running_requests=4, compute_threads=1)
@@ -125,6 +129,7 @@ async def _sample(engine: Engine, params: SamplingParams) -> list[int]:
 
 
 def test_cli_generate_prints_the_completion() -> None:
+    """`ft generate` prints a completion from the default model."""
     out = subprocess.run(
         [
             sys.executable,
@@ -146,6 +151,7 @@ def test_cli_generate_prints_the_completion() -> None:
 
 
 def test_cli_reports_a_corrupt_default_model_with_what_to_run(tmp_path: Path) -> None:
+    """A corrupt cached default model is reported with the command that fixes it."""
     models = tmp_path / "models"
     models.mkdir()
     (models / "SmolLM2-135M-Instruct.Q4_1.gguf").write_bytes(b"garbage")
@@ -162,6 +168,7 @@ def test_cli_reports_a_corrupt_default_model_with_what_to_run(tmp_path: Path) ->
 
 
 def test_cli_generate_with_int8_weights() -> None:
+    """`ft generate --quantize int8` runs and prints a completion."""
     out = subprocess.run(
         [sys.executable, "-m", "ft.cli", "generate", "What is the capital of France?", "--chat",
          "--quantize", "int8", "--max-tokens", "12", "--temperature", "0"],

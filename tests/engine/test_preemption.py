@@ -7,7 +7,6 @@ from collections.abc import Callable
 import pytest
 import trio
 import trio.testing
-from fakes import fake_engine
 from test_request_scope import assert_nothing_held
 
 from ft.core.batch import SeqWork
@@ -16,6 +15,7 @@ from ft.core.sequence import SeqStatus
 from ft.engine.engine import Engine
 from ft.engine.fake import FakeRunner, text_script
 from ft.params import SamplingParams
+from tests.support.engine import fake_engine
 
 TEXT = "abcdefghijklmnopqrstuvwxyz0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZ"
 # Page size 4, 12 pages: two requests of 4 + 40 tokens (11 pages each) are admitted together
@@ -57,6 +57,7 @@ async def consume(engine: Engine, prompt: str, max_tokens: int) -> str:
 async def test_a_preempted_stream_pauses_then_continues_with_nothing_resent(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
+    """A preempted request's stream pauses, then continues where it was: no text is sent twice."""
     async with fake_engine(FakeRunner(text_script(TEXT), step_s=0.01), **TIGHT) as engine:
         assert engine.core is not None
         texts: dict[str, str] = {}
@@ -78,6 +79,7 @@ async def test_a_preempted_stream_pauses_then_continues_with_nothing_resent(
 async def test_cancel_at_each_preemption_stage_frees_everything_once(
     autojump_clock: trio.testing.MockClock, stage: str
 ) -> None:
+    """Cancelling at each stage of a preemption frees every page exactly once."""
     seen: list[str] = []
     reached = trio.Event()
     state: dict[str, Callable[[list[SeqWork]], str | None]] = {}
@@ -125,6 +127,7 @@ async def test_cancel_at_each_preemption_stage_frees_everything_once(
 async def test_cancelling_the_older_request_lets_the_preempted_one_finish_whole(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
+    """When the older request leaves, the preempted one is re-admitted and finishes whole."""
     runner = FakeRunner(text_script(TEXT), step_s=0.01)
     async with fake_engine(runner, **TIGHT) as engine:
         core = engine.core
@@ -149,6 +152,7 @@ async def test_cancelling_the_older_request_lets_the_preempted_one_finish_whole(
 
 
 async def test_reserve_admission_never_preempts(autojump_clock: trio.testing.MockClock) -> None:
+    """With admission "reserve" (the whole budget at admission) nothing is ever preempted."""
     runner = FakeRunner(text_script(TEXT), step_s=0.01)
     async with fake_engine(runner, admission="reserve", **TIGHT) as engine:
         texts: list[str] = []

@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 import trio
 import trio.testing
-from fakes import fake_engine
 
 from ft.engine.engine import Engine
 from ft.engine.fake import FakeRunner, delayed_inline, text_script
 from ft.errors import ContextLengthExceeded, InvalidRequest, Overloaded, RequestAborted, RequestFailed
 from ft.messages import Tokenize
 from ft.params import SamplingParams
+from tests.support.engine import fake_engine
 
 CHAT = [{"role": "user", "content": "hi"}]
 
@@ -28,6 +28,7 @@ async def assert_nothing_held(engine: Engine) -> None:
 
 
 async def test_generates_the_scripted_text(autojump_clock: trio.testing.MockClock) -> None:
+    """A chat request through every actor yields the runner's text and finishes with "stop"."""
     async with fake_engine(FakeRunner(text_script("Bonjour"))) as engine:
         async with engine.open_request(messages=CHAT, params=SamplingParams()) as stream:
             (choice,) = await stream.collect()
@@ -41,6 +42,7 @@ async def test_generates_the_scripted_text(autojump_clock: trio.testing.MockCloc
 async def test_cancel_at_each_stage_frees_pages_and_slot(
     autojump_clock: trio.testing.MockClock, stage: str
 ) -> None:
+    """Cancelling a request while queued, prefilling or decoding frees its pages and its slot."""
     runner = FakeRunner(text_script("x" * 500), step_s=0.1)
     async with fake_engine(runner, max_running_requests=1, max_prefill_tokens=16) as engine:
         assert engine.core is not None
@@ -75,6 +77,7 @@ async def test_cancel_at_each_stage_frees_pages_and_slot(
 
 
 async def test_cancel_while_tokenizing_never_enqueues(autojump_clock: trio.testing.MockClock) -> None:
+    """A request that leaves while its prompt is tokenized never reaches the scheduler."""
     async with fake_engine(executor=delayed_inline(1.0)) as engine:
         assert engine.core is not None
         with trio.move_on_after(0.5) as scope:
@@ -89,6 +92,7 @@ async def test_cancel_while_tokenizing_never_enqueues(autojump_clock: trio.testi
 async def test_lone_surrogate_fails_cbor_encoding_inside_the_scope(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
+    """A lone surrogate fails at the CBOR boundary as `InvalidRequest` naming the field, inside the scope."""
     async with fake_engine() as engine:
         with pytest.raises(InvalidRequest, match="surrogate") as info:
             async with engine.open_request(messages=[{"role": "user", "content": "a\ud800b"}]) as stream:
@@ -101,6 +105,7 @@ async def test_lone_surrogate_fails_cbor_encoding_inside_the_scope(
 async def test_unpackable_integer_fails_inside_the_scope(
     autojump_clock: trio.testing.MockClock, value: int
 ) -> None:
+    """An integer past 64 bits is refused at the CBOR boundary, inside the scope."""
     async with fake_engine() as engine:
         with pytest.raises(InvalidRequest) as info:
             async with engine.open_request(messages=CHAT, chat_template_kwargs={"x": value}) as stream:
@@ -112,6 +117,8 @@ async def test_unpackable_integer_fails_inside_the_scope(
 async def test_tokenizer_crash_fails_only_its_request(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
+    """A crashing tokenizer job fails its own request; the next one is served."""
+
     def fault(msg: Tokenize) -> str | None:
         return "raise" if msg.prompt == "crash" else None
 
@@ -125,6 +132,7 @@ async def test_tokenizer_crash_fails_only_its_request(
 
 
 async def test_out_of_vocabulary_token_ids_are_refused(autojump_clock: trio.testing.MockClock) -> None:
+    """Prompt token ids outside the vocabulary are an `InvalidRequest`."""
     async with fake_engine() as engine:
         with pytest.raises(InvalidRequest, match="vocabulary"):
             async with engine.open_request(prompt_token_ids=[5, 10**9]) as stream:
@@ -135,6 +143,7 @@ async def test_out_of_vocabulary_token_ids_are_refused(autojump_clock: trio.test
 async def test_context_overflow_is_refused_with_the_limit(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
+    """A prompt past the context is refused, and the message names the limit."""
     async with fake_engine(context_length=64) as engine:
         with pytest.raises(ContextLengthExceeded, match="64"):
             async with engine.open_request(prompt="x" * 50, params=SamplingParams(max_tokens=20)) as s:
@@ -145,6 +154,8 @@ async def test_context_overflow_is_refused_with_the_limit(
 async def test_runner_fault_fails_one_request_and_its_neighbours_finish(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
+    """A model step that raises for one sequence fails that request only; its batch-mates finish."""
+
     def before_step(works: list) -> None:
         if any(w.params.seed == 666 for w in works):
             raise RuntimeError("injected step fault")
@@ -169,6 +180,7 @@ async def test_runner_fault_fails_one_request_and_its_neighbours_finish(
 
 
 async def test_overload_is_refused_before_registering(autojump_clock: trio.testing.MockClock) -> None:
+    """Past running + queued capacity, `open_request` raises `Overloaded` without registering."""
     runner = FakeRunner(text_script("y" * 100), step_s=0.1)
     async with fake_engine(runner, max_running_requests=1, max_queued_requests=1) as engine:
         async with trio.open_nursery() as nursery:
@@ -186,6 +198,7 @@ async def test_overload_is_refused_before_registering(autojump_clock: trio.testi
 async def test_stop_string_ends_the_sequence_and_frees_it(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
+    """A stop string ends the choice (text before it, "stop" with the string) and frees its pages."""
     async with fake_engine(FakeRunner(text_script("one, two, three, four"))) as engine:
         params = SamplingParams(stop=(", thr",), max_tokens=50)
         async with engine.open_request(prompt="go", params=params) as stream:
@@ -195,6 +208,7 @@ async def test_stop_string_ends_the_sequence_and_frees_it(
 
 
 async def test_leaving_the_block_early_aborts(autojump_clock: trio.testing.MockClock) -> None:
+    """Leaving the scope mid-stream aborts the request: nothing stays registered or allocated."""
     async with fake_engine(FakeRunner(text_script("z" * 300))) as engine:
         async with engine.open_request(prompt="go", params=SamplingParams(max_tokens=300)) as s:
             async for delta in s:
@@ -206,6 +220,7 @@ async def test_leaving_the_block_early_aborts(autojump_clock: trio.testing.MockC
 async def test_prepare_stop_drains_then_aborts_the_rest(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
+    """prepare_stop refuses new requests, lets short ones finish and aborts what outlives the drain."""
     runner = FakeRunner(text_script("w" * 1000), step_s=0.1)
     async with fake_engine(runner) as engine:
         errors: list[BaseException] = []
@@ -232,6 +247,7 @@ async def test_prepare_stop_drains_then_aborts_the_rest(
 async def test_prepare_stop_on_an_idle_engine_returns_at_once(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
+    """With nothing running, prepare_stop returns without waiting for its timeouts."""
     async with fake_engine() as engine:
         start = trio.current_time()
         snap = await engine.prepare_stop()
@@ -241,6 +257,7 @@ async def test_prepare_stop_on_an_idle_engine_returns_at_once(
 async def test_detokenizers_get_the_prompt_as_left_context(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
+    """Each choice's detokenizer starts with the prompt's last tokens as left context."""
     async with fake_engine() as engine:
         async with engine.open_request(prompt="context") as stream:
             first = await stream.__anext__()
@@ -251,14 +268,12 @@ async def test_detokenizers_get_the_prompt_as_left_context(
 
 
 async def test_prepare_stop_while_loading_stays_stopped() -> None:
+    """A stop asked for while the model loads holds: the engine stays stopped once loaded."""
     import threading
-
-    from fakes import fake_parts
 
     from ft.config import EngineConfig
     from ft.engine.engine import open_engine
-    from ft.engine.fake import run_inline
-    from ft.engine.loading import EngineHooks
+    from tests.support.engine import fake_hooks, fake_parts
 
     release = threading.Event()
     load = fake_parts(FakeRunner())
@@ -267,7 +282,7 @@ async def test_prepare_stop_while_loading_stays_stopped() -> None:
         release.wait(10)
         return load(config)
 
-    hooks = EngineHooks(load_model=slow_load, tokenize_executor=run_inline)
+    hooks = fake_hooks(load_model=slow_load)
     with trio.fail_after(20):
         async with open_engine(EngineConfig(num_pages=64), hooks=hooks, wait_ready=False) as engine:
             snap = await engine.prepare_stop()
@@ -283,6 +298,7 @@ async def test_prepare_stop_while_loading_stays_stopped() -> None:
 async def test_a_cancelled_prepare_stop_still_drains_and_aborts_at_its_deadline(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
+    """Cancelling the caller of prepare_stop does not cancel the drain, which ends on time."""
     runner = FakeRunner(text_script("w" * 1000), step_s=0.1)
     async with fake_engine(runner) as engine:
         errors: list[BaseException] = []
@@ -309,6 +325,7 @@ async def test_a_cancelled_prepare_stop_still_drains_and_aborts_at_its_deadline(
 
 
 async def test_a_later_stop_shortens_a_running_drain(autojump_clock: trio.testing.MockClock) -> None:
+    """A second stop with a shorter timeout brings the running drain's deadline forward."""
     runner = FakeRunner(text_script("w" * 1000), step_s=0.1)
     async with fake_engine(runner) as engine, trio.open_nursery() as nursery:
 

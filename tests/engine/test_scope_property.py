@@ -11,7 +11,6 @@ from dataclasses import dataclass
 
 import trio
 import trio.testing
-from fakes import fake_engine
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
@@ -20,6 +19,7 @@ from ft.engine.fake import FakeRunner, text_script
 from ft.errors import FtError
 from ft.messages import Tokenize
 from ft.params import SamplingParams
+from tests.support.engine import fake_engine
 
 STEP_FAULT_SEED = 666
 TEXT = "hello world, all is well " * 4
@@ -148,6 +148,7 @@ async def scenario(reqs: list[Plan], max_running: int, num_pages: int, admission
 def test_any_mix_of_requests_cancels_faults_and_preemptions_leaks_nothing(
     reqs: list[Plan], max_running: int, num_pages: int, admission: str
 ) -> None:
+    """Any mix of requests, cancellations, faults and preemptions leaves no request, slot or page behind."""
     preemptions = trio.run(
         scenario,
         reqs,
@@ -168,6 +169,7 @@ def test_any_mix_of_requests_cancels_faults_and_preemptions_leaks_nothing(
 def test_preemption_under_pressure_with_cancels_and_faults_leaks_nothing(
     reqs: list[Plan], max_running: int, tightness: float
 ) -> None:
+    """A pool tight enough to preempt often, with cancels and faults, leaks nothing either."""
     # A pool just above the largest request's whole budget: every request fits alone, several
     # together do not, so requests are preempted, recomputed, cancelled and failed in any order.
     budgets = [min(p.n, max_running) * -(-(p.prompt_len + 1 + p.max_tokens) // PAGE_SIZE) for p in reqs]

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import trio
 import trio.testing
-from fakes import fake_engine
 
 from ft.errors import RequestFailed
 from ft.messages import Tokenize
+from tests.support.engine import fake_engine
 
 
 def exit_on_bang(msg: Tokenize) -> str | None:
@@ -17,6 +17,7 @@ def exit_on_bang(msg: Tokenize) -> str | None:
 
 
 async def test_worker_death_fails_only_its_request_and_the_engine_carries_on() -> None:
+    """A tokenizer worker that dies fails its request only; the engine serves the next one."""
     with trio.fail_after(60):
         async with fake_engine(executor=None, tokenizer_fault=exit_on_bang) as engine:
             with pytest.raises(RequestFailed, match="worker died") as failed:
@@ -32,6 +33,7 @@ async def test_worker_death_fails_only_its_request_and_the_engine_carries_on() -
 
 
 async def test_leaving_while_the_worker_tokenizes_never_enqueues() -> None:
+    """Requests that leave while a real worker tokenizes are never enqueued."""
     with trio.fail_after(60):
         async with fake_engine(executor=None) as engine:
             assert engine.core is not None

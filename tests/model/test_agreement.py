@@ -15,9 +15,11 @@ import torch
 from ft.core.batch import SeqWork
 from ft.model.loader import LoadedModel, load_model
 from ft.model.pull import default_model_path
-from ft.model.template import render_chat
 from ft.model.torch_runner import TorchRunner
 from ft.params import SamplingParams
+from ft.tokenizer.template import render_chat
+
+pytestmark = pytest.mark.slow  # the real default model, or a long soak
 
 transformers = pytest.importorskip("transformers")
 

@@ -8,7 +8,6 @@ import pathlib
 import numpy as np
 import pytest
 import torch
-from conftest import random_hf_state_dict, tiny_config
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
@@ -21,6 +20,7 @@ from ft.model.quant import KERNEL_TYPES, QuantTensor, to_q8_0
 from ft.model.quantized_llama import QuantizedLlama, StepIndex
 from ft.model.torch_runner import TorchRunner
 from ft.params import SamplingParams
+from tests.support.tiny_model import random_hf_state_dict, tiny_config
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="no C++ compiler for the kernels")
 

@@ -8,7 +8,7 @@ import pytest
 
 from ft.errors import InvalidRequest
 from ft.model import pull
-from ft.model.template import render_chat
+from ft.tokenizer.template import render_chat
 
 
 def test_corrupt_cached_model_says_how_to_fix(
@@ -66,7 +66,7 @@ def test_sandbox_blocks_attribute_escape() -> None:
 
 
 def test_tools_are_written_into_a_template_that_ignores_them() -> None:
-    from ft.model.template import CHATML_TEMPLATE, render_chat
+    from ft.tokenizer.template import CHATML_TEMPLATE, render_chat
 
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
     messages = [
@@ -94,7 +94,7 @@ def test_tools_are_written_into_a_template_that_ignores_them() -> None:
 
 
 def test_a_template_that_reads_tools_gets_them_untouched() -> None:
-    from ft.model.template import render_chat
+    from ft.tokenizer.template import render_chat
 
     template = "{% for t in tools %}{{ t['function']['name'] }};{% endfor %}"
     tools = [{"type": "function", "function": {"name": "f"}}]
@@ -105,7 +105,7 @@ def test_malformed_tool_calls_are_a_template_error_not_a_crash() -> None:
     import pytest
 
     from ft.errors import InvalidRequest
-    from ft.model.template import CHATML_TEMPLATE, render_chat
+    from ft.tokenizer.template import CHATML_TEMPLATE, render_chat
 
     tools = [{"type": "function", "function": {"name": "f"}}]
     bad = [{"role": "assistant", "content": None, "tool_calls": [{"id": "x"}]}]

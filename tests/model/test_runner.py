@@ -6,12 +6,12 @@ import pathlib
 
 import pytest
 import torch
-from conftest import save_hf_dir, tiny_config
 
 from ft.core.batch import SeqWork
 from ft.model.loader import load_model
 from ft.model.torch_runner import TorchRunner
 from ft.params import SamplingParams
+from tests.support.tiny_model import save_hf_dir, tiny_config
 
 GREEDY = SamplingParams(temperature=0.0)
 PROMPT_A = (5, 17, 33, 2, 9, 60, 41, 7, 7, 12, 80, 3, 22, 19, 50, 4, 8, 71, 30)

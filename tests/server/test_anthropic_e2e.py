@@ -5,14 +5,17 @@ from __future__ import annotations
 import anthropic
 import httpx
 import pytest
-from conftest import running_server, wait_idle
 
 from ft.config import EngineConfig
+from tests.support.server import running_server, wait_idle
+
+pytestmark = pytest.mark.slow  # the real default model, or a long soak
 
 USER = [{"role": "user", "content": "Name three colours."}]
 
 
 async def test_sdk_messages_streamed_equals_unstreamed_at_temperature_0() -> None:
+    """On the default model, the Anthropic SDK's streamed and non-streamed answers agree at temperature 0."""
     async with running_server(EngineConfig()) as s:
         model = s.engine.model_id
         client = anthropic.AsyncAnthropic(base_url=s.base_url, api_key="unused", max_retries=0)

@@ -16,11 +16,9 @@ from ft.server.assemble import (
     BlockStart,
     BlockStop,
     ChatAssembler,
-    add_system_instruction,
     assemble_blocks,
-    function_tool,
-    tool_call_parser_name,
 )
+from ft.server.tools import add_system_instruction, function_tool, tool_call_parser_name
 
 CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
 OUTPUT = "<think>\nThe user wants weather.\n</think>\n\nLet me check. " + CALL + "\n" + CALL
@@ -32,6 +30,7 @@ def counter_ids() -> object:
 
 
 def test_parser_defaults_to_hermes_only_with_tools() -> None:
+    """The tool-call parser is hermes by default, and none without tools."""
     assert tool_call_parser_name(None, False) is None
     assert tool_call_parser_name("llama3_json", False) is None
     assert tool_call_parser_name(None, True) == "hermes"
@@ -39,6 +38,7 @@ def test_parser_defaults_to_hermes_only_with_tools() -> None:
 
 
 def test_blocks_of_a_whole_output() -> None:
+    """A whole output becomes thinking, text and tool-call blocks in order."""
     blocks = assemble_blocks(
         OUTPUT, tool_call_parser="hermes", reasoning_parser="think", id_factory=counter_ids()
     )  # type: ignore[arg-type]
@@ -51,11 +51,13 @@ def test_blocks_of_a_whole_output() -> None:
 
 
 def test_without_parsers_everything_is_text() -> None:
+    """Without parsers the whole output is one text block."""
     blocks = assemble_blocks(OUTPUT, tool_call_parser=None, reasoning_parser=None)
     assert blocks == [Block("text", text=OUTPUT)]
 
 
 def test_block_events_are_well_formed() -> None:
+    """Block events nest: each block starts, gets deltas, stops, in index order."""
     asm = BlockAssembler("hermes", "think", counter_ids())  # type: ignore[arg-type]
     events = [e for ch in OUTPUT for e in asm.feed(ch)] + asm.finish()
     open_index = None
@@ -78,6 +80,7 @@ def test_block_events_are_well_formed() -> None:
 @settings(max_examples=60, deadline=None)
 @given(cuts=st.lists(st.integers(min_value=0, max_value=len(OUTPUT)), max_size=12))
 def test_blocks_do_not_depend_on_how_output_is_split(cuts: list[int]) -> None:
+    """However the output is split, the blocks are the same."""
     bounds = [0, *sorted(cuts), len(OUTPUT)]
     asm = BlockAssembler("hermes", "think", counter_ids())  # type: ignore[arg-type]
     deltas: dict[int, str] = {}
@@ -97,6 +100,7 @@ def test_blocks_do_not_depend_on_how_output_is_split(cuts: list[int]) -> None:
 
 
 def test_chat_message_with_tool_calls_and_reasoning() -> None:
+    """A chat message carries reasoning_content, content and tool_calls, finishing with tool_calls."""
     asm = ChatAssembler(tool_call_parser="hermes", reasoning_parser="think")
     message, reason = asm.message(Choice(0, text=OUTPUT, finish_reason="stop"))
     assert reason == "tool_calls"
@@ -110,6 +114,7 @@ def test_chat_message_with_tool_calls_and_reasoning() -> None:
 
 
 def test_chat_message_with_only_a_call_has_null_content() -> None:
+    """A chat message with only a call has null content."""
     message, reason = ChatAssembler(tool_call_parser="hermes", reasoning_parser=None).message(
         Choice(0, text=CALL, finish_reason="stop")
     )
@@ -121,6 +126,7 @@ def test_chat_message_with_only_a_call_has_null_content() -> None:
 
 
 def test_chat_deltas_stream_tool_calls_with_index() -> None:
+    """Streamed chat deltas carry each tool call with its index."""
     asm = ChatAssembler(tool_call_parser="hermes", reasoning_parser="think")
     deltas = [d for ch in OUTPUT if (d := asm.delta(ch)) is not None]
     rest, reason = asm.finish("stop")
@@ -136,6 +142,7 @@ def test_chat_deltas_stream_tool_calls_with_index() -> None:
 
 
 def test_function_tool_and_system_instruction() -> None:
+    """Tool definitions get OpenAI's function shape; the instruction joins the system message."""
     assert function_tool("f", None, None) == {
         "type": "function",
         "function": {"name": "f", "parameters": {"type": "object", "properties": {}}},

@@ -7,11 +7,11 @@ from typing import Any
 
 import httpx
 import openai
-from conftest import fake_server
-from scripts import ANSWER, CALL, QUESTION, tool_then_answer
 
 from ft.engine.fake import FakeRunner, text_script
 from ft.server import RunningServer
+from tests.support.scripts import ANSWER, CALL, QUESTION, tool_then_answer
+from tests.support.server import fake_server
 
 TOOLS: list[Any] = [
     {
@@ -34,6 +34,7 @@ def sdk(server: RunningServer) -> openai.AsyncOpenAI:
 
 
 async def test_tool_call_round_trip() -> None:
+    """A parsed tool call and the tool's answer make a round trip through the chat SDK."""
     async with fake_server(FakeRunner(script=tool_then_answer())) as s, sdk(s) as client:
         messages: list[Any] = [{"role": "user", "content": QUESTION}]
         first = await client.chat.completions.create(model="fake", messages=messages, tools=TOOLS)
@@ -52,6 +53,7 @@ async def test_tool_call_round_trip() -> None:
 
 
 async def test_streamed_tool_call_deltas() -> None:
+    """A streamed tool call arrives as one delta.tool_calls entry with finish_reason tool_calls."""
     async with fake_server(FakeRunner(script=text_script(CALL))) as s, sdk(s) as client:
         stream = await client.chat.completions.create(
             model="fake",
@@ -76,6 +78,7 @@ async def test_streamed_tool_call_deltas() -> None:
 
 
 async def test_without_tools_the_text_is_left_alone() -> None:
+    """Without tools, call-shaped output stays plain text."""
     async with fake_server(FakeRunner(script=text_script(CALL))) as s, sdk(s) as client:
         r = await client.chat.completions.create(
             model="fake", messages=[{"role": "user", "content": QUESTION}]
@@ -84,6 +87,7 @@ async def test_without_tools_the_text_is_left_alone() -> None:
 
 
 async def test_reasoning_content_with_a_reasoning_parser() -> None:
+    """With a reasoning parser, <think> output becomes reasoning_content."""
     runner = FakeRunner(script=text_script("<think>Ponder.</think>Done."))
     async with fake_server(runner, reasoning_parser="think") as s, sdk(s) as client:
         r = await client.chat.completions.create(
@@ -95,6 +99,7 @@ async def test_reasoning_content_with_a_reasoning_parser() -> None:
 
 
 async def test_malformed_tool_calls_are_400_not_500() -> None:
+    """Malformed assistant tool_calls are 400s, never 500s."""
     async with fake_server() as s:
         async with httpx.AsyncClient(base_url=s.base_url, timeout=10) as c:
             for calls in (

@@ -7,21 +7,21 @@ import time
 
 import httpx
 import trio
-from conftest import TEST_SETTINGS, fake_server, running_server, wait_idle
-from fakes import fake_parts
 
 from ft.config import EngineConfig
-from ft.engine.fake import FakeRunner, run_inline, text_script
-from ft.engine.loading import EngineHooks
+from ft.engine.fake import FakeRunner, text_script
 from ft.server import RunningServer, ServerSettings
 from ft.server.auth import is_loopback
 from ft.server.control import prometheus_text
+from tests.support.engine import fake_hooks, fake_parts
+from tests.support.server import TEST_SETTINGS, fake_server, running_server, wait_idle
 
 USER = [{"role": "user", "content": "hi"}]
 LONG = "lorem ipsum " * 100
 
 
 async def test_health_models_stats_metrics(client: httpx.AsyncClient) -> None:
+    """/health, /v1/models, /v1/stats and /metrics answer with their documented shapes."""
     assert (await client.get("/health")).json() == {"status": "ok", "state": "ready", "model": "fake"}
     models = (await client.get("/v1/models")).json()
     assert models["object"] == "list" and models["data"][0]["id"] == "fake"
@@ -52,6 +52,7 @@ async def test_stats_and_metrics_report_preemption_and_the_pools_use(client: htt
 
 
 def test_prometheus_text_names_counters_and_gauges() -> None:
+    """The Prometheus text marks counters (with _total) and gauges from the stats snapshot."""
     text = prometheus_text(
         {
             "instance_id": "x",
@@ -66,6 +67,7 @@ def test_prometheus_text_names_counters_and_gauges() -> None:
 
 
 async def test_tokenize_and_detokenize(client: httpx.AsyncClient) -> None:
+    """/v1/tokenize counts a prompt or rendered messages; /v1/detokenize inverts it."""
     r = await client.post("/v1/tokenize", json={"prompt": "ab"})
     assert r.json()["tokens"] == [100, 101] and r.json()["count"] == 2
     r = await client.post("/v1/tokenize", json={"messages": USER})
@@ -81,6 +83,7 @@ async def test_tokenize_and_detokenize(client: httpx.AsyncClient) -> None:
 
 
 async def test_api_key() -> None:
+    """With --api-key, requests need the key (Bearer or x-api-key); /health and /metrics stay open."""
     settings = ServerSettings(port=0, api_key="sekrit", graceful_timeout_s=0.5)
     async with fake_server(settings=settings) as s, httpx.AsyncClient(base_url=s.base_url) as c:
         r = await c.get("/v1/models")
@@ -95,6 +98,7 @@ async def test_api_key() -> None:
 
 
 async def test_cors_only_when_configured(client: httpx.AsyncClient) -> None:
+    """CORS headers appear only for configured origins."""
     r = await client.get("/v1/models", headers={"Origin": "http://a.example"})
     assert "access-control-allow-origin" not in r.headers
     settings = ServerSettings(port=0, cors_origins=("http://a.example",), graceful_timeout_s=0.5)
@@ -111,6 +115,7 @@ async def test_cors_only_when_configured(client: httpx.AsyncClient) -> None:
 
 
 async def test_loading_answers_health_and_503() -> None:
+    """While the model loads, /health says loading with progress and requests get 503."""
     release = threading.Event()
     runner = FakeRunner()
     load = fake_parts(runner)
@@ -119,7 +124,7 @@ async def test_loading_answers_health_and_503() -> None:
         release.wait(10)
         return load(config)
 
-    hooks = EngineHooks(load_model=slow_load, tokenize_executor=run_inline)
+    hooks = fake_hooks(load_model=slow_load)
     cfg = EngineConfig(num_pages=64)
     async with (
         running_server(cfg, hooks=hooks, wait_ready=False) as s,
@@ -140,10 +145,12 @@ async def test_loading_answers_health_and_503() -> None:
 
 
 async def test_engine_load_failure_is_reported_by_health() -> None:
+    """A model that fails to load is reported by /health, and requests get 503."""
+
     def broken(config: EngineConfig):  # type: ignore[no-untyped-def]
         raise OSError("no weights here")
 
-    hooks = EngineHooks(load_model=broken, tokenize_executor=run_inline)
+    hooks = fake_hooks(load_model=broken)
     async with running_server(EngineConfig(), hooks=hooks, wait_ready=False) as s:
         with trio.fail_after(5):
             while s.engine.state == "loading":
@@ -156,6 +163,7 @@ async def test_engine_load_failure_is_reported_by_health() -> None:
 
 
 async def test_full_queue_is_503_with_retry_after() -> None:
+    """A full queue is a 503 overloaded_error with Retry-After, streamed or not."""
     runner = FakeRunner(script=text_script(LONG), step_s=0.05)
     async with (
         fake_server(runner, max_running_requests=1, max_queued_requests=1) as s,
@@ -188,6 +196,7 @@ async def test_full_queue_is_503_with_retry_after() -> None:
 async def test_prepare_stop_on_idle_server_is_fast_and_idempotent(
     client: httpx.AsyncClient,
 ) -> None:
+    """prepare-stop on an idle server returns at once; a second call returns the same snapshot."""
     assert (await client.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 2})).is_success
     start = time.monotonic()
     first = await client.post("/v1/admin/prepare-stop", json={})
@@ -201,6 +210,7 @@ async def test_prepare_stop_on_idle_server_is_fast_and_idempotent(
 
 
 async def test_prepare_stop_aborts_what_does_not_drain() -> None:
+    """prepare-stop aborts a stream that outlives the drain; it ends with an in-stream error."""
     runner = FakeRunner(script=text_script(LONG), step_s=0.02)
     async with fake_server(runner) as s, httpx.AsyncClient(base_url=s.base_url, timeout=10) as c:
         body = {"messages": USER, "stream": True, "max_tokens": 1000}
@@ -216,6 +226,7 @@ async def test_prepare_stop_aborts_what_does_not_drain() -> None:
 
 
 async def test_prepare_stop_validates_its_body(client: httpx.AsyncClient) -> None:
+    """prepare-stop's timeouts are bounded; out-of-range values are a 400 naming the field."""
     r = await client.post("/v1/admin/prepare-stop", json={"drain_timeout_s": 61})
     assert r.status_code == 400 and r.json()["error"]["param"] == "drain_timeout_s"
     r = await client.post("/v1/admin/prepare-stop", json={"abort_timeout_s": -1})
@@ -223,12 +234,14 @@ async def test_prepare_stop_validates_its_body(client: httpx.AsyncClient) -> Non
 
 
 def test_only_loopback_callers_may_prepare_stop() -> None:
+    """Only loopback addresses count as local callers."""
     assert is_loopback(("127.0.0.1", 5)) and is_loopback(("::1", 5))
     assert not is_loopback(("10.0.0.1", 5)) and not is_loopback(None)
     assert not is_loopback(("not an address", 5))
 
 
 def test_settings_validate() -> None:
+    """ServerSettings refuses impossible values."""
     import pytest
 
     with pytest.raises(ValueError):
@@ -239,6 +252,7 @@ def test_settings_validate() -> None:
 
 
 async def test_prepare_stop_from_a_remote_address_is_403(server: RunningServer) -> None:
+    """prepare-stop from a remote address is a 403 permission_error."""
     client = server.app.test_client()
     r = await client.post("/v1/admin/prepare-stop", json={}, scope_base={"client": ("10.1.2.3", 40000)})
     assert r.status_code == 403

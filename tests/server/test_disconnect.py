@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import httpx
 import trio
-from conftest import fake_server, parse_sse, wait_idle
 
 from ft.engine.fake import FakeRunner, text_script
+from tests.support.server import fake_server, parse_sse, wait_idle
 
 USER = [{"role": "user", "content": "hi"}]
 LONG = "lorem ipsum " * 200
 
 
 async def test_disconnect_mid_stream_frees_the_request() -> None:
+    """A client that closes a stream mid-way frees its request and pages; it counts as aborted."""
     runner = FakeRunner(script=text_script(LONG), step_s=0.02)
     async with fake_server(runner) as s, httpx.AsyncClient(base_url=s.base_url, timeout=10) as c:
         body = {"messages": USER, "stream": True, "max_tokens": 1000}
@@ -30,6 +31,7 @@ async def test_disconnect_mid_stream_frees_the_request() -> None:
 
 
 async def test_disconnect_while_queued_frees_the_request() -> None:
+    """A queued stream's client leaving frees its place; `: connected` came before the queue wait."""
     runner = FakeRunner(script=text_script(LONG), step_s=0.02)
     async with (
         fake_server(runner, max_running_requests=1) as s,
@@ -50,6 +52,7 @@ async def test_disconnect_while_queued_frees_the_request() -> None:
 
 
 async def test_disconnect_during_a_non_streamed_request_frees_it() -> None:
+    """A client that gives up on a non-streamed request frees it too."""
     runner = FakeRunner(script=text_script(LONG), step_s=0.02)
     async with fake_server(runner) as s, httpx.AsyncClient(base_url=s.base_url, timeout=10) as c:
         body = {"messages": USER, "max_tokens": 1000}
@@ -59,6 +62,7 @@ async def test_disconnect_during_a_non_streamed_request_frees_it() -> None:
 
 
 async def test_multi_prompt_stream_disconnect_frees_every_prompt() -> None:
+    """Leaving a multi-prompt completions stream frees every prompt's request."""
     runner = FakeRunner(script=text_script(LONG), step_s=0.02)
     async with fake_server(runner) as s, httpx.AsyncClient(base_url=s.base_url, timeout=10) as c:
         body = {"prompt": ["a", "b", "c"], "n": 2, "stream": True, "max_tokens": 100}
@@ -73,6 +77,7 @@ async def test_multi_prompt_stream_disconnect_frees_every_prompt() -> None:
 
 
 async def test_heartbeat_while_waiting_for_the_first_token() -> None:
+    """A slow prefill gets `: heartbeat` comments before the first token."""
     async with (
         fake_server(FakeRunner(step_s=0.7)) as s,
         httpx.AsyncClient(base_url=s.base_url, timeout=10) as c,

@@ -3,17 +3,13 @@
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import httpx
 import trio
-from conftest import fake_server, wait_idle
 
 from ft.core.batch import SeqWork
 from ft.engine.fake import FakeRunner, text_script
-
-sys.path.insert(0, str(Path(__file__).parents[2] / "tools"))
+from tests.support.server import fake_server, wait_idle
 
 FAULT_SEED = 666
 
@@ -36,6 +32,7 @@ def chat(seed: int | None = None, stream: bool = False) -> dict[str, object]:
 
 
 async def test_step_fault_is_a_json_500_for_that_request_and_neighbours_finish() -> None:
+    """A model fault is a JSON 500 for the request that caused it; concurrent requests still succeed."""
     runner = FakeRunner(text_script("steady output " * 5), step_s=0.01)
     async with fake_server(runner, before_step=poisoned, max_running_requests=4) as server:
         async with httpx.AsyncClient(base_url=server.base_url, timeout=30) as client:
@@ -60,6 +57,7 @@ async def test_step_fault_is_a_json_500_for_that_request_and_neighbours_finish()
 
 
 async def test_step_fault_mid_stream_is_an_in_stream_error_then_done() -> None:
+    """A fault after the headers ends the stream with an error frame, then `[DONE]`."""
     async with fake_server(before_step=poisoned) as server:
         async with httpx.AsyncClient(base_url=server.base_url, timeout=30) as client:
             r = await client.post("/v1/chat/completions", json=chat(FAULT_SEED, stream=True))
@@ -72,6 +70,7 @@ async def test_step_fault_mid_stream_is_an_in_stream_error_then_done() -> None:
 
 
 async def test_one_slot_server_keeps_serving_after_a_fault() -> None:
+    """With one running slot, faults free it each time, and stats count them as failed."""
     async with fake_server(before_step=poisoned, max_running_requests=1) as server:
         async with httpx.AsyncClient(base_url=server.base_url, timeout=30) as client:
             for _ in range(3):
@@ -84,6 +83,7 @@ async def test_one_slot_server_keeps_serving_after_a_fault() -> None:
 
 
 async def test_repro_tool_passes_all_ten_unpackable_shapes() -> None:
+    """`tools/repro_unpackable_fields.py` finds no problem in any of its ten body shapes."""
     import repro_unpackable_fields as repro
 
     async with fake_server() as server:

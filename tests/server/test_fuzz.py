@@ -7,11 +7,11 @@ from typing import Any
 
 import httpx
 import trio
-from conftest import fake_server, health_watch, parse_sse, wait_idle
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ft.engine.fake import FakeRunner
+from tests.support.server import fake_server, health_watch, parse_sse, wait_idle
 
 CHAT_FIELDS = [
     "model",
@@ -169,6 +169,7 @@ def fuzz(base_url: str) -> None:
 
 
 async def test_fuzzed_bodies_never_5xx_and_never_leak() -> None:
+    """Fuzzed bodies on every route never get a 5xx and never leave a request behind."""
     async with fake_server(FakeRunner(step_s=0.0), context_length=256) as s:
         await trio.to_thread.run_sync(fuzz, s.base_url)
         async with httpx.AsyncClient(base_url=s.base_url) as c:
@@ -220,6 +221,7 @@ def fuzz_hostile(base_url: str) -> None:
 
 
 async def test_fuzzed_hostile_bodies_keep_the_event_loop_responsive() -> None:
+    """Fuzzed hostile bodies keep /health answering at once."""
     async with fake_server(FakeRunner(step_s=0.0), context_length=256) as s:
         async with health_watch(s.base_url) as latencies:
             await trio.to_thread.run_sync(fuzz_hostile, s.base_url)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from conftest import parse_sse, wait_idle
+
+from tests.support.server import parse_sse, wait_idle
 
 USER = [{"role": "user", "content": "hi"}]
 SCRIPT_TEXT = "Hello from the fake model."
@@ -15,6 +16,7 @@ async def chat(client: httpx.AsyncClient, **body: object) -> httpx.Response:
 
 
 async def test_chat_shape(client: httpx.AsyncClient) -> None:
+    """A chat completion has OpenAI's fields: id, object, created, model, choices, usage."""
     r = await chat(client, model="fake", max_tokens=5)
     assert r.status_code == 200
     body = r.json()
@@ -32,16 +34,19 @@ async def test_chat_shape(client: httpx.AsyncClient) -> None:
 
 
 async def test_chat_runs_to_eos_with_finish_reason_stop(client: httpx.AsyncClient) -> None:
+    """Without max_tokens, a chat runs to the end-of-sequence token and finishes with "stop"."""
     r = await chat(client)
     assert r.json()["choices"][0]["message"]["content"] == SCRIPT_TEXT
     assert r.json()["choices"][0]["finish_reason"] == "stop"
 
 
 async def test_missing_model_means_the_served_one(client: httpx.AsyncClient) -> None:
+    """A request without `model` is served by the served model."""
     assert (await chat(client, max_tokens=1)).status_code == 200
 
 
 async def test_unknown_model_is_404(client: httpx.AsyncClient) -> None:
+    """An unknown `model` is a 404 `model_not_found` naming the field."""
     r = await chat(client, model="gpt-9")
     assert r.status_code == 404
     assert r.json()["error"]["code"] == "model_not_found"
@@ -50,23 +55,27 @@ async def test_unknown_model_is_404(client: httpx.AsyncClient) -> None:
 
 @pytest.mark.parametrize("stop", ["fake", ["xyz", "fake"]])
 async def test_stop_as_string_or_list(client: httpx.AsyncClient, stop: object) -> None:
+    """`stop` works as a string or a list; the text ends before the stop string."""
     r = await chat(client, stop=stop)
     assert r.json()["choices"][0]["message"]["content"] == "Hello from the "
     assert r.json()["choices"][0]["finish_reason"] == "stop"
 
 
 async def test_max_completion_tokens_wins_over_max_tokens(client: httpx.AsyncClient) -> None:
+    """`max_completion_tokens` takes precedence over `max_tokens`."""
     r = await chat(client, max_tokens=10, max_completion_tokens=3)
     assert r.json()["choices"][0]["message"]["content"] == "Hel"
 
 
 async def test_n_choices(client: httpx.AsyncClient) -> None:
+    """`n` choices come back indexed, and usage counts every choice's tokens."""
     r = await chat(client, n=3, max_tokens=2)
     assert [c["index"] for c in r.json()["choices"]] == [0, 1, 2]
     assert r.json()["usage"]["completion_tokens"] == 6
 
 
 async def test_chat_logprobs_shape(client: httpx.AsyncClient) -> None:
+    """Chat logprobs list each token with its logprob, bytes and top alternatives."""
     r = await chat(client, max_tokens=2, logprobs=True, top_logprobs=1)
     content = r.json()["choices"][0]["logprobs"]["content"]
     assert [c["token"] for c in content] == ["H", "e"]
@@ -75,11 +84,13 @@ async def test_chat_logprobs_shape(client: httpx.AsyncClient) -> None:
 
 
 async def test_top_logprobs_requires_logprobs(client: httpx.AsyncClient) -> None:
+    """`top_logprobs` without `logprobs: true` is a 400 naming the field."""
     r = await chat(client, top_logprobs=2)
     assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs"
 
 
 async def test_every_role_and_text_parts(client: httpx.AsyncClient) -> None:
+    """Every role, and content as a list of text parts, reaches the template."""
     messages = [
         {"role": "system", "content": "be brief"},
         {"role": "developer", "content": [{"type": "text", "text": "really"}]},
@@ -114,6 +125,7 @@ async def test_every_role_and_text_parts(client: httpx.AsyncClient) -> None:
     ],
 )
 async def test_media_parts_are_refused(client: httpx.AsyncClient, part: object) -> None:
+    """Image, audio and file parts are a 400: the model takes text only."""
     r = await client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": [part]}]})
     assert r.status_code == 400
     assert "text only" in r.json()["error"]["message"]
@@ -122,17 +134,20 @@ async def test_media_parts_are_refused(client: httpx.AsyncClient, part: object) 
 
 @pytest.mark.parametrize("kind", ["json_object", "json_schema"])
 async def test_response_format_json_is_refused(client: httpx.AsyncClient, kind: str) -> None:
+    """`response_format` other than text is a 400 until constrained decoding exists."""
     r = await chat(client, response_format={"type": kind})
     assert r.status_code == 400 and r.json()["error"]["param"] == "response_format"
     assert (await chat(client, response_format={"type": "text"}, max_tokens=1)).status_code == 200
 
 
 async def test_unknown_top_level_fields_are_ignored(client: httpx.AsyncClient) -> None:
+    """Unknown top-level fields are ignored, as OpenAI does."""
     r = await chat(client, max_tokens=1, metadata={"a": 1}, store=False, frobnicate=[1, 2])
     assert r.status_code == 200
 
 
 async def test_chat_stream_shape(client: httpx.AsyncClient) -> None:
+    """A chat stream: role chunk, content chunks, finish per choice, a usage chunk, `[DONE]`."""
     r = await chat(client, stream=True, n=2, max_tokens=3, stream_options={"include_usage": True})
     assert r.headers["content-type"].startswith("text/event-stream")
     assert r.headers["cache-control"] == "no-cache" and r.headers["x-accel-buffering"] == "no"
@@ -153,11 +168,13 @@ async def test_chat_stream_shape(client: httpx.AsyncClient) -> None:
 
 
 async def test_stream_without_include_usage_has_no_usage_chunk(client: httpx.AsyncClient) -> None:
+    """Without `stream_options.include_usage` no chunk carries usage."""
     events = parse_sse((await chat(client, stream=True, max_tokens=2)).text)
     assert all("usage" not in e for e in events[:-1])
 
 
 async def test_stream_logprobs(client: httpx.AsyncClient) -> None:
+    """Streamed chunks carry the logprobs of their tokens."""
     events = parse_sse((await chat(client, stream=True, max_tokens=2, logprobs=True)).text)
     tokens = [
         t["token"]
@@ -170,17 +187,17 @@ async def test_stream_logprobs(client: httpx.AsyncClient) -> None:
 
 
 async def test_context_length_exceeded(client: httpx.AsyncClient) -> None:
+    """A prompt plus max_tokens past the context is a 400 `context_length_exceeded`."""
     r = await chat(client, max_tokens=5000)
     assert r.status_code == 400
     assert r.json()["error"]["code"] == "context_length_exceeded"
 
 
-async def test_error_after_headers_is_in_stream(client: httpx.AsyncClient) -> None:
+async def test_streamed_context_length_exceeded_is_a_400_before_the_stream(client: httpx.AsyncClient) -> None:
+    """A prompt that can never fit is refused before any 200 (in-stream errors: test_faults)."""
     r = await chat(client, max_tokens=5000, stream=True)
-    assert r.status_code == 200
-    events = parse_sse(r.text)
-    assert events[-1] == "[DONE]"
-    assert events[-2]["error"]["code"] == "context_length_exceeded"
+    assert r.status_code == 400
+    assert r.json()["error"]["code"] == "context_length_exceeded"
     await wait_idle(client)
 
 
@@ -192,14 +209,21 @@ async def complete(client: httpx.AsyncClient, **body: object) -> httpx.Response:
 
 
 async def test_completion_shape(client: httpx.AsyncClient) -> None:
+    """A text completion has OpenAI's fields, and usage counts prompt and completion."""
     r = await complete(client, prompt="abc", max_tokens=3)
     body = r.json()
     assert body["id"].startswith("cmpl-") and body["object"] == "text_completion"
     assert body["choices"] == [{"index": 0, "text": "Hel", "logprobs": None, "finish_reason": "length"}]
-    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
+    assert body["usage"] == {
+        "prompt_tokens": 3,
+        "completion_tokens": 3,
+        "total_tokens": 6,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
 
 
 async def test_completion_default_max_tokens_is_16(client: httpx.AsyncClient) -> None:
+    """A completion without max_tokens generates 16 tokens, as OpenAI's default."""
     r = await complete(client, prompt="abc")
     assert r.json()["usage"]["completion_tokens"] == 16
 
@@ -209,6 +233,7 @@ async def test_completion_default_max_tokens_is_16(client: httpx.AsyncClient) ->
     [("abc", 1), (["a", "b", "c"], 3), ([100, 101], 1), ([[100], [101, 102]], 2)],
 )
 async def test_prompt_forms(client: httpx.AsyncClient, prompt: object, count: int) -> None:
+    """Each prompt form (string, strings, token ids, lists of ids) gets `n` choices, indexed in order."""
     r = await complete(client, prompt=prompt, max_tokens=2, n=2)
     assert r.status_code == 200, r.text
     assert [c["index"] for c in r.json()["choices"]] == list(range(2 * count))
@@ -216,6 +241,7 @@ async def test_prompt_forms(client: httpx.AsyncClient, prompt: object, count: in
 
 
 async def test_echo_and_logprobs(client: httpx.AsyncClient) -> None:
+    """`echo` prepends the prompt; logprobs list its tokens with null logprobs, then the output's."""
     r = await complete(client, prompt="ab", max_tokens=2, echo=True, logprobs=1)
     choice = r.json()["choices"][0]
     assert choice["text"] == "abHe"
@@ -227,11 +253,13 @@ async def test_echo_and_logprobs(client: httpx.AsyncClient) -> None:
 
 
 async def test_suffix_is_refused(client: httpx.AsyncClient) -> None:
+    """`suffix` is a 400 naming the field."""
     r = await complete(client, prompt="a", suffix="b")
     assert r.status_code == 400 and r.json()["error"]["param"] == "suffix"
 
 
 async def test_completion_stream(client: httpx.AsyncClient) -> None:
+    """A multi-prompt completions stream interleaves every prompt's choices, then usage and `[DONE]`."""
     r = await complete(
         client,
         prompt=["a", "b"],

@@ -9,12 +9,12 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from conftest import fake_server, wait_idle
-from scripts import ANSWER, CALL, QUESTION, events_of, tool_then_answer
 
 from ft.core.batch import SeqWork
 from ft.engine.fake import FakeRunner, text_script
 from ft.server import RunningServer
+from tests.support.scripts import ANSWER, CALL, QUESTION, events_of, tool_then_answer
+from tests.support.server import fake_server, wait_idle
 
 TOOLS: list[Any] = [
     {
@@ -40,6 +40,7 @@ async def post(server: RunningServer, body: dict[str, Any] | str) -> httpx.Respo
 
 
 async def test_sdk_create_and_stream_agree(server: RunningServer) -> None:
+    """The SDK's create and stream agree on output text and status."""
     async with sdk(server) as client:
         whole = await client.responses.create(model="fake", input=QUESTION, instructions="Be brief.")
         assert whole.id.startswith("resp_") and whole.object == "response"
@@ -58,6 +59,7 @@ async def test_sdk_create_and_stream_agree(server: RunningServer) -> None:
 
 
 async def test_input_items_and_text_parts(server: RunningServer) -> None:
+    """Message items of every role, with text parts, are accepted as input."""
     async with sdk(server) as client:
         done = await client.responses.create(
             model="fake",
@@ -79,6 +81,7 @@ async def test_input_items_and_text_parts(server: RunningServer) -> None:
 
 
 async def test_sdk_bad_parameter_is_bad_request(server: RunningServer) -> None:
+    """A bad parameter raises the SDK's BadRequestError naming it."""
     async with sdk(server) as client:
         with pytest.raises(openai.BadRequestError) as info:
             await client.responses.create(model="fake", input=QUESTION, temperature=-1)
@@ -104,6 +107,7 @@ async def test_sdk_bad_parameter_is_bad_request(server: RunningServer) -> None:
 async def test_unsupported_or_invalid_fields_are_400(
     server: RunningServer, extra: dict[str, Any], param: str
 ) -> None:
+    """Unsupported features and invalid fields are 400s naming the field."""
     r = await post(server, {"model": "fake", "input": QUESTION} | extra)
     assert r.status_code == 400, r.text
     error = r.json()["error"]
@@ -112,6 +116,7 @@ async def test_unsupported_or_invalid_fields_are_400(
 
 
 async def test_store_false_is_fine_and_stored_responses_are_404(server: RunningServer) -> None:
+    """store false is served; GET and DELETE of a stored response are 404 (ft keeps none)."""
     assert (await post(server, {"input": QUESTION, "store": False})).status_code == 200
     async with httpx.AsyncClient(base_url=server.base_url) as c:
         for method in ("GET", "DELETE"):
@@ -124,6 +129,7 @@ async def test_store_false_is_fine_and_stored_responses_are_404(server: RunningS
 
 
 async def test_unpackable_top_k_is_400_and_leaks_nothing(server: RunningServer) -> None:
+    """An integer past 64 bits is a 400, streamed or not, and leaves nothing registered."""
     async with httpx.AsyncClient(base_url=server.base_url, timeout=10) as c:
         baseline = (await wait_idle(c))["requests"]["active"]
         for stream in ("", ',"stream":true'):
@@ -144,6 +150,7 @@ TEXT_DONE = ["response.output_text.done", "response.content_part.done", "respons
 
 
 async def test_stream_event_order_and_sequence_numbers(server: RunningServer) -> None:
+    """A stream follows OpenAI's event order with increasing sequence numbers."""
     r = await post(server, {"model": "fake", "input": QUESTION, "stream": True})
     assert r.headers["content-type"].startswith("text/event-stream")
     events = events_of(r.text)
@@ -165,6 +172,7 @@ async def test_stream_event_order_and_sequence_numbers(server: RunningServer) ->
 
 
 async def test_stream_ends_incomplete_on_max_output_tokens(server: RunningServer) -> None:
+    """A stream cut by max_output_tokens ends with response.incomplete."""
     r = await post(server, {"input": QUESTION, "stream": True, "max_output_tokens": 3})
     name, last = events_of(r.text)[-1]
     assert name == "response.incomplete"
@@ -181,6 +189,7 @@ def fail_after(num_generated: int) -> Callable[[list[SeqWork]], None]:
 
 
 async def test_error_mid_stream_is_response_failed() -> None:
+    """A fault after the headers ends the stream with response.failed."""
     async with fake_server(before_step=fail_after(3)) as s:
         r = await post(s, {"input": QUESTION, "stream": True})
         assert r.status_code == 200
@@ -195,6 +204,7 @@ async def test_error_mid_stream_is_response_failed() -> None:
 
 
 async def test_heartbeat_comments_while_prefill_is_slow() -> None:
+    """A slow prefill gets heartbeat comments before the first output item."""
     async with fake_server(FakeRunner(script=text_script("Hi"), step_s=0.7)) as s:
         r = await post(s, {"input": QUESTION, "stream": True})
         before_output = r.text.split("response.output_item.added")[0]
@@ -206,6 +216,7 @@ async def test_heartbeat_comments_while_prefill_is_slow() -> None:
 
 
 async def test_function_call_round_trip() -> None:
+    """A function_call item and its output make a round trip through the SDK."""
     async with fake_server(FakeRunner(script=tool_then_answer())) as s, sdk(s) as client:
         first = await client.responses.create(model="fake", input=QUESTION, tools=TOOLS)
         (call,) = first.output
@@ -224,6 +235,7 @@ async def test_function_call_round_trip() -> None:
 
 
 async def test_streamed_function_call_events() -> None:
+    """A streamed function call sends its arguments delta and done events."""
     async with fake_server(FakeRunner(script=text_script(CALL))) as s:
         r = await post(s, {"input": QUESTION, "tools": TOOLS, "stream": True})
         events = events_of(r.text)
@@ -256,6 +268,7 @@ async def test_streamed_function_call_events() -> None:
 
 
 async def test_reasoning_items_with_a_reasoning_parser() -> None:
+    """With a reasoning parser, <think> output becomes a reasoning item."""
     runner = FakeRunner(script=text_script("<think>Ponder.</think>Done."))
     async with fake_server(runner, reasoning_parser="think") as s, sdk(s) as client:
         done = await client.responses.create(model="fake", input=QUESTION)

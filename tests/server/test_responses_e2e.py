@@ -5,14 +5,17 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
-from conftest import running_server, wait_idle
 
 from ft.config import EngineConfig
+from tests.support.server import running_server, wait_idle
+
+pytestmark = pytest.mark.slow  # the real default model, or a long soak
 
 QUESTION = "Name three colours."
 
 
 async def test_sdk_responses_streamed_equals_unstreamed_at_temperature_0() -> None:
+    """On the default model, the Responses SDK's streamed and non-streamed answers agree at temperature 0."""
     async with running_server(EngineConfig()) as s:
         model = s.engine.model_id
         client = openai.AsyncOpenAI(base_url=f"{s.base_url}/v1", api_key="unused", max_retries=0)

@@ -7,9 +7,9 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 import trio
-from conftest import fake_server
 
 from ft.server import RunningServer, ServerSettings
+from tests.support.server import fake_server
 
 USER = [{"role": "user", "content": "hi"}]
 STOP = "/v1/admin/prepare-stop"
@@ -35,6 +35,7 @@ def settings(**kw: object) -> ServerSettings:
 async def test_json_routes_refuse_other_content_types_with_415(
     client: httpx.AsyncClient, server: RunningServer, path: str, body: dict[str, object]
 ) -> None:
+    """JSON routes refuse other content types (and none) with a 415."""
     import json
 
     for content_type in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data", None):
@@ -51,6 +52,7 @@ async def test_json_routes_refuse_other_content_types_with_415(
 
 
 async def test_anthropic_415_has_anthropics_shape(client: httpx.AsyncClient) -> None:
+    """A 415 under /v1/messages has Anthropic's error shape."""
     r = await client.post("/v1/messages", content="{}", headers={"content-type": "text/plain"})
     assert r.status_code == 415
     assert r.json()["type"] == "error" and r.json()["error"]["type"] == "invalid_request_error"
@@ -60,6 +62,7 @@ async def test_anthropic_415_has_anthropics_shape(client: httpx.AsyncClient) -> 
 
 
 async def test_admin_refuses_an_origin_not_in_the_cors_list() -> None:
+    """Admin routes refuse a browser Origin even when CORS allows every origin."""
     async with fake_server(settings=settings(cors_origins=("*",))) as s:
         async with httpx.AsyncClient(base_url=s.base_url) as c:
             r = await c.post(STOP, json={}, headers={"Origin": "http://evil.example"})
@@ -74,6 +77,7 @@ async def test_admin_refuses_an_origin_not_in_the_cors_list() -> None:
 
 
 async def test_admin_through_a_proxy_needs_the_admin_key() -> None:
+    """A loopback call carrying proxy headers is treated as remote: admin needs the admin key."""
     async with fake_server() as s, httpx.AsyncClient(base_url=s.base_url) as c:
         for header in ("X-Forwarded-For", "Forwarded", "X-Real-IP"):
             r = await c.post(STOP, json={}, headers={header: "203.0.113.9"})
@@ -82,6 +86,7 @@ async def test_admin_through_a_proxy_needs_the_admin_key() -> None:
 
 
 async def test_admin_key_opens_admin_to_remote_callers_and_only_with_the_key() -> None:
+    """--admin-key lets remote callers in with that key, and only with it."""
     async with fake_server(settings=settings(api_key="user-key", admin_key="ops-key")) as s:
         client = s.app.test_client()
         remote = {"client": ("10.1.2.3", 40000)}
@@ -95,12 +100,14 @@ async def test_admin_key_opens_admin_to_remote_callers_and_only_with_the_key() -
 
 
 async def test_admin_needs_the_api_key_when_one_is_set() -> None:
+    """With --api-key, admin routes need it too."""
     async with fake_server(settings=settings(api_key="k")) as s, httpx.AsyncClient(base_url=s.base_url) as c:
         assert (await c.post(STOP, json={})).status_code == 401
         assert (await c.post(STOP, json={}, headers={"Authorization": "Bearer k"})).status_code == 200
 
 
 async def test_a_non_ascii_api_key_matches_its_utf8_bytes() -> None:
+    """A non-ASCII API key matches the UTF-8 bytes the client sends."""
     key = "clé-ключ-🔑"
     async with fake_server(settings=settings(api_key=key)) as s, httpx.AsyncClient(base_url=s.base_url) as c:
         r = await c.get("/v1/models", headers={"Authorization": b"Bearer " + key.encode()})
@@ -134,6 +141,7 @@ H2_SETTINGS = b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"  # an empty SETTINGS frame
 
 
 async def test_cleartext_http2_is_refused_by_default(server: RunningServer) -> None:
+    """Cleartext HTTP/2 is refused at once unless --http2 is set."""
     with trio.fail_after(4):  # the server closes the connection: no wait for the timeout
         out = await raw_exchange(server.base_url, H2_PREFACE + H2_SETTINGS)
     assert out.startswith(b"HTTP/1.1 505 ")
@@ -146,6 +154,7 @@ async def test_cleartext_http2_is_refused_by_default(server: RunningServer) -> N
 
 
 async def test_http2_is_served_with_the_flag() -> None:
+    """With --http2, cleartext HTTP/2 is served."""
     async with fake_server(settings=settings(http2=True)) as s:
         out = await raw_exchange(s.base_url, H2_PREFACE + H2_SETTINGS, timeout_s=0.5)
     assert out[3:4] == b"\x04"  # the server's first frame is its SETTINGS
@@ -166,6 +175,7 @@ async def test_http2_is_served_with_the_flag() -> None:
 async def test_odd_versions_and_content_length_with_transfer_encoding_are_refused(
     server: RunningServer, request_head: bytes, status: bytes
 ) -> None:
+    """Unknown HTTP versions and Content-Length with Transfer-Encoding are refused with the right status."""
     with trio.fail_after(4):
         out = await raw_exchange(server.base_url, request_head)
     assert out.startswith(b"HTTP/1.1 " + status + b" "), out[:100]
@@ -175,14 +185,13 @@ async def test_odd_versions_and_content_length_with_transfer_encoding_are_refuse
 
 
 async def test_tokenize_calls_beyond_the_workers_are_503_and_cannot_starve_generation() -> None:
-    from conftest import running_server
-    from fakes import fake_parts
-
+    """Tokenize calls past the tokenizer workers are 503s, and generation still gets served."""
     from ft.config import EngineConfig
-    from ft.engine.fake import FakeRunner, delayed_inline
-    from ft.engine.loading import EngineHooks
+    from ft.engine.fake import delayed_inline
+    from tests.support.engine import fake_hooks
+    from tests.support.server import running_server
 
-    hooks = EngineHooks(load_model=fake_parts(FakeRunner()), tokenize_executor=delayed_inline(0.5))
+    hooks = fake_hooks(executor=delayed_inline(0.5))
     cfg = EngineConfig(num_pages=64, tokenizer_workers=1)
     async with running_server(cfg, hooks=hooks) as s, httpx.AsyncClient(base_url=s.base_url, timeout=10) as c:
         statuses: list[int] = []
@@ -223,12 +232,14 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {}}}
 async def test_chat_refuses_tools_it_cannot_honour(
     client: httpx.AsyncClient, extra: dict[str, object], param: str
 ) -> None:
+    """Chat refuses tools it cannot honour (no function, a tool_choice naming no given tool) with a 400."""
     r = await client.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 1} | extra)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
 
 
 async def test_chat_serves_a_tool_choice_naming_a_given_tool(client: httpx.AsyncClient) -> None:
+    """Chat serves every tool_choice form that names a given tool."""
     for choice in ("auto", "none", "required", {"type": "function", "function": {"name": "f"}}):
         body = {"messages": USER, "max_tokens": 1, "tools": [TOOL], "tool_choice": choice}
         assert (await client.post("/v1/chat/completions", json=body)).status_code == 200
@@ -250,6 +261,7 @@ async def test_chat_serves_a_tool_choice_naming_a_given_tool(client: httpx.Async
 async def test_union_fields_name_the_field_not_the_union_member(
     server: RunningServer, path: str, body: dict[str, object], param: str
 ) -> None:
+    """An invalid union field's error names the field, not the union member."""
     client = server.app.test_client()
     r = await client.post(path, json=body)
     assert r.status_code == 400
@@ -262,6 +274,7 @@ async def test_union_fields_name_the_field_not_the_union_member(
 
 
 async def test_doubled_slashes_are_a_json_404_not_an_html_redirect(server: RunningServer) -> None:
+    """`//v1//stats` is a JSON 404, not an HTML redirect."""
     out = await raw_exchange(
         server.base_url, b"GET //v1//stats HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
     )
@@ -271,6 +284,7 @@ async def test_doubled_slashes_are_a_json_404_not_an_html_redirect(server: Runni
 
 
 async def test_a_drain_abort_is_counted_aborted_and_is_no_overload() -> None:
+    """A stream aborted by the drain ends with an api_error (not overloaded) and counts as aborted."""
     import json
 
     from ft.engine.fake import FakeRunner, text_script
@@ -291,14 +305,13 @@ async def test_a_drain_abort_is_counted_aborted_and_is_no_overload() -> None:
 
 
 async def test_models_and_token_ids_are_503_while_the_model_loads() -> None:
+    """While the model loads, /v1/models and token-id checks answer 503."""
     import threading
 
-    from conftest import running_server
-    from fakes import fake_parts
-
     from ft.config import EngineConfig
-    from ft.engine.fake import FakeRunner, run_inline
-    from ft.engine.loading import EngineHooks
+    from ft.engine.fake import FakeRunner
+    from tests.support.engine import fake_hooks, fake_parts
+    from tests.support.server import running_server
 
     release = threading.Event()
     load = fake_parts(FakeRunner())
@@ -307,7 +320,7 @@ async def test_models_and_token_ids_are_503_while_the_model_loads() -> None:
         release.wait(10)
         return load(config)
 
-    hooks = EngineHooks(load_model=slow_load, tokenize_executor=run_inline)
+    hooks = fake_hooks(load_model=slow_load)
     async with (
         running_server(EngineConfig(num_pages=64), hooks=hooks, wait_ready=False) as s,
         httpx.AsyncClient(base_url=s.base_url) as c,

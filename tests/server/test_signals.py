@@ -10,14 +10,15 @@ from pathlib import Path
 import httpx
 import trio
 
-SCRIPT = Path(__file__).with_name("serve_fake.py")
+ROOT = Path(__file__).parents[2]  # `python -m tests.support.serve_fake` runs from here
 USER = [{"role": "user", "content": "hi"}]
 
 
 async def _start(shutdown_timeout: float) -> tuple[trio.Process, str, trio.abc.ReceiveStream]:
     proc = await trio.lowlevel.open_process(
-        [sys.executable, str(SCRIPT), str(shutdown_timeout)],
+        [sys.executable, "-m", "tests.support.serve_fake", str(shutdown_timeout)],
         stdout=subprocess.PIPE,
+        cwd=ROOT,
     )
     assert proc.stdout is not None
     buf = b""
@@ -37,6 +38,7 @@ async def _rest(stdout: trio.abc.ReceiveStream) -> bytes:
 
 
 async def test_sigterm_drains_then_aborts_and_exits_zero() -> None:
+    """SIGTERM stops admitting, aborts a stream that outlives the drain, and exits 0."""
     proc, url, stdout = await _start(shutdown_timeout=0.5)
     try:
         async with httpx.AsyncClient(base_url=url, timeout=10) as c:
@@ -61,6 +63,7 @@ async def test_sigterm_drains_then_aborts_and_exits_zero() -> None:
 
 
 async def test_sigint_on_an_idle_server_exits_zero_at_once() -> None:
+    """SIGINT on an idle server exits 0 without waiting for the drain timeout."""
     proc, url, _ = await _start(shutdown_timeout=30)
     try:
         async with httpx.AsyncClient(base_url=url) as c:
@@ -75,6 +78,7 @@ async def test_sigint_on_an_idle_server_exits_zero_at_once() -> None:
 
 
 async def test_sigterm_exits_in_time_after_an_abandoned_prepare_stop() -> None:
+    """SIGTERM after an abandoned prepare-stop still exits within the drain timeout."""
     proc, url, stdout = await _start(shutdown_timeout=0.5)
     try:
         async with httpx.AsyncClient(base_url=url, timeout=60) as c:

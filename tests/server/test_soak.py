@@ -2,19 +2,17 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-from conftest import fake_server
+import pytest
+from soak import run_soak
 
 from ft.engine.fake import FakeRunner, text_script
+from tests.support.server import fake_server
 
-sys.path.insert(0, str(Path(__file__).parents[2] / "tools"))
-
-from soak import run_soak
+pytestmark = pytest.mark.slow  # the real default model, or a long soak
 
 
 async def test_short_soak_has_no_5xx_and_returns_to_baseline() -> None:
+    """A short soak of mixed traffic gets no 5xx, and active requests and pages return to their baseline."""
     runner = FakeRunner(script=text_script("soak " * 40), step_s=0.005)
     async with fake_server(runner, max_running_requests=4, max_queued_requests=4) as server:
         report = await run_soak(server.base_url, clients=4, duration_s=6.0, warmup_s=1.0)

@@ -1,4 +1,4 @@
-"""Helpers to open an engine on the fake model (byte tokenizer, scripted async runner)."""
+"""Engines on the fake model (byte tokenizer, scripted async runner); the hooks built once."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ from ft.config import EngineConfig
 from ft.core.batch import SeqWork
 from ft.engine.engine import Engine, open_engine
 from ft.engine.fake import FakeRunner, byte_tokenizer_spec, run_inline
-from ft.engine.loading import EngineHooks, Executor, ModelParts
+from ft.engine.loading import EngineHooks, ModelParts
 from ft.messages import Tokenize
+from ft.tokenizer.job import Executor
 
 
 def fake_parts(runner: FakeRunner, context_length: int = 2048) -> Callable[[EngineConfig], ModelParts]:
@@ -35,6 +36,28 @@ def fake_parts(runner: FakeRunner, context_length: int = 2048) -> Callable[[Engi
     return load
 
 
+def fake_hooks(
+    runner: FakeRunner | None = None,
+    *,
+    before_step: Callable[[list[SeqWork]], None] | None = None,
+    tokenizer_fault: Callable[[Tokenize], str | None] | None = None,
+    executor: Executor | None = run_inline,
+    context_length: int = 2048,
+    load_model: Callable[[EngineConfig], ModelParts] | None = None,
+) -> EngineHooks:
+    """The engine hooks for the fake model: every test engine and server is built with these.
+
+    `executor=None` tokenizes in real worker processes; `load_model` replaces the fake model's
+    loader (a slow or a failing load).
+    """
+    return EngineHooks(
+        load_model=load_model or fake_parts(runner or FakeRunner(), context_length),
+        tokenize_executor=executor,
+        before_step=before_step,
+        tokenizer_fault=tokenizer_fault,
+    )
+
+
 @asynccontextmanager
 async def fake_engine(
     runner: FakeRunner | None = None,
@@ -49,13 +72,12 @@ async def fake_engine(
 
     `executor=None` tokenizes in real worker processes.
     """
-    runner = runner or FakeRunner()
-    cfg = replace(EngineConfig(num_pages=64), **config)
-    hooks = EngineHooks(
-        load_model=fake_parts(runner, context_length),
-        tokenize_executor=executor,
+    hooks = fake_hooks(
+        runner,
         before_step=before_step,
         tokenizer_fault=tokenizer_fault,
+        executor=executor,
+        context_length=context_length,
     )
-    async with open_engine(cfg, hooks=hooks) as engine:
+    async with open_engine(replace(EngineConfig(num_pages=64), **config), hooks=hooks) as engine:
         yield engine

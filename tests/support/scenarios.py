@@ -11,7 +11,8 @@ import httpx
 import openai
 import pytest
 import trio
-from conftest import parse_sse, wait_idle
+
+from tests.support.server import parse_sse, wait_idle
 
 CHAT = [{"role": "user", "content": "Name three colours."}]
 

@@ -6,6 +6,7 @@ shows up; it is translated here, once, into `InvalidRequest`, inside the request
 
 from __future__ import annotations
 
+from dataclasses import dataclass, fields
 from typing import Any
 
 import cbor2
@@ -32,27 +33,55 @@ def _check_ints(value: Any, path: str) -> None:
             _check_ints(v, path)
 
 
+@dataclass(frozen=True, slots=True)
+class TokenizeJob:
+    """One tokenizer job as it crosses the process boundary; rebuilt whole on the worker side."""
+
+    spec_path: str
+    prompt: str | None
+    messages: list[dict[str, Any]] | None
+    tools: list[dict[str, Any]] | None
+    chat_template_kwargs: dict[str, Any]
+    add_generation_prompt: bool
+    continue_final_message: bool
+    fault: str | None = None  # test hook: "exit" or "raise" in the worker
+
+
+@dataclass(frozen=True, slots=True)
+class TokenizeResult:
+    """A worker's answer: token ids, or the refusal's message and the field it names."""
+
+    ids: list[int] | None = None
+    error: str | None = None
+    param: str | None = None
+
+
+def _fields(record: TokenizeJob | TokenizeResult) -> dict[str, Any]:
+    return {f.name: getattr(record, f.name) for f in fields(record)}
+
+
 def encode_job(msg: Tokenize, spec_path: str, *, fault: str | None = None) -> bytes:
     """Encode a tokenize job. Raises `InvalidRequest` naming the field that cannot be sent."""
-    fields: dict[str, Any] = {
+    payload: dict[str, Any] = {
         "messages": list(msg.messages) if msg.messages is not None else None,
         "tools": list(msg.tools) if msg.tools is not None else None,
         "chat_template_kwargs": msg.chat_template_kwargs,
         "prompt": msg.prompt,
     }
-    job: dict[str, Any] = {
-        "spec_path": spec_path,
-        "add_generation_prompt": msg.add_generation_prompt,
-        "fault": fault,
-    }
-    for name, value in fields.items():
+    for name, value in payload.items():
         _check_ints(value, name)
         try:
             cbor2.dumps(value)
         except (UnicodeEncodeError, cbor2.CBOREncodeError, ValueError, TypeError) as e:
             raise InvalidRequest(f"{name} cannot be encoded: {_reason(e)}", param=name) from e
-        job[name] = value
-    return cbor2.dumps(job)
+    job = TokenizeJob(
+        spec_path=spec_path,
+        add_generation_prompt=msg.add_generation_prompt,
+        continue_final_message=msg.continue_final_message,
+        fault=fault,
+        **payload,
+    )
+    return cbor2.dumps(_fields(job))
 
 
 def _reason(e: Exception) -> str:
@@ -61,25 +90,22 @@ def _reason(e: Exception) -> str:
     return type(e).__name__
 
 
-def decode_job(payload: bytes) -> dict[str, Any]:
+def decode_job(payload: bytes) -> TokenizeJob:
     """Decode a job on the worker side."""
-    job = cbor2.loads(payload)
-    assert isinstance(job, dict)
-    return job
+    return TokenizeJob(**cbor2.loads(payload))
 
 
 def encode_result(
     ids: list[int] | None = None, *, error: str | None = None, param: str | None = None
 ) -> bytes:
     """Encode a worker's answer: token ids, or an error message with the field it names."""
-    return cbor2.dumps({"ids": ids, "error": error, "param": param})
+    return cbor2.dumps(_fields(TokenizeResult(ids, error, param)))
 
 
 def decode_result(payload: bytes) -> list[int]:
     """Decode a worker's answer; raise `InvalidRequest` when the worker refused the job."""
-    result = cbor2.loads(payload)
-    if result["error"] is not None:
-        raise InvalidRequest(result["error"], param=result["param"])
-    ids = result["ids"]
-    assert isinstance(ids, list)
-    return ids
+    result = TokenizeResult(**cbor2.loads(payload))
+    if result.error is not None:
+        raise InvalidRequest(result.error, param=result.param)
+    assert result.ids is not None
+    return result.ids

@@ -1,27 +1,25 @@
-"""`serve()` on the fake model in its own process, for signal tests: prints its URL, then serves."""
+"""`serve()` on the fake model in its own process, for signal tests: prints its URL, then serves.
+
+Run it from the repository root as `python -m tests.support.serve_fake SHUTDOWN_TIMEOUT_S`.
+"""
 
 from __future__ import annotations
 
 import sys
 from functools import partial
-from pathlib import Path
 
 import trio
 
-sys.path.insert(0, str(Path(__file__).parents[1]))
-
-from fakes import fake_parts
-
 from ft.config import EngineConfig
-from ft.engine.fake import FakeRunner, run_inline, text_script
-from ft.engine.loading import EngineHooks
+from ft.engine.fake import FakeRunner, text_script
 from ft.server import RunningServer, ServerSettings
 from ft.server.app import serve
+from tests.support.engine import fake_hooks
 
 
 async def main() -> None:
     runner = FakeRunner(script=text_script("lorem ipsum " * 100), step_s=0.02)
-    hooks = EngineHooks(load_model=fake_parts(runner), tokenize_executor=run_inline)
+    hooks = fake_hooks(runner)
     settings = ServerSettings(port=0, shutdown_timeout_s=float(sys.argv[1]), graceful_timeout_s=1.0)
     async with trio.open_nursery() as nursery:
         server: RunningServer = await nursery.start(

@@ -135,7 +135,7 @@ def sentencepiece_bpe_from_gguf(
         models.BPE(
             vocab=vocab,
             merges=pairs,
-            unk_token="<unk>" if "<unk>" in vocab else None,  # type: ignore[arg-type]
+            unk_token="<unk>" if "<unk>" in vocab else None,
             fuse_unk=True,
             byte_fallback=True,
         )

@@ -1,0 +1,244 @@
+"""One path for a generation request, whatever its API: chat, completions, messages, responses.
+
+An API supplies only what differs, as a `GenerationApi`: its body parsed into `Prompt`s and
+`SamplingParams`, its stream events, its final JSON, its in-stream error. The lifecycle is
+here, once (`respond`):
+
+1. **Static checks.** The engine must be admitting (503 otherwise); every prompt is tokenized
+   and checked against the context, the KV pool and `--max-running-requests` (`prepare`).
+   Tokenizing takes milliseconds, so a request that can never run is a 4xx, never a 200 with
+   an error inside.
+2. **Non-streamed:** open the request scope(s), gather every choice, answer `api.body(...)`.
+3. **Streamed:** a 200 and `: connected` at once; then, inside the response generator, open the
+   scope(s) and multiplex deltas with heartbeats while the request waits for a slot, prefills
+   and decodes; end with `api.end(...)`, or `api.error(...)` for a failure after the headers.
+   The generator is the only thing that holds a scope, and it is always closed with
+   `aclose()` (`aclosing` here, Quart's `IterableBody` outside): a client that leaves cancels
+   or closes it at once, never later by the garbage collector.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from contextlib import AsyncExitStack, aclosing, asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from quart import Response
+
+from ft.engine.stream import Choice, RequestStream
+from ft.errors import FtError
+from ft.messages import Delta
+from ft.params import SamplingParams
+from ft.server.context import ServerContext, json_response, json_response_off_loop
+from ft.server.http_errors import internal_error
+from ft.server.sse import CONNECTED, HEARTBEAT, DeltaMux, sse_response
+
+
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    """What one engine request generates from: chat `messages`, or a raw `text` / `token_ids`.
+
+    `continue_final_message` renders the last (assistant) message open, so the model continues
+    it (Anthropic's prefill, vLLM's `continue_final_message`).
+    """
+
+    messages: list[dict[str, Any]] | None = None
+    text: str | None = None
+    token_ids: list[int] | None = None
+    tools: list[dict[str, Any]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    """Token counts of a whole request: prompt (with the prefix-cache hits among them), output."""
+
+    prompt_tokens: int
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        """Prompt plus completion tokens."""
+        return self.prompt_tokens + self.completion_tokens
+
+    @staticmethod
+    def of(streams: Sequence[RequestStream]) -> Usage:
+        """The usage of a request's engine streams, summed."""
+        return Usage(
+            prompt_tokens=sum(s.num_prompt_tokens for s in streams),
+            completion_tokens=sum(s.num_completion_tokens for s in streams),
+            cached_tokens=sum(s.num_cached_tokens for s in streams),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Generated:
+    """A finished non-streamed request: each prompt's ids and choices, and the usage."""
+
+    prompt_ids: list[tuple[int, ...]]
+    choices: list[list[Choice]]
+    usage: Usage
+
+
+class GenerationApi:
+    """What one API supplies to the lifecycle; a subclass parses its body in `__init__`.
+
+    `prompts` are opened as one engine request each (completions may send several), with
+    `params`. Stream methods return the frames to send, so none of them holds anything across
+    a `yield`.
+    """
+
+    prompts: list[Prompt]
+    params: SamplingParams
+    stream: bool
+    heartbeat: bytes = HEARTBEAT
+    is_body_large: bool = False  # the client chooses its size (echo, logprobs): build it off the loop
+
+    def start(self, usage: Usage) -> list[bytes]:
+        """Frames after `: connected`, before the request opens (`usage` counts the prompt)."""
+        return []
+
+    def delta(self, k: int, delta: Delta) -> list[bytes]:
+        """Frames for one delta of prompt `k`'s request."""
+        raise NotImplementedError
+
+    def end(self, usage: Usage) -> list[bytes]:
+        """The last frames of a stream that finished."""
+        raise NotImplementedError
+
+    def error(self, err: FtError) -> list[bytes]:
+        """The last frames of a stream that failed after its headers went out."""
+        raise NotImplementedError
+
+    def body(self, done: Generated) -> dict[str, Any]:
+        """The JSON body of a non-streamed response."""
+        raise NotImplementedError
+
+
+def sampling_params(
+    ctx: ServerContext,
+    *,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    top_k: int | None = None,
+    min_p: float | None = None,
+    repetition_penalty: float | None = None,
+    **fields: Any,
+) -> SamplingParams:
+    """Engine sampling params; knobs the request leaves unset take the model's defaults.
+
+    Raises:
+        InvalidRequest: a combination the engine refuses (naming the field).
+    """
+    defaults = ctx.engine.generation_defaults
+
+    def pick(name: str, value: float | None, fallback: float) -> float:
+        return float(value if value is not None else defaults.get(name, fallback))
+
+    return SamplingParams(
+        temperature=pick("temperature", temperature, 1.0),
+        top_p=pick("top_p", top_p, 1.0),
+        top_k=int(pick("top_k", top_k, 0)),
+        min_p=pick("min_p", min_p, 0.0),
+        repetition_penalty=pick("repetition_penalty", repetition_penalty, 1.0),
+        **fields,
+    )
+
+
+async def respond(ctx: ServerContext, api: GenerationApi) -> Response:
+    """Run `api`'s request through the lifecycle (see the module docstring)."""
+    ctx.check_admission()  # after the body's validation: a bad request is a 400 whatever the load
+    prompt_ids = [await prepare(ctx, prompt, api.params) for prompt in api.prompts]
+    if api.stream:
+        return sse_response(stream_body(ctx, api, prompt_ids))
+    async with open_requests(ctx, api.params, prompt_ids) as streams:
+        choices = await collect(streams, api.params.n)
+    done = Generated(prompt_ids, choices, Usage.of(streams))
+    if api.is_body_large:
+        return await json_response_off_loop(lambda: api.body(done))
+    return json_response(api.body(done))
+
+
+async def prepare(ctx: ServerContext, prompt: Prompt, params: SamplingParams) -> tuple[int, ...]:
+    """Tokenize `prompt` and run every static check on it; return its token ids.
+
+    Raises:
+        FtError: the prompt cannot be rendered or encoded, or can never fit (a 4xx).
+    """
+    engine = ctx.engine
+    if prompt.token_ids is not None:
+        ids = prompt.token_ids
+    elif prompt.messages is not None:
+        ids = await engine.tokenize_for_request(
+            messages=prompt.messages,
+            tools=prompt.tools,
+            chat_template_kwargs=prompt.chat_template_kwargs,
+            add_generation_prompt=prompt.add_generation_prompt,
+            continue_final_message=prompt.continue_final_message,
+        )
+    else:
+        ids = await engine.tokenize_for_request(prompt=prompt.text)
+    engine.check_fits(len(ids), params)
+    return tuple(ids)
+
+
+@asynccontextmanager
+async def open_requests(
+    ctx: ServerContext, params: SamplingParams, prompt_ids: list[tuple[int, ...]]
+) -> AsyncIterator[list[RequestStream]]:
+    """One engine request scope per prompt, all closed when the block exits."""
+    async with AsyncExitStack() as stack:
+        open_request = ctx.engine.open_request
+        yield [
+            await stack.enter_async_context(open_request(prompt_token_ids=list(ids), params=params))
+            for ids in prompt_ids
+        ]
+
+
+async def collect(streams: Sequence[RequestStream], n: int) -> list[list[Choice]]:
+    """Every choice of every stream, whole. Raises the first stream error."""
+    choices = [[Choice(i) for i in range(n)] for _ in streams]
+    mux = DeltaMux(streams)
+    while not mux.is_done:
+        for k, delta in (await mux.next(math.inf)).deltas:
+            choices[k][delta.index].add(delta)
+    return choices
+
+
+async def stream_body(
+    ctx: ServerContext, api: GenerationApi, prompt_ids: list[tuple[int, ...]]
+) -> AsyncIterator[bytes]:
+    """The event stream of a streamed request, closed deterministically (`aclosing`)."""
+    async with aclosing(_events(ctx, api, prompt_ids)) as events:
+        async for frame in events:
+            yield frame
+
+
+async def _events(
+    ctx: ServerContext, api: GenerationApi, prompt_ids: list[tuple[int, ...]]
+) -> AsyncGenerator[bytes]:
+    yield CONNECTED
+    try:
+        for frame in api.start(Usage(sum(len(ids) for ids in prompt_ids))):
+            yield frame
+        async with open_requests(ctx, api.params, prompt_ids) as streams:
+            mux = DeltaMux(streams)
+            while not mux.is_done:
+                got = await mux.next(ctx.settings.sse_heartbeat_s)
+                if got.is_timeout:
+                    yield api.heartbeat
+                for k, delta in got.deltas:
+                    for frame in api.delta(k, delta):
+                        yield frame
+        ending = api.end(Usage.of(streams))
+    except FtError as e:
+        ending = api.error(e)
+    except Exception as e:  # noqa: BLE001 - reported in-stream, logged
+        ending = api.error(internal_error(e))
+    for frame in ending:
+        yield frame

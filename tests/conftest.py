@@ -1,8 +1,0 @@
-"""Shared fixtures: make `tests/` importable for the fake-engine helpers."""
-
-from __future__ import annotations
-
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).parent))
