@@ -733,9 +733,64 @@ inline void axpy_kv(float c, const T* v, float* o, int64_t hd) {
   for (; i < hd; i++) o[i] += c * to_float(v[i]);
 }
 
-// Paged attention of T rows (call from inside a parallel region; `scores` holds group * max_len
-// floats per thread). Row t reads queries at q + t * ldq, writes out + t * ldo. The query heads
-// that share a KV head read each cached key and value once.
+#if defined(__AVX2__)
+// exp(x) for x <= 0 (softmax after subtracting the max): 2^n * p(r), |rel. error| < 2e-7.
+inline __m256 exp_neg(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145752f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860677e-6f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+// Eight dot products' 8-lane partial sums -> one lane each, in order.
+inline __m256 hsum8_ps(const __m256* a) {
+  const __m256 c = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 d = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(c, d, 0x20), _mm256_permute2f128_ps(c, d, 0x31));
+}
+#endif
+
+// Softmax of sc[0, len) in place; sc has room for len rounded up to 8.
+inline void softmax(float* sc, int64_t len) {
+  float mx = -INFINITY, sum = 0;
+  for (int64_t p = 0; p < len; p++) mx = sc[p] > mx ? sc[p] : mx;
+#if defined(__AVX2__)
+  const int64_t padded = (len + 7) / 8 * 8;
+  for (int64_t p = len; p < padded; p++) sc[p] = -INFINITY;
+  __m256 total = _mm256_setzero_ps();
+  const __m256 m = _mm256_set1_ps(mx);
+  for (int64_t p = 0; p < padded; p += 8) {
+    const __m256 e = exp_neg(_mm256_sub_ps(_mm256_loadu_ps(sc + p), m));
+    _mm256_storeu_ps(sc + p, e);
+    total = _mm256_add_ps(total, e);
+  }
+  sum = hsum(total);
+  const __m256 inv = _mm256_set1_ps(1.0f / sum);
+  for (int64_t p = 0; p < padded; p += 8) _mm256_storeu_ps(sc + p, _mm256_mul_ps(_mm256_loadu_ps(sc + p), inv));
+#else
+  for (int64_t p = 0; p < len; p++) {
+    sc[p] = expf(sc[p] - mx);
+    sum += sc[p];
+  }
+  const float inv = 1.0f / sum;
+  for (int64_t p = 0; p < len; p++) sc[p] *= inv;
+#endif
+}
+
+// Paged attention of T rows (call from inside a parallel region; `scores` holds group * (max_len
+// + 8) floats per thread). Row t reads queries at q + t * ldq, writes out + t * ldo. The query
+// heads that share a KV head read each cached key and value once; keys go eight positions at a
+// time so that their dot products are reduced together.
 template <class T>
 void attend_team(const float* qbase, int64_t ldq, const T* k_cache, const T* v_cache, int64_t T_,
                  const int64_t* seq, const int64_t* pos, const int32_t* block_tables, int64_t max_pages,
@@ -746,30 +801,56 @@ void attend_team(const float* qbase, int64_t ldq, const T* k_cache, const T* v_c
 #pragma omp for schedule(dynamic, 1) collapse(2)
   for (int64_t t = 0; t < T_; t++) {
     for (int64_t kh = 0; kh < nkvh; kh++) {
-      const int64_t len = pos[t] + 1;
+      const int64_t len = pos[t] + 1, stride = (len + 7) / 8 * 8;
       const int32_t* table = block_tables + seq[t] * max_pages;
       const float* q = qbase + t * ldq + kh * group * hd;
-      for (int64_t p = 0; p < len; p++) {
-        const T* k = k_cache + ((int64_t)table[p / page_size] * page_size + p % page_size) * kvsz + kh * hd;
-        for (int64_t g = 0; g < group; g++) scores[g * len + p] = dot_kv(q + g * hd, k, hd) * scale;
-      }
-      for (int64_t g = 0; g < group; g++) {
-        float* sc = scores + g * len;
-        float mx = -INFINITY, sum = 0;
-        for (int64_t p = 0; p < len; p++) mx = sc[p] > mx ? sc[p] : mx;
-        for (int64_t p = 0; p < len; p++) {
-          sc[p] = expf(sc[p] - mx);
-          sum += sc[p];
+      auto key = [&](int64_t p) {
+        return k_cache + ((int64_t)table[p / page_size] * page_size + p % page_size) * kvsz + kh * hd;
+      };
+      int64_t p = 0;
+#if defined(__AVX2__)
+      if (hd % 8 == 0)
+        for (; p + 8 <= len; p += 8) {
+          const T* ks[8];
+          for (int j = 0; j < 8; j++) ks[j] = key(p + j);
+          for (int64_t g = 0; g < group; g++) {
+            const float* qg = q + g * hd;
+            __m256 acc[8];
+            for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
+            for (int64_t i = 0; i < hd; i += 8) {
+              const __m256 qv = _mm256_loadu_ps(qg + i);
+              for (int j = 0; j < 8; j++) acc[j] = _mm256_fmadd_ps(qv, load8(ks[j] + i), acc[j]);
+            }
+            _mm256_storeu_ps(scores + g * stride + p, _mm256_mul_ps(hsum8_ps(acc), _mm256_set1_ps(scale)));
+          }
         }
-        const float inv = 1.0f / sum;
-        for (int64_t p = 0; p < len; p++) sc[p] *= inv;
-      }
+#endif
+      for (; p < len; p++)
+        for (int64_t g = 0; g < group; g++) scores[g * stride + p] = dot_kv(q + g * hd, key(p), hd) * scale;
+      for (int64_t g = 0; g < group; g++) softmax(scores + g * stride, len);
       float* o = obase + t * ldo + kh * group * hd;
-      for (int64_t i = 0; i < group * hd; i++) o[i] = 0;
-      for (int64_t p = 0; p < len; p++) {
-        const T* v = v_cache + ((int64_t)table[p / page_size] * page_size + p % page_size) * kvsz + kh * hd;
-        for (int64_t g = 0; g < group; g++) axpy_kv(scores[g * len + p], v, o + g * hd, hd);
+      auto value = [&](int64_t p2) {
+        return v_cache + ((int64_t)table[p2 / page_size] * page_size + p2 % page_size) * kvsz + kh * hd;
+      };
+#if defined(__AVX2__)
+      if (hd == 64) {  // the common head size: each head's output stays in registers
+        for (int64_t g = 0; g < group; g++) {
+          __m256 acc[8];
+          for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
+          const float* sc = scores + g * stride;
+          for (int64_t p2 = 0; p2 < len; p2++) {
+            const T* v = value(p2);
+            const __m256 c = _mm256_set1_ps(sc[p2]);
+            for (int j = 0; j < 8; j++) acc[j] = _mm256_fmadd_ps(c, load8(v + 8 * j), acc[j]);
+          }
+          for (int j = 0; j < 8; j++) _mm256_storeu_ps(o + g * hd + 8 * j, acc[j]);
+        }
+        continue;
       }
+#endif
+      for (int64_t i = 0; i < group * hd; i++) o[i] = 0;
+      for (int64_t p2 = 0; p2 < len; p2++)
+        for (int64_t g = 0; g < group; g++) axpy_kv(scores[g * stride + p2], value(p2), o + g * hd, hd);
     }
   }
 }
@@ -847,7 +928,7 @@ void decoder_layer(float* x, int64_t T, int64_t H, const float* norm1, const flo
   QAct act;
 #pragma omp parallel num_threads(threads)
   {
-    std::vector<float> scores(max_len * (nh / nkvh));
+    std::vector<float> scores((max_len + 8) * (nh / nkvh));
     // attention block
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < T; t++) rms_norm_row(x + t * H, norm1, eps, H, h.data() + t * H);
@@ -900,6 +981,21 @@ void decoder_layer(float* x, int64_t T, int64_t H, const float* norm1, const flo
 }  // namespace
 
 extern "C" {
+
+// Paged attention alone (the tests check it against torch): q [T, nh * hd] -> out [T, nh * hd]
+// over float32 caches [num_slots, nkvh, hd]; indices as for ft_decoder_layer.
+void ft_attention(const float* q, int64_t T, const float* k_cache, const float* v_cache, const int64_t* seq,
+                  const int64_t* pos, const int32_t* block_tables, int64_t max_pages, int64_t page_size,
+                  int64_t nh, int64_t nkvh, int64_t hd, float* out) {
+  int64_t max_len = 0;
+  for (int64_t t = 0; t < T; t++) max_len = pos[t] + 1 > max_len ? pos[t] + 1 : max_len;
+#pragma omp parallel num_threads(1)
+  {
+    std::vector<float> scores((max_len + 8) * (nh / nkvh));
+    attend_team(q, nh * hd, k_cache, v_cache, T, seq, pos, block_tables, max_pages, page_size, nh, nkvh, hd, out,
+                nh * hd, scores.data());
+  }
+}
 
 // decoder_layer over a KV cache of `kv_type` (KV_F32, KV_F16, KV_BF16); caches are this layer's
 // [num_slots, kvh, hd] of that type.

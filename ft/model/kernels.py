@@ -90,6 +90,8 @@ def build_library(march: str = "native") -> ctypes.CDLL:
         i64, i64, i64, i64, i64, i64, i32,
     ]  # fmt: skip
     lib.ft_decoder_layer.restype = None
+    lib.ft_attention.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, ptr]
+    lib.ft_attention.restype = None
     return lib
 
 
