@@ -787,70 +787,93 @@ inline void softmax(float* sc, int64_t len) {
 #endif
 }
 
-// Paged attention of T rows (call from inside a parallel region; `scores` holds group * (max_len
-// + 8) floats per thread). Row t reads queries at q + t * ldq, writes out + t * ldo. The query
-// heads that share a KV head read each cached key and value once; keys go eight positions at a
-// time so that their dot products are reduced together.
+// Paged attention of T rows (call from inside a parallel region). Row t is position pos[t] of
+// sequence seq[t] and attends positions 0..pos[t]; it reads queries at q + t * ldq and writes
+// out + t * ldo. Consecutive rows of one sequence (a prompt chunk) go in tiles of up to eight
+// that share each block of eight keys and values, converted to float once; every (row, position)
+// is computed the same way in a tile or alone, so a row never depends on its neighbours.
 template <class T>
 void attend_team(const float* qbase, int64_t ldq, const T* k_cache, const T* v_cache, int64_t T_,
                  const int64_t* seq, const int64_t* pos, const int32_t* block_tables, int64_t max_pages,
-                 int64_t page_size, int64_t nh, int64_t nkvh, int64_t hd, float* obase, int64_t ldo,
-                 float* scores) {
+                 int64_t page_size, int64_t nh, int64_t nkvh, int64_t hd, float* obase, int64_t ldo) {
   const int64_t kvsz = nkvh * hd, group = nh / nkvh;
   const float scale = 1.0f / sqrtf((float)hd);
+  std::vector<int64_t> tiles;  // first row of each tile
+  for (int64_t t = 0; t < T_; t++)
+    if (t == 0 || seq[t] != seq[t - 1] || pos[t] != pos[t - 1] + 1 || t - tiles.back() == 8) tiles.push_back(t);
+  const int64_t ntiles = (int64_t)tiles.size();
 #pragma omp for schedule(dynamic, 1) collapse(2)
-  for (int64_t t = 0; t < T_; t++) {
+  for (int64_t ti = 0; ti < ntiles; ti++) {
     for (int64_t kh = 0; kh < nkvh; kh++) {
-      const int64_t len = pos[t] + 1, stride = (len + 7) / 8 * 8;
-      const int32_t* table = block_tables + seq[t] * max_pages;
-      const float* q = qbase + t * ldq + kh * group * hd;
-      auto key = [&](int64_t p) {
-        return k_cache + ((int64_t)table[p / page_size] * page_size + p % page_size) * kvsz + kh * hd;
+      const int64_t t0 = tiles[ti], rows = (ti + 1 < ntiles ? tiles[ti + 1] : T_) - t0;
+      const int64_t len_max = pos[t0 + rows - 1] + 1, stride = (len_max + 7) / 8 * 8;
+      const int32_t* table = block_tables + seq[t0] * max_pages;
+      // Positions past the tile's last are clamped to it: computed, then never used.
+      auto at = [&](const T* cache, int64_t p) {
+        p = p < len_max ? p : len_max - 1;
+        return cache + ((int64_t)table[p / page_size] * page_size + p % page_size) * kvsz + kh * hd;
       };
-      int64_t p = 0;
+      std::vector<float> sc(rows * group * stride);  // [row][head][position]
 #if defined(__AVX2__)
-      if (hd % 8 == 0)
-        for (; p + 8 <= len; p += 8) {
-          const T* ks[8];
-          for (int j = 0; j < 8; j++) ks[j] = key(p + j);
-          for (int64_t g = 0; g < group; g++) {
-            const float* qg = q + g * hd;
-            __m256 acc[8];
-            for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
-            for (int64_t i = 0; i < hd; i += 8) {
-              const __m256 qv = _mm256_loadu_ps(qg + i);
-              for (int j = 0; j < 8; j++) acc[j] = _mm256_fmadd_ps(qv, load8(ks[j] + i), acc[j]);
+      if (hd % 8 == 0 && hd <= 256) {
+        alignas(32) float buf[8 * 256];
+        for (int64_t p0 = 0; p0 < len_max; p0 += 8) {
+          for (int j = 0; j < 8; j++) {
+            const T* k = at(k_cache, p0 + j);
+            for (int64_t i = 0; i < hd; i += 8) _mm256_store_ps(buf + j * hd + i, load8(k + i));
+          }
+          for (int64_t r = 0; r < rows; r++) {
+            if (p0 > pos[t0 + r]) continue;
+            for (int64_t g = 0; g < group; g++) {
+              const float* q = qbase + (t0 + r) * ldq + (kh * group + g) * hd;
+              __m256 acc[8];
+              for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
+              for (int64_t i = 0; i < hd; i += 8) {
+                const __m256 qv = _mm256_loadu_ps(q + i);
+                for (int j = 0; j < 8; j++) acc[j] = _mm256_fmadd_ps(qv, _mm256_load_ps(buf + j * hd + i), acc[j]);
+              }
+              _mm256_storeu_ps(&sc[(r * group + g) * stride + p0], _mm256_mul_ps(hsum8_ps(acc), _mm256_set1_ps(scale)));
             }
-            _mm256_storeu_ps(scores + g * stride + p, _mm256_mul_ps(hsum8_ps(acc), _mm256_set1_ps(scale)));
           }
         }
-#endif
-      for (; p < len; p++)
-        for (int64_t g = 0; g < group; g++) scores[g * stride + p] = dot_kv(q + g * hd, key(p), hd) * scale;
-      for (int64_t g = 0; g < group; g++) softmax(scores + g * stride, len);
-      float* o = obase + t * ldo + kh * group * hd;
-      auto value = [&](int64_t p2) {
-        return v_cache + ((int64_t)table[p2 / page_size] * page_size + p2 % page_size) * kvsz + kh * hd;
-      };
-#if defined(__AVX2__)
-      if (hd == 64) {  // the common head size: each head's output stays in registers
-        for (int64_t g = 0; g < group; g++) {
-          __m256 acc[8];
-          for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
-          const float* sc = scores + g * stride;
-          for (int64_t p2 = 0; p2 < len; p2++) {
-            const T* v = value(p2);
-            const __m256 c = _mm256_set1_ps(sc[p2]);
-            for (int j = 0; j < 8; j++) acc[j] = _mm256_fmadd_ps(c, load8(v + 8 * j), acc[j]);
+        for (int64_t r = 0; r < rows; r++)
+          for (int64_t g = 0; g < group; g++) softmax(&sc[(r * group + g) * stride], pos[t0 + r] + 1);
+        for (int64_t r = 0; r < rows; r++)
+          for (int64_t i = 0; i < group * hd; i++) obase[(t0 + r) * ldo + kh * group * hd + i] = 0;
+        for (int64_t p0 = 0; p0 < len_max; p0 += 8) {
+          for (int j = 0; j < 8; j++) {
+            const T* v = at(v_cache, p0 + j);
+            for (int64_t i = 0; i < hd; i += 8) _mm256_store_ps(buf + j * hd + i, load8(v + i));
           }
-          for (int j = 0; j < 8; j++) _mm256_storeu_ps(o + g * hd + 8 * j, acc[j]);
+          for (int64_t r = 0; r < rows; r++) {
+            const int64_t n = pos[t0 + r] + 1 - p0 < 8 ? pos[t0 + r] + 1 - p0 : 8;
+            for (int64_t g = 0; g < group && n > 0; g++) {
+              const float* c = &sc[(r * group + g) * stride + p0];
+              float* o = obase + (t0 + r) * ldo + (kh * group + g) * hd;
+              for (int64_t i = 0; i < hd; i += 8) {
+                __m256 acc = _mm256_loadu_ps(o + i);
+                for (int64_t j = 0; j < n; j++)
+                  acc = _mm256_fmadd_ps(_mm256_set1_ps(c[j]), _mm256_load_ps(buf + j * hd + i), acc);
+                _mm256_storeu_ps(o + i, acc);
+              }
+            }
+          }
         }
         continue;
       }
 #endif
-      for (int64_t i = 0; i < group * hd; i++) o[i] = 0;
-      for (int64_t p2 = 0; p2 < len; p2++)
-        for (int64_t g = 0; g < group; g++) axpy_kv(scores[g * stride + p2], value(p2), o + g * hd, hd);
+      for (int64_t r = 0; r < rows; r++) {
+        const int64_t len = pos[t0 + r] + 1;
+        for (int64_t g = 0; g < group; g++) {
+          const float* q = qbase + (t0 + r) * ldq + (kh * group + g) * hd;
+          float* s_ = &sc[(r * group + g) * stride];
+          for (int64_t p = 0; p < len; p++) s_[p] = dot_kv(q, at(k_cache, p), hd) * scale;
+          softmax(s_, len);
+          float* o = obase + (t0 + r) * ldo + (kh * group + g) * hd;
+          for (int64_t i = 0; i < hd; i++) o[i] = 0;
+          for (int64_t p = 0; p < len; p++) axpy_kv(s_[p], at(v_cache, p), o, hd);
+        }
+      }
     }
   }
 }
@@ -923,12 +946,9 @@ void decoder_layer(float* x, int64_t T, int64_t H, const float* norm1, const flo
                    int threads) {
   const int64_t qsz = nh * hd, kvsz = nkvh * hd, qkv_w = qsz + 2 * kvsz;
   std::vector<float> h(T * H), qkv(T * qkv_w), attn(T * qsz), gu(T * 2 * inter);
-  int64_t max_len = 0;
-  for (int64_t t = 0; t < T; t++) max_len = pos[t] + 1 > max_len ? pos[t] + 1 : max_len;
   QAct act;
 #pragma omp parallel num_threads(threads)
   {
-    std::vector<float> scores((max_len + 8) * (nh / nkvh));
     // attention block
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < T; t++) rms_norm_row(x + t * H, norm1, eps, H, h.data() + t * H);
@@ -950,7 +970,7 @@ void decoder_layer(float* x, int64_t T, int64_t H, const float* norm1, const flo
       }
     }
     attend_team(qkv.data(), qkv_w, k_cache, v_cache, T, seq, pos, block_tables, max_pages, page_size, nh, nkvh,
-                hd, attn.data(), qsz, scores.data());
+                hd, attn.data(), qsz);
 #pragma omp single
     act.set(attn.data(), T, qsz, qsz);
     gemm_team(w[3], act, h.data(), H);  // h = o_proj(attn)
@@ -987,13 +1007,10 @@ extern "C" {
 void ft_attention(const float* q, int64_t T, const float* k_cache, const float* v_cache, const int64_t* seq,
                   const int64_t* pos, const int32_t* block_tables, int64_t max_pages, int64_t page_size,
                   int64_t nh, int64_t nkvh, int64_t hd, float* out) {
-  int64_t max_len = 0;
-  for (int64_t t = 0; t < T; t++) max_len = pos[t] + 1 > max_len ? pos[t] + 1 : max_len;
 #pragma omp parallel num_threads(1)
   {
-    std::vector<float> scores((max_len + 8) * (nh / nkvh));
     attend_team(q, nh * hd, k_cache, v_cache, T, seq, pos, block_tables, max_pages, page_size, nh, nkvh, hd, out,
-                nh * hd, scores.data());
+                nh * hd);
   }
 }
 
