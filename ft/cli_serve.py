@@ -60,6 +60,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-queued-requests", type=int, default=256, help="waiting requests before 503 (default: 256)"
     )
     engine.add_argument(
+        "--max-prefill-tokens",
+        type=int,
+        default=512,
+        help="prompt tokens per step (a quarter of it while other requests decode; default: 512)",
+    )
+    engine.add_argument(
         "--num-pages", type=int, default=None, help="KV cache pages (overrides --kv-cache-memory)"
     )
     engine.add_argument(
@@ -140,6 +146,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerSet
         kv_cache_dtype=args.kv_cache_dtype,
         admission=args.admission,
         max_running_requests=args.max_running_requests,
+        max_prefill_tokens=args.max_prefill_tokens,
         max_queued_requests=args.max_queued_requests,
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,

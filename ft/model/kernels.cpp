@@ -480,9 +480,13 @@ void gemm_row(int type, const uint8_t* wrow, const ActRows& a, int64_t M, float*
 
 // y[m * ldy + c] for c < RC: one repacked group of RC columns against M rows, four at a time.
 void gemm_group(int type, const uint8_t* wg, const ActRows& a, int64_t M, float* y, int64_t ldy) {
-  Act rows[4];
+  Act rows[8];
   const int64_t nb = a.K / QK;
   int64_t m = 0;
+  for (; m + 8 <= M; m += 8) {
+    for (int r = 0; r < 8; r++) rows[r] = a.row(m + r);
+    group_dispatch<8>(type, wg, nb, rows, y + m * ldy, ldy);
+  }
   for (; m + 4 <= M; m += 4) {
     for (int r = 0; r < 4; r++) rows[r] = a.row(m + r);
     group_dispatch<4>(type, wg, nb, rows, y + m * ldy, ldy);

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 BUCKETS = (1, 4, 16, 64)  # rows: 1, 2-4, 5-16, 17-64, more
-EXPLORE_EVERY = 32  # steps of a bucket between two tries of the slower choice, when close
+EXPLORE_EVERY = 128  # steps of a bucket between two tries of the slower choice, when close
 MAX_SPACING = 4096  # at most this many steps between two tries
 SMOOTHING = 0.25  # weight of the newest measurement in the moving average
 
