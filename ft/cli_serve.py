@@ -54,7 +54,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 
     engine = parser.add_argument_group("engine")
     engine.add_argument(
-        "--max-running-requests", type=int, default=16, help="sequences decoded together (default: 16)"
+        "--max-running-requests", type=int, default=32, help="sequences decoded together (default: 32)"
     )
     engine.add_argument(
         "--max-queued-requests", type=int, default=256, help="waiting requests before 503 (default: 256)"

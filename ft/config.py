@@ -35,7 +35,7 @@ class EngineConfig:
     # "reserve": admit only when pages for the whole budget are free (the old policy, a baseline).
     admission: str = "need"
     max_model_len: int | None = None
-    max_running_requests: int = 16
+    max_running_requests: int = 32
     max_queued_requests: int = 256
     max_prefill_tokens: int = 512
     enable_prefix_caching: bool = True
