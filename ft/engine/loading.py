@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -10,6 +11,8 @@ from ft.core.batch import Runner, SeqWork
 from ft.messages import Tokenize
 from ft.tokenizer.job import Executor
 from ft.tokenizer.spec import TokenizerSpec
+
+log = logging.getLogger("ft.engine")
 
 
 @dataclass(frozen=True)
@@ -40,13 +43,14 @@ def load_torch_model(config: EngineConfig, progress: Callable[[float], None] | N
 
     from ft.model import kernels
     from ft.model.dtypes import resolve_dtype
-    from ft.model.loader import is_gguf, load_model
+    from ft.model.loader import is_quantized_gguf, load_model
     from ft.model.torch_runner import TorchRunner
 
     # A quantized GGUF runs as stored unless a float dtype or --quantize was asked for.
-    packed = (
-        config.dtype == "auto" and config.quantize is None and is_gguf(config.model) and kernels.available()
-    )
+    packed = config.dtype == "auto" and config.quantize is None and is_quantized_gguf(config.model)
+    if packed and not kernels.available():
+        log.warning("running the GGUF's weights dequantized to floats: %s", kernels.build_error())
+        packed = False
     loaded = load_model(config.model, torch.float32, progress, quantized=packed)  # the runner casts
     dtype = torch.float32 if config.quantize or packed else resolve_dtype(config.dtype, loaded.config)
     # NOTE: packed weights keep float16 KV by default: half the memory and half the bytes that

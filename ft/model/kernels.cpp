@@ -24,6 +24,12 @@ namespace {
 #define FT_SCALAR
 #endif
 
+#if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
+#define FT_VNNI 1
+#else
+#define FT_VNNI 0
+#endif
+
 constexpr int QK = 32;     // elements per activation block (and per Q4_0/Q4_1/Q8_0 block)
 constexpr int QK_K = 256;  // elements per K-quant super-block
 
@@ -72,8 +78,10 @@ struct Act {
 inline __m256i load32(const void* p) { return _mm256_loadu_si256((const __m256i*)p); }
 
 // Sum of unsigned-by-signed byte products, four adjacent products per 32-bit lane.
+// NOTE: without VNNI the pairs go through 16-bit saturating sums (maddubs): safe for unsigned
+// values up to 128 against |x| <= 127, so Q8_0 is multiplied signed there (see FmtQ8_0).
 inline __m256i dot_us8(__m256i u, __m256i s) {
-#if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
+#if FT_VNNI
   return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
 #else
   return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
@@ -119,6 +127,7 @@ struct FmtQ4_0 {
   static float min(const uint8_t*) { return 0; }
 #if defined(__AVX2__)
   static __m256i weights(const uint8_t* w) { return nibbles32(w + 2); }
+  static __m256i mul(__m256i q, __m256i x) { return dot_us8(q, x); }
 #endif
   FT_SCALAR static int scalar(const uint8_t* w, const int8_t* x) {
     int s = 0;
@@ -134,6 +143,7 @@ struct FmtQ4_1 {
   static float min(const uint8_t* w) { return rd16(w + 2); }
 #if defined(__AVX2__)
   static __m256i weights(const uint8_t* w) { return nibbles32(w + 4); }
+  static __m256i mul(__m256i q, __m256i x) { return dot_us8(q, x); }
 #endif
   FT_SCALAR static int scalar(const uint8_t* w, const int8_t* x) {
     int s = 0;
@@ -143,16 +153,21 @@ struct FmtQ4_1 {
 };
 
 struct FmtQ8_0 {
-  static constexpr int bytes = 34, offset = 128;
+  // With VNNI: u = q + 128 and offset 128 (one unsigned-by-signed instruction); without it,
+  // signed q with the sign trick, whose 16-bit pair sums cannot saturate (|q|, |x| <= 127).
+  static constexpr int bytes = 34, offset = FT_VNNI ? 128 : 0;
   static constexpr bool has_min = false;
   static float scale(const uint8_t* w) { return rd16(w); }
   static float min(const uint8_t*) { return 0; }
 #if defined(__AVX2__)
-  static __m256i weights(const uint8_t* w) { return _mm256_xor_si256(load32(w + 2), _mm256_set1_epi8((char)0x80)); }
+  static __m256i weights(const uint8_t* w) {
+    return FT_VNNI ? _mm256_xor_si256(load32(w + 2), _mm256_set1_epi8((char)0x80)) : load32(w + 2);
+  }
+  static __m256i mul(__m256i q, __m256i x) { return FT_VNNI ? dot_us8(q, x) : dot_ss8(q, x); }
 #endif
   FT_SCALAR static int scalar(const uint8_t* w, const int8_t* x) {
     int s = 0;
-    for (int j = 0; j < 32; j++) s += ((int8_t)w[2 + j] + 128) * x[j];
+    for (int j = 0; j < 32; j++) s += ((int8_t)w[2 + j] + offset) * x[j];
     return s;
   }
 };
@@ -190,7 +205,7 @@ void rows_legacy(const uint8_t* w, int nb, const Act* a, float* out) {
     for (int r = 0; r < MT; r++) {
       const int8_t* x = a[r].qs + b * QK;
       __m256i p[8];
-      for (int i = 0; i < 8; i++) p[i] = dot_us8(q[i], load32(x + 32 * i));
+      for (int i = 0; i < 8; i++) p[i] = Fmt::mul(q[i], load32(x + 32 * i));
       __m256i isum = hsum8(p);
       if (Fmt::offset)
         isum = _mm256_sub_epi32(isum, _mm256_slli_epi32(_mm256_loadu_si256((const __m256i*)(a[r].sx + b)),
@@ -205,7 +220,7 @@ void rows_legacy(const uint8_t* w, int nb, const Act* a, float* out) {
     const __m256i q = Fmt::weights(wb);
     const float d = Fmt::scale(wb), m = Fmt::min(wb);
     for (int r = 0; r < MT; r++) {
-      const int isum = hsum_i32(dot_us8(q, load32(a[r].qs + b * QK))) - Fmt::offset * a[r].sx[b];
+      const int isum = hsum_i32(Fmt::mul(q, load32(a[r].qs + b * QK))) - Fmt::offset * a[r].sx[b];
       acc1[r] += d * a[r].d[b] * isum;
       if (Fmt::has_min) acc1[r] += m * a[r].s[b];
     }
@@ -740,7 +755,7 @@ inline void axpy_kv(float c, const T* v, float* o, int64_t hd) {
 #if defined(__AVX2__)
 // exp(x) for x <= 0 (softmax after subtracting the max): 2^n * p(r), |rel. error| < 2e-7.
 inline __m256 exp_neg(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  x = _mm256_max_ps(_mm256_set1_ps(-87.0f), x);  // NOTE: this operand order keeps a NaN
   const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145752f), x);

@@ -113,6 +113,11 @@ def library() -> ctypes.CDLL:
         return _lib
 
 
+def build_error() -> str | None:
+    """Why the kernels could not be built here (None: they were, or no one tried yet)."""
+    return _error
+
+
 def available() -> bool:
     """Whether the kernels can be built and loaded here."""
     try:

@@ -71,6 +71,22 @@ def is_gguf(path: str | pathlib.Path | None) -> bool:
     return p.is_file() and (p.suffix.lower() == ".gguf" or _is_gguf(p))
 
 
+def is_quantized_gguf(path: str | pathlib.Path | None) -> bool:
+    """Whether `path` (None: the default model) is a GGUF whose 2-D weights are mostly of a
+    quantized type (not F32/F16/BF16): those run as stored; float files stay float."""
+    if not is_gguf(path):
+        return False
+    if path is None:
+        from ft.model.pull import default_model_path
+
+        path = default_model_path()
+    from ft.model.gguf_file import GGUFFile
+
+    weights = [t.tensor_type for t in GGUFFile(pathlib.Path(path).expanduser()).tensors if t.data.ndim == 2]
+    quantized = [t for t in weights if int(t) not in (0, 1, 30)]  # F32, F16, BF16
+    return bool(weights) and 2 * len(quantized) >= len(weights)
+
+
 def _is_gguf(p: pathlib.Path) -> bool:
     with p.open("rb") as f:
         return f.read(4) == b"GGUF"

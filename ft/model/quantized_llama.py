@@ -86,6 +86,11 @@ class QuantizedLlama:
         self.embed = _quant(sd["model.embed_tokens.weight"])
         head = sd.get("lm_head.weight")
         self.lm_head = self.embed if head is None or config.tie_word_embeddings else _quant(head)
+        if min(self.embed.rows, self.lm_head.rows) < config.vocab_size:  # ids index them unchecked
+            raise ValueError(
+                f"the model's vocabulary ({config.vocab_size}) is larger than its embedding "
+                f"({self.embed.rows} rows) or lm_head ({self.lm_head.rows} rows)"
+            )
         self.norm = _float(sd["model.norm.weight"])
         self.layers = [_Layer(sd, f"model.layers.{i}.") for i in range(config.num_layers)]
         self.inv_freq = rope_inv_freq(config)

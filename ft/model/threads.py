@@ -33,6 +33,7 @@ class ThreadChooser:
     def __init__(self, choices: tuple[int, ...]) -> None:
         self.choices = choices
         self._cost: dict[tuple[int, int], float] = {}  # (bucket, threads) -> seconds per row
+        self._warm: set[tuple[int, int]] = set()  # keys whose first (cold) step was seen
         self._steps: dict[int, int] = {}
         self._next_try: dict[int, int] = {}  # bucket -> step count of the next try
 
@@ -45,7 +46,7 @@ class ThreadChooser:
         if untried:
             return untried[0]
         ranked = sorted(self.choices, key=lambda n: self._cost[bucket, n])
-        if len(ranked) == 1 or count < self._next_try.get(bucket, 0):
+        if len(ranked) == 1 or count < self._next_try.setdefault(bucket, count + EXPLORE_EVERY):
             return ranked[0]
         ratio = self._cost[bucket, ranked[1]] / max(self._cost[bucket, ranked[0]], 1e-9)
         self._next_try[bucket] = count + min(MAX_SPACING, int(EXPLORE_EVERY * max(1.0, ratio)))
@@ -54,9 +55,16 @@ class ThreadChooser:
     def record(self, rows: int, threads: int, seconds: float) -> None:
         """Fold one step's duration into the moving average of its bucket and thread count."""
         key = (_bucket(rows), threads)
+        if key not in self._warm:  # NOTE: a first step pays page faults and thread start-up
+            self._warm.add(key)
+            return
         cost = seconds / max(rows, 1)
         old = self._cost.get(key)
-        self._cost[key] = cost if old is None else (1 - SMOOTHING) * old + SMOOTHING * cost
+        # A try much faster than the average replaces it: the average may hold a bad spell.
+        if old is None or cost < old / 2:
+            self._cost[key] = cost
+        else:
+            self._cost[key] = (1 - SMOOTHING) * old + SMOOTHING * cost
 
     @contextmanager
     def timed(self, rows: int) -> Iterator[int]:

@@ -89,14 +89,16 @@ def test_repacked_weights_give_the_same_products_and_rows(qtype: int, rows: int)
 
 
 @pytest.mark.parametrize("qtype", sorted(KERNEL_TYPES))
-def test_portable_build_gives_the_same_products(qtype: int) -> None:
-    """The plain C++ paths (built without AVX2, as on CPUs that lack it) give the same sums."""
-    portable = kernels.build_library("x86-64")
+@pytest.mark.parametrize("march", ["x86-64", "haswell"])
+def test_other_builds_give_the_same_products(qtype: int, march: str) -> None:
+    """The plain C++ paths (x86-64: no AVX2) and the AVX2 paths without VNNI (haswell: 16-bit
+    saturating pair sums) give the native build's sums, on every type."""
+    other = kernels.build_library(march)
     w = packed_weight(qtype, 24, 512, seed=3)
     x = torch.randint(-127, 128, (5, 512)).float()
     x[:, ::32] = 127
     out = torch.empty(5, 24)
-    kernels.gemm_into(out, w, kernels.QuantizedActivations(x, portable), portable)
+    kernels.gemm_into(out, w, kernels.QuantizedActivations(x, other), other)
     assert torch.allclose(out, product(w, x), rtol=1e-5, atol=1e-3 * out.abs().max().item())
 
 
@@ -232,3 +234,27 @@ def test_paged_attention_matches_torch(lengths: tuple[int, ...]) -> None:
             n,
             (out[i].view(nh, 1, hd) - ref).abs().max(),
         )
+
+
+@pytest.mark.parametrize(
+    ("qtype", "expected"), [(GGMLQuantizationType.F32, False), (GGMLQuantizationType.Q8_0, True)]
+)
+def test_only_quantized_gguf_files_run_packed(
+    tmp_path: pathlib.Path, qtype: GGMLQuantizationType, expected: bool
+) -> None:
+    """A GGUF of float weights stays float (not requantized to int8 behind the user's back)."""
+    from gguf import GGUFWriter
+
+    from ft.model.loader import is_quantized_gguf
+
+    path = tmp_path / "m.gguf"
+    writer = GGUFWriter(str(path), "llama")
+    weight = np.random.default_rng(0).standard_normal((8, 64)).astype(np.float32)
+    data = weight if qtype == GGMLQuantizationType.F32 else quantize(weight, qtype)
+    writer.add_tensor("blk.0.attn_q.weight", data, raw_dtype=qtype)
+    writer.add_tensor("blk.0.attn_norm.weight", np.ones(64, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert is_quantized_gguf(path) is expected
