@@ -160,9 +160,12 @@ def gemm_into(
 ) -> None:
     """`out[:, :N] = x @ W.T` for `W` stored as GGUF blocks (or repacked groups of them)."""
     data = weight.data
+    lib = lib or library()
+    if weight.columns and lib.ft_repack_columns() != weight.columns:
+        raise ValueError(f"weights repacked for {weight.columns} columns, this build multiplies rows")
     assert out.dtype == torch.float32 and out.stride(1) == 1 and out.shape[0] == x.rows
     assert data.dtype == torch.uint8 and data.is_contiguous() and weight.cols == x.cols
-    (lib or library()).ft_gemm(
+    lib.ft_gemm(
         weight.qtype, data.data_ptr(), weight.rows, weight.cols, data.shape[1], weight.columns,
         x.qs.data_ptr(), x.d.data_ptr(), x.s.data_ptr(), x.sx.data_ptr(), x.rows, out.data_ptr(),
         out.stride(0), torch.get_num_threads(),
