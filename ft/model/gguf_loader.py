@@ -99,13 +99,18 @@ def as_stored(tensor: GGUFTensor) -> QuantTensor:
     if int(tensor.tensor_type) in KERNEL_TYPES:
         data = torch.from_numpy(np.array(tensor.data, dtype=np.uint8, copy=True))
         return QuantTensor(data, int(tensor.tensor_type), cols)
+    return to_q8_0(_dequantized(tensor).reshape(-1, cols))
+
+
+def _dequantized(tensor: GGUFTensor) -> np.ndarray:
+    """The tensor's values as a float32 array."""
     try:
         array = dequantize(tensor.data, tensor.tensor_type)
     except NotImplementedError as exc:
         raise ValueError(
             f"GGUF tensor {tensor.name} has type {tensor.tensor_type.name}, which cannot be dequantized"
         ) from exc
-    return to_q8_0(np.asarray(array, dtype=np.float32).reshape(-1, cols))
+    return np.array(array, dtype=np.float32, copy=True)
 
 
 def _cols(tensor: GGUFTensor) -> int:
@@ -138,13 +143,7 @@ def gguf_tensors(
 
             sd[_hf_name(tensor.name)] = repacked(_unpermuted(as_stored(tensor), tensor.name, config, arch))
             continue
-        try:
-            array = dequantize(tensor.data, tensor.tensor_type)
-        except NotImplementedError as exc:
-            raise ValueError(
-                f"GGUF tensor {tensor.name} has type {tensor.tensor_type.name}, which cannot be dequantized"
-            ) from exc
-        w = torch.from_numpy(np.array(array, dtype=np.float32, copy=True))
+        w = torch.from_numpy(_dequantized(tensor))
         if tensor.name == "rope_freqs.weight":
             freq_factors = tuple(float(x) for x in w.flatten().tolist())
             continue

@@ -129,6 +129,16 @@ def hf_run(hf_model: object, prompt_ids: list[list[int]]) -> tuple[list[list[int
     return sequences, result.logits[0].float()
 
 
+def agreement(outputs: list[list[int]], expected_tokens: list[list[int]]) -> tuple[int, int]:
+    """Greedy tokens that agree, counted to each prompt's first difference, and the total."""
+    agreeing = total = 0
+    for out, expected in zip(outputs, expected_tokens, strict=True):
+        pairs = zip(out[: len(expected)], expected, strict=True)
+        agreeing += next((k for k, (a, b) in enumerate(pairs) if a != b), len(expected))
+        total += len(expected)
+    return agreeing, total
+
+
 def test_tokenizer_ids_match_transformers(loaded: LoadedModel, hf_tokenizer: object) -> None:
     tok = loaded.tokenizer.build()
     for text in TEXTS:
@@ -184,13 +194,7 @@ def test_narrow_kv_cache_stays_close_to_transformers(
     outputs, first_logits = run_ft(loaded, prompt_ids, kv_dtype)
     expected_tokens, expected_logits = hf_run
     diff = (expected_logits - first_logits).abs().max().item()
-    agreeing = total = 0
-    for out, expected in zip(outputs, expected_tokens, strict=True):
-        same = next(
-            (k for k, (a, b) in enumerate(zip(out[: len(expected)], expected, strict=True)) if a != b),
-            len(expected),
-        )
-        agreeing, total = agreeing + same, total + len(expected)
+    agreeing, total = agreement(outputs, expected_tokens)
     print(f"kv {kv_dtype}: max |logit diff| {diff:.4g}, greedy tokens agreeing {agreeing}/{total}")
     assert diff < KV_LOGIT_TOLERANCE[kv_dtype]
     assert agreeing / total >= KV_MIN_AGREEMENT[kv_dtype]
@@ -222,13 +226,7 @@ def test_packed_weights_stay_close_to_transformers(
     outputs, first_logits = run_ft(packed, prompt_ids, kv_dtype)
     expected_tokens, expected_logits = hf_run
     diff = (expected_logits - first_logits).abs().max().item()
-    agreeing = total = 0
-    for out, expected in zip(outputs, expected_tokens, strict=True):
-        same = next(
-            (k for k, (a, b) in enumerate(zip(out[: len(expected)], expected, strict=True)) if a != b),
-            len(expected),
-        )
-        agreeing, total = agreeing + same, total + len(expected)
+    agreeing, total = agreement(outputs, expected_tokens)
     print(f"packed, kv {kv_dtype}: max |logit diff| {diff:.4g}, greedy tokens agreeing {agreeing}/{total}")
     assert diff < PACKED_LOGIT_TOLERANCE
     assert agreeing / total >= PACKED_MIN_AGREEMENT
