@@ -62,8 +62,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument(
         "--max-prefill-tokens",
         type=int,
-        default=512,
-        help="prompt tokens per step (a quarter of it while other requests decode; default: 512)",
+        default=1024,
+        help="prompt tokens per step (a quarter of it while other requests decode; default: 1024)",
     )
     engine.add_argument(
         "--num-pages", type=int, default=None, help="KV cache pages (overrides --kv-cache-memory)"

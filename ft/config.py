@@ -37,7 +37,7 @@ class EngineConfig:
     max_model_len: int | None = None
     max_running_requests: int = 32
     max_queued_requests: int = 256
-    max_prefill_tokens: int = 512
+    max_prefill_tokens: int = 1024
     enable_prefix_caching: bool = True
     tokenizer_workers: int = 1
     compute_threads: int | None = None
