@@ -12,6 +12,7 @@ import torch
 from gguf.quants import dequantize
 
 from ft.model.gguf_file import GGUFFile, GGUFTensor
+from ft.model.kernels import repacked
 from ft.model.llama import LlamaConfig, Progress
 from ft.model.quant import KERNEL_TYPES, QuantTensor, to_q8_0
 from ft.tokenizer.spec import (
@@ -139,8 +140,6 @@ def gguf_tensors(
         if progress is not None:
             progress(i / len(reader.tensors))
         if quantized and tensor.data.ndim == 2 and tensor.name != "rope_freqs.weight":
-            from ft.model.kernels import repacked
-
             sd[_hf_name(tensor.name)] = repacked(_unpermuted(as_stored(tensor), tensor.name, config, arch))
             continue
         w = torch.from_numpy(_dequantized(tensor))

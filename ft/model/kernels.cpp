@@ -514,11 +514,6 @@ void gemm_group(int type, const uint8_t* wg, const ActRows& a, int64_t M, float*
 
 extern "C" {
 
-// Types the kernels multiply directly (GGML type ids).
-int ft_supports(int type) {
-  return type == Q4_0 || type == Q4_1 || type == Q8_0 || type == Q4_K || type == Q6_K;
-}
-
 // x [M, K] float32 (row stride ldx) -> qs [M, K] int8; d, s, sx [M, K/32]. K % 32 == 0.
 void ft_quantize_q8(const float* x, int64_t M, int64_t K, int64_t ldx, int8_t* qs, float* d, float* s,
                     int32_t* sx, int threads) {

@@ -71,8 +71,6 @@ def build_library(march: str = "native") -> ctypes.CDLL:
             os.replace(out, target)  # atomic: concurrent builders leave one complete file
     lib = ctypes.CDLL(str(target))
     i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
-    lib.ft_supports.argtypes = [i32]
-    lib.ft_supports.restype = i32
     lib.ft_quantize_q8.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, ptr, i32]
     lib.ft_quantize_q8.restype = None
     lib.ft_gemm.argtypes = [i32, ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr, i64, ptr, i64, i32]
@@ -125,11 +123,6 @@ def available() -> bool:
     except RuntimeError:
         return False
     return True
-
-
-def supports(qtype: int) -> bool:
-    """Whether `qtype` (a GGML type id) is multiplied directly."""
-    return bool(library().ft_supports(qtype))
 
 
 class QuantizedActivations:

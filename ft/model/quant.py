@@ -35,11 +35,6 @@ class QuantTensor:
         """Output features."""
         return int(self.data.shape[0])
 
-    @property
-    def nbytes(self) -> int:
-        """Bytes held."""
-        return int(self.data.numel())
-
     def dequantize(self) -> torch.Tensor:
         """The float32 weight `[rows, cols]` (tests and fallbacks only)."""
         if self.columns:

@@ -187,7 +187,7 @@ class TorchRunner:
         with torch.inference_mode():
             if self.packed is not None:
                 ids = torch.tensor(token_ids, dtype=torch.long)
-                index = self._step_index(works)
+                index = self._step_index(works, positions)
                 hidden = self.packed.forward(ids, index, self.k_cache, self.v_cache, self._page_size)
             else:
                 spans = [SeqSpan(w.start_pos, len(w.token_ids), w.page_ids) for w in works]
@@ -197,19 +197,17 @@ class TorchRunner:
             rows = hidden if len(sample_rows) == len(token_ids) else hidden[sample_rows]  # [R, hidden]
             return self._lm_head(rows)  # [R, vocab]
 
-    def _step_index(self, works: list[SeqWork]) -> StepIndex:
+    def _step_index(self, works: list[SeqWork], positions: list[int]) -> StepIndex:
         page = self._page_size
         max_pages = max((w.start_pos + len(w.token_ids) + page - 1) // page for w in works)
         tables = torch.zeros(len(works), max_pages, dtype=torch.int32)
         seq: list[int] = []
         slots: list[int] = []
-        positions: list[int] = []
         for i, w in enumerate(works):
             pages = w.page_ids[:max_pages]
             tables[i, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
             seq.extend([i] * len(w.token_ids))
             span = range(w.start_pos, w.start_pos + len(w.token_ids))
-            positions.extend(span)
             slots.extend(pages[q // page] * page + q % page for q in span)
         return StepIndex(
             slot_of=torch.tensor(slots, dtype=torch.long),
