@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from typing import assert_never
 
@@ -22,6 +23,8 @@ from ft.messages import (
 
 DecodeFn = Callable[[Sequence[int], bool], str]  # (ids, skip_special_tokens) -> text
 
+log = logging.getLogger("ft.detokenizer")
+
 CONTEXT_TOKENS = 6  # prompt tokens given to each decoder as left context
 
 
@@ -34,26 +37,32 @@ class DetokenizerActor:
         scheduler: trio.MemorySendChannel[SchedulerIn],
         registry: Registry,
         decode: DecodeFn,
-        on_first_token: Callable[[RequestEntry], None] | None = None,
+        on_tokens: Callable[[RequestEntry], None] | None = None,
     ) -> None:
         self.inbox = inbox
         self.scheduler = scheduler
         self.registry = registry
         self.decode = decode
-        self.on_first_token = on_first_token
+        self.on_tokens = on_tokens  # once per step for each request that got tokens in it
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Route outputs until the inbox closes."""
         task_status.started()
         async for outs in self.inbox:
+            routed: dict[int, RequestEntry] = {}
             for out in outs:
                 match out:
                     case TokenOut():
-                        self._route(out)
+                        entry = self._route(out)
+                        if entry is not None:
+                            routed[entry.uid] = entry
                     case SeqFailed(uid=uid, error=error):
                         self.registry.fail(uid, error)
                     case _:
                         assert_never(out)
+            if self.on_tokens is not None:
+                for entry in routed.values():
+                    self.on_tokens(entry)
 
     def _decoder(self, entry: RequestEntry, index: int) -> SeqDetokenizer:
         detok = entry.detoks.get(index)
@@ -67,13 +76,13 @@ class DetokenizerActor:
             entry.detoks[index] = detok
         return detok
 
-    def _route(self, out: TokenOut) -> None:
+    def _route(self, out: TokenOut) -> RequestEntry | None:
         entry = self.registry.get(out.uid)
         if entry is None:
-            return
+            return None
         detok = self._decoder(entry, out.index)
         if detok.is_finished:
-            return
+            return None
         is_last = out.finish_reason is not None
         text, stop = detok.add(out.token_id, is_last=is_last, is_hidden=out.is_hidden)
         finish_reason: str | None = out.finish_reason
@@ -82,8 +91,10 @@ class DetokenizerActor:
             finish_reason, stop_reason = "stop", stop
             if not is_last:
                 self.scheduler.send_nowait(FinishSeq(out.seq_id))
-        if entry.first_token_at is None and self.on_first_token is not None:
-            self.on_first_token(entry)
+        if finish_reason is not None:
+            log.debug(
+                "uid %d: choice %d finished (%s)", entry.uid, out.index, finish_reason, extra=entry.log_extra
+            )
         logprobs: tuple[TokenLogprob, ...] = ()
         if entry.params.logprobs and out.logprob is not None and not out.is_hidden:
             logprobs = (self._logprob(out),)
@@ -99,6 +110,7 @@ class DetokenizerActor:
                 num_cached_tokens=out.num_cached_tokens,
             ),
         )
+        return entry
 
     def _logprob(self, out: TokenOut) -> TokenLogprob:
         assert out.logprob is not None

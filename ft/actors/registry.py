@@ -26,7 +26,16 @@ class RequestEntry:
     created_at: float
     detoks: dict[int, SeqDetokenizer] = field(default_factory=dict)
     prompt_ids: tuple[int, ...] = ()
+    request_id: str = ""  # the caller's id for it (the HTTP `X-Request-Id`), for logs
+    scheduled_at: float | None = None  # its first step was scheduled (the end of its queue time)
     first_token_at: float | None = None
+    last_token_at: float | None = None
+    token_gaps: list[float] = field(default_factory=list)  # seconds between steps that gave tokens
+
+    @property
+    def log_extra(self) -> dict[str, str]:
+        """`extra=` for a log record about this request (`ft.logs` shows its id)."""
+        return {"request_id": self.request_id}
 
 
 class Registry:

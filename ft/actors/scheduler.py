@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import assert_never
 
@@ -19,6 +20,8 @@ from ft.messages import (
     SchedulerIn,
     StepDone,
 )
+
+log = logging.getLogger("ft.scheduler")
 
 
 class SchedulerActor:
@@ -47,11 +50,15 @@ class SchedulerActor:
         async for msg in self.inbox:
             match msg:
                 case Enqueue(uid=uid, prompt_ids=ids, params=params):
-                    if uid in self.registry:
+                    entry = self.registry.get(uid)
+                    if entry is not None:
                         try:
                             self.core.add(uid, list(ids), params)
                         except FtError as e:
+                            log.debug("uid %d: refused: %s", uid, e, extra=entry.log_extra)
                             self.registry.fail(uid, e)
+                        else:
+                            log.debug("uid %d: queued, %d tokens", uid, len(ids), extra=entry.log_extra)
                 case Abort(uid=uid):
                     self.core.abort(uid)
                 case FinishSeq(seq_id=seq_id):
@@ -71,3 +78,19 @@ class SchedulerActor:
                 if batch is not None:
                     self.in_flight = batch
                     self.runner.send_nowait(batch)
+                    self._mark_scheduled(batch)
+
+    def _mark_scheduled(self, batch: Batch) -> None:
+        """Stamp the requests whose first step this is (their queue time ends here)."""
+        now = trio.current_time()
+        for work in batch.works:
+            seq = self.core.running.get(work.seq_id)
+            entry = self.registry.get(seq.uid) if seq is not None else None
+            if entry is not None and entry.scheduled_at is None:
+                entry.scheduled_at = now
+                log.debug(
+                    "uid %d: scheduled after %.3f s",
+                    entry.uid,
+                    now - entry.created_at,
+                    extra=entry.log_extra,
+                )

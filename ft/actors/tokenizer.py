@@ -56,6 +56,7 @@ class TokenizerActor:
         try:
             ids = await self.tokenize(msg)
         except FtError as e:
+            log.debug("uid %d: tokenization refused: %s", msg.uid, e)
             self.registry.fail(msg.uid, e)
             return
         # No checkpoint between this check and the sends: a request whose scope closed is
@@ -65,6 +66,7 @@ class TokenizerActor:
         entry = self.registry.get(msg.uid)
         assert entry is not None
         entry.prompt_ids = tuple(ids)  # left context for the request's detokenizers
+        log.debug("uid %d: tokenized, %d prompt tokens", msg.uid, len(ids), extra=entry.log_extra)
         entry.send.send_nowait(PromptReady(entry.prompt_ids))
         self.scheduler.send_nowait(Enqueue(msg.uid, tuple(ids), msg.params))
 

@@ -81,6 +81,7 @@ class Scheduler:
         self._next_seq_id = 0
         self._step = 0
         self.num_prefix_hit_tokens = 0
+        self.num_prefix_query_tokens = 0  # tokens looked up in the prefix cache at admission
         self.num_preemptions = 0  # requests preempted (one count per request, not per choice)
         self.num_recomputed_tokens = 0  # tokens computed again after a preemption
 
@@ -164,6 +165,8 @@ class Scheduler:
             seq.num_registered = len(m)
             seq.num_computed = len(m) * self.pool.page_size
             self.num_prefix_hit_tokens += seq.num_computed
+            if self.enable_prefix_caching:
+                self.num_prefix_query_tokens += seq.num_tokens
             if not seq.output_ids:  # what usage reports: hits on the prompt, before any output
                 seq.num_cached_prompt = min(seq.num_computed, len(seq.prompt_ids))
             if seq.num_lost:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import logging
 import math
 import os
 import tempfile
@@ -31,9 +32,17 @@ from ft.engine.loading import EngineHooks, load_torch_model
 from ft.engine.stats import Stats
 from ft.engine.stream import RequestStream
 from ft.errors import EngineStopping, FtError, InvalidRequest, Overloaded, RequestAborted
+from ft.ids import random_id
 from ft.messages import Abort, Batch, DetokenizerIn, SchedulerIn, StepDone, Tokenize
 from ft.params import SamplingParams
-from ft.tokenizer.job import Executor, tokenize_job
+from ft.tokenizer.job import Executor, ignore_stop_signals, tokenize_job
+
+log = logging.getLogger("ft.engine")
+
+# Seconds between the engine's DEBUG summaries (only while the log level shows them).
+SUMMARY_PERIOD_S = 10.0
+# Seconds tokenizer workers get to exit once the engine stops, before they are killed.
+WORKER_GRACE_S = 5.0
 
 
 class EngineState(enum.StrEnum):
@@ -83,6 +92,7 @@ class Engine:
         self._abort_timeout_s = 0.0
         self._tokenize_slots = trio.CapacityLimiter(config.tokenizer_workers)
         self._running: Running | None = None  # set once the actors have started
+        self._workers: trio_parallel.WorkerContext | None = None  # tokenizer worker processes
         self._tmpdir = tempfile.TemporaryDirectory(prefix="ft-")
 
     # --- lifetime ----------------------------------------------------------------------------
@@ -161,27 +171,50 @@ class Engine:
                 sched_send.clone(),
                 self.registry,
                 self._decode,
-                on_first_token=self._on_first_token,
+                on_tokens=self._on_tokens,
             ).run
         )
         self._running = Running(core, spec.build(), tokenizer_actor, sched_send, tok_send)
         if self.hooks.tokenize_executor is None:  # spawn the worker now, not on first use
             await tokenizer_actor.tokenize(Tokenize(uid=0, params=SamplingParams(), prompt="warm up"))
+        if log.isEnabledFor(logging.DEBUG):
+            nursery.start_soon(self._log_summaries)
         self.stats.started()
         self.load_progress = 1.0
         if self.state == EngineState.LOADING:  # a drain that began while loading stands
             self.state = EngineState.READY
 
+    async def _log_summaries(self) -> None:
+        """Every `SUMMARY_PERIOD_S`, while anything is live, one DEBUG line on the engine's state."""
+        while True:
+            await trio.sleep(SUMMARY_PERIOD_S)
+            if not len(self.registry):
+                continue
+            snap = self.snapshot()
+            req, kv, tps = snap["requests"], snap["kv"], snap["throughput"]
+            log.debug(
+                "summary: %d running, %d waiting; KV %d/%d pages (%d cached); "
+                "decode %.1f tok/s, prefill %.1f tok/s",
+                req["running"],
+                req["waiting"],
+                kv["used_pages"],
+                kv["total_pages"],
+                kv["cached_pages"],
+                tps["decode_tps"],
+                tps["prefill_tps"],
+            )
+
     def _on_progress(self, fraction: float) -> None:
         # Called from the loading thread: a float assignment, nothing else.
         self.load_progress = round(0.9 * fraction, 3)
 
-    @staticmethod
-    def _worker_executor(workers: int) -> Executor:
+    def _worker_executor(self, workers: int) -> Executor:
         limiter = trio.CapacityLimiter(workers)
+        context = self._workers
+        assert context is not None, "the engine is not running (use open_engine)"
 
         async def executor(job: Callable[[bytes], bytes], payload: bytes) -> bytes:
-            result: bytes = await trio_parallel.run_sync(job, payload, limiter=limiter)
+            result: bytes = await context.run_sync(job, payload, limiter=limiter)
             return result
 
         return executor
@@ -236,8 +269,12 @@ class Engine:
         chat_template_kwargs: dict[str, Any] | None = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        request_id: str | None = None,
     ) -> AsyncIterator[RequestStream]:
         """Register a request for the block's duration; yield its stream of deltas.
+
+        `request_id` names the request in the engine's logs and in its `RequestReport` (the
+        server passes the HTTP `X-Request-Id`); one is made when it is None.
 
         The exit (success, exception or cancellation) unregisters the uid and posts `Abort`,
         which frees its KV pages and running slot; it is synchronous, so it is safe to leave
@@ -258,9 +295,14 @@ class Engine:
         # for each choice, and one Failed.
         bound = params.n * ((params.max_tokens or self.max_model_len) + 1) + 2
         send, recv = trio.open_memory_channel[Any](bound)
-        entry = RequestEntry(uid, params, send, trio.current_time())
+        entry = RequestEntry(
+            uid, params, send, trio.current_time(), request_id=request_id or random_id("req-")
+        )
         stream = RequestStream(uid, params, recv)
         self.registry.add(entry)
+        log.debug(
+            "uid %d: opened (n=%d, max_tokens=%s)", uid, params.n, params.max_tokens, extra=entry.log_extra
+        )
         outcome = "aborted"
         try:
             running.tokenizer_inbox.send_nowait(
@@ -291,7 +333,16 @@ class Engine:
                 running.scheduler_inbox.send_nowait(Abort(uid))
             except (trio.ClosedResourceError, trio.BrokenResourceError):
                 pass  # the engine has stopped; its scheduler holds nothing any more
-            self.stats.record(outcome, entry, stream, trio.current_time())
+            report = self.stats.record(outcome, entry, stream, trio.current_time())
+            log.debug(
+                "uid %d: closed %s after %.3f s (%d prompt + %d output tokens)",
+                entry.uid,
+                outcome,
+                report.e2e_s,
+                report.num_prompt_tokens,
+                report.num_output_tokens,
+                extra=entry.log_extra,
+            )
 
     async def generate(self, prompt: str, params: SamplingParams | None = None) -> str:
         """Complete `prompt` (no chat template); return the first choice's text."""
@@ -393,8 +444,13 @@ class Engine:
         decoded = self._started().tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
         return str(decoded)
 
-    def _on_first_token(self, entry: RequestEntry) -> None:
-        entry.first_token_at = trio.current_time()
+    def _on_tokens(self, entry: RequestEntry) -> None:
+        now = trio.current_time()
+        if entry.first_token_at is None:
+            entry.first_token_at = now
+        elif entry.last_token_at is not None:
+            entry.token_gaps.append(now - entry.last_token_at)
+        entry.last_token_at = now
 
     def _on_step(self, done: StepDone) -> None:
         self.stats.step(done, trio.current_time())
@@ -488,6 +544,7 @@ class Engine:
                 "preemptions": core.num_preemptions if core else 0,
                 "recomputed_tokens": core.num_recomputed_tokens if core else 0,
                 "prefix_hit_tokens": core.num_prefix_hit_tokens if core else 0,
+                "prefix_query_tokens": core.num_prefix_query_tokens if core else 0,
             },
             "throughput": self.stats.throughput(trio.current_time()),
             "requests": {
@@ -524,15 +581,21 @@ async def open_engine(
     """
     engine = Engine(config or EngineConfig(), hooks or EngineHooks())
     try:
-        async with trio.open_nursery() as nursery:
-            engine._nursery = nursery
-            nursery.start_soon(engine._boot, nursery)
-            if wait_ready:
-                await engine.wait_ready()
-            try:
-                yield engine
-            finally:
-                engine.state = EngineState.STOPPED
-                nursery.cancel_scope.cancel()
+        # Workers ignore SIGINT/SIGTERM (a terminal's Ctrl-C and a process-group signal reach
+        # them too): stopping is this process's decision; they exit when their context closes.
+        async with trio_parallel.open_worker_context(
+            init=ignore_stop_signals, grace_period=WORKER_GRACE_S
+        ) as workers:
+            engine._workers = workers
+            async with trio.open_nursery() as nursery:
+                engine._nursery = nursery
+                nursery.start_soon(engine._boot, nursery)
+                if wait_ready:
+                    await engine.wait_ready()
+                try:
+                    yield engine
+                finally:
+                    engine.state = EngineState.STOPPED
+                    nursery.cancel_scope.cancel()
     finally:
         engine._tmpdir.cleanup()

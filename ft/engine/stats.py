@@ -1,9 +1,12 @@
-"""Event counters and latency windows behind `/v1/stats` (request gauges are derived)."""
+"""Event counters and latency windows behind `/v1/stats` (request gauges are derived), and the
+`RequestReport` each closed request leaves for observers (the server's Prometheus metrics)."""
 
 from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from ft.actors.registry import RequestEntry
@@ -13,6 +16,10 @@ from ft.messages import StepDone
 WINDOW_S = 10.0
 
 
+def _since(start: float, end: float | None) -> float | None:
+    return None if end is None else end - start
+
+
 def _p95(values: deque[float]) -> float:
     if not values:
         return 0.0
@@ -20,8 +27,38 @@ def _p95(values: deque[float]) -> float:
     return ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))]
 
 
+@dataclass(frozen=True, slots=True)
+class RequestReport:
+    """One closed engine request, as measured from its own events (seconds, trio clock).
+
+    `outcome` is "completed", "aborted", "rejected" or "failed"; `finish_reasons` has one entry
+    per choice that finished ("stop", "length"). `queue_s` runs from the scope's entry to the
+    first step scheduled for it (tokenizing and waiting for a slot), `ttft_s` to its first
+    token; each of `token_gaps_s` is the time between two steps that gave it tokens. Times are
+    None for a request that never got that far.
+    """
+
+    request_id: str
+    outcome: str
+    finish_reasons: tuple[str, ...]
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+    e2e_s: float
+    queue_s: float | None
+    ttft_s: float | None
+    token_gaps_s: tuple[float, ...]
+
+
+RequestObserver = Callable[[RequestReport], None]
+
+
 class Stats:
-    """Counts what happened (completed, aborted, ...) and recent step throughput."""
+    """Counts what happened (completed, aborted, ...) and recent step throughput.
+
+    `observers` are called with each `RequestReport`, synchronously at the request scope's exit
+    (possibly in a cancelled task): they must be quick and must not raise.
+    """
 
     def __init__(self) -> None:
         self.started_at = time.monotonic()
@@ -34,6 +71,7 @@ class Stats:
         self._ttfts: deque[float] = deque(maxlen=1000)
         self._latencies: deque[float] = deque(maxlen=1000)
         self._steps: deque[tuple[float, int, int]] = deque()
+        self.observers: list[RequestObserver] = []
 
     def started(self) -> None:
         """Mark the moment the engine became ready."""
@@ -43,8 +81,8 @@ class Stats:
         """Seconds since the engine became ready."""
         return time.monotonic() - self.started_at
 
-    def record(self, outcome: str, entry: RequestEntry, stream: RequestStream, now: float) -> None:
-        """Account for a request whose scope just closed."""
+    def record(self, outcome: str, entry: RequestEntry, stream: RequestStream, now: float) -> RequestReport:
+        """Account for a request whose scope just closed; tell the observers; return its report."""
         setattr(self, outcome, getattr(self, outcome) + 1)
         self.prompt_tokens_total += stream.num_prompt_tokens
         self.completion_tokens_total += stream.num_completion_tokens
@@ -52,6 +90,21 @@ class Stats:
             self._latencies.append(now - entry.created_at)
             if entry.first_token_at is not None:
                 self._ttfts.append(entry.first_token_at - entry.created_at)
+        report = RequestReport(
+            request_id=entry.request_id,
+            outcome=outcome,
+            finish_reasons=tuple(stream.finish_reasons[i] for i in sorted(stream.finish_reasons)),
+            num_prompt_tokens=stream.num_prompt_tokens,
+            num_output_tokens=stream.num_completion_tokens,
+            num_cached_tokens=stream.num_cached_tokens,
+            e2e_s=now - entry.created_at,
+            queue_s=_since(entry.created_at, entry.scheduled_at),
+            ttft_s=_since(entry.created_at, entry.first_token_at),
+            token_gaps_s=tuple(entry.token_gaps),
+        )
+        for observe in self.observers:
+            observe(report)
+        return report
 
     def step(self, done: StepDone, now: float) -> None:
         """Account for one model step."""

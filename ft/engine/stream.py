@@ -47,7 +47,7 @@ class RequestStream:
         self.num_completion_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens the prefix cache supplied (once admitted)
         self._recv = recv
-        self._finished: set[int] = set()
+        self.finish_reasons: dict[int, str] = {}  # by choice index, once it has finished
         self._pending: Delta | None = None
 
     @property
@@ -58,7 +58,7 @@ class RequestStream:
     @property
     def is_finished(self) -> bool:
         """True once every choice has its finish reason."""
-        return len(self._finished) == self.params.n
+        return len(self.finish_reasons) == self.params.n
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -70,7 +70,7 @@ class RequestStream:
         self.num_completion_tokens += len(delta.token_ids)
         self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
         if delta.finish_reason is not None:
-            self._finished.add(delta.index)
+            self.finish_reasons[delta.index] = delta.finish_reason
         return delta
 
     async def wait_prompt(self) -> tuple[int, ...]:

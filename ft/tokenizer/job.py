@@ -6,6 +6,7 @@ Kept free of torch and trio so worker processes start fast and stay small.
 from __future__ import annotations
 
 import os
+import signal
 from collections.abc import Awaitable, Callable
 
 import cbor2
@@ -24,6 +25,16 @@ CONTINUE_MARKER = "\x00ft:continue-final-message\x00"
 Executor = Callable[[Callable[[bytes], bytes], bytes], Awaitable[bytes]]
 
 _loaded: dict[str, tuple[Tokenizer, TokenizerSpec]] = {}
+
+
+def ignore_stop_signals() -> None:
+    """A worker's start-up: ignore SIGINT and SIGTERM, which are for the serving process.
+
+    A Ctrl-C in a terminal and a SIGTERM sent to the process group reach the workers too; they
+    must keep tokenizing while the server drains, and they exit when the server closes them.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def load_spec(spec_path: str) -> tuple[Tokenizer, TokenizerSpec]:
