@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import re
 
@@ -17,6 +16,7 @@ from ft.config import (
     add_model_arguments,
     model_config_fields,
 )
+from ft.logs import LOG_FORMATS, setup_logging
 from ft.server.settings import LOG_LEVELS, ServerSettings
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
@@ -127,12 +127,30 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="seconds between stream heartbeats while waiting (default: 2)",
     )
     http.add_argument(
-        "--shutdown-timeout",
+        "--metrics-require-key",
+        action="store_true",
+        help="/metrics needs the API key too (default: open, like /health)",
+    )
+
+    ops = parser.add_argument_group("operations")
+    ops.add_argument(
+        "--drain-timeout",
         type=float,
         default=10.0,
-        help="seconds to drain on SIGINT/SIGTERM before aborting (default: 10)",
+        help="on SIGINT/SIGTERM: seconds to finish in-flight requests before aborting them (default: 10)",
     )
-    http.add_argument("--log-level", choices=LOG_LEVELS, default="info")
+    ops.add_argument("--log-level", choices=LOG_LEVELS, default="info")
+    ops.add_argument(
+        "--log-format",
+        choices=LOG_FORMATS,
+        default="text",
+        help="text lines, or one JSON object per line (default: text)",
+    )
+    ops.add_argument(
+        "--log-prompts",
+        action="store_true",
+        help="add prompts and outputs to the end-of-request log lines (default: never logged)",
+    )
 
 
 def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerSettings]:
@@ -160,8 +178,11 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerSet
         cors_origins=args.cors_origins,
         max_body_bytes=args.max_body_bytes,
         sse_heartbeat_s=args.sse_heartbeat_s,
-        shutdown_timeout_s=args.shutdown_timeout,
+        drain_timeout_s=args.drain_timeout,
         log_level=args.log_level,
+        log_format=args.log_format,
+        log_prompts=args.log_prompts,
+        metrics_require_key=args.metrics_require_key,
         served_model_name=args.served_model_name,
     )
     return engine, settings
@@ -176,9 +197,7 @@ def run_serve(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"ft serve: {e}")
         return 2
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    setup_logging(settings.log_level, settings.log_format)
     trio.run(serve, engine, settings)
     return 0
 

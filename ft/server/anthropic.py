@@ -335,7 +335,7 @@ class MessagesCall(GenerationApi):
             reasoning_parser=self.reasoning_parser,
             id_factory=new_tool_use_id,
         )
-        has_calls = any(b.kind == "tool_call" for b in blocks)
+        has_calls = self.tool_calls = any(b.kind == "tool_call" for b in blocks)
         reason, sequence = stop_reason(choice.finish_reason, choice.stop_reason, has_calls)
         return self.message([content_block(b) for b in blocks], reason, sequence, done.usage)
 
@@ -353,7 +353,8 @@ class MessagesCall(GenerationApi):
     def end(self, u: Usage) -> list[bytes]:
         """The last block events, `message_delta` (stop reason, usage) and `message_stop`."""
         frames = [block_event(e) for e in self.assembler.finish()]
-        reason, sequence = stop_reason(*self.finish, self.assembler.has_tool_calls)
+        self.tool_calls = self.assembler.has_tool_calls
+        reason, sequence = stop_reason(*self.finish, self.tool_calls)
         message_delta = {
             "type": "message_delta",
             "delta": {"stop_reason": reason, "stop_sequence": sequence},

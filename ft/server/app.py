@@ -30,6 +30,7 @@ from ft.server.context import ServerContext, error_response
 from ft.server.http_errors import HttpError, internal_error
 from ft.server.protocol import FtHypercornConfig
 from ft.server.settings import ServerSettings
+from ft.server.tracing import Tracing
 
 log = logging.getLogger("ft.server")
 
@@ -75,6 +76,9 @@ def create_app(
         module.register(app, ctx)
     for register in extra_routes:
         register(app, ctx)
+    app.asgi_app = Tracing(  # type: ignore[method-assign,assignment]
+        app.asgi_app, ctx.metrics.observe_http_request, log_prompts=settings.log_prompts
+    )
     return app
 
 
@@ -206,8 +210,9 @@ async def serve(
 ) -> None:
     """Serve until SIGINT/SIGTERM (or until cancelled); then drain and return.
 
-    On the first signal the engine stops admitting (503), waits up to `shutdown_timeout_s` for
-    active requests, aborts the rest, and hypercorn stops. A second signal skips the drain.
+    On the first signal the engine stops admitting (503; `/health/ready` says 503 too), waits up
+    to `drain_timeout_s` for active requests, aborts the rest, and hypercorn stops. A second
+    signal skips the drain.
     `handle_signals=False` (needed off the main thread) serves until cancelled.
     """
     settings = settings or ServerSettings()
@@ -223,7 +228,7 @@ async def serve(
                 log.info(
                     "received %s; draining for up to %.1f s",
                     signal.Signals(signum).name,
-                    settings.shutdown_timeout_s,
+                    settings.drain_timeout_s,
                 )
                 break
             async with trio.open_nursery() as nursery:
@@ -236,8 +241,8 @@ async def serve(
                 nursery.start_soon(force_on_second_signal)
                 # The drain runs in the engine's nursery; a drain an admin began earlier is
                 # shortened to this deadline. The outer bound holds whatever state it is in.
-                server.engine.begin_stop(settings.shutdown_timeout_s, ABORT_TIMEOUT_S)
-                with trio.move_on_after(settings.shutdown_timeout_s + ABORT_TIMEOUT_S + 1.0):
+                server.engine.begin_stop(settings.drain_timeout_s, ABORT_TIMEOUT_S)
+                with trio.move_on_after(settings.drain_timeout_s + ABORT_TIMEOUT_S + 1.0):
                     snapshot = await server.engine.wait_stopped()
                     log.info("drained: %s", snapshot["requests"])
                 nursery.cancel_scope.cancel()

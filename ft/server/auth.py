@@ -1,6 +1,7 @@
 """Who may call what: the API key, and the admin routes' stricter rules (see docs/security.md).
 
-Every route but the probes needs `--api-key` when one is set. Admin routes (`/v1/admin/...`)
+Every route but the probes (and `/metrics`, unless `--metrics-require-key`) needs `--api-key`
+when one is set. Admin routes (`/v1/admin/...`)
 change the server's state, so they also refuse what a web page or a proxied client could send:
 
 - any request carrying an `Origin` not listed in `--cors-origins` (a `*` there does not count);
@@ -23,8 +24,9 @@ from quart import Request
 from ft.server.http_errors import HttpError
 from ft.server.settings import ServerSettings
 
-# Paths that never need the API key: probes and scrapers.
-OPEN_PATHS = frozenset({"/health", "/metrics"})
+# Paths that never need the API key: probes, and the scraper's unless --metrics-require-key.
+PROBE_PATHS = frozenset({"/health", "/health/live", "/health/ready"})
+METRICS_PATH = "/metrics"
 ADMIN_PREFIX = "/v1/admin/"
 # Headers a reverse proxy adds; their presence means the loopback peer is only the proxy.
 FORWARDING_HEADERS = ("Forwarded", "X-Forwarded-For", "X-Forwarded-Host", "X-Real-Ip")
@@ -32,7 +34,9 @@ FORWARDING_HEADERS = ("Forwarded", "X-Forwarded-For", "X-Forwarded-Host", "X-Rea
 
 def authorize(request: Request, settings: ServerSettings) -> None:
     """Raise 401/403 unless the current request may reach its route."""
-    if request.method == "OPTIONS" or request.path in OPEN_PATHS:
+    if request.method == "OPTIONS" or request.path in PROBE_PATHS:
+        return
+    if request.path == METRICS_PATH and not settings.metrics_require_key:
         return
     if request.path.startswith(ADMIN_PREFIX):
         authorize_admin(request, settings)

@@ -26,19 +26,26 @@ from ft.server.http_errors import (
     error_headers,
     openai_error_body,
 )
+from ft.server.metrics import ServerMetrics
 from ft.server.settings import ServerSettings
+from ft.server.tracing import current_record
 
 M = TypeVar("M", bound=BaseModel)
 
 
 @dataclass
 class ServerContext:
-    """The engine and settings behind an app, and the error shape of each path prefix."""
+    """The engine and settings behind an app, its metrics, and the error shape of each path
+    prefix."""
 
     engine: Engine
     settings: ServerSettings
     error_formats: list[tuple[str, ErrorFormatter]] = field(default_factory=list)
     started_at: float = field(default_factory=time.time)
+    metrics: ServerMetrics = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.metrics = ServerMetrics(self.engine)
 
     def error_format(self, path: str) -> ErrorFormatter:
         """The error body formatter for `path` (the longest registered prefix; else OpenAI's)."""
@@ -169,6 +176,7 @@ async def json_response_off_loop(build: Callable[[], Any]) -> Response:
 
 
 def error_response(ctx: ServerContext, err: FtError) -> Response:
-    """`err` rendered in the shape of the current path's API."""
+    """`err` rendered in the shape of the current path's API (and noted in the request's record)."""
+    current_record().error = err
     fmt = ctx.error_format(request.path)
     return json_response(fmt(err), err.status, error_headers(err))

@@ -1,4 +1,5 @@
-"""Control plane: health, models, stats, Prometheus metrics, tokenize/detokenize, prepare-stop.
+"""Control plane: health and probes, models, stats, Prometheus metrics, tokenize/detokenize,
+prepare-stop.
 
 None of these open a request scope; they read the engine's derived state, so they answer at
 once even while generations stream or the model loads.
@@ -17,23 +18,10 @@ from ft.engine.engine import EngineState
 from ft.errors import EngineStopping
 from ft.server.context import ServerContext, json_response, read_request
 from ft.server.http_errors import HttpError
+from ft.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from ft.server.openai_format import chat_message_for_template
 from ft.server.schemas_openai import DetokenizeRequest, PrepareStopRequest, TokenizeRequest
 
-# Counters in the stats snapshot (everything else numeric is a gauge).
-COUNTERS = frozenset(
-    {
-        "completed",
-        "aborted",
-        "rejected",
-        "failed",
-        "prompt_tokens_total",
-        "completion_tokens_total",
-        "preemptions",
-        "recomputed_tokens",
-        "prefix_hit_tokens",
-    }
-)
 # `/health`'s status for each engine state (any other: "stopping").
 HEALTH_STATUS = {EngineState.READY: "ok", EngineState.LOADING: "loading", EngineState.ERROR: "error"}
 
@@ -52,6 +40,18 @@ def register(app: QuartTrio, ctx: ServerContext) -> None:
         if engine.error:
             body["error"] = engine.error
         return json_response(body)
+
+    @app.get("/health/live")
+    async def live() -> Response:
+        # The process runs and its event loop answers: whatever the engine's state.
+        return json_response({"status": "alive"})
+
+    @app.get("/health/ready")
+    async def ready() -> Response:
+        # What a load balancer checks: 503 while loading, draining, stopped or failed.
+        is_ready = engine.state == EngineState.READY
+        body = {"status": "ready" if is_ready else "unavailable", "state": engine.state}
+        return json_response(body, 200 if is_ready else 503)
 
     @app.get("/v1/models")
     async def models() -> Response:
@@ -77,8 +77,7 @@ def register(app: QuartTrio, ctx: ServerContext) -> None:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        text = prometheus_text(engine.snapshot())
-        return Response(text, content_type="text/plain; version=0.0.4; charset=utf-8")
+        return Response(ctx.metrics.render(), content_type=METRICS_CONTENT_TYPE)
 
     @app.post("/v1/tokenize")
     async def tokenize() -> Response:
@@ -121,38 +120,3 @@ def _check_ready(ctx: ServerContext) -> None:
         raise EngineStopping("the model is still loading; retry shortly", code="model_loading")
     if ctx.engine.state == EngineState.ERROR:
         raise EngineStopping(f"the engine failed to start: {ctx.engine.error}", code="engine_error")
-
-
-def _flatten(prefix: str, value: Any, out: list[tuple[str, float]]) -> None:
-    if isinstance(value, (bool, int, float)):
-        out.append((prefix, float(value)))
-    elif isinstance(value, dict):
-        for k, v in value.items():
-            _flatten(f"{prefix}_{k}", v, out)
-
-
-def _label(value: Any) -> str:
-    return str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-
-
-def prometheus_text(snapshot: dict[str, Any]) -> str:
-    """The stats snapshot in the Prometheus text exposition format (`ft_<path>` metrics)."""
-    info = (
-        f'ft_info{{instance_id="{_label(snapshot.get("instance_id"))}",'
-        f'model="{_label(snapshot.get("model", {}).get("id"))}",'
-        f'state="{_label(snapshot.get("state"))}"}} 1'
-    )
-    lines = ["# HELP ft_info The serving instance, its model and its state.", "# TYPE ft_info gauge", info]
-    metrics: list[tuple[str, float]] = []
-    for key, value in snapshot.items():
-        if key not in ("instance_id", "state"):
-            _flatten(f"ft_{key}", value, metrics)
-    for name, value in metrics:
-        leaf = name.rsplit("_", 1)[-1]
-        is_counter = any(name.endswith(f"_{c}") for c in COUNTERS) and leaf != "ms"
-        if is_counter and not name.endswith("_total"):
-            name += "_total"
-        kind = "counter" if is_counter else "gauge"
-        lines.append(f"# TYPE {name} {kind}")
-        lines.append(f"{name} {int(value) if value.is_integer() else value}")
-    return "\n".join(lines) + "\n"

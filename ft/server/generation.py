@@ -15,6 +15,10 @@ here, once (`respond`):
    The generator is the only thing that holds a scope, and it is always closed with
    `aclose()` (`aclosing` here, Quart's `IterableBody` outside): a client that leaves cancels
    or closes it at once, never later by the garbage collector.
+
+Along the way the request's `RequestRecord` (`ft.server.tracing`) learns its route, token
+counts, time to first token and finish reasons, for its log line and the metrics; its id goes
+into each engine request.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from contextlib import AsyncExitStack, aclosing, asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from quart import Response
+from quart import Response, has_request_context, request
 
 from ft.engine.stream import Choice, RequestStream
 from ft.errors import FtError
@@ -33,7 +37,8 @@ from ft.messages import Delta
 from ft.params import SamplingParams
 from ft.server.context import ServerContext, json_response, json_response_off_loop
 from ft.server.http_errors import internal_error
-from ft.server.sse import CONNECTED, HEARTBEAT, DeltaMux, sse_response
+from ft.server.sse import CONNECTED, HEARTBEAT, DeltaMux, MuxResult, sse_response
+from ft.server.tracing import RequestRecord, current_record
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +103,7 @@ class GenerationApi:
     stream: bool
     heartbeat: bytes = HEARTBEAT
     is_body_large: bool = False  # the client chooses its size (echo, logprobs): build it off the loop
+    tool_calls: bool = False  # set once a tool call was parsed out of the output (for the metrics)
 
     def start(self, usage: Usage) -> list[bytes]:
         """Frames after `: connected`, before the request opens (`usage` counts the prompt)."""
@@ -152,16 +158,34 @@ def sampling_params(
 
 async def respond(ctx: ServerContext, api: GenerationApi) -> Response:
     """Run `api`'s request through the lifecycle (see the module docstring)."""
+    record = current_record()
+    record.route = request.path if has_request_context() else "embedded"  # fixed paths: few labels
+    record.stream = api.stream
+    if ctx.settings.log_prompts:
+        record.prompts = [_loggable(prompt) for prompt in api.prompts]
     ctx.check_admission()  # after the body's validation: a bad request is a 400 whatever the load
     prompt_ids = [await prepare(ctx, prompt, api.params) for prompt in api.prompts]
+    record.prompt_tokens = sum(len(ids) for ids in prompt_ids)
     if api.stream:
-        return sse_response(stream_body(ctx, api, prompt_ids))
-    async with open_requests(ctx, api.params, prompt_ids) as streams:
-        choices = await collect(streams, api.params.n)
+        return sse_response(stream_body(ctx, api, prompt_ids, record))
+    async with open_requests(ctx, api.params, prompt_ids, record) as streams:
+        choices = await collect(streams, api.params.n, record)
     done = Generated(prompt_ids, choices, Usage.of(streams))
+    if ctx.settings.log_prompts:
+        record.outputs = [c.text for per_prompt in choices for c in per_prompt]
     if api.is_body_large:
-        return await json_response_off_loop(lambda: api.body(done))
-    return json_response(api.body(done))
+        response = await json_response_off_loop(lambda: api.body(done))
+    else:
+        response = json_response(api.body(done))
+    record.tool_calls = api.tool_calls
+    return response
+
+
+def _loggable(prompt: Prompt) -> Any:
+    """What `--log-prompts` logs of a prompt: its messages, text or token ids."""
+    if prompt.messages is not None:
+        return prompt.messages
+    return prompt.text if prompt.text is not None else prompt.token_ids
 
 
 async def prepare(ctx: ServerContext, prompt: Prompt, params: SamplingParams) -> tuple[int, ...]:
@@ -189,56 +213,79 @@ async def prepare(ctx: ServerContext, prompt: Prompt, params: SamplingParams) ->
 
 @asynccontextmanager
 async def open_requests(
-    ctx: ServerContext, params: SamplingParams, prompt_ids: list[tuple[int, ...]]
+    ctx: ServerContext, params: SamplingParams, prompt_ids: list[tuple[int, ...]], record: RequestRecord
 ) -> AsyncIterator[list[RequestStream]]:
-    """One engine request scope per prompt, all closed when the block exits."""
-    async with AsyncExitStack() as stack:
-        open_request = ctx.engine.open_request
-        yield [
-            await stack.enter_async_context(open_request(prompt_token_ids=list(ids), params=params))
-            for ids in prompt_ids
-        ]
+    """One engine request scope per prompt (named by the record's id), all closed when the block
+    exits; then the record gets their output counts and finish reasons (synchronously)."""
+    streams: list[RequestStream] = []
+    try:
+        async with AsyncExitStack() as stack:
+            open_request = ctx.engine.open_request
+            for ids in prompt_ids:
+                scope = open_request(prompt_token_ids=list(ids), params=params, request_id=record.request_id)
+                streams.append(await stack.enter_async_context(scope))
+            yield streams
+    finally:
+        usage = Usage.of(streams)
+        record.output_tokens, record.cached_tokens = usage.completion_tokens, usage.cached_tokens
+        record.finish_reasons = [r for s in streams for _, r in sorted(s.finish_reasons.items())]
 
 
-async def collect(streams: Sequence[RequestStream], n: int) -> list[list[Choice]]:
+async def collect(streams: Sequence[RequestStream], n: int, record: RequestRecord) -> list[list[Choice]]:
     """Every choice of every stream, whole. Raises the first stream error."""
     choices = [[Choice(i) for i in range(n)] for _ in streams]
     mux = DeltaMux(streams)
     while not mux.is_done:
-        for k, delta in (await mux.next(math.inf)).deltas:
+        got = await mux.next(math.inf)
+        _note_output(record, got)
+        for k, delta in got.deltas:
             choices[k][delta.index].add(delta)
     return choices
 
 
+def _note_output(record: RequestRecord, got: MuxResult) -> None:
+    if any(delta.token_ids for _, delta in got.deltas):
+        record.saw_token()
+
+
 async def stream_body(
-    ctx: ServerContext, api: GenerationApi, prompt_ids: list[tuple[int, ...]]
+    ctx: ServerContext, api: GenerationApi, prompt_ids: list[tuple[int, ...]], record: RequestRecord
 ) -> AsyncIterator[bytes]:
     """The event stream of a streamed request, closed deterministically (`aclosing`)."""
-    async with aclosing(_events(ctx, api, prompt_ids)) as events:
+    async with aclosing(_events(ctx, api, prompt_ids, record)) as events:
         async for frame in events:
             yield frame
 
 
 async def _events(
-    ctx: ServerContext, api: GenerationApi, prompt_ids: list[tuple[int, ...]]
+    ctx: ServerContext, api: GenerationApi, prompt_ids: list[tuple[int, ...]], record: RequestRecord
 ) -> AsyncGenerator[bytes]:
     yield CONNECTED
+    outputs: dict[tuple[int, int], str] = {}  # (prompt, choice) -> text, with --log-prompts
     try:
         for frame in api.start(Usage(sum(len(ids) for ids in prompt_ids))):
             yield frame
-        async with open_requests(ctx, api.params, prompt_ids) as streams:
+        async with open_requests(ctx, api.params, prompt_ids, record) as streams:
             mux = DeltaMux(streams)
             while not mux.is_done:
                 got = await mux.next(ctx.settings.sse_heartbeat_s)
                 if got.is_timeout:
                     yield api.heartbeat
+                _note_output(record, got)
                 for k, delta in got.deltas:
+                    if ctx.settings.log_prompts:
+                        outputs[k, delta.index] = outputs.get((k, delta.index), "") + delta.text
                     for frame in api.delta(k, delta):
                         yield frame
         ending = api.end(Usage.of(streams))
     except FtError as e:
+        record.error = e
         ending = api.error(e)
     except Exception as e:  # noqa: BLE001 - reported in-stream, logged
-        ending = api.error(internal_error(e))
+        record.error = internal_error(e)
+        ending = api.error(record.error)
+    finally:
+        record.tool_calls = api.tool_calls
+        record.outputs = [outputs[key] for key in sorted(outputs)]
     for frame in ending:
         yield frame

@@ -152,6 +152,7 @@ class ChatCompletion(OpenAIGeneration):
         out = []
         for c in done.choices[0]:
             message, reason = make_chat_output(self.ctx, self.has_tools).message(c)
+            self.tool_calls |= reason == "tool_calls"
             logprobs = chat_logprobs(c.logprobs) if self.params.logprobs else None
             out.append({"index": c.index, "message": message, "logprobs": logprobs, "finish_reason": reason})
         return self._object(out, "chat.completion") | {"usage": usage(done.usage)}
@@ -181,6 +182,7 @@ class ChatCompletion(OpenAIGeneration):
             frames.append(self.chunk(delta.index, fields or {"content": ""}, logprobs=lps))
         if delta.finish_reason is not None:
             rest, reason = out.finish(delta.finish_reason)
+            self.tool_calls |= reason == "tool_calls"
             frames.append(self.chunk(delta.index, rest or {}, reason=reason))
         return frames
 

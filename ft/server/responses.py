@@ -266,6 +266,7 @@ class ResponseCall(GenerationApi):
         )
         is_incomplete = choice.finish_reason == "length"
         status = "incomplete" if is_incomplete else "completed"
+        self.tool_calls = any(b.kind == "tool_call" for b in blocks)
         return self.response(status, self.items(blocks, is_incomplete), done.usage)
 
     def event(self, kind: str, **fields: Any) -> bytes:
@@ -298,6 +299,7 @@ class ResponseCall(GenerationApi):
             for block_event in self.assembler.finish()
             for kind, fields in self.item_events(block_event, is_incomplete and block_event.index == last)
         ]
+        self.tool_calls = self.assembler.has_tool_calls
         status = "incomplete" if is_incomplete else "completed"
         items = self.items(self.assembler.blocks, is_incomplete)
         frames.append(self.event(f"response.{status}", response=self.response(status, items, u)))

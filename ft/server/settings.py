@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ft.logs import LOG_FORMATS
+
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
 
@@ -17,6 +19,9 @@ class ServerSettings:
     routes). `served_model_name` is accepted as the `model` of a request in addition to the
     engine's model id. `port` 0 binds a free port (tests). `http2` enables cleartext HTTP/2
     (h2c), which hypercorn buffers without back-pressure; off, only HTTP/1.x is served.
+    `drain_timeout_s` bounds the drain on SIGINT/SIGTERM. `log_format` is "text" or "json";
+    `log_prompts` adds prompts and outputs to the end-of-request log lines.
+    `metrics_require_key` puts `/metrics` behind `api_key` (open by default, like `/health`).
     """
 
     host: str = "127.0.0.1"
@@ -25,8 +30,11 @@ class ServerSettings:
     cors_origins: tuple[str, ...] = ()
     max_body_bytes: int = 4 * 1024 * 1024
     sse_heartbeat_s: float = 2.0
-    shutdown_timeout_s: float = 10.0
+    drain_timeout_s: float = 10.0
     log_level: str = "info"
+    log_format: str = "text"
+    log_prompts: bool = False
+    metrics_require_key: bool = False
     served_model_name: str | None = None
     graceful_timeout_s: float = 3.0
     admin_key: str | None = None
@@ -43,9 +51,11 @@ class ServerSettings:
             raise ValueError(f"max_body_bytes must be in 1024..2**30, got {self.max_body_bytes}")
         if not 0.05 <= self.sse_heartbeat_s <= 600:
             raise ValueError(f"sse_heartbeat_s must be in 0.05..600, got {self.sse_heartbeat_s}")
-        if not 0 <= self.shutdown_timeout_s <= 3600:
-            raise ValueError(f"shutdown_timeout_s must be in 0..3600, got {self.shutdown_timeout_s}")
+        if not 0 <= self.drain_timeout_s <= 3600:
+            raise ValueError(f"drain_timeout_s must be in 0..3600, got {self.drain_timeout_s}")
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}")
+        if self.log_format not in LOG_FORMATS:
+            raise ValueError(f"log_format must be one of {', '.join(LOG_FORMATS)}")
         if not 0 <= self.graceful_timeout_s <= 600:
             raise ValueError(f"graceful_timeout_s must be in 0..600, got {self.graceful_timeout_s}")

@@ -12,7 +12,6 @@ from ft.config import EngineConfig
 from ft.engine.fake import FakeRunner, text_script
 from ft.server import RunningServer, ServerSettings
 from ft.server.auth import is_loopback
-from ft.server.control import prometheus_text
 from tests.support.engine import fake_hooks, fake_parts
 from tests.support.server import TEST_SETTINGS, fake_server, running_server, wait_idle
 
@@ -31,8 +30,8 @@ async def test_health_models_stats_metrics(client: httpx.AsyncClient) -> None:
     assert stats["requests"]["active"] == 0
     metrics = await client.get("/metrics")
     assert metrics.headers["content-type"].startswith("text/plain")
-    assert "ft_requests_active 0" in metrics.text
-    assert "# TYPE ft_requests_completed_total counter" in metrics.text
+    assert 'ft_requests_active{model="fake"} 0.0' in metrics.text
+    assert "# TYPE ft_requests_total counter" in metrics.text
 
 
 async def test_stats_and_metrics_report_preemption_and_the_pools_use(client: httpx.AsyncClient) -> None:
@@ -42,28 +41,15 @@ async def test_stats_and_metrics_report_preemption_and_the_pools_use(client: htt
         "preemptions": 0,
         "recomputed_tokens": 0,
         "prefix_hit_tokens": stats["scheduler"]["prefix_hit_tokens"],
+        "prefix_query_tokens": stats["scheduler"]["prefix_query_tokens"],
     }
     kv = stats["kv"]
     assert kv["used_pages"] + kv["cached_pages"] + kv["free_pages"] == kv["total_pages"]
     assert kv["used_tokens"] == 0 and kv["usage"] == 0.0 and kv["dtype"] == "auto"
     metrics = (await client.get("/metrics")).text
-    assert "# TYPE ft_scheduler_preemptions_total counter" in metrics
-    assert "ft_scheduler_recomputed_tokens_total 0" in metrics and "ft_kv_usage 0" in metrics
-
-
-def test_prometheus_text_names_counters_and_gauges() -> None:
-    """The Prometheus text marks counters (with _total) and gauges from the stats snapshot."""
-    text = prometheus_text(
-        {
-            "instance_id": "x",
-            "state": "ready",
-            "model": {"id": 'a"b', "ctx": 8},
-            "requests": {"completed": 3, "ttft_mean_ms": 1.5, "prompt_tokens_total": 7},
-        }
-    )
-    assert 'model="a\\"b"' in text
-    assert "ft_requests_completed_total 3" in text and "ft_requests_ttft_mean_ms 1.5" in text
-    assert "ft_requests_prompt_tokens_total 7" in text and "ft_model_ctx 8" in text
+    assert "# TYPE ft_preemptions_total counter" in metrics
+    assert 'ft_recomputed_tokens_total{model="fake"} 0.0' in metrics
+    assert 'ft_kv_usage_ratio{model="fake"} 0.0' in metrics
 
 
 async def test_tokenize_and_detokenize(client: httpx.AsyncClient) -> None:

@@ -1,6 +1,6 @@
 """`serve()` on the fake model in its own process, for signal tests: prints its URL, then serves.
 
-Run it from the repository root as `python -m tests.support.serve_fake SHUTDOWN_TIMEOUT_S`.
+Run it from the repository root as `python -m tests.support.serve_fake DRAIN_TIMEOUT_S`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from tests.support.engine import fake_hooks
 async def main() -> None:
     runner = FakeRunner(script=text_script("lorem ipsum " * 100), step_s=0.02)
     hooks = fake_hooks(runner)
-    settings = ServerSettings(port=0, shutdown_timeout_s=float(sys.argv[1]), graceful_timeout_s=1.0)
+    settings = ServerSettings(port=0, drain_timeout_s=float(sys.argv[1]), graceful_timeout_s=1.0)
     async with trio.open_nursery() as nursery:
         server: RunningServer = await nursery.start(
             partial(serve, EngineConfig(num_pages=64), settings, hooks=hooks)

@@ -1,0 +1,210 @@
+"""`/metrics`: Prometheus metrics through `prometheus-client`, in a registry of the server's own.
+
+Three sources, each measured where it happens:
+
+- histograms of each engine request (time to first token, inter-token latency, end-to-end
+  latency, queue time, prompt and output lengths), observed from its `RequestReport` when its
+  scope closes;
+- counters of HTTP requests by route and finish reason and of rejections by reason, counted by
+  `Tracing` when each request ends;
+- gauges and engine counters (running, waiting, active, KV pages, tokens, prefix cache,
+  preemptions), read from the engine at scrape time by `EngineCollector`.
+
+Every series is prefixed `ft_` and labelled with the served model's name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from ft.engine.engine import Engine
+from ft.engine.stats import RequestReport
+from ft.server.tracing import RequestRecord
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+LATENCY_BUCKETS = (
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    320.0,
+)
+ITL_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.03,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+)
+TOKEN_BUCKETS = (1, 4, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
+
+
+class EngineCollector(Collector):
+    """The engine's gauges and counters, read from its snapshot at each scrape."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def collect(self) -> Iterator[Metric]:
+        snap = self.engine.snapshot()
+        model = str(snap["model"]["id"])
+        req, kv, sched = snap["requests"], snap["kv"], snap["scheduler"]
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            family = GaugeMetricFamily(name, doc, labels=["model"])
+            family.add_metric([model], value)
+            return family
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            family = CounterMetricFamily(name, doc, labels=["model"])
+            family.add_metric([model], value)
+            return family
+
+        info = GaugeMetricFamily(
+            "ft_info", "The serving instance and its engine state.", labels=["model", "instance_id", "state"]
+        )
+        info.add_metric([model, str(snap["instance_id"]), str(snap["state"])], 1)
+        yield info
+        yield gauge("ft_requests_running", "Requests decoding in the running batch.", req["running"])
+        yield gauge("ft_requests_waiting", "Requests tokenizing or queued for a slot.", req["waiting"])
+        yield gauge("ft_requests_active", "Requests with an open scope (running + waiting).", req["active"])
+        yield gauge("ft_kv_used_pages", "KV cache pages held by requests.", kv["used_pages"])
+        yield gauge("ft_kv_total_pages", "KV cache pages in the pool.", kv["total_pages"])
+        yield gauge("ft_kv_cached_pages", "Free KV pages kept for prefix reuse.", kv["cached_pages"])
+        yield gauge("ft_kv_usage_ratio", "Fraction of the KV pages held by requests.", kv["usage"])
+        yield counter("ft_prompt_tokens", "Prompt tokens of finished requests.", req["prompt_tokens_total"])
+        yield counter(
+            "ft_generation_tokens", "Output tokens of finished requests.", req["completion_tokens_total"]
+        )
+        yield counter(
+            "ft_prefix_cache_queries", "Tokens looked up in the prefix cache.", sched["prefix_query_tokens"]
+        )
+        yield counter("ft_prefix_cache_hits", "Tokens the prefix cache supplied.", sched["prefix_hit_tokens"])
+        yield counter("ft_preemptions", "Requests preempted to free KV pages.", sched["preemptions"])
+        yield counter(
+            "ft_recomputed_tokens", "Tokens recomputed after preemptions.", sched["recomputed_tokens"]
+        )
+
+
+class ServerMetrics:
+    """The server's Prometheus registry and the metrics it observes from events."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.ttft = Histogram(
+            "ft_time_to_first_token_seconds",
+            "From a request's arrival in the engine to its first output token.",
+            ["model"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "ft_inter_token_latency_seconds",
+            "Between two steps that gave a request output tokens.",
+            ["model"],
+            buckets=ITL_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "ft_e2e_request_latency_seconds",
+            "From a request's arrival in the engine to the end of its scope.",
+            ["model"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue = Histogram(
+            "ft_request_queue_time_seconds",
+            "From a request's arrival in the engine to its first scheduled step.",
+            ["model"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.prompt_len = Histogram(
+            "ft_request_prompt_tokens",
+            "Prompt tokens per request.",
+            ["model"],
+            buckets=TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.output_len = Histogram(
+            "ft_request_generation_tokens",
+            "Output tokens per request.",
+            ["model"],
+            buckets=TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.requests = Counter(
+            "ft_requests",
+            "Generation requests that ran, by route and finish reason.",
+            ["model", "route", "finish_reason"],
+            registry=r,
+        )
+        self.rejected = Counter(
+            "ft_requests_rejected",
+            "Requests refused before they ran, by reason.",
+            ["model", "reason"],
+            registry=r,
+        )
+        r.register(EngineCollector(engine))
+        engine.stats.observers.append(self.observe_engine_request)
+
+    def observe_engine_request(self, report: RequestReport) -> None:
+        """Observe one closed engine request's latencies and lengths (synchronous)."""
+        model = self.engine.model_id
+        self.e2e.labels(model).observe(report.e2e_s)
+        if report.queue_s is not None:
+            self.queue.labels(model).observe(report.queue_s)
+        if report.ttft_s is not None:
+            self.ttft.labels(model).observe(report.ttft_s)
+        itl = self.itl.labels(model)
+        for gap in report.token_gaps_s:
+            itl.observe(gap)
+        if report.num_prompt_tokens:
+            self.prompt_len.labels(model).observe(report.num_prompt_tokens)
+        if report.outcome == "completed":
+            self.output_len.labels(model).observe(report.num_output_tokens)
+
+    def observe_http_request(self, record: RequestRecord) -> None:
+        """Count one ended HTTP request: a generation by finish reason, or a refused API call
+        (a POST: probes and scrapes that get 503 are not rejections)."""
+        model = self.engine.model_id
+        rejection = record.rejection
+        if rejection is not None:
+            if record.method == "POST":
+                self.rejected.labels(model, rejection).inc()
+        elif record.route is not None and record.finish_reason is not None:
+            self.requests.labels(model, record.route, record.finish_reason).inc()
+
+    def render(self) -> bytes:
+        """The text exposition of every metric."""
+        return generate_latest(self.registry)
