@@ -118,6 +118,8 @@ async def test_loading_answers_health_and_503() -> None:
     ):
         health = (await c.get("/health")).json()
         assert health["status"] == "loading" and health["progress"] == 0.0
+        assert (await c.get("/health/live")).status_code == 200
+        assert (await c.get("/health/ready")).status_code == 503
         for stream in (False, True):
             r = await c.post("/v1/chat/completions", json={"messages": USER, "stream": stream})
             assert r.status_code == 503 and r.headers["retry-after"] == "1"
@@ -126,6 +128,7 @@ async def test_loading_answers_health_and_503() -> None:
         release.set()
         await s.engine.wait_ready()
         assert (await c.get("/health")).json()["status"] == "ok"
+        assert (await c.get("/health/ready")).json() == {"status": "ready", "state": "ready"}
         r = await c.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 1})
         assert r.status_code == 200
 
@@ -144,6 +147,9 @@ async def test_engine_load_failure_is_reported_by_health() -> None:
         async with httpx.AsyncClient(base_url=s.base_url) as c:
             health = (await c.get("/health")).json()
             assert health["status"] == "error" and "no weights here" in health["error"]
+            assert (await c.get("/health/live")).status_code == 200
+            ready = await c.get("/health/ready")
+            assert ready.status_code == 503 and ready.json()["state"] == "error"
             r = await c.post("/v1/chat/completions", json={"messages": USER})
             assert r.status_code == 503 and r.json()["error"]["code"] == "engine_error"
 
