@@ -1,33 +1,54 @@
-"""`serve()` on the fake model in its own process, for signal tests: prints its URL, then serves.
+"""`serve()` on the fake model in its own process, for signal and replica tests: prints its URL,
+then serves until SIGINT/SIGTERM, then prints "exited cleanly".
 
-Run it from the repository root as `python -m tests.support.serve_fake DRAIN_TIMEOUT_S`.
+Run it from the repository root as `python -m tests.support.serve_fake DRAIN_TIMEOUT_S [--port N]
+[--log-format text|json] [--workers] [--step-s S]`; `--workers` tokenizes in real worker
+processes (as `ft serve` does) instead of inline.
 """
 
 from __future__ import annotations
 
-import sys
+import argparse
 from functools import partial
 
 import trio
 
 from ft.config import EngineConfig
 from ft.engine.fake import FakeRunner, text_script
+from ft.logs import LOG_FORMATS, setup_logging
 from ft.server import RunningServer, ServerSettings
 from ft.server.app import serve
 from tests.support.engine import fake_hooks
 
 
-async def main() -> None:
-    runner = FakeRunner(script=text_script("lorem ipsum " * 100), step_s=0.02)
-    hooks = fake_hooks(runner)
-    settings = ServerSettings(port=0, drain_timeout_s=float(sys.argv[1]), graceful_timeout_s=1.0)
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("drain_timeout_s", type=float)
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--log-format", choices=LOG_FORMATS, default="text")
+    parser.add_argument("--workers", action="store_true")
+    parser.add_argument("--step-s", type=float, default=0.02)
+    return parser.parse_args()
+
+
+async def main(args: argparse.Namespace) -> None:
+    runner = FakeRunner(script=text_script("lorem ipsum " * 100), step_s=args.step_s)
+    hooks = fake_hooks(runner, executor=None) if args.workers else fake_hooks(runner)
+    settings = ServerSettings(
+        port=args.port,
+        drain_timeout_s=args.drain_timeout_s,
+        graceful_timeout_s=1.0,
+        log_format=args.log_format,
+    )
     async with trio.open_nursery() as nursery:
         server: RunningServer = await nursery.start(
-            partial(serve, EngineConfig(num_pages=64), settings, hooks=hooks)
+            partial(serve, EngineConfig(num_pages=256, tokenizer_workers=1), settings, hooks=hooks)
         )
         print(server.base_url, flush=True)
 
 
 if __name__ == "__main__":
-    trio.run(main)
+    arguments = parse_args()
+    setup_logging("info", arguments.log_format)
+    trio.run(main, arguments)
     print("exited cleanly", flush=True)
