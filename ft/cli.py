@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
+from collections.abc import AsyncIterator, Awaitable, Callable
+from functools import partial
 from importlib.metadata import PackageNotFoundError, version
+from typing import TypeVar
 
 import trio
 
@@ -13,6 +17,8 @@ from ft.cli_serve import add_serve_arguments, run_serve
 from ft.config import EngineConfig, add_model_arguments, model_config_fields
 from ft.errors import FtError
 from ft.params import SamplingParams
+
+T = TypeVar("T")
 
 
 def _version() -> str:
@@ -59,29 +65,74 @@ async def _generate(args: argparse.Namespace) -> None:
         print()
 
 
+CHAT_HELP = (
+    "/reset clears the conversation; Ctrl-C stops an answer; an empty line, Ctrl-D or Ctrl-C here quits"
+)
+
+
 async def _chat(args: argparse.Namespace) -> None:
     from ft.engine.engine import open_engine
 
-    messages: list[dict[str, object]] = []
-    if args.system:
-        messages.append({"role": "system", "content": args.system})
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    messages: list[dict[str, object]] = list(system)
     async with open_engine(_engine_config(args)) as engine:
-        print(f"{engine.model_id} — empty line or Ctrl-D to quit", file=sys.stderr)
-        while True:
-            try:
-                line = await trio.to_thread.run_sync(input, "> ")
-            except EOFError:
-                break
-            if not line.strip():
-                break
-            messages.append({"role": "user", "content": line})
-            reply = ""
-            async with engine.open_request(messages=messages, params=_params(args)) as stream:
-                async for delta in stream:
-                    reply += delta.text
-                    print(delta.text, end="", flush=True)
-            print()
-            messages.append({"role": "assistant", "content": reply})
+        print(f"{engine.model_id} — {CHAT_HELP}", file=sys.stderr)
+        with trio.open_signal_receiver(signal.SIGINT) as interrupts:
+            while True:
+                line, interrupted = await _until_interrupted(
+                    interrupts, partial(trio.to_thread.run_sync, _read_line, abandon_on_cancel=True)
+                )
+                if interrupted or line is None or not line.strip():
+                    break
+                if line.strip() == "/reset":
+                    messages = list(system)
+                    print("(conversation cleared)", file=sys.stderr)
+                    continue
+                messages.append({"role": "user", "content": line})
+                reply: list[str] = []
+
+                async def answer(turn: list[dict[str, object]] = messages, reply: list[str] = reply) -> None:
+                    async with engine.open_request(messages=turn, params=_params(args)) as stream:
+                        async for delta in stream:
+                            reply.append(delta.text)
+                            print(delta.text, end="", flush=True)
+
+                _, interrupted = await _until_interrupted(interrupts, answer)
+                print()
+                if interrupted:  # the request's scope has closed: the engine has let it go
+                    print("(stopped)", file=sys.stderr)
+                messages.append({"role": "assistant", "content": "".join(reply)})
+
+
+def _read_line() -> str | None:
+    """A line from the terminal (None at end of input)."""
+    try:
+        return input("> ")
+    except EOFError:
+        return None
+
+
+async def _until_interrupted(
+    interrupts: AsyncIterator[int], work: Callable[[], Awaitable[T]]
+) -> tuple[T | None, bool]:
+    """Run `work` until it returns or a signal arrives on `interrupts` (which cancels it).
+
+    Returns its result (None when interrupted) and whether it was interrupted.
+    """
+    result: list[T] = []
+    async with trio.open_nursery() as nursery:
+
+        async def run() -> None:
+            result.append(await work())
+            nursery.cancel_scope.cancel()
+
+        async def watch() -> None:
+            await interrupts.__anext__()
+            nursery.cancel_scope.cancel()
+
+        nursery.start_soon(run)
+        nursery.start_soon(watch)
+    return (result[0], False) if result else (None, True)
 
 
 def main(argv: list[str] | None = None) -> int:

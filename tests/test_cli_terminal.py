@@ -1,0 +1,109 @@
+"""`ft chat` and `ft generate` in a pseudo-terminal (pexpect), on the real default model."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+pexpect = pytest.importorskip("pexpect")
+
+ROOT = Path(__file__).parents[1]  # `python -m ft.cli` imports this checkout's `ft`
+QUESTION = "What is the capital of France?"
+PROMPT = "\r\n> "
+
+pytestmark = pytest.mark.slow
+
+
+def spawn(*args: str) -> pexpect.spawn:
+    """`ft ARGS...` in a pseudo-terminal, greedy and short."""
+    return pexpect.spawn(
+        sys.executable,
+        ["-m", "ft.cli", *args, "--temperature", "0"],
+        cwd=str(ROOT),
+        encoding="utf-8",
+        timeout=180,
+        dimensions=(40, 400),
+    )
+
+
+@contextmanager
+def open_chat(max_tokens: int) -> Iterator[pexpect.spawn]:
+    """An `ft chat` session at its first prompt (the model loaded)."""
+    child = spawn("chat", "--max-tokens", str(max_tokens))
+    try:
+        child.expect_exact("/reset clears the conversation")
+        child.expect_exact("> ")
+        yield child
+    finally:
+        child.close(force=True)
+
+
+def ask(child: pexpect.spawn, line: str, timeout: float = 120) -> str:
+    """Send `line`; return the answer printed before the next prompt."""
+    child.sendline(line)
+    child.expect_exact(line + "\r\n")  # the terminal's echo
+    child.expect_exact(PROMPT, timeout=timeout)
+    return str(child.before).strip()
+
+
+def test_generate_prints_the_completion_and_exits_zero() -> None:
+    """`ft generate` prints the completion (greedy, as the README shows) and exits 0."""
+    child = spawn("generate", "The capital of France is", "--max-tokens", "4")
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0
+    assert "Paris" in str(child.before)
+
+
+def test_generate_streams_and_ctrl_c_stops_it() -> None:
+    """Words arrive while `ft generate` still generates; Ctrl-C stops it (status 130)."""
+    child = spawn("generate", "Once upon a time", "--max-tokens", "2000")
+    child.expect(r"\w+\W+\w+\W+\w+\W+\w+")
+    assert child.isalive()
+    child.sendintr()
+    child.expect(pexpect.EOF, timeout=20)
+    child.close()
+    assert child.exitstatus == 130
+    assert "Traceback" not in str(child.before)
+
+
+def test_chat_keeps_the_history_until_reset() -> None:
+    """A question asked after another turn sees that turn; after /reset it is asked afresh,
+    exactly as `ft generate --chat` answers it alone (greedy)."""
+    alone = spawn("generate", QUESTION, "--chat", "--max-tokens", "24")
+    alone.expect(pexpect.EOF)
+    alone_answer = str(alone.before).strip().splitlines()[-1].strip()
+    with open_chat(24) as chat:
+        ask(chat, "Hello! I like trains.")
+        with_history = ask(chat, QUESTION)
+        chat.sendline("/reset")
+        chat.expect_exact("(conversation cleared)")
+        chat.expect_exact(PROMPT)
+        fresh = ask(chat, QUESTION)
+        assert fresh == alone_answer
+        assert with_history != fresh
+        chat.sendline("")
+        chat.expect(pexpect.EOF)
+        chat.close()
+        assert chat.exitstatus == 0
+
+
+def test_ctrl_c_stops_an_answer_and_the_chat_goes_on() -> None:
+    """Ctrl-C while an answer streams stops it at once and returns to the prompt; the next
+    question is answered; Ctrl-C at the prompt quits with status 0."""
+    with open_chat(2000) as chat:
+        chat.sendline("Write a very long story about a dragon who learns to cook.")
+        chat.expect_exact("cook.\r\n")
+        chat.expect(r"\w+\W+\w+\W+\w+")  # the answer streams: words arrive before it is done
+        chat.sendintr()
+        chat.expect_exact("(stopped)", timeout=20)
+        chat.expect_exact(PROMPT)
+        assert ask(chat, QUESTION)
+        chat.sendintr()
+        chat.expect(pexpect.EOF)
+        chat.close()
+        assert chat.exitstatus == 0
