@@ -1,5 +1,5 @@
 """Two replicas behind HAProxy (the real binary, on loopback): one drained mid-load, no client
-error. The config is the one docs/deploy.md shows. Skipped when `haproxy` is not installed."""
+error. The configuration is read from docs/deploy.md. Skipped when `haproxy` is not installed."""
 
 from __future__ import annotations
 
@@ -22,30 +22,19 @@ HAPROXY = shutil.which("haproxy")
 
 pytestmark = pytest.mark.skipif(HAPROXY is None, reason="haproxy is not installed (apt-get install haproxy)")
 
-HAPROXY_CONFIG = """\
-defaults
-    mode http
-    timeout connect 2s
-    timeout client 60s
-    timeout server 60s
-    # A request refused by a draining replica (503), or sent on a connection it closed, is
-    # retried once on the other replica; the body is small and buffered, so POSTs retry too.
-    retries 2
-    option redispatch 1
-    retry-on conn-failure empty-response 503
-    option http-buffer-request
+DEPLOY_DOC = ROOT / "docs" / "deploy.md"
 
-frontend ft
-    bind 127.0.0.1:{port}
-    default_backend replicas
 
-backend replicas
-    balance leastconn
-    option httpchk GET /health/ready
-    http-check expect status 200
-    default-server check inter 200ms fall 1 rise 2
-{servers}
-"""
+def haproxy_config(port: int, replicas: list[str]) -> str:
+    """docs/deploy.md's HAProxy configuration, bound to `port` on loopback, with `replicas`
+    (`host:port`) as its servers and a 200 ms check interval."""
+    doc = DEPLOY_DOC.read_text()
+    config = doc.split("```haproxy\n", 1)[1].split("```", 1)[0]
+    lines = [line for line in config.splitlines() if not line.strip().startswith("server ")]
+    lines += [f"    server r{i} {addr}" for i, addr in enumerate(replicas)]
+    config = "\n".join(lines) + "\n"
+    assert "bind :8000" in config and "inter 1s" in config
+    return config.replace("bind :8000", f"bind 127.0.0.1:{port}").replace("inter 1s", "inter 200ms")
 
 
 def free_port() -> int:
@@ -89,11 +78,8 @@ async def test_a_replica_drained_mid_load_behind_haproxy_costs_no_client_error(t
     a, a_url = await start_replica(a_log)
     b, b_url = await start_replica(b_log)
     lb_port = free_port()
-    servers = "\n".join(
-        f"    server {name} {url.removeprefix('http://')}" for name, url in (("a", a_url), ("b", b_url))
-    )
     config = tmp_path / "haproxy.cfg"
-    config.write_text(HAPROXY_CONFIG.format(port=lb_port, servers=servers))
+    config.write_text(haproxy_config(lb_port, [url.removeprefix("http://") for url in (a_url, b_url)]))
     lb = await trio.lowlevel.open_process([HAPROXY, "-db", "-f", str(config)], stdout=subprocess.DEVNULL)
     errors: list[str] = []
     done = {"stream": 0, "plain": 0}
@@ -108,6 +94,12 @@ async def test_a_replica_drained_mid_load_behind_haproxy_costs_no_client_error(t
                         pass
                     await trio.sleep(0.1)
                 await trio.sleep(0.5)  # rise 2 at 200 ms: both replicas checked up
+            # HAProxy's own id reaches the replica (a valid id: not replaced by a `req-` one).
+            made = (await c.get("/health/live")).headers["x-request-id"]
+            assert not made.startswith("req-")
+            assert (await c.get("/health/live", headers={"X-Request-Id": "mine"})).headers[
+                "x-request-id"
+            ] == "mine"
 
             async def client(k: int, stop_at: float) -> None:
                 while trio.current_time() < stop_at:
