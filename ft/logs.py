@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Mapping
 from contextvars import ContextVar
 from typing import Any
 
@@ -23,12 +24,19 @@ REQUEST_ID: ContextVar[str | None] = ContextVar("ft_request_id", default=None)
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s [%(request_id)s] %(message)s"
 
 
+# hypercorn's access log record carries the response's headers in its args under this key.
+ACCESS_LOG_ID_KEY = "{x-request-id}o"
+
+
 class RequestIdFilter(logging.Filter):
-    """Give every record a `request_id`: its own, the current request's, or None."""
+    """Give every record a `request_id`: its own, the current request's (or, for hypercorn's
+    access log, the response's `X-Request-Id`), or None."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if getattr(record, "request_id", None) is None:
-            record.request_id = REQUEST_ID.get()
+            args = record.args
+            from_access_log = args.get(ACCESS_LOG_ID_KEY) if isinstance(args, Mapping) else None
+            record.request_id = from_access_log or REQUEST_ID.get()
         return True
 
 
