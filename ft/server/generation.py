@@ -261,7 +261,7 @@ async def _events(
     ctx: ServerContext, api: GenerationApi, prompt_ids: list[tuple[int, ...]], record: RequestRecord
 ) -> AsyncGenerator[bytes]:
     yield CONNECTED
-    outputs: dict[tuple[int, int], str] = {}  # (prompt, choice) -> text, with --log-prompts
+    outputs: dict[tuple[int, int], list[str]] = {}  # (prompt, choice) -> texts, with --log-prompts
     try:
         for frame in api.start(Usage(sum(len(ids) for ids in prompt_ids))):
             yield frame
@@ -274,7 +274,7 @@ async def _events(
                 _note_output(record, got)
                 for k, delta in got.deltas:
                     if ctx.settings.log_prompts:
-                        outputs[k, delta.index] = outputs.get((k, delta.index), "") + delta.text
+                        outputs.setdefault((k, delta.index), []).append(delta.text)
                     for frame in api.delta(k, delta):
                         yield frame
         ending = api.end(Usage.of(streams))
@@ -286,6 +286,6 @@ async def _events(
         ending = api.error(record.error)
     finally:
         record.tool_calls = api.tool_calls
-        record.outputs = [outputs[key] for key in sorted(outputs)]
+        record.outputs = ["".join(outputs[key]) for key in sorted(outputs)]
     for frame in ending:
         yield frame
