@@ -46,10 +46,10 @@ class SchedulerActor:
         task_status.started()
         async for msg in self.inbox:
             match msg:
-                case Enqueue(uid=uid, prompt_ids=ids, params=params):
+                case Enqueue(uid=uid, prompt_ids=ids, params=params, grammar=grammar):
                     if uid in self.registry:
                         try:
-                            self.core.add(uid, list(ids), params)
+                            self.core.add(uid, list(ids), params, grammar)
                         except FtError as e:
                             self.registry.fail(uid, e)
                 case Abort(uid=uid):

@@ -27,10 +27,13 @@ from ft.actors.tokenizer import TokenizerActor
 from ft.config import EngineConfig
 from ft.core.kv import PagePool
 from ft.core.scheduler import Scheduler
+from ft.engine.grammars import Grammars, run_in_killable_worker
 from ft.engine.loading import EngineHooks, load_torch_model
 from ft.engine.stats import Stats
 from ft.engine.stream import RequestStream
 from ft.errors import EngineStopping, FtError, InvalidRequest, Overloaded, RequestAborted
+from ft.grammar.compiled import Grammar
+from ft.grammar.spec import GrammarSpec
 from ft.messages import Abort, Batch, DetokenizerIn, SchedulerIn, StepDone, Tokenize
 from ft.params import SamplingParams
 from ft.tokenizer.job import Executor, tokenize_job
@@ -55,6 +58,7 @@ class Running:
     tokenizer_actor: TokenizerActor
     scheduler_inbox: trio.MemorySendChannel[SchedulerIn]
     tokenizer_inbox: trio.MemorySendChannel[Tokenize]
+    grammars: Grammars
 
 
 class Engine:
@@ -164,7 +168,15 @@ class Engine:
                 on_first_token=self._on_first_token,
             ).run
         )
-        self._running = Running(core, spec.build(), tokenizer_actor, sched_send, tok_send)
+        grammars = Grammars(
+            spec_path=spec_path,
+            tokenizer_json=spec.tokenizer_json,
+            eos_token_ids=spec.eos_token_ids,
+            vocab_size=parts.vocab_size,
+            executor=self.hooks.tokenize_executor or run_in_killable_worker,
+            fault=self.hooks.grammar_fault,
+        )
+        self._running = Running(core, spec.build(), tokenizer_actor, sched_send, tok_send, grammars)
         if self.hooks.tokenize_executor is None:  # spawn the worker now, not on first use
             await tokenizer_actor.tokenize(Tokenize(uid=0, params=SamplingParams(), prompt="warm up"))
         self.stats.started()
@@ -253,6 +265,7 @@ class Engine:
             raise InvalidRequest("give exactly one of messages, prompt or prompt_token_ids")
         self.check_admission()
         running = self._started()
+        grammar = await self.compile_grammar(params.grammar) if params.grammar is not None else None
         uid = next(self._uids)
         # Bounded by the most events a request can receive: PromptReady, a Delta per token
         # for each choice, and one Failed.
@@ -274,6 +287,7 @@ class Engine:
                     chat_template_kwargs=chat_template_kwargs or {},
                     add_generation_prompt=add_generation_prompt,
                     continue_final_message=continue_final_message,
+                    grammar=grammar,
                 )
             )
             yield stream
@@ -375,6 +389,21 @@ class Engine:
         """
         try:
             self._started().core.check_fits(num_prompt_tokens, params)
+        except FtError:
+            self.stats.rejected += 1
+            raise
+
+    async def compile_grammar(self, spec: GrammarSpec) -> Grammar:
+        """The compiled grammar of `spec` (cached: each distinct spec is compiled once).
+
+        A route awaits it with the static checks, so a bad grammar is a 400 before any stream.
+
+        Raises:
+            InvalidRequest: the grammar is invalid, too large or too slow to compile.
+            EngineStopping: the engine has not started.
+        """
+        try:
+            return await self._started().grammars.get(spec)
         except FtError:
             self.stats.rejected += 1
             raise
