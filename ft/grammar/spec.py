@@ -19,6 +19,7 @@ GrammarKind = Literal["json_schema", "regex", "grammar", "choice", "lark"]
 KINDS: tuple[GrammarKind, ...] = ("json_schema", "regex", "grammar", "choice", "lark")
 MAX_SOURCE_CHARS = 1 << 20  # a request body is at most a few MiB; a grammar far less
 MAX_CHOICES = 4096
+TOOL_CALL_FORMATS = ("hermes", "llama3_json")  # the tool-call parsers a grammar can target
 
 # JSON is generated compactly but readably, with no free whitespace: a small model at
 # temperature 1 given "any whitespace" can emit newlines until `max_tokens`.
@@ -66,14 +67,14 @@ def json_schema(schema: Any, param: str) -> GrammarSpec:
     Raises:
         InvalidRequest: `schema` is neither a JSON object nor a boolean.
     """
-    if isinstance(schema, str):
-        try:
+    try:
+        if isinstance(schema, str):
             schema = json.loads(schema)
-        except ValueError as e:
-            raise InvalidRequest(f"the JSON schema is not valid JSON: {e}", param=param) from None
-    if not isinstance(schema, (dict, bool)):
-        raise InvalidRequest("a JSON schema must be an object (or a boolean)", param=param)
-    return GrammarSpec("json_schema", json_text(schema), param)
+        if not isinstance(schema, (dict, bool)):
+            raise InvalidRequest("a JSON schema must be an object (or a boolean)", param=param)
+        return GrammarSpec("json_schema", json_text(schema), param)
+    except (ValueError, RecursionError) as e:  # not JSON, or nested past Python's own limit
+        raise InvalidRequest(f"the JSON schema cannot be read: {e}", param=param) from None
 
 
 def json_object(param: str) -> GrammarSpec:
