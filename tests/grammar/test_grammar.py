@@ -51,7 +51,8 @@ def test_specs_name_their_field_when_refused() -> None:
     """Each builder refuses a wrong type with an `InvalidRequest` naming the request field."""
     cases = [
         (lambda: spec.json_schema("{not json", "guided_json"), "guided_json"),
-        (lambda: spec.json_schema([1, 2], "response_format.json_schema.schema"), "response_format.json_schema.schema"),
+        (lambda: spec.json_schema([1, 2], "response_format.json_schema.schema"),
+         "response_format.json_schema.schema"),
         (lambda: spec.regex(5, "guided_regex"), "guided_regex"),
         (lambda: spec.grammar(None, "guided_grammar"), "guided_grammar"),
         (lambda: spec.choice([], "guided_choice"), "guided_choice"),

@@ -10,7 +10,7 @@ import torch
 
 from ft.core.batch import SeqWork
 from ft.engine.fake import byte_tokenizer_spec
-from ft.grammar.compiled import Matcher, compile_matcher, grammar_tokenizer, grammar_text
+from ft.grammar.compiled import Matcher, compile_matcher, grammar_text, grammar_tokenizer
 from ft.grammar.spec import GrammarSpec
 from ft.model.loader import LoadedModel
 from ft.model.torch_runner import TorchRunner
