@@ -9,10 +9,14 @@ reads (`Batch`, `StepDone`, `TokenOut`, `SeqFailed`) live beside its batch types
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from ft.core.batch import Batch, SeqFailed, StepDone, TokenOut
 from ft.errors import FtError
 from ft.params import SamplingParams
+
+if TYPE_CHECKING:
+    from ft.grammar.compiled import Grammar
 
 __all__ = [
     "Abort",
@@ -49,6 +53,7 @@ class Tokenize:
     chat_template_kwargs: dict[str, object] = field(default_factory=dict)
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # render the last (assistant) message open
+    grammar: Grammar | None = None  # structured output: what the choices must follow
 
 
 # --- tokenizer / request exit / detokenizer -> scheduler ------------------------------------
@@ -61,6 +66,7 @@ class Enqueue:
     uid: int
     prompt_ids: tuple[int, ...]
     params: SamplingParams
+    grammar: Grammar | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 from ft.errors import InvalidRequest
+from ft.grammar.spec import GrammarSpec
 
 # Engine-representable bounds. Anything outside is a 400 at the edge and a ValueError here.
 MAX_INT64 = 2**63 - 1
@@ -74,6 +75,7 @@ class SamplingParams:
     top_logprobs: int = 0
     n: int = 1
     skip_special_tokens: bool = True
+    grammar: GrammarSpec | None = None  # structured output: what the text must follow
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None:
@@ -110,6 +112,8 @@ class SamplingParams:
             _integer("stop_token_ids", t, 0, MAX_INT64)
         _integer("top_logprobs", self.top_logprobs, 0, MAX_TOP_LOGPROBS)
         _integer("n", self.n, 1, MAX_N)
+        if self.grammar is not None and not isinstance(self.grammar, GrammarSpec):
+            raise InvalidRequest("grammar must be a GrammarSpec", param="grammar")
 
     @property
     def is_greedy(self) -> bool:

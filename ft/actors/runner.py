@@ -33,33 +33,37 @@ class RunnerActor:
         """Run batches until the inbox closes."""
         task_status.started()
         async for batch in self.inbox:
-            started = time.perf_counter()
-            works = list(batch.works)
-            failed: list[tuple[int, str]] = []
-            try:
-                sampled = await self._run(works)
-            except Exception:
-                # One bad sequence must not fail its neighbours: rerun each alone. Reruns
-                # rewrite the same KV slots with the same values, so this is safe.
-                sampled = []
-                for work in works:
-                    try:
-                        sampled += await self._run([work])
-                    except Exception as e:
-                        failed.append((work.seq_id, f"model step failed: {type(e).__name__}: {e}"))
-            # A recompute after preemption feeds generated tokens in chunks: only single-token
-            # works past the prompt are decodes.
-            decodes = [w for w in works if len(w.token_ids) == 1 and w.start_pos >= w.num_prompt_tokens]
-            self.scheduler.send_nowait(
-                StepDone(
-                    step=batch.step,
-                    sampled=tuple(sampled),
-                    failed=tuple(failed),
-                    duration_s=time.perf_counter() - started,
-                    num_prefill_tokens=sum(len(w.token_ids) for w in works) - len(decodes),
-                    num_decode_tokens=len(decodes),
-                )
-            )
+            self.scheduler.send_nowait(await self._run_batch(batch))
+            # Nothing of a finished step outlives it here: its works hold sequences' grammar
+            # matchers, which must go with their request's scope, not at the next step.
+            del batch
+
+    async def _run_batch(self, batch: Batch) -> StepDone:
+        started = time.perf_counter()
+        works = list(batch.works)
+        failed: list[tuple[int, str]] = []
+        try:
+            sampled = await self._run(works)
+        except Exception:
+            # One bad sequence must not fail its neighbours: rerun each alone. Reruns
+            # rewrite the same KV slots with the same values, so this is safe.
+            sampled = []
+            for work in works:
+                try:
+                    sampled += await self._run([work])
+                except Exception as e:
+                    failed.append((work.seq_id, f"model step failed: {type(e).__name__}: {e}"))
+        # A recompute after preemption feeds generated tokens in chunks: only single-token
+        # works past the prompt are decodes.
+        decodes = [w for w in works if len(w.token_ids) == 1 and w.start_pos >= w.num_prompt_tokens]
+        return StepDone(
+            step=batch.step,
+            sampled=tuple(sampled),
+            failed=tuple(failed),
+            duration_s=time.perf_counter() - started,
+            num_prefill_tokens=sum(len(w.token_ids) for w in works) - len(decodes),
+            num_decode_tokens=len(decodes),
+        )
 
     async def _run(self, works: list[SeqWork]) -> list[Sampled]:
         astep = getattr(self.runner, "astep", None)

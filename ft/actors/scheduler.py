@@ -49,11 +49,11 @@ class SchedulerActor:
         task_status.started()
         async for msg in self.inbox:
             match msg:
-                case Enqueue(uid=uid, prompt_ids=ids, params=params):
+                case Enqueue(uid=uid, prompt_ids=ids, params=params, grammar=grammar):
                     entry = self.registry.get(uid)
                     if entry is not None:
                         try:
-                            self.core.add(uid, list(ids), params)
+                            self.core.add(uid, list(ids), params, grammar)
                         except FtError as e:
                             log.debug("uid %d: refused: %s", uid, e, extra=entry.log_extra)
                             self.registry.fail(uid, e)

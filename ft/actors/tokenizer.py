@@ -68,7 +68,7 @@ class TokenizerActor:
         entry.prompt_ids = tuple(ids)  # left context for the request's detokenizers
         log.debug("uid %d: tokenized, %d prompt tokens", msg.uid, len(ids), extra=entry.log_extra)
         entry.send.send_nowait(PromptReady(entry.prompt_ids))
-        self.scheduler.send_nowait(Enqueue(msg.uid, tuple(ids), msg.params))
+        self.scheduler.send_nowait(Enqueue(msg.uid, tuple(ids), msg.params, msg.grammar))
 
     async def tokenize(self, msg: Tokenize) -> list[int]:
         """Token ids for a job (runs in a worker). Raises `FtError`."""

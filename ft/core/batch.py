@@ -8,10 +8,13 @@ they carry, so the core depends on no actor message module.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from ft.errors import FtError
 from ft.params import SamplingParams
+
+if TYPE_CHECKING:
+    from ft.grammar.compiled import Matcher
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,7 +24,9 @@ class SeqWork:
     `page_ids` cover every position up to `start_pos + len(token_ids)`; position p lives in page
     `page_ids[p // page_size]` at slot `p % page_size`. When `sample` is true the runner samples
     one token after the last fed one (`num_generated` tokens have been generated before it).
-    `history` holds prompt + output ids only when the params use penalties.
+    `history` holds prompt + output ids only when the params use penalties. `matcher` (sampling
+    works of a constrained request only) is the sequence's grammar state: the runner masks the
+    logits with it and advances it by the sampled token.
     """
 
     seq_id: int
@@ -33,6 +38,7 @@ class SeqWork:
     num_generated: int
     history: tuple[int, ...] = ()
     num_prompt_tokens: int = 0
+    matcher: Matcher | None = None
 
 
 @dataclass(frozen=True, slots=True)

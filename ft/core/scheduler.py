@@ -23,12 +23,16 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from ft.core.batch import Batch, SeqFailed, SeqWork, StepDone, TokenOut
 from ft.core.kv import PagePool, page_hash
 from ft.core.sequence import SeqStatus, Sequence
 from ft.errors import ContextLengthExceeded, InvalidRequest, RequestFailed
 from ft.params import SamplingParams, mix_seed
+
+if TYPE_CHECKING:
+    from ft.grammar.compiled import Grammar
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,8 +129,13 @@ class Scheduler:
             )
         return max_tokens
 
-    def add(self, uid: int, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Queue request `uid`. Raises `InvalidRequest` when it can never fit."""
+    def add(
+        self, uid: int, prompt_ids: list[int], params: SamplingParams, grammar: Grammar | None = None
+    ) -> None:
+        """Queue request `uid`; each choice follows its own copy of `grammar` when given.
+
+        Raises `InvalidRequest` when it can never fit.
+        """
         max_tokens = self.check_fits(len(prompt_ids), params)
         if max_tokens != params.max_tokens:
             params = replace(params, max_tokens=max_tokens)
@@ -139,7 +148,8 @@ class Scheduler:
                 if params.seed is None or index == 0
                 else replace(params, seed=mix_seed(params.seed, index))
             )
-            group.append(Sequence(self._next_seq_id, uid, index, list(prompt_ids), seeded))
+            matcher = grammar.matcher() if grammar is not None else None
+            group.append(Sequence(self._next_seq_id, uid, index, list(prompt_ids), seeded, matcher=matcher))
             self._next_seq_id += 1
         self.waiting.append(group)
 
@@ -350,6 +360,7 @@ class Scheduler:
             num_generated=len(seq.output_ids),
             history=history,
             num_prompt_tokens=len(seq.prompt_ids),
+            matcher=seq.matcher if sample else None,
         )
 
     def on_step_done(self, batch: Batch, done: StepDone) -> list[TokenOut | SeqFailed]:

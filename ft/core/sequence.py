@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from ft.params import SamplingParams
+
+if TYPE_CHECKING:
+    from ft.grammar.compiled import Matcher
 
 
 class SeqStatus(enum.Enum):
@@ -35,6 +39,7 @@ class Sequence:
     num_lost: int = 0  # tokens computed before its last preemption (to recompute)
     num_preemptions: int = 0
     status: SeqStatus = SeqStatus.WAITING
+    matcher: Matcher | None = None  # its grammar's state (structured output), advanced by the runner
 
     @property
     def num_tokens(self) -> int:

@@ -28,10 +28,13 @@ from ft.actors.tokenizer import TokenizerActor
 from ft.config import EngineConfig
 from ft.core.kv import PagePool
 from ft.core.scheduler import Scheduler
+from ft.engine.grammars import Grammars
 from ft.engine.loading import EngineHooks, load_torch_model
 from ft.engine.stats import Stats
 from ft.engine.stream import RequestStream
 from ft.errors import EngineStopping, FtError, InvalidRequest, Overloaded, RequestAborted
+from ft.grammar.compiled import Grammar
+from ft.grammar.spec import GrammarSpec
 from ft.ids import random_id
 from ft.messages import Abort, Batch, DetokenizerIn, SchedulerIn, StepDone, Tokenize
 from ft.params import SamplingParams
@@ -64,6 +67,7 @@ class Running:
     tokenizer_actor: TokenizerActor
     scheduler_inbox: trio.MemorySendChannel[SchedulerIn]
     tokenizer_inbox: trio.MemorySendChannel[Tokenize]
+    grammars: Grammars
 
 
 class Engine:
@@ -174,7 +178,15 @@ class Engine:
                 on_tokens=self._on_tokens,
             ).run
         )
-        self._running = Running(core, spec.build(), tokenizer_actor, sched_send, tok_send)
+        grammars = Grammars(
+            spec_path=spec_path,
+            tokenizer_json=spec.tokenizer_json,
+            eos_token_ids=spec.eos_token_ids,
+            vocab_size=parts.vocab_size,
+            executor=self.hooks.tokenize_executor or self._killable_worker_executor(),
+            fault=self.hooks.grammar_fault,
+        )
+        self._running = Running(core, spec.build(), tokenizer_actor, sched_send, tok_send, grammars)
         if self.hooks.tokenize_executor is None:  # spawn the worker now, not on first use
             await tokenizer_actor.tokenize(Tokenize(uid=0, params=SamplingParams(), prompt="warm up"))
         if log.isEnabledFor(logging.DEBUG):
@@ -215,6 +227,17 @@ class Engine:
 
         async def executor(job: Callable[[bytes], bytes], payload: bytes) -> bytes:
             result: bytes = await context.run_sync(job, payload, limiter=limiter)
+            return result
+
+        return executor
+
+    def _killable_worker_executor(self) -> Executor:
+        """Jobs in the engine's worker processes, the worker killed if the caller is cancelled."""
+        context = self._workers
+        assert context is not None, "the engine is not running (use open_engine)"
+
+        async def executor(job: Callable[[bytes], bytes], payload: bytes) -> bytes:
+            result: bytes = await context.run_sync(job, payload, kill_on_cancel=True)
             return result
 
         return executor
@@ -290,6 +313,7 @@ class Engine:
             raise InvalidRequest("give exactly one of messages, prompt or prompt_token_ids")
         self.check_admission()
         running = self._started()
+        grammar = await self.compile_grammar(params.grammar) if params.grammar is not None else None
         uid = next(self._uids)
         # Bounded by the most events a request can receive: PromptReady, a Delta per token
         # for each choice, and one Failed.
@@ -316,6 +340,7 @@ class Engine:
                     chat_template_kwargs=chat_template_kwargs or {},
                     add_generation_prompt=add_generation_prompt,
                     continue_final_message=continue_final_message,
+                    grammar=grammar,
                 )
             )
             yield stream
@@ -426,6 +451,21 @@ class Engine:
         """
         try:
             self._started().core.check_fits(num_prompt_tokens, params)
+        except FtError:
+            self.stats.rejected += 1
+            raise
+
+    async def compile_grammar(self, spec: GrammarSpec) -> Grammar:
+        """The compiled grammar of `spec` (cached: each distinct spec is compiled once).
+
+        A route awaits it with the static checks, so a bad grammar is a 400 before any stream.
+
+        Raises:
+            InvalidRequest: the grammar is invalid, too large or too slow to compile.
+            EngineStopping: the engine has not started.
+        """
+        try:
+            return await self._started().grammars.get(spec)
         except FtError:
             self.stats.rejected += 1
             raise

@@ -35,6 +35,7 @@ class EngineHooks:
     tokenize_executor: Executor | None = None  # replaces the worker processes (tests)
     before_step: Callable[[list[SeqWork]], None] | None = None
     tokenizer_fault: Callable[[Tokenize], str | None] | None = None
+    grammar_fault: str | None = None  # "exit": the grammar compiler's process dies
 
 
 def load_torch_model(config: EngineConfig, progress: Callable[[float], None] | None = None) -> ModelParts:

@@ -15,6 +15,7 @@ from ft.model import kernels
 from ft.model.attention import SeqSpan, build_metadata
 from ft.model.llama import LlamaConfig, build_model
 from ft.model.loader import LoadedModel
+from ft.model.masks import StepMasks
 from ft.model.quant import QuantTensor
 from ft.model.quantized_llama import QuantizedLlama, StepIndex
 from ft.model.sampler import sample
@@ -164,11 +165,22 @@ class TorchRunner:
             return self._step(works)
 
     def _step(self, works: list[SeqWork]) -> list[Sampled]:
-        logits = self.forward(works)
-        if logits is None:
-            return []
-        with torch.inference_mode():
-            return sample(logits, [w for w in works if w.sample])
+        rows = [w for w in works if w.sample]
+        masks = StepMasks.start(rows, self.vocab_size)  # computed while the model runs
+        try:
+            logits = self.forward(works)
+            if logits is None:
+                return []
+            with torch.inference_mode():
+                if masks is not None:
+                    masks.apply(logits)
+                sampled = sample(logits, rows)
+        finally:
+            if masks is not None:
+                masks.wait()  # a failed step leaves no mask computation behind
+        if masks is not None:
+            masks.accept(sampled)
+        return sampled
 
     def forward(self, works: list[SeqWork]) -> torch.Tensor | None:
         """Feed every work's tokens (writing their KV); logits `[R, vocab]` of the sampling rows."""

@@ -25,6 +25,7 @@ from quart import Response
 from quart_trio import QuartTrio
 
 from ft.errors import FtError, InvalidRequest, Overloaded
+from ft.grammar.spec import GrammarSpec
 from ft.ids import random_id
 from ft.messages import Delta
 from ft.params import SamplingParams
@@ -42,7 +43,14 @@ from ft.server.context import ServerContext, json_response, read_request
 from ft.server.generation import Generated, GenerationApi, Prompt, Usage, respond
 from ft.server.schemas_anthropic import CountTokensRequest, MessagesRequest, PromptFields
 from ft.server.sse import sse_event
-from ft.server.tools import ToolChoice, apply_tool_choice, function_tool, tool_call_parser_name
+from ft.server.structured import anthropic_output
+from ft.server.tools import (
+    ToolChoice,
+    apply_tool_choice,
+    function_tool,
+    output_grammar,
+    tool_call_parser_name,
+)
 
 PATH_PREFIX = "/v1/messages"
 
@@ -171,25 +179,32 @@ def _user_messages(blocks: list[Any]) -> list[dict[str, Any]]:
     return out
 
 
+def tool_choice(req: PromptFields) -> ToolChoice:
+    """Anthropic's `tool_choice` as the shared policy record (`any` and `tool` force a call)."""
+    if req.tool_choice is None:
+        return ToolChoice()
+    parallel = not req.tool_choice.disable_parallel_tool_use
+    match req.tool_choice.type:
+        case "none":
+            return ToolChoice("none")
+        case "any":
+            return ToolChoice("required", parallel=parallel)
+        case "tool":
+            if req.tool_choice.name is None:
+                raise InvalidRequest("tool_choice of type 'tool' needs a name", param="tool_choice.name")
+            return ToolChoice("required", req.tool_choice.name, parallel=parallel)
+        case _:
+            return ToolChoice(parallel=parallel)
+
+
 def messages_prompt(req: PromptFields) -> Prompt:
     """The engine-side prompt of a Messages request: template messages, tools, kwargs.
 
     A final assistant turn is a prefill: the model continues it. `tool_choice` follows the
-    shared policy (`ft.server.tools`): `none` sends no tools, `any` and `tool` are best effort.
+    shared policy (`ft.server.tools`): `none` sends no tools.
     """
-    choice = ToolChoice()
-    if req.tool_choice is not None:
-        match req.tool_choice.type:
-            case "none":
-                choice = ToolChoice("none")
-            case "any":
-                choice = ToolChoice("required")
-            case "tool":
-                if req.tool_choice.name is None:
-                    raise InvalidRequest("tool_choice of type 'tool' needs a name", param="tool_choice.name")
-                choice = ToolChoice("required", req.tool_choice.name)
     tools = [function_tool(t.name, t.description, t.input_schema) for t in req.tools or ()]
-    messages, sent_tools = apply_tool_choice(template_messages(req), tools, choice)
+    messages, sent_tools = apply_tool_choice(template_messages(req), tools, tool_choice(req))
     is_prefill = req.messages[-1].role == "assistant"
     return Prompt(
         messages=messages,
@@ -202,7 +217,7 @@ def messages_prompt(req: PromptFields) -> Prompt:
     )
 
 
-def sampling_params(ctx: ServerContext, req: MessagesRequest) -> SamplingParams:
+def sampling_params(ctx: ServerContext, req: MessagesRequest, grammar: GrammarSpec | None) -> SamplingParams:
     """Engine sampling params; unset fields take the model's generation defaults."""
     # Anthropic's max_tokens is a ceiling, and agents send far more than a small model's
     # context (Claude Code: 32000). One that reaches the context means "up to the context".
@@ -215,6 +230,7 @@ def sampling_params(ctx: ServerContext, req: MessagesRequest) -> SamplingParams:
             top_k=req.top_k,
             max_tokens=max_tokens,
             stop=tuple(req.stop_sequences or ()),
+            grammar=grammar,
         )
     except InvalidRequest as e:
         if e.param == "stop":
@@ -301,12 +317,15 @@ class MessagesCall(GenerationApi):
         ctx.check_model(req.model)
         prompt = messages_prompt(req)
         self.prompts = [prompt]
-        self.params = sampling_params(ctx, req)
+        config = ctx.engine.config
+        self.tool_call_parser = tool_call_parser_name(config.tool_call_parser, prompt.tools is not None)
+        grammar = output_grammar(
+            prompt.tools, tool_choice(req), self.tool_call_parser, anthropic_output(req.output_format)
+        )
+        self.params = sampling_params(ctx, req, grammar)
         self.stream = req.stream
         self.id = random_id("msg_")
         self.model = req.model or ctx.engine.model_id
-        config = ctx.engine.config
-        self.tool_call_parser = tool_call_parser_name(config.tool_call_parser, prompt.tools is not None)
         self.reasoning_parser = config.reasoning_parser
         self.assembler = BlockAssembler(self.tool_call_parser, self.reasoning_parser, new_tool_use_id)
         self.finish: tuple[str | None, str | int | None] = (None, None)

@@ -108,7 +108,13 @@ def loc_to_param(loc: tuple[int | str, ...], body: Any = None) -> str | None:
             node = node[part] if isinstance(node, list) and 0 <= part < len(node) else None
         elif _is_marker(part):
             continue  # "[key]", validator markers, union members
-        elif isinstance(node, dict) and node is not tagged and node.get("type") == part and i + 1 < len(loc):
+        elif (
+            isinstance(node, dict)
+            and node is not tagged
+            and node.get("type") == part
+            and part not in node  # `{"type": "json_schema", "json_schema": ...}` names a field
+            and i + 1 < len(loc)
+        ):
             tagged = node  # a tagged union's tag: once per node, never the last part
         else:
             out = f"{out}.{part}" if out else part

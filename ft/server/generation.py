@@ -208,6 +208,8 @@ async def prepare(ctx: ServerContext, prompt: Prompt, params: SamplingParams) ->
     else:
         ids = await engine.tokenize_for_request(prompt=prompt.text)
     engine.check_fits(len(ids), params)
+    if params.grammar is not None:
+        await engine.compile_grammar(params.grammar)
     return tuple(ids)
 
 

@@ -32,7 +32,8 @@ from ft.server.openai_format import (
 )
 from ft.server.schemas_openai import ChatCompletionRequest, CompletionRequest, PromptItem
 from ft.server.sse import DONE, sse_data, sse_error
-from ft.server.tools import ToolChoice, apply_tool_choice
+from ft.server.structured import openai_output
+from ft.server.tools import ToolChoice, apply_tool_choice, output_grammar, tool_call_parser_name
 
 
 def register(app: QuartTrio, ctx: ServerContext) -> None:
@@ -55,11 +56,11 @@ def openai_id(prefix: str) -> str:
 
 
 def chat_tool_choice(req: ChatCompletionRequest) -> ToolChoice:
-    """Chat's `tool_choice` as the shared policy record."""
-    choice = req.tool_choice
+    """Chat's `tool_choice` (and `parallel_tool_calls`) as the shared policy record."""
+    choice, parallel = req.tool_choice, req.parallel_tool_calls is not False
     if choice is None or isinstance(choice, str):
-        return ToolChoice(choice or "auto")
-    return ToolChoice("required", choice.function.name)
+        return ToolChoice(choice or "auto", parallel=parallel)
+    return ToolChoice("required", choice.function.name, parallel)
 
 
 class OpenAIGeneration(GenerationApi):
@@ -100,13 +101,6 @@ class ChatCompletion(OpenAIGeneration):
     def __init__(self, ctx: ServerContext, req: ChatCompletionRequest) -> None:
         self.ctx, self.req = ctx, req
         ctx.check_model(req.model)
-        fmt = req.response_format
-        if fmt is not None and fmt.type != "text":
-            raise InvalidRequest(
-                f"response_format type '{fmt.type}' is not supported yet (no constrained "
-                "decoding); use 'text'",
-                param="response_format",
-            )
         if req.top_logprobs and not req.logprobs:
             raise InvalidRequest("top_logprobs requires logprobs: true", param="top_logprobs")
         if req.continue_final_message:
@@ -120,15 +114,18 @@ class ChatCompletion(OpenAIGeneration):
                     "continue_final_message needs a final assistant message to continue",
                     param="continue_final_message",
                 )
+        choice = chat_tool_choice(req)
+        messages, tools = apply_tool_choice(
+            [chat_message_for_template(m) for m in req.messages], req.tools, choice
+        )
+        parser = tool_call_parser_name(ctx.engine.config.tool_call_parser, tools is not None)
         self.params: SamplingParams = sampling_params(
             ctx,
             req,
             max_tokens=req.max_completion_tokens or req.max_tokens,
             logprobs=req.logprobs,
             top_logprobs=req.top_logprobs or 0,
-        )
-        messages, tools = apply_tool_choice(
-            [chat_message_for_template(m) for m in req.messages], req.tools, chat_tool_choice(req)
+            grammar=output_grammar(tools, choice, parser, openai_output(req)),
         )
         self.prompts = [
             Prompt(
@@ -208,6 +205,7 @@ class TextCompletion(OpenAIGeneration):
             max_tokens=req.max_tokens,
             logprobs=req.logprobs is not None,
             top_logprobs=req.logprobs or 0,
+            grammar=openai_output(req),
         )
         check_echo_size(req, ctx.engine.max_model_len)
         self.prompts = [Prompt(text=p) if isinstance(p, str) else Prompt(token_ids=p) for p in req.prompt]

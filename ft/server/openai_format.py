@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ft.errors import InvalidRequest
+from ft.grammar.spec import GrammarSpec
 from ft.messages import TokenLogprob
 from ft.params import SamplingParams
 from ft.server import generation
@@ -35,6 +36,7 @@ def sampling_params(
     max_tokens: int | None,
     logprobs: bool,
     top_logprobs: int,
+    grammar: GrammarSpec | None,
 ) -> SamplingParams:
     """Engine sampling params for a chat or completions request.
 
@@ -63,6 +65,7 @@ def sampling_params(
         top_logprobs=top_logprobs,
         n=req.n,
         skip_special_tokens=req.skip_special_tokens,
+        grammar=grammar,
     )
 
 

@@ -48,7 +48,14 @@ from ft.server.schemas_responses import (
     ResponsesRequest,
 )
 from ft.server.sse import sse_event
-from ft.server.tools import ToolChoice, apply_tool_choice, function_tool, tool_call_parser_name
+from ft.server.structured import responses_output
+from ft.server.tools import (
+    ToolChoice,
+    apply_tool_choice,
+    function_tool,
+    output_grammar,
+    tool_call_parser_name,
+)
 
 ITEM_ID_PREFIXES = {"thinking": "rs_", "text": "msg_", "tool_call": "fc_"}
 
@@ -170,17 +177,12 @@ class ResponseCall(GenerationApi):
                 "store: true is not supported: this server keeps no responses; omit store or set it to false",
                 param="store",
             )
-        fmt = req.text.format if req.text is not None else None
-        if fmt is not None and fmt.type != "text":
-            raise InvalidRequest(
-                f"text.format type '{fmt.type}' is not supported yet (no constrained decoding); use 'text'",
-                param="text.format",
-            )
         choice = req.tool_choice
+        parallel = req.parallel_tool_calls is not False
         tool_choice = (
-            ToolChoice("required", choice.name)
+            ToolChoice("required", choice.name, parallel)
             if isinstance(choice, FunctionChoice)
-            else ToolChoice(choice or "auto")
+            else ToolChoice(choice or "auto", parallel=parallel)
         )
         tools = [function_tool(t.name, t.description, t.parameters) for t in req.tools or ()]
         messages, sent_tools = apply_tool_choice(template_messages(req), tools, tool_choice)
@@ -188,12 +190,15 @@ class ResponseCall(GenerationApi):
         config = ctx.engine.config
         self.tool_call_parser = tool_call_parser_name(config.tool_call_parser, sent_tools is not None)
         self.reasoning_parser = config.reasoning_parser
+        self.text_format = req.text.format if req.text is not None else None
+        answer = responses_output(self.text_format)
         self.params = generation.sampling_params(
             ctx,
             temperature=req.temperature,
             top_p=req.top_p,
             top_k=req.top_k,
             max_tokens=req.max_output_tokens,
+            grammar=output_grammar(sent_tools, tool_choice, self.tool_call_parser, answer),
         )
         self.stream = req.stream
         self.id = random_id("resp_", 32)
@@ -246,7 +251,9 @@ class ResponseCall(GenerationApi):
             "reasoning": {"effort": None, "summary": None},
             "store": False,
             "temperature": self.params.temperature,
-            "text": {"format": {"type": "text"}},
+            "text": {"format": self.text_format.model_dump(by_alias=True, exclude_none=True)}
+            if self.text_format is not None
+            else {"format": {"type": "text"}},
             "tool_choice": choice.model_dump() if isinstance(choice, FunctionChoice) else (choice or "auto"),
             "tools": [t.model_dump() for t in req.tools or ()],
             "top_p": self.params.top_p,

@@ -18,6 +18,7 @@ from ft.server.schemas_openai import (
     MAX_NAME_LEN,
     MAX_TOOLS,
     MEDIA_PART_TYPES,
+    JsonSchema,
     MaxTokens,
     Name,
     StopString,
@@ -145,6 +146,13 @@ class ToolChoice(StrictModel):
     disable_parallel_tool_use: bool = False
 
 
+class OutputFormat(StrictModel):
+    """`output_format` (Anthropic's structured outputs): `{"type": "json_schema", "schema"}`."""
+
+    type: Literal["json_schema"]
+    schema_: JsonSchema = Field(alias="schema")
+
+
 class Thinking(StrictModel):
     """`{"type": "enabled", "budget_tokens"} | {"type": "disabled"}` (accepted; see docs)."""
 
@@ -180,6 +188,7 @@ class MessagesRequest(PromptFields):
     top_k: TopK | None = None
     metadata: dict[str, Any] | None = None
     stream: bool = False
+    output_format: OutputFormat | None = None
 
 
 class CountTokensRequest(PromptFields):

@@ -10,7 +10,15 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
 from ft.params import (
@@ -68,11 +76,41 @@ class StreamOptions(StrictModel):
     continuous_usage_stats: bool = False
 
 
+JsonSchema = dict[str, Any] | bool
+
+
+class JsonSchemaFormat(StrictModel):
+    """`response_format.json_schema`: `{"name", "schema", "strict"?, "description"?}`."""
+
+    name: Name = "response"
+    description: str | None = None
+    schema_: JsonSchema | None = Field(default=None, alias="schema")  # absent: any JSON object
+    strict: bool | None = None
+
+
 class ResponseFormat(StrictModel):
-    """`response_format`; only `text` is served until constrained decoding exists."""
+    """`response_format`: free text, any JSON object, or JSON valid against a schema."""
 
     type: Literal["text", "json_object", "json_schema"]
-    json_schema: dict[str, Any] | None = None
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise PydanticCustomError(
+                "response_format", "response_format type 'json_schema' needs 'json_schema'"
+            )
+        return self
+
+
+class StructuredOutputs(StrictModel):
+    """vLLM's `structured_outputs`: exactly one of `json`, `regex`, `choice`, `grammar`, `json_object`."""
+
+    json_: JsonSchema | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
 
 
 def text_of_parts(parts: list[Any]) -> str:
@@ -162,6 +200,13 @@ class SamplingFields(StrictModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: Annotated[str, Field(max_length=MAX_NAME_LEN)] | None = None
+    # Structured output: OpenAI's `response_format`, and vLLM's fields (completions too).
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: JsonSchema | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @field_validator("logit_bias")
     @classmethod
@@ -203,7 +248,6 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: MaxTokens | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
-    response_format: ResponseFormat | None = None
     tools: Annotated[list[dict[str, Any]], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None

@@ -15,6 +15,7 @@ from ft.server.schemas_openai import (
     MAX_MESSAGES,
     MAX_NAME_LEN,
     MAX_TOOLS,
+    JsonSchema,
     MaxTokens,
     Name,
     StrictModel,
@@ -106,9 +107,13 @@ class FunctionChoice(StrictModel):
 
 
 class TextFormat(StrictModel):
-    """`text.format`; only `text` is served until constrained decoding exists."""
+    """`text.format`: free text, any JSON object, or JSON valid against `schema`."""
 
     type: Literal["text", "json_schema", "json_object"]
+    name: Name | None = None
+    description: str | None = None
+    schema_: JsonSchema | None = Field(default=None, alias="schema")  # absent: any JSON object
+    strict: bool | None = None
 
 
 class TextConfig(StrictModel):

@@ -1,8 +1,9 @@
 """Tools in a prompt, for every API: definitions and the `tool_choice` policy.
 
 Each API spells tools and `tool_choice` its own way; it translates them into `function_tool`
-definitions and a `ToolChoice`, and `apply_tool_choice` decides, once for all of them, what
-the chat template sees.
+definitions and a `ToolChoice`; `apply_tool_choice` decides, once for all of them, what the
+chat template sees, and `output_grammar` what the output must follow: a forced choice is a
+grammar of calls to the allowed tools, so the model cannot answer otherwise.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from ft.errors import InvalidRequest
+from ft.grammar import spec
+from ft.grammar.spec import GrammarSpec
 
 DEFAULT_TOOL_CALL_PARSER = "hermes"
 
@@ -19,11 +22,13 @@ DEFAULT_TOOL_CALL_PARSER = "hermes"
 class ToolChoice:
     """A request's `tool_choice` in any API's spelling: `auto`, `none`, `required`, or one tool.
 
-    `name` (with `mode` "required") names the one tool the model must call.
+    `name` (with `mode` "required") names the one tool the model must call; `parallel` lets it
+    make several calls in one answer.
     """
 
     mode: Literal["auto", "none", "required"] = "auto"
     name: str | None = None
+    parallel: bool = True
 
 
 def function_tool(name: str, description: str | None, parameters: dict[str, Any] | None) -> dict[str, Any]:
@@ -47,9 +52,9 @@ def apply_tool_choice(
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
     """The messages and tools the template sees for `choice`.
 
-    `none` sends no tools. `required` and a named tool are best effort: the tools are sent and
-    the system prompt gains an instruction to call one (or the named one), since there is no
-    constrained decoding to force it.
+    `none` sends no tools. For `required` and a named tool the system prompt also gains an
+    instruction to call one (or the named one): `output_grammar` forces the call, and the
+    instruction helps a small model choose sensible arguments.
 
     Raises:
         InvalidRequest: `choice` names a tool the request does not define.
@@ -65,6 +70,27 @@ def apply_tool_choice(
     if choice.mode == "required":
         return add_system_instruction(messages, require_tool_instruction(None)), tools
     return messages, tools
+
+
+def output_grammar(
+    tools: list[dict[str, Any]] | None,
+    choice: ToolChoice,
+    parser: str | None,
+    answer: GrammarSpec | None,
+) -> GrammarSpec | None:
+    """What the output must follow, given the tools the template saw and the answer format.
+
+    A forced choice (`required`, a named tool) is a grammar of calls in `parser`'s format to
+    the allowed tools, arguments following each tool's parameter schema. With `auto`, a JSON
+    `answer` format becomes "calls or that JSON"; any other answer format stands alone.
+    """
+    if not tools or parser not in spec.TOOL_CALL_FORMATS:
+        return answer
+    if choice.mode == "required":
+        return spec.tool_calls(tools, name=choice.name, parallel=choice.parallel, parser=parser)
+    if answer is not None and answer.kind == "json_schema":
+        return spec.tool_calls(tools, name=None, parallel=choice.parallel, parser=parser, otherwise=answer)
+    return answer
 
 
 def tool_call_parser_name(configured: str | None, has_tools: bool) -> str | None:

@@ -95,8 +95,11 @@ async def test_sdk_bad_parameter_is_bad_request(server: RunningServer) -> None:
     [
         ({"previous_response_id": "resp_123"}, "previous_response_id"),
         ({"store": True}, "store"),
-        ({"text": {"format": {"type": "json_object"}}}, "text.format"),
-        ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {}}}}, "text.format"),
+        (
+            {"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": 3}}}},
+            "text.format.schema",
+        ),
+        ({"text": {"format": {"type": "yaml"}}}, "text.format"),
         ({"tools": [{"type": "web_search"}]}, "tools"),
         ({"tools": TOOLS, "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
         ({"input": [{"type": "computer_call"}]}, "input"),

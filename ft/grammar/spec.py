@@ -1,0 +1,170 @@
+"""What a request asks its output to follow, as plain data: `GrammarSpec`, and its builders.
+
+Each API spells structured output its own way (`response_format`, `text.format`, vLLM's
+`structured_outputs` / `guided_*`, a forced `tool_choice`); each builds a `GrammarSpec` here,
+so the engine sees one kind of value. A spec is canonical text (JSON dumped with sorted keys),
+so equal requests share one compiled grammar (keys keep their order: JSON is generated with
+the properties in the order the schema lists them).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from ft.errors import InvalidRequest
+
+GrammarKind = Literal["json_schema", "regex", "grammar", "choice", "lark"]
+KINDS: tuple[GrammarKind, ...] = ("json_schema", "regex", "grammar", "choice", "lark")
+MAX_SOURCE_CHARS = 1 << 20  # a request body is at most a few MiB; a grammar far less
+MAX_CHOICES = 4096
+TOOL_CALL_FORMATS = ("hermes", "llama3_json")  # the tool-call parsers a grammar can target
+
+# JSON is generated compactly but readably, with no free whitespace: a small model at
+# temperature 1 given "any whitespace" can emit newlines until `max_tokens`.
+JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+@dataclass(frozen=True, slots=True)
+class GrammarSpec:
+    """A constraint on a request's output.
+
+    `kind` is how `source` reads: `json_schema` (a JSON Schema, as JSON text), `regex`,
+    `grammar` (a Lark or a GBNF grammar: llguidance tells them apart), `choice` (a JSON list of
+    strings: the output is one of them) or `lark` (ft's own grammars, such as tool calls).
+    `param` names the request field it came from, so an error can point at it.
+    """
+
+    kind: GrammarKind
+    source: str
+    param: str = "structured_outputs"
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise InvalidRequest(f"unknown grammar kind {self.kind!r}", param=self.param)
+        if not isinstance(self.source, str) or not self.source:
+            raise InvalidRequest("the grammar is empty", param=self.param)
+        if len(self.source) > MAX_SOURCE_CHARS:
+            raise InvalidRequest(
+                f"the grammar is longer than {MAX_SOURCE_CHARS} characters", param=self.param
+            )
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """What identifies the compiled grammar (the field name does not)."""
+        return self.kind, self.source
+
+
+def json_text(value: Any) -> str:
+    """`value` as compact JSON text, so equal schemas compare equal."""
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
+def json_schema(schema: Any, param: str) -> GrammarSpec:
+    """Output that is a JSON value valid against `schema` (an object or a boolean schema).
+
+    Raises:
+        InvalidRequest: `schema` is neither a JSON object nor a boolean.
+    """
+    try:
+        if isinstance(schema, str):
+            schema = json.loads(schema)
+        if not isinstance(schema, (dict, bool)):
+            raise InvalidRequest("a JSON schema must be an object (or a boolean)", param=param)
+        return GrammarSpec("json_schema", json_text(schema), param)
+    except (ValueError, RecursionError) as e:  # not JSON, or nested past Python's own limit
+        raise InvalidRequest(f"the JSON schema cannot be read: {e}", param=param) from None
+
+
+def json_object(param: str) -> GrammarSpec:
+    """Any JSON object (OpenAI's JSON mode)."""
+    return GrammarSpec("json_schema", json_text({"type": "object"}), param)
+
+
+def regex(pattern: Any, param: str) -> GrammarSpec:
+    """Output that matches `pattern` whole (Rust `regex` syntax, as llguidance reads it)."""
+    if not isinstance(pattern, str):
+        raise InvalidRequest("a regex must be a string", param=param)
+    return GrammarSpec("regex", pattern, param)
+
+
+def grammar(text: Any, param: str) -> GrammarSpec:
+    """Output in the language of a Lark or GBNF grammar (its `start` / `root` rule)."""
+    if not isinstance(text, str):
+        raise InvalidRequest("a grammar must be a string", param=param)
+    return GrammarSpec("grammar", text, param)
+
+
+def choice(options: Any, param: str) -> GrammarSpec:
+    """Output that is exactly one of `options` (strings)."""
+    if (
+        not isinstance(options, list)
+        or not options
+        or len(options) > MAX_CHOICES
+        or not all(isinstance(o, str) and o for o in options)
+    ):
+        raise InvalidRequest(f"a choice must list 1 to {MAX_CHOICES} non-empty strings", param=param)
+    return GrammarSpec("choice", json_text(options), param)
+
+
+def tool_calls(
+    tools: list[dict[str, Any]],
+    *,
+    name: str | None,
+    parallel: bool,
+    parser: str,
+    otherwise: GrammarSpec | None = None,
+) -> GrammarSpec:
+    """Output that is one call (or, with `parallel`, several) of `tools` in `parser`'s format.
+
+    Each call names one of the tools (only `name` when given) and its arguments follow that
+    tool's parameter schema. `otherwise`, a JSON schema, is the alternative to calling a tool
+    (`tool_choice: auto` with a `response_format`): the output is then calls or that JSON.
+
+    Raises:
+        InvalidRequest: `name` is not among `tools`.
+    """
+    chosen = [t for t in tools if name is None or _name(t) == name]
+    if not chosen:
+        raise InvalidRequest(f"tool_choice names an unknown tool '{name}'", param="tool_choice")
+    args_key = "parameters" if parser == "llama3_json" else "arguments"
+    call_schema = {
+        "anyOf": [
+            {
+                "type": "object",
+                "properties": {"name": {"const": _name(t)}, args_key: _parameters(t)},
+                "required": ["name", args_key],
+                "additionalProperties": False,
+            }
+            for t in chosen
+        ],
+        "x-guidance": JSON_OPTIONS,
+    }
+    if parser == "llama3_json":
+        call, sep = "body", '"; "'
+    else:
+        call, sep = '"<tool_call>\\n" body "\\n</tool_call>"', '"\\n"'
+    rules = [f"calls: {call} ({sep} {call})*" if parallel else f"calls: {call}"]
+    rules.append(f"body: %json {json_text(call_schema)}")
+    start = "start: calls"
+    if otherwise is not None:
+        assert otherwise.kind == "json_schema"
+        alternative = json.loads(otherwise.source)
+        if isinstance(alternative, dict):
+            alternative = alternative | {"x-guidance": JSON_OPTIONS}
+        rules.append(f"answer: %json {json_text(alternative)}")
+        start = "start: calls | answer"
+    return GrammarSpec("lark", "\n".join(["%llguidance {}", start, *rules]), "tools")
+
+
+def _name(tool: dict[str, Any]) -> str | None:
+    function = tool.get("function")
+    name = function.get("name") if isinstance(function, dict) else None
+    return name if isinstance(name, str) else None
+
+
+def _parameters(tool: dict[str, Any]) -> Any:
+    function = tool.get("function")
+    params = function.get("parameters") if isinstance(function, dict) else None
+    return params if isinstance(params, (dict, bool)) else {"type": "object"}

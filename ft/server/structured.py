@@ -1,0 +1,77 @@
+"""Structured output in each API's spelling, as one `GrammarSpec` (or none).
+
+OpenAI chat and completions: `response_format` (`json_object`, `json_schema`), and vLLM's
+`structured_outputs` / `guided_json|regex|choice|grammar`. Responses: `text.format`.
+Anthropic: `output_format`. A forced `tool_choice` is the other source of a grammar; it is
+combined with these in `ft.server.tools.output_grammar`.
+"""
+
+from __future__ import annotations
+
+from ft.errors import InvalidRequest
+from ft.grammar import spec
+from ft.grammar.spec import GrammarSpec
+from ft.server.schemas_anthropic import OutputFormat
+from ft.server.schemas_openai import SamplingFields
+from ft.server.schemas_responses import TextFormat
+
+
+def only_one(asked: list[GrammarSpec]) -> GrammarSpec | None:
+    """The one constraint a request asked for, if any.
+
+    Raises:
+        InvalidRequest: it asked for more than one (naming the second).
+    """
+    if len(asked) > 1:
+        raise InvalidRequest(
+            f"give one structured output constraint, not both {asked[0].param} and {asked[1].param}",
+            param=asked[1].param,
+        )
+    return asked[0] if asked else None
+
+
+def openai_output(req: SamplingFields) -> GrammarSpec | None:
+    """What a chat or completions request's text must follow."""
+    asked: list[GrammarSpec] = []
+    fmt = req.response_format
+    if fmt is not None and fmt.type == "json_object":
+        asked.append(spec.json_object("response_format"))
+    elif fmt is not None and fmt.type == "json_schema" and fmt.json_schema is not None:
+        schema = fmt.json_schema.schema_
+        param = "response_format.json_schema.schema"
+        asked.append(spec.json_object(param) if schema is None else spec.json_schema(schema, param))
+    so = req.structured_outputs
+    if so is not None:
+        if so.json_ is not None:
+            asked.append(spec.json_schema(so.json_, "structured_outputs.json"))
+        if so.regex is not None:
+            asked.append(spec.regex(so.regex, "structured_outputs.regex"))
+        if so.choice is not None:
+            asked.append(spec.choice(so.choice, "structured_outputs.choice"))
+        if so.grammar is not None:
+            asked.append(spec.grammar(so.grammar, "structured_outputs.grammar"))
+        if so.json_object:
+            asked.append(spec.json_object("structured_outputs.json_object"))
+    if req.guided_json is not None:
+        asked.append(spec.json_schema(req.guided_json, "guided_json"))
+    if req.guided_regex is not None:
+        asked.append(spec.regex(req.guided_regex, "guided_regex"))
+    if req.guided_choice is not None:
+        asked.append(spec.choice(req.guided_choice, "guided_choice"))
+    if req.guided_grammar is not None:
+        asked.append(spec.grammar(req.guided_grammar, "guided_grammar"))
+    return only_one(asked)
+
+
+def responses_output(fmt: TextFormat | None) -> GrammarSpec | None:
+    """What a Responses request's text must follow (`text.format`)."""
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object" or fmt.schema_ is None:
+        return spec.json_object("text.format")
+    return spec.json_schema(fmt.schema_, "text.format.schema")
+
+
+def anthropic_output(fmt: OutputFormat | None) -> GrammarSpec | None:
+    """What a Messages request's text must follow (`output_format`)."""
+    return None if fmt is None else spec.json_schema(fmt.schema_, "output_format.schema")

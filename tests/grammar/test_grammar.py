@@ -1,0 +1,217 @@
+"""Grammar specs, their compilation (worker check, limits, cache) and what a matcher accepts."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import time
+
+import pytest
+import trio
+import trio.testing
+
+from ft.engine.fake import byte_tokenizer_spec, run_inline
+from ft.engine.grammars import Grammars, run_in_killable_worker
+from ft.errors import InvalidRequest
+from ft.grammar import spec
+from ft.grammar.compiled import Matcher
+from ft.grammar.spec import GrammarSpec
+from tests.support.grammar import BYTE_VOCAB, byte_matcher, write_byte_spec
+
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}},
+    {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {"zone": {"enum": ["utc", "local"]}}, "required": ["zone"]}}},
+]  # fmt: skip
+
+
+def accepts(matcher: Matcher, text: str) -> bool:
+    """Whether `matcher` accepts `text` whole (then EOS)."""
+    m = matcher.deep_copy()
+    ids = [3 + b for b in text.encode()]
+    return m.consume_tokens(ids) and m.is_accepting()
+
+
+def grammars(tmp_path: pathlib.Path, **kwargs: object) -> Grammars:
+    s = byte_tokenizer_spec()
+    return Grammars(
+        spec_path=write_byte_spec(tmp_path),
+        tokenizer_json=s.tokenizer_json,
+        eos_token_ids=s.eos_token_ids,
+        vocab_size=BYTE_VOCAB,
+        **kwargs,  # type: ignore[arg-type]
+    )
+
+
+# --- specs -----------------------------------------------------------------------------------
+
+
+def test_specs_name_their_field_when_refused() -> None:
+    """Each builder refuses a wrong type with an `InvalidRequest` naming the request field."""
+    cases = [
+        (lambda: spec.json_schema("{not json", "guided_json"), "guided_json"),
+        (lambda: spec.json_schema([1, 2], "response_format.json_schema.schema"),
+         "response_format.json_schema.schema"),
+        (lambda: spec.regex(5, "guided_regex"), "guided_regex"),
+        (lambda: spec.grammar(None, "guided_grammar"), "guided_grammar"),
+        (lambda: spec.choice([], "guided_choice"), "guided_choice"),
+        (lambda: spec.choice(["a", ""], "guided_choice"), "guided_choice"),
+        (lambda: GrammarSpec("regex", "x" * (spec.MAX_SOURCE_CHARS + 1), "guided_regex"), "guided_regex"),
+    ]  # fmt: skip
+    for build, param in cases:
+        with pytest.raises(InvalidRequest) as err:
+            build()
+        assert err.value.param == param
+
+
+def test_schema_text_keeps_property_order() -> None:
+    """Properties stay in the schema's order (generated JSON follows it); equal schemas are equal specs."""
+    a = spec.json_schema({"type": "object", "properties": {"z": {}, "a": {}}}, "x")
+    assert a.source.index('"z"') < a.source.index('"a"')
+    assert a.key == spec.json_schema(json.loads(a.source), "y").key
+
+
+@pytest.mark.parametrize(
+    ("grammar", "good", "bad"),
+    [
+        (spec.json_schema({"type": "object", "properties": {"n": {"type": "integer", "maximum": 9}},
+                           "required": ["n"], "additionalProperties": False}, "x"),
+         '{"n": 7}', '{"n": 17}'),
+        (spec.json_object("x"), '{"a": [1, 2]}', "[1, 2]"),
+        (spec.regex(r"[0-9]{3}-[a-z]+", "x"), "123-abc", "12-abc"),
+        (spec.choice(["yes", "no"], "x"), "no", "maybe"),
+        (spec.grammar('start: "a" b+\nb: "b"', "x"), "abbb", "ba"),  # Lark
+        (spec.grammar('root ::= "a" "b"+', "x"), "abb", "a"),  # GBNF
+    ],
+)  # fmt: skip
+def test_each_kind_accepts_its_language(grammar: GrammarSpec, good: str, bad: str) -> None:
+    """JSON schema, JSON mode, regex, choice, Lark and GBNF grammars accept and refuse as written."""
+    m = byte_matcher(grammar)
+    assert accepts(m, good)
+    assert not accepts(m, bad)
+
+
+def test_json_is_compact_and_without_free_whitespace() -> None:
+    """Separators are ", " and ": "; no other whitespace, so a model cannot pad forever."""
+    m = byte_matcher(spec.json_object("x"))
+    assert accepts(m, '{"a": 1, "b": 2}')
+    assert not accepts(m, '{"a":1}')
+    assert not accepts(m, '{ "a": 1}')
+
+
+@pytest.mark.parametrize("parser", ["hermes", "llama3_json"])
+def test_tool_call_grammar_allows_only_valid_calls(parser: str) -> None:
+    """A forced tool choice accepts calls of the allowed tools with valid arguments, nothing else."""
+
+    def call(name: str, args: str) -> str:
+        key = "parameters" if parser == "llama3_json" else "arguments"
+        body = f'{{"name": "{name}", "{key}": {args}}}'
+        return body if parser == "llama3_json" else f"<tool_call>\n{body}\n</tool_call>"
+
+    sep = "; " if parser == "llama3_json" else "\n"
+    weather, time_call = call("get_weather", '{"city": "Paris"}'), call("get_time", '{"zone": "utc"}')
+    any_tool = byte_matcher(spec.tool_calls(TOOLS, name=None, parallel=True, parser=parser))
+    assert accepts(any_tool, weather)
+    assert accepts(any_tool, weather + sep + time_call)
+    assert not accepts(any_tool, "Sure! " + weather)
+    assert not accepts(any_tool, call("get_weather", '{"town": "Paris"}'))
+    assert not accepts(any_tool, call("get_time", '{"zone": "mars"}'))
+    assert not accepts(any_tool, call("rm_rf", "{}"))
+    one = byte_matcher(spec.tool_calls(TOOLS, name="get_time", parallel=False, parser=parser))
+    assert accepts(one, time_call)
+    assert not accepts(one, weather)
+    assert not accepts(one, time_call + sep + time_call)
+    with pytest.raises(InvalidRequest):
+        spec.tool_calls(TOOLS, name="nope", parallel=True, parser=parser)
+
+
+def test_auto_tool_choice_with_a_json_answer_allows_either() -> None:
+    """`tool_choice: auto` with a JSON format: calls, or the JSON answer, never free text."""
+    answer = spec.json_schema(
+        {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}, "x"
+    )
+    m = byte_matcher(spec.tool_calls(TOOLS, name=None, parallel=True, parser="hermes", otherwise=answer))
+    assert accepts(m, '{"ok": true}')
+    assert accepts(m, '<tool_call>\n{"name": "get_time", "arguments": {"zone": "utc"}}\n</tool_call>')
+    assert not accepts(m, "hello")
+
+
+# --- compilation -----------------------------------------------------------------------------
+
+HOSTILE = [
+    spec.regex("(x{500}){500}", "guided_regex"),  # costs 130+ ms a token without tighter fuel
+    spec.regex("(a{1000}){1000}", "guided_regex"),
+    spec.json_schema({"enum": [f"value{i}" for i in range(60_000)]}, "guided_json"),
+    spec.json_schema({"type": "string", "pattern": "^(x{500}){500}$"}, "guided_json"),
+    spec.json_schema({"$ref": "#/$defs/missing"}, "guided_json"),
+    spec.json_schema({"type": "frobnicate"}, "guided_json"),
+    spec.grammar("start: undefined_rule", "guided_grammar"),
+    spec.regex("(unclosed", "guided_regex"),
+]
+
+
+async def test_hostile_grammars_are_refused_quickly(tmp_path: pathlib.Path) -> None:
+    """Invalid grammars and ones that explode llguidance's limits are `InvalidRequest`s in well
+    under a second each, naming the field."""
+    g = grammars(tmp_path)
+    await g.get(spec.json_object("x"))  # spawn the worker and build its tokenizer first
+    for hostile in HOSTILE:
+        started = time.perf_counter()
+        with pytest.raises(InvalidRequest) as err:
+            await g.get(hostile)
+        assert err.value.param == hostile.param
+        assert time.perf_counter() - started < 2.0, hostile
+
+
+async def test_a_schema_that_crashes_the_compiler_costs_a_worker_not_the_server(
+    tmp_path: pathlib.Path,
+) -> None:
+    """A schema nested thousands deep overflows llguidance's stack: the worker dies, the
+    request gets a 400, and the next grammar compiles."""
+    depth = 5000  # deeper than Python's json reads: built as text, as llguidance would get it
+    deep = '{"type": "object", "properties": {"a": ' * depth + '{"type": "string"}' + "}}" * depth
+    g = grammars(tmp_path)
+    with pytest.raises(InvalidRequest, match="crashed|nested|recursion"):
+        await g.get(GrammarSpec("json_schema", deep, "guided_json"))
+    with pytest.raises(InvalidRequest, match="cannot be read"):
+        spec.json_schema(deep, "guided_json")
+    crash = grammars(tmp_path, fault="exit")
+    with pytest.raises(InvalidRequest, match="crashed its compiler"):
+        await crash.get(spec.json_object("x"))
+    assert await g.get(spec.regex("[ab]+", "x"))
+
+
+async def test_a_compiler_past_its_deadline_is_a_400(tmp_path: pathlib.Path) -> None:
+    """A compilation that outlives `timeout_s` is cancelled (the worker would be killed)."""
+
+    async def never(job: object, payload: bytes) -> bytes:
+        await trio.sleep_forever()
+        raise AssertionError
+
+    g = grammars(tmp_path, executor=never, timeout_s=5.0)
+    with pytest.raises(InvalidRequest, match="longer than 5 s"):
+        await g.get(spec.json_object("x"))
+
+
+async def test_each_spec_compiles_once_refusals_too(tmp_path: pathlib.Path) -> None:
+    """Equal specs share one compilation (concurrent ones wait for it); a refusal is remembered."""
+    g = grammars(tmp_path, executor=run_inline)
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    async with trio.open_nursery() as nursery:
+        for _ in range(5):
+            nursery.start_soon(g.get, spec.json_schema(schema, "x"))
+    assert g.num_compiled == 1
+    first = await g.get(spec.json_schema(schema, "y"))
+    assert first is await g.get(spec.json_schema(schema, "z"))
+    for _ in range(3):
+        with pytest.raises(InvalidRequest):
+            await g.get(spec.regex("(", "guided_regex"))
+    assert g.num_compiled == 2
+
+
+async def test_killable_worker_is_the_default(tmp_path: pathlib.Path) -> None:
+    """The engine's grammars compile in a trio-parallel worker killed on cancellation."""
+    assert grammars(tmp_path)._executor is run_in_killable_worker
+    with trio.move_on_after(30):
+        assert (await grammars(tmp_path).get(spec.choice(["a", "b"], "x"))).spec.kind == "choice"

@@ -1,0 +1,132 @@
+"""Structured output at the edge: every API's fields, 400s before engine work, matchers freed
+with the request scope (fake model: its scripted text ignores grammars)."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import httpx
+import pytest
+import trio
+
+from ft.grammar import spec
+from ft.grammar.compiled import Grammar, Matcher
+from ft.params import SamplingParams
+from ft.server import RunningServer
+from tests.support.engine import fake_engine
+from tests.support.server import health_watch, wait_idle
+
+USER = [{"role": "user", "content": "hi"}]
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+BAD_SCHEMA = {"type": "frobnicate"}
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": BAD_SCHEMA}}},
+         "response_format.json_schema.schema"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": [1]}}},
+         "response_format.json_schema.schema"),
+        ({"guided_json": BAD_SCHEMA}, "guided_json"),
+        ({"guided_json": "{not json"}, "guided_json"),
+        ({"guided_regex": "(unclosed"}, "guided_regex"),
+        ({"guided_regex": "(x{500}){500}"}, "guided_regex"),
+        ({"guided_choice": []}, "guided_choice"),
+        ({"guided_grammar": "start: nowhere"}, "guided_grammar"),
+        ({"structured_outputs": {"regex": "[a"}}, "structured_outputs.regex"),
+        ({"structured_outputs": {"json": BAD_SCHEMA}}, "structured_outputs.json"),
+        ({"guided_regex": "a+", "guided_choice": ["a"]}, "guided_choice"),
+        ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
+         "structured_outputs.regex"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": BAD_SCHEMA}}],
+          "tool_choice": "required"}, "tools"),
+    ],
+)  # fmt: skip
+async def test_bad_constraints_are_400s_naming_the_field(
+    server: RunningServer, client: httpx.AsyncClient, body: dict[str, Any], param: str
+) -> None:
+    """Invalid, hostile or conflicting constraints are 400s before any engine work, streamed or not."""
+    for stream in (False, True):
+        r = await client.post("/v1/chat/completions", json={"messages": USER, "stream": stream} | body)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == param, r.json()
+    await wait_idle(client)
+    assert server.engine.stats.completed == 0 and server.engine.stats.prompt_tokens_total == 0
+
+
+async def test_every_api_accepts_its_spelling(client: httpx.AsyncClient) -> None:
+    """Chat, completions, responses and messages each take their own structured-output fields."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    posts: list[tuple[str, dict[str, Any]]] = [
+        ("/v1/chat/completions", {"messages": USER, "guided_json": schema}),
+        ("/v1/chat/completions", {"messages": USER, "structured_outputs": {"choice": ["a", "b"]}}),
+        ("/v1/chat/completions", {"messages": USER, "tools": TOOLS, "tool_choice": "required"}),
+        ("/v1/completions", {"prompt": "x", "response_format": {"type": "json_object"}}),
+        ("/v1/completions", {"prompt": "x", "guided_grammar": 'root ::= "a"+'}),
+        ("/v1/responses", {"input": "x",
+                           "text": {"format": {"type": "json_schema", "name": "n", "schema": schema}}}),
+        ("/v1/responses", {"input": "x", "tools": [{"type": "function", "name": "f"}],
+                           "tool_choice": "required"}),
+        ("/v1/messages", {"messages": USER, "max_tokens": 5,
+                          "output_format": {"type": "json_schema", "schema": schema}}),
+        ("/v1/messages", {"messages": USER, "max_tokens": 5, "tools": [{"name": "f", "input_schema": schema}],
+                          "tool_choice": {"type": "any"}}),
+    ]  # fmt: skip
+    for path, body in posts:
+        r = await client.post(path, json={"max_tokens": 3} | body if path != "/v1/responses" else body)
+        assert r.status_code == 200, (path, r.text)
+
+
+async def test_responses_echo_the_text_format(client: httpx.AsyncClient) -> None:
+    """A Responses answer reports the `text.format` it followed."""
+    fmt = {"type": "json_schema", "name": "n", "schema": {"type": "object"}, "strict": True}
+    r = await client.post(
+        "/v1/responses", json={"input": "x", "text": {"format": fmt}, "max_output_tokens": 2}
+    )
+    assert r.json()["text"]["format"] == fmt
+
+
+async def test_hostile_grammars_do_not_stall_the_loop(
+    server: RunningServer, client: httpx.AsyncClient
+) -> None:
+    """Compiling happens in a worker: /health answers while hostile grammars are refused."""
+    async with health_watch(server.base_url) as latencies:
+        for pattern in ["(x{500}){500}", "(a{1000}){1000}", "[a-z]{1,60000}@(b{300}){300}"]:
+            r = await client.post("/v1/chat/completions", json={"messages": USER, "guided_regex": pattern})
+            assert r.status_code in (200, 400)
+    assert max(latencies) < 0.5
+
+
+class SpyGrammar(Grammar):
+    """A grammar that remembers the matchers it hands out."""
+
+    handed: list[Matcher]
+
+    def matcher(self) -> Matcher:
+        m = super().matcher()
+        self.handed.append(m)
+        return m
+
+
+async def test_a_request_that_leaves_frees_its_matchers() -> None:
+    """Leaving mid-generation drops every choice's matcher with the request's sequences."""
+    async with fake_engine() as engine:
+        real = await engine.compile_grammar(spec.regex("[a-z ]+", "x"))
+        spy = SpyGrammar(real.spec, real.template)
+        object.__setattr__(spy, "handed", [])
+
+        async def compile_spy(_: object) -> Grammar:
+            return spy
+
+        engine.compile_grammar = compile_spy  # type: ignore[method-assign]
+        params = SamplingParams(max_tokens=200, n=3, grammar=spec.regex("[a-z ]+", "x"))
+        with trio.move_on_after(0.05):
+            async with engine.open_request(prompt="hello", params=params) as stream:
+                await stream.collect()
+        assert len(spy.handed) == 3
+        with trio.fail_after(2):
+            while any(sys.getrefcount(m) > 3 for m in spy.handed):  # list + loop var + argument
+                await trio.sleep(0.01)
+        assert engine.core is not None and not engine.core.running and not engine.core.waiting
