@@ -6,12 +6,14 @@ import argparse
 import logging
 import os
 import re
+import sys
 
 import trio
 
 from ft.config import (
     ADMISSIONS,
     DEFAULT_KV_CACHE_MEMORY,
+    DEFAULT_STEP_TIMEOUT_S,
     KV_CACHE_DTYPES,
     EngineConfig,
     add_model_arguments,
@@ -82,6 +84,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="KV cache element type; float16/bfloat16 hold 2x the tokens of float32 (default: the model's)",
     )
     engine.add_argument(
+        "--step-timeout",
+        type=float,
+        default=DEFAULT_STEP_TIMEOUT_S,
+        help="with --tensor-parallel-size > 1: seconds a step may take before the ranks are "
+        f"declared hung and the server exits non-zero (default: {DEFAULT_STEP_TIMEOUT_S:g})",
+    )
+    engine.add_argument(
         "--admission",
         choices=ADMISSIONS,
         default="need",
@@ -150,6 +159,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerSet
         max_queued_requests=args.max_queued_requests,
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
+        step_timeout_s=args.step_timeout,
     )
     settings = ServerSettings(
         host=args.host,
@@ -168,8 +178,19 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerSet
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    """Run `ft serve` until SIGINT/SIGTERM; 0 after a clean drain, 2 for bad options."""
-    from ft.server.app import serve
+    """Run `ft serve` until SIGINT/SIGTERM; 0 after a clean drain, 1 when the model runner
+    failed (a rank died or hangs), 2 for bad options.
+
+    Under torchrun (`RANK` set), a process with `RANK > 0` is a rank process, not a server.
+    """
+    if int(os.environ.get("RANK", "0")) > 0 and "WORLD_SIZE" in os.environ:
+        from ft.engine.ranks import run_rank
+
+        logging.basicConfig(
+            level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        )
+        return run_rank(args.device)
+    from ft.server.app import EngineFailed, serve
 
     try:
         engine, settings = configs_from_args(args)
@@ -179,7 +200,12 @@ def run_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    trio.run(serve, engine, settings)
+    try:
+        trio.run(serve, engine, settings)
+    except EngineFailed as e:
+        # A supervisor restarts a server that exits non-zero; the ranks are already stopped.
+        print(f"ft serve: the model runner failed: {e}", file=sys.stderr, flush=True)
+        return 1
     return 0
 
 

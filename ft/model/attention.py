@@ -46,6 +46,24 @@ class AttentionMetadata:
     prefills: tuple[PrefillChunk, ...]
     num_tokens: int
 
+    def to(self, device: torch.device) -> AttentionMetadata:
+        """The same indices on `device` (built on the CPU, copied once per step)."""
+
+        def move(t: torch.Tensor) -> torch.Tensor:
+            return t.to(device, non_blocking=True)
+
+        return AttentionMetadata(
+            slot_mapping=move(self.slot_mapping),
+            decode_rows=move(self.decode_rows),
+            decode_slots=move(self.decode_slots),
+            decode_mask=move(self.decode_mask),
+            decode_is_all=self.decode_is_all,
+            prefills=tuple(
+                PrefillChunk(c.row_start, c.row_end, move(c.slots), move(c.mask)) for c in self.prefills
+            ),
+            num_tokens=self.num_tokens,
+        )
+
 
 def _slots(page_ids: torch.Tensor, positions: torch.Tensor, page_size: int) -> torch.Tensor:
     """Slot of each position: `page_ids[..., p // page_size] * page_size + p % page_size`."""

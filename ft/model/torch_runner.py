@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import warnings
 from collections.abc import Callable
 
@@ -15,6 +16,7 @@ from ft.model import kernels
 from ft.model.attention import SeqSpan, build_metadata
 from ft.model.llama import LlamaConfig, build_model
 from ft.model.loader import LoadedModel
+from ft.model.parallel import RankFailure, RankGroup, decode_works, local_config
 from ft.model.quant import QuantTensor
 from ft.model.quantized_llama import QuantizedLlama, StepIndex
 from ft.model.sampler import sample
@@ -78,6 +80,11 @@ class TorchRunner:
 
     The KV cache is two tensors `[num_layers, num_pages * page_size, kv_heads, head_dim]`; the
     scheduler owns which pages a sequence uses and passes them in each `SeqWork`.
+
+    Weights, KV cache and sampling live on `device`. With `ranks` (tensor parallelism) this is
+    one rank's runner: it holds that rank's heads, MLP columns, kv heads and vocabulary slice.
+    Rank 0's `forward` broadcasts each step's description first; the other ranks run `follow`,
+    which runs the same forwards until rank 0 sends "stop" (`close`).
     """
 
     def __init__(
@@ -90,6 +97,8 @@ class TorchRunner:
         threads: int | None = None,
         quantize: str | None = None,
         kv_dtype: torch.dtype | None = None,
+        device: torch.device | None = None,
+        ranks: RankGroup | None = None,
     ) -> None:
         if num_pages < 1 or page_size < 1:
             raise ValueError(f"num_pages and page_size must be positive, got {num_pages}, {page_size}")
@@ -99,34 +108,71 @@ class TorchRunner:
         self._threads = ThreadChooser((threads,) if threads else thread_choices(torch.get_num_threads()))
         self.config = loaded.config
         self.dtype = dtype
+        self.device = device or torch.device("cpu")
+        self.ranks = ranks
+        self._lock = threading.Lock()  # one forward (one sequence of collectives) at a time
         self._page_size = page_size
         self._num_pages = num_pages
         c = loaded.config
-        shape = (c.num_layers, num_pages * page_size, c.num_kv_heads, c.head_dim)
+        world = ranks.world if ranks is not None else 1
+        local = local_config(c, world)  # raises ValueError when the heads do not divide
+        shape = (c.num_layers, num_pages * page_size, local.num_kv_heads, c.head_dim)
         self.kv_dtype = kv_dtype or dtype
         self.packed: QuantizedLlama | None = None
+        on_cpu = self.device.type == "cpu"
         if any(isinstance(v, QuantTensor) for v in loaded.state_dict.values()):
             if quantize is not None or dtype != torch.float32 or self.kv_dtype not in kernels.KV_TYPES:
                 raise ValueError("weights kept as stored need float32 activations and no --quantize")
+            if ranks is not None or not on_cpu:
+                raise ValueError("weights kept as stored run on the CPU in one process; load them as floats")
             self.packed = QuantizedLlama(c, loaded.state_dict)
             self._lm_head: Callable[[torch.Tensor], torch.Tensor] = self.packed.logits
         else:
-            self.model = build_model(c, loaded.state_dict, dtype)  # type: ignore[arg-type]
-            if quantize is not None:
-                if quantize not in QUANTIZATIONS or dtype != torch.float32:
-                    raise ValueError(f"quantize must be one of {QUANTIZATIONS} with float32 activations")
-                quantize_linears(self.model)  # in place
-            self._lm_head = (
-                self.model.lm_head if quantize is not None else prepacked_linear(self.model.lm_head)
+            self.model = build_model(
+                c,
+                loaded.state_dict,  # type: ignore[arg-type]
+                dtype,
+                device=self.device,
+                shard=ranks.shard if ranks is not None else None,
+                reduce=ranks.all_reduce if ranks is not None and world > 1 else None,
             )
-        self.k_cache = lazy_zeros(shape, self.kv_dtype)
-        self.v_cache = lazy_zeros(shape, self.kv_dtype)
+            if quantize is not None:
+                if quantize not in QUANTIZATIONS or dtype != torch.float32 or not on_cpu:
+                    raise ValueError(
+                        f"quantize must be one of {QUANTIZATIONS} with float32 activations on the CPU"
+                    )
+                quantize_linears(self.model)  # in place
+            head = (
+                self.model.lm_head
+                if quantize is not None or not on_cpu
+                else prepacked_linear(self.model.lm_head)
+            )
+            self._lm_head = head if world == 1 else self._gathered(head)
+        if on_cpu:
+            self.k_cache = lazy_zeros(shape, self.kv_dtype)
+            self.v_cache = lazy_zeros(shape, self.kv_dtype)
+        else:
+            self.k_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+            self.v_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+
+    def _gathered(
+        self, head: Callable[[torch.Tensor], torch.Tensor]
+    ) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The lm_head over this rank's vocabulary slice, gathered to the full vocabulary."""
+        assert self.ranks is not None
+        ranks, vocab = self.ranks, self.config.vocab_size
+
+        def run(rows: torch.Tensor) -> torch.Tensor:
+            return ranks.all_gather_vocab(head(rows))[:, :vocab]  # [R, vocab]
+
+        return run
 
     @staticmethod
-    def bytes_per_page(config: LlamaConfig, page_size: int, dtype: torch.dtype) -> int:
-        """KV bytes one page takes across all layers (keys and values)."""
+    def bytes_per_page(config: LlamaConfig, page_size: int, dtype: torch.dtype, world: int = 1) -> int:
+        """KV bytes one page takes across all layers (keys and values) on each of `world` ranks."""
         itemsize = torch.empty(0, dtype=dtype).element_size()
-        return 2 * config.num_layers * page_size * config.num_kv_heads * config.head_dim * itemsize
+        kv_heads = config.num_kv_heads // world
+        return 2 * config.num_layers * page_size * kv_heads * config.head_dim * itemsize
 
     @property
     def page_size(self) -> int:
@@ -176,6 +222,42 @@ class TorchRunner:
             return None
         for work in works:
             self._check(work)
+        with self._lock:
+            if self.ranks is not None and self.ranks.is_leader:
+                self.ranks.send_step(works)  # the other ranks run the same forward
+            return self._forward(works)
+
+    def follow(self) -> None:
+        """Ranks other than 0: run the steps rank 0 broadcasts until it sends "stop".
+
+        Raises:
+            RankFailure: rank 0 died or the group broke.
+        """
+        assert self.ranks is not None and not self.ranks.is_leader
+        while True:
+            message = self.ranks.receive()
+            if message["op"] == "stop":
+                return
+            if message["op"] != "step":
+                raise ValueError(f"unexpected tensor-parallel message {message['op']!r}")
+            self._forward(decode_works(message["works"]))
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Rank 0: end the other ranks' step loops (they then leave the group).
+
+        Raises:
+            RankFailure: a step is still running after `timeout_s` (it hangs), or the ranks are gone.
+        """
+        if self.ranks is None or not self.ranks.is_leader:
+            return
+        if not self._lock.acquire(timeout=timeout_s):
+            raise RankFailure(f"a step still runs after {timeout_s:g} s; the ranks are not stopped")
+        try:
+            self.ranks.send_stop()
+        finally:
+            self._lock.release()
+
+    def _forward(self, works: list[SeqWork]) -> torch.Tensor | None:
         token_ids: list[int] = []
         positions: list[int] = []
         sample_rows: list[int] = []
@@ -186,7 +268,7 @@ class TorchRunner:
                 sample_rows.append(len(token_ids) - 1)
         with torch.inference_mode():
             if self.packed is not None:
-                ids = torch.tensor(token_ids, dtype=torch.long)
+                ids = torch.tensor(token_ids, dtype=torch.long)  # the packed path is CPU-only
                 index = self._step_index(works, positions)
                 hidden = self.packed.forward(ids, index, self.k_cache, self.v_cache, self._page_size)
             else:
@@ -220,9 +302,11 @@ class TorchRunner:
         self, token_ids: list[int], positions: list[int], spans: list[SeqSpan]
     ) -> torch.Tensor:
         meta = build_metadata(spans, self._page_size)
+        if self.device.type != "cpu":
+            meta = meta.to(self.device)
         hidden: torch.Tensor = self.model(
-            torch.tensor(token_ids, dtype=torch.long),
-            torch.tensor(positions, dtype=torch.long),
+            torch.tensor(token_ids, dtype=torch.long).to(self.device, non_blocking=True),
+            torch.tensor(positions, dtype=torch.long).to(self.device, non_blocking=True),
             self.k_cache,
             self.v_cache,
             meta,
