@@ -101,6 +101,11 @@ def load_torch_model(
     # decode attention reads, for 0.014 of max logit change against transformers (float32 5e-5).
     auto_kv = torch.float16 if packed else dtype
     kv_dtype = auto_kv if config.kv_cache_dtype == "auto" else getattr(torch, config.kv_cache_dtype)
+    threads = config.compute_threads
+    if threads is None and world > 1 and device.type == "cpu":
+        # Ranks on one machine share its cores (torchrun says how many ranks run on this node).
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+        threads = max(1, (os.cpu_count() or 1) // local_ranks)
     built: list[TorchRunner] = []
 
     def make_runner(num_pages: int, page_size: int) -> Runner:
@@ -111,7 +116,7 @@ def load_torch_model(
             num_pages=num_pages,
             page_size=page_size,
             dtype=dtype,
-            threads=config.compute_threads,
+            threads=threads,
             quantize=config.quantize,
             kv_dtype=kv_dtype,
             device=device,
@@ -133,10 +138,10 @@ def load_torch_model(
                 log.warning("stopping the ranks: %s", e)
                 failed = True
         if procs is not None:
-            procs.terminate()
-        if not failed:
-            # NOTE: never after a failure: tearing down a group a thread may still be blocked
-            # in (a hung rank) can block too; the process is about to exit anyway.
+            procs.terminate()  # a collective blocked on a spawned rank now fails and returns
+        if not failed or procs is not None:
+            # NOTE: not after a failure under torchrun: a thread may still be blocked in a
+            # collective with a hung rank we cannot stop; the process is about to exit anyway.
             torch.distributed.destroy_process_group()
 
     return ModelParts(

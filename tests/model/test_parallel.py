@@ -1,0 +1,104 @@
+"""Tensor parallelism on the CPU (gloo): the shards reassemble the model, and 2 ranks give what 1 does."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import signal
+
+import pytest
+import torch
+
+from ft.core.batch import SeqWork
+from ft.model.llama import build_model, fuse_hf_state_dict
+from ft.model.loader import load_model
+from ft.model.parallel import Shard, check_shardable, decode_works, encode_works, shard_fused
+from ft.params import SamplingParams
+from tests.model.test_runner import PROMPT_A, PROMPT_B, generate, make_runner
+from tests.support.parallel import rank_pids, tensor_parallel_runner
+from tests.support.tiny_model import random_hf_state_dict, tiny_config
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def test_shards_reassemble_the_fused_weights() -> None:
+    config = tiny_config(attention_bias=True, vocab_size=95)  # 95: the lm_head split is padded
+    fused = fuse_hf_state_dict(config, random_hf_state_dict(config))
+    a, b = (shard_fused(config, fused, Shard(r, 2)) for r in range(2))
+    q, kv, inter = config.q_size // 2, config.kv_size // 2, config.intermediate_size // 2
+    name = "layers.0.qkv_proj.weight"
+    whole_q = torch.cat([a[name][:q], b[name][:q]])
+    assert torch.equal(whole_q, fused[name][: config.q_size])
+    assert torch.equal(torch.cat([a[name][q : q + kv], b[name][q : q + kv]]),
+                       fused[name][config.q_size : config.q_size + config.kv_size])  # fmt: skip
+    assert torch.equal(torch.cat([a["layers.0.qkv_proj.bias"], b["layers.0.qkv_proj.bias"]]).sum(),
+                       fused["layers.0.qkv_proj.bias"].sum())  # fmt: skip
+    o = "layers.1.o_proj.weight"
+    assert torch.equal(torch.cat([a[o], b[o]], dim=1), fused[o])
+    d = "layers.1.down_proj.weight"
+    assert torch.equal(torch.cat([a[d], b[d]], dim=1), fused[d])
+    gu = "layers.1.gate_up_proj.weight"
+    assert torch.equal(torch.cat([a[gu][:inter], b[gu][:inter]]), fused[gu][: config.intermediate_size])
+    head = torch.cat([a["lm_head.weight"], b["lm_head.weight"]])
+    assert head.shape[0] == 96 and torch.equal(head[:95], fused["lm_head.weight"])
+    assert not head[95:].any()
+    assert torch.equal(a["embed_tokens.weight"], fused["embed_tokens.weight"])
+
+
+def test_kv_heads_must_divide_by_the_ranks() -> None:
+    with pytest.raises(ValueError, match="must divide the model's 2 kv heads"):
+        check_shardable(tiny_config(), 4)
+    with pytest.raises(ValueError, match="intermediate size"):
+        check_shardable(tiny_config(num_kv_heads=4, intermediate_size=66), 4)
+
+
+def test_one_shard_of_one_is_the_model() -> None:
+    config = tiny_config()
+    sd = random_hf_state_dict(config)
+    whole = build_model(config, sd, torch.float32)
+    one = build_model(config, sd, torch.float32, shard=Shard(0, 1))
+    for (k, v), (_, w) in zip(whole.state_dict().items(), one.state_dict().items(), strict=True):
+        assert torch.equal(v, w), k
+
+
+def test_step_description_round_trips() -> None:
+    works = [SeqWork(7, (1, 2, 3), 4, (9, 8), True, GREEDY, 2), SeqWork(8, (5,), 0, (1,), False, GREEDY, 0)]
+    import cbor2
+
+    again = decode_works(cbor2.loads(encode_works(works))["works"])
+    assert [(w.token_ids, w.start_pos, w.page_ids, w.sample) for w in again] == [
+        (w.token_ids, w.start_pos, w.page_ids, w.sample) for w in works
+    ]
+
+
+def test_two_ranks_give_the_tokens_and_logits_of_one(tiny_dir: pathlib.Path) -> None:
+    """Batched prefill, decode and chunking on 2 gloo ranks equal one process (float32)."""
+    solo_a, logits_a = generate(make_runner(tiny_dir), PROMPT_A, tuple(range(8)), 10, [7, 12])
+    solo_b, logits_b = generate(make_runner(tiny_dir), PROMPT_B, (9, 10, 11, 12), 10)
+    with tensor_parallel_runner(str(tiny_dir), 2, num_pages=32, page_size=4) as runner:
+        assert runner.k_cache.shape[2] == 1  # each rank holds one of the 2 kv heads
+        tp_a, tp_logits_a = generate(runner, PROMPT_A, tuple(range(8)), 10, [7, 12])
+        pages_b = (20, 21, 22, 23)
+        first = runner.forward([SeqWork(2, PROMPT_B, 0, pages_b, True, GREEDY, 0)])
+        assert first is not None
+        out_b = [int(first[0].argmax())]
+        for i in range(1, 10):
+            (s,) = runner.step([SeqWork(2, (out_b[-1],), len(PROMPT_B) + i - 1, pages_b, True, GREEDY, i)])
+            out_b.append(s.token_id)
+    assert tp_a == solo_a and out_b == solo_b
+    assert torch.allclose(tp_logits_a, logits_a, atol=1e-5)
+    assert torch.allclose(first[0], logits_b, atol=1e-5)
+
+
+def test_a_rank_that_dies_fails_the_next_step(tiny_dir: pathlib.Path) -> None:
+    from ft.core.batch import RunnerFailure
+
+    loaded = load_model(tiny_dir, torch.float32)
+    assert loaded.config.num_kv_heads == 2
+    with tensor_parallel_runner(str(tiny_dir), 2, num_pages=8, page_size=4) as runner:
+        runner.step([SeqWork(0, PROMPT_B, 0, (0, 1), True, GREEDY, 0)])
+        (pid,) = rank_pids(os.getpid())
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(RunnerFailure):
+            for _ in range(50):  # the first step after the death may still be buffered
+                runner.step([SeqWork(0, (3,), len(PROMPT_B), (0, 1, 2), True, GREEDY, 1)])

@@ -1,0 +1,46 @@
+"""Tensor-parallel runners for tests: rank 0 in this process, the other ranks spawned."""
+
+from __future__ import annotations
+
+import pathlib
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from ft.config import EngineConfig
+from ft.engine.loading import load_torch_model
+from ft.model.torch_runner import TorchRunner
+
+
+@contextmanager
+def tensor_parallel_runner(
+    model: str, world: int, *, num_pages: int, page_size: int, dtype: str = "float32"
+) -> Iterator[TorchRunner]:
+    """A `world`-rank CPU (gloo) runner for `model`; the ranks are stopped when the block exits."""
+    config = EngineConfig(
+        model=model, dtype=dtype, device="cpu", tensor_parallel_size=world, compute_threads=1
+    )
+    parts = load_torch_model(config)
+    assert parts.close is not None
+    try:
+        runner = parts.make_runner(num_pages, page_size)
+        assert isinstance(runner, TorchRunner)
+        yield runner
+    finally:
+        parts.close(False)
+
+
+def rank_pids(parent: int) -> list[int]:
+    """Pids of the rank processes (`python -m ft.engine.ranks`) that `parent` spawned (Linux)."""
+    pids = []
+    for proc in pathlib.Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            stat = (proc / "stat").read_text()
+            cmdline = (proc / "cmdline").read_bytes()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        if ppid == parent and b"ft.engine.ranks" in cmdline:
+            pids.append(int(proc.name))
+    return pids
