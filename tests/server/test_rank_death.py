@@ -1,0 +1,91 @@
+"""`ft serve --tensor-parallel-size 2`: a rank killed (or stopped: it hangs) mid-stream fails the
+stream with a server error, turns /health to "error", and the server exits non-zero, its ranks
+gone (no client left hanging)."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import re
+import signal
+import subprocess
+import sys
+
+import httpx
+import pytest
+import trio
+
+from tests.support.parallel import rank_pids
+from tests.support.tiny_model import save_hf_dir, tiny_config
+
+ROOT = pathlib.Path(__file__).parents[2]
+
+
+async def _url(log: pathlib.Path, proc: trio.Process) -> str:
+    with trio.fail_after(60):
+        while True:
+            match = re.search(r"listening on (http://\S+?)[,\s]", log.read_text())
+            if match:
+                return match.group(1)
+            assert proc.returncode is None, log.read_text()
+            await trio.sleep(0.05)
+
+
+@pytest.mark.parametrize("fault", ["KILL", "STOP"], ids=["dies", "hangs"])
+async def test_a_rank_that_dies_or_hangs_mid_stream_fails_the_stream_and_exits_non_zero(
+    tmp_path: pathlib.Path, fault: str
+) -> None:
+    model = tmp_path / "tiny"
+    save_hf_dir(model, tiny_config(max_position_embeddings=4096))
+    log = tmp_path / "serve.log"
+    with log.open("wb") as out:
+        proc = await trio.lowlevel.open_process(
+            [sys.executable, "-m", "ft.cli_serve", "--model", str(model), "--dtype", "float32",
+             "--device", "cpu", "--tensor-parallel-size", "2", "--port", "0", "--step-timeout", "3"],
+            stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
+        )  # fmt: skip
+    try:
+        url = await _url(log, proc)
+        health: list[str] = []
+        async with httpx.AsyncClient(base_url=url, timeout=10) as client:
+            with trio.fail_after(60):
+                while (await client.get("/health")).json()["status"] != "ok":
+                    await trio.sleep(0.1)
+            (rank,) = rank_pids(proc.pid)
+
+            async def watch_health() -> None:
+                async with httpx.AsyncClient(base_url=url, timeout=2) as c:
+                    while True:
+                        try:
+                            health.append((await c.get("/health")).json()["status"])
+                        except httpx.HTTPError:
+                            return  # the server has stopped
+                        await trio.sleep(0.02)
+
+            body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3000,
+                    "ignore_eos": True, "stream": True}  # fmt: skip
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(watch_health)
+                with trio.fail_after(30):  # bounded: no client is left hanging
+                    async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+                        assert r.status_code == 200
+                        lines = r.aiter_lines()
+                        while not (await lines.__anext__()).startswith("data: {"):
+                            pass
+                        os.kill(rank, getattr(signal, f"SIG{fault}"))
+                        rest = [line async for line in lines if line.startswith("data: ")]
+            assert rest[-1] == "data: [DONE]"
+            error = json.loads(rest[-2].removeprefix("data: "))["error"]
+            assert error["type"] == "server_error" and "runner failed" in error["message"]
+            if fault == "STOP":
+                assert "longer than 3 s" in error["message"]
+        assert "error" in health
+        with trio.fail_after(30):
+            assert await proc.wait() != 0
+        assert "the model runner failed" in log.read_text()
+        assert not rank_pids(proc.pid)
+    finally:
+        if proc.returncode is None:
+            proc.send_signal(signal.SIGKILL)
+            await proc.wait()
