@@ -291,7 +291,7 @@ def build_model(
     fused = fuse_hf_state_dict(config, hf_state_dict)
     local, rows = config, None
     if shard is not None and shard.world > 1:
-        local, rows = local_config(config, shard.world), vocab_rows(config.vocab_size, shard.world)
+        local, rows = local_config(config, shard), vocab_rows(config.vocab_size, shard.world)
         fused = shard_fused(config, fused, shard)
     with torch.device("meta"):
         model = LlamaForCausalLM(local, reduce, rows)

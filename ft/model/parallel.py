@@ -1,11 +1,13 @@
 """Tensor parallelism over torch.distributed: how a rank's shard is cut, and what ranks exchange.
 
 Megatron's layout on the fused projections: `qkv_proj` and `gate_up_proj` are split by output
-rows (a rank holds `num_heads / N` query heads, `num_kv_heads / N` kv heads and
-`intermediate_size / N` MLP columns), `o_proj` and `down_proj` by input columns, and their
-partial outputs are summed with `all_reduce`. The embedding is replicated; the lm_head is split
-by vocabulary rows and its logits gathered. Each rank's KV cache holds its own kv heads with the
-same page layout, so page ids mean the same on every rank and the scheduler does not change.
+rows (a rank holds a share of the kv heads with their query heads, and a share of the MLP
+columns), `o_proj` and `down_proj` by input columns, and their partial outputs are summed with
+`all_reduce`. Shares are as even as can be, not necessarily equal: the default model's 3 kv
+heads run on 2 ranks as 2 + 1 (every rank needs at least one kv head). The embedding is
+replicated; the lm_head is split by vocabulary rows and its logits gathered. Each rank's KV
+cache holds its own kv heads with the same page layout, so page ids mean the same on every rank
+and the scheduler does not change.
 
 Rank 0 hosts the runner actor; it broadcasts each step's description (CBOR) and the other ranks
 run the same forward from it (`TorchRunner.follow`). Control messages go through a gloo group
@@ -46,28 +48,34 @@ class Shard:
 
 
 def check_shardable(config: LlamaConfig, world: int) -> None:
-    """Raise `ValueError` unless heads, kv heads and MLP columns divide evenly by `world`."""
+    """Raise `ValueError` unless every rank gets at least one kv head and one MLP column."""
     if world < 1:
         raise ValueError(f"tensor_parallel_size must be positive, got {world}")
-    if config.num_kv_heads % world:
+    if config.num_kv_heads < world:
         raise ValueError(
-            f"tensor_parallel_size {world} must divide the model's {config.num_kv_heads} kv heads"
+            f"tensor_parallel_size {world} is more than the model's {config.num_kv_heads} kv heads"
         )
-    if config.intermediate_size % world:
-        raise ValueError(
-            f"tensor_parallel_size {world} must divide the model's intermediate size "
-            f"{config.intermediate_size}"
-        )
+    if config.intermediate_size < world:
+        raise ValueError(f"tensor_parallel_size {world} is more than the model's MLP columns")
 
 
-def local_config(config: LlamaConfig, world: int) -> LlamaConfig:
-    """The per-rank shapes: heads, kv heads and MLP columns divided by `world`."""
-    check_shardable(config, world)
+def split(total: int, shard: Shard) -> tuple[int, int]:
+    """`(start, count)` of this rank's part of `total` items, as even as can be (the first
+    `total % world` ranks take one more): 3 kv heads over 2 ranks are 2 + 1."""
+    base, extra = divmod(total, shard.world)
+    return shard.rank * base + min(shard.rank, extra), base + (shard.rank < extra)
+
+
+def local_config(config: LlamaConfig, shard: Shard) -> LlamaConfig:
+    """This rank's shapes: its kv heads (with their query heads) and its MLP columns."""
+    check_shardable(config, shard.world)
+    group = config.num_heads // config.num_kv_heads
+    kv_heads = split(config.num_kv_heads, shard)[1]
     return dataclasses.replace(
         config,
-        num_heads=config.num_heads // world,
-        num_kv_heads=config.num_kv_heads // world,
-        intermediate_size=config.intermediate_size // world,
+        num_heads=kv_heads * group,
+        num_kv_heads=kv_heads,
+        intermediate_size=split(config.intermediate_size, shard)[1],
         head_dim=config.head_dim,  # explicit: the default would be hidden_size // local heads
     )
 
@@ -81,32 +89,32 @@ def shard_fused(config: LlamaConfig, fused: dict[str, torch.Tensor], shard: Shar
     """This rank's slice of a fused state dict (`llama.fuse_hf_state_dict` names)."""
     if shard.world == 1:
         return fused
-    r, n = shard.rank, shard.world
     hd = config.head_dim
-    q_rows = config.q_size // n
-    kv_rows = config.kv_size // n
-    inter = config.intermediate_size // n
+    group = config.num_heads // config.num_kv_heads
+    kv_start, kv_heads = split(config.num_kv_heads, shard)
+    q0, q_rows = kv_start * group * hd, kv_heads * group * hd  # query heads follow their kv head
+    kv0, kv_rows = kv_start * hd, kv_heads * hd
+    i0, inter = split(config.intermediate_size, shard)
 
     def qkv(w: torch.Tensor) -> torch.Tensor:
         q, k, v = w.split([config.q_size, config.kv_size, config.kv_size], dim=0)
-        pick = [t.narrow(0, r * rows, rows) for t, rows in ((q, q_rows), (k, kv_rows), (v, kv_rows))]
-        return torch.cat(pick)  # [(heads + 2 * kv_heads) / n * head_dim, ...]
+        # [(heads + 2 * kv_heads) of this rank * head_dim, ...]
+        return torch.cat([q.narrow(0, q0, q_rows), k.narrow(0, kv0, kv_rows), v.narrow(0, kv0, kv_rows)])
 
-    assert q_rows % hd == 0 and kv_rows % hd == 0
     out: dict[str, torch.Tensor] = {}
     for name, w in fused.items():
         if name.endswith("qkv_proj.weight") or name.endswith("qkv_proj.bias"):
             out[name] = qkv(w)
         elif name.endswith("o_proj.weight"):
-            out[name] = w.narrow(1, r * q_rows, q_rows)  # [hidden, q_size / n]
+            out[name] = w.narrow(1, q0, q_rows)  # [hidden, this rank's q_size]
         elif name.endswith("gate_up_proj.weight"):
             gate, up = w.chunk(2, dim=0)
-            out[name] = torch.cat([gate.narrow(0, r * inter, inter), up.narrow(0, r * inter, inter)])
+            out[name] = torch.cat([gate.narrow(0, i0, inter), up.narrow(0, i0, inter)])
         elif name.endswith("down_proj.weight"):
-            out[name] = w.narrow(1, r * inter, inter)  # [hidden, intermediate / n]
+            out[name] = w.narrow(1, i0, inter)  # [hidden, this rank's intermediate]
         elif name == "lm_head.weight":
-            rows = vocab_rows(config.vocab_size, n)
-            part = w[r * rows : (r + 1) * rows]
+            rows = vocab_rows(config.vocab_size, shard.world)
+            part = w[shard.rank * rows : (shard.rank + 1) * rows]
             if part.shape[0] < rows:  # [rows, hidden], zero-padded on the last rank
                 part = torch.cat([part, part.new_zeros(rows - part.shape[0], w.shape[1])])
             out[name] = part

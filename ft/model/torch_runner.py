@@ -16,7 +16,7 @@ from ft.model import kernels
 from ft.model.attention import SeqSpan, build_metadata
 from ft.model.llama import LlamaConfig, build_model
 from ft.model.loader import LoadedModel
-from ft.model.parallel import RankFailure, RankGroup, decode_works, local_config
+from ft.model.parallel import RankFailure, RankGroup, Shard, decode_works, local_config
 from ft.model.quant import QuantTensor
 from ft.model.quantized_llama import QuantizedLlama, StepIndex
 from ft.model.sampler import sample
@@ -115,7 +115,7 @@ class TorchRunner:
         self._num_pages = num_pages
         c = loaded.config
         world = ranks.world if ranks is not None else 1
-        local = local_config(c, world)  # raises ValueError when the heads do not divide
+        local = local_config(c, ranks.shard if ranks is not None else Shard(0, 1))
         shape = (c.num_layers, num_pages * page_size, local.num_kv_heads, c.head_dim)
         self.kv_dtype = kv_dtype or dtype
         self.packed: QuantizedLlama | None = None
@@ -169,9 +169,10 @@ class TorchRunner:
 
     @staticmethod
     def bytes_per_page(config: LlamaConfig, page_size: int, dtype: torch.dtype, world: int = 1) -> int:
-        """KV bytes one page takes across all layers (keys and values) on each of `world` ranks."""
+        """KV bytes one page takes across all layers (keys and values) on the busiest of `world`
+        ranks (the first ranks take one more kv head when the heads do not divide evenly)."""
         itemsize = torch.empty(0, dtype=dtype).element_size()
-        kv_heads = config.num_kv_heads // world
+        kv_heads = -(-config.num_kv_heads // world)
         return 2 * config.num_layers * page_size * kv_heads * config.head_dim * itemsize
 
     @property

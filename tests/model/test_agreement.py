@@ -87,6 +87,11 @@ def run_ft(
 ) -> tuple[list[list[int]], torch.Tensor]:
     """All prompts batched together: greedy tokens and the first step's logits."""
     runner = TorchRunner(loaded, num_pages=64, page_size=16, dtype=torch.float32, kv_dtype=kv_dtype)
+    return run_runner(runner, prompt_ids)
+
+
+def run_runner(runner: TorchRunner, prompt_ids: list[list[int]]) -> tuple[list[list[int]], torch.Tensor]:
+    """`run_ft` on a runner already built (64 pages of 16)."""
     greedy = SamplingParams(temperature=0.0)
     pages = [tuple(range(i * 10, i * 10 + 10)) for i in range(len(prompt_ids))]
     works = [SeqWork(i, tuple(ids), 0, pages[i], True, greedy, 0) for i, ids in enumerate(prompt_ids)]
@@ -230,3 +235,23 @@ def test_packed_weights_stay_close_to_transformers(
     print(f"packed, kv {kv_dtype}: max |logit diff| {diff:.4g}, greedy tokens agreeing {agreeing}/{total}")
     assert diff < PACKED_LOGIT_TOLERANCE
     assert agreeing / total >= PACKED_MIN_AGREEMENT
+
+
+def test_two_tensor_parallel_ranks_match_one_and_transformers(
+    gguf_path: pathlib.Path,
+    prompt_ids: list[list[int]],
+    ft_run: tuple[list[list[int]], torch.Tensor],
+    hf_run: tuple[list[list[int]], torch.Tensor],
+) -> None:
+    """The GGUF dequantized to float32 on 2 gloo ranks: the greedy tokens of 1 rank and of transformers."""
+    from tests.support.parallel import tensor_parallel_runner
+
+    with tensor_parallel_runner(str(gguf_path), 2, num_pages=64, page_size=16) as runner:
+        outputs, first_logits = run_runner(runner, prompt_ids)
+    assert outputs == ft_run[0]
+    expected_tokens, expected_logits = hf_run
+    for i, expected in enumerate(expected_tokens):
+        assert outputs[i][: len(expected)] == expected, f"prompt {i}: {PROMPTS[i]!r}"
+    diff = (expected_logits - first_logits).abs().max().item()
+    print(f"tensor parallel 2: max |logit diff| {diff:.3g} against transformers")
+    assert diff < LOGIT_TOLERANCE

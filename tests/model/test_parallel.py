@@ -12,11 +12,11 @@ import torch
 from ft.core.batch import SeqWork
 from ft.model.llama import build_model, fuse_hf_state_dict
 from ft.model.loader import load_model
-from ft.model.parallel import Shard, check_shardable, decode_works, encode_works, shard_fused
+from ft.model.parallel import Shard, check_shardable, decode_works, encode_works, shard_fused, split
 from ft.params import SamplingParams
 from tests.model.test_runner import PROMPT_A, PROMPT_B, generate, make_runner
 from tests.support.parallel import rank_pids, tensor_parallel_runner
-from tests.support.tiny_model import random_hf_state_dict, tiny_config
+from tests.support.tiny_model import random_hf_state_dict, save_hf_dir, tiny_config
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -45,11 +45,15 @@ def test_shards_reassemble_the_fused_weights() -> None:
     assert torch.equal(a["embed_tokens.weight"], fused["embed_tokens.weight"])
 
 
-def test_kv_heads_must_divide_by_the_ranks() -> None:
-    with pytest.raises(ValueError, match="must divide the model's 2 kv heads"):
+def test_every_rank_needs_a_kv_head() -> None:
+    with pytest.raises(ValueError, match="more than the model's 2 kv heads"):
         check_shardable(tiny_config(), 4)
-    with pytest.raises(ValueError, match="intermediate size"):
-        check_shardable(tiny_config(num_kv_heads=4, intermediate_size=66), 4)
+    check_shardable(tiny_config(num_heads=6, num_kv_heads=3), 2)  # 2 + 1: uneven is fine
+
+
+def test_uneven_heads_split_as_evenly_as_can_be() -> None:
+    assert [split(3, Shard(r, 2)) for r in range(2)] == [(0, 2), (2, 1)]
+    assert [split(10, Shard(r, 4)) for r in range(4)] == [(0, 3), (3, 3), (6, 2), (8, 2)]
 
 
 def test_one_shard_of_one_is_the_model() -> None:
@@ -88,6 +92,19 @@ def test_two_ranks_give_the_tokens_and_logits_of_one(tiny_dir: pathlib.Path) -> 
     assert tp_a == solo_a and out_b == solo_b
     assert torch.allclose(tp_logits_a, logits_a, atol=1e-5)
     assert torch.allclose(first[0], logits_b, atol=1e-5)
+
+
+def test_uneven_heads_on_two_ranks_give_the_tokens_of_one(tmp_path: pathlib.Path) -> None:
+    """3 kv heads (9 query heads, as the default model has) on 2 ranks: 2 + 1."""
+    save_hf_dir(
+        tmp_path / "m", tiny_config(hidden_size=36, num_heads=9, num_kv_heads=3, intermediate_size=66)
+    )
+    solo, logits = generate(make_runner(tmp_path / "m"), PROMPT_A, tuple(range(8)), 10, [7, 12])
+    with tensor_parallel_runner(str(tmp_path / "m"), 2, num_pages=32, page_size=4) as runner:
+        assert runner.k_cache.shape[2] == 2  # rank 0 holds 2 of the 3 kv heads
+        tp, tp_logits = generate(runner, PROMPT_A, tuple(range(8)), 10, [7, 12])
+    assert tp == solo
+    assert torch.allclose(tp_logits, logits, atol=1e-5)
 
 
 def test_a_rank_that_dies_fails_the_next_step(tiny_dir: pathlib.Path) -> None:
