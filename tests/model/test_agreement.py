@@ -255,3 +255,35 @@ def test_two_tensor_parallel_ranks_match_one_and_transformers(
     diff = (expected_logits - first_logits).abs().max().item()
     print(f"tensor parallel 2: max |logit diff| {diff:.3g} against transformers")
     assert diff < LOGIT_TOLERANCE
+
+
+async def test_ft_serve_on_two_ranks_answers_like_one_rank_and_transformers(
+    tmp_path: pathlib.Path, loaded: LoadedModel, hf_run: tuple[list[list[int]], torch.Tensor]
+) -> None:
+    """`ft serve --tensor-parallel-size 2` and `1` (float32) give transformers' greedy answers."""
+    import httpx
+    import trio
+
+    from tests.support.parallel import serve_process
+
+    tok = loaded.tokenizer.build()
+    eos = set(loaded.tokenizer.eos_token_ids)
+    expected = [tok.decode([t for t in ids if t not in eos]) for ids in hf_run[0]]
+    answers: dict[int, list[str]] = {}
+    for world in (2, 1):
+        args = ["--dtype", "float32", "--device", "cpu", "--tensor-parallel-size", str(world)]
+        async with serve_process(args, tmp_path / f"tp{world}.log") as (proc, url):
+            async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+                with trio.fail_after(240):
+                    while (await client.get("/health")).json()["status"] != "ok":
+                        await trio.sleep(0.2)
+                    answers[world] = []
+                    for prompt in PROMPTS:  # one at a time: the same batches on both servers
+                        body = {"messages": [{"role": "user", "content": prompt}],
+                                "max_tokens": NEW_TOKENS, "temperature": 0}  # fmt: skip
+                        reply = (await client.post("/v1/chat/completions", json=body)).json()
+                        answers[world].append(reply["choices"][0]["message"]["content"])
+            proc.terminate()
+            with trio.fail_after(30):
+                assert await proc.wait() == 0
+    assert answers[2] == answers[1] == expected

@@ -7,29 +7,14 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-import re
 import signal
-import subprocess
-import sys
 
 import httpx
 import pytest
 import trio
 
-from tests.support.parallel import rank_pids
+from tests.support.parallel import rank_pids, serve_process
 from tests.support.tiny_model import save_hf_dir, tiny_config
-
-ROOT = pathlib.Path(__file__).parents[2]
-
-
-async def _url(log: pathlib.Path, proc: trio.Process) -> str:
-    with trio.fail_after(60):
-        while True:
-            match = re.search(r"listening on (http://\S+?)[,\s]", log.read_text())
-            if match:
-                return match.group(1)
-            assert proc.returncode is None, log.read_text()
-            await trio.sleep(0.05)
 
 
 @pytest.mark.parametrize("fault", ["KILL", "STOP"], ids=["dies", "hangs"])
@@ -39,14 +24,9 @@ async def test_a_rank_that_dies_or_hangs_mid_stream_fails_the_stream_and_exits_n
     model = tmp_path / "tiny"
     save_hf_dir(model, tiny_config(max_position_embeddings=4096))
     log = tmp_path / "serve.log"
-    with log.open("wb") as out:
-        proc = await trio.lowlevel.open_process(
-            [sys.executable, "-m", "ft.cli_serve", "--model", str(model), "--dtype", "float32",
-             "--device", "cpu", "--tensor-parallel-size", "2", "--port", "0", "--step-timeout", "3"],
-            stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
-        )  # fmt: skip
-    try:
-        url = await _url(log, proc)
+    args = ["--model", str(model), "--dtype", "float32", "--device", "cpu",
+            "--tensor-parallel-size", "2", "--step-timeout", "3"]  # fmt: skip
+    async with serve_process(args, log) as (proc, url):
         health: list[str] = []
         async with httpx.AsyncClient(base_url=url, timeout=10) as client:
             with trio.fail_after(60):
@@ -85,7 +65,3 @@ async def test_a_rank_that_dies_or_hangs_mid_stream_fails_the_stream_and_exits_n
             assert await proc.wait() != 0
         assert "the model runner failed" in log.read_text()
         assert not rank_pids(proc.pid)
-    finally:
-        if proc.returncode is None:
-            proc.send_signal(signal.SIGKILL)
-            await proc.wait()

@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import os
 import pathlib
-from collections.abc import Iterator
-from contextlib import contextmanager
+import re
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
+
+import trio
 
 from ft.config import EngineConfig
 from ft.engine.loading import load_torch_model
@@ -44,3 +51,31 @@ def rank_pids(parent: int) -> list[int]:
         if ppid == parent and b"ft.engine.ranks" in cmdline:
             pids.append(int(proc.name))
     return pids
+
+
+ROOT = pathlib.Path(__file__).parents[2]
+
+
+@asynccontextmanager
+async def serve_process(args: list[str], log: pathlib.Path) -> AsyncIterator[tuple[trio.Process, str]]:
+    """`python -m ft.cli_serve --port 0 ARGS` (output to `log`): the process and its URL once
+    listening. The process is killed on exit if it still runs."""
+    with log.open("wb") as out:
+        proc = await trio.lowlevel.open_process(
+            [sys.executable, "-m", "ft.cli_serve", "--port", "0", *args],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
+        )
+    try:
+        with trio.fail_after(120):
+            while not (match := re.search(r"listening on (http://\S+?)[,\s]", log.read_text())):
+                assert proc.returncode is None, log.read_text()
+                await trio.sleep(0.05)
+        yield proc, match.group(1)
+    finally:
+        if proc.returncode is None:
+            for pid in rank_pids(proc.pid):  # stopped or orphaned ranks would outlive the test
+                os.kill(pid, signal.SIGKILL)
+            proc.send_signal(signal.SIGKILL)
+            await proc.wait()
