@@ -47,6 +47,7 @@ class EngineConfig:
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
     device: str = "auto"
+    cuda_graphs: bool = True  # replay decode steps as CUDA graphs (CUDA, one rank); False: eager
     # Ranks the model is split across (torch.distributed: NCCL on CUDA, gloo on the CPU).
     tensor_parallel_size: int = 1
     step_timeout_s: float = DEFAULT_STEP_TIMEOUT_S  # only with tensor_parallel_size > 1
@@ -116,6 +117,11 @@ def add_model_arguments(parser: argparse.ArgumentParser | Any) -> None:
         help="auto, cpu, cuda or cuda:N (default: auto, CUDA when torch sees a GPU)",
     )
     parser.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="on CUDA, run every step eagerly instead of replaying decode steps as CUDA graphs",
+    )
+    parser.add_argument(
         "--tensor-parallel-size",
         type=int,
         default=1,
@@ -132,4 +138,5 @@ def model_config_fields(args: argparse.Namespace) -> dict[str, Any]:
         "max_model_len": args.max_model_len,
         "device": args.device,
         "tensor_parallel_size": args.tensor_parallel_size,
+        "cuda_graphs": not args.enforce_eager,
     }

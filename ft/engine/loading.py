@@ -121,6 +121,7 @@ def load_torch_model(
             kv_dtype=kv_dtype,
             device=device,
             ranks=ranks,
+            cuda_graphs=config.cuda_graphs,
         )
         built.append(runner)
         return runner

@@ -14,6 +14,7 @@ from ft.config import QUANTIZATIONS
 from ft.core.batch import Sampled, SeqWork
 from ft.model import kernels
 from ft.model.attention import SeqSpan, build_metadata
+from ft.model.cuda_graphs import DecodeGraphs
 from ft.model.llama import LlamaConfig, build_model
 from ft.model.loader import LoadedModel
 from ft.model.parallel import RankFailure, RankGroup, Shard, decode_works, local_config
@@ -99,6 +100,7 @@ class TorchRunner:
         kv_dtype: torch.dtype | None = None,
         device: torch.device | None = None,
         ranks: RankGroup | None = None,
+        cuda_graphs: bool = True,
     ) -> None:
         if num_pages < 1 or page_size < 1:
             raise ValueError(f"num_pages and page_size must be positive, got {num_pages}, {page_size}")
@@ -148,12 +150,25 @@ class TorchRunner:
                 else prepacked_linear(self.model.lm_head)
             )
             self._lm_head = head if world == 1 else self._gathered(head)
+        self._graphs: DecodeGraphs | None = None
         if on_cpu:
             self.k_cache = lazy_zeros(shape, self.kv_dtype)
             self.v_cache = lazy_zeros(shape, self.kv_dtype)
         else:
+            # One more page than the scheduler hands out: the decode graphs' padding rows use it.
+            shape = (shape[0], (num_pages + 1) * page_size, *shape[2:])
             self.k_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
             self.v_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+            # NOTE: tensor-parallel steps stay eager: their all_reduce calls are not captured.
+            if cuda_graphs and world == 1 and quantize is None:
+                self._graphs = DecodeGraphs(
+                    self.model,
+                    self.k_cache,
+                    self.v_cache,
+                    page_size=page_size,
+                    scratch_page=num_pages,
+                    max_context=c.max_position_embeddings,
+                )
 
     def _gathered(
         self, head: Callable[[torch.Tensor], torch.Tensor]
@@ -273,8 +288,14 @@ class TorchRunner:
                 index = self._step_index(works, positions)
                 hidden = self.packed.forward(ids, index, self.k_cache, self.v_cache, self._page_size)
             else:
-                spans = [SeqSpan(w.start_pos, len(w.token_ids), w.page_ids) for w in works]
-                hidden = self._forward_torch(token_ids, positions, spans)
+                graphed = None
+                if self._graphs is not None and len(token_ids) == len(works):  # a decode step
+                    graphed = self._graphs.run(token_ids, positions, [w.page_ids for w in works])
+                if graphed is not None:
+                    hidden = graphed
+                else:
+                    spans = [SeqSpan(w.start_pos, len(w.token_ids), w.page_ids) for w in works]
+                    hidden = self._forward_torch(token_ids, positions, spans)
             if not sample_rows:
                 return None
             rows = hidden if len(sample_rows) == len(token_ids) else hidden[sample_rows]  # [R, hidden]

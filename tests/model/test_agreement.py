@@ -287,3 +287,31 @@ async def test_ft_serve_on_two_ranks_answers_like_one_rank_and_transformers(
             with trio.fail_after(30):
                 assert await proc.wait() == 0
     assert answers[2] == answers[1] == expected
+
+
+# On a CUDA device (skipped without one): float32 with torch's fused SDPA kernels and decode
+# steps replayed as CUDA graphs; and bfloat16, the default there. bfloat16 rounds every weight
+# and activation, so it is held to the bounds of a bfloat16 KV cache's agreement and more.
+CUDA_BF16_LOGIT_TOLERANCE = 1.0
+CUDA_BF16_MIN_AGREEMENT = 0.5
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="torch sees no CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_cuda_matches_transformers(
+    loaded: LoadedModel,
+    prompt_ids: list[list[int]],
+    hf_run: tuple[list[list[int]], torch.Tensor],
+    dtype: torch.dtype,
+) -> None:
+    runner = TorchRunner(loaded, num_pages=64, page_size=16, dtype=dtype, device=torch.device("cuda"))
+    outputs, first_logits = run_runner(runner, prompt_ids)
+    assert runner._graphs is not None and runner._graphs.num_captured >= 1  # decodes were graphed
+    expected_tokens, expected_logits = hf_run
+    diff = (expected_logits - first_logits.float().cpu()).abs().max().item()
+    agreeing, total = agreement(outputs, expected_tokens)
+    print(f"cuda {dtype}: max |logit diff| {diff:.4g}, greedy tokens agreeing {agreeing}/{total}")
+    if dtype == torch.float32:
+        assert agreeing == total and diff < 1e-3
+    else:
+        assert diff < CUDA_BF16_LOGIT_TOLERANCE and agreeing / total >= CUDA_BF16_MIN_AGREEMENT
