@@ -39,6 +39,7 @@ class _Graph:
     inputs: torch.Tensor  # [B, 2 + pages] int64 on the device: token id, position, page table
     staging: torch.Tensor  # the same, pinned on the host
     hidden: torch.Tensor  # [B, hidden]: the graph's output
+    copied: torch.cuda.Event  # recorded once `staging` has been copied to `inputs`
 
 
 class DecodeGraphs:
@@ -87,9 +88,11 @@ class DecodeGraphs:
         if bucket is None:
             return None
         graph = self._graphs.get(bucket) or self._capture(*bucket)
-        # NOTE: the previous step's copy from `staging` has completed: its sampled ids were read.
-        graph.staging.copy_(self._inputs(token_ids, positions, page_ids, *bucket))
+        packed = self._inputs(token_ids, positions, page_ids, *bucket)
+        graph.copied.synchronize()  # the last copy out of `staging` is done (it almost always is)
+        graph.staging.copy_(packed)
         graph.inputs.copy_(graph.staging, non_blocking=True)  # the step's one host-to-device copy
+        graph.copied.record()
         graph.graph.replay()
         return graph.hidden[: len(token_ids)]
 
@@ -153,6 +156,8 @@ class DecodeGraphs:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
             hidden = self._forward(inputs, context)
-        captured = _Graph(graph, inputs, staging, hidden)
+        copied = torch.cuda.Event()
+        copied.record()
+        captured = _Graph(graph, inputs, staging, hidden, copied)
         self._graphs[batch, context] = captured
         return captured

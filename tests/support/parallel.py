@@ -57,7 +57,9 @@ ROOT = pathlib.Path(__file__).parents[2]
 
 
 @asynccontextmanager
-async def serve_process(args: list[str], log: pathlib.Path) -> AsyncIterator[tuple[trio.Process, str]]:
+async def serve_process(
+    args: list[str], log: pathlib.Path, env: dict[str, str] | None = None
+) -> AsyncIterator[tuple[trio.Process, str]]:
     """`python -m ft.cli_serve --port 0 ARGS` (output to `log`): the process and its URL once
     listening. The process is killed on exit if it still runs."""
     with log.open("wb") as out:
@@ -66,6 +68,7 @@ async def serve_process(args: list[str], log: pathlib.Path) -> AsyncIterator[tup
             stdout=out,
             stderr=subprocess.STDOUT,
             cwd=ROOT,
+            env=env,
         )
     try:
         with trio.fail_after(120):

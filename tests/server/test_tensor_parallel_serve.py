@@ -1,6 +1,7 @@
-"""`ft serve --tensor-parallel-size 2`: a rank killed (or stopped: it hangs) mid-stream fails the
-stream with a server error, turns /health to "error", and the server exits non-zero, its ranks
-gone (no client left hanging)."""
+"""`ft serve --tensor-parallel-size 2` on the CPU: launched by hand with torchrun's environment
+(two processes on loopback, as on two machines), and a rank killed (or stopped: it hangs)
+mid-stream, which fails the stream with a server error, turns /health to "error", and makes the
+server exit non-zero, its ranks gone (no client left hanging)."""
 
 from __future__ import annotations
 
@@ -8,13 +9,51 @@ import json
 import os
 import pathlib
 import signal
+import socket
+import subprocess
+import sys
 
 import httpx
 import pytest
 import trio
 
-from tests.support.parallel import rank_pids, serve_process
+from tests.support.parallel import ROOT, rank_pids, serve_process
 from tests.support.tiny_model import save_hf_dir, tiny_config
+
+
+async def test_torchrun_environment_starts_one_server_and_one_rank(tmp_path: pathlib.Path) -> None:
+    """`RANK=0` serves and `RANK=1` follows (`MASTER_ADDR`/`MASTER_PORT`/`WORLD_SIZE`/`RANK`, as
+    torchrun sets them on each node); both exit 0 after SIGTERM."""
+    model = tmp_path / "tiny"
+    save_hf_dir(model, tiny_config())
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2")
+    args = ["--model", str(model), "--dtype", "float32", "--device", "cpu", "--tensor-parallel-size", "2"]
+    with (tmp_path / "rank1.log").open("wb") as out:
+        rank1 = await trio.lowlevel.open_process(
+            [sys.executable, "-m", "ft.cli_serve", *args], env=env | {"RANK": "1", "LOCAL_RANK": "0"},
+            stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
+        )  # fmt: skip
+    try:
+        async with serve_process(args, tmp_path / "rank0.log", env=env | {"RANK": "0"}) as (proc, url):
+            async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+                with trio.fail_after(60):
+                    while (await client.get("/health")).json()["status"] != "ok":
+                        await trio.sleep(0.1)
+                body = {"prompt": "!#%", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+                reply = (await client.post("/v1/completions", json=body)).json()
+                assert reply["usage"]["completion_tokens"] == 8
+            assert not rank_pids(proc.pid)  # under torchrun nothing is spawned
+            proc.terminate()
+            with trio.fail_after(30):
+                assert await proc.wait() == 0
+                assert await rank1.wait() == 0  # rank 0 told it to stop
+    finally:
+        if rank1.returncode is None:
+            rank1.kill()
+            await rank1.wait()
 
 
 @pytest.mark.parametrize("fault", ["KILL", "STOP"], ids=["dies", "hangs"])
