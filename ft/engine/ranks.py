@@ -186,6 +186,7 @@ def run_rank(device_name: str) -> int:
     0 after rank 0's "stop"; 1 when the group broke (rank 0 died) or loading failed.
     """
     from ft.engine.loading import load_torch_model
+    from ft.model.torch_runner import TorchRunner
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", str(rank)))
@@ -199,7 +200,8 @@ def run_rank(device_name: str) -> int:
         if message["op"] == "stop":
             return 0
         runner = parts.make_runner(int(message["num_pages"]), int(message["page_size"]))
-        runner.follow()  # type: ignore[attr-defined]
+        assert isinstance(runner, TorchRunner)
+        runner.follow()
     except RankFailure as e:
         log.error("rank %d: %s", rank, e)
         return 1

@@ -239,9 +239,18 @@ class TorchRunner:
         for work in works:
             self._check(work)
         with self._lock:
-            if self.ranks is not None and self.ranks.is_leader:
-                self.ranks.send_step(works)  # the other ranks run the same forward
-            return self._forward(works)
+            if self.ranks is None:
+                return self._forward(works)
+            assert self.ranks.is_leader, "ranks other than 0 follow rank 0's steps"
+            self.ranks.send_step(works)  # the other ranks run the same forward
+            try:
+                return self._forward(works)
+            except RankFailure:
+                raise
+            except Exception as e:
+                # NOTE: the other ranks may now wait in a collective this rank never reached:
+                # the group is out of step, so no sequence can be retried alone.
+                raise RankFailure(f"a tensor-parallel step failed on rank 0: {type(e).__name__}: {e}") from e
 
     def follow(self) -> None:
         """Ranks other than 0: run the steps rank 0 broadcasts until it sends "stop".

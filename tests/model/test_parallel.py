@@ -13,6 +13,7 @@ from ft.core.batch import SeqWork
 from ft.model.llama import build_model, fuse_hf_state_dict
 from ft.model.loader import load_model
 from ft.model.parallel import Shard, check_shardable, decode_works, encode_works, shard_fused, split
+from ft.model.torch_runner import TorchRunner
 from ft.params import SamplingParams
 from tests.model.test_runner import PROMPT_A, PROMPT_B, generate, make_runner
 from tests.support.parallel import rank_pids, tensor_parallel_runner
@@ -119,3 +120,27 @@ def test_a_rank_that_dies_fails_the_next_step(tiny_dir: pathlib.Path) -> None:
         with pytest.raises(RunnerFailure):
             for _ in range(50):  # the first step after the death may still be buffered
                 runner.step([SeqWork(0, (3,), len(PROMPT_B), (0, 1, 2), True, GREEDY, 1)])
+
+
+def test_an_error_on_rank_0_mid_step_is_fatal(tiny_dir: pathlib.Path) -> None:
+    """The other ranks may wait in a collective rank 0 never reaches: no retry, a RankFailure."""
+    from ft.config import EngineConfig
+    from ft.core.batch import RunnerFailure
+    from ft.engine.loading import load_torch_model
+
+    config = EngineConfig(model=str(tiny_dir), dtype="float32", device="cpu", tensor_parallel_size=2)
+    parts = load_torch_model(config)
+    assert parts.close is not None
+    try:
+        runner = parts.make_runner(8, 4)
+        assert isinstance(runner, TorchRunner)
+
+        def fail(rows: torch.Tensor) -> torch.Tensor:
+            raise RuntimeError("out of memory")
+
+        runner._lm_head = fail  # after the layers' all-reduces, before the logits' gather
+        with pytest.raises(RunnerFailure, match="failed on rank 0: RuntimeError: out of memory"):
+            runner.step([SeqWork(0, PROMPT_B, 0, (0, 1), True, GREEDY, 0)])
+    finally:
+        parts.close(True)  # the group is out of step: the ranks are terminated, not told
+    assert not rank_pids(os.getpid())
