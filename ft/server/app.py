@@ -237,6 +237,8 @@ async def serve(
                         await trio.sleep(0.01)
             else:
                 await _drain(signals, server, settings)
+                if server.engine.has_failed:  # a rank failed while draining
+                    failure = server.engine.error
     if failure is not None:
         raise EngineFailed(failure)
 
