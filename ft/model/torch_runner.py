@@ -283,6 +283,14 @@ class TorchRunner:
             self._lock.release()
 
     def _forward(self, works: list[SeqWork]) -> torch.Tensor | None:
+        if self.device.type != "cuda":
+            return self._forward_on_device(works)
+        # NOTE: steps run in whichever thread trio lends; streams, events and graphs follow the
+        # thread's current device, which must be ours (rank r of a node runs on its own GPU).
+        with torch.cuda.device(self.device):
+            return self._forward_on_device(works)
+
+    def _forward_on_device(self, works: list[SeqWork]) -> torch.Tensor | None:
         token_ids: list[int] = []
         positions: list[int] = []
         sample_rows: list[int] = []
