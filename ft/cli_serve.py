@@ -181,9 +181,10 @@ def run_serve(args: argparse.Namespace) -> int:
     """Run `ft serve` until SIGINT/SIGTERM; 0 after a clean drain, 1 when the model runner
     failed (a rank died or hangs), 2 for bad options.
 
-    Under torchrun (`RANK` set), a process with `RANK > 0` is a rank process, not a server.
+    With `--tensor-parallel-size` above 1 under torchrun (`RANK` set), a process with `RANK > 0`
+    is a rank process, not a server.
     """
-    if int(os.environ.get("RANK", "0")) > 0 and "WORLD_SIZE" in os.environ:
+    if args.tensor_parallel_size > 1 and int(os.environ.get("RANK", "0")) > 0 and "WORLD_SIZE" in os.environ:
         from ft.engine.ranks import run_rank
 
         logging.basicConfig(
