@@ -5,12 +5,14 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import sys
 
 import trio
 
 from ft.config import (
     ADMISSIONS,
     DEFAULT_KV_CACHE_MEMORY,
+    DEFAULT_STEP_TIMEOUT_S,
     KV_CACHE_DTYPES,
     EngineConfig,
     add_model_arguments,
@@ -80,6 +82,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         choices=KV_CACHE_DTYPES,
         default="auto",
         help="KV cache element type; float16/bfloat16 hold 2x the tokens of float32 (default: the model's)",
+    )
+    engine.add_argument(
+        "--step-timeout",
+        type=float,
+        default=DEFAULT_STEP_TIMEOUT_S,
+        help="with --tensor-parallel-size > 1: seconds a step may take before the ranks are "
+        f"declared hung and the server exits non-zero (default: {DEFAULT_STEP_TIMEOUT_S:g})",
     )
     engine.add_argument(
         "--admission",
@@ -168,6 +177,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerSet
         max_queued_requests=args.max_queued_requests,
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
+        step_timeout_s=args.step_timeout,
     )
     settings = ServerSettings(
         host=args.host,
@@ -189,8 +199,18 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerSet
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    """Run `ft serve` until SIGINT/SIGTERM; 0 after a clean drain, 2 for bad options."""
-    from ft.server.app import serve
+    """Run `ft serve` until SIGINT/SIGTERM; 0 after a clean drain, 1 when the model runner
+    failed (a rank died or hangs), 2 for bad options.
+
+    With `--tensor-parallel-size` above 1 under torchrun (`RANK` set), a process with `RANK > 0`
+    is a rank process, not a server.
+    """
+    if args.tensor_parallel_size > 1 and int(os.environ.get("RANK", "0")) > 0 and "WORLD_SIZE" in os.environ:
+        from ft.engine.ranks import run_rank
+
+        setup_logging(args.log_level, args.log_format)
+        return run_rank(args.device)
+    from ft.server.app import EngineFailed, serve
 
     try:
         engine, settings = configs_from_args(args)
@@ -198,7 +218,12 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"ft serve: {e}")
         return 2
     setup_logging(settings.log_level, settings.log_format)
-    trio.run(serve, engine, settings)
+    try:
+        trio.run(serve, engine, settings)
+    except EngineFailed as e:
+        # A supervisor restarts a server that exits non-zero; the ranks are already stopped.
+        print(f"ft serve: the model runner failed: {e}", file=sys.stderr, flush=True)
+        return 1
     return 0
 
 

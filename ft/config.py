@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -10,6 +11,8 @@ DTYPES = ("auto", "float32", "bfloat16")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")  # auto: the model's dtype
 ADMISSIONS = ("need", "reserve")
 QUANTIZATIONS = ("int8",)
+DEVICE_PATTERN = r"auto|cpu|cuda(:\d+)?"  # auto: CUDA when torch sees one, else the CPU
+DEFAULT_STEP_TIMEOUT_S = 60.0  # a tensor-parallel step longer than this means a rank hangs
 # 1 GiB of KV holds ~23k tokens of the default model in float32 (46 KiB a token).
 DEFAULT_KV_CACHE_MEMORY = 1 << 30
 
@@ -43,6 +46,11 @@ class EngineConfig:
     compute_threads: int | None = None
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
+    device: str = "auto"
+    cuda_graphs: bool = True  # replay decode steps as CUDA graphs (CUDA, one rank); False: eager
+    # Ranks the model is split across (torch.distributed: NCCL on CUDA, gloo on the CPU).
+    tensor_parallel_size: int = 1
+    step_timeout_s: float = DEFAULT_STEP_TIMEOUT_S  # only with tensor_parallel_size > 1
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -75,6 +83,16 @@ class EngineConfig:
             raise ValueError(f"tokenizer_workers must be in 1..64, got {self.tokenizer_workers}")
         if self.compute_threads is not None and not 1 <= self.compute_threads <= 256:
             raise ValueError(f"compute_threads must be in 1..256, got {self.compute_threads}")
+        if not re.fullmatch(DEVICE_PATTERN, self.device):
+            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        if not 1 <= self.tensor_parallel_size <= 64:
+            raise ValueError(f"tensor_parallel_size must be in 1..64, got {self.tensor_parallel_size}")
+        if self.tensor_parallel_size > 1 and self.quantize is not None:
+            raise ValueError(
+                "quantize=int8 runs in one process; it cannot be combined with tensor parallelism"
+            )
+        if not 1.0 <= self.step_timeout_s <= 3600.0:
+            raise ValueError(f"step_timeout_s must be in 1..3600, got {self.step_timeout_s}")
 
 
 def add_model_arguments(parser: argparse.ArgumentParser | Any) -> None:
@@ -93,6 +111,22 @@ def add_model_arguments(parser: argparse.ArgumentParser | Any) -> None:
     parser.add_argument(
         "--max-model-len", type=int, default=None, help="context length (default: the model's)"
     )
+    parser.add_argument(
+        "--device",
+        default="auto",
+        help="auto, cpu, cuda or cuda:N (default: auto, CUDA when torch sees a GPU)",
+    )
+    parser.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="on CUDA, run every step eagerly instead of replaying decode steps as CUDA graphs",
+    )
+    parser.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="split the model across N ranks (processes) with torch.distributed (default: 1)",
+    )
 
 
 def model_config_fields(args: argparse.Namespace) -> dict[str, Any]:
@@ -102,4 +136,7 @@ def model_config_fields(args: argparse.Namespace) -> dict[str, Any]:
         "dtype": args.dtype,
         "quantize": args.quantize,
         "max_model_len": args.max_model_len,
+        "device": args.device,
+        "tensor_parallel_size": args.tensor_parallel_size,
+        "cuda_graphs": not args.enforce_eager,
     }

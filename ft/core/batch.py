@@ -41,6 +41,14 @@ class SeqWork:
     matcher: Matcher | None = None
 
 
+class RunnerFailure(Exception):
+    """The runner cannot run any further step (a tensor-parallel rank died or hangs).
+
+    Unlike any other exception from `Runner.step`, it is not one sequence's fault: the runner
+    actor fails every request and the engine turns to its error state.
+    """
+
+
 @dataclass(frozen=True, slots=True)
 class Sampled:
     """The token sampled for one sequence, with its logprob and the top alternatives."""
@@ -64,7 +72,10 @@ class Runner(Protocol):
     def vocab_size(self) -> int: ...
 
     def step(self, works: list[SeqWork]) -> list[Sampled]:
-        """Run one forward pass; return one `Sampled` per work with `sample=True`, in order."""
+        """Run one forward pass; return one `Sampled` per work with `sample=True`, in order.
+
+        Raises `RunnerFailure` when no further step can run; anything else fails the step.
+        """
         ...
 
 

@@ -32,7 +32,7 @@ from ft.engine.grammars import Grammars
 from ft.engine.loading import EngineHooks, load_torch_model
 from ft.engine.stats import Stats
 from ft.engine.stream import RequestStream
-from ft.errors import EngineStopping, FtError, InvalidRequest, Overloaded, RequestAborted
+from ft.errors import EngineStopping, FtError, InvalidRequest, Overloaded, RequestAborted, RequestFailed
 from ft.grammar.compiled import Grammar
 from ft.grammar.spec import GrammarSpec
 from ft.ids import random_id
@@ -97,6 +97,8 @@ class Engine:
         self._tokenize_slots = trio.CapacityLimiter(config.tokenizer_workers)
         self._running: Running | None = None  # set once the actors have started
         self._workers: trio_parallel.WorkerContext | None = None  # tokenizer worker processes
+        self._failed = trio.Event()  # set when the model runner failed for good
+        self._close_model: Callable[[bool], None] | None = None
         self._tmpdir = tempfile.TemporaryDirectory(prefix="ft-")
 
     # --- lifetime ----------------------------------------------------------------------------
@@ -113,6 +115,7 @@ class Engine:
         cfg = self.config
         load = self.hooks.load_model or partial(load_torch_model, progress=self._on_progress)
         parts = await trio.to_thread.run_sync(load, cfg)
+        self._close_model = parts.close
         self.load_progress = 0.9
         spec = parts.tokenizer
         self.max_model_len = min(cfg.max_model_len or spec.context_length, spec.context_length)
@@ -167,7 +170,14 @@ class Engine:
             SchedulerActor(sched_recv, run_send, detok_send, core, self.registry, self._on_step).run
         )
         await nursery.start(
-            RunnerActor(run_recv, sched_send.clone(), runner, before_step=self.hooks.before_step).run
+            RunnerActor(
+                run_recv,
+                sched_send.clone(),
+                runner,
+                before_step=self.hooks.before_step,
+                step_timeout_s=cfg.step_timeout_s if cfg.tensor_parallel_size > 1 else None,
+                on_fatal=self._on_runner_failed,
+            ).run
         )
         await nursery.start(
             DetokenizerActor(
@@ -242,6 +252,27 @@ class Engine:
 
         return executor
 
+    def _on_runner_failed(self, reason: str) -> None:
+        """The runner can run no more steps: fail every live request and report the error.
+
+        Synchronous. Each failed request's scope exits as usual and frees its pages.
+        """
+        self.state, self.error = EngineState.ERROR, reason
+        for uid in self.registry.uids():
+            self.registry.fail(uid, RequestFailed(reason))
+        self._failed.set()
+
+    async def wait_failed(self) -> str:
+        """Wait until the model runner fails for good (a rank died or hangs); return why."""
+        await self._failed.wait()
+        assert self.error is not None
+        return self.error
+
+    @property
+    def has_failed(self) -> bool:
+        """Whether the model runner failed for good (the engine cannot serve again)."""
+        return self._failed.is_set()
+
     async def wait_ready(self) -> None:
         """Wait until weights are loaded; raise `RuntimeError` if loading failed."""
         await self._ready.wait()
@@ -269,7 +300,7 @@ class Engine:
         if self.state == EngineState.LOADING:
             raise EngineStopping("the model is still loading", code="model_loading")
         if self.state == EngineState.ERROR:
-            raise EngineStopping(f"the engine failed to start: {self.error}", code="engine_error")
+            raise EngineStopping(f"the engine failed: {self.error}", code="engine_error")
         if self.state != EngineState.READY:
             raise EngineStopping("the server is stopping and admits no new requests")
         # Capacity is the running slots plus the queue; a request still being tokenized
@@ -635,7 +666,10 @@ async def open_engine(
                 try:
                     yield engine
                 finally:
-                    engine.state = EngineState.STOPPED
+                    if not engine.has_failed:
+                        engine.state = EngineState.STOPPED
                     nursery.cancel_scope.cancel()
     finally:
+        if engine._close_model is not None:
+            engine._close_model(engine.has_failed)
         engine._tmpdir.cleanup()

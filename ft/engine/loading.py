@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ft.config import EngineConfig
 from ft.core.batch import Runner, SeqWork
 from ft.messages import Tokenize
 from ft.tokenizer.job import Executor
 from ft.tokenizer.spec import TokenizerSpec
+
+if TYPE_CHECKING:
+    from ft.model.parallel import RankGroup
 
 log = logging.getLogger("ft.engine")
 
@@ -25,6 +30,9 @@ class ModelParts:
     bytes_per_page: Callable[[int], int]  # page_size -> bytes
     vocab_size: int
     generation_defaults: dict[str, float | int]
+    # Releases what the model holds outside this process (the other ranks); synchronous,
+    # called once when the engine stops. `failed`: the ranks are broken, do not talk to them.
+    close: Callable[[bool], None] | None = None
 
 
 @dataclass(frozen=True)
@@ -38,43 +46,112 @@ class EngineHooks:
     grammar_fault: str | None = None  # "exit": the grammar compiler's process dies
 
 
-def load_torch_model(config: EngineConfig, progress: Callable[[float], None] | None = None) -> ModelParts:
-    """Load weights and tokenizer for `config.model` (blocking; run it in a thread)."""
+def load_torch_model(
+    config: EngineConfig,
+    progress: Callable[[float], None] | None = None,
+    ranks: RankGroup | None = None,
+) -> ModelParts:
+    """Load weights and tokenizer for `config.model` (blocking; run it in a thread).
+
+    With `tensor_parallel_size > 1` rank 0 (`ranks` None) first starts the other ranks
+    (`ft.engine.ranks`); a rank other than 0 passes its `ranks`.
+    """
     import torch
 
+    from ft.engine import ranks as rank_launch
     from ft.model import kernels
     from ft.model.dtypes import resolve_dtype
     from ft.model.loader import is_quantized_gguf, load_model
     from ft.model.torch_runner import TorchRunner
 
-    # A quantized GGUF runs as stored unless a float dtype or --quantize was asked for.
-    packed = config.dtype == "auto" and config.quantize is None and is_quantized_gguf(config.model)
-    if packed and not kernels.available():
-        log.warning("running the GGUF's weights dequantized to floats: %s", kernels.build_error())
-        packed = False
-    loaded = load_model(config.model, torch.float32, progress, quantized=packed)  # the runner casts
-    dtype = torch.float32 if config.quantize or packed else resolve_dtype(config.dtype, loaded.config)
+    world = config.tensor_parallel_size
+    procs: rank_launch.RankProcesses | None = None
+    if world > 1 and ranks is None:
+        ranks, procs = rank_launch.start_leader(config)
+    local_rank = int(os.environ.get("LOCAL_RANK", "0")) if ranks is None else 0
+    device = ranks.device if ranks is not None else rank_launch.resolve_device(config.device, local_rank)
+    try:
+        # A quantized GGUF runs as stored unless a float dtype or --quantize was asked for.
+        packed = config.dtype == "auto" and config.quantize is None and is_quantized_gguf(config.model)
+        if packed and (world > 1 or device.type != "cpu"):
+            # NOTE: the packed kernels are single-process CPU code; ranks and GPUs run floats.
+            log.warning(
+                "dequantizing the GGUF's weights for %s", "tensor parallelism" if world > 1 else device
+            )
+            packed = False
+        if packed and not kernels.available():
+            log.warning("running the GGUF's weights dequantized to floats: %s", kernels.build_error())
+            packed = False
+        loaded = load_model(config.model, torch.float32, progress, quantized=packed)  # the runner casts
+        if world > 1:
+            from ft.model.parallel import check_shardable
+
+            check_shardable(loaded.config, world)
+        if config.quantize or packed:
+            dtype = torch.float32
+        elif config.dtype == "auto" and device.type == "cuda":
+            dtype = torch.bfloat16
+        else:
+            dtype = resolve_dtype(config.dtype, loaded.config)
+    except BaseException:
+        if procs is not None:
+            procs.terminate()
+            torch.distributed.destroy_process_group()
+        raise
     # NOTE: packed weights keep float16 KV by default: half the memory and half the bytes that
     # decode attention reads, for 0.014 of max logit change against transformers (float32 5e-5).
     auto_kv = torch.float16 if packed else dtype
     kv_dtype = auto_kv if config.kv_cache_dtype == "auto" else getattr(torch, config.kv_cache_dtype)
+    threads = config.compute_threads
+    if threads is None and world > 1 and device.type == "cpu":
+        # Ranks on one machine share its cores (torchrun says how many ranks run on this node).
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+        threads = max(1, (os.cpu_count() or 1) // local_ranks)
+    built: list[TorchRunner] = []
 
     def make_runner(num_pages: int, page_size: int) -> Runner:
-        return TorchRunner(
+        if ranks is not None and ranks.is_leader:
+            rank_launch.send_runner(ranks, num_pages, page_size)
+        runner = TorchRunner(
             loaded,
             num_pages=num_pages,
             page_size=page_size,
             dtype=dtype,
-            threads=config.compute_threads,
+            threads=threads,
             quantize=config.quantize,
             kv_dtype=kv_dtype,
+            device=device,
+            ranks=ranks,
+            cuda_graphs=config.cuda_graphs,
         )
+        built.append(runner)
+        return runner
+
+    def close(failed: bool) -> None:
+        if ranks is None or not ranks.is_leader:
+            return
+        if not failed:
+            try:
+                if built:
+                    built[0].close()
+                else:
+                    ranks.send_stop()
+            except Exception as e:  # the ranks are gone already: nothing left to tell them
+                log.warning("stopping the ranks: %s", e)
+                failed = True
+        if procs is not None:
+            procs.terminate()  # a collective blocked on a spawned rank now fails and returns
+        if not failed or procs is not None:
+            # NOTE: not after a failure under torchrun: a thread may still be blocked in a
+            # collective with a hung rank we cannot stop; the process is about to exit anyway.
+            torch.distributed.destroy_process_group()
 
     return ModelParts(
         model_id=loaded.model_id,
         tokenizer=loaded.tokenizer,
         make_runner=make_runner,
-        bytes_per_page=lambda ps: TorchRunner.bytes_per_page(loaded.config, ps, kv_dtype),
+        bytes_per_page=lambda ps: TorchRunner.bytes_per_page(loaded.config, ps, kv_dtype, world),
         vocab_size=loaded.config.vocab_size,
         generation_defaults=loaded.generation_defaults,
+        close=close,
     )

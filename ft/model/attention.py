@@ -46,6 +46,24 @@ class AttentionMetadata:
     prefills: tuple[PrefillChunk, ...]
     num_tokens: int
 
+    def to(self, device: torch.device) -> AttentionMetadata:
+        """The same indices on `device` (built on the CPU, copied once per step)."""
+
+        def move(t: torch.Tensor) -> torch.Tensor:
+            return t.to(device, non_blocking=True)
+
+        return AttentionMetadata(
+            slot_mapping=move(self.slot_mapping),
+            decode_rows=move(self.decode_rows),
+            decode_slots=move(self.decode_slots),
+            decode_mask=move(self.decode_mask),
+            decode_is_all=self.decode_is_all,
+            prefills=tuple(
+                PrefillChunk(c.row_start, c.row_end, move(c.slots), move(c.mask)) for c in self.prefills
+            ),
+            num_tokens=self.num_tokens,
+        )
+
 
 def _slots(page_ids: torch.Tensor, positions: torch.Tensor, page_size: int) -> torch.Tensor:
     """Slot of each position: `page_ids[..., p // page_size] * page_size + p % page_size`."""
@@ -113,6 +131,25 @@ def write_kv(
     v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
 
 
+def decode_attention(
+    q: torch.Tensor,  # [B, kv_heads, group, head_dim]: one query row per sequence, grouped
+    k: torch.Tensor,  # [B, kv_heads, L, head_dim]
+    v: torch.Tensor,
+    mask: torch.Tensor,  # [B, 1, 1, L] bool, True = attend
+    *,
+    fused: bool,
+) -> torch.Tensor:
+    """Decode attention `[B, kv_heads, group, head_dim]`: torch's fused SDPA kernels (CUDA:
+    memory-efficient attention takes the mask), or explicit matmuls (CPU)."""
+    if fused:
+        out: torch.Tensor = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return out
+    # NOTE: explicit matmuls: for one query row per sequence they beat the SDPA kernels on CPU.
+    scores = torch.matmul(q, k.transpose(-1, -2)) * q.shape[-1] ** -0.5  # [B, kvh, group, L]
+    scores = scores.masked_fill(~mask, float("-inf")).softmax(-1)
+    return torch.matmul(scores, v)
+
+
 def paged_attention(
     q: torch.Tensor,  # [T, heads, head_dim], rotary applied
     k_cache: torch.Tensor,  # [num_slots, kv_heads, head_dim]
@@ -135,10 +172,7 @@ def paged_attention(
         # NOTE: `.to(q.dtype)` is a no-op unless --kv-cache-dtype stores k/v narrower than q.
         kd = k_cache.index_select(0, flat).to(q.dtype).view(batch, kv_len, kv_heads, head_dim).transpose(1, 2)
         vd = v_cache.index_select(0, flat).to(q.dtype).view(batch, kv_len, kv_heads, head_dim).transpose(1, 2)
-        # NOTE: explicit matmuls: for one query row per sequence they beat the SDPA kernels on CPU.
-        scores = torch.matmul(qd, kd.transpose(-1, -2)) * head_dim**-0.5  # [B, kvh, group, L]
-        scores = scores.masked_fill(~meta.decode_mask, float("-inf")).softmax(-1)
-        od = torch.matmul(scores, vd)  # [B, kvh, group, hd]
+        od = decode_attention(qd, kd, vd, meta.decode_mask, fused=q.is_cuda)  # [B, kvh, group, hd]
         decode_out = od.reshape(batch, num_heads * head_dim)  # [B, heads * hd]
         if meta.decode_is_all:
             return decode_out

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -13,10 +13,14 @@ from torch import nn
 
 from ft.model.attention import AttentionMetadata, paged_attention, write_kv
 
+if TYPE_CHECKING:
+    from ft.model.parallel import Shard
+
 ROPE_SCALING_TYPES = ("linear", "llama3")
 
 
 Progress = Callable[[float], None]  # called with the fraction of weights loaded
+Reduce = Callable[[torch.Tensor], torch.Tensor]  # sums a row-parallel output over the ranks
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,11 +158,16 @@ class RMSNorm(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm attention + SwiGLU MLP, with fused qkv and gate/up projections."""
+    """Pre-norm attention + SwiGLU MLP, with fused qkv and gate/up projections.
 
-    def __init__(self, config: LlamaConfig) -> None:
+    Under tensor parallelism `config` holds this rank's heads and MLP columns, and `reduce`
+    sums the row-parallel `o_proj` and `down_proj` outputs over the ranks.
+    """
+
+    def __init__(self, config: LlamaConfig, reduce: Reduce | None = None) -> None:
         super().__init__()
         self.config = config
+        self.reduce = reduce
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         qkv_out = config.q_size + 2 * config.kv_size
@@ -185,22 +194,29 @@ class DecoderLayer(nn.Module):
         v = v.view(num_tokens, c.num_kv_heads, c.head_dim)  # [T, kvh, hd]
         write_kv(k_cache, v_cache, k, v, meta)
         attn = paged_attention(q, k_cache, v_cache, meta)  # [T, heads * hd]
-        h = x + self.o_proj(attn)
+        o = self.o_proj(attn)  # [T, hidden] (this rank's heads' share under TP)
+        h = x + (o if self.reduce is None else self.reduce(o))
         gate, up = self.gate_up_proj(self.post_attention_layernorm(h)).chunk(2, dim=-1)
-        out: torch.Tensor = h + self.down_proj(F.silu(gate) * up)
+        d = self.down_proj(F.silu(gate) * up)  # [T, hidden]
+        out: torch.Tensor = h + (d if self.reduce is None else self.reduce(d))
         return out
 
 
 class LlamaForCausalLM(nn.Module):
-    """Embedding, decoder stack, final norm and (possibly tied) lm_head."""
+    """Embedding, decoder stack, final norm and (possibly tied) lm_head.
 
-    def __init__(self, config: LlamaConfig) -> None:
+    `lm_head_rows` is this rank's slice of the vocabulary under tensor parallelism.
+    """
+
+    def __init__(
+        self, config: LlamaConfig, reduce: Reduce | None = None, lm_head_rows: int | None = None
+    ) -> None:
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, reduce) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = nn.Linear(config.hidden_size, lm_head_rows or config.vocab_size, bias=False)
         self.inv_freq: torch.Tensor
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
 
@@ -256,12 +272,31 @@ def fuse_hf_state_dict(config: LlamaConfig, sd: dict[str, torch.Tensor]) -> dict
 
 
 def build_model(
-    config: LlamaConfig, hf_state_dict: dict[str, torch.Tensor], dtype: torch.dtype
+    config: LlamaConfig,
+    hf_state_dict: dict[str, torch.Tensor],
+    dtype: torch.dtype,
+    *,
+    device: torch.device | None = None,
+    shard: Shard | None = None,
+    reduce: Reduce | None = None,
 ) -> LlamaForCausalLM:
-    """Build on the meta device, then assign the (fused, cast) weights."""
+    """Build on the meta device, then assign the (fused, cast, maybe sharded) weights on `device`.
+
+    With `shard`, the model holds that rank's slice (`ft.model.parallel`) and `reduce` sums the
+    row-parallel outputs over the ranks.
+    """
+    from ft.model.parallel import local_config, shard_fused, vocab_rows
+
+    device = device or torch.device("cpu")
+    fused = fuse_hf_state_dict(config, hf_state_dict)
+    local, rows = config, None
+    if shard is not None and shard.world > 1:
+        local, rows = local_config(config, shard), vocab_rows(config.vocab_size, shard.world)
+        fused = shard_fused(config, fused, shard)
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
-    fused = {k: v.to(dtype).contiguous() for k, v in fuse_hf_state_dict(config, hf_state_dict).items()}
-    model.load_state_dict(fused, assign=True, strict=True)
-    model.inv_freq = rope_inv_freq(config)  # buffers made on meta are not in the state dict
+        model = LlamaForCausalLM(local, reduce, rows)
+    model.load_state_dict(
+        {k: v.to(device=device, dtype=dtype).contiguous() for k, v in fused.items()}, assign=True, strict=True
+    )
+    model.inv_freq = rope_inv_freq(config).to(device)  # buffers made on meta are not in the state dict
     return model.eval()

@@ -72,9 +72,10 @@ class StepMasks:
                 reason = error_of(m) if m.is_error() else "it allows no token"
                 raise GrammarError(f"seq {self.seq_ids[k]}: structured output failed: {reason}")
         allowed = np.unpackbits(self.bits.view(np.uint8), axis=1, bitorder="little")[:, : self.vocab_size]
-        allowed_t = torch.from_numpy(allowed.astype(np.bool_))  # [C, vocab]
+        # On a GPU this is the step's one extra host-to-device copy, and only with grammars.
+        allowed_t = torch.from_numpy(allowed.astype(np.bool_)).to(logits.device)  # [C, vocab]
         width = min(logits.shape[1], self.vocab_size)
-        rows = torch.tensor(self.rows, dtype=torch.long)
+        rows = torch.tensor(self.rows, dtype=torch.long, device=logits.device)
         picked = logits[rows, :width].masked_fill(~allowed_t[:, :width], float("-inf"))
         logits[rows, :width] = picked
         if logits.shape[1] > width:

@@ -37,8 +37,9 @@ def apply_logit_bias(logits: torch.Tensor, bias: dict[int, float]) -> None:
     vocab = logits.shape[-1]
     items = [(i, b) for i, b in bias.items() if i < vocab]
     if items:
-        ids = torch.tensor([i for i, _ in items], dtype=torch.long)
-        logits.index_add_(0, ids, torch.tensor([b for _, b in items], dtype=logits.dtype))
+        ids = torch.tensor([i for i, _ in items], dtype=torch.long, device=logits.device)
+        bias_values = torch.tensor([b for _, b in items], dtype=logits.dtype, device=logits.device)
+        logits.index_add_(0, ids, bias_values)
 
 
 def apply_penalties(logits: torch.Tensor, work: SeqWork) -> None:
@@ -46,13 +47,16 @@ def apply_penalties(logits: torch.Tensor, work: SeqWork) -> None:
     p = work.params
     vocab = logits.shape[-1]
     if p.repetition_penalty != 1.0 and work.history:
-        ids = torch.tensor(sorted({i for i in work.history if i < vocab}), dtype=torch.long)
+        ids = torch.tensor(
+            sorted({i for i in work.history if i < vocab}), dtype=torch.long, device=logits.device
+        )
         score = logits[ids]
         logits[ids] = torch.where(score < 0, score * p.repetition_penalty, score / p.repetition_penalty)
     if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:
         output = [i for i in work.history[work.num_prompt_tokens :] if i < vocab]
         if output:
-            counts = torch.bincount(torch.tensor(output, dtype=torch.long), minlength=vocab).to(logits.dtype)
+            ids = torch.tensor(output, dtype=torch.long, device=logits.device)
+            counts = torch.bincount(ids, minlength=vocab).to(logits.dtype)
             logits -= counts * p.frequency_penalty + (counts > 0).to(logits.dtype) * p.presence_penalty
 
 
@@ -102,7 +106,8 @@ def sample_token(logits: torch.Tensor, p: SamplingParams, generator: torch.Gener
     """
     probs = filter_logits(logits, p).softmax(-1)
     cdf = probs.cumsum(0)
-    u = torch.rand(1, generator=generator, dtype=cdf.dtype) * cdf[-1]
+    # NOTE: row generators live on the CPU (seeded per row and step); one number crosses over.
+    u = torch.rand(1, generator=generator, dtype=cdf.dtype).to(cdf.device) * cdf[-1]
     # side="right": the first index whose cdf exceeds u, which has non-zero probability.
     return min(int(torch.searchsorted(cdf, u, side="right")), probs.numel() - 1)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import warnings
 from collections.abc import Callable
 
@@ -13,9 +14,11 @@ from ft.config import QUANTIZATIONS
 from ft.core.batch import Sampled, SeqWork
 from ft.model import kernels
 from ft.model.attention import SeqSpan, build_metadata
+from ft.model.cuda_graphs import DecodeGraphs
 from ft.model.llama import LlamaConfig, build_model
 from ft.model.loader import LoadedModel
 from ft.model.masks import StepMasks
+from ft.model.parallel import RankFailure, RankGroup, Shard, decode_works, local_config
 from ft.model.quant import QuantTensor
 from ft.model.quantized_llama import QuantizedLlama, StepIndex
 from ft.model.sampler import sample
@@ -79,6 +82,11 @@ class TorchRunner:
 
     The KV cache is two tensors `[num_layers, num_pages * page_size, kv_heads, head_dim]`; the
     scheduler owns which pages a sequence uses and passes them in each `SeqWork`.
+
+    Weights, KV cache and sampling live on `device`. With `ranks` (tensor parallelism) this is
+    one rank's runner: it holds that rank's heads, MLP columns, kv heads and vocabulary slice.
+    Rank 0's `forward` broadcasts each step's description first; the other ranks run `follow`,
+    which runs the same forwards until rank 0 sends "stop" (`close`).
     """
 
     def __init__(
@@ -91,6 +99,9 @@ class TorchRunner:
         threads: int | None = None,
         quantize: str | None = None,
         kv_dtype: torch.dtype | None = None,
+        device: torch.device | None = None,
+        ranks: RankGroup | None = None,
+        cuda_graphs: bool = True,
     ) -> None:
         if num_pages < 1 or page_size < 1:
             raise ValueError(f"num_pages and page_size must be positive, got {num_pages}, {page_size}")
@@ -100,34 +111,85 @@ class TorchRunner:
         self._threads = ThreadChooser((threads,) if threads else thread_choices(torch.get_num_threads()))
         self.config = loaded.config
         self.dtype = dtype
+        self.device = device or torch.device("cpu")
+        self.ranks = ranks
+        self._lock = threading.Lock()  # one forward (one sequence of collectives) at a time
         self._page_size = page_size
         self._num_pages = num_pages
         c = loaded.config
-        shape = (c.num_layers, num_pages * page_size, c.num_kv_heads, c.head_dim)
+        world = ranks.world if ranks is not None else 1
+        local = local_config(c, ranks.shard if ranks is not None else Shard(0, 1))
+        shape = (c.num_layers, num_pages * page_size, local.num_kv_heads, c.head_dim)
         self.kv_dtype = kv_dtype or dtype
         self.packed: QuantizedLlama | None = None
+        on_cpu = self.device.type == "cpu"
         if any(isinstance(v, QuantTensor) for v in loaded.state_dict.values()):
             if quantize is not None or dtype != torch.float32 or self.kv_dtype not in kernels.KV_TYPES:
                 raise ValueError("weights kept as stored need float32 activations and no --quantize")
+            if ranks is not None or not on_cpu:
+                raise ValueError("weights kept as stored run on the CPU in one process; load them as floats")
             self.packed = QuantizedLlama(c, loaded.state_dict)
             self._lm_head: Callable[[torch.Tensor], torch.Tensor] = self.packed.logits
         else:
-            self.model = build_model(c, loaded.state_dict, dtype)  # type: ignore[arg-type]
-            if quantize is not None:
-                if quantize not in QUANTIZATIONS or dtype != torch.float32:
-                    raise ValueError(f"quantize must be one of {QUANTIZATIONS} with float32 activations")
-                quantize_linears(self.model)  # in place
-            self._lm_head = (
-                self.model.lm_head if quantize is not None else prepacked_linear(self.model.lm_head)
+            self.model = build_model(
+                c,
+                loaded.state_dict,  # type: ignore[arg-type]
+                dtype,
+                device=self.device,
+                shard=ranks.shard if ranks is not None else None,
+                reduce=ranks.all_reduce if ranks is not None and world > 1 else None,
             )
-        self.k_cache = lazy_zeros(shape, self.kv_dtype)
-        self.v_cache = lazy_zeros(shape, self.kv_dtype)
+            if quantize is not None:
+                if quantize not in QUANTIZATIONS or dtype != torch.float32 or not on_cpu:
+                    raise ValueError(
+                        f"quantize must be one of {QUANTIZATIONS} with float32 activations on the CPU"
+                    )
+                quantize_linears(self.model)  # in place
+            head = (
+                self.model.lm_head
+                if quantize is not None or not on_cpu
+                else prepacked_linear(self.model.lm_head)
+            )
+            self._lm_head = head if world == 1 else self._gathered(head)
+        self._graphs: DecodeGraphs | None = None
+        if on_cpu:
+            self.k_cache = lazy_zeros(shape, self.kv_dtype)
+            self.v_cache = lazy_zeros(shape, self.kv_dtype)
+        else:
+            # One more page than the scheduler hands out: the decode graphs' padding rows use it.
+            shape = (shape[0], (num_pages + 1) * page_size, *shape[2:])
+            self.k_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+            self.v_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+            # NOTE: tensor-parallel steps stay eager: their all_reduce calls are not captured.
+            if cuda_graphs and world == 1 and quantize is None:
+                self._graphs = DecodeGraphs(
+                    self.model,
+                    self.k_cache,
+                    self.v_cache,
+                    page_size=page_size,
+                    scratch_page=num_pages,
+                    max_context=c.max_position_embeddings,
+                )
+
+    def _gathered(
+        self, head: Callable[[torch.Tensor], torch.Tensor]
+    ) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The lm_head over this rank's vocabulary slice, gathered to the full vocabulary."""
+        assert self.ranks is not None
+        ranks, vocab = self.ranks, self.config.vocab_size
+
+        def run(rows: torch.Tensor) -> torch.Tensor:
+            return ranks.all_gather_vocab(head(rows))[:, :vocab]  # [R, vocab]
+
+        return run
 
     @staticmethod
-    def bytes_per_page(config: LlamaConfig, page_size: int, dtype: torch.dtype) -> int:
-        """KV bytes one page takes across all layers (keys and values)."""
+    def bytes_per_page(config: LlamaConfig, page_size: int, dtype: torch.dtype, world: int = 1) -> int:
+        """KV bytes one page takes across all layers (keys and values) on the busiest of `world`
+        ranks (the first ranks take one more kv head when the heads do not divide evenly)."""
         itemsize = torch.empty(0, dtype=dtype).element_size()
-        return 2 * config.num_layers * page_size * config.num_kv_heads * config.head_dim * itemsize
+        kv_heads = -(-config.num_kv_heads // world)
+        return 2 * config.num_layers * page_size * kv_heads * config.head_dim * itemsize
 
     @property
     def page_size(self) -> int:
@@ -188,6 +250,59 @@ class TorchRunner:
             return None
         for work in works:
             self._check(work)
+        with self._lock:
+            if self.ranks is None:
+                return self._forward(works)
+            assert self.ranks.is_leader, "ranks other than 0 follow rank 0's steps"
+            self.ranks.send_step(works)  # the other ranks run the same forward
+            try:
+                return self._forward(works)
+            except RankFailure:
+                raise
+            except Exception as e:
+                # NOTE: the other ranks may now wait in a collective this rank never reached:
+                # the group is out of step, so no sequence can be retried alone.
+                raise RankFailure(f"a tensor-parallel step failed on rank 0: {type(e).__name__}: {e}") from e
+
+    def follow(self) -> None:
+        """Ranks other than 0: run the steps rank 0 broadcasts until it sends "stop".
+
+        Raises:
+            RankFailure: rank 0 died or the group broke.
+        """
+        assert self.ranks is not None and not self.ranks.is_leader
+        while True:
+            message = self.ranks.receive()
+            if message["op"] == "stop":
+                return
+            if message["op"] != "step":
+                raise ValueError(f"unexpected tensor-parallel message {message['op']!r}")
+            self._forward(decode_works(message["works"]))
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Rank 0: end the other ranks' step loops (they then leave the group).
+
+        Raises:
+            RankFailure: a step is still running after `timeout_s` (it hangs), or the ranks are gone.
+        """
+        if self.ranks is None or not self.ranks.is_leader:
+            return
+        if not self._lock.acquire(timeout=timeout_s):
+            raise RankFailure(f"a step still runs after {timeout_s:g} s; the ranks are not stopped")
+        try:
+            self.ranks.send_stop()
+        finally:
+            self._lock.release()
+
+    def _forward(self, works: list[SeqWork]) -> torch.Tensor | None:
+        if self.device.type != "cuda":
+            return self._forward_on_device(works)
+        # NOTE: steps run in whichever thread trio lends; streams, events and graphs follow the
+        # thread's current device, which must be ours (rank r of a node runs on its own GPU).
+        with torch.cuda.device(self.device):
+            return self._forward_on_device(works)
+
+    def _forward_on_device(self, works: list[SeqWork]) -> torch.Tensor | None:
         token_ids: list[int] = []
         positions: list[int] = []
         sample_rows: list[int] = []
@@ -198,12 +313,18 @@ class TorchRunner:
                 sample_rows.append(len(token_ids) - 1)
         with torch.inference_mode():
             if self.packed is not None:
-                ids = torch.tensor(token_ids, dtype=torch.long)
+                ids = torch.tensor(token_ids, dtype=torch.long)  # the packed path is CPU-only
                 index = self._step_index(works, positions)
                 hidden = self.packed.forward(ids, index, self.k_cache, self.v_cache, self._page_size)
             else:
-                spans = [SeqSpan(w.start_pos, len(w.token_ids), w.page_ids) for w in works]
-                hidden = self._forward_torch(token_ids, positions, spans)
+                graphed = None
+                if self._graphs is not None and len(token_ids) == len(works):  # a decode step
+                    graphed = self._graphs.run(token_ids, positions, [w.page_ids for w in works])
+                if graphed is not None:
+                    hidden = graphed
+                else:
+                    spans = [SeqSpan(w.start_pos, len(w.token_ids), w.page_ids) for w in works]
+                    hidden = self._forward_torch(token_ids, positions, spans)
             if not sample_rows:
                 return None
             rows = hidden if len(sample_rows) == len(token_ids) else hidden[sample_rows]  # [R, hidden]
@@ -232,9 +353,11 @@ class TorchRunner:
         self, token_ids: list[int], positions: list[int], spans: list[SeqSpan]
     ) -> torch.Tensor:
         meta = build_metadata(spans, self._page_size)
+        if self.device.type != "cpu":
+            meta = meta.to(self.device)
         hidden: torch.Tensor = self.model(
-            torch.tensor(token_ids, dtype=torch.long),
-            torch.tensor(positions, dtype=torch.long),
+            torch.tensor(token_ids, dtype=torch.long).to(self.device, non_blocking=True),
+            torch.tensor(positions, dtype=torch.long).to(self.device, non_blocking=True),
             self.k_cache,
             self.v_cache,
             meta,

@@ -50,6 +50,10 @@ ABORT_TIMEOUT_S = 3.0
 RouteRegistrar = Callable[[QuartTrio, ServerContext], None]
 
 
+class EngineFailed(RuntimeError):
+    """The model runner failed for good (a rank died or hangs): the server stopped serving."""
+
+
 def create_app(
     engine: Engine,
     settings: ServerSettings,
@@ -214,35 +218,72 @@ async def serve(
     to `drain_timeout_s` for active requests, aborts the rest, and hypercorn stops. A second
     signal skips the drain.
     `handle_signals=False` (needed off the main thread) serves until cancelled.
+
+    Raises:
+        EngineFailed: the model runner failed for good (a tensor-parallel rank died or hangs);
+            every request was failed with a server error and the server stopped.
     """
     settings = settings or ServerSettings()
     if not handle_signals:
         async with open_server(engine_config, settings, hooks=hooks) as server:
             task_status.started(server)
             await trio.sleep_forever()
+    failure: str | None = None
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with open_server(engine_config, settings, hooks=hooks) as server:
             log.info("listening on %s", ", ".join(server.urls))
             task_status.started(server)
+            failure = await _first_signal_or_failure(signals, server.engine)
+            if failure is not None:
+                # Every request has been failed; let their streams send the error and close.
+                log.error("the model runner failed: %s; stopping", failure)
+                with trio.move_on_after(ABORT_TIMEOUT_S):
+                    while len(server.engine.registry):
+                        await trio.sleep(0.01)
+            else:
+                await _drain(signals, server, settings)
+                if server.engine.has_failed:  # a rank failed while draining
+                    failure = server.engine.error
+    if failure is not None:
+        raise EngineFailed(failure)
+
+
+async def _first_signal_or_failure(signals: AsyncIterator[int], engine: Engine) -> str | None:
+    """Wait for SIGINT/SIGTERM (None) or for the model runner to fail for good (why)."""
+    outcome: list[str | None] = []
+    async with trio.open_nursery() as nursery:
+
+        async def on_signal() -> None:
             async for signum in signals:
-                log.info(
-                    "received %s; draining for up to %.1f s",
-                    signal.Signals(signum).name,
-                    settings.drain_timeout_s,
-                )
+                log.info("received %s", signal.Signals(signum).name)
                 break
-            async with trio.open_nursery() as nursery:
+            outcome.append(None)
+            nursery.cancel_scope.cancel()
 
-                async def force_on_second_signal() -> None:
-                    async for _ in signals:
-                        log.warning("second signal: stopping without draining")
-                        nursery.cancel_scope.cancel()
+        async def on_failure() -> None:
+            outcome.append(await engine.wait_failed())
+            nursery.cancel_scope.cancel()
 
-                nursery.start_soon(force_on_second_signal)
-                # The drain runs in the engine's nursery; a drain an admin began earlier is
-                # shortened to this deadline. The outer bound holds whatever state it is in.
-                server.engine.begin_stop(settings.drain_timeout_s, ABORT_TIMEOUT_S)
-                with trio.move_on_after(settings.drain_timeout_s + ABORT_TIMEOUT_S + 1.0):
-                    snapshot = await server.engine.wait_stopped()
-                    log.info("drained: %s", snapshot["requests"])
+        nursery.start_soon(on_signal)
+        nursery.start_soon(on_failure)
+    return outcome[0]
+
+
+async def _drain(signals: AsyncIterator[int], server: RunningServer, settings: ServerSettings) -> None:
+    """Stop admitting, drain up to `drain_timeout_s`, abort the rest; a second signal skips it."""
+    log.info("draining for up to %.1f s", settings.drain_timeout_s)
+    async with trio.open_nursery() as nursery:
+
+        async def force_on_second_signal() -> None:
+            async for _ in signals:
+                log.warning("second signal: stopping without draining")
                 nursery.cancel_scope.cancel()
+
+        nursery.start_soon(force_on_second_signal)
+        # The drain runs in the engine's nursery; a drain an admin began earlier is
+        # shortened to this deadline. The outer bound holds whatever state it is in.
+        server.engine.begin_stop(settings.drain_timeout_s, ABORT_TIMEOUT_S)
+        with trio.move_on_after(settings.drain_timeout_s + ABORT_TIMEOUT_S + 1.0):
+            snapshot = await server.engine.wait_stopped()
+            log.info("drained: %s", snapshot["requests"])
+        nursery.cancel_scope.cancel()

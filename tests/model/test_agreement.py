@@ -87,6 +87,11 @@ def run_ft(
 ) -> tuple[list[list[int]], torch.Tensor]:
     """All prompts batched together: greedy tokens and the first step's logits."""
     runner = TorchRunner(loaded, num_pages=64, page_size=16, dtype=torch.float32, kv_dtype=kv_dtype)
+    return run_runner(runner, prompt_ids)
+
+
+def run_runner(runner: TorchRunner, prompt_ids: list[list[int]]) -> tuple[list[list[int]], torch.Tensor]:
+    """`run_ft` on a runner already built (64 pages of 16)."""
     greedy = SamplingParams(temperature=0.0)
     pages = [tuple(range(i * 10, i * 10 + 10)) for i in range(len(prompt_ids))]
     works = [SeqWork(i, tuple(ids), 0, pages[i], True, greedy, 0) for i, ids in enumerate(prompt_ids)]
@@ -230,3 +235,83 @@ def test_packed_weights_stay_close_to_transformers(
     print(f"packed, kv {kv_dtype}: max |logit diff| {diff:.4g}, greedy tokens agreeing {agreeing}/{total}")
     assert diff < PACKED_LOGIT_TOLERANCE
     assert agreeing / total >= PACKED_MIN_AGREEMENT
+
+
+def test_two_tensor_parallel_ranks_match_one_and_transformers(
+    gguf_path: pathlib.Path,
+    prompt_ids: list[list[int]],
+    ft_run: tuple[list[list[int]], torch.Tensor],
+    hf_run: tuple[list[list[int]], torch.Tensor],
+) -> None:
+    """The GGUF dequantized to float32 on 2 gloo ranks: the greedy tokens of 1 rank and of transformers."""
+    from tests.support.parallel import tensor_parallel_runner
+
+    with tensor_parallel_runner(str(gguf_path), 2, num_pages=64, page_size=16) as runner:
+        outputs, first_logits = run_runner(runner, prompt_ids)
+    assert outputs == ft_run[0]
+    expected_tokens, expected_logits = hf_run
+    for i, expected in enumerate(expected_tokens):
+        assert outputs[i][: len(expected)] == expected, f"prompt {i}: {PROMPTS[i]!r}"
+    diff = (expected_logits - first_logits).abs().max().item()
+    print(f"tensor parallel 2: max |logit diff| {diff:.3g} against transformers")
+    assert diff < LOGIT_TOLERANCE
+
+
+async def test_ft_serve_on_two_ranks_answers_like_one_rank_and_transformers(
+    tmp_path: pathlib.Path, loaded: LoadedModel, hf_run: tuple[list[list[int]], torch.Tensor]
+) -> None:
+    """`ft serve --tensor-parallel-size 2` and `1` (float32) give transformers' greedy answers."""
+    import httpx
+    import trio
+
+    from tests.support.parallel import serve_process
+
+    tok = loaded.tokenizer.build()
+    eos = set(loaded.tokenizer.eos_token_ids)
+    expected = [tok.decode([t for t in ids if t not in eos]) for ids in hf_run[0]]
+    answers: dict[int, list[str]] = {}
+    for world in (2, 1):
+        args = ["--dtype", "float32", "--device", "cpu", "--tensor-parallel-size", str(world)]
+        async with serve_process(args, tmp_path / f"tp{world}.log") as (proc, url):
+            async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+                with trio.fail_after(240):
+                    while (await client.get("/health")).json()["status"] != "ok":
+                        await trio.sleep(0.2)
+                    answers[world] = []
+                    for prompt in PROMPTS:  # one at a time: the same batches on both servers
+                        body = {"messages": [{"role": "user", "content": prompt}],
+                                "max_tokens": NEW_TOKENS, "temperature": 0}  # fmt: skip
+                        reply = (await client.post("/v1/chat/completions", json=body)).json()
+                        answers[world].append(reply["choices"][0]["message"]["content"])
+            proc.terminate()
+            with trio.fail_after(30):
+                assert await proc.wait() == 0
+    assert answers[2] == answers[1] == expected
+
+
+# On a CUDA device (skipped without one): float32 with torch's fused SDPA kernels and decode
+# steps replayed as CUDA graphs; and bfloat16, the default there. bfloat16 rounds every weight
+# and activation, so it is held to the bounds of a bfloat16 KV cache's agreement and more.
+CUDA_BF16_LOGIT_TOLERANCE = 1.0
+CUDA_BF16_MIN_AGREEMENT = 0.5
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="torch sees no CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_cuda_matches_transformers(
+    loaded: LoadedModel,
+    prompt_ids: list[list[int]],
+    hf_run: tuple[list[list[int]], torch.Tensor],
+    dtype: torch.dtype,
+) -> None:
+    runner = TorchRunner(loaded, num_pages=64, page_size=16, dtype=dtype, device=torch.device("cuda"))
+    outputs, first_logits = run_runner(runner, prompt_ids)
+    assert runner._graphs is not None and runner._graphs.num_captured >= 1  # decodes were graphed
+    expected_tokens, expected_logits = hf_run
+    diff = (expected_logits - first_logits.float().cpu()).abs().max().item()
+    agreeing, total = agreement(outputs, expected_tokens)
+    print(f"cuda {dtype}: max |logit diff| {diff:.4g}, greedy tokens agreeing {agreeing}/{total}")
+    if dtype == torch.float32:
+        assert agreeing == total and diff < 1e-3
+    else:
+        assert diff < CUDA_BF16_LOGIT_TOLERANCE and agreeing / total >= CUDA_BF16_MIN_AGREEMENT

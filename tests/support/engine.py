@@ -66,11 +66,12 @@ async def fake_engine(
     tokenizer_fault: Callable[[Tokenize], str | None] | None = None,
     executor: Executor | None = run_inline,
     context_length: int = 2048,
+    load_model: Callable[[EngineConfig], ModelParts] | None = None,
     **config: Any,
 ) -> AsyncIterator[Engine]:
     """An engine on the fake model; `config` overrides `EngineConfig` fields.
 
-    `executor=None` tokenizes in real worker processes.
+    `executor=None` tokenizes in real worker processes; `load_model` replaces the fake model.
     """
     hooks = fake_hooks(
         runner,
@@ -78,6 +79,7 @@ async def fake_engine(
         tokenizer_fault=tokenizer_fault,
         executor=executor,
         context_length=context_length,
+        load_model=load_model,
     )
     async with open_engine(replace(EngineConfig(num_pages=64), **config), hooks=hooks) as engine:
         yield engine

@@ -1,0 +1,225 @@
+"""Starting the tensor-parallel ranks and the loop the non-leading ranks run.
+
+One machine: rank 0 (the `ft serve` process) spawns N-1 rank processes
+(`python -m ft.engine.ranks`) with `MASTER_ADDR=127.0.0.1` and a free `MASTER_PORT`, and every
+rank joins the group through torch.distributed's `env://` rendezvous. Several machines: each
+node runs `torchrun ... -m ft.cli_serve --tensor-parallel-size N ...` (or `ft serve` under the
+same environment: `MASTER_ADDR`, `MASTER_PORT`, `WORLD_SIZE`, `RANK`, `LOCAL_RANK`); the process
+with `RANK=0` serves and the others become rank processes.
+
+Rank 0 then tells the others, through the group, which model to load (`{"op": "load"}`, the
+`EngineConfig` as CBOR) and how large a KV cache to allocate (`{"op": "runner"}`); after that
+they run `TorchRunner.follow` until rank 0 sends "stop" or the group breaks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import logging
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+import cbor2
+import torch
+import torch.distributed as dist
+
+from ft.config import EngineConfig
+from ft.logs import setup_logging
+from ft.model.parallel import RankFailure, RankGroup
+
+log = logging.getLogger("ft.ranks")
+
+# NOTE: the group's own timeout bounds every collective, including a rank waiting for the next
+# step while the server is idle, so it cannot be the step timeout. Rank 0 bounds each step
+# itself (RunnerActor's step deadline); a dead rank makes the next collective fail at once.
+GROUP_TIMEOUT = datetime.timedelta(days=7)
+START_TIMEOUT_S = 300.0  # for the spawned ranks to join the group
+
+
+def is_torchrun() -> bool:
+    """Whether this process was started by torchrun (or another launcher setting `RANK`)."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def torchrun_rank() -> int:
+    """This process's `RANK` under torchrun (0 when not under torchrun)."""
+    return int(os.environ.get("RANK", "0")) if is_torchrun() else 0
+
+
+def resolve_device(name: str, local_rank: int = 0) -> torch.device:
+    """`auto` → CUDA when torch sees one, else the CPU; rank r of one node takes the r-th GPU
+    counted from the one named (`cuda` is `cuda:0`).
+
+    Raises:
+        ValueError: CUDA was asked for and torch sees none (or not enough GPUs).
+    """
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} was asked for, but torch sees no CUDA device")
+    index = torch.device(name).index or 0
+    index += local_rank
+    if index >= torch.cuda.device_count():
+        raise ValueError(f"rank {local_rank} needs cuda:{index}; torch sees {torch.cuda.device_count()} GPUs")
+    return torch.device("cuda", index)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+@dataclass
+class RankProcesses:
+    """The rank processes this process spawned (none under torchrun)."""
+
+    procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
+
+    def dead(self) -> list[int]:
+        """Ranks whose process has exited."""
+        return [i + 1 for i, p in enumerate(self.procs) if p.poll() is not None]
+
+    def terminate(self, grace_s: float = 5.0) -> None:
+        """Stop every spawned rank: SIGTERM, then SIGKILL after `grace_s`. Synchronous."""
+        for p in self.procs:
+            if p.poll() is None:
+                p.terminate()
+        deadline = time.monotonic() + grace_s
+        for p in self.procs:
+            try:
+                p.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+def _backend(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def _join(rank: int, world: int, device: torch.device, init_method: str = "env://") -> RankGroup:
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        _backend(device), init_method=init_method, rank=rank, world_size=world, timeout=GROUP_TIMEOUT
+    )
+    return RankGroup(rank, world, device)
+
+
+def start_leader(config: EngineConfig) -> tuple[RankGroup, RankProcesses]:
+    """Rank 0: spawn the other ranks (unless under torchrun), join the group, send them the
+    config to load. Blocking; run it in a thread.
+
+    Raises:
+        RankFailure: a spawned rank exited or the group did not form within `START_TIMEOUT_S`.
+        ValueError: `WORLD_SIZE` disagrees with `tensor_parallel_size`, or a bad device.
+    """
+    world = config.tensor_parallel_size
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = resolve_device(config.device, local_rank)
+    procs = RankProcesses()
+    init_method = "env://"
+    if is_torchrun():
+        if int(os.environ["WORLD_SIZE"]) != world:
+            raise ValueError(f"WORLD_SIZE={os.environ['WORLD_SIZE']} but --tensor-parallel-size is {world}")
+    else:
+        port = _free_port()
+        init_method = f"tcp://127.0.0.1:{port}"
+        for rank in range(1, world):
+            env = dict(
+                os.environ,
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port),
+                WORLD_SIZE=str(world),
+                RANK=str(rank),
+                LOCAL_RANK=str(rank),
+            )
+            cmd = [sys.executable, "-m", "ft.engine.ranks", "--device", config.device]
+            procs.procs.append(subprocess.Popen(cmd, env=env))
+    joined: list[RankGroup] = []
+    errors: list[BaseException] = []
+
+    def join() -> None:
+        try:
+            joined.append(_join(0, world, device, init_method))
+        except BaseException as e:  # reported below, in the caller's thread
+            errors.append(e)
+
+    # The rendezvous blocks until every rank has joined: watch the spawned ones meanwhile.
+    thread = threading.Thread(target=join, name="ft-rank-join", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while thread.is_alive():
+        thread.join(0.1)
+        if procs.dead() or time.monotonic() > deadline:
+            procs.terminate()
+            dead = procs.dead()
+            raise RankFailure(
+                f"rank {dead[0]} exited before joining" if dead else "the ranks did not join in time"
+            )
+    if errors:
+        procs.terminate()
+        raise RankFailure(f"joining the tensor-parallel group failed: {errors[0]}")
+    group = joined[0]
+    group.send(cbor2.dumps({"op": "load", "config": dataclasses.asdict(config)}))
+    log.info("tensor parallel: %d ranks (%s) on %s", world, _backend(device), device)
+    return group, procs
+
+
+def send_runner(group: RankGroup, num_pages: int, page_size: int) -> None:
+    """Rank 0: tell the other ranks to allocate their KV shards and start following steps."""
+    group.send(cbor2.dumps({"op": "runner", "num_pages": num_pages, "page_size": page_size}))
+
+
+def run_rank(device_name: str) -> int:
+    """A rank other than 0: join, load what rank 0 says, follow its steps; the exit status.
+
+    0 after rank 0's "stop"; 1 when the group broke (rank 0 died) or loading failed.
+    """
+    from ft.engine.loading import load_torch_model
+    from ft.model.torch_runner import TorchRunner
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", str(rank)))
+    try:
+        group = _join(rank, world, resolve_device(device_name, local_rank))
+        message = group.receive()
+        assert message["op"] == "load", message
+        config = EngineConfig(**message["config"])
+        parts = load_torch_model(config, ranks=group)
+        message = group.receive()
+        if message["op"] == "stop":
+            return 0
+        runner = parts.make_runner(int(message["num_pages"]), int(message["page_size"]))
+        assert isinstance(runner, TorchRunner)
+        runner.follow()
+    except RankFailure as e:
+        log.error("rank %d: %s", rank, e)
+        return 1
+    dist.destroy_process_group()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m ft.engine.ranks --device D`: a rank process (environment from rank 0 or torchrun)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="ft rank")
+    parser.add_argument("--device", default="auto")
+    args = parser.parse_args(argv)
+    setup_logging("info")
+    return run_rank(args.device)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

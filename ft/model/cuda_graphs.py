@@ -1,0 +1,163 @@
+"""Decode steps replayed as CUDA graphs, one per (batch, context) bucket, captured on first use.
+
+A decode-only step of `n` rows whose longest sequence reaches `L` positions runs as the bucket
+`(B, Lb)`: `B` the first of `BATCH_BUCKETS` >= n, `Lb` the first power of two >= L (at least
+`MIN_CONTEXT`). The step's only host-to-device copy is one `[B, 2 + Lb / page_size]` int64
+tensor: each row's token id, position and page table. Everything else (slots, the attention
+mask, the KV writes) is computed inside the graph from it. Padding rows feed token 0 at
+position 0 on a scratch page the scheduler never hands out, so they write and read nothing real.
+Steps with prompt chunks, or beyond the largest bucket, run eagerly.
+
+Graphs share one memory pool. That is safe because a graph's output is read (the lm_head and
+sampling) before any other graph is replayed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ft.model.attention import AttentionMetadata
+from ft.model.llama import LlamaForCausalLM
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+MIN_CONTEXT = 256
+
+
+def context_bucket(length: int, page_size: int) -> int:
+    """The first power of two >= `length` (at least `MIN_CONTEXT`), in whole pages."""
+    bucket = MIN_CONTEXT
+    while bucket < length:
+        bucket *= 2
+    return -(-bucket // page_size) * page_size
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    inputs: torch.Tensor  # [B, 2 + pages] int64 on the device: token id, position, page table
+    staging: torch.Tensor  # the same, pinned on the host
+    hidden: torch.Tensor  # [B, hidden]: the graph's output
+    copied: torch.cuda.Event  # recorded once `staging` has been copied to `inputs`
+
+
+class DecodeGraphs:
+    """Captured decode forwards of `model` over its KV cache (`k_cache`/`v_cache` with
+    `scratch_page` reserved for padding rows)."""
+
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        *,
+        page_size: int,
+        scratch_page: int,
+        max_context: int,
+    ) -> None:
+        self.model = model
+        self.k_cache = k_cache
+        self.v_cache = v_cache
+        self.page_size = page_size
+        self.scratch_page = scratch_page
+        self.max_context = context_bucket(max_context, page_size)
+        self.device = k_cache.device
+        self._graphs: dict[tuple[int, int], _Graph] = {}
+        self._pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
+
+    @property
+    def num_captured(self) -> int:
+        """Graphs captured so far."""
+        return len(self._graphs)
+
+    def bucket(self, num_rows: int, max_len: int) -> tuple[int, int] | None:
+        """The `(batch, context)` bucket of a decode step, or None when it runs eagerly."""
+        batch = next((b for b in BATCH_BUCKETS if b >= num_rows), None)
+        context = context_bucket(max_len, self.page_size)
+        if batch is None or context > self.max_context:
+            return None
+        return batch, context
+
+    def run(
+        self, token_ids: list[int], positions: list[int], page_ids: list[tuple[int, ...]]
+    ) -> torch.Tensor | None:
+        """Hidden states `[n, hidden]` of a decode step (one token per row), or None when the
+        step has no bucket (run it eagerly)."""
+        bucket = self.bucket(len(token_ids), max(positions) + 1)
+        if bucket is None:
+            return None
+        graph = self._graphs.get(bucket) or self._capture(*bucket)
+        packed = self._inputs(token_ids, positions, page_ids, *bucket)
+        graph.copied.synchronize()  # the last copy out of `staging` is done (it almost always is)
+        graph.staging.copy_(packed)
+        graph.inputs.copy_(graph.staging, non_blocking=True)  # the step's one host-to-device copy
+        graph.copied.record()
+        graph.graph.replay()
+        return graph.hidden[: len(token_ids)]
+
+    def run_eagerly(
+        self, token_ids: list[int], positions: list[int], page_ids: list[tuple[int, ...]]
+    ) -> torch.Tensor:
+        """What `run` computes, without a graph (on any device: the tests run it on the CPU)."""
+        bucket = self.bucket(len(token_ids), max(positions) + 1)
+        assert bucket is not None
+        inputs = self._inputs(token_ids, positions, page_ids, *bucket).to(self.device)
+        return self._forward(inputs, bucket[1])[: len(token_ids)]
+
+    def _inputs(
+        self,
+        token_ids: list[int],
+        positions: list[int],
+        page_ids: list[tuple[int, ...]],
+        batch: int,
+        context: int,
+    ) -> torch.Tensor:
+        """The packed host tensor `[batch, 2 + pages]`, padding rows included."""
+        pages = context // self.page_size
+        rows = []
+        for token, pos, own in zip(token_ids, positions, page_ids, strict=True):
+            table = list(own[:pages])
+            rows.append([token, pos, *table, *[self.scratch_page] * (pages - len(table))])
+        rows += [[0, 0, *[self.scratch_page] * pages]] * (batch - len(rows))
+        return torch.tensor(rows, dtype=torch.long)
+
+    def _forward(self, inputs: torch.Tensor, context: int) -> torch.Tensor:
+        """The decode forward from the packed inputs (captured; also run eagerly to warm up)."""
+        page = self.page_size
+        ids, pos, table = inputs[:, 0], inputs[:, 1], inputs[:, 2:]  # [B], [B], [B, pages]
+        kv_pos = torch.arange(context, device=inputs.device)  # [Lb]
+        slots = table[:, kv_pos // page] * page + kv_pos % page  # [B, Lb]
+        write = table.gather(1, (pos // page)[:, None]).squeeze(1) * page + pos % page  # [B]
+        meta = AttentionMetadata(
+            slot_mapping=write,
+            decode_rows=torch.arange(inputs.shape[0], device=inputs.device),
+            decode_slots=slots,
+            decode_mask=(kv_pos[None, :] <= pos[:, None])[:, None, None, :],  # [B, 1, 1, Lb]
+            decode_is_all=True,
+            prefills=(),
+            num_tokens=inputs.shape[0],
+        )
+        hidden: torch.Tensor = self.model(ids, pos, self.k_cache, self.v_cache, meta)  # [B, hidden]
+        return hidden
+
+    def _capture(self, batch: int, context: int) -> _Graph:
+        pages = context // self.page_size
+        padding = torch.tensor([[0, 0, *[self.scratch_page] * pages]] * batch, dtype=torch.long)
+        inputs = padding.to(self.device)
+        staging = padding.pin_memory()
+        # Warm up on a side stream (allocator and kernel selection), as torch.cuda.graph asks.
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self._forward(inputs, context)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            hidden = self._forward(inputs, context)
+        copied = torch.cuda.Event()
+        copied.record()
+        captured = _Graph(graph, inputs, staging, hidden, copied)
+        self._graphs[batch, context] = captured
+        return captured

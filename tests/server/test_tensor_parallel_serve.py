@@ -1,0 +1,106 @@
+"""`ft serve --tensor-parallel-size 2` on the CPU: launched by hand with torchrun's environment
+(two processes on loopback, as on two machines), and a rank killed (or stopped: it hangs)
+mid-stream, which fails the stream with a server error, turns /health to "error", and makes the
+server exit non-zero, its ranks gone (no client left hanging)."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+
+import httpx
+import pytest
+import trio
+
+from tests.support.parallel import ROOT, rank_pids, serve_process
+from tests.support.tiny_model import save_hf_dir, tiny_config
+
+
+async def test_torchrun_environment_starts_one_server_and_one_rank(tmp_path: pathlib.Path) -> None:
+    """`RANK=0` serves and `RANK=1` follows (`MASTER_ADDR`/`MASTER_PORT`/`WORLD_SIZE`/`RANK`, as
+    torchrun sets them on each node); both exit 0 after SIGTERM."""
+    model = tmp_path / "tiny"
+    save_hf_dir(model, tiny_config())
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2")
+    args = ["--model", str(model), "--dtype", "float32", "--device", "cpu", "--tensor-parallel-size", "2"]
+    with (tmp_path / "rank1.log").open("wb") as out:
+        rank1 = await trio.lowlevel.open_process(
+            [sys.executable, "-m", "ft.cli_serve", *args], env=env | {"RANK": "1", "LOCAL_RANK": "0"},
+            stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
+        )  # fmt: skip
+    try:
+        async with serve_process(args, tmp_path / "rank0.log", env=env | {"RANK": "0"}) as (proc, url):
+            async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+                with trio.fail_after(60):
+                    while (await client.get("/health")).json()["status"] != "ok":
+                        await trio.sleep(0.1)
+                body = {"prompt": "!#%", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+                reply = (await client.post("/v1/completions", json=body)).json()
+                assert reply["usage"]["completion_tokens"] == 8
+            assert not rank_pids(proc.pid)  # under torchrun nothing is spawned
+            proc.terminate()
+            with trio.fail_after(30):
+                assert await proc.wait() == 0
+                assert await rank1.wait() == 0  # rank 0 told it to stop
+    finally:
+        if rank1.returncode is None:
+            rank1.kill()
+            await rank1.wait()
+
+
+@pytest.mark.parametrize("fault", ["KILL", "STOP"], ids=["dies", "hangs"])
+async def test_a_rank_that_dies_or_hangs_mid_stream_fails_the_stream_and_exits_non_zero(
+    tmp_path: pathlib.Path, fault: str
+) -> None:
+    model = tmp_path / "tiny"
+    save_hf_dir(model, tiny_config(max_position_embeddings=4096))
+    log = tmp_path / "serve.log"
+    args = ["--model", str(model), "--dtype", "float32", "--device", "cpu",
+            "--tensor-parallel-size", "2", "--step-timeout", "3"]  # fmt: skip
+    async with serve_process(args, log) as (proc, url):
+        health: list[str] = []
+        async with httpx.AsyncClient(base_url=url, timeout=10) as client:
+            with trio.fail_after(60):
+                while (await client.get("/health")).json()["status"] != "ok":
+                    await trio.sleep(0.1)
+            (rank,) = rank_pids(proc.pid)
+
+            async def watch_health() -> None:
+                async with httpx.AsyncClient(base_url=url, timeout=2) as c:
+                    while True:
+                        try:
+                            health.append((await c.get("/health")).json()["status"])
+                        except httpx.HTTPError:
+                            return  # the server has stopped
+                        await trio.sleep(0.02)
+
+            body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3000,
+                    "ignore_eos": True, "stream": True}  # fmt: skip
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(watch_health)
+                with trio.fail_after(30):  # bounded: no client is left hanging
+                    async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+                        assert r.status_code == 200
+                        lines = r.aiter_lines()
+                        while not (await lines.__anext__()).startswith("data: {"):
+                            pass
+                        os.kill(rank, getattr(signal, f"SIG{fault}"))
+                        rest = [line async for line in lines if line.startswith("data: ")]
+            assert rest[-1] == "data: [DONE]"
+            error = json.loads(rest[-2].removeprefix("data: "))["error"]
+            assert error["type"] == "server_error" and "runner failed" in error["message"]
+            if fault == "STOP":
+                assert "longer than 3 s" in error["message"]
+        assert "error" in health
+        with trio.fail_after(30):
+            assert await proc.wait() != 0
+        assert "the model runner failed" in log.read_text()
+        assert not rank_pids(proc.pid)
