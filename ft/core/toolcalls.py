@@ -144,13 +144,27 @@ class PassthroughParser:
         return False
 
 
+def _ends_inside_string(text: str) -> bool:
+    """True when `text`, read as the start of JSON, ends inside an open string."""
+    inside = escaped = False
+    for ch in text:
+        if escaped:
+            escaped = False
+        elif ch == "\\" and inside:
+            escaped = True
+        elif ch == '"':
+            inside = not inside
+    return inside
+
+
 class HermesParser:
     """`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks, text around them.
 
     Whitespace-only text at the start or between/after calls is held and dropped when a call
     follows it or the output ends with calls, so `content` is not just the newlines between
     calls. A complete call whose closing tag never came (the model stopped right at it) is still
-    accepted at `finish`.
+    accepted at `finish`. A closing tag inside a JSON string (an argument that quotes it) does
+    not close the call.
     """
 
     START = "<tool_call>"
@@ -191,6 +205,9 @@ class HermesParser:
                     self._end_search_from = max(0, len(self._buf) - len(self.END) + 1)
                     return out
                 body = self._buf[:end]
+                if _ends_inside_string(body):  # the tag is text inside an argument: read on
+                    self._end_search_from = end + 1
+                    continue
                 self._buf = self._buf[end + len(self.END) :]
                 self._is_in_call = False
                 self._close_call(body, self.END, out)

@@ -108,6 +108,12 @@ HERMES_CASES: dict[str, tuple[str, list[tuple[str, str]]]] = {
         '<tool_call>{"name": "f", "parameters": {"k": null}}</tool_call>',
         [("f", '{"k": null}')],
     ),
+    # a 135M model under a grammar wrote this: the tag inside a string does not end the call
+    "closing tag inside an argument": (
+        '<tool_call>\n{"name": "w", "arguments": {"city": "NY}}</tool_call>", "q": "\\"</tool_call>"}}'
+        "\n</tool_call>",
+        [("w", '{"city": "NY}}</tool_call>", "q": "\\"</tool_call>"}')],
+    ),
 }
 
 
