@@ -1,11 +1,15 @@
 """Output tokens/s through the embedded API (no HTTP) at several concurrency levels.
 
-    ft bench [--concurrency 1 4 16] [--max-tokens 128] [--model PATH]
+    ft bench [--concurrency 1 4 16] [--max-tokens 128] [--model PATH] [--structured]
     python tools/bench_engine.py ...        (the same)
 
 Prints one JSON line: for each concurrency, output tokens/s, mean TTFT and wall time, plus the
 16-vs-1 speed-up. All levels run in the same process against the same loaded engine, so the
 ratios are comparable even on a noisy machine.
+
+`--structured` runs each level twice more, alternating free and grammar-constrained requests
+(`BENCH_SCHEMA`: JSON that never ends before `--max-tokens`, so both write as many tokens),
+and reports the constrained throughput as a fraction of the free one.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ import trio
 
 from ft.config import EngineConfig, add_model_arguments, model_config_fields
 from ft.engine.engine import Engine, open_engine
+from ft.grammar import spec
+from ft.grammar.spec import GrammarSpec
 from ft.params import SamplingParams
 
 PROMPTS = [
@@ -28,8 +34,28 @@ PROMPTS = [
 ]
 
 
-async def run_level(engine: Engine, concurrency: int, max_tokens: int) -> dict[str, float]:
-    """Run `concurrency` requests at once; return tokens/s and latency figures."""
+# Objects with a few bounded fields, at least 1000 of them: output a model cannot end early.
+BENCH_SCHEMA = {
+    "type": "array",
+    "minItems": 1000,
+    "items": {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 24},
+            "age": {"type": "integer", "minimum": 0, "maximum": 120},
+            "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "maxItems": 3},
+        },
+        "required": ["name", "age", "tags"],
+        "additionalProperties": False,
+    },
+}
+
+
+async def run_level(
+    engine: Engine, concurrency: int, max_tokens: int, grammar: GrammarSpec | None = None
+) -> dict[str, float]:
+    """Run `concurrency` requests at once (following `grammar` when given); return tokens/s and
+    latency figures."""
     ttfts: list[float] = []
     tokens = 0
 
@@ -37,7 +63,9 @@ async def run_level(engine: Engine, concurrency: int, max_tokens: int) -> dict[s
         nonlocal tokens
         start = time.perf_counter()
         first = None
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.8, seed=i, ignore_eos=True)
+        params = SamplingParams(
+            max_tokens=max_tokens, temperature=0.8, seed=i, ignore_eos=grammar is None, grammar=grammar
+        )
         messages = [{"role": "user", "content": PROMPTS[i % len(PROMPTS)] + f" ({i})"}]
         async with engine.open_request(messages=messages, params=params) as stream:
             async for _ in stream:
@@ -69,15 +97,39 @@ async def main(args: argparse.Namespace) -> None:
     async with open_engine(config) as engine:
         await run_level(engine, 1, 8)  # warm-up
         levels = [await run_level(engine, c, args.max_tokens) for c in args.concurrency]
+        structured = (
+            [await compare_structured(engine, c, args.max_tokens) for c in args.concurrency]
+            if args.structured
+            else []
+        )
     base = levels[0]["tokens_per_s"]
-    result = {
+    result: dict[str, object] = {
         "bench": "engine",
         "model": engine.model_id,
         "max_tokens": args.max_tokens,
         "levels": levels,
         "speedup_vs_first": {str(x["concurrency"]): round(x["tokens_per_s"] / base, 2) for x in levels},
     }
+    if structured:
+        result["structured"] = structured
     print(json.dumps(result))
+
+
+async def compare_structured(engine: Engine, concurrency: int, max_tokens: int) -> dict[str, float]:
+    """Free and constrained rounds, alternated (free, constrained, free, constrained)."""
+    grammar = spec.json_schema(BENCH_SCHEMA, "bench")
+    await run_level(engine, 1, 4, grammar)  # compile it outside the timing
+    free: list[float] = []
+    constrained: list[float] = []
+    for _ in range(2):
+        free.append((await run_level(engine, concurrency, max_tokens))["tokens_per_s"])
+        constrained.append((await run_level(engine, concurrency, max_tokens, grammar))["tokens_per_s"])
+    return {
+        "concurrency": concurrency,
+        "free_tokens_per_s": round(sum(free) / len(free), 2),
+        "constrained_tokens_per_s": round(sum(constrained) / len(constrained), 2),
+        "constrained_vs_free": round(sum(constrained) / sum(free), 3),
+    }
 
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
@@ -86,6 +138,11 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     add_model_arguments(parser)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument(
+        "--structured",
+        action="store_true",
+        help="also compare grammar-constrained (JSON schema) against free requests at each level",
+    )
 
 
 def run_bench(args: argparse.Namespace) -> int:
