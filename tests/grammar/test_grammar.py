@@ -137,6 +137,43 @@ def test_auto_tool_choice_with_a_json_answer_allows_either() -> None:
     assert not accepts(m, "hello")
 
 
+def test_tool_parameters_with_defs_compile_and_are_followed() -> None:
+    """A tool whose parameters use `$defs` and `$ref` (as pydantic writes them) can be forced:
+    its references resolve against its own schema, not the grammar's."""
+    params = {
+        "type": "object", "properties": {"where": {"$ref": "#/$defs/Place"}}, "required": ["where"],
+        "$defs": {"Place": {"type": "object", "properties": {"city": {"type": "string"}},
+                            "required": ["city"], "additionalProperties": False}},
+    }  # fmt: skip
+    tools = [{"type": "function", "function": {"name": "go", "parameters": params}}]
+    m = byte_matcher(spec.tool_calls(tools, name=None, parallel=False, parser="hermes"))
+    good = '{"name": "go", "arguments": {"where": {"city": "Oslo"}}}'
+    assert accepts(m, f"<tool_call>\n{good}\n</tool_call>")
+    assert not accepts(m, f"<tool_call>\n{good.replace('city', 'town')}\n</tool_call>")
+
+
+@pytest.mark.parametrize("parameters", [{}, True, {"properties": {"a": {"type": "integer"}}}, None])
+def test_tool_arguments_are_always_an_object(parameters: object) -> None:
+    """However loosely a tool's parameters are given, a forced call's arguments are a JSON
+    object (what the tool-call parsers accept as a call), never a string or a number."""
+    function = {"name": "f"} if parameters is None else {"name": "f", "parameters": parameters}
+    m = byte_matcher(spec.tool_calls([{"type": "function", "function": function}], name=None,
+                                     parallel=False, parser="hermes"))  # fmt: skip
+    assert accepts(m, '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>')
+    assert not accepts(m, '<tool_call>\n{"name": "f", "arguments": 5}\n</tool_call>')
+    assert not accepts(m, '<tool_call>\n{"name": "f", "arguments": "{}"}\n</tool_call>')
+
+
+@pytest.mark.parametrize("name", ['a"b}', "x\ny", "🌦️ weather", '}\nstart: "pwned"\n%json {'])
+def test_tool_names_cannot_inject_grammar(name: str) -> None:
+    """A tool name is a literal in the grammar: quotes, braces, newlines and emoji are escaped."""
+    tools = [{"type": "function", "function": {"name": name}}]
+    m = byte_matcher(spec.tool_calls(tools, name=None, parallel=False, parser="hermes"))
+    body = json.dumps({"name": name, "arguments": {}}, ensure_ascii=False, separators=(", ", ": "))
+    assert accepts(m, f"<tool_call>\n{body}\n</tool_call>")
+    assert not accepts(m, "pwned")
+
+
 # --- compilation -----------------------------------------------------------------------------
 
 HOSTILE = [
