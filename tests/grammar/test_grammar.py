@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import pathlib
 import time
+from collections.abc import Callable
 
 import pytest
 import trio
@@ -229,6 +230,23 @@ async def test_a_compiler_past_its_deadline_is_a_400(tmp_path: pathlib.Path) -> 
     g = grammars(tmp_path, executor=never, timeout_s=5.0)
     with pytest.raises(InvalidRequest, match="longer than 5 s"):
         await g.get(spec.json_object("x"))
+
+
+async def test_the_deadline_runs_from_when_a_worker_is_free(tmp_path: pathlib.Path) -> None:
+    """A burst of new specs queued for the workers is not refused (and the refusal cached)
+    for the time spent waiting: each gets `timeout_s` of its own compiling."""
+    one_worker = trio.CapacityLimiter(1)
+
+    async def slow(job: Callable[[bytes], bytes], payload: bytes) -> bytes:
+        async with one_worker:
+            await trio.sleep(0.3)
+            return job(payload)
+
+    g = grammars(tmp_path, executor=slow, timeout_s=1.0, workers=1)
+    async with trio.open_nursery() as nursery:
+        for i in range(5):
+            nursery.start_soon(g.get, spec.regex(f"a{i}", "guided_regex"))
+    assert g.num_compiled == 5
 
 
 async def test_each_spec_compiles_once_refusals_too(tmp_path: pathlib.Path) -> None:
