@@ -65,14 +65,17 @@ def json_schema(schema: Any, param: str) -> GrammarSpec:
     """Output that is a JSON value valid against `schema` (an object or a boolean schema).
 
     Raises:
-        InvalidRequest: `schema` is neither a JSON object nor a boolean.
+        InvalidRequest: `schema` is neither a JSON object nor a boolean, or is `false`.
     """
     try:
         if isinstance(schema, str):
             schema = json.loads(schema)
         if not isinstance(schema, (dict, bool)):
             raise InvalidRequest("a JSON schema must be an object (or a boolean)", param=param)
-        return GrammarSpec("json_schema", json_text(schema), param)
+        if schema is False:
+            raise InvalidRequest("the JSON schema is false: no output can match it", param=param)
+        # NOTE: llguidance applies `JSON_OPTIONS` only to an object schema; `{}` is `true`.
+        return GrammarSpec("json_schema", json_text({} if schema is True else schema), param)
     except (ValueError, RecursionError) as e:  # not JSON, or nested past Python's own limit
         raise InvalidRequest(f"the JSON schema cannot be read: {e}", param=param) from None
 

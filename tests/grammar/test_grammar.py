@@ -73,6 +73,17 @@ def test_schema_text_keeps_property_order() -> None:
     assert a.key == spec.json_schema(json.loads(a.source), "y").key
 
 
+def test_boolean_schemas_are_any_json_or_a_clear_refusal() -> None:
+    """Schema `true` is any JSON value (compact); `false`, which nothing matches, is refused
+    naming the field (both were llguidance's "Expecting object schema to apply options")."""
+    m = byte_matcher(spec.json_schema(True, "x"))
+    assert accepts(m, '{"a": [1, 2]}') and accepts(m, '"s"')
+    assert not accepts(m, '{ "a": 1}')
+    with pytest.raises(InvalidRequest, match="false") as err:
+        spec.json_schema(False, "response_format.json_schema.schema")
+    assert err.value.param == "response_format.json_schema.schema"
+
+
 @pytest.mark.parametrize(
     ("grammar", "good", "bad"),
     [

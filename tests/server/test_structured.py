@@ -29,6 +29,8 @@ BAD_SCHEMA = {"type": "frobnicate"}
          "response_format.json_schema.schema"),
         ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": [1]}}},
          "response_format.json_schema.schema"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": False}}},
+         "response_format.json_schema.schema"),
         ({"guided_json": BAD_SCHEMA}, "guided_json"),
         ({"guided_json": "{not json"}, "guided_json"),
         ({"guided_regex": "(unclosed"}, "guided_regex"),
@@ -61,6 +63,7 @@ async def test_every_api_accepts_its_spelling(client: httpx.AsyncClient) -> None
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
     posts: list[tuple[str, dict[str, Any]]] = [
         ("/v1/chat/completions", {"messages": USER, "guided_json": schema}),
+        ("/v1/chat/completions", {"messages": USER, "guided_json": True}),
         ("/v1/chat/completions", {"messages": USER, "structured_outputs": {"choice": ["a", "b"]}}),
         ("/v1/chat/completions", {"messages": USER, "tools": TOOLS, "tool_choice": "required"}),
         ("/v1/completions", {"prompt": "x", "response_format": {"type": "json_object"}}),
