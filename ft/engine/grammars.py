@@ -26,6 +26,9 @@ from ft.grammar.spec import GrammarSpec
 CheckExecutor = Callable[[Callable[[bytes], bytes], bytes], Awaitable[bytes]]
 
 CACHE_SIZE = 256
+# NOTE: a compiled grammar takes ~12x its source in memory (a 1 MiB choice list: 12 MiB), so
+# the cache is bounded by its sources' size too: 256 large grammars would hold ~3 GiB.
+CACHE_CHARS = 16 << 20
 COMPILE_TIMEOUT_S = 5.0
 
 
@@ -61,6 +64,7 @@ class Grammars:
         self._fault = fault
         self._cache: OrderedDict[tuple[str, str], Grammar | str] = OrderedDict()  # str: the refusal
         self._pending: dict[tuple[str, str], trio.Event] = {}
+        self._num_cached_chars = 0
         self.num_compiled = 0  # compilations run (cache misses), for tests and stats
 
     def __len__(self) -> int:
@@ -91,8 +95,14 @@ class Grammars:
 
     def _remember(self, key: tuple[str, str], value: Grammar | str) -> None:
         self._cache[key] = value
-        while len(self._cache) > CACHE_SIZE:
-            self._cache.popitem(last=False)
+        self._num_cached_chars += len(key[1])
+        while len(self._cache) > 1 and self._is_over_budget:
+            (_, source), _ = self._cache.popitem(last=False)
+            self._num_cached_chars -= len(source)
+
+    @property
+    def _is_over_budget(self) -> bool:
+        return len(self._cache) > CACHE_SIZE or self._num_cached_chars > CACHE_CHARS
 
     async def _compile(self, spec: GrammarSpec) -> Grammar | str:
         self.num_compiled += 1

@@ -11,6 +11,7 @@ import pytest
 import trio
 import trio.testing
 
+from ft.engine import grammars as grammars_module
 from ft.engine.fake import byte_tokenizer_spec, run_inline
 from ft.engine.grammars import Grammars, run_in_killable_worker
 from ft.errors import InvalidRequest
@@ -274,6 +275,21 @@ async def test_each_spec_compiles_once_refusals_too(tmp_path: pathlib.Path) -> N
         with pytest.raises(InvalidRequest):
             await g.get(spec.regex("(", "guided_regex"))
     assert g.num_compiled == 2
+
+
+async def test_the_cache_is_bounded_by_the_size_of_its_grammars(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A compiled grammar takes ~12x its source in memory: the cache keeps at most
+    `CACHE_CHARS` of source (the newest first), not 256 grammars of up to 1 MiB each."""
+    monkeypatch.setattr(grammars_module, "CACHE_CHARS", 1000)
+    g = grammars(tmp_path, executor=run_inline)
+    for i in range(5):
+        await g.get(spec.choice([f"{i}" + "x" * 400], "x"))
+    assert len(g) == 2
+    huge = spec.choice(["y" * 2000], "x")
+    assert (await g.get(huge)).spec == huge  # larger than the budget: served, kept alone
+    assert len(g) == 1
 
 
 async def test_killable_worker_is_the_default(tmp_path: pathlib.Path) -> None:
