@@ -148,7 +148,7 @@ class ChatCompletion(OpenAIGeneration):
         """The non-streamed `chat.completion` object."""
         out = []
         for c in done.choices[0]:
-            message, reason = make_chat_output(self.ctx, self.has_tools).message(c)
+            message, reason = make_chat_output(self.ctx, self.has_tools, self.params.grammar).message(c)
             self.tool_calls |= reason == "tool_calls"
             logprobs = chat_logprobs(c.logprobs) if self.params.logprobs else None
             out.append({"index": c.index, "message": message, "logprobs": logprobs, "finish_reason": reason})
@@ -171,7 +171,7 @@ class ChatCompletion(OpenAIGeneration):
         frames = []
         out = self.outputs.get(delta.index)
         if out is None:
-            out = self.outputs[delta.index] = make_chat_output(self.ctx, self.has_tools)
+            out = self.outputs[delta.index] = make_chat_output(self.ctx, self.has_tools, self.params.grammar)
             frames.append(self.chunk(delta.index, {"role": "assistant", "content": ""}))
         fields = out.delta(delta.text)
         lps = chat_logprobs(delta.logprobs) if delta.logprobs else None

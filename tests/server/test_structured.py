@@ -10,12 +10,13 @@ import httpx
 import pytest
 import trio
 
+from ft.engine.fake import FakeRunner, text_script
 from ft.grammar import spec
 from ft.grammar.compiled import Grammar, Matcher
 from ft.params import SamplingParams
 from ft.server import RunningServer
 from tests.support.engine import fake_engine
-from tests.support.server import health_watch, wait_idle
+from tests.support.server import fake_server, health_watch, wait_idle
 
 USER = [{"role": "user", "content": "hi"}]
 TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
@@ -133,3 +134,24 @@ async def test_a_request_that_leaves_frees_its_matchers() -> None:
             while any(sys.getrefcount(m) > 3 for m in spy.handed):  # list + loop var + argument
                 await trio.sleep(0.01)
         assert engine.core is not None and not engine.core.running and not engine.core.waiting
+
+
+@pytest.mark.parametrize("parser", ["think", "deepseek_r1"])
+async def test_constrained_output_is_all_content_under_a_reasoning_parser(parser: str) -> None:
+    """A grammar shapes the output from its first token, so it has no reasoning block: with a
+    reasoning parser configured the answer is still content, even a JSON string quoting `<think>`."""
+    answer = '{"a": "<think>x"}'
+    schema = {"type": "object"}
+    async with (
+        fake_server(FakeRunner(text_script(answer)), reasoning_parser=parser) as server,
+        httpx.AsyncClient(base_url=server.base_url, timeout=10) as client,
+    ):
+        r = await client.post("/v1/chat/completions", json={"messages": USER, "guided_json": schema})
+        assert r.json()["choices"][0]["message"]["content"] == answer
+        fmt = {"type": "json_schema", "name": "n", "schema": schema}
+        r = await client.post("/v1/responses", json={"input": "x", "text": {"format": fmt}})
+        assert [o["type"] for o in r.json()["output"]] == ["message"]
+        assert r.json()["output"][0]["content"][0]["text"] == answer
+        fmt = {"type": "json_schema", "schema": schema}
+        r = await client.post("/v1/messages", json={"messages": USER, "max_tokens": 50, "output_format": fmt})
+        assert r.json()["content"] == [{"type": "text", "text": answer}]
