@@ -322,6 +322,12 @@ class MessagesCall(GenerationApi):
         grammar = output_grammar(
             prompt.tools, tool_choice(req), self.tool_call_parser, anthropic_output(req.output_format)
         )
+        if prompt.continue_final_message and grammar is not None:
+            raise InvalidRequest(
+                "an assistant prefill cannot be used with output_format or a forced tool_choice: "
+                "the grammar shapes a whole new answer, not the rest of the prefilled one",
+                param="messages",
+            )
         self.params = sampling_params(ctx, req, grammar)
         self.stream = req.stream
         self.id = random_id("msg_")

@@ -127,6 +127,12 @@ class ChatCompletion(OpenAIGeneration):
             top_logprobs=req.top_logprobs or 0,
             grammar=output_grammar(tools, choice, parser, openai_output(req)),
         )
+        if req.continue_final_message and self.params.grammar is not None:
+            raise InvalidRequest(
+                "continue_final_message cannot be used with structured output or a forced tool "
+                "choice: the grammar shapes a whole new answer, not the rest of the given one",
+                param="continue_final_message",
+            )
         self.prompts = [
             Prompt(
                 messages=messages,

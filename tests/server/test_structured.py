@@ -45,6 +45,8 @@ BAD_SCHEMA = {"type": "frobnicate"}
          "structured_outputs.regex"),
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": BAD_SCHEMA}}],
           "tool_choice": "required"}, "tools"),
+        ({"messages": [*USER, {"role": "assistant", "content": '{"a": '}], "continue_final_message": True,
+          "add_generation_prompt": False, "guided_json": {"type": "object"}}, "continue_final_message"),
     ],
 )  # fmt: skip
 async def test_bad_constraints_are_400s_naming_the_field(
@@ -155,3 +157,13 @@ async def test_constrained_output_is_all_content_under_a_reasoning_parser(parser
         fmt = {"type": "json_schema", "schema": schema}
         r = await client.post("/v1/messages", json={"messages": USER, "max_tokens": 50, "output_format": fmt})
         assert r.json()["content"] == [{"type": "text", "text": answer}]
+
+
+async def test_a_prefill_with_structured_output_is_a_400(client: httpx.AsyncClient) -> None:
+    """A grammar shapes a whole new answer, so it cannot continue a prefilled assistant turn
+    (the client would join the prefill and a second JSON value)."""
+    prefill = [*USER, {"role": "assistant", "content": '{"a": '}]
+    fmt = {"type": "json_schema", "schema": {"type": "object"}}
+    r = await client.post("/v1/messages", json={"messages": prefill, "max_tokens": 5, "output_format": fmt})
+    assert r.status_code == 400, r.text
+    assert "prefill" in r.json()["error"]["message"]
