@@ -105,6 +105,15 @@ def test_each_kind_accepts_its_language(grammar: GrammarSpec, good: str, bad: st
     assert not accepts(m, bad)
 
 
+async def test_a_choice_of_the_most_options_compiles(tmp_path: pathlib.Path) -> None:
+    """`MAX_CHOICES` options (prefixes of each other too) compile through the worker's check
+    and accept exactly the options: llguidance refuses a rule of over 2000 alternatives."""
+    options = [f"o{i}" for i in range(spec.MAX_CHOICES)]
+    g = await grammars(tmp_path, executor=run_inline).get(spec.choice(options, "guided_choice"))
+    assert accepts(g.template, "o1") and accepts(g.template, "o1234")
+    assert not accepts(g.template, "o") and not accepts(g.template, "o4096")
+
+
 def test_json_is_compact_and_without_free_whitespace() -> None:
     """Separators are ", " and ": "; no other whitespace, so a model cannot pad forever."""
     m = byte_matcher(spec.json_object("x"))
