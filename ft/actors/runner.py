@@ -7,7 +7,8 @@ from collections.abc import Callable
 
 import trio
 
-from ft.core.batch import Runner, RunnerFailure, Sampled, SeqWork
+from ft.core.batch import ConstraintError, Runner, RunnerFailure, Sampled, SeqWork
+from ft.errors import FtError, InvalidRequest, RequestFailed
 from ft.messages import Batch, SchedulerIn, StepDone
 
 StepHook = Callable[[list[SeqWork]], None]
@@ -51,7 +52,7 @@ class RunnerActor:
     async def _run_batch(self, batch: Batch) -> StepDone:
         started = time.perf_counter()
         works = list(batch.works)
-        failed: list[tuple[int, str]] = []
+        failed: list[tuple[int, FtError]] = []
         sampled: list[Sampled] = []
         if self.fatal is None:
             try:
@@ -59,7 +60,7 @@ class RunnerActor:
             except RunnerFailure as e:
                 self._fail(f"the model runner failed: {e}")
         if self.fatal is not None:
-            sampled, failed = [], [(w.seq_id, self.fatal) for w in works]
+            sampled, failed = [], [(w.seq_id, RequestFailed(self.fatal)) for w in works]
         # A recompute after preemption feeds generated tokens in chunks: only single-token
         # works past the prompt are decodes.
         decodes = [w for w in works if len(w.token_ids) == 1 and w.start_pos >= w.num_prompt_tokens]
@@ -72,7 +73,7 @@ class RunnerActor:
             num_decode_tokens=len(decodes),
         )
 
-    async def _run_isolated(self, works: list[SeqWork], failed: list[tuple[int, str]]) -> list[Sampled]:
+    async def _run_isolated(self, works: list[SeqWork], failed: list[tuple[int, FtError]]) -> list[Sampled]:
         try:
             return await self._run(works)
         except RunnerFailure:
@@ -86,8 +87,10 @@ class RunnerActor:
                     sampled += await self._run([work])
                 except RunnerFailure:
                     raise
+                except ConstraintError as e:  # the request's grammar failed: a 400, not a 500
+                    failed.append((work.seq_id, InvalidRequest(str(e))))
                 except Exception as e:
-                    failed.append((work.seq_id, f"model step failed: {type(e).__name__}: {e}"))
+                    failed.append((work.seq_id, RequestFailed(f"model step failed: {type(e).__name__}: {e}")))
             return sampled
 
     def _fail(self, reason: str) -> None:

@@ -41,6 +41,10 @@ class SeqWork:
     matcher: Matcher | None = None
 
 
+class ConstraintError(Exception):
+    """A sequence's output constraint (its grammar) failed: its request's fault, not the engine's."""
+
+
 class RunnerFailure(Exception):
     """The runner cannot run any further step (a tensor-parallel rank died or hangs).
 
@@ -93,7 +97,7 @@ class StepDone:
 
     step: int
     sampled: tuple[Sampled, ...]
-    failed: tuple[tuple[int, str], ...] = ()
+    failed: tuple[tuple[int, FtError], ...] = ()
     duration_s: float = 0.0
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0

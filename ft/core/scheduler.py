@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 from ft.core.batch import Batch, SeqFailed, SeqWork, StepDone, TokenOut
 from ft.core.kv import PagePool, page_hash
 from ft.core.sequence import SeqStatus, Sequence
-from ft.errors import ContextLengthExceeded, InvalidRequest, RequestFailed
+from ft.errors import ContextLengthExceeded, InvalidRequest
 from ft.params import SamplingParams, mix_seed
 
 if TYPE_CHECKING:
@@ -373,11 +373,11 @@ class Scheduler:
                 continue
             seq.num_computed = work.start_pos + len(work.token_ids)
             self._register_full_pages(seq)
-        for seq_id, message in failed.items():
+        for seq_id, error in failed.items():
             seq = self.running.get(seq_id)
             if seq is not None:
                 self.abort(seq.uid)
-                outs.append(SeqFailed(seq.uid, RequestFailed(message)))
+                outs.append(SeqFailed(seq.uid, error))
         for sampled in done.sampled:
             seq = self.running.get(sampled.seq_id)
             if seq is None:

@@ -144,17 +144,29 @@ class PassthroughParser:
         return False
 
 
-def _ends_inside_string(text: str) -> bool:
-    """True when `text`, read as the start of JSON, ends inside an open string."""
-    inside = escaped = False
-    for ch in text:
-        if escaped:
-            escaped = False
-        elif ch == "\\" and inside:
-            escaped = True
-        elif ch == '"':
-            inside = not inside
-    return inside
+class _StringScan:
+    """Whether JSON text, read as the start of a value, ends inside an open string.
+
+    Incremental: each call reads only what was added since the last one (the text only grows),
+    so a call body quoting many closing tags is read once, not once per tag.
+    """
+
+    def __init__(self) -> None:
+        self._pos = 0
+        self._is_inside = False
+        self._is_escaped = False
+
+    def ends_inside(self, text: str) -> bool:
+        """True when `text` (a longer version of the text of the last call) ends inside a string."""
+        for ch in text[self._pos :]:
+            if self._is_escaped:
+                self._is_escaped = False
+            elif ch == "\\" and self._is_inside:
+                self._is_escaped = True
+            elif ch == '"':
+                self._is_inside = not self._is_inside
+        self._pos = len(text)
+        return self._is_inside
 
 
 class HermesParser:
@@ -175,6 +187,7 @@ class HermesParser:
         self._buf = ""
         self._is_in_call = False
         self._end_search_from = 0
+        self._string_scan = _StringScan()  # over the open call's JSON, for a tag inside a string
         self._is_at_boundary = True
         self._held_whitespace = ""
 
@@ -199,13 +212,14 @@ class HermesParser:
                 self._buf = self._buf[start + len(self.START) :]
                 self._is_in_call = True
                 self._end_search_from = 0
+                self._string_scan = _StringScan()
             else:
                 end = self._buf.find(self.END, self._end_search_from)
                 if end < 0:
                     self._end_search_from = max(0, len(self._buf) - len(self.END) + 1)
                     return out
                 body = self._buf[:end]
-                if _ends_inside_string(body):  # the tag is text inside an argument: read on
+                if self._string_scan.ends_inside(body):  # the tag is text inside an argument: read on
                     self._end_search_from = end + 1
                     continue
                 self._buf = self._buf[end + len(self.END) :]

@@ -343,8 +343,13 @@ class Engine:
         if sum(x is not None for x in (messages, prompt, prompt_token_ids)) != 1:
             raise InvalidRequest("give exactly one of messages, prompt or prompt_token_ids")
         self.check_admission()
+        grammar: Grammar | None = None
+        if params.grammar is not None:
+            grammar = await self.compile_grammar(params.grammar)
+            # NOTE: a new grammar compiles for up to seconds: admission is checked again, so a
+            # request is never registered with an engine that began to stop meanwhile.
+            self.check_admission()
         running = self._started()
-        grammar = await self.compile_grammar(params.grammar) if params.grammar is not None else None
         uid = next(self._uids)
         # Bounded by the most events a request can receive: PromptReady, a Delta per token
         # for each choice, and one Failed.

@@ -58,8 +58,10 @@ def grammar_text(spec: GrammarSpec) -> str:
         case "grammar":
             return llguidance.grammar_from("grammar", spec.source)
         case "choice":
+            # One terminal (a lexeme), not a rule: llguidance refuses a rule of over 2000
+            # alternatives, and `MAX_CHOICES` is twice that.
             options = " | ".join(json.dumps(o) for o in json.loads(spec.source))
-            return llguidance.LLMatcher.grammar_from_lark(f"start: {options}")
+            return llguidance.LLMatcher.grammar_from_lark(f"start: CHOICE\nCHOICE: {options}")
         case "lark":
             return llguidance.LLMatcher.grammar_from_lark(spec.source)
 

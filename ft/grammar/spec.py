@@ -65,14 +65,17 @@ def json_schema(schema: Any, param: str) -> GrammarSpec:
     """Output that is a JSON value valid against `schema` (an object or a boolean schema).
 
     Raises:
-        InvalidRequest: `schema` is neither a JSON object nor a boolean.
+        InvalidRequest: `schema` is neither a JSON object nor a boolean, or is `false`.
     """
     try:
         if isinstance(schema, str):
             schema = json.loads(schema)
         if not isinstance(schema, (dict, bool)):
             raise InvalidRequest("a JSON schema must be an object (or a boolean)", param=param)
-        return GrammarSpec("json_schema", json_text(schema), param)
+        if schema is False:
+            raise InvalidRequest("the JSON schema is false: no output can match it", param=param)
+        # NOTE: llguidance applies `JSON_OPTIONS` only to an object schema; `{}` is `true`.
+        return GrammarSpec("json_schema", json_text({} if schema is True else schema), param)
     except (ValueError, RecursionError) as e:  # not JSON, or nested past Python's own limit
         raise InvalidRequest(f"the JSON schema cannot be read: {e}", param=param) from None
 
@@ -128,25 +131,19 @@ def tool_calls(
     chosen = [t for t in tools if name is None or _name(t) == name]
     if not chosen:
         raise InvalidRequest(f"tool_choice names an unknown tool '{name}'", param="tool_choice")
+    # NOTE: each call's arguments are their own `%json` schema, so that a tool's `$ref`s
+    # (`#/$defs/...`, as pydantic writes them) resolve against its parameters, not a wrapper.
     args_key = "parameters" if parser == "llama3_json" else "arguments"
-    call_schema = {
-        "anyOf": [
-            {
-                "type": "object",
-                "properties": {"name": {"const": _name(t)}, args_key: _parameters(t)},
-                "required": ["name", args_key],
-                "additionalProperties": False,
-            }
-            for t in chosen
-        ],
-        "x-guidance": JSON_OPTIONS,
-    }
+    rules = ["body: " + " | ".join(f"call_{i}" for i in range(len(chosen)))]
+    for i, t in enumerate(chosen):
+        head = f'{{"name": {json_text(_name(t))}, "{args_key}": '
+        rules.append(f"call_{i}: {json.dumps(head)} args_{i} " + json.dumps("}"))
+        rules.append(f"args_{i}: %json {json_text(_arguments_schema(t))}")
     if parser == "llama3_json":
         call, sep = "body", '"; "'
     else:
         call, sep = '"<tool_call>\\n" body "\\n</tool_call>"', '"\\n"'
-    rules = [f"calls: {call} ({sep} {call})*" if parallel else f"calls: {call}"]
-    rules.append(f"body: %json {json_text(call_schema)}")
+    rules.insert(0, f"calls: {call} ({sep} {call})*" if parallel else f"calls: {call}")
     start = "start: calls"
     if otherwise is not None:
         assert otherwise.kind == "json_schema"
@@ -164,7 +161,15 @@ def _name(tool: dict[str, Any]) -> str | None:
     return name if isinstance(name, str) else None
 
 
-def _parameters(tool: dict[str, Any]) -> Any:
+def _arguments_schema(tool: dict[str, Any]) -> Any:
+    """The schema of a call's arguments: the tool's parameters, always a JSON object (the
+    tool-call parsers take nothing else for a call)."""
     function = tool.get("function")
     params = function.get("parameters") if isinstance(function, dict) else None
-    return params if isinstance(params, (dict, bool)) else {"type": "object"}
+    if params is False:
+        return False
+    if not isinstance(params, dict):
+        params = {}
+    if "type" not in params:  # `{}`, `true` or a bare `properties` allow strings and numbers
+        params = {"type": "object"} | params
+    return params | {"x-guidance": JSON_OPTIONS}

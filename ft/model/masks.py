@@ -24,11 +24,11 @@ from functools import cache
 import numpy as np
 import torch
 
-from ft.core.batch import Sampled, SeqWork
+from ft.core.batch import ConstraintError, Sampled, SeqWork
 from ft.grammar.compiled import Matcher, error_of
 
 
-class GrammarError(RuntimeError):
+class GrammarError(ConstraintError):
     """A constrained sequence's grammar failed (its limits were exceeded mid-generation)."""
 
 

@@ -43,7 +43,7 @@ from ft.server.context import ServerContext, json_response, read_request
 from ft.server.generation import Generated, GenerationApi, Prompt, Usage, respond
 from ft.server.schemas_anthropic import CountTokensRequest, MessagesRequest, PromptFields
 from ft.server.sse import sse_event
-from ft.server.structured import anthropic_output
+from ft.server.structured import anthropic_output, reasoning_parser_name
 from ft.server.tools import (
     ToolChoice,
     apply_tool_choice,
@@ -322,11 +322,17 @@ class MessagesCall(GenerationApi):
         grammar = output_grammar(
             prompt.tools, tool_choice(req), self.tool_call_parser, anthropic_output(req.output_format)
         )
+        if prompt.continue_final_message and grammar is not None:
+            raise InvalidRequest(
+                "an assistant prefill cannot be used with output_format or a forced tool_choice: "
+                "the grammar shapes a whole new answer, not the rest of the prefilled one",
+                param="messages",
+            )
         self.params = sampling_params(ctx, req, grammar)
         self.stream = req.stream
         self.id = random_id("msg_")
         self.model = req.model or ctx.engine.model_id
-        self.reasoning_parser = config.reasoning_parser
+        self.reasoning_parser = reasoning_parser_name(config.reasoning_parser, grammar)
         self.assembler = BlockAssembler(self.tool_call_parser, self.reasoning_parser, new_tool_use_id)
         self.finish: tuple[str | None, str | int | None] = (None, None)
 

@@ -127,6 +127,12 @@ class ChatCompletion(OpenAIGeneration):
             top_logprobs=req.top_logprobs or 0,
             grammar=output_grammar(tools, choice, parser, openai_output(req)),
         )
+        if req.continue_final_message and self.params.grammar is not None:
+            raise InvalidRequest(
+                "continue_final_message cannot be used with structured output or a forced tool "
+                "choice: the grammar shapes a whole new answer, not the rest of the given one",
+                param="continue_final_message",
+            )
         self.prompts = [
             Prompt(
                 messages=messages,
@@ -148,7 +154,7 @@ class ChatCompletion(OpenAIGeneration):
         """The non-streamed `chat.completion` object."""
         out = []
         for c in done.choices[0]:
-            message, reason = make_chat_output(self.ctx, self.has_tools).message(c)
+            message, reason = make_chat_output(self.ctx, self.has_tools, self.params.grammar).message(c)
             self.tool_calls |= reason == "tool_calls"
             logprobs = chat_logprobs(c.logprobs) if self.params.logprobs else None
             out.append({"index": c.index, "message": message, "logprobs": logprobs, "finish_reason": reason})
@@ -171,7 +177,7 @@ class ChatCompletion(OpenAIGeneration):
         frames = []
         out = self.outputs.get(delta.index)
         if out is None:
-            out = self.outputs[delta.index] = make_chat_output(self.ctx, self.has_tools)
+            out = self.outputs[delta.index] = make_chat_output(self.ctx, self.has_tools, self.params.grammar)
             frames.append(self.chunk(delta.index, {"role": "assistant", "content": ""}))
         fields = out.delta(delta.text)
         lps = chat_logprobs(delta.logprobs) if delta.logprobs else None

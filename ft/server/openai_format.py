@@ -20,6 +20,7 @@ from ft.server.body import parse_arguments
 from ft.server.context import ServerContext
 from ft.server.generation import Usage
 from ft.server.schemas_openai import ChatMessage, CompletionRequest, SamplingFields
+from ft.server.structured import reasoning_parser_name
 from ft.server.tools import tool_call_parser_name
 
 # The most prompt tokens a completion may echo, counting each of the `n` choices: a 576 KB
@@ -164,12 +165,12 @@ class CompletionLogprobs:
         return {key: a[key] + b[key] for key in a}
 
 
-def make_chat_output(ctx: ServerContext, has_tools: bool) -> ChatAssembler:
+def make_chat_output(ctx: ServerContext, has_tools: bool, grammar: GrammarSpec | None) -> ChatAssembler:
     """The output shaper for one chat choice: text, tool calls (when the request has tools)
-    and reasoning."""
+    and reasoning (when the output is free)."""
     return ChatAssembler(
         tool_call_parser=tool_call_parser_name(ctx.engine.config.tool_call_parser, has_tools),
-        reasoning_parser=ctx.engine.config.reasoning_parser,
+        reasoning_parser=reasoning_parser_name(ctx.engine.config.reasoning_parser, grammar),
     )
 
 

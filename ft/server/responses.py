@@ -48,7 +48,7 @@ from ft.server.schemas_responses import (
     ResponsesRequest,
 )
 from ft.server.sse import sse_event
-from ft.server.structured import responses_output
+from ft.server.structured import reasoning_parser_name, responses_output
 from ft.server.tools import (
     ToolChoice,
     apply_tool_choice,
@@ -189,7 +189,6 @@ class ResponseCall(GenerationApi):
         self.prompts = [Prompt(messages=messages, tools=sent_tools)]
         config = ctx.engine.config
         self.tool_call_parser = tool_call_parser_name(config.tool_call_parser, sent_tools is not None)
-        self.reasoning_parser = config.reasoning_parser
         self.text_format = req.text.format if req.text is not None else None
         answer = responses_output(self.text_format)
         self.params = generation.sampling_params(
@@ -200,6 +199,7 @@ class ResponseCall(GenerationApi):
             max_tokens=req.max_output_tokens,
             grammar=output_grammar(sent_tools, tool_choice, self.tool_call_parser, answer),
         )
+        self.reasoning_parser = reasoning_parser_name(config.reasoning_parser, self.params.grammar)
         self.stream = req.stream
         self.id = random_id("resp_", 32)
         self.created = int(time.time())

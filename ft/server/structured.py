@@ -75,3 +75,9 @@ def responses_output(fmt: TextFormat | None) -> GrammarSpec | None:
 def anthropic_output(fmt: OutputFormat | None) -> GrammarSpec | None:
     """What a Messages request's text must follow (`output_format`)."""
     return None if fmt is None else spec.json_schema(fmt.schema_, "output_format.schema")
+
+
+def reasoning_parser_name(configured: str | None, grammar: GrammarSpec | None) -> str | None:
+    """The reasoning format to parse: none under a grammar, which shapes the output from its
+    first token (there is no reasoning block; a `<think>` is text inside the answer)."""
+    return None if grammar is not None else configured

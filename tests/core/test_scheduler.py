@@ -7,7 +7,7 @@ import pytest
 from ft.core.batch import Sampled
 from ft.core.kv import PagePool
 from ft.core.scheduler import Scheduler
-from ft.errors import ContextLengthExceeded, InvalidRequest
+from ft.errors import ContextLengthExceeded, InvalidRequest, RequestFailed
 from ft.messages import Batch, SeqFailed, StepDone, TokenOut
 from ft.params import SamplingParams
 
@@ -171,7 +171,7 @@ def test_failed_sequence_fails_only_its_request() -> None:
     s.add(2, [1, 2], SamplingParams(max_tokens=5))
     batch = s.schedule()
     assert batch is not None
-    done = StepDone(batch.step, (Sampled(1, 5),), failed=((0, "boom"),))
+    done = StepDone(batch.step, (Sampled(1, 5),), failed=((0, RequestFailed("boom")),))
     outs = s.on_step_done(batch, done)
     assert [type(o).__name__ for o in outs] == ["SeqFailed", "TokenOut"]
     assert s.num_running_requests == 1

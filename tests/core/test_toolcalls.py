@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import re
+import time
 
 import pytest
 from hypothesis import given, settings
@@ -192,6 +193,19 @@ def test_hermes_complete_call_missing_its_closing_tag_is_accepted() -> None:
     """A complete call without its closing tag is still a call."""
     text = '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n'
     assert parse_tool_calls(text, "hermes") == ("", [("f", '{"a": 1}')])
+
+
+def test_hermes_closing_tags_inside_an_argument_cost_linear_time() -> None:
+    """Each closing tag quoted inside an argument is checked without rereading the call from
+    its start: thousands of them, streamed one by one, parse in well under a second."""
+    parser = make_tool_call_parser("hermes")
+    events = parser.feed('<tool_call>\n{"name": "f", "arguments": {"a": "')
+    started = time.perf_counter()
+    for _ in range(4000):
+        events += parser.feed("</tool_call>")
+    events += parser.feed('"}}\n</tool_call>') + parser.finish()
+    assert time.perf_counter() - started < 0.5
+    assert [type(e) for e in events] == [ToolCallStart, ToolCallArgsDelta, ToolCallEnd]
 
 
 def test_hermes_partial_tag_at_finish_is_text() -> None:

@@ -2,13 +2,24 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import trio
 import trio.testing
 
 from ft.engine.engine import Engine
-from ft.engine.fake import FakeRunner, delayed_inline, text_script
-from ft.errors import ContextLengthExceeded, InvalidRequest, Overloaded, RequestAborted, RequestFailed
+from ft.engine.fake import FakeRunner, delayed_inline, run_inline, text_script
+from ft.errors import (
+    ContextLengthExceeded,
+    EngineStopping,
+    InvalidRequest,
+    Overloaded,
+    RequestAborted,
+    RequestFailed,
+)
+from ft.grammar import spec
+from ft.grammar.compiled import check_job
 from ft.messages import Tokenize
 from ft.params import SamplingParams
 from tests.support.engine import fake_engine
@@ -340,3 +351,30 @@ async def test_a_later_stop_shortens_a_running_drain(autojump_clock: trio.testin
         started = trio.current_time()
         snap = await engine.prepare_stop(drain_timeout_s=2.0, abort_timeout_s=1.0)
         assert trio.current_time() - started <= 3.1 and snap["requests"]["active"] == 0
+
+
+async def test_a_request_compiling_its_grammar_is_refused_once_the_engine_stops(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Admission is checked after the grammar compiles (which may take seconds): a request
+    whose compilation outlives a drain is refused, not registered with a stopped engine."""
+    gate = trio.Event()
+
+    async def slow_grammars(job: Callable[[bytes], bytes], payload: bytes) -> bytes:
+        if job is check_job:
+            await gate.wait()
+        return await run_inline(job, payload)
+
+    async with fake_engine(executor=slow_grammars) as engine, trio.open_nursery() as nursery:
+
+        async def constrained() -> None:
+            params = SamplingParams(max_tokens=3, grammar=spec.regex("[a-z]+", "x"))
+            with pytest.raises(EngineStopping):
+                await engine.generate("go", params)
+
+        nursery.start_soon(constrained)
+        await trio.testing.wait_all_tasks_blocked()
+        snap = await engine.prepare_stop()  # idle: the compiling request is not registered yet
+        assert snap["requests"]["active"] == 0
+        gate.set()
+    await assert_nothing_held(engine)

@@ -9,7 +9,9 @@ import trio.testing
 from ft.core.batch import RunnerFailure, SeqWork
 from ft.engine.engine import EngineState
 from ft.engine.fake import FakeRunner, text_script
-from ft.errors import EngineStopping, RequestFailed
+from ft.errors import EngineStopping, InvalidRequest, RequestFailed
+from ft.grammar import spec
+from ft.model.masks import GrammarError
 from ft.params import SamplingParams
 from tests.engine.test_request_scope import assert_nothing_held
 from tests.support.engine import fake_engine
@@ -77,4 +79,23 @@ async def test_an_ordinary_step_error_still_fails_only_its_sequence(
             async with engine.open_request(prompt="b", params=SamplingParams(max_tokens=2, seed=13)) as s:
                 await s.collect()
         assert engine.state == EngineState.READY and not engine.has_failed
+        await assert_nothing_held(engine)
+
+
+async def test_a_grammar_failing_mid_generation_is_the_requests_fault(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A grammar that exceeds its limits mid-generation fails only its own request, as an
+    invalid request (400), not a server error (500); the engine carries on."""
+
+    def before_step(works: list[SeqWork]) -> None:
+        if any(w.matcher is not None for w in works):
+            raise GrammarError("seq 0: structured output failed: lexer fuel exhausted")
+
+    async with fake_engine(FakeRunner(text_script("abc")), before_step=before_step) as engine:
+        constrained = SamplingParams(max_tokens=5, grammar=spec.regex("[a-z]+", "guided_regex"))
+        with pytest.raises(InvalidRequest, match="structured output failed") as err:
+            await engine.generate("p", constrained)
+        assert err.value.status == 400
+        assert await engine.generate("q", SamplingParams(max_tokens=3)) == "abc"
         await assert_nothing_held(engine)

@@ -5,11 +5,13 @@ from __future__ import annotations
 import json
 import pathlib
 import time
+from collections.abc import Callable
 
 import pytest
 import trio
 import trio.testing
 
+from ft.engine import grammars as grammars_module
 from ft.engine.fake import byte_tokenizer_spec, run_inline
 from ft.engine.grammars import Grammars, run_in_killable_worker
 from ft.errors import InvalidRequest
@@ -72,6 +74,17 @@ def test_schema_text_keeps_property_order() -> None:
     assert a.key == spec.json_schema(json.loads(a.source), "y").key
 
 
+def test_boolean_schemas_are_any_json_or_a_clear_refusal() -> None:
+    """Schema `true` is any JSON value (compact); `false`, which nothing matches, is refused
+    naming the field (both were llguidance's "Expecting object schema to apply options")."""
+    m = byte_matcher(spec.json_schema(True, "x"))
+    assert accepts(m, '{"a": [1, 2]}') and accepts(m, '"s"')
+    assert not accepts(m, '{ "a": 1}')
+    with pytest.raises(InvalidRequest, match="false") as err:
+        spec.json_schema(False, "response_format.json_schema.schema")
+    assert err.value.param == "response_format.json_schema.schema"
+
+
 @pytest.mark.parametrize(
     ("grammar", "good", "bad"),
     [
@@ -90,6 +103,15 @@ def test_each_kind_accepts_its_language(grammar: GrammarSpec, good: str, bad: st
     m = byte_matcher(grammar)
     assert accepts(m, good)
     assert not accepts(m, bad)
+
+
+async def test_a_choice_of_the_most_options_compiles(tmp_path: pathlib.Path) -> None:
+    """`MAX_CHOICES` options (prefixes of each other too) compile through the worker's check
+    and accept exactly the options: llguidance refuses a rule of over 2000 alternatives."""
+    options = [f"o{i}" for i in range(spec.MAX_CHOICES)]
+    g = await grammars(tmp_path, executor=run_inline).get(spec.choice(options, "guided_choice"))
+    assert accepts(g.template, "o1") and accepts(g.template, "o1234")
+    assert not accepts(g.template, "o") and not accepts(g.template, "o4096")
 
 
 def test_json_is_compact_and_without_free_whitespace() -> None:
@@ -135,6 +157,43 @@ def test_auto_tool_choice_with_a_json_answer_allows_either() -> None:
     assert accepts(m, '{"ok": true}')
     assert accepts(m, '<tool_call>\n{"name": "get_time", "arguments": {"zone": "utc"}}\n</tool_call>')
     assert not accepts(m, "hello")
+
+
+def test_tool_parameters_with_defs_compile_and_are_followed() -> None:
+    """A tool whose parameters use `$defs` and `$ref` (as pydantic writes them) can be forced:
+    its references resolve against its own schema, not the grammar's."""
+    params = {
+        "type": "object", "properties": {"where": {"$ref": "#/$defs/Place"}}, "required": ["where"],
+        "$defs": {"Place": {"type": "object", "properties": {"city": {"type": "string"}},
+                            "required": ["city"], "additionalProperties": False}},
+    }  # fmt: skip
+    tools = [{"type": "function", "function": {"name": "go", "parameters": params}}]
+    m = byte_matcher(spec.tool_calls(tools, name=None, parallel=False, parser="hermes"))
+    good = '{"name": "go", "arguments": {"where": {"city": "Oslo"}}}'
+    assert accepts(m, f"<tool_call>\n{good}\n</tool_call>")
+    assert not accepts(m, f"<tool_call>\n{good.replace('city', 'town')}\n</tool_call>")
+
+
+@pytest.mark.parametrize("parameters", [{}, True, {"properties": {"a": {"type": "integer"}}}, None])
+def test_tool_arguments_are_always_an_object(parameters: object) -> None:
+    """However loosely a tool's parameters are given, a forced call's arguments are a JSON
+    object (what the tool-call parsers accept as a call), never a string or a number."""
+    function = {"name": "f"} if parameters is None else {"name": "f", "parameters": parameters}
+    m = byte_matcher(spec.tool_calls([{"type": "function", "function": function}], name=None,
+                                     parallel=False, parser="hermes"))  # fmt: skip
+    assert accepts(m, '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>')
+    assert not accepts(m, '<tool_call>\n{"name": "f", "arguments": 5}\n</tool_call>')
+    assert not accepts(m, '<tool_call>\n{"name": "f", "arguments": "{}"}\n</tool_call>')
+
+
+@pytest.mark.parametrize("name", ['a"b}', "x\ny", "🌦️ weather", '}\nstart: "pwned"\n%json {'])
+def test_tool_names_cannot_inject_grammar(name: str) -> None:
+    """A tool name is a literal in the grammar: quotes, braces, newlines and emoji are escaped."""
+    tools = [{"type": "function", "function": {"name": name}}]
+    m = byte_matcher(spec.tool_calls(tools, name=None, parallel=False, parser="hermes"))
+    body = json.dumps({"name": name, "arguments": {}}, ensure_ascii=False, separators=(", ", ": "))
+    assert accepts(m, f"<tool_call>\n{body}\n</tool_call>")
+    assert not accepts(m, "pwned")
 
 
 # --- compilation -----------------------------------------------------------------------------
@@ -194,6 +253,23 @@ async def test_a_compiler_past_its_deadline_is_a_400(tmp_path: pathlib.Path) -> 
         await g.get(spec.json_object("x"))
 
 
+async def test_the_deadline_runs_from_when_a_worker_is_free(tmp_path: pathlib.Path) -> None:
+    """A burst of new specs queued for the workers is not refused (and the refusal cached)
+    for the time spent waiting: each gets `timeout_s` of its own compiling."""
+    one_worker = trio.CapacityLimiter(1)
+
+    async def slow(job: Callable[[bytes], bytes], payload: bytes) -> bytes:
+        async with one_worker:
+            await trio.sleep(0.3)
+            return job(payload)
+
+    g = grammars(tmp_path, executor=slow, timeout_s=1.0, workers=1)
+    async with trio.open_nursery() as nursery:
+        for i in range(5):
+            nursery.start_soon(g.get, spec.regex(f"a{i}", "guided_regex"))
+    assert g.num_compiled == 5
+
+
 async def test_each_spec_compiles_once_refusals_too(tmp_path: pathlib.Path) -> None:
     """Equal specs share one compilation (concurrent ones wait for it); a refusal is remembered."""
     g = grammars(tmp_path, executor=run_inline)
@@ -208,6 +284,21 @@ async def test_each_spec_compiles_once_refusals_too(tmp_path: pathlib.Path) -> N
         with pytest.raises(InvalidRequest):
             await g.get(spec.regex("(", "guided_regex"))
     assert g.num_compiled == 2
+
+
+async def test_the_cache_is_bounded_by_the_size_of_its_grammars(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A compiled grammar takes ~12x its source in memory: the cache keeps at most
+    `CACHE_CHARS` of source (the newest first), not 256 grammars of up to 1 MiB each."""
+    monkeypatch.setattr(grammars_module, "CACHE_CHARS", 1000)
+    g = grammars(tmp_path, executor=run_inline)
+    for i in range(5):
+        await g.get(spec.choice([f"{i}" + "x" * 400], "x"))
+    assert len(g) == 2
+    huge = spec.choice(["y" * 2000], "x")
+    assert (await g.get(huge)).spec == huge  # larger than the budget: served, kept alone
+    assert len(g) == 1
 
 
 async def test_killable_worker_is_the_default(tmp_path: pathlib.Path) -> None:

@@ -10,12 +10,13 @@ import httpx
 import pytest
 import trio
 
+from ft.engine.fake import FakeRunner, text_script
 from ft.grammar import spec
 from ft.grammar.compiled import Grammar, Matcher
 from ft.params import SamplingParams
 from ft.server import RunningServer
 from tests.support.engine import fake_engine
-from tests.support.server import health_watch, wait_idle
+from tests.support.server import fake_server, health_watch, wait_idle
 
 USER = [{"role": "user", "content": "hi"}]
 TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
@@ -28,6 +29,8 @@ BAD_SCHEMA = {"type": "frobnicate"}
         ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": BAD_SCHEMA}}},
          "response_format.json_schema.schema"),
         ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": [1]}}},
+         "response_format.json_schema.schema"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": False}}},
          "response_format.json_schema.schema"),
         ({"guided_json": BAD_SCHEMA}, "guided_json"),
         ({"guided_json": "{not json"}, "guided_json"),
@@ -42,6 +45,8 @@ BAD_SCHEMA = {"type": "frobnicate"}
          "structured_outputs.regex"),
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": BAD_SCHEMA}}],
           "tool_choice": "required"}, "tools"),
+        ({"messages": [*USER, {"role": "assistant", "content": '{"a": '}], "continue_final_message": True,
+          "add_generation_prompt": False, "guided_json": {"type": "object"}}, "continue_final_message"),
     ],
 )  # fmt: skip
 async def test_bad_constraints_are_400s_naming_the_field(
@@ -61,6 +66,7 @@ async def test_every_api_accepts_its_spelling(client: httpx.AsyncClient) -> None
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
     posts: list[tuple[str, dict[str, Any]]] = [
         ("/v1/chat/completions", {"messages": USER, "guided_json": schema}),
+        ("/v1/chat/completions", {"messages": USER, "guided_json": True}),
         ("/v1/chat/completions", {"messages": USER, "structured_outputs": {"choice": ["a", "b"]}}),
         ("/v1/chat/completions", {"messages": USER, "tools": TOOLS, "tool_choice": "required"}),
         ("/v1/completions", {"prompt": "x", "response_format": {"type": "json_object"}}),
@@ -130,3 +136,34 @@ async def test_a_request_that_leaves_frees_its_matchers() -> None:
             while any(sys.getrefcount(m) > 3 for m in spy.handed):  # list + loop var + argument
                 await trio.sleep(0.01)
         assert engine.core is not None and not engine.core.running and not engine.core.waiting
+
+
+@pytest.mark.parametrize("parser", ["think", "deepseek_r1"])
+async def test_constrained_output_is_all_content_under_a_reasoning_parser(parser: str) -> None:
+    """A grammar shapes the output from its first token, so it has no reasoning block: with a
+    reasoning parser configured the answer is still content, even a JSON string quoting `<think>`."""
+    answer = '{"a": "<think>x"}'
+    schema = {"type": "object"}
+    async with (
+        fake_server(FakeRunner(text_script(answer)), reasoning_parser=parser) as server,
+        httpx.AsyncClient(base_url=server.base_url, timeout=10) as client,
+    ):
+        r = await client.post("/v1/chat/completions", json={"messages": USER, "guided_json": schema})
+        assert r.json()["choices"][0]["message"]["content"] == answer
+        fmt = {"type": "json_schema", "name": "n", "schema": schema}
+        r = await client.post("/v1/responses", json={"input": "x", "text": {"format": fmt}})
+        assert [o["type"] for o in r.json()["output"]] == ["message"]
+        assert r.json()["output"][0]["content"][0]["text"] == answer
+        fmt = {"type": "json_schema", "schema": schema}
+        r = await client.post("/v1/messages", json={"messages": USER, "max_tokens": 50, "output_format": fmt})
+        assert r.json()["content"] == [{"type": "text", "text": answer}]
+
+
+async def test_a_prefill_with_structured_output_is_a_400(client: httpx.AsyncClient) -> None:
+    """A grammar shapes a whole new answer, so it cannot continue a prefilled assistant turn
+    (the client would join the prefill and a second JSON value)."""
+    prefill = [*USER, {"role": "assistant", "content": '{"a": '}]
+    fmt = {"type": "json_schema", "schema": {"type": "object"}}
+    r = await client.post("/v1/messages", json={"messages": prefill, "max_tokens": 5, "output_format": fmt})
+    assert r.status_code == 400, r.text
+    assert "prefill" in r.json()["error"]["message"]
