@@ -210,8 +210,15 @@ class Tracing:
 
 
 def _summary(fields: dict[str, Any]) -> str:
-    """The text form of the end-of-request line: `POST /path 200 key=value ...`."""
-    head = f"{fields['method']} {fields['path']} {fields['status']}"
+    """The text form of the end-of-request line: `POST /path 200 key=value ...`.
+
+    The path arrives percent-decoded (`%0A` is a newline): one with anything but printable
+    ASCII is quoted, so a URL cannot forge a log line or reach a terminal as escape codes.
+    """
+    path = str(fields["path"])
+    if not all("!" <= c <= "~" for c in path):
+        path = json.dumps(path, ensure_ascii=True)
+    head = f"{fields['method']} {path} {fields['status']}"
     rest = " ".join(
         f"{k}={json.dumps(v, ensure_ascii=True) if isinstance(v, (str, list)) else v}"
         for k, v in fields.items()
