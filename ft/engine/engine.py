@@ -549,7 +549,8 @@ class Engine:
         if self._stop_snapshot is not None:
             return
         assert self._nursery is not None, "the engine is not running (use open_engine)"
-        self.state = EngineState.STOPPING
+        if not self.has_failed:  # a failed engine stays in ERROR: /health keeps saying why
+            self.state = EngineState.STOPPING
         self._drain_scope = trio.CancelScope(deadline=now + drain_timeout_s)
         self._abort_timeout_s = abort_timeout_s
         self._nursery.start_soon(self._drain, self._drain_scope)
@@ -561,7 +562,8 @@ class Engine:
         with trio.move_on_after(self._abort_timeout_s):
             await self._wait_idle()
         self._stop_snapshot = self.snapshot() | {"drain_complete": True}
-        self.state = EngineState.STOPPED
+        if not self.has_failed:
+            self.state = EngineState.STOPPED
         self._stopped.set()
 
     def abort_all(self) -> None:

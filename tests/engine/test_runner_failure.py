@@ -78,3 +78,39 @@ async def test_an_ordinary_step_error_still_fails_only_its_sequence(
                 await s.collect()
         assert engine.state == EngineState.READY and not engine.has_failed
         await assert_nothing_held(engine)
+
+
+@pytest.mark.parametrize("drain_first", [True, False])
+async def test_a_failed_engine_stays_in_error_through_a_drain(
+    autojump_clock: trio.testing.MockClock, drain_first: bool
+) -> None:
+    """A drain (begun before or after the runner failed) never hides the failure: the state
+    stays "error", so /health keeps saying why the server cannot serve."""
+    dead = False
+
+    def before_step(works: list[SeqWork]) -> None:
+        if dead:
+            raise RunnerFailure("rank 1 left the group")
+
+    runner = FakeRunner(text_script("lorem ipsum " * 50), step_s=0.01)
+    async with fake_engine(runner, before_step=before_step) as engine:
+        got_tokens = trio.Event()
+
+        async def one() -> None:
+            with pytest.raises(RequestFailed):
+                async with engine.open_request(prompt="p", params=SamplingParams(max_tokens=500)) as s:
+                    async for _ in s:
+                        got_tokens.set()
+
+        with trio.fail_after(30):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(one)
+                await got_tokens.wait()
+                if drain_first:
+                    engine.begin_stop(drain_timeout_s=20)
+                dead = True
+                await engine.wait_failed()
+                if not drain_first:
+                    engine.begin_stop(drain_timeout_s=20)
+            await engine.wait_stopped()
+        assert engine.state == EngineState.ERROR and engine.has_failed
