@@ -145,7 +145,10 @@ def start_leader(config: EngineConfig) -> tuple[RankGroup, RankProcesses]:
                 LOCAL_RANK=str(rank),
             )
             cmd = [sys.executable, "-m", "ft.engine.ranks", "--device", config.device]
-            procs.procs.append(subprocess.Popen(cmd, env=env))
+            # NOTE: in a session of their own, so a stop signal sent to the server's process
+            # group (a terminal's Ctrl-C, a process manager) does not kill them mid-drain:
+            # stopping is rank 0's decision ("stop" through the group, or `terminate`).
+            procs.procs.append(subprocess.Popen(cmd, env=env, start_new_session=True))
     joined: list[RankGroup] = []
     errors: list[BaseException] = []
 

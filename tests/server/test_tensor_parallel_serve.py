@@ -104,3 +104,71 @@ async def test_a_rank_that_dies_or_hangs_mid_stream_fails_the_stream_and_exits_n
             assert await proc.wait() != 0
         assert "the model runner failed" in log.read_text()
         assert not rank_pids(proc.pid)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+async def test_a_process_group_signal_drains_a_tensor_parallel_server(
+    tmp_path: pathlib.Path, signum: signal.Signals
+) -> None:
+    """A stop signal sent to the whole process group (a process manager, a terminal's Ctrl-C)
+    reaches the spawned ranks too: they must keep serving the drain, which ends the in-flight
+    stream normally; the server then stops them and exits 0."""
+    model = tmp_path / "tiny"
+    save_hf_dir(model, tiny_config(max_position_embeddings=4096))
+    log = tmp_path / "serve.log"
+    args = ["--model", str(model), "--dtype", "float32", "--device", "cpu",
+            "--tensor-parallel-size", "2", "--drain-timeout", "30"]  # fmt: skip
+    async with serve_process(args, log, new_session=True) as (proc, url):
+        async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+            with trio.fail_after(60):
+                while (await client.get("/health")).json()["status"] != "ok":
+                    await trio.sleep(0.1)
+            (rank,) = rank_pids(proc.pid)
+            body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 40,
+                    "ignore_eos": True, "stream": True}  # fmt: skip
+            with trio.fail_after(60):
+                async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+                    assert r.status_code == 200
+                    lines = r.aiter_lines()
+                    while not (await lines.__anext__()).startswith("data: {"):
+                        pass
+                    os.killpg(proc.pid, signum)
+                    rest = [line async for line in lines if line.startswith("data: ")]
+        assert rest[-1] == "data: [DONE]"
+        last = json.loads(rest[-2].removeprefix("data: "))
+        assert "error" not in last and last["choices"][0]["finish_reason"] == "length", rest[-2]
+        with trio.fail_after(30):
+            assert await proc.wait() == 0, log.read_text()
+        assert not rank_pids(proc.pid)
+        with pytest.raises(ProcessLookupError):
+            os.kill(rank, 0)
+
+
+async def test_spawned_ranks_exit_when_the_server_is_killed(tmp_path: pathlib.Path) -> None:
+    """Ranks in a session of their own are no orphans: a server killed outright (SIGKILL, no
+    "stop") breaks the group, and they exit on their own."""
+    model = tmp_path / "tiny"
+    save_hf_dir(model, tiny_config())
+    args = ["--model", str(model), "--dtype", "float32", "--device", "cpu", "--tensor-parallel-size", "2"]
+    async with serve_process(args, tmp_path / "serve.log", new_session=True) as (proc, url):
+        async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+            with trio.fail_after(60):
+                while (await client.get("/health")).json()["status"] != "ok":
+                    await trio.sleep(0.1)
+        (rank,) = rank_pids(proc.pid)
+        proc.kill()
+        await proc.wait()
+    try:
+        with trio.fail_after(30):
+            while pathlib.Path(f"/proc/{rank}").exists() and "Z" not in _state(rank):
+                await trio.sleep(0.1)
+    finally:
+        if pathlib.Path(f"/proc/{rank}").exists() and "Z" not in _state(rank):
+            os.kill(rank, signal.SIGKILL)
+
+
+def _state(pid: int) -> str:
+    try:
+        return pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "Z"
