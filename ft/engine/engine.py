@@ -70,6 +70,19 @@ class Running:
     grammars: Grammars
 
 
+class Admission:
+    """A request admitted by `Engine.admit`; it holds a drain open until released."""
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine: Engine | None = engine
+
+    def release(self) -> None:
+        """Let a drain stop waiting for this request. Idempotent and synchronous."""
+        if self._engine is not None:
+            self._engine._num_admissions -= 1
+            self._engine = None
+
+
 class Engine:
     """A running engine. Create it with `open_engine`; enter requests with `open_request`."""
 
@@ -94,6 +107,7 @@ class Engine:
         self._nursery: trio.Nursery | None = None
         self._drain_scope: trio.CancelScope | None = None
         self._abort_timeout_s = 0.0
+        self._num_admissions = 0  # `Admission`s not yet released: a drain waits for them
         self._tokenize_slots = trio.CapacityLimiter(config.tokenizer_workers)
         self._running: Running | None = None  # set once the actors have started
         self._workers: trio_parallel.WorkerContext | None = None  # tokenizer worker processes
@@ -292,16 +306,18 @@ class Engine:
 
     # --- requests ----------------------------------------------------------------------------
 
-    def check_admission(self) -> None:
+    def check_admission(self, *, admitted: bool = False) -> None:
         """Raise what `open_request` would raise now for engine state or capacity.
 
         A streaming route calls it first so it can answer 503 before committing to a 200.
+        `admitted`: the request was admitted (`admit`) before a drain began, so a drain lets
+        it in: it is in flight, not new.
         """
         if self.state == EngineState.LOADING:
             raise EngineStopping("the model is still loading", code="model_loading")
         if self.state == EngineState.ERROR:
             raise EngineStopping(f"the engine failed: {self.error}", code="engine_error")
-        if self.state != EngineState.READY:
+        if self.state != EngineState.READY and not (admitted and self.state == EngineState.STOPPING):
             raise EngineStopping("the server is stopping and admits no new requests")
         # Capacity is the running slots plus the queue; a request still being tokenized
         # counts as queued, so a burst cannot slip past the limit.
@@ -310,6 +326,18 @@ class Engine:
             raise Overloaded(
                 f"the queue is full ({self.config.max_queued_requests} waiting requests); retry later"
             )
+
+    def admit(self) -> Admission:
+        """Admit a request now, before the work that precedes its scope (tokenizing it,
+        compiling its grammar, sending a stream's headers): a drain that begins meanwhile
+        waits for the admission's `release` and lets its `open_request(admitted=True)` in.
+
+        Raises:
+            EngineStopping, Overloaded: what `check_admission` raises.
+        """
+        self.check_admission()
+        self._num_admissions += 1
+        return Admission(self)
 
     @asynccontextmanager
     async def open_request(
@@ -324,11 +352,13 @@ class Engine:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         request_id: str | None = None,
+        admitted: bool = False,
     ) -> AsyncIterator[RequestStream]:
         """Register a request for the block's duration; yield its stream of deltas.
 
         `request_id` names the request in the engine's logs and in its `RequestReport` (the
-        server passes the HTTP `X-Request-Id`); one is made when it is None.
+        server passes the HTTP `X-Request-Id`); one is made when it is None. `admitted`: it
+        was admitted (`admit`) before a drain began, so the drain lets it in.
 
         The exit (success, exception or cancellation) unregisters the uid and posts `Abort`,
         which frees its KV pages and running slot; it is synchronous, so it is safe to leave
@@ -342,7 +372,7 @@ class Engine:
         params = params or SamplingParams()
         if sum(x is not None for x in (messages, prompt, prompt_token_ids)) != 1:
             raise InvalidRequest("give exactly one of messages, prompt or prompt_token_ids")
-        self.check_admission()
+        self.check_admission(admitted=admitted)
         running = self._started()
         grammar = await self.compile_grammar(params.grammar) if params.grammar is not None else None
         uid = next(self._uids)
@@ -529,7 +559,7 @@ class Engine:
     # --- draining ----------------------------------------------------------------------------
 
     async def _wait_idle(self) -> None:
-        while len(self.registry):
+        while len(self.registry) or self._num_admissions:
             await trio.sleep(0.01)
 
     def begin_stop(self, drain_timeout_s: float = 5.0, abort_timeout_s: float = 3.0) -> None:
