@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from ft.config import EngineConfig
-from ft.logs import setup_logging
+from ft.logs import LOG_FORMATS, logging_args, setup_logging
 from ft.model.parallel import RankFailure, RankGroup
 
 log = logging.getLogger("ft.ranks")
@@ -144,7 +144,7 @@ def start_leader(config: EngineConfig) -> tuple[RankGroup, RankProcesses]:
                 RANK=str(rank),
                 LOCAL_RANK=str(rank),
             )
-            cmd = [sys.executable, "-m", "ft.engine.ranks", "--device", config.device]
+            cmd = [sys.executable, "-m", "ft.engine.ranks", "--device", config.device, *logging_args()]
             # NOTE: in a session of their own, so a stop signal sent to the server's process
             # group (a terminal's Ctrl-C, a process manager) does not kill them mid-drain:
             # stopping is rank 0's decision ("stop" through the group, or `terminate`).
@@ -219,8 +219,10 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(prog="ft rank")
     parser.add_argument("--device", default="auto")
+    parser.add_argument("--log-level", default="info")
+    parser.add_argument("--log-format", choices=LOG_FORMATS, default="text")
     args = parser.parse_args(argv)
-    setup_logging("info")
+    setup_logging(args.log_level, args.log_format)
     return run_rank(args.device)
 
 

@@ -146,11 +146,13 @@ async def test_a_process_group_signal_drains_a_tensor_parallel_server(
 
 async def test_spawned_ranks_exit_when_the_server_is_killed(tmp_path: pathlib.Path) -> None:
     """Ranks in a session of their own are no orphans: a server killed outright (SIGKILL, no
-    "stop") breaks the group, and they exit on their own."""
+    "stop") breaks the group, and they exit on their own; they log in the server's format."""
     model = tmp_path / "tiny"
     save_hf_dir(model, tiny_config())
-    args = ["--model", str(model), "--dtype", "float32", "--device", "cpu", "--tensor-parallel-size", "2"]
-    async with serve_process(args, tmp_path / "serve.log", new_session=True) as (proc, url):
+    args = ["--model", str(model), "--dtype", "float32", "--device", "cpu", "--tensor-parallel-size", "2",
+            "--log-format", "json"]  # fmt: skip
+    log = tmp_path / "serve.log"
+    async with serve_process(args, log, new_session=True) as (proc, url):
         async with httpx.AsyncClient(base_url=url, timeout=30) as client:
             with trio.fail_after(60):
                 while (await client.get("/health")).json()["status"] != "ok":
@@ -165,6 +167,10 @@ async def test_spawned_ranks_exit_when_the_server_is_killed(tmp_path: pathlib.Pa
     finally:
         if pathlib.Path(f"/proc/{rank}").exists() and "Z" not in _state(rank):
             os.kill(rank, signal.SIGKILL)
+    lines = log.read_text().splitlines()
+    assert any('"logger": "ft.ranks"' in line for line in lines)  # the rank said why it left
+    for line in lines:
+        json.loads(line)
 
 
 def _state(pid: int) -> str:

@@ -74,7 +74,7 @@ async def serve_process(
         )
     try:
         with trio.fail_after(120):
-            while not (match := re.search(r"listening on (http://\S+?)[,\s]", log.read_text())):
+            while not (match := re.search(r"listening on (http://[^\s,\"]+)", log.read_text())):
                 assert proc.returncode is None, log.read_text()
                 await trio.sleep(0.05)
         yield proc, match.group(1)
