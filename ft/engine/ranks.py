@@ -18,6 +18,7 @@ import dataclasses
 import datetime
 import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -89,11 +90,9 @@ class RankProcesses:
         """Ranks whose process has exited."""
         return [i + 1 for i, p in enumerate(self.procs) if p.poll() is not None]
 
-    def terminate(self, grace_s: float = 5.0) -> None:
-        """Stop every spawned rank: SIGTERM, then SIGKILL after `grace_s`. Synchronous."""
-        for p in self.procs:
-            if p.poll() is None:
-                p.terminate()
+    def stop(self, grace_s: float = 0.0) -> None:
+        """Wait up to `grace_s` for every spawned rank to exit (told "stop", or its group
+        broken), then SIGKILL the rest: ranks ignore SIGINT/SIGTERM (`run_rank`). Synchronous."""
         deadline = time.monotonic() + grace_s
         for p in self.procs:
             try:
@@ -147,7 +146,7 @@ def start_leader(config: EngineConfig) -> tuple[RankGroup, RankProcesses]:
             cmd = [sys.executable, "-m", "ft.engine.ranks", "--device", config.device, *logging_args()]
             # NOTE: in a session of their own, so a stop signal sent to the server's process
             # group (a terminal's Ctrl-C, a process manager) does not kill them mid-drain:
-            # stopping is rank 0's decision ("stop" through the group, or `terminate`).
+            # stopping is rank 0's decision ("stop" through the group, or `stop`).
             procs.procs.append(subprocess.Popen(cmd, env=env, start_new_session=True))
     joined: list[RankGroup] = []
     errors: list[BaseException] = []
@@ -165,13 +164,13 @@ def start_leader(config: EngineConfig) -> tuple[RankGroup, RankProcesses]:
     while thread.is_alive():
         thread.join(0.1)
         if procs.dead() or time.monotonic() > deadline:
-            procs.terminate()
+            procs.stop()
             dead = procs.dead()
             raise RankFailure(
                 f"rank {dead[0]} exited before joining" if dead else "the ranks did not join in time"
             )
     if errors:
-        procs.terminate()
+        procs.stop()
         raise RankFailure(f"joining the tensor-parallel group failed: {errors[0]}")
     group = joined[0]
     group.send(cbor2.dumps({"op": "load", "config": dataclasses.asdict(config)}))
@@ -188,7 +187,12 @@ def run_rank(device_name: str) -> int:
     """A rank other than 0: join, load what rank 0 says, follow its steps; the exit status.
 
     0 after rank 0's "stop"; 1 when the group broke (rank 0 died) or loading failed.
+    SIGINT and SIGTERM are ignored: a stop signal sent to every rank at once (torchrun's way,
+    or a terminal's Ctrl-C) must not kill this one while rank 0 drains; rank 0 says when to
+    stop, and a rank 0 that dies breaks the group, which ends this loop too.
     """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     from ft.engine.loading import load_torch_model
     from ft.model.torch_runner import TorchRunner
 

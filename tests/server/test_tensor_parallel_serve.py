@@ -178,3 +178,46 @@ def _state(pid: int) -> str:
         return pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except OSError:
         return "Z"
+
+
+async def test_under_torchrun_a_sigterm_to_every_rank_drains(tmp_path: pathlib.Path) -> None:
+    """torchrun stops a job by sending SIGTERM to each of its ranks at once: rank 1 must keep
+    serving rank 0's drain (the in-flight stream ends normally), then stop when told."""
+    model = tmp_path / "tiny"
+    save_hf_dir(model, tiny_config(max_position_embeddings=4096))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2")
+    args = ["--model", str(model), "--dtype", "float32", "--device", "cpu", "--tensor-parallel-size", "2",
+            "--drain-timeout", "30"]  # fmt: skip
+    with (tmp_path / "rank1.log").open("wb") as out:
+        rank1 = await trio.lowlevel.open_process(
+            [sys.executable, "-m", "ft.cli_serve", *args], env=env | {"RANK": "1", "LOCAL_RANK": "0"},
+            stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
+        )  # fmt: skip
+    try:
+        async with serve_process(args, tmp_path / "rank0.log", env=env | {"RANK": "0"}) as (proc, url):
+            async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+                with trio.fail_after(60):
+                    while (await client.get("/health")).json()["status"] != "ok":
+                        await trio.sleep(0.1)
+                body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 40,
+                        "ignore_eos": True, "stream": True}  # fmt: skip
+                with trio.fail_after(60):
+                    async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+                        lines = r.aiter_lines()
+                        while not (await lines.__anext__()).startswith("data: {"):
+                            pass
+                        rank1.send_signal(signal.SIGTERM)
+                        proc.send_signal(signal.SIGTERM)
+                        rest = [line async for line in lines if line.startswith("data: ")]
+            last = json.loads(rest[-2].removeprefix("data: "))
+            assert "error" not in last and last["choices"][0]["finish_reason"] == "length", rest[-2]
+            with trio.fail_after(30):
+                assert await proc.wait() == 0
+                assert await rank1.wait() == 0
+    finally:
+        if rank1.returncode is None:
+            rank1.kill()
+            await rank1.wait()
