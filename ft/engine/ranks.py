@@ -41,6 +41,8 @@ log = logging.getLogger("ft.ranks")
 # itself (RunnerActor's step deadline); a dead rank makes the next collective fail at once.
 GROUP_TIMEOUT = datetime.timedelta(days=7)
 START_TIMEOUT_S = 300.0  # for the spawned ranks to join the group
+PARENT_ENV = "FT_RANK_PARENT_PID"  # rank 0's pid, in the environment of the ranks it spawns
+PARENT_POLL_S = 0.5
 
 
 def is_torchrun() -> bool:
@@ -142,6 +144,7 @@ def start_leader(config: EngineConfig) -> tuple[RankGroup, RankProcesses]:
                 WORLD_SIZE=str(world),
                 RANK=str(rank),
                 LOCAL_RANK=str(rank),
+                **{PARENT_ENV: str(os.getpid())},
             )
             cmd = [sys.executable, "-m", "ft.engine.ranks", "--device", config.device, *logging_args()]
             # NOTE: in a session of their own, so a stop signal sent to the server's process
@@ -193,6 +196,7 @@ def run_rank(device_name: str) -> int:
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    _exit_with_parent(int(os.environ.get(PARENT_ENV, str(os.getppid()))))
     from ft.engine.loading import load_torch_model
     from ft.model.torch_runner import TorchRunner
 
@@ -215,6 +219,20 @@ def run_rank(device_name: str) -> int:
         return 1
     dist.destroy_process_group()
     return 0
+
+
+def _exit_with_parent(parent: int) -> None:
+    """Exit (status 1) once `parent` (rank 0, or torchrun's agent) is gone, whatever this rank
+    is doing: before the group forms, a rank whose rank 0 was killed would wait for days."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(PARENT_POLL_S)
+        log.error("the parent process %d is gone; this rank exits", parent)
+        logging.shutdown()
+        os._exit(1)
+
+    threading.Thread(target=watch, name="ft-parent-watch", daemon=True).start()
 
 
 def main(argv: list[str] | None = None) -> int:

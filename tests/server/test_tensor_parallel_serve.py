@@ -221,3 +221,28 @@ async def test_under_torchrun_a_sigterm_to_every_rank_drains(tmp_path: pathlib.P
         if rank1.returncode is None:
             rank1.kill()
             await rank1.wait()
+
+
+async def test_a_rank_whose_server_is_killed_during_start_up_exits(tmp_path: pathlib.Path) -> None:
+    """Killed before the group forms, the server leaves a rank that would wait for it for days:
+    the rank notices its parent is gone and exits."""
+    model = tmp_path / "tiny"
+    save_hf_dir(model, tiny_config())
+    args = ["--model", str(model), "--dtype", "float32", "--device", "cpu", "--tensor-parallel-size", "2"]
+    proc = await trio.lowlevel.open_process(
+        [sys.executable, "-m", "ft.cli_serve", "--port", "0", *args],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT, start_new_session=True,
+    )  # fmt: skip
+    with trio.fail_after(30):
+        while not (ranks := rank_pids(proc.pid)):
+            await trio.sleep(0.01)
+    proc.kill()
+    await proc.wait()
+    (rank,) = ranks
+    try:
+        with trio.fail_after(20):
+            while pathlib.Path(f"/proc/{rank}").exists() and "Z" not in _state(rank):
+                await trio.sleep(0.1)
+    finally:
+        if pathlib.Path(f"/proc/{rank}").exists() and "Z" not in _state(rank):
+            os.kill(rank, signal.SIGKILL)
