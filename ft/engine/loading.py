@@ -94,6 +94,10 @@ def load_torch_model(
             dtype = torch.float32
         elif config.dtype == "auto" and device.type == "cuda":
             dtype = torch.bfloat16
+        elif config.dtype == "auto" and world > 1:
+            # NOTE: "auto" is measured in each process: ranks that measured differently would
+            # all-reduce tensors of different dtypes (gloo aborts the process). One choice for all.
+            dtype = torch.float32
         else:
             dtype = resolve_dtype(config.dtype, loaded.config)
     except BaseException:
