@@ -215,7 +215,7 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         engine, settings = configs_from_args(args)
     except ValueError as e:
-        print(f"ft serve: {e}")
+        print(f"ft serve: {e}", file=sys.stderr)
         return 2
     setup_logging(settings.log_level, settings.log_format)
     try:

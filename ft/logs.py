@@ -27,6 +27,9 @@ TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s [%(request_id)s] %(message)s"
 # hypercorn's access log record carries the response's headers in its args under this key.
 ACCESS_LOG_ID_KEY = "{x-request-id}o"
 
+# What `setup_logging` last set (level, format): the processes this one starts log the same way.
+_current = ("info", "text")
+
 
 class RequestIdFilter(logging.Filter):
     """Give every record a `request_id`: its own, the current request's (or, for hypercorn's
@@ -94,3 +97,11 @@ def setup_logging(level: str = "info", log_format: str = "text") -> None:
         root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(level.upper())
+    global _current
+    _current = (level, log_format)
+
+
+def logging_args() -> list[str]:
+    """`--log-level L --log-format F` as `setup_logging` last set them, for a child process."""
+    level, log_format = _current
+    return ["--log-level", level, "--log-format", log_format]

@@ -33,3 +33,18 @@ def test_defaults_are_valid() -> None:
     config = EngineConfig()
     assert config.quantize is None and config.dtype == "auto"
     assert config.kv_cache_dtype == "auto" and config.admission == "need"
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["--drain-timeout", "-1"], ["--port", "70000"], ["--tensor-parallel-size", "0"]],
+)
+def test_ft_serve_refuses_bad_options_on_stderr_with_status_2(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A bad option is an error message on stderr and exit status 2, before anything loads."""
+    from ft.cli import main
+
+    assert main(["serve", *argv]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith("ft serve: ")

@@ -70,6 +70,19 @@ class Running:
     grammars: Grammars
 
 
+class Admission:
+    """A request admitted by `Engine.admit`; it holds a drain open until released."""
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine: Engine | None = engine
+
+    def release(self) -> None:
+        """Let a drain stop waiting for this request. Idempotent and synchronous."""
+        if self._engine is not None:
+            self._engine._num_admissions -= 1
+            self._engine = None
+
+
 class Engine:
     """A running engine. Create it with `open_engine`; enter requests with `open_request`."""
 
@@ -94,6 +107,7 @@ class Engine:
         self._nursery: trio.Nursery | None = None
         self._drain_scope: trio.CancelScope | None = None
         self._abort_timeout_s = 0.0
+        self._num_admissions = 0  # `Admission`s not yet released: a drain waits for them
         self._tokenize_slots = trio.CapacityLimiter(config.tokenizer_workers)
         self._running: Running | None = None  # set once the actors have started
         self._workers: trio_parallel.WorkerContext | None = None  # tokenizer worker processes
@@ -292,16 +306,18 @@ class Engine:
 
     # --- requests ----------------------------------------------------------------------------
 
-    def check_admission(self) -> None:
+    def check_admission(self, *, admitted: bool = False) -> None:
         """Raise what `open_request` would raise now for engine state or capacity.
 
         A streaming route calls it first so it can answer 503 before committing to a 200.
+        `admitted`: the request was admitted (`admit`) before a drain began, so a drain lets
+        it in: it is in flight, not new.
         """
         if self.state == EngineState.LOADING:
             raise EngineStopping("the model is still loading", code="model_loading")
         if self.state == EngineState.ERROR:
             raise EngineStopping(f"the engine failed: {self.error}", code="engine_error")
-        if self.state != EngineState.READY:
+        if self.state != EngineState.READY and not (admitted and self.state == EngineState.STOPPING):
             raise EngineStopping("the server is stopping and admits no new requests")
         # Capacity is the running slots plus the queue; a request still being tokenized
         # counts as queued, so a burst cannot slip past the limit.
@@ -310,6 +326,18 @@ class Engine:
             raise Overloaded(
                 f"the queue is full ({self.config.max_queued_requests} waiting requests); retry later"
             )
+
+    def admit(self) -> Admission:
+        """Admit a request now, before the work that precedes its scope (tokenizing it,
+        compiling its grammar, sending a stream's headers): a drain that begins meanwhile
+        waits for the admission's `release` and lets its `open_request(admitted=True)` in.
+
+        Raises:
+            EngineStopping, Overloaded: what `check_admission` raises.
+        """
+        self.check_admission()
+        self._num_admissions += 1
+        return Admission(self)
 
     @asynccontextmanager
     async def open_request(
@@ -324,11 +352,13 @@ class Engine:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         request_id: str | None = None,
+        admitted: bool = False,
     ) -> AsyncIterator[RequestStream]:
         """Register a request for the block's duration; yield its stream of deltas.
 
         `request_id` names the request in the engine's logs and in its `RequestReport` (the
-        server passes the HTTP `X-Request-Id`); one is made when it is None.
+        server passes the HTTP `X-Request-Id`); one is made when it is None. `admitted`: it
+        was admitted (`admit`) before a drain began, so the drain lets it in.
 
         The exit (success, exception or cancellation) unregisters the uid and posts `Abort`,
         which frees its KV pages and running slot; it is synchronous, so it is safe to leave
@@ -342,13 +372,14 @@ class Engine:
         params = params or SamplingParams()
         if sum(x is not None for x in (messages, prompt, prompt_token_ids)) != 1:
             raise InvalidRequest("give exactly one of messages, prompt or prompt_token_ids")
-        self.check_admission()
+        self.check_admission(admitted=admitted)
         grammar: Grammar | None = None
         if params.grammar is not None:
             grammar = await self.compile_grammar(params.grammar)
             # NOTE: a new grammar compiles for up to seconds: admission is checked again, so a
-            # request is never registered with an engine that began to stop meanwhile.
-            self.check_admission()
+            # request is never registered with an engine that began to stop meanwhile (one
+            # admitted before the drain stays admitted).
+            self.check_admission(admitted=admitted)
         running = self._started()
         uid = next(self._uids)
         # Bounded by the most events a request can receive: PromptReady, a Delta per token
@@ -534,7 +565,7 @@ class Engine:
     # --- draining ----------------------------------------------------------------------------
 
     async def _wait_idle(self) -> None:
-        while len(self.registry):
+        while len(self.registry) or self._num_admissions:
             await trio.sleep(0.01)
 
     def begin_stop(self, drain_timeout_s: float = 5.0, abort_timeout_s: float = 3.0) -> None:
@@ -554,7 +585,8 @@ class Engine:
         if self._stop_snapshot is not None:
             return
         assert self._nursery is not None, "the engine is not running (use open_engine)"
-        self.state = EngineState.STOPPING
+        if not self.has_failed:  # a failed engine stays in ERROR: /health keeps saying why
+            self.state = EngineState.STOPPING
         self._drain_scope = trio.CancelScope(deadline=now + drain_timeout_s)
         self._abort_timeout_s = abort_timeout_s
         self._nursery.start_soon(self._drain, self._drain_scope)
@@ -566,7 +598,8 @@ class Engine:
         with trio.move_on_after(self._abort_timeout_s):
             await self._wait_idle()
         self._stop_snapshot = self.snapshot() | {"drain_complete": True}
-        self.state = EngineState.STOPPED
+        if not self.has_failed:
+            self.state = EngineState.STOPPED
         self._stopped.set()
 
     def abort_all(self) -> None:

@@ -19,6 +19,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("ft.engine")
 
+# Seconds spawned ranks get to exit after "stop" before they are killed.
+RANK_STOP_GRACE_S = 5.0
+
 
 @dataclass(frozen=True)
 class ModelParts:
@@ -91,11 +94,15 @@ def load_torch_model(
             dtype = torch.float32
         elif config.dtype == "auto" and device.type == "cuda":
             dtype = torch.bfloat16
+        elif config.dtype == "auto" and world > 1:
+            # NOTE: "auto" is measured in each process: ranks that measured differently would
+            # all-reduce tensors of different dtypes (gloo aborts the process). One choice for all.
+            dtype = torch.float32
         else:
             dtype = resolve_dtype(config.dtype, loaded.config)
     except BaseException:
         if procs is not None:
-            procs.terminate()
+            procs.stop()
             torch.distributed.destroy_process_group()
         raise
     # NOTE: packed weights keep float16 KV by default: half the memory and half the bytes that
@@ -140,7 +147,9 @@ def load_torch_model(
                 log.warning("stopping the ranks: %s", e)
                 failed = True
         if procs is not None:
-            procs.terminate()  # a collective blocked on a spawned rank now fails and returns
+            # Told "stop", they exit by themselves; after a failure they are killed at once (a
+            # collective blocked on a spawned rank then fails and returns).
+            procs.stop(0.0 if failed else RANK_STOP_GRACE_S)
         if not failed or procs is not None:
             # NOTE: not after a failure under torchrun: a thread may still be blocked in a
             # collective with a hung rank we cannot stop; the process is about to exit anyway.

@@ -18,6 +18,7 @@ import dataclasses
 import datetime
 import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -30,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from ft.config import EngineConfig
-from ft.logs import setup_logging
+from ft.logs import LOG_FORMATS, logging_args, setup_logging
 from ft.model.parallel import RankFailure, RankGroup
 
 log = logging.getLogger("ft.ranks")
@@ -40,6 +41,8 @@ log = logging.getLogger("ft.ranks")
 # itself (RunnerActor's step deadline); a dead rank makes the next collective fail at once.
 GROUP_TIMEOUT = datetime.timedelta(days=7)
 START_TIMEOUT_S = 300.0  # for the spawned ranks to join the group
+PARENT_ENV = "FT_RANK_PARENT_PID"  # rank 0's pid, in the environment of the ranks it spawns
+PARENT_POLL_S = 0.5
 
 
 def is_torchrun() -> bool:
@@ -89,11 +92,9 @@ class RankProcesses:
         """Ranks whose process has exited."""
         return [i + 1 for i, p in enumerate(self.procs) if p.poll() is not None]
 
-    def terminate(self, grace_s: float = 5.0) -> None:
-        """Stop every spawned rank: SIGTERM, then SIGKILL after `grace_s`. Synchronous."""
-        for p in self.procs:
-            if p.poll() is None:
-                p.terminate()
+    def stop(self, grace_s: float = 0.0) -> None:
+        """Wait up to `grace_s` for every spawned rank to exit (told "stop", or its group
+        broken), then SIGKILL the rest: ranks ignore SIGINT/SIGTERM (`run_rank`). Synchronous."""
         deadline = time.monotonic() + grace_s
         for p in self.procs:
             try:
@@ -143,9 +144,13 @@ def start_leader(config: EngineConfig) -> tuple[RankGroup, RankProcesses]:
                 WORLD_SIZE=str(world),
                 RANK=str(rank),
                 LOCAL_RANK=str(rank),
+                **{PARENT_ENV: str(os.getpid())},
             )
-            cmd = [sys.executable, "-m", "ft.engine.ranks", "--device", config.device]
-            procs.procs.append(subprocess.Popen(cmd, env=env))
+            cmd = [sys.executable, "-m", "ft.engine.ranks", "--device", config.device, *logging_args()]
+            # NOTE: in a session of their own, so a stop signal sent to the server's process
+            # group (a terminal's Ctrl-C, a process manager) does not kill them mid-drain:
+            # stopping is rank 0's decision ("stop" through the group, or `stop`).
+            procs.procs.append(subprocess.Popen(cmd, env=env, start_new_session=True))
     joined: list[RankGroup] = []
     errors: list[BaseException] = []
 
@@ -162,13 +167,13 @@ def start_leader(config: EngineConfig) -> tuple[RankGroup, RankProcesses]:
     while thread.is_alive():
         thread.join(0.1)
         if procs.dead() or time.monotonic() > deadline:
-            procs.terminate()
+            procs.stop()
             dead = procs.dead()
             raise RankFailure(
                 f"rank {dead[0]} exited before joining" if dead else "the ranks did not join in time"
             )
     if errors:
-        procs.terminate()
+        procs.stop()
         raise RankFailure(f"joining the tensor-parallel group failed: {errors[0]}")
     group = joined[0]
     group.send(cbor2.dumps({"op": "load", "config": dataclasses.asdict(config)}))
@@ -185,7 +190,13 @@ def run_rank(device_name: str) -> int:
     """A rank other than 0: join, load what rank 0 says, follow its steps; the exit status.
 
     0 after rank 0's "stop"; 1 when the group broke (rank 0 died) or loading failed.
+    SIGINT and SIGTERM are ignored: a stop signal sent to every rank at once (torchrun's way,
+    or a terminal's Ctrl-C) must not kill this one while rank 0 drains; rank 0 says when to
+    stop, and a rank 0 that dies breaks the group, which ends this loop too.
     """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    _exit_with_parent(int(os.environ.get(PARENT_ENV, str(os.getppid()))))
     from ft.engine.loading import load_torch_model
     from ft.model.torch_runner import TorchRunner
 
@@ -210,14 +221,30 @@ def run_rank(device_name: str) -> int:
     return 0
 
 
+def _exit_with_parent(parent: int) -> None:
+    """Exit (status 1) once `parent` (rank 0, or torchrun's agent) is gone, whatever this rank
+    is doing: before the group forms, a rank whose rank 0 was killed would wait for days."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(PARENT_POLL_S)
+        log.error("the parent process %d is gone; this rank exits", parent)
+        logging.shutdown()
+        os._exit(1)
+
+    threading.Thread(target=watch, name="ft-parent-watch", daemon=True).start()
+
+
 def main(argv: list[str] | None = None) -> int:
     """`python -m ft.engine.ranks --device D`: a rank process (environment from rank 0 or torchrun)."""
     import argparse
 
     parser = argparse.ArgumentParser(prog="ft rank")
     parser.add_argument("--device", default="auto")
+    parser.add_argument("--log-level", default="info")
+    parser.add_argument("--log-format", choices=LOG_FORMATS, default="text")
     args = parser.parse_args(argv)
-    setup_logging("info")
+    setup_logging(args.log_level, args.log_format)
     return run_rank(args.device)
 
 

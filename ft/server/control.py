@@ -119,4 +119,4 @@ def _check_ready(ctx: ServerContext) -> None:
     if ctx.engine.state == EngineState.LOADING:
         raise EngineStopping("the model is still loading; retry shortly", code="model_loading")
     if ctx.engine.state == EngineState.ERROR:
-        raise EngineStopping(f"the engine failed to start: {ctx.engine.error}", code="engine_error")
+        raise EngineStopping(f"the engine failed: {ctx.engine.error}", code="engine_error")

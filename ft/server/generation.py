@@ -4,7 +4,8 @@ An API supplies only what differs, as a `GenerationApi`: its body parsed into `P
 `SamplingParams`, its stream events, its final JSON, its in-stream error. The lifecycle is
 here, once (`respond`):
 
-1. **Static checks.** The engine must be admitting (503 otherwise); every prompt is tokenized
+1. **Static checks.** The engine must admit the request (503 otherwise; the admission holds a
+   drain open until the HTTP request ends, see `Engine.admit`); every prompt is tokenized
    and checked against the context, the KV pool and `--max-running-requests` (`prepare`).
    Tokenizing takes milliseconds, so a request that can never run is a 4xx, never a 200 with
    an error inside.
@@ -163,7 +164,18 @@ async def respond(ctx: ServerContext, api: GenerationApi) -> Response:
     record.stream = api.stream
     if ctx.settings.log_prompts:
         record.prompts = [_loggable(prompt) for prompt in api.prompts]
-    ctx.check_admission()  # after the body's validation: a bad request is a 400 whatever the load
+    # Admitted after the body's validation (a bad request is a 400 whatever the load). A drain
+    # that begins later still serves it: it waits for the admission, which the HTTP request
+    # holds to its end (a stream's work starts only after its headers are sent).
+    admission = ctx.engine.admit()
+    try:
+        return await _respond(ctx, api, record)
+    finally:
+        if not record.release_at_end(admission.release):
+            admission.release()  # no HTTP request to hold it (embedded use): released now
+
+
+async def _respond(ctx: ServerContext, api: GenerationApi, record: RequestRecord) -> Response:
     prompt_ids = [await prepare(ctx, prompt, api.params) for prompt in api.prompts]
     record.prompt_tokens = sum(len(ids) for ids in prompt_ids)
     if api.stream:
@@ -224,7 +236,9 @@ async def open_requests(
         async with AsyncExitStack() as stack:
             open_request = ctx.engine.open_request
             for ids in prompt_ids:
-                scope = open_request(prompt_token_ids=list(ids), params=params, request_id=record.request_id)
+                scope = open_request(
+                    prompt_token_ids=list(ids), params=params, request_id=record.request_id, admitted=True
+                )
                 streams.append(await stack.enter_async_context(scope))
             yield streams
     finally:

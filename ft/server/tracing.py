@@ -75,6 +75,15 @@ class RequestRecord:
     client_left: bool = False
     prompts: list[Any] = field(default_factory=list)  # with --log-prompts only
     outputs: list[str] = field(default_factory=list)  # with --log-prompts only
+    is_traced: bool = False  # made by `Tracing`, which calls `releases` when the request ends
+    releases: list[Callable[[], None]] = field(default_factory=list)
+
+    def release_at_end(self, release: Callable[[], None]) -> bool:
+        """Call `release` (synchronous) when the HTTP request ends, however it ends; False
+        (and nothing is kept) when no `Tracing` serves this record."""
+        if self.is_traced:
+            self.releases.append(release)
+        return self.is_traced
 
     def saw_token(self) -> None:
         """Note that output reached the request (the first time: its time to first token)."""
@@ -171,7 +180,9 @@ class Tracing:
             await self.app(scope, receive, send)
             return
         request_id, replaced = request_id_from(scope.get("headers", []))
-        record = RequestRecord(request_id, method=scope.get("method", ""), path=scope.get("path", ""))
+        record = RequestRecord(
+            request_id, method=scope.get("method", ""), path=scope.get("path", ""), is_traced=True
+        )
         # Set in this task before the app spawns the request's tasks, which copy the context.
         id_token, record_token = REQUEST_ID.set(request_id), _RECORD.set(record)
         if replaced:
@@ -197,6 +208,8 @@ class Tracing:
         finally:
             if not record.is_sent:
                 record.client_left = True  # cancelled, or the connection broke mid-response
+            for release in record.releases:
+                release()
             self._end(record)
             REQUEST_ID.reset(id_token)
             _RECORD.reset(record_token)
@@ -210,8 +223,15 @@ class Tracing:
 
 
 def _summary(fields: dict[str, Any]) -> str:
-    """The text form of the end-of-request line: `POST /path 200 key=value ...`."""
-    head = f"{fields['method']} {fields['path']} {fields['status']}"
+    """The text form of the end-of-request line: `POST /path 200 key=value ...`.
+
+    The path arrives percent-decoded (`%0A` is a newline): one with anything but printable
+    ASCII is quoted, so a URL cannot forge a log line or reach a terminal as escape codes.
+    """
+    path = str(fields["path"])
+    if not all("!" <= c <= "~" for c in path):
+        path = json.dumps(path, ensure_ascii=True)
+    head = f"{fields['method']} {path} {fields['status']}"
     rest = " ".join(
         f"{k}={json.dumps(v, ensure_ascii=True) if isinstance(v, (str, list)) else v}"
         for k, v in fields.items()

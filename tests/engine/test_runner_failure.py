@@ -99,3 +99,39 @@ async def test_a_grammar_failing_mid_generation_is_the_requests_fault(
         assert err.value.status == 400
         assert await engine.generate("q", SamplingParams(max_tokens=3)) == "abc"
         await assert_nothing_held(engine)
+
+
+@pytest.mark.parametrize("drain_first", [True, False])
+async def test_a_failed_engine_stays_in_error_through_a_drain(
+    autojump_clock: trio.testing.MockClock, drain_first: bool
+) -> None:
+    """A drain (begun before or after the runner failed) never hides the failure: the state
+    stays "error", so /health keeps saying why the server cannot serve."""
+    dead = False
+
+    def before_step(works: list[SeqWork]) -> None:
+        if dead:
+            raise RunnerFailure("rank 1 left the group")
+
+    runner = FakeRunner(text_script("lorem ipsum " * 50), step_s=0.01)
+    async with fake_engine(runner, before_step=before_step) as engine:
+        got_tokens = trio.Event()
+
+        async def one() -> None:
+            with pytest.raises(RequestFailed):
+                async with engine.open_request(prompt="p", params=SamplingParams(max_tokens=500)) as s:
+                    async for _ in s:
+                        got_tokens.set()
+
+        with trio.fail_after(30):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(one)
+                await got_tokens.wait()
+                if drain_first:
+                    engine.begin_stop(drain_timeout_s=20)
+                dead = True
+                await engine.wait_failed()
+                if not drain_first:
+                    engine.begin_stop(drain_timeout_s=20)
+            await engine.wait_stopped()
+        assert engine.state == EngineState.ERROR and engine.has_failed

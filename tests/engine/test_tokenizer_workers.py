@@ -45,3 +45,37 @@ async def test_leaving_while_the_worker_tokenizes_never_enqueues() -> None:
             assert len(engine.registry) == 0
             assert not engine.core.waiting and not engine.core.running
             assert engine.core.pool.num_used == 0
+
+
+async def test_a_grammar_compiler_killed_in_the_shared_workers_leaves_tokenization_working() -> None:
+    """Grammar checks run in the engine's worker processes, beside tokenization: one whose
+    worker is killed (past its deadline) or dies costs that worker only."""
+    from dataclasses import replace
+
+    from ft.config import EngineConfig
+    from ft.engine.engine import open_engine
+    from ft.engine.fake import FakeRunner
+    from ft.engine.grammars import Grammars
+    from ft.errors import InvalidRequest
+    from ft.grammar import spec
+    from tests.support.engine import fake_hooks
+
+    with trio.fail_after(60):
+        hooks = replace(fake_hooks(FakeRunner(), executor=None), grammar_fault="exit")
+        async with open_engine(EngineConfig(num_pages=64), hooks=hooks) as engine:
+            with pytest.raises(InvalidRequest, match="crashed its compiler"):
+                await engine.compile_grammar(spec.json_object("response_format"))
+            for _ in range(3):
+                async with engine.open_request(prompt="fine") as stream:
+                    assert (await stream.collect())[0].finish_reason == "stop"
+            # A compile past its deadline: the worker running it is killed.
+            grammars = engine._started().grammars
+            assert isinstance(grammars, Grammars)
+            grammars._fault, grammars._timeout_s = None, 0.0
+            with pytest.raises(InvalidRequest, match="longer than"):
+                await engine.compile_grammar(spec.regex("a+", "regex"))
+            for _ in range(3):
+                async with engine.open_request(prompt="fine") as stream:
+                    assert (await stream.collect())[0].finish_reason == "stop"
+            grammars._timeout_s = 30.0
+            assert await engine.compile_grammar(spec.regex("b+", "regex"))

@@ -144,3 +144,19 @@ def test_an_error_on_rank_0_mid_step_is_fatal(tiny_dir: pathlib.Path) -> None:
     finally:
         parts.close(True)  # the group is out of step: the ranks are terminated, not told
     assert not rank_pids(os.getpid())
+
+
+def test_ranks_agree_on_the_auto_dtype_whatever_each_measures(
+    tiny_dir: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--dtype auto` is measured per process: ranks that measured differently (here rank 0
+    "finds" bfloat16 faster, rank 1 measures for real) would all-reduce mismatched tensors. On
+    the CPU every rank runs float32: the same tokens and logits as one float32 process."""
+    from ft.model import dtypes
+
+    monkeypatch.setattr(dtypes, "_pick", lambda hidden, intermediate: torch.bfloat16)
+    solo, logits = generate(make_runner(tiny_dir), PROMPT_A, tuple(range(8)), 6)
+    with tensor_parallel_runner(str(tiny_dir), 2, num_pages=32, page_size=4, dtype="auto") as runner:
+        assert runner.dtype == torch.float32
+        tp, tp_logits = generate(runner, PROMPT_A, tuple(range(8)), 6)
+    assert tp == solo and torch.allclose(tp_logits, logits, atol=1e-5)

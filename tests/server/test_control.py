@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
+from functools import partial
 
 import httpx
+import pytest
 import trio
 
 from ft.config import EngineConfig
-from ft.engine.fake import FakeRunner, text_script
+from ft.engine.fake import FakeRunner, run_inline, text_script
 from ft.server import RunningServer, ServerSettings
 from ft.server.auth import is_loopback
 from tests.support.engine import fake_hooks, fake_parts
-from tests.support.server import TEST_SETTINGS, fake_server, running_server, wait_idle
+from tests.support.server import TEST_SETTINGS, fake_server, parse_sse, running_server, wait_idle
 
 USER = [{"role": "user", "content": "hi"}]
 LONG = "lorem ipsum " * 100
@@ -250,3 +253,68 @@ async def test_prepare_stop_from_a_remote_address_is_403(server: RunningServer) 
     assert r.status_code == 403
     assert (await r.get_json())["error"]["type"] == "permission_error"
     assert server.engine.state == "ready"
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "whole"])
+async def test_a_request_still_tokenizing_when_the_drain_begins_is_served(stream: bool) -> None:
+    """A request admitted before the stop is in flight: it finishes during the drain (no 503,
+    no 200 with an in-stream error), and the drain waits for it."""
+    tokenizing = trio.Event()
+
+    async def slow_tokenizer(job: Callable[[bytes], bytes], payload: bytes) -> bytes:
+        tokenizing.set()
+        await trio.sleep(0.3)
+        return await run_inline(job, payload)
+
+    hooks = fake_hooks(FakeRunner(script=text_script("hello world")), executor=slow_tokenizer)
+    async with (
+        running_server(EngineConfig(num_pages=256), hooks=hooks) as s,
+        httpx.AsyncClient(base_url=s.base_url, timeout=10) as c,
+    ):
+        replies: list[httpx.Response] = []
+
+        async def post() -> None:
+            body = {"messages": USER, "max_tokens": 5, "stream": stream}
+            replies.append(await c.post("/v1/chat/completions", json=body))
+
+        with trio.fail_after(10):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(post)
+                await tokenizing.wait()
+                s.engine.begin_stop(drain_timeout_s=5)
+                assert (await c.get("/health/ready")).status_code == 503
+            snapshot = await s.engine.wait_stopped()
+    (r,) = replies
+    assert r.status_code == 200, r.text
+    if stream:
+        events = parse_sse(r.text)
+        assert events[-1] == "[DONE]" and not any("error" in e for e in events[:-1]), r.text
+    else:
+        assert r.json()["usage"]["completion_tokens"] == 5
+    assert snapshot["requests"]["aborted"] == 0
+
+
+async def test_a_client_that_leaves_before_its_stream_starts_does_not_hold_the_drain() -> None:
+    """The admission a request holds is released however its HTTP request ends."""
+    tokenizing = trio.Event()
+
+    async def slow_tokenizer(job: Callable[[bytes], bytes], payload: bytes) -> bytes:
+        tokenizing.set()
+        await trio.sleep(0.3)
+        return await run_inline(job, payload)
+
+    hooks = fake_hooks(FakeRunner(script=text_script(LONG)), executor=slow_tokenizer)
+    async with (
+        running_server(EngineConfig(num_pages=256), hooks=hooks) as s,
+        httpx.AsyncClient(base_url=s.base_url, timeout=10) as c,
+    ):
+        with trio.move_on_after(5) as gone:
+            async with trio.open_nursery() as nursery:
+                body = {"messages": USER, "max_tokens": 500, "stream": True}
+                nursery.start_soon(partial(c.post, "/v1/chat/completions", json=body))
+                await tokenizing.wait()
+                nursery.cancel_scope.cancel()  # the client hangs up while its prompt tokenizes
+        assert not gone.cancelled_caught
+        await wait_idle(c)
+        with trio.fail_after(2):  # far below the drain timeout: nothing holds it
+            await s.engine.prepare_stop(drain_timeout_s=30)

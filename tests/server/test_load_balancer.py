@@ -18,7 +18,7 @@ import trio
 
 ROOT = Path(__file__).parents[2]  # `python -m tests.support.serve_fake` runs from here
 USER = [{"role": "user", "content": "hi"}]
-HAPROXY = shutil.which("haproxy")
+HAPROXY = shutil.which("haproxy") or shutil.which("haproxy", path="/usr/sbin:/usr/local/sbin")
 
 pytestmark = pytest.mark.skipif(HAPROXY is None, reason="haproxy is not installed (apt-get install haproxy)")
 

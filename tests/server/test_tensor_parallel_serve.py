@@ -104,3 +104,145 @@ async def test_a_rank_that_dies_or_hangs_mid_stream_fails_the_stream_and_exits_n
             assert await proc.wait() != 0
         assert "the model runner failed" in log.read_text()
         assert not rank_pids(proc.pid)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+async def test_a_process_group_signal_drains_a_tensor_parallel_server(
+    tmp_path: pathlib.Path, signum: signal.Signals
+) -> None:
+    """A stop signal sent to the whole process group (a process manager, a terminal's Ctrl-C)
+    reaches the spawned ranks too: they must keep serving the drain, which ends the in-flight
+    stream normally; the server then stops them and exits 0."""
+    model = tmp_path / "tiny"
+    save_hf_dir(model, tiny_config(max_position_embeddings=4096))
+    log = tmp_path / "serve.log"
+    args = ["--model", str(model), "--dtype", "float32", "--device", "cpu",
+            "--tensor-parallel-size", "2", "--drain-timeout", "30"]  # fmt: skip
+    async with serve_process(args, log, new_session=True) as (proc, url):
+        async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+            with trio.fail_after(60):
+                while (await client.get("/health")).json()["status"] != "ok":
+                    await trio.sleep(0.1)
+            (rank,) = rank_pids(proc.pid)
+            body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 40,
+                    "ignore_eos": True, "stream": True}  # fmt: skip
+            with trio.fail_after(60):
+                async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+                    assert r.status_code == 200
+                    lines = r.aiter_lines()
+                    while not (await lines.__anext__()).startswith("data: {"):
+                        pass
+                    os.killpg(proc.pid, signum)
+                    rest = [line async for line in lines if line.startswith("data: ")]
+        assert rest[-1] == "data: [DONE]"
+        last = json.loads(rest[-2].removeprefix("data: "))
+        assert "error" not in last and last["choices"][0]["finish_reason"] == "length", rest[-2]
+        with trio.fail_after(30):
+            assert await proc.wait() == 0, log.read_text()
+        assert not rank_pids(proc.pid)
+        with pytest.raises(ProcessLookupError):
+            os.kill(rank, 0)
+
+
+async def test_spawned_ranks_exit_when_the_server_is_killed(tmp_path: pathlib.Path) -> None:
+    """Ranks in a session of their own are no orphans: a server killed outright (SIGKILL, no
+    "stop") breaks the group, and they exit on their own; they log in the server's format."""
+    model = tmp_path / "tiny"
+    save_hf_dir(model, tiny_config())
+    args = ["--model", str(model), "--dtype", "float32", "--device", "cpu", "--tensor-parallel-size", "2",
+            "--log-format", "json"]  # fmt: skip
+    log = tmp_path / "serve.log"
+    async with serve_process(args, log, new_session=True) as (proc, url):
+        async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+            with trio.fail_after(60):
+                while (await client.get("/health")).json()["status"] != "ok":
+                    await trio.sleep(0.1)
+        (rank,) = rank_pids(proc.pid)
+        proc.kill()
+        await proc.wait()
+    try:
+        with trio.fail_after(30):
+            while pathlib.Path(f"/proc/{rank}").exists() and "Z" not in _state(rank):
+                await trio.sleep(0.1)
+    finally:
+        if pathlib.Path(f"/proc/{rank}").exists() and "Z" not in _state(rank):
+            os.kill(rank, signal.SIGKILL)
+    lines = log.read_text().splitlines()
+    assert any('"logger": "ft.ranks"' in line for line in lines)  # the rank said why it left
+    for line in lines:
+        json.loads(line)
+
+
+def _state(pid: int) -> str:
+    try:
+        return pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "Z"
+
+
+async def test_under_torchrun_a_sigterm_to_every_rank_drains(tmp_path: pathlib.Path) -> None:
+    """torchrun stops a job by sending SIGTERM to each of its ranks at once: rank 1 must keep
+    serving rank 0's drain (the in-flight stream ends normally), then stop when told."""
+    model = tmp_path / "tiny"
+    save_hf_dir(model, tiny_config(max_position_embeddings=4096))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2")
+    args = ["--model", str(model), "--dtype", "float32", "--device", "cpu", "--tensor-parallel-size", "2",
+            "--drain-timeout", "30"]  # fmt: skip
+    with (tmp_path / "rank1.log").open("wb") as out:
+        rank1 = await trio.lowlevel.open_process(
+            [sys.executable, "-m", "ft.cli_serve", *args], env=env | {"RANK": "1", "LOCAL_RANK": "0"},
+            stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
+        )  # fmt: skip
+    try:
+        async with serve_process(args, tmp_path / "rank0.log", env=env | {"RANK": "0"}) as (proc, url):
+            async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+                with trio.fail_after(60):
+                    while (await client.get("/health")).json()["status"] != "ok":
+                        await trio.sleep(0.1)
+                body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 40,
+                        "ignore_eos": True, "stream": True}  # fmt: skip
+                with trio.fail_after(60):
+                    async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+                        lines = r.aiter_lines()
+                        while not (await lines.__anext__()).startswith("data: {"):
+                            pass
+                        rank1.send_signal(signal.SIGTERM)
+                        proc.send_signal(signal.SIGTERM)
+                        rest = [line async for line in lines if line.startswith("data: ")]
+            last = json.loads(rest[-2].removeprefix("data: "))
+            assert "error" not in last and last["choices"][0]["finish_reason"] == "length", rest[-2]
+            with trio.fail_after(30):
+                assert await proc.wait() == 0
+                assert await rank1.wait() == 0
+    finally:
+        if rank1.returncode is None:
+            rank1.kill()
+            await rank1.wait()
+
+
+async def test_a_rank_whose_server_is_killed_during_start_up_exits(tmp_path: pathlib.Path) -> None:
+    """Killed before the group forms, the server leaves a rank that would wait for it for days:
+    the rank notices its parent is gone and exits."""
+    model = tmp_path / "tiny"
+    save_hf_dir(model, tiny_config())
+    args = ["--model", str(model), "--dtype", "float32", "--device", "cpu", "--tensor-parallel-size", "2"]
+    proc = await trio.lowlevel.open_process(
+        [sys.executable, "-m", "ft.cli_serve", "--port", "0", *args],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT, start_new_session=True,
+    )  # fmt: skip
+    with trio.fail_after(30):
+        while not (ranks := rank_pids(proc.pid)):
+            await trio.sleep(0.01)
+    proc.kill()
+    await proc.wait()
+    (rank,) = ranks
+    try:
+        with trio.fail_after(20):
+            while pathlib.Path(f"/proc/{rank}").exists() and "Z" not in _state(rank):
+                await trio.sleep(0.1)
+    finally:
+        if pathlib.Path(f"/proc/{rank}").exists() and "Z" not in _state(rank):
+            os.kill(rank, signal.SIGKILL)

@@ -152,3 +152,15 @@ async def test_probes_log_at_debug_only(client: httpx.AsyncClient, path: str) ->
     with captured_logs(TextFormatter(), logging.INFO) as out:
         assert (await client.get(path)).status_code == 200
     assert out.getvalue() == ""
+
+
+async def test_a_path_with_control_characters_cannot_forge_a_text_log_line(client: httpx.AsyncClient) -> None:
+    """ASGI paths arrive percent-decoded: a `%0A` in the URL must not start a new log line."""
+    forged = "2026-01-01 00:00:00,000 INFO ft.request [admin-1] POST /v1/admin/prepare-stop 200"
+    with captured_logs(TextFormatter(), logging.INFO) as out:
+        r = await client.get("/v1/x%0D%0A" + forged.replace(" ", "%20") + "%1B[2J")
+        assert r.status_code == 404
+        await wait_idle(client)
+    lines = [line for line in out.getvalue().splitlines() if "/v1/stats" not in line]
+    assert len(lines) == 1 and lines[0].split(" ", 5)[4].startswith("[req-")
+    assert "\r" not in lines[0] and "\x1b" not in lines[0]

@@ -58,10 +58,11 @@ ROOT = pathlib.Path(__file__).parents[2]
 
 @asynccontextmanager
 async def serve_process(
-    args: list[str], log: pathlib.Path, env: dict[str, str] | None = None
+    args: list[str], log: pathlib.Path, env: dict[str, str] | None = None, *, new_session: bool = False
 ) -> AsyncIterator[tuple[trio.Process, str]]:
     """`python -m ft.cli_serve --port 0 ARGS` (output to `log`): the process and its URL once
-    listening. The process is killed on exit if it still runs."""
+    listening. The process is killed on exit if it still runs. `new_session`: in a process
+    group of its own, which a test may signal as a whole."""
     with log.open("wb") as out:
         proc = await trio.lowlevel.open_process(
             [sys.executable, "-m", "ft.cli_serve", "--port", "0", *args],
@@ -69,10 +70,11 @@ async def serve_process(
             stderr=subprocess.STDOUT,
             cwd=ROOT,
             env=env,
+            start_new_session=new_session,
         )
     try:
         with trio.fail_after(120):
-            while not (match := re.search(r"listening on (http://\S+?)[,\s]", log.read_text())):
+            while not (match := re.search(r"listening on (http://[^\s,\"]+)", log.read_text())):
                 assert proc.returncode is None, log.read_text()
                 await trio.sleep(0.05)
         yield proc, match.group(1)
