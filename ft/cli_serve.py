@@ -199,8 +199,8 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerSet
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    """Run `ft serve` until SIGINT/SIGTERM; 0 after a clean drain, 1 when the model runner
-    failed (a rank died or hangs), 2 for bad options.
+    """Run `ft serve` until SIGINT/SIGTERM; 0 after a clean drain, 1 when the engine failed
+    (the model did not load, or a rank died or hangs), 2 for bad options.
 
     With `--tensor-parallel-size` above 1 under torchrun (`RANK` set), a process with `RANK > 0`
     is a rank process, not a server.
@@ -222,7 +222,7 @@ def run_serve(args: argparse.Namespace) -> int:
         trio.run(serve, engine, settings)
     except EngineFailed as e:
         # A supervisor restarts a server that exits non-zero; the ranks are already stopped.
-        print(f"ft serve: the model runner failed: {e}", file=sys.stderr, flush=True)
+        print(f"ft serve: the engine failed: {e}", file=sys.stderr, flush=True)
         return 1
     return 0
 

@@ -111,7 +111,7 @@ class Engine:
         self._tokenize_slots = trio.CapacityLimiter(config.tokenizer_workers)
         self._running: Running | None = None  # set once the actors have started
         self._workers: trio_parallel.WorkerContext | None = None  # tokenizer worker processes
-        self._failed = trio.Event()  # set when the model runner failed for good
+        self._failed = trio.Event()  # set when the model failed to load or its runner failed
         self._close_model: Callable[[bool], None] | None = None
         self._tmpdir = tempfile.TemporaryDirectory(prefix="ft-")
 
@@ -122,6 +122,7 @@ class Engine:
             await self._start(nursery)
         except Exception as e:
             self.state, self.error = EngineState.ERROR, f"{type(e).__name__}: {e}"
+            self._failed.set()  # for good: `ft serve` exits so a supervisor can restart it
         finally:
             self._ready.set()
 
@@ -277,14 +278,15 @@ class Engine:
         self._failed.set()
 
     async def wait_failed(self) -> str:
-        """Wait until the model runner fails for good (a rank died or hangs); return why."""
+        """Wait until the engine fails for good (its model did not load, or its runner failed:
+        a tensor-parallel rank died or hangs); return why."""
         await self._failed.wait()
         assert self.error is not None
         return self.error
 
     @property
     def has_failed(self) -> bool:
-        """Whether the model runner failed for good (the engine cannot serve again)."""
+        """Whether the engine failed for good (the model did not load, or the runner failed)."""
         return self._failed.is_set()
 
     async def wait_ready(self) -> None:

@@ -51,7 +51,8 @@ RouteRegistrar = Callable[[QuartTrio, ServerContext], None]
 
 
 class EngineFailed(RuntimeError):
-    """The model runner failed for good (a rank died or hangs): the server stopped serving."""
+    """The engine failed for good (the model did not load, or a rank died or hangs): the server
+    stopped serving."""
 
 
 def create_app(
@@ -220,8 +221,9 @@ async def serve(
     `handle_signals=False` (needed off the main thread) serves until cancelled.
 
     Raises:
-        EngineFailed: the model runner failed for good (a tensor-parallel rank died or hangs);
-            every request was failed with a server error and the server stopped.
+        EngineFailed: the engine failed for good: its model did not load, or its runner failed
+            (a tensor-parallel rank died or hangs), every request was failed with a server
+            error and the server stopped.
     """
     settings = settings or ServerSettings()
     if not handle_signals:
@@ -236,7 +238,7 @@ async def serve(
             failure = await _first_signal_or_failure(signals, server.engine)
             if failure is not None:
                 # Every request has been failed; let their streams send the error and close.
-                log.error("the model runner failed: %s; stopping", failure)
+                log.error("the engine failed: %s; stopping", failure)
                 with trio.move_on_after(ABORT_TIMEOUT_S):
                     while len(server.engine.registry):
                         await trio.sleep(0.01)

@@ -14,6 +14,7 @@ import trio
 from ft.config import EngineConfig
 from ft.engine.fake import FakeRunner, run_inline, text_script
 from ft.server import RunningServer, ServerSettings
+from ft.server.app import EngineFailed, serve
 from ft.server.auth import is_loopback
 from tests.support.engine import fake_hooks, fake_parts
 from tests.support.server import TEST_SETTINGS, fake_server, parse_sse, running_server, wait_idle
@@ -318,3 +319,14 @@ async def test_a_client_that_leaves_before_its_stream_starts_does_not_hold_the_d
         await wait_idle(c)
         with trio.fail_after(2):  # far below the drain timeout: nothing holds it
             await s.engine.prepare_stop(drain_timeout_s=30)
+
+
+async def test_ft_serve_exits_when_the_model_does_not_load() -> None:
+    """`serve` (what `ft serve` runs) raises `EngineFailed` when loading fails, so the process
+    exits 1 and a supervisor restarts it, rather than idling in the error state."""
+
+    def broken(config: EngineConfig):  # type: ignore[no-untyped-def]
+        raise OSError("no weights here")
+
+    with trio.fail_after(10), pytest.raises(EngineFailed, match="no weights here"):
+        await serve(EngineConfig(), TEST_SETTINGS, hooks=fake_hooks(load_model=broken))
