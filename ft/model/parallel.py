@@ -17,6 +17,7 @@ run the same forward from it (`TorchRunner.follow`). Control messages go through
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +30,8 @@ from ft.model.llama import LlamaConfig
 from ft.params import SamplingParams
 
 _GREEDY = SamplingParams(temperature=0.0)
+
+log = logging.getLogger("ft.ranks")
 
 
 class RankFailure(RunnerFailure):
@@ -141,6 +144,15 @@ def decode_works(rows: list[Any]) -> list[SeqWork]:
     ]
 
 
+def collective_failed(op: str, e: Exception) -> RankFailure:
+    """The failure of a collective, for clients: what failed, not gloo's or NCCL's text (it
+    names source paths and peers' addresses); that goes to the log."""
+    log.error("tensor-parallel %s failed: %s", op, e)
+    return RankFailure(
+        f"tensor-parallel {op} failed ({type(e).__name__}): a rank died or lost its connection"
+    )
+
+
 class RankGroup:
     """This process's place in the tensor-parallel group: the collectives a step uses.
 
@@ -173,7 +185,7 @@ class RankGroup:
         try:
             dist.all_reduce(x, group=self.group)
         except Exception as e:  # gloo raises RuntimeError, NCCL DistBackendError
-            raise RankFailure(f"tensor-parallel all_reduce failed: {e}") from e
+            raise collective_failed("all_reduce", e) from e
         return x
 
     def all_gather_vocab(self, local: torch.Tensor) -> torch.Tensor:
@@ -182,7 +194,7 @@ class RankGroup:
         try:
             dist.all_gather(parts, local.contiguous(), group=self.group)
         except Exception as e:
-            raise RankFailure(f"tensor-parallel all_gather failed: {e}") from e
+            raise collective_failed("all_gather", e) from e
         return torch.cat(parts, dim=-1)
 
     def send(self, payload: bytes) -> None:
@@ -193,7 +205,7 @@ class RankGroup:
             dist.broadcast(size, src=0, group=self.control)
             dist.broadcast(data, src=0, group=self.control)
         except Exception as e:
-            raise RankFailure(f"tensor-parallel broadcast failed: {e}") from e
+            raise collective_failed("broadcast", e) from e
 
     def receive(self) -> Any:
         """Other ranks: the next message rank 0 sent, decoded from CBOR."""
@@ -203,7 +215,7 @@ class RankGroup:
             data = torch.empty(int(size.item()), dtype=torch.uint8)
             dist.broadcast(data, src=0, group=self.control)
         except Exception as e:
-            raise RankFailure(f"tensor-parallel broadcast failed: {e}") from e
+            raise collective_failed("broadcast", e) from e
         return cbor2.loads(data.numpy().tobytes())
 
     def send_step(self, works: list[SeqWork]) -> None:

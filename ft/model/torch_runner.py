@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 import warnings
 from collections.abc import Callable
@@ -23,6 +24,8 @@ from ft.model.quant import QuantTensor
 from ft.model.quantized_llama import QuantizedLlama, StepIndex
 from ft.model.sampler import sample
 from ft.model.threads import ThreadChooser, thread_choices
+
+log = logging.getLogger("ft.model")
 
 
 def prepacked_linear(linear: torch.nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -262,7 +265,8 @@ class TorchRunner:
             except Exception as e:
                 # NOTE: the other ranks may now wait in a collective this rank never reached:
                 # the group is out of step, so no sequence can be retried alone.
-                raise RankFailure(f"a tensor-parallel step failed on rank 0: {type(e).__name__}: {e}") from e
+                log.exception("a tensor-parallel step failed on rank 0")
+                raise RankFailure(f"a tensor-parallel step failed on rank 0 ({type(e).__name__})") from e
 
     def follow(self) -> None:
         """Ranks other than 0: run the steps rank 0 broadcasts until it sends "stop".

@@ -12,7 +12,15 @@ import torch
 from ft.core.batch import SeqWork
 from ft.model.llama import build_model, fuse_hf_state_dict
 from ft.model.loader import load_model
-from ft.model.parallel import Shard, check_shardable, decode_works, encode_works, shard_fused, split
+from ft.model.parallel import (
+    Shard,
+    check_shardable,
+    collective_failed,
+    decode_works,
+    encode_works,
+    shard_fused,
+    split,
+)
 from ft.model.torch_runner import TorchRunner
 from ft.params import SamplingParams
 from tests.model.test_runner import PROMPT_A, PROMPT_B, generate, make_runner
@@ -139,7 +147,7 @@ def test_an_error_on_rank_0_mid_step_is_fatal(tiny_dir: pathlib.Path) -> None:
             raise RuntimeError("out of memory")
 
         runner._lm_head = fail  # after the layers' all-reduces, before the logits' gather
-        with pytest.raises(RunnerFailure, match="failed on rank 0: RuntimeError: out of memory"):
+        with pytest.raises(RunnerFailure, match=r"failed on rank 0 \(RuntimeError\)"):
             runner.step([SeqWork(0, PROMPT_B, 0, (0, 1), True, GREEDY, 0)])
     finally:
         parts.close(True)  # the group is out of step: the ranks are terminated, not told
@@ -160,3 +168,12 @@ def test_ranks_agree_on_the_auto_dtype_whatever_each_measures(
         assert runner.dtype == torch.float32
         tp, tp_logits = generate(runner, PROMPT_A, tuple(range(8)), 6)
     assert tp == solo and torch.allclose(tp_logits, logits, atol=1e-5)
+
+
+def test_a_failed_collective_tells_clients_what_failed_not_where() -> None:
+    """gloo's text (source paths, a peer's address) goes to the log, not to the message that
+    reaches clients and /health."""
+    gloo = RuntimeError("[/__w/gloo/pair.cc:553] Connection closed by peer [10.0.0.7]:8598")
+    failure = collective_failed("broadcast", gloo)
+    assert "10.0.0.7" not in str(failure) and "pair.cc" not in str(failure)
+    assert "broadcast failed (RuntimeError)" in str(failure)
