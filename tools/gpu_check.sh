@@ -18,11 +18,14 @@ if not torch.cuda.is_available():
 print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, {torch.cuda.device_count()} x "
       f"{torch.cuda.get_device_name(0)}", flush=True)
 PY
-python -m ft.cli pull >/dev/null
 
-echo "== CUDA tests"
-python -m pytest -q -rs -s tests/model/test_device.py \
-  "tests/model/test_agreement.py::test_cuda_matches_transformers"
+echo "== CUDA tests (a tiny random model)"
+python -m pytest -q -rs -s tests/model/test_device.py
+# The rest needs the default model: pulled only now, so the tests above report even where it
+# cannot be fetched.
+python -m ft.cli pull >/dev/null
+echo "== CUDA agreement with transformers (the default model)"
+python -m pytest -q -rs -s "tests/model/test_agreement.py::test_cuda_matches_transformers"
 echo "== scope tests"
 python -m pytest -q tests/engine/test_request_scope.py tests/engine/test_scope_property.py \
   tests/engine/test_runner_failure.py

@@ -21,7 +21,8 @@ from tests.model.test_runner import PROMPT_A, PROMPT_B, make_runner
 GREEDY = SamplingParams(temperature=0.0)
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="torch sees no CUDA device")
 PROMPT_C = (7, 7, 7, 3, 1, 2, 30, 31, 32, 33, 34)
-PAGES = ((0, 1, 2, 3, 4, 5, 6), (8, 9, 10, 11), (12, 13, 14, 15))
+DECODE_STEPS = 12  # greedy steps of the CUDA tests: PAGES hold each prompt and them (pages of 4)
+PAGES = ((0, 1, 2, 3, 4, 5, 6, 7), (9, 10, 11, 12, 13), (16, 17, 18, 19, 20, 21))
 
 
 def test_device_names_resolve() -> None:
@@ -64,19 +65,23 @@ def _prefilled(runner: TorchRunner) -> tuple[list[int], list[int]]:
 
 def test_decode_graph_inputs_compute_the_eager_decode(tiny_dir: pathlib.Path) -> None:
     """The graphs' packed inputs (token, position, page table; padding rows on a scratch page)
-    give the eager decode's hidden states: checked here eagerly, on the CPU."""
+    give the eager decode's hidden states at every step the CUDA tests decode: checked here
+    eagerly, on the CPU."""
     runner = make_runner(tiny_dir, num_pages=32, page_size=4)
     tokens, positions = _prefilled(runner)
     graphs = DecodeGraphs(runner.model, runner.k_cache, runner.v_cache, page_size=4, scratch_page=31,
                           max_context=256)  # fmt: skip
-    got = graphs.run_eagerly(tokens, positions, list(PAGES))  # batch bucket 4: one padding row
-    spans = [SeqSpan(p, 1, pages) for p, pages in zip(positions, PAGES, strict=True)]
-    expected = runner._forward_torch(tokens, positions, spans)
-    assert got.shape == expected.shape and torch.allclose(got, expected, atol=1e-5)
+    for _ in range(1, DECODE_STEPS):
+        got = graphs.run_eagerly(tokens, positions, list(PAGES))  # batch bucket 4: one padding row
+        spans = [SeqSpan(p, 1, pages) for p, pages in zip(positions, PAGES, strict=True)]
+        expected = runner._forward_torch(tokens, positions, spans)
+        assert got.shape == expected.shape and torch.allclose(got, expected, atol=1e-5)
+        tokens = runner.model.logits(expected).argmax(-1).tolist()
+        positions = [p + 1 for p in positions]
     assert graphs.bucket(300, 10) is None  # more rows than the largest bucket: eager
 
 
-def _greedy(runner: TorchRunner, steps: int) -> tuple[list[list[int]], list[torch.Tensor]]:
+def _greedy(runner: TorchRunner, steps: int = DECODE_STEPS) -> tuple[list[list[int]], list[torch.Tensor]]:
     tokens, positions = _prefilled(runner)
     outs = [[t] for t in tokens]
     logits: list[torch.Tensor] = []
@@ -104,8 +109,8 @@ def test_cuda_graph_decode_equals_eager(tiny_dir: pathlib.Path) -> None:
         )
 
     graphed = runner(True)
-    tokens_g, logits_g = _greedy(graphed, 12)
-    tokens_e, logits_e = _greedy(runner(False), 12)
+    tokens_g, logits_g = _greedy(graphed)
+    tokens_e, logits_e = _greedy(runner(False))
     assert graphed._graphs is not None and graphed._graphs.num_captured >= 1
     assert tokens_g == tokens_e
     for a, b in zip(logits_g, logits_e, strict=True):
@@ -117,8 +122,8 @@ def test_cuda_logits_and_tokens_match_the_cpu(tiny_dir: pathlib.Path) -> None:
     """float32 on the GPU (SDPA, graphs) against float32 on the CPU (itself within 1e-4 of transformers)."""
     loaded = load_model(tiny_dir, torch.float32)
     gpu = TorchRunner(loaded, num_pages=32, page_size=4, dtype=torch.float32, device=torch.device("cuda"))
-    tokens_gpu, logits_gpu = _greedy(gpu, 10)
-    tokens_cpu, logits_cpu = _greedy(make_runner(tiny_dir), 10)
+    tokens_gpu, logits_gpu = _greedy(gpu)
+    tokens_cpu, logits_cpu = _greedy(make_runner(tiny_dir))
     assert tokens_gpu == tokens_cpu
     assert max((a - b).abs().max().item() for a, b in zip(logits_gpu, logits_cpu, strict=True)) < 1e-3
 
