@@ -213,6 +213,7 @@ def run_rank(device_name: str) -> int:
             return 0
         runner = parts.make_runner(int(message["num_pages"]), int(message["page_size"]))
         assert isinstance(runner, TorchRunner)
+        del parts  # its loader holds the whole unsharded model; the runner keeps its shard
         runner.follow()
     except RankFailure as e:
         log.error("rank %d: %s", rank, e)
