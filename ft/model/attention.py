@@ -186,7 +186,13 @@ def paged_attention(
         kc = k_cache.index_select(0, chunk.slots).to(q.dtype).transpose(0, 1)  # [kvh, L, hd]
         vc = v_cache.index_select(0, chunk.slots).to(q.dtype).transpose(0, 1)  # [kvh, L, hd]
         mask = chunk.mask.repeat(group, 1)  # [group*q, L]
-        oc = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask)  # [kvh, group*q, hd]
+        if q.is_cuda:
+            # NOTE: torch's fused kernels take 4-D inputs only; 3-D ones fall back to the math
+            # path, which holds [kvh, group*q, L] float32 scores (17 GB for a 1024-token chunk
+            # at 128k context with 32 heads). The CPU keeps the 3-D call it was measured with.
+            oc = F.scaled_dot_product_attention(qc[None], kc[None], vc[None], attn_mask=mask[None, None])[0]
+        else:
+            oc = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask)  # [kvh, group*q, hd]
         oc = oc.view(kv_heads, group, q_len, head_dim).permute(2, 0, 1, 3)  # [q, kvh, group, hd]
         out[chunk.row_start : chunk.row_end] = oc.reshape(q_len, num_heads * head_dim)
     return out
