@@ -14,6 +14,7 @@ sampling) before any other graph is replayed.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +24,8 @@ from ft.model.llama import LlamaForCausalLM
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 MIN_CONTEXT = 256
+
+log = logging.getLogger("ft.model")
 
 
 def context_bucket(length: int, page_size: int) -> int:
@@ -64,6 +67,7 @@ class DecodeGraphs:
         self.max_context = context_bucket(max_context, page_size)
         self.device = k_cache.device
         self._graphs: dict[tuple[int, int], _Graph] = {}
+        self._uncapturable: set[tuple[int, int]] = set()
         self._pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
 
     @property
@@ -87,7 +91,19 @@ class DecodeGraphs:
         bucket = self.bucket(len(token_ids), max(positions) + 1)
         if bucket is None:
             return None
-        graph = self._graphs.get(bucket) or self._capture(*bucket)
+        graph = self._graphs.get(bucket)
+        if graph is None:
+            if bucket in self._uncapturable:
+                return None
+            try:
+                graph = self._capture(*bucket)
+            except Exception:
+                # NOTE: out of memory for a large bucket, or an op that cannot be captured: that
+                # bucket runs eagerly from now on rather than failing (and recapturing) every
+                # step. (Unverified on a GPU: the capture's stream state after a failure.)
+                log.warning("decode graph %s could not be captured; it runs eagerly", bucket, exc_info=True)
+                self._uncapturable.add(bucket)
+                return None
         packed = self._inputs(token_ids, positions, page_ids, *bucket)
         graph.copied.synchronize()  # the last copy out of `staging` is done (it almost always is)
         graph.staging.copy_(packed)

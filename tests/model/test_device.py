@@ -164,3 +164,24 @@ async def test_cuda_engine_serves_in_bfloat16_and_frees_everything(tiny_dir: pat
                     )
             assert engine.core is not None and engine.core.pool.num_used == 0
             assert len(engine.registry) == 0
+
+
+def test_a_bucket_that_cannot_be_captured_runs_eagerly_from_then_on(tiny_dir: pathlib.Path) -> None:
+    """A failed capture (here: no CUDA on this machine; on a GPU, out of memory) is not retried
+    every step: `run` says "run it eagerly" for that bucket, at once, from then on."""
+    runner = make_runner(tiny_dir, num_pages=32, page_size=4)
+    tokens, positions = _prefilled(runner)
+    graphs = DecodeGraphs(runner.model, runner.k_cache, runner.v_cache, page_size=4, scratch_page=31,
+                          max_context=256)  # fmt: skip
+    tries = 0
+    capture = graphs._capture
+
+    def counting(batch: int, context: int) -> object:
+        nonlocal tries
+        tries += 1
+        return capture(batch, context)
+
+    graphs._capture = counting  # type: ignore[method-assign,assignment]
+    for _ in range(3):
+        assert graphs.run(tokens, positions, list(PAGES)) is None
+    assert tries == 1 and graphs.num_captured == 0
