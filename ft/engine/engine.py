@@ -168,7 +168,7 @@ class Engine:
         detok_send, detok_recv = trio.open_memory_channel[DetokenizerIn](math.inf)
         run_send, run_recv = trio.open_memory_channel[Batch](1)  # one batch in flight
 
-        executor = self.hooks.tokenize_executor or self._worker_executor(cfg.tokenizer_workers)
+        executor = self.hooks.tokenize_executor or self._worker_executor(workers=cfg.tokenizer_workers)
 
         tokenizer_actor = TokenizerActor(
             tok_recv,
@@ -208,7 +208,7 @@ class Engine:
             tokenizer_json=spec.tokenizer_json,
             eos_token_ids=spec.eos_token_ids,
             vocab_size=parts.vocab_size,
-            executor=self.hooks.tokenize_executor or self._killable_worker_executor(),
+            executor=self.hooks.tokenize_executor or self._worker_executor(kill_on_cancel=True),
             fault=self.hooks.grammar_fault,
         )
         self._running = Running(core, spec.build(), tokenizer_actor, sched_send, tok_send, grammars)
@@ -245,24 +245,18 @@ class Engine:
         # Called from the loading thread: a float assignment, nothing else.
         self.load_progress = round(0.9 * fraction, 3)
 
-    def _worker_executor(self, workers: int) -> Executor:
-        limiter = trio.CapacityLimiter(workers)
+    def _worker_executor(self, *, workers: int | None = None, kill_on_cancel: bool = False) -> Executor:
+        """Jobs in the engine's worker processes, at most `workers` at once (trio-parallel's
+        default when None); `kill_on_cancel`: the worker is killed if the caller is cancelled
+        (a grammar compile past its deadline), else the job runs to its end."""
+        limiter = trio.CapacityLimiter(workers) if workers else None
         context = self._workers
         assert context is not None, "the engine is not running (use open_engine)"
 
         async def executor(job: Callable[[bytes], bytes], payload: bytes) -> bytes:
-            result: bytes = await context.run_sync(job, payload, limiter=limiter)
-            return result
-
-        return executor
-
-    def _killable_worker_executor(self) -> Executor:
-        """Jobs in the engine's worker processes, the worker killed if the caller is cancelled."""
-        context = self._workers
-        assert context is not None, "the engine is not running (use open_engine)"
-
-        async def executor(job: Callable[[bytes], bytes], payload: bytes) -> bytes:
-            result: bytes = await context.run_sync(job, payload, kill_on_cancel=True)
+            result: bytes = await context.run_sync(
+                job, payload, limiter=limiter, kill_on_cancel=kill_on_cancel
+            )
             return result
 
         return executor

@@ -8,6 +8,9 @@ combined with these in `ft.server.tools.output_grammar`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from ft.errors import InvalidRequest
 from ft.grammar import spec
 from ft.grammar.spec import GrammarSpec
@@ -41,25 +44,23 @@ def openai_output(req: SamplingFields) -> GrammarSpec | None:
         param = "response_format.json_schema.schema"
         asked.append(spec.json_object(param) if schema is None else spec.json_schema(schema, param))
     so = req.structured_outputs
+    if so is not None and so.json_object:
+        asked.append(spec.json_object("structured_outputs.json_object"))
+    # vLLM's fields, new and old spellings: (value, builder, field name).
+    fields: list[tuple[Any, Callable[[Any, str], GrammarSpec], str]] = [
+        (req.guided_json, spec.json_schema, "guided_json"),
+        (req.guided_regex, spec.regex, "guided_regex"),
+        (req.guided_choice, spec.choice, "guided_choice"),
+        (req.guided_grammar, spec.grammar, "guided_grammar"),
+    ]
     if so is not None:
-        if so.json_ is not None:
-            asked.append(spec.json_schema(so.json_, "structured_outputs.json"))
-        if so.regex is not None:
-            asked.append(spec.regex(so.regex, "structured_outputs.regex"))
-        if so.choice is not None:
-            asked.append(spec.choice(so.choice, "structured_outputs.choice"))
-        if so.grammar is not None:
-            asked.append(spec.grammar(so.grammar, "structured_outputs.grammar"))
-        if so.json_object:
-            asked.append(spec.json_object("structured_outputs.json_object"))
-    if req.guided_json is not None:
-        asked.append(spec.json_schema(req.guided_json, "guided_json"))
-    if req.guided_regex is not None:
-        asked.append(spec.regex(req.guided_regex, "guided_regex"))
-    if req.guided_choice is not None:
-        asked.append(spec.choice(req.guided_choice, "guided_choice"))
-    if req.guided_grammar is not None:
-        asked.append(spec.grammar(req.guided_grammar, "guided_grammar"))
+        fields += [
+            (so.json_, spec.json_schema, "structured_outputs.json"),
+            (so.regex, spec.regex, "structured_outputs.regex"),
+            (so.choice, spec.choice, "structured_outputs.choice"),
+            (so.grammar, spec.grammar, "structured_outputs.grammar"),
+        ]
+    asked += [build(value, param) for value, build, param in fields if value is not None]
     return only_one(asked)
 
 
