@@ -1,6 +1,6 @@
 """The engine's compiled grammars: each distinct spec checked once in a worker, then cached.
 
-A spec new to the engine is compiled first by `check_job` in a worker process under a
+A spec new to the engine is compiled first by `check_grammar_job` in a worker process under a
 deadline (`timeout_s`, counted from when one of the `workers` is free; the worker is killed
 past it, and a crash only loses the worker), then built in a thread here. Successes and
 refusals are both remembered (least recently used first out), so a client resending a schema,
@@ -19,10 +19,11 @@ import trio
 import trio_parallel
 
 from ft.errors import InvalidRequest
-from ft.grammar.compiled import Grammar, check_job, check_payload, compile_matcher, grammar_tokenizer
+from ft.grammar.compiled import Grammar, compile_matcher, grammar_tokenizer
 from ft.grammar.spec import GrammarSpec
+from ft.tokenizer.job import check_grammar_job, grammar_payload
 
-# Runs `check_job` somewhere and returns its CBOR answer; cancelling it must stop the job.
+# Runs `check_grammar_job` somewhere and returns its CBOR answer; cancelling it must stop the job.
 CheckExecutor = Callable[[Callable[[bytes], bytes], bytes], Awaitable[bytes]]
 
 CACHE_SIZE = 256
@@ -106,11 +107,11 @@ class Grammars:
 
     async def _compile(self, spec: GrammarSpec) -> Grammar | str:
         self.num_compiled += 1
-        payload = check_payload(spec, self._spec_path, self._vocab_size, self._fault)
+        payload = grammar_payload(spec, self._spec_path, self._vocab_size, self._fault)
         async with self._workers:
             with trio.move_on_after(self._timeout_s):
                 try:
-                    answer = cbor2.loads(await self._executor(check_job, payload))
+                    answer = cbor2.loads(await self._executor(check_grammar_job, payload))
                 except trio_parallel.BrokenWorkerError:
                     return "the grammar crashed its compiler (it is too large or too deeply nested)"
                 if "error" in answer:

@@ -3,20 +3,18 @@
 A hostile grammar can make a compiler explode: llguidance bounds its own work with fuel limits
 (`limits`), but converting a schema nested thousands deep overflows its stack and kills the
 process. So a new grammar is first compiled, its first mask computed and a few tokens walked
-(`walk`) by `check_job` in a worker process the engine can kill at a deadline; only a grammar
-that passed is built in the server, where each sequence takes a cheap copy of it
-(`Grammar.matcher`).
+(`walk`) in a worker process the engine can kill at a deadline (`ft.tokenizer.job`'s
+`check_grammar_job`); only a grammar that passed is built in the server, where each sequence
+takes a cheap copy of it (`Grammar.matcher`).
 """
 
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import TYPE_CHECKING, cast
 
-import cbor2
 import llguidance
 import numpy as np
 
@@ -121,42 +119,6 @@ def walk(matcher: Matcher, vocab_size: int, eos_token_ids: tuple[int, ...], step
         m.consume_token(int(tokens[0]))
     if m.is_error():
         raise ValueError(error_of(m))
-
-
-# --- the worker process ----------------------------------------------------------------------
-
-
-@lru_cache(maxsize=2)
-def _tokenizer_at(spec_path: str, vocab_size: int) -> tuple[llguidance.LLTokenizer, tuple[int, ...]]:
-    """The tokenizer of the `TokenizerSpec` the engine wrote to `spec_path` (CBOR), and its EOS ids."""
-    with open(spec_path, "rb") as f:
-        fields = cbor2.load(f)
-    eos = tuple(fields["eos_token_ids"])
-    return grammar_tokenizer(fields["tokenizer_json"], vocab_size, eos), eos
-
-
-def check_job(payload: bytes) -> bytes:
-    """Worker entry point: compile a grammar spec and compute its first mask.
-
-    CBOR in: `spec_path`, `vocab_size`, `kind`, `source`. CBOR out: `grammar` (llguidance's
-    text of it) or `error`. The caller kills the worker past its deadline.
-    """
-    job = cbor2.loads(payload)
-    if job.get("fault") == "exit":  # test hook: the compiler crashes the process
-        os._exit(17)
-    try:
-        text = grammar_text(GrammarSpec(job["kind"], job["source"]))
-        tokenizer, eos = _tokenizer_at(job["spec_path"], job["vocab_size"])
-        walk(compile_matcher(text, tokenizer, job["vocab_size"]), job["vocab_size"], eos)
-    except ValueError as e:
-        return cbor2.dumps({"error": str(e)})
-    return cbor2.dumps({"grammar": text})
-
-
-def check_payload(spec: GrammarSpec, spec_path: str, vocab_size: int, fault: str | None = None) -> bytes:
-    """The CBOR job `check_job` reads."""
-    job = {"spec_path": spec_path, "vocab_size": vocab_size, "kind": spec.kind, "source": spec.source}
-    return cbor2.dumps(job | ({"fault": fault} if fault else {}))
 
 
 # --- in the server ---------------------------------------------------------------------------

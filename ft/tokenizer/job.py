@@ -13,6 +13,7 @@ import cbor2
 from tokenizers import Tokenizer
 
 from ft.errors import InvalidRequest
+from ft.grammar.spec import GrammarSpec
 from ft.tokenizer.codec import TokenizeJob, decode_job, encode_result
 from ft.tokenizer.spec import TokenizerSpec
 from ft.tokenizer.template import render_chat
@@ -97,3 +98,33 @@ def tokenize_job(payload: bytes) -> bytes:
         if bos is not None and (not ids or ids[0] != bos):
             ids.insert(0, bos)
     return encode_result(ids)
+
+
+def check_grammar_job(payload: bytes) -> bytes:
+    """Worker entry point: compile a grammar spec, compute its first mask and walk a few tokens
+    (`ft.grammar.compiled`), with the tokenizer of the spec file tokenize jobs read.
+
+    CBOR in: `spec_path`, `vocab_size`, `kind`, `source`. CBOR out: `grammar` (llguidance's
+    text of it) or `error`. The caller kills the worker past its deadline.
+    """
+    # Imported here: llguidance and numpy load only in a worker that compiles a grammar.
+    from ft.grammar.compiled import compile_matcher, grammar_text, grammar_tokenizer, walk
+
+    job = cbor2.loads(payload)
+    if job.get("fault") == "exit":  # test hook: the compiler crashes the process
+        os._exit(17)
+    _, spec = load_spec(job["spec_path"])
+    vocab_size = job["vocab_size"]
+    try:
+        text = grammar_text(GrammarSpec(job["kind"], job["source"]))
+        tokenizer = grammar_tokenizer(spec.tokenizer_json, vocab_size, spec.eos_token_ids)
+        walk(compile_matcher(text, tokenizer, vocab_size), vocab_size, spec.eos_token_ids)
+    except ValueError as e:
+        return cbor2.dumps({"error": str(e)})
+    return cbor2.dumps({"grammar": text})
+
+
+def grammar_payload(grammar: GrammarSpec, spec_path: str, vocab_size: int, fault: str | None = None) -> bytes:
+    """The CBOR job `check_grammar_job` reads."""
+    job = {"spec_path": spec_path, "vocab_size": vocab_size, "kind": grammar.kind, "source": grammar.source}
+    return cbor2.dumps(job | ({"fault": fault} if fault else {}))

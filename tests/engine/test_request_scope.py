@@ -19,9 +19,9 @@ from ft.errors import (
     RequestFailed,
 )
 from ft.grammar import spec
-from ft.grammar.compiled import check_job
 from ft.messages import Tokenize
 from ft.params import SamplingParams
+from ft.tokenizer.job import check_grammar_job
 from tests.support.engine import fake_engine
 
 CHAT = [{"role": "user", "content": "hi"}]
@@ -361,7 +361,7 @@ async def test_a_request_compiling_its_grammar_is_refused_once_the_engine_stops(
     gate = trio.Event()
 
     async def slow_grammars(job: Callable[[bytes], bytes], payload: bytes) -> bytes:
-        if job is check_job:
+        if job is check_grammar_job:
             await gate.wait()
         return await run_inline(job, payload)
 
