@@ -12,6 +12,8 @@ import signal
 import socket
 import subprocess
 import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 import httpx
 import pytest
@@ -26,11 +28,29 @@ async def test_torchrun_environment_starts_one_server_and_one_rank(tmp_path: pat
     torchrun sets them on each node); both exit 0 after SIGTERM."""
     model = tmp_path / "tiny"
     save_hf_dir(model, tiny_config())
+    async with torchrun_pair(tmp_path, ["--model", str(model)]) as (proc, rank1, client):
+        body = {"prompt": "!#%", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+        reply = (await client.post("/v1/completions", json=body)).json()
+        assert reply["usage"]["completion_tokens"] == 8
+        assert not rank_pids(proc.pid)  # under torchrun nothing is spawned
+        proc.terminate()
+        with trio.fail_after(30):
+            assert await proc.wait() == 0
+            assert await rank1.wait() == 0  # rank 0 told it to stop
+
+
+@asynccontextmanager
+async def torchrun_pair(
+    tmp_path: pathlib.Path, args: list[str]
+) -> AsyncIterator[tuple[trio.Process, trio.Process, httpx.AsyncClient]]:
+    """`ft serve --tensor-parallel-size 2 ARGS` as torchrun starts it: rank 1 and rank 0 with
+    `MASTER_ADDR`/`MASTER_PORT`/`WORLD_SIZE`/`RANK`; yields both once rank 0 serves, and a
+    client on it. Rank 1 is killed on the way out if it is still running."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2")
-    args = ["--model", str(model), "--dtype", "float32", "--device", "cpu", "--tensor-parallel-size", "2"]
+    args = [*args, "--dtype", "float32", "--device", "cpu", "--tensor-parallel-size", "2"]
     with (tmp_path / "rank1.log").open("wb") as out:
         rank1 = await trio.lowlevel.open_process(
             [sys.executable, "-m", "ft.cli_serve", *args], env=env | {"RANK": "1", "LOCAL_RANK": "0"},
@@ -42,14 +62,7 @@ async def test_torchrun_environment_starts_one_server_and_one_rank(tmp_path: pat
                 with trio.fail_after(60):
                     while (await client.get("/health")).json()["status"] != "ok":
                         await trio.sleep(0.1)
-                body = {"prompt": "!#%", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
-                reply = (await client.post("/v1/completions", json=body)).json()
-                assert reply["usage"]["completion_tokens"] == 8
-            assert not rank_pids(proc.pid)  # under torchrun nothing is spawned
-            proc.terminate()
-            with trio.fail_after(30):
-                assert await proc.wait() == 0
-                assert await rank1.wait() == 0  # rank 0 told it to stop
+                yield proc, rank1, client
     finally:
         if rank1.returncode is None:
             rank1.kill()
@@ -185,42 +198,26 @@ async def test_under_torchrun_a_sigterm_to_every_rank_drains(tmp_path: pathlib.P
     serving rank 0's drain (the in-flight stream ends normally), then stop when told."""
     model = tmp_path / "tiny"
     save_hf_dir(model, tiny_config(max_position_embeddings=4096))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2")
-    args = ["--model", str(model), "--dtype", "float32", "--device", "cpu", "--tensor-parallel-size", "2",
-            "--drain-timeout", "30"]  # fmt: skip
-    with (tmp_path / "rank1.log").open("wb") as out:
-        rank1 = await trio.lowlevel.open_process(
-            [sys.executable, "-m", "ft.cli_serve", *args], env=env | {"RANK": "1", "LOCAL_RANK": "0"},
-            stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
-        )  # fmt: skip
-    try:
-        async with serve_process(args, tmp_path / "rank0.log", env=env | {"RANK": "0"}) as (proc, url):
-            async with httpx.AsyncClient(base_url=url, timeout=30) as client:
-                with trio.fail_after(60):
-                    while (await client.get("/health")).json()["status"] != "ok":
-                        await trio.sleep(0.1)
-                body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 40,
-                        "ignore_eos": True, "stream": True}  # fmt: skip
-                with trio.fail_after(60):
-                    async with client.stream("POST", "/v1/chat/completions", json=body) as r:
-                        lines = r.aiter_lines()
-                        while not (await lines.__anext__()).startswith("data: {"):
-                            pass
-                        rank1.send_signal(signal.SIGTERM)
-                        proc.send_signal(signal.SIGTERM)
-                        rest = [line async for line in lines if line.startswith("data: ")]
-            last = json.loads(rest[-2].removeprefix("data: "))
-            assert "error" not in last and last["choices"][0]["finish_reason"] == "length", rest[-2]
-            with trio.fail_after(30):
-                assert await proc.wait() == 0
-                assert await rank1.wait() == 0
-    finally:
-        if rank1.returncode is None:
-            rank1.kill()
-            await rank1.wait()
+    async with torchrun_pair(tmp_path, ["--model", str(model), "--drain-timeout", "30"]) as (
+        proc,
+        rank1,
+        client,
+    ):
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 40,
+                "ignore_eos": True, "stream": True}  # fmt: skip
+        with trio.fail_after(60):
+            async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+                lines = r.aiter_lines()
+                while not (await lines.__anext__()).startswith("data: {"):
+                    pass
+                rank1.send_signal(signal.SIGTERM)
+                proc.send_signal(signal.SIGTERM)
+                rest = [line async for line in lines if line.startswith("data: ")]
+        last = json.loads(rest[-2].removeprefix("data: "))
+        assert "error" not in last and last["choices"][0]["finish_reason"] == "length", rest[-2]
+        with trio.fail_after(30):
+            assert await proc.wait() == 0
+            assert await rank1.wait() == 0
 
 
 async def test_a_rank_whose_server_is_killed_during_start_up_exits(tmp_path: pathlib.Path) -> None:
