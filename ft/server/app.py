@@ -15,7 +15,6 @@ from functools import partial
 
 import hypercorn.trio
 import trio
-from hypercorn.config import Config as HypercornConfig
 from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
@@ -141,7 +140,7 @@ def _install_edge(app: QuartTrio, ctx: ServerContext) -> None:
         return error_response(ctx, internal_error(e))
 
 
-def hypercorn_config(settings: ServerSettings) -> HypercornConfig:
+def hypercorn_config(settings: ServerSettings) -> FtHypercornConfig:
     """Hypercorn's config for `settings` (access log only at debug level; HTTP/1.x only
     unless `settings.http2`, see `ft.server.protocol`)."""
     protocol.install()

@@ -94,4 +94,4 @@ class GuardedTCPServer(TCPServer):
 
 def install() -> None:
     """Make hypercorn's trio worker build `GuardedTCPServer` connections (idempotent)."""
-    hypercorn.trio.run.TCPServer = GuardedTCPServer  # type: ignore[misc]
+    hypercorn.trio.run.TCPServer = GuardedTCPServer  # type: ignore[attr-defined]
