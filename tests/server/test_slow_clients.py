@@ -66,19 +66,52 @@ async def test_a_stream_whose_client_stops_reading_is_aborted_after_the_send_tim
             assert stats["requests"]["aborted"] == 1
 
 
-async def test_a_non_streamed_response_the_client_does_not_read_is_cut() -> None:
-    """A large non-streamed body the client never reads: the write is cut, the server goes on."""
+async def test_a_non_streamed_body_the_client_does_not_read_is_cut() -> None:
+    """A large non-streamed body whose client never reads: the write is cut after the send
+    timeout and the connection closed (the client finds a truncated body, then the end)."""
     async with endless_server(send_timeout_s=0.5) as server:
-        body = {"prompt": "hi", "max_tokens": 4000, "ignore_eos": True, "n": 16, "echo": True}
-        socks = [await request_and_never_read(server.base_url, "/v1/completions", body) for _ in range(3)]
+        body = {"prompt": "hi", "max_tokens": 3000, "ignore_eos": True, "n": 4, "logprobs": 5}
+        sock = await request_and_never_read(server.base_url, "/v1/completions", body)
+        with sock:
+            with trio.fail_after(30):
+                while server.engine.snapshot()["requests"]["completed"] < 1:
+                    await trio.sleep(0.05)
+            await trio.sleep(1.5)  # reading nothing for longer than the send timeout
+            received = b""
+            with trio.fail_after(10):  # before: the whole body, then a kept-alive connection
+                while chunk := await sock.recv(1 << 20):
+                    received += chunk
+        head, _, rest = received.partition(b"\r\n\r\n")
+        length = int(
+            next(h for h in head.split(b"\r\n") if h.lower().startswith(b"content-length")).split(b":")[1]
+        )
+        assert 0 < len(rest) < length
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=30) as c:
+            r = await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4})
+        assert r.status_code == 200
+
+
+async def test_clients_that_stop_reading_do_not_hold_the_engine_capacity() -> None:
+    """Streams the engine has finished, whose clients read nothing, leave the engine's capacity:
+    an honest request is served, not refused with 503 (they count as `sending`)."""
+    settings = replace(TEST_SETTINGS, send_timeout_s=600)
+    runner = endless_runner()
+    cfg = {"context_length": 70000, "num_pages": 8192, "max_running_requests": 2, "max_queued_requests": 1}
+    async with fake_server(runner, settings=settings, **cfg) as server:
+        body = {"messages": [{"role": "user", "content": "hi"}]} | ENDLESS | {"max_tokens": 5000}
+        socks = [
+            await request_and_never_read(server.base_url, "/v1/chat/completions", body) for _ in range(3)
+        ]
         try:
             async with httpx.AsyncClient(base_url=server.base_url, timeout=30) as c:
-                with trio.fail_after(20):
-                    await wait_active(server, 0)
-                    while server.engine.snapshot()["requests"]["completed"] < 3:
+                with trio.fail_after(60):
+                    while (await c.get("/v1/stats")).json()["requests"]["sending"] < 3:
                         await trio.sleep(0.05)
-                    r = await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4})
-                assert r.status_code == 200
+                stats = (await c.get("/v1/stats")).json()["requests"]
+                assert stats["active"] == 3 and stats["running"] == 0 and stats["waiting"] == 0
+                honest = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 4}
+                r = await c.post("/v1/chat/completions", json=honest)
+                assert r.status_code == 200, r.text  # before: 503, the queue is full
         finally:
             for s in socks:
                 s.close()
