@@ -63,6 +63,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-queued-requests", type=int, default=256, help="waiting requests before 503 (default: 256)"
     )
     engine.add_argument(
+        "--max-queue-wait",
+        type=float,
+        default=None,
+        help="seconds a request may wait in the queue for its first step before a 503 with "
+        "Retry-After (in-stream for a stream; default: no bound)",
+    )
+    engine.add_argument(
         "--max-prefill-tokens",
         type=int,
         default=1024,
@@ -183,6 +190,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerSet
         max_running_requests=args.max_running_requests,
         max_prefill_tokens=args.max_prefill_tokens,
         max_queued_requests=args.max_queued_requests,
+        max_queue_wait_s=args.max_queue_wait,
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
         step_timeout_s=args.step_timeout,

@@ -195,7 +195,15 @@ class Engine:
         )
         await nursery.start(tokenizer_actor.run)
         await nursery.start(
-            SchedulerActor(sched_recv, run_send, detok_send, core, self.registry, self._on_step).run
+            SchedulerActor(
+                sched_recv,
+                run_send,
+                detok_send,
+                core,
+                self.registry,
+                self._on_step,
+                max_queue_wait_s=cfg.max_queue_wait_s,
+            ).run
         )
         await nursery.start(
             RunnerActor(
