@@ -20,6 +20,7 @@ from ft.config import (
 )
 from ft.logs import LOG_FORMATS, setup_logging
 from ft.server.settings import LOG_LEVELS, ServerSettings
+from ft.server.slow_clients import DEFAULT_SEND_TIMEOUT_S
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 _UNITS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}
@@ -60,6 +61,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     engine.add_argument(
         "--max-queued-requests", type=int, default=256, help="waiting requests before 503 (default: 256)"
+    )
+    engine.add_argument(
+        "--max-queue-wait",
+        type=float,
+        default=None,
+        help="seconds a request may wait in the queue for its first step before a 503 with "
+        "Retry-After (in-stream for a stream; default: no bound)",
     )
     engine.add_argument(
         "--max-prefill-tokens",
@@ -136,6 +144,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="seconds between stream heartbeats while waiting (default: 2)",
     )
     http.add_argument(
+        "--send-timeout",
+        type=float,
+        default=DEFAULT_SEND_TIMEOUT_S,
+        help="seconds a client may accept no bytes before its connection is closed and its request "
+        f"aborted (a client that stops reading has left; default: {DEFAULT_SEND_TIMEOUT_S:g})",
+    )
+    http.add_argument(
         "--metrics-require-key",
         action="store_true",
         help="/metrics needs the API key too (default: open, like /health)",
@@ -175,6 +190,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerSet
         max_running_requests=args.max_running_requests,
         max_prefill_tokens=args.max_prefill_tokens,
         max_queued_requests=args.max_queued_requests,
+        max_queue_wait_s=args.max_queue_wait,
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
         step_timeout_s=args.step_timeout,
@@ -188,6 +204,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerSet
         cors_origins=args.cors_origins,
         max_body_bytes=args.max_body_bytes,
         sse_heartbeat_s=args.sse_heartbeat_s,
+        send_timeout_s=args.send_timeout,
         drain_timeout_s=args.drain_timeout,
         log_level=args.log_level,
         log_format=args.log_format,

@@ -40,6 +40,9 @@ class EngineConfig:
     max_model_len: int | None = None
     max_running_requests: int = 32
     max_queued_requests: int = 256
+    # Seconds a request may wait for its first step before it is refused with 503 (None: no
+    # bound); a load balancer then retries it on another replica instead of waiting here.
+    max_queue_wait_s: float | None = None
     max_prefill_tokens: int = 1024
     enable_prefix_caching: bool = True
     tokenizer_workers: int = 1
@@ -91,6 +94,8 @@ class EngineConfig:
             raise ValueError(
                 "quantize=int8 runs in one process; it cannot be combined with tensor parallelism"
             )
+        if self.max_queue_wait_s is not None and not 0.1 <= self.max_queue_wait_s <= 86400:
+            raise ValueError(f"max_queue_wait_s must be in 0.1..86400, got {self.max_queue_wait_s}")
         if not 1.0 <= self.step_timeout_s <= 3600.0:
             raise ValueError(f"step_timeout_s must be in 1..3600, got {self.step_timeout_s}")
 

@@ -95,6 +95,7 @@ class DetokenizerActor:
             log.debug(
                 "uid %d: choice %d finished (%s)", entry.uid, out.index, finish_reason, extra=entry.log_extra
             )
+            self.registry.note_finished(entry)
         logprobs: tuple[TokenLogprob, ...] = ()
         if entry.params.logprobs and out.logprob is not None and not out.is_hidden:
             logprobs = (self._logprob(out),)

@@ -31,6 +31,8 @@ class RequestEntry:
     first_token_at: float | None = None
     last_token_at: float | None = None
     token_gaps: list[float] = field(default_factory=list)  # seconds between steps that gave tokens
+    num_finished: int = 0  # choices whose last delta was routed
+    is_done: bool = False  # the engine is done with it: every choice finished, or it failed
 
     @property
     def log_extra(self) -> dict[str, str]:
@@ -39,13 +41,30 @@ class RequestEntry:
 
 
 class Registry:
-    """Live requests by uid; `len()` is `requests.active`."""
+    """Live requests by uid; `len()` is `requests.active`.
+
+    A request the engine is done with (every choice finished, or it failed) stays registered
+    until its scope closes, while its client reads the rest of its output; `num_in_engine`
+    leaves those out: it is what admission counts, so clients that read slowly (or not at all,
+    until the send timeout) cannot hold the engine's capacity.
+    """
 
     def __init__(self) -> None:
         self._entries: dict[int, RequestEntry] = {}
+        self._num_done = 0
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    @property
+    def num_in_engine(self) -> int:
+        """Live requests the engine still works for (queued, tokenizing, prefilling, decoding)."""
+        return len(self._entries) - self._num_done
+
+    @property
+    def num_sending(self) -> int:
+        """Live requests the engine is done with, whose output the client is still reading."""
+        return self._num_done
 
     def __contains__(self, uid: object) -> bool:
         return uid in self._entries
@@ -68,7 +87,20 @@ class Registry:
         entry = self._entries.pop(uid, None)
         if entry is not None:
             entry.send.close()
+            if entry.is_done:
+                self._num_done -= 1
         return entry
+
+    def note_finished(self, entry: RequestEntry) -> None:
+        """One of `entry`'s choices has had its last delta routed."""
+        entry.num_finished += 1
+        if entry.num_finished >= entry.params.n:
+            self._mark_done(entry)
+
+    def _mark_done(self, entry: RequestEntry) -> None:
+        if not entry.is_done and self._entries.get(entry.uid) is entry:
+            entry.is_done = True
+            self._num_done += 1
 
     def send_nowait(self, uid: int, event: RequestEvent) -> bool:
         """Route an event to a live request; False when it is gone."""
@@ -83,9 +115,14 @@ class Registry:
             # Cannot happen with the bound open_request computes; if it ever does, end this
             # request (its stream raises RequestAborted) rather than the detokenizer actor.
             entry.send.close()
+            self._mark_done(entry)
             return False
         return True
 
     def fail(self, uid: int, error: FtError) -> bool:
-        """Make the request's stream raise `error`."""
-        return self.send_nowait(uid, Failed(error))
+        """Make the request's stream raise `error` (the engine is done with it)."""
+        sent = self.send_nowait(uid, Failed(error))
+        entry = self._entries.get(uid)
+        if entry is not None:
+            self._mark_done(entry)
+        return sent

@@ -10,7 +10,7 @@ import trio
 
 from ft.actors.registry import Registry
 from ft.core.scheduler import Scheduler
-from ft.errors import FtError
+from ft.errors import FtError, Overloaded
 from ft.messages import (
     Abort,
     Batch,
@@ -35,7 +35,9 @@ class SchedulerActor:
         core: Scheduler,
         registry: Registry,
         on_step: Callable[[StepDone], None] | None = None,
+        max_queue_wait_s: float | None = None,
     ) -> None:
+        self.max_queue_wait_s = max_queue_wait_s
         self.inbox = inbox
         self.runner = runner
         self.detokenizer = detokenizer
@@ -73,12 +75,33 @@ class SchedulerActor:
                         self.detokenizer.send_nowait(tuple(outs))
                 case _:
                     assert_never(msg)
+            if self.max_queue_wait_s is not None:
+                self._refuse_stale(self.max_queue_wait_s)
             if self.in_flight is None:
                 batch = self.core.schedule()
                 if batch is not None:
                     self.in_flight = batch
                     self.runner.send_nowait(batch)
                     self._mark_scheduled(batch)
+
+    def _refuse_stale(self, max_wait_s: float) -> None:
+        """Refuse (503) the queued requests that have waited `max_wait_s` for their first step.
+
+        Checked on every message: while anything waits something runs (or it would have been
+        admitted), so steps keep the messages coming. A preempted request already streamed
+        tokens and is never refused.
+        """
+        oldest = trio.current_time() - max_wait_s
+        for group in list(self.core.waiting):
+            uid = group[0].uid
+            entry = self.registry.get(uid)
+            if entry is None or entry.scheduled_at is not None or entry.created_at > oldest:
+                continue
+            self.core.abort(uid)
+            log.debug("uid %d: refused after %.3g s in the queue", uid, max_wait_s, extra=entry.log_extra)
+            self.registry.fail(
+                uid, Overloaded(f"the request waited {max_wait_s:g} s in the queue; retry later")
+            )
 
     def _mark_scheduled(self, batch: Batch) -> None:
         """Stamp the requests whose first step this is (their queue time ends here)."""

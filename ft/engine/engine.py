@@ -71,13 +71,25 @@ class Running:
 
 
 class Admission:
-    """A request admitted by `Engine.admit`; it holds a drain open until released."""
+    """A request admitted by `Engine.admit`; it holds a drain open until released.
+
+    Until its first scope opens (`opened`) it counts against the engine's capacity as queued
+    work: tokenizing its prompt and compiling its grammar wait for workers as queued requests do.
+    """
 
     def __init__(self, engine: Engine) -> None:
         self._engine: Engine | None = engine
+        self.is_preparing = True
+
+    def opened(self) -> None:
+        """Its first request scope is open: the registry counts it from now on. Idempotent."""
+        if self.is_preparing and self._engine is not None:
+            self._engine._num_preparing -= 1
+        self.is_preparing = False
 
     def release(self) -> None:
         """Let a drain stop waiting for this request. Idempotent and synchronous."""
+        self.opened()
         if self._engine is not None:
             self._engine._num_admissions -= 1
             self._engine = None
@@ -108,6 +120,7 @@ class Engine:
         self._drain_scope: trio.CancelScope | None = None
         self._abort_timeout_s = 0.0
         self._num_admissions = 0  # `Admission`s not yet released: a drain waits for them
+        self._num_preparing = 0  # `Admission`s whose scopes are not open yet: they count as queued
         self._tokenize_slots = trio.CapacityLimiter(config.tokenizer_workers)
         self._running: Running | None = None  # set once the actors have started
         self._workers: trio_parallel.WorkerContext | None = None  # tokenizer worker processes
@@ -182,7 +195,15 @@ class Engine:
         )
         await nursery.start(tokenizer_actor.run)
         await nursery.start(
-            SchedulerActor(sched_recv, run_send, detok_send, core, self.registry, self._on_step).run
+            SchedulerActor(
+                sched_recv,
+                run_send,
+                detok_send,
+                core,
+                self.registry,
+                self._on_step,
+                max_queue_wait_s=cfg.max_queue_wait_s,
+            ).run
         )
         await nursery.start(
             RunnerActor(
@@ -302,22 +323,28 @@ class Engine:
 
     # --- requests ----------------------------------------------------------------------------
 
-    def check_admission(self, *, admitted: bool = False) -> None:
+    def check_admission(self, admission: Admission | None = None) -> None:
         """Raise what `open_request` would raise now for engine state or capacity.
 
         A streaming route calls it first so it can answer 503 before committing to a 200.
-        `admitted`: the request was admitted (`admit`) before a drain began, so a drain lets
-        it in: it is in flight, not new.
+        `admission`: the request was admitted (`admit`) before a drain began, so a drain lets
+        it in (it is in flight, not new), and its own place in the queue is not counted twice.
         """
+        admitted = admission is not None
         if self.state == EngineState.LOADING:
             raise EngineStopping("the model is still loading", code="model_loading")
         if self.state == EngineState.ERROR:
             raise EngineStopping(f"the engine failed: {self.error}", code="engine_error")
         if self.state != EngineState.READY and not (admitted and self.state == EngineState.STOPPING):
             raise EngineStopping("the server is stopping and admits no new requests")
-        # Capacity is the running slots plus the queue; a request still being tokenized
-        # counts as queued, so a burst cannot slip past the limit.
-        if len(self.registry) >= self.config.max_running_requests + self.config.max_queued_requests:
+        # Capacity is the running slots plus the queue. A request being tokenized or having its
+        # grammar compiled counts as queued, so a burst cannot slip past the limit; one the
+        # engine is done with (its client still reading its output) holds nothing and does
+        # not count, so clients that stop reading cannot lock everyone out.
+        in_use = self.registry.num_in_engine + self._num_preparing
+        if admission is not None and admission.is_preparing:
+            in_use -= 1
+        if in_use >= self.config.max_running_requests + self.config.max_queued_requests:
             self.stats.rejected += 1
             raise Overloaded(
                 f"the queue is full ({self.config.max_queued_requests} waiting requests); retry later"
@@ -326,13 +353,14 @@ class Engine:
     def admit(self) -> Admission:
         """Admit a request now, before the work that precedes its scope (tokenizing it,
         compiling its grammar, sending a stream's headers): a drain that begins meanwhile
-        waits for the admission's `release` and lets its `open_request(admitted=True)` in.
+        waits for the admission's `release` and lets its `open_request(admission=...)` in.
 
         Raises:
             EngineStopping, Overloaded: what `check_admission` raises.
         """
         self.check_admission()
         self._num_admissions += 1
+        self._num_preparing += 1
         return Admission(self)
 
     @asynccontextmanager
@@ -348,12 +376,12 @@ class Engine:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         request_id: str | None = None,
-        admitted: bool = False,
+        admission: Admission | None = None,
     ) -> AsyncIterator[RequestStream]:
         """Register a request for the block's duration; yield its stream of deltas.
 
         `request_id` names the request in the engine's logs and in its `RequestReport` (the
-        server passes the HTTP `X-Request-Id`); one is made when it is None. `admitted`: it
+        server passes the HTTP `X-Request-Id`); one is made when it is None. `admission`: it
         was admitted (`admit`) before a drain began, so the drain lets it in.
 
         The exit (success, exception or cancellation) unregisters the uid and posts `Abort`,
@@ -368,14 +396,14 @@ class Engine:
         params = params or SamplingParams()
         if sum(x is not None for x in (messages, prompt, prompt_token_ids)) != 1:
             raise InvalidRequest("give exactly one of messages, prompt or prompt_token_ids")
-        self.check_admission(admitted=admitted)
+        self.check_admission(admission)
         grammar: Grammar | None = None
         if params.grammar is not None:
             grammar = await self.compile_grammar(params.grammar)
             # NOTE: a new grammar compiles for up to seconds: admission is checked again, so a
             # request is never registered with an engine that began to stop meanwhile (one
             # admitted before the drain stays admitted).
-            self.check_admission(admitted=admitted)
+            self.check_admission(admission)
         running = self._started()
         uid = next(self._uids)
         # Bounded by the most events a request can receive: PromptReady, a Delta per token
@@ -387,6 +415,8 @@ class Engine:
         )
         stream = RequestStream(uid, params, recv)
         self.registry.add(entry)
+        if admission is not None:
+            admission.opened()
         log.debug(
             "uid %d: opened (n=%d, max_tokens=%s)", uid, params.n, params.max_tokens, extra=entry.log_extra
         )
@@ -654,8 +684,10 @@ class Engine:
             "throughput": self.stats.throughput(trio.current_time()),
             "requests": {
                 "active": len(self.registry),
-                "waiting": len(self.registry) - running,
+                "waiting": self.registry.num_in_engine - running,
                 "running": running,
+                "sending": self.registry.num_sending,
+                "preparing": self._num_preparing,
             }
             | self.stats.request_totals(),
             "process": {"rss_bytes": _rss_bytes()},

@@ -15,7 +15,6 @@ from functools import partial
 
 import hypercorn.trio
 import trio
-from hypercorn.config import Config as HypercornConfig
 from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
@@ -24,12 +23,13 @@ from ft.config import EngineConfig
 from ft.engine.engine import Engine, open_engine
 from ft.engine.loading import EngineHooks
 from ft.errors import FtError
-from ft.server import anthropic, control, openai, protocol, responses
+from ft.server import anthropic, control, openai, protocol, responses, slow_clients
 from ft.server.auth import authorize
 from ft.server.context import ServerContext, error_response
 from ft.server.http_errors import HttpError, internal_error
 from ft.server.protocol import FtHypercornConfig
 from ft.server.settings import ServerSettings
+from ft.server.slow_clients import SendDeadlines
 from ft.server.tracing import Tracing
 
 log = logging.getLogger("ft.server")
@@ -140,12 +140,14 @@ def _install_edge(app: QuartTrio, ctx: ServerContext) -> None:
         return error_response(ctx, internal_error(e))
 
 
-def hypercorn_config(settings: ServerSettings) -> HypercornConfig:
+def hypercorn_config(settings: ServerSettings) -> FtHypercornConfig:
     """Hypercorn's config for `settings` (access log only at debug level; HTTP/1.x only
     unless `settings.http2`, see `ft.server.protocol`)."""
     protocol.install()
+    slow_clients.install()
     cfg = FtHypercornConfig()
     cfg.http2 = settings.http2
+    cfg.send_deadlines = SendDeadlines(settings.send_timeout_s)
     host = f"[{settings.host}]" if ":" in settings.host else settings.host
     cfg.bind = [f"{host}:{settings.port}"]
     cfg.graceful_timeout = settings.graceful_timeout_s
@@ -189,20 +191,19 @@ async def open_server(
     async with open_engine(engine_config, hooks=hooks, wait_ready=False) as engine:
         app = create_app(engine, settings)
         stop = trio.Event()
+        config = hypercorn_config(settings)
         async with trio.open_nursery() as nursery:
-            urls = await nursery.start(
-                partial(
-                    hypercorn.trio.serve,
-                    app,
-                    hypercorn_config(settings),
-                    shutdown_trigger=stop.wait,
-                )
-            )
+            urls = await nursery.start(partial(hypercorn.trio.serve, app, config, shutdown_trigger=stop.wait))
             server = RunningServer(engine=engine, app=app, urls=list(urls), stop_event=stop)
             try:
                 yield server
             finally:
                 stop.set()
+                # hypercorn cancels its connections after the graceful timeout, but a socket
+                # write is shielded: give the writes the same deadline, so no client that
+                # stopped reading holds the server open.
+                assert config.send_deadlines is not None
+                config.send_deadlines.close_all(trio.current_time() + settings.graceful_timeout_s)
 
 
 async def serve(

@@ -32,6 +32,7 @@ from typing import Any
 
 from quart import Response, has_request_context, request
 
+from ft.engine.engine import Admission
 from ft.engine.stream import Choice, RequestStream
 from ft.errors import FtError
 from ft.messages import Delta
@@ -169,18 +170,20 @@ async def respond(ctx: ServerContext, api: GenerationApi) -> Response:
     # holds to its end (a stream's work starts only after its headers are sent).
     admission = ctx.engine.admit()
     try:
-        return await _respond(ctx, api, record)
+        return await _respond(ctx, api, record, admission)
     finally:
         if not record.release_at_end(admission.release):
             admission.release()  # no HTTP request to hold it (embedded use): released now
 
 
-async def _respond(ctx: ServerContext, api: GenerationApi, record: RequestRecord) -> Response:
+async def _respond(
+    ctx: ServerContext, api: GenerationApi, record: RequestRecord, admission: Admission
+) -> Response:
     prompt_ids = [await prepare(ctx, prompt, api.params) for prompt in api.prompts]
     record.prompt_tokens = sum(len(ids) for ids in prompt_ids)
     if api.stream:
-        return sse_response(stream_body(ctx, api, prompt_ids, record))
-    async with open_requests(ctx, api.params, prompt_ids, record) as streams:
+        return sse_response(stream_body(ctx, api, prompt_ids, record, admission))
+    async with open_requests(ctx, api.params, prompt_ids, record, admission) as streams:
         choices = await collect(streams, api.params.n, record)
     done = Generated(prompt_ids, choices, Usage.of(streams))
     if ctx.settings.log_prompts:
@@ -227,17 +230,25 @@ async def prepare(ctx: ServerContext, prompt: Prompt, params: SamplingParams) ->
 
 @asynccontextmanager
 async def open_requests(
-    ctx: ServerContext, params: SamplingParams, prompt_ids: list[tuple[int, ...]], record: RequestRecord
+    ctx: ServerContext,
+    params: SamplingParams,
+    prompt_ids: list[tuple[int, ...]],
+    record: RequestRecord,
+    admission: Admission,
 ) -> AsyncIterator[list[RequestStream]]:
-    """One engine request scope per prompt (named by the record's id), all closed when the block
-    exits; then the record gets their output counts and finish reasons (synchronously)."""
+    """One engine request scope per prompt (named by the record's id, under the HTTP request's
+    `admission`), all closed when the block exits; then the record gets their output counts
+    and finish reasons (synchronously)."""
     streams: list[RequestStream] = []
     try:
         async with AsyncExitStack() as stack:
             open_request = ctx.engine.open_request
             for ids in prompt_ids:
                 scope = open_request(
-                    prompt_token_ids=list(ids), params=params, request_id=record.request_id, admitted=True
+                    prompt_token_ids=list(ids),
+                    params=params,
+                    request_id=record.request_id,
+                    admission=admission,
                 )
                 streams.append(await stack.enter_async_context(scope))
             yield streams
@@ -265,23 +276,31 @@ def _note_output(record: RequestRecord, got: MuxResult) -> None:
 
 
 async def stream_body(
-    ctx: ServerContext, api: GenerationApi, prompt_ids: list[tuple[int, ...]], record: RequestRecord
+    ctx: ServerContext,
+    api: GenerationApi,
+    prompt_ids: list[tuple[int, ...]],
+    record: RequestRecord,
+    admission: Admission,
 ) -> AsyncIterator[bytes]:
     """The event stream of a streamed request, closed deterministically (`aclosing`)."""
-    async with aclosing(_events(ctx, api, prompt_ids, record)) as events:
+    async with aclosing(_events(ctx, api, prompt_ids, record, admission)) as events:
         async for frame in events:
             yield frame
 
 
 async def _events(
-    ctx: ServerContext, api: GenerationApi, prompt_ids: list[tuple[int, ...]], record: RequestRecord
+    ctx: ServerContext,
+    api: GenerationApi,
+    prompt_ids: list[tuple[int, ...]],
+    record: RequestRecord,
+    admission: Admission,
 ) -> AsyncGenerator[bytes]:
     yield CONNECTED
     outputs: dict[tuple[int, int], list[str]] = {}  # (prompt, choice) -> texts, with --log-prompts
     try:
         for frame in api.start(Usage(sum(len(ids) for ids in prompt_ids))):
             yield frame
-        async with open_requests(ctx, api.params, prompt_ids, record) as streams:
+        async with open_requests(ctx, api.params, prompt_ids, record, admission) as streams:
             mux = DeltaMux(streams)
             while not mux.is_done:
                 got = await mux.next(ctx.settings.sse_heartbeat_s)

@@ -95,7 +95,19 @@ class EngineCollector(Collector):
         yield info
         yield gauge("ft_requests_running", "Requests decoding in the running batch.", req["running"])
         yield gauge("ft_requests_waiting", "Requests tokenizing or queued for a slot.", req["waiting"])
-        yield gauge("ft_requests_active", "Requests with an open scope (running + waiting).", req["active"])
+        yield gauge(
+            "ft_requests_sending",
+            "Requests the engine is done with, their output still sending.",
+            req["sending"],
+        )
+        yield gauge(
+            "ft_requests_preparing",
+            "Admitted requests not yet queued (tokenizing, compiling).",
+            req["preparing"],
+        )
+        yield gauge(
+            "ft_requests_active", "Requests with an open scope (running + waiting + sending).", req["active"]
+        )
         yield gauge("ft_kv_used_pages", "KV cache pages held by requests.", kv["used_pages"])
         yield gauge("ft_kv_total_pages", "KV cache pages in the pool.", kv["total_pages"])
         yield gauge("ft_kv_cached_pages", "Free KV pages kept for prefix reuse.", kv["cached_pages"])

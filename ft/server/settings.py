@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ft.logs import LOG_FORMATS
+from ft.server.slow_clients import DEFAULT_SEND_TIMEOUT_S
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
@@ -21,6 +22,8 @@ class ServerSettings:
     (h2c), which hypercorn buffers without back-pressure; off, only HTTP/1.x is served.
     `drain_timeout_s` bounds the drain on SIGINT/SIGTERM. `log_format` is "text" or "json";
     `log_prompts` adds prompts and outputs to the end-of-request log lines.
+    `send_timeout_s`: a connection whose client accepts no bytes for that long is closed (a
+    client that stops reading is a client that left: its request is aborted).
     `metrics_require_key` puts `/metrics` behind `api_key` (open by default, like `/health`).
     """
 
@@ -37,6 +40,7 @@ class ServerSettings:
     metrics_require_key: bool = False
     served_model_name: str | None = None
     graceful_timeout_s: float = 3.0
+    send_timeout_s: float = DEFAULT_SEND_TIMEOUT_S
     admin_key: str | None = None
     http2: bool = False
 
@@ -59,3 +63,5 @@ class ServerSettings:
             raise ValueError(f"log_format must be one of {', '.join(LOG_FORMATS)}")
         if not 0 <= self.graceful_timeout_s <= 600:
             raise ValueError(f"graceful_timeout_s must be in 0..600, got {self.graceful_timeout_s}")
+        if not 0.1 <= self.send_timeout_s <= 3600:
+            raise ValueError(f"send_timeout_s must be in 0.1..3600, got {self.send_timeout_s}")

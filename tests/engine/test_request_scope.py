@@ -378,3 +378,43 @@ async def test_a_request_compiling_its_grammar_is_refused_once_the_engine_stops(
         assert snap["requests"]["active"] == 0
         gate.set()
     await assert_nothing_held(engine)
+
+
+# --- capacity counts what holds or waits for resources -----------------------------------------
+
+
+async def test_an_admitted_request_being_prepared_counts_against_the_queue() -> None:
+    """Admitted requests still tokenizing or compiling count as queued: a burst of admissions
+    cannot slip past the capacity; the request's own scope then opens without counting twice."""
+    async with fake_engine(max_running_requests=1, max_queued_requests=1) as engine:
+        first, second = engine.admit(), engine.admit()
+        with pytest.raises(Overloaded):
+            engine.admit()  # before: admitted (only open scopes were counted)
+        async with engine.open_request(
+            prompt="hi", params=SamplingParams(max_tokens=2), admission=first
+        ) as s:
+            with pytest.raises(Overloaded):
+                engine.admit()
+            await s.collect()
+        second.release()
+        first.release()
+        engine.admit().release()
+        await assert_nothing_held(engine)
+
+
+async def test_a_request_the_engine_is_done_with_leaves_the_capacity() -> None:
+    """Once every choice has finished, a request whose caller has not read its output yet no
+    longer counts: the next request is admitted (it counts as `sending` in the stats)."""
+    async with fake_engine(max_running_requests=1, max_queued_requests=0) as engine:
+        async with engine.open_request(prompt="hi", params=SamplingParams(max_tokens=3)) as unread:
+            with pytest.raises(Overloaded):
+                engine.admit()
+            with trio.fail_after(5):
+                while engine.registry.num_in_engine:
+                    await trio.sleep(0.01)
+            snap = engine.snapshot()["requests"]
+            assert (snap["active"], snap["sending"], snap["waiting"], snap["running"]) == (1, 1, 0, 0)
+            async with engine.open_request(prompt="hi", params=SamplingParams(max_tokens=2)) as other:
+                assert len((await other.collect())[0].token_ids) == 2
+            assert [len(c.token_ids) for c in await unread.collect()] == [3]
+        await assert_nothing_held(engine)

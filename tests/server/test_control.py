@@ -189,6 +189,37 @@ async def test_full_queue_is_503_with_retry_after() -> None:
         await wait_idle(c)
 
 
+async def test_a_request_queued_past_max_queue_wait_is_503_with_retry_after() -> None:
+    """`max_queue_wait_s`: a request that waited that long for its first step is refused with a
+    503 overloaded_error and Retry-After (in-stream for a stream); the running one goes on."""
+    runner = FakeRunner(script=text_script(LONG), step_s=0.02)
+    async with (
+        fake_server(runner, max_running_requests=1, max_queue_wait_s=0.3) as s,
+        httpx.AsyncClient(base_url=s.base_url, timeout=10) as c,
+        trio.open_nursery() as nursery,
+    ):
+        held: list[httpx.Response] = []
+
+        async def hold() -> None:
+            held.append(await c.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 150}))
+
+        nursery.start_soon(hold)
+        with trio.fail_after(5):
+            while (await c.get("/v1/stats")).json()["requests"]["running"] < 1:
+                await trio.sleep(0.02)
+        r = await c.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 5})
+        assert r.status_code == 503, r.text  # before: served once the first one finished
+        assert r.headers["retry-after"] == "1" and r.json()["error"]["type"] == "overloaded_error"
+        body = {"messages": USER, "max_tokens": 5, "stream": True}
+        streamed = parse_sse((await c.post("/v1/chat/completions", json=body)).text)
+        assert streamed[-2]["error"]["type"] == "overloaded_error" and streamed[-1] == "[DONE]"
+        with trio.fail_after(10):
+            while not held:
+                await trio.sleep(0.02)
+        assert held[0].status_code == 200 and held[0].json()["choices"][0]["finish_reason"] == "length"
+        await wait_idle(c)
+
+
 async def test_prepare_stop_on_idle_server_is_fast_and_idempotent(
     client: httpx.AsyncClient,
 ) -> None:

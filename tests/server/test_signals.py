@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -10,13 +12,15 @@ from pathlib import Path
 import httpx
 import trio
 
+from ft.server.app import ABORT_TIMEOUT_S
+
 ROOT = Path(__file__).parents[2]  # `python -m tests.support.serve_fake` runs from here
 USER = [{"role": "user", "content": "hi"}]
 
 
-async def _start(shutdown_timeout: float) -> tuple[trio.Process, str, trio.abc.ReceiveStream]:
+async def _start(shutdown_timeout: float, *options: str) -> tuple[trio.Process, str, trio.abc.ReceiveStream]:
     proc = await trio.lowlevel.open_process(
-        [sys.executable, "-m", "tests.support.serve_fake", str(shutdown_timeout)],
+        [sys.executable, "-m", "tests.support.serve_fake", str(shutdown_timeout), *options],
         stdout=subprocess.PIPE,
         cwd=ROOT,
     )
@@ -97,6 +101,36 @@ async def test_sigterm_exits_in_time_after_an_abandoned_prepare_stop() -> None:
         with trio.fail_after(10):
             assert await proc.wait() == 0
             assert b"exited cleanly" in await _rest(stdout)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
+async def test_sigterm_exits_in_time_while_a_client_never_reads() -> None:
+    """A stream whose client never reads does not keep a stopping server alive: SIGTERM exits
+    within the drain timeout, the abort grace and the graceful timeout."""
+    proc, url, stdout = await _start(1.0, "--endless", "--step-s", "0")
+    try:
+        async with httpx.AsyncClient(base_url=url) as c:
+            with trio.fail_after(20):
+                while (await c.get("/health")).json()["status"] != "ok":
+                    await trio.sleep(0.05)
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        sock = trio.socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        await sock.connect((host, int(port)))
+        body = json.dumps({"messages": USER, "stream": True, "max_tokens": 60000, "ignore_eos": True})
+        head = f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        await sock.send(f"{head}Content-Length: {len(body)}\r\n\r\n{body}".encode())
+        with sock:
+            await trio.sleep(1.0)  # its writes are blocked by now
+            async with httpx.AsyncClient(base_url=url) as c:
+                assert (await c.get("/v1/stats")).json()["requests"]["active"] == 1
+            proc.send_signal(signal.SIGTERM)
+            with trio.fail_after(1.0 + ABORT_TIMEOUT_S + 1.0 + 5):  # before: still running after 60 s
+                assert await proc.wait() == 0
+        assert b"exited cleanly" in await _rest(stdout)
     finally:
         if proc.returncode is None:
             proc.kill()

@@ -2,7 +2,7 @@
 then serves until SIGINT/SIGTERM, then prints "exited cleanly".
 
 Run it from the repository root as `python -m tests.support.serve_fake DRAIN_TIMEOUT_S [--port N]
-[--log-format text|json] [--workers] [--step-s S]`; `--workers` tokenizes in real worker
+[--log-format text|json] [--workers] [--step-s S] [--endless]`; `--workers` tokenizes in real worker
 processes (as `ft serve` does) instead of inline.
 """
 
@@ -14,7 +14,7 @@ from functools import partial
 import trio
 
 from ft.config import EngineConfig
-from ft.engine.fake import FakeRunner, text_script
+from ft.engine.fake import FakeRunner, byte_token, text_script
 from ft.logs import LOG_FORMATS, setup_logging
 from ft.server import RunningServer, ServerSettings
 from ft.server.app import serve
@@ -28,12 +28,15 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--log-format", choices=LOG_FORMATS, default="text")
     parser.add_argument("--workers", action="store_true")
     parser.add_argument("--step-s", type=float, default=0.02)
+    parser.add_argument("--endless", action="store_true", help="write 'x' until max_tokens (70k context)")
     return parser.parse_args()
 
 
 async def main(args: argparse.Namespace) -> None:
-    runner = FakeRunner(script=text_script("lorem ipsum " * 100), step_s=args.step_s)
-    hooks = fake_hooks(runner, executor=None) if args.workers else fake_hooks(runner)
+    script = (lambda work: byte_token(ord("x"))) if args.endless else text_script("lorem ipsum " * 100)
+    runner = FakeRunner(script=script, step_s=args.step_s)
+    context = 70000 if args.endless else 2048
+    hooks = fake_hooks(runner, context_length=context, **({"executor": None} if args.workers else {}))
     settings = ServerSettings(
         port=args.port,
         drain_timeout_s=args.drain_timeout_s,
@@ -42,7 +45,7 @@ async def main(args: argparse.Namespace) -> None:
     )
     async with trio.open_nursery() as nursery:
         server: RunningServer = await nursery.start(
-            partial(serve, EngineConfig(num_pages=256, tokenizer_workers=1), settings, hooks=hooks)
+            partial(serve, EngineConfig(num_pages=context // 8, tokenizer_workers=1), settings, hooks=hooks)
         )
         print(server.base_url, flush=True)
 
