@@ -87,8 +87,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--step-timeout",
         type=float,
         default=DEFAULT_STEP_TIMEOUT_S,
-        help="with --tensor-parallel-size > 1: seconds a step may take before the ranks are "
-        f"declared hung and the server exits non-zero (default: {DEFAULT_STEP_TIMEOUT_S:g})",
+        help="seconds work may wait with no step completing (a hung step, rank or scheduler) before "
+        "the server fails every request, /health says why and it exits 1 "
+        f"(default: {DEFAULT_STEP_TIMEOUT_S:g})",
     )
     engine.add_argument(
         "--admission",
