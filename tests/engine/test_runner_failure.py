@@ -168,7 +168,7 @@ async def test_a_step_that_never_returns_fails_every_request_after_the_step_time
     """One process, no ranks: a step that hangs turns the engine to error within the step
     timeout (plus one check period), fails running and queued requests with a server error,
     frees what they held, and gives the step up so no other runs."""
-    runner = FakeRunner(text_script("lorem ipsum " * 50), step_s=0.01)
+    runner = FakeRunner(text_script("lorem ipsum " * 50), step_s=0.01, record=True)
     async with fake_engine(runner, max_running_requests=2, step_timeout_s=5) as engine:
         got_tokens = trio.Event()
         failed_at: list[float] = []
@@ -192,6 +192,7 @@ async def test_a_step_that_never_returns_fails_every_request_after_the_step_time
         await assert_nothing_held(engine)
         runner.hangs = False
         num_steps = len(runner.steps)
+        assert num_steps > 0
         await trio.sleep(10)
         assert len(runner.steps) == num_steps  # halted: no step runs again
 
@@ -242,10 +243,10 @@ async def test_a_model_that_dies_while_idle_fails_the_engine_at_once(
     def load_with_ranks(config: EngineConfig) -> ModelParts:
         return dataclasses.replace(load(config), failure=lambda: dead[0] if dead else None)
 
-    async with fake_engine(load_model=load_with_ranks, step_timeout_s=60) as engine:
+    async with fake_engine(load_model=load_with_ranks, step_timeout_s=5) as engine:
         assert await engine.generate("p", SamplingParams(max_tokens=3)) == "Hel"
         await trio.sleep(30)
-        assert engine.state == EngineState.READY
+        assert engine.state == EngineState.READY  # idle for 6 x the timeout: no stall
         dead.append("tensor-parallel rank 1 (pid 4242) died: killed by SIGKILL")
         died_at = trio.current_time()
         with trio.fail_after(60):
