@@ -1,7 +1,8 @@
 """`ft serve --tensor-parallel-size 2` on the CPU: launched by hand with torchrun's environment
 (two processes on loopback, as on two machines), and a rank killed (or stopped: it hangs)
 mid-stream, which fails the stream with a server error, turns /health to "error", and makes the
-server exit non-zero, its ranks gone (no client left hanging)."""
+server exit non-zero, its ranks gone (no client left hanging); a rank killed while idle, which
+the watchdog notices at once."""
 
 from __future__ import annotations
 
