@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import re
 import sys
@@ -95,8 +96,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--step-timeout",
         type=float,
         default=DEFAULT_STEP_TIMEOUT_S,
-        help="with --tensor-parallel-size > 1: seconds a step may take before the ranks are "
-        f"declared hung and the server exits non-zero (default: {DEFAULT_STEP_TIMEOUT_S:g})",
+        help="seconds work may wait with no step completing (a hung step, rank or scheduler) before "
+        "the server fails every request, /health says why and it exits 1 "
+        f"(default: {DEFAULT_STEP_TIMEOUT_S:g})",
     )
     engine.add_argument(
         "--admission",
@@ -240,7 +242,12 @@ def run_serve(args: argparse.Namespace) -> int:
     except EngineFailed as e:
         # A supervisor restarts a server that exits non-zero; the ranks are already stopped.
         print(f"ft serve: the engine failed: {e}", file=sys.stderr, flush=True)
-        return 1
+        # NOTE: exit now, skipping the interpreter's teardown: a step's thread may still be
+        # blocked where nothing can interrupt it (a hung kernel or collective), and tearing down
+        # torch after a broken group took 5-7 s here. Everything the server owned is closed.
+        logging.shutdown()
+        sys.stdout.flush()
+        os._exit(1)
     return 0
 
 

@@ -12,7 +12,7 @@ KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")  # auto: the model'
 ADMISSIONS = ("need", "reserve")
 QUANTIZATIONS = ("int8",)
 DEVICE_PATTERN = r"auto|cpu|cuda(:\d+)?"  # auto: CUDA when torch sees one, else the CPU
-DEFAULT_STEP_TIMEOUT_S = 60.0  # a tensor-parallel step longer than this means a rank hangs
+DEFAULT_STEP_TIMEOUT_S = 60.0  # far above any step, a grammar's bounded masks included
 # 1 GiB of KV holds ~23k tokens of the default model in float32 (46 KiB a token).
 DEFAULT_KV_CACHE_MEMORY = 1 << 30
 
@@ -53,7 +53,9 @@ class EngineConfig:
     cuda_graphs: bool = True  # replay decode steps as CUDA graphs (CUDA, one rank); False: eager
     # Ranks the model is split across (torch.distributed: NCCL on CUDA, gloo on the CPU).
     tensor_parallel_size: int = 1
-    step_timeout_s: float = DEFAULT_STEP_TIMEOUT_S  # only with tensor_parallel_size > 1
+    # Seconds work may wait with no step completing (a hung step, rank or scheduler) before the
+    # watchdog fails the engine; every configuration (ft/engine/watchdog.py).
+    step_timeout_s: float = DEFAULT_STEP_TIMEOUT_S
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

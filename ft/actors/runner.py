@@ -17,9 +17,11 @@ StepHook = Callable[[list[SeqWork]], None]
 class RunnerActor:
     """Owns the runner; one step at a time, off the event loop.
 
-    A `RunnerFailure` (or a step past `step_timeout_s`) is fatal: `on_fatal` is called once
-    with the reason, that batch and every later one fail whole (the engine fails the requests,
-    whose scopes free their pages), and no step runs again.
+    A `RunnerFailure` is fatal: `on_fatal` is called once with the reason, that batch and every
+    later one fail whole (the engine fails the requests, whose scopes free their pages), and no
+    step runs again. `halt` is the same decision taken outside (the engine's watchdog: a step
+    that never returns, a rank process that died): it also gives up the step in flight.
+    `step_started_at` and `num_steps` are what the watchdog reads.
     """
 
     def __init__(
@@ -29,22 +31,24 @@ class RunnerActor:
         runner: Runner,
         *,
         before_step: StepHook | None = None,
-        step_timeout_s: float | None = None,
         on_fatal: Callable[[str], None] | None = None,
     ) -> None:
         self.inbox = inbox
         self.scheduler = scheduler
         self.runner = runner
         self.before_step = before_step
-        self.step_timeout_s = step_timeout_s
         self.on_fatal = on_fatal
         self.fatal: str | None = None  # why the runner can run no more steps
+        self.step_started_at: float | None = None  # trio time the step in flight began
+        self.num_steps = 0  # steps done (each sent its StepDone)
+        self._step_scope: trio.CancelScope | None = None
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Run batches until the inbox closes."""
         task_status.started()
         async for batch in self.inbox:
             self.scheduler.send_nowait(await self._run_batch(batch))
+            self.num_steps += 1
             # Nothing of a finished step outlives it here: its works hold sequences' grammar
             # matchers, which must go with their request's scope, not at the next step.
             del batch
@@ -55,11 +59,15 @@ class RunnerActor:
         failed: list[tuple[int, FtError]] = []
         sampled: list[Sampled] = []
         if self.fatal is None:
+            self.step_started_at = trio.current_time()
             try:
-                sampled = await self._run_isolated(works, failed)
+                with trio.CancelScope() as self._step_scope:
+                    sampled = await self._run_isolated(works, failed)
             except RunnerFailure as e:
                 self._fail(f"the model runner failed: {e}")
-        if self.fatal is not None:
+            finally:
+                self._step_scope = self.step_started_at = None
+        if self.fatal is not None:  # failed, or halted mid-step
             sampled, failed = [], [(w.seq_id, RequestFailed(self.fatal)) for w in works]
         # A recompute after preemption feeds generated tokens in chunks: only single-token
         # works past the prompt are decodes.
@@ -93,6 +101,15 @@ class RunnerActor:
                     failed.append((work.seq_id, RequestFailed(f"model step failed: {type(e).__name__}: {e}")))
             return sampled
 
+    def halt(self, reason: str) -> None:
+        """Run no more steps: the step in flight (if any) is given up and fails whole, as every
+        later batch does. Synchronous and idempotent; `on_fatal` is not called (the caller
+        decided). A step's thread cannot be interrupted: it is abandoned, still running."""
+        if self.fatal is None:
+            self.fatal = reason
+        if self._step_scope is not None:
+            self._step_scope.cancel()
+
     def _fail(self, reason: str) -> None:
         if self.fatal is None:
             self.fatal = reason
@@ -106,13 +123,10 @@ class RunnerActor:
                 self.before_step(works)
             result: list[Sampled] = await astep(works)
             return result
-        if self.step_timeout_s is None:
-            return await trio.to_thread.run_sync(self._step, works)
-        with trio.move_on_after(self.step_timeout_s):
-            # NOTE: a thread cannot be interrupted: past the deadline it is left behind (blocked
-            # in a collective on a hung rank) and the engine fails over to its error state.
-            return await trio.to_thread.run_sync(self._step, works, abandon_on_cancel=True)
-        raise RunnerFailure(f"a step took longer than {self.step_timeout_s:g} s (a rank hangs)")
+        # NOTE: a thread cannot be interrupted: a step that never returns (a hung kernel, a
+        # collective on a hung rank) is abandoned when halted or when the engine stops, so
+        # neither waits for it; the process exits with the thread still blocked.
+        return await trio.to_thread.run_sync(self._step, works, abandon_on_cancel=True)
 
     def _step(self, works: list[SeqWork]) -> list[Sampled]:
         if self.before_step is not None:

@@ -32,6 +32,7 @@ from ft.engine.grammars import Grammars
 from ft.engine.loading import EngineHooks, load_torch_model
 from ft.engine.stats import Stats
 from ft.engine.stream import RequestStream
+from ft.engine.watchdog import Watchdog
 from ft.errors import EngineStopping, FtError, InvalidRequest, Overloaded, RequestAborted, RequestFailed
 from ft.grammar.compiled import Grammar
 from ft.grammar.spec import GrammarSpec
@@ -205,16 +206,29 @@ class Engine:
                 max_queue_wait_s=cfg.max_queue_wait_s,
             ).run
         )
-        await nursery.start(
-            RunnerActor(
-                run_recv,
-                sched_send.clone(),
-                runner,
-                before_step=self.hooks.before_step,
-                step_timeout_s=cfg.step_timeout_s if cfg.tensor_parallel_size > 1 else None,
-                on_fatal=self._on_runner_failed,
-            ).run
+        runner_actor = RunnerActor(
+            run_recv,
+            sched_send.clone(),
+            runner,
+            before_step=self.hooks.before_step,
+            on_fatal=self._on_runner_failed,
         )
+        await nursery.start(runner_actor.run)
+
+        def on_stall(reason: str) -> None:
+            runner_actor.halt(reason)  # give up the step that never returns
+            self._on_runner_failed(reason)
+
+        # Every configuration: a step that never returns, a scheduler that stops while work
+        # waits, a rank process that died (noticed when it dies, not at the next request).
+        watchdog = Watchdog(
+            runner_actor,
+            core,
+            step_timeout_s=cfg.step_timeout_s,
+            on_stall=on_stall,
+            model_failure=parts.failure,
+        )
+        await nursery.start(watchdog.run)
         await nursery.start(
             DetokenizerActor(
                 detok_recv,
@@ -285,8 +299,11 @@ class Engine:
     def _on_runner_failed(self, reason: str) -> None:
         """The runner can run no more steps: fail every live request and report the error.
 
-        Synchronous. Each failed request's scope exits as usual and frees its pages.
+        Synchronous and once: a later failure (the watchdog after a runner failure) keeps the
+        first reason. Each failed request's scope exits as usual and frees its pages.
         """
+        if self._failed.is_set():
+            return
         self.state, self.error = EngineState.ERROR, reason
         for uid in self.registry.uids():
             self.registry.fail(uid, RequestFailed(reason))

@@ -80,7 +80,7 @@ def text_script(text: str) -> Script:
 
 @dataclass
 class FakeRunner:
-    """Scripted tokens, `step_s` of (trio) time per step, optional per-step callback."""
+    """Scripted tokens, `step_s` of (trio) time per step; `hangs`: steps that never return."""
 
     script: Script = field(default_factory=lambda: text_script("Hello from the fake model."))
     step_s: float = 0.01
@@ -89,10 +89,13 @@ class FakeRunner:
     vocab_size: int = len(SPECIALS) + 256
     steps: list[list[SeqWork]] = field(default_factory=list)
     record: bool = False
+    hangs: bool = False  # set: steps never return (a hung kernel or rank), for the watchdog
 
     async def astep(self, works: list[SeqWork]) -> list[Sampled]:
         """One fake step: check page coverage, wait `step_s`, emit scripted tokens."""
         await trio.sleep(self.step_s)
+        if self.hangs:
+            await trio.sleep_forever()
         return self.step(works)
 
     def step(self, works: list[SeqWork]) -> list[Sampled]:

@@ -36,6 +36,9 @@ class ModelParts:
     # Releases what the model holds outside this process (the other ranks); synchronous,
     # called once when the engine stops. `failed`: the ranks are broken, do not talk to them.
     close: Callable[[bool], None] | None = None
+    # Why the model can run no more steps (a spawned rank process exited), None while it can;
+    # non-blocking, polled by the engine's watchdog from the event loop.
+    failure: Callable[[], str | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -163,4 +166,5 @@ def load_torch_model(
         vocab_size=loaded.config.vocab_size,
         generation_defaults=loaded.generation_defaults,
         close=close,
+        failure=procs.failure if procs is not None else None,
     )

@@ -37,8 +37,10 @@ from ft.model.parallel import RankFailure, RankGroup
 log = logging.getLogger("ft.ranks")
 
 # NOTE: the group's own timeout bounds every collective, including a rank waiting for the next
-# step while the server is idle, so it cannot be the step timeout. Rank 0 bounds each step
-# itself (RunnerActor's step deadline); a dead rank makes the next collective fail at once.
+# step while the server is idle, so it cannot be the step timeout. The engine's watchdog bounds
+# each step (`step_timeout_s`) and polls the spawned ranks' processes (`RankProcesses.failure`),
+# so a rank that dies is noticed at once, idle or not. Ranks torchrun started are not this
+# process's children: a dead one is noticed by the next step's collective, which fails at once.
 GROUP_TIMEOUT = datetime.timedelta(days=7)
 START_TIMEOUT_S = 300.0  # for the spawned ranks to join the group
 PARENT_ENV = "FT_RANK_PARENT_PID"  # rank 0's pid, in the environment of the ranks it spawns
@@ -92,6 +94,16 @@ class RankProcesses:
         """Ranks whose process has exited."""
         return [i + 1 for i, p in enumerate(self.procs) if p.poll() is not None]
 
+    def failure(self) -> str | None:
+        """Why the group can run no more steps: the first rank whose process has exited, with
+        its exit status or signal; None while every rank runs. Non-blocking (`waitpid` with
+        `WNOHANG`), so the engine's watchdog polls it from the event loop."""
+        for rank, p in enumerate(self.procs, start=1):
+            status = p.poll()
+            if status is not None:
+                return f"tensor-parallel rank {rank} (pid {p.pid}) died: {exit_cause(status)}"
+        return None
+
     def stop(self, grace_s: float = 0.0) -> None:
         """Wait up to `grace_s` for every spawned rank to exit (told "stop", or its group
         broken), then SIGKILL the rest: ranks ignore SIGINT/SIGTERM (`run_rank`). Synchronous."""
@@ -102,6 +114,16 @@ class RankProcesses:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+
+
+def exit_cause(status: int) -> str:
+    """`Popen.returncode` in words: "exit status 1", "killed by SIGKILL"."""
+    if status >= 0:
+        return f"exit status {status}"
+    try:
+        return f"killed by {signal.Signals(-status).name}"
+    except ValueError:
+        return f"killed by signal {-status}"
 
 
 def _backend(device: torch.device) -> str:

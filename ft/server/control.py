@@ -51,6 +51,8 @@ def register(app: QuartTrio, ctx: ServerContext) -> None:
         # What a load balancer checks: 503 while loading, draining, stopped or failed.
         is_ready = engine.state == EngineState.READY
         body = {"status": "ready" if is_ready else "unavailable", "state": engine.state}
+        if engine.error:  # failed for good (a stalled step, a dead rank): say why
+            body["error"] = engine.error
         return json_response(body, 200 if is_ready else 503)
 
     @app.get("/v1/models")

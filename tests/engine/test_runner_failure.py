@@ -1,20 +1,25 @@
-"""A runner that can run no more steps (a rank died or hangs) fails every request and frees all."""
+"""A runner that can run no more steps (a rank died or hangs) fails every request and frees all;
+the watchdog notices a step that never returns, a scheduler that stops, a model that died."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import trio
 import trio.testing
 
+from ft.config import EngineConfig
 from ft.core.batch import RunnerFailure, SeqWork
-from ft.engine.engine import EngineState
+from ft.engine.engine import Engine, EngineState
 from ft.engine.fake import FakeRunner, text_script
+from ft.engine.loading import ModelParts
 from ft.errors import EngineStopping, InvalidRequest, RequestFailed
 from ft.grammar import spec
 from ft.model.masks import GrammarError
 from ft.params import SamplingParams
 from tests.engine.test_request_scope import assert_nothing_held
-from tests.support.engine import fake_engine
+from tests.support.engine import fake_engine, fake_parts
 
 
 async def test_a_runner_failure_fails_every_request_and_frees_their_pages(
@@ -135,3 +140,118 @@ async def test_a_failed_engine_stays_in_error_through_a_drain(
                     engine.begin_stop(drain_timeout_s=20)
             await engine.wait_stopped()
         assert engine.state == EngineState.ERROR and engine.has_failed
+
+
+async def _stream_until_failed(
+    engine: Engine, num_requests: int, on_tokens: trio.Event
+) -> list[RequestFailed]:
+    """Open `num_requests` long requests; set `on_tokens` once tokens flow; return the errors
+    they all ended with (each must end with one)."""
+    errors: list[RequestFailed] = []
+
+    async def one(i: int) -> None:
+        with pytest.raises(RequestFailed) as err:
+            async with engine.open_request(prompt=f"p{i}", params=SamplingParams(max_tokens=500)) as stream:
+                async for _ in stream:
+                    on_tokens.set()
+        errors.append(err.value)
+
+    async with trio.open_nursery() as nursery:
+        for i in range(num_requests):
+            nursery.start_soon(one, i)
+    return errors
+
+
+async def test_a_step_that_never_returns_fails_every_request_after_the_step_timeout(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """One process, no ranks: a step that hangs turns the engine to error within the step
+    timeout (plus one check period), fails running and queued requests with a server error,
+    frees what they held, and gives the step up so no other runs."""
+    runner = FakeRunner(text_script("lorem ipsum " * 50), step_s=0.01, record=True)
+    async with fake_engine(runner, max_running_requests=2, step_timeout_s=5) as engine:
+        got_tokens = trio.Event()
+        failed_at: list[float] = []
+
+        async def hang_then_wait() -> None:
+            await got_tokens.wait()
+            runner.hangs = True
+            hung_at = trio.current_time()
+            await engine.wait_failed()
+            failed_at.append(trio.current_time() - hung_at)
+
+        with trio.fail_after(60):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(hang_then_wait)
+                errors = await _stream_until_failed(engine, 4, got_tokens)  # 2 running, 2 queued
+        assert len(errors) == 4 and all(e.status == 500 for e in errors)
+        assert 4.9 <= failed_at[0] <= 5.6  # the step in flight began up to step_s before
+        assert engine.state == EngineState.ERROR and engine.error is not None
+        assert "no step completed for 5 s" in engine.error and "a step has run for" in engine.error
+        assert all(engine.error in e.message for e in errors)
+        await assert_nothing_held(engine)
+        runner.hangs = False
+        num_steps = len(runner.steps)
+        assert num_steps > 0
+        await trio.sleep(10)
+        assert len(runner.steps) == num_steps  # halted: no step runs again
+
+
+async def test_slow_steps_that_each_complete_are_not_a_stall(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The timeout bounds one step, not a request: steps of 0.9 x the timeout (a slow model, a
+    grammar's masks within their budget) make progress, for 20 x the timeout in all."""
+    runner = FakeRunner(text_script("slow but steady"), step_s=4.5)
+    async with fake_engine(runner, step_timeout_s=5) as engine:
+        with trio.fail_after(200):
+            text = await engine.generate("p", SamplingParams(max_tokens=20))
+        assert text == "slow but steady"
+        assert engine.state == EngineState.READY and not engine.has_failed
+
+
+async def test_a_scheduler_that_stops_scheduling_while_work_waits_is_a_stall(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No step in flight, but requests wait: after the step timeout the watchdog fails them."""
+    runner = FakeRunner(text_script("lorem ipsum " * 50), step_s=0.01)
+    async with fake_engine(runner, step_timeout_s=3) as engine:
+        got_tokens = trio.Event()
+
+        async def stop_scheduling() -> None:
+            await got_tokens.wait()
+            assert engine.core is not None
+            monkeypatch.setattr(engine.core, "schedule", lambda: None)
+
+        with trio.fail_after(60):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(stop_scheduling)
+                errors = await _stream_until_failed(engine, 2, got_tokens)
+        assert len(errors) == 2 and all(e.status == 500 for e in errors)
+        assert engine.error is not None and "none was scheduled" in engine.error
+        await assert_nothing_held(engine)
+
+
+async def test_a_model_that_dies_while_idle_fails_the_engine_at_once(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A rank process that exits while no request runs is noticed within the watchdog's
+    period, not at the next request: the engine is in error before anyone asks."""
+    dead: list[str] = []
+    load = fake_parts(FakeRunner())
+
+    def load_with_ranks(config: EngineConfig) -> ModelParts:
+        return dataclasses.replace(load(config), failure=lambda: dead[0] if dead else None)
+
+    async with fake_engine(load_model=load_with_ranks, step_timeout_s=5) as engine:
+        assert await engine.generate("p", SamplingParams(max_tokens=3)) == "Hel"
+        await trio.sleep(30)
+        assert engine.state == EngineState.READY  # idle for 6 x the timeout: no stall
+        dead.append("tensor-parallel rank 1 (pid 4242) died: killed by SIGKILL")
+        died_at = trio.current_time()
+        with trio.fail_after(60):
+            reason = await engine.wait_failed()
+        assert trio.current_time() - died_at <= 0.6
+        assert reason == dead[0] and engine.state == EngineState.ERROR
+        with pytest.raises(EngineStopping, match="rank 1"):
+            await engine.generate("late", SamplingParams(max_tokens=3))

@@ -1,7 +1,8 @@
 """`ft serve --tensor-parallel-size 2` on the CPU: launched by hand with torchrun's environment
 (two processes on loopback, as on two machines), and a rank killed (or stopped: it hangs)
 mid-stream, which fails the stream with a server error, turns /health to "error", and makes the
-server exit non-zero, its ranks gone (no client left hanging)."""
+server exit non-zero, its ranks gone (no client left hanging); a rank killed while idle, which
+the watchdog notices at once."""
 
 from __future__ import annotations
 
@@ -19,7 +20,9 @@ import httpx
 import pytest
 import trio
 
+from ft.config import EngineConfig
 from tests.support.parallel import ROOT, rank_pids, serve_process
+from tests.support.server import running_server
 from tests.support.tiny_model import save_hf_dir, tiny_config
 
 
@@ -109,14 +112,65 @@ async def test_a_rank_that_dies_or_hangs_mid_stream_fails_the_stream_and_exits_n
                         rest = [line async for line in lines if line.startswith("data: ")]
             assert rest[-1] == "data: [DONE]"
             error = json.loads(rest[-2].removeprefix("data: "))["error"]
-            assert error["type"] == "server_error" and "runner failed" in error["message"]
+            assert error["type"] == "server_error"
             if fault == "STOP":
-                assert "longer than 3 s" in error["message"]
+                assert "no step completed for 3 s" in error["message"]
+            else:  # the next collective fails, or the watchdog sees the process gone: whichever first
+                assert "runner failed" in error["message"] or "rank 1" in error["message"], error
         assert "error" in health
         with trio.fail_after(30):
             assert await proc.wait() != 0
-        assert "the model runner failed" in log.read_text()
+        assert f"the engine failed: {error['message']}" in log.read_text()
         assert not rank_pids(proc.pid)
+
+
+async def test_a_rank_that_dies_while_idle_turns_health_to_error_at_once(tmp_path: pathlib.Path) -> None:
+    """No request runs, so no collective can notice: the watchdog sees the spawned rank's
+    process exit, and /health and /health/ready say which rank died and how within a second
+    (before, they said "ok" until the next request failed)."""
+    model = tmp_path / "tiny"
+    save_hf_dir(model, tiny_config())
+    config = EngineConfig(model=str(model), dtype="float32", device="cpu", tensor_parallel_size=2)
+    async with (
+        running_server(config) as server,
+        httpx.AsyncClient(base_url=server.base_url, timeout=10) as client,
+    ):
+        (rank,) = rank_pids(os.getpid())
+        assert (await client.get("/health")).json()["status"] == "ok"
+        os.kill(rank, signal.SIGKILL)
+        killed_at = trio.current_time()
+        with trio.fail_after(10):
+            while (health := (await client.get("/health")).json())["status"] == "ok":
+                await trio.sleep(0.01)
+        assert trio.current_time() - killed_at < 2
+        assert health["status"] == "error"
+        assert health["error"] == f"tensor-parallel rank 1 (pid {rank}) died: killed by SIGKILL"
+        ready = await client.get("/health/ready")
+        assert ready.status_code == 503 and ready.json()["error"] == health["error"]
+        refused = await client.post("/v1/completions", json={"prompt": "!#%", "max_tokens": 2})
+        assert refused.status_code == 503
+
+
+async def test_a_rank_that_dies_while_idle_makes_serve_exit_non_zero(tmp_path: pathlib.Path) -> None:
+    """`ft serve` with an idle rank killed exits 1 within a couple of seconds, saying which rank
+    died (before, it served on, "ok", until the next request failed)."""
+    model = tmp_path / "tiny"
+    save_hf_dir(model, tiny_config())
+    log = tmp_path / "serve.log"
+    args = ["--model", str(model), "--dtype", "float32", "--device", "cpu", "--tensor-parallel-size", "2"]
+    async with serve_process(args, log) as (proc, url):
+        async with httpx.AsyncClient(base_url=url, timeout=10) as client:
+            with trio.fail_after(60):
+                while (await client.get("/health")).json()["status"] != "ok":
+                    await trio.sleep(0.1)
+        (rank,) = rank_pids(proc.pid)
+        os.kill(rank, signal.SIGKILL)
+        killed_at = trio.current_time()
+        with trio.fail_after(30):
+            assert await proc.wait() == 1
+        assert trio.current_time() - killed_at < 5
+    reason = f"tensor-parallel rank 1 (pid {rank}) died: killed by SIGKILL"
+    assert f"the engine failed: {reason}" in log.read_text()
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
