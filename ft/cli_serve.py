@@ -13,6 +13,7 @@ from ft.config import (
     ADMISSIONS,
     DEFAULT_KV_CACHE_MEMORY,
     DEFAULT_STEP_TIMEOUT_S,
+    DEFAULT_TEMPLATE_TIMEOUT_S,
     KV_CACHE_DTYPES,
     EngineConfig,
     add_model_arguments,
@@ -89,6 +90,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_STEP_TIMEOUT_S,
         help="with --tensor-parallel-size > 1: seconds a step may take before the ranks are "
         f"declared hung and the server exits non-zero (default: {DEFAULT_STEP_TIMEOUT_S:g})",
+    )
+    engine.add_argument(
+        "--template-timeout",
+        type=float,
+        default=DEFAULT_TEMPLATE_TIMEOUT_S,
+        help="seconds the model's chat template may take to render one request before it is "
+        f"refused with a 400 (default: {DEFAULT_TEMPLATE_TIMEOUT_S:g})",
     )
     engine.add_argument(
         "--admission",
@@ -178,6 +186,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerSet
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
         step_timeout_s=args.step_timeout,
+        template_timeout_s=args.template_timeout,
     )
     settings = ServerSettings(
         host=args.host,
