@@ -14,6 +14,7 @@ from ft.config import (
     ADMISSIONS,
     DEFAULT_KV_CACHE_MEMORY,
     DEFAULT_STEP_TIMEOUT_S,
+    DEFAULT_TEMPLATE_TIMEOUT_S,
     KV_CACHE_DTYPES,
     EngineConfig,
     add_model_arguments,
@@ -99,6 +100,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="seconds work may wait with no step completing (a hung step, rank or scheduler) before "
         "the server fails every request, /health says why and it exits 1 "
         f"(default: {DEFAULT_STEP_TIMEOUT_S:g})",
+    )
+    engine.add_argument(
+        "--template-timeout",
+        type=float,
+        default=DEFAULT_TEMPLATE_TIMEOUT_S,
+        help="seconds the model's chat template may take to render one request before it is "
+        f"refused with a 400 (default: {DEFAULT_TEMPLATE_TIMEOUT_S:g})",
     )
     engine.add_argument(
         "--admission",
@@ -196,6 +204,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerSet
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
         step_timeout_s=args.step_timeout,
+        template_timeout_s=args.template_timeout,
     )
     settings = ServerSettings(
         host=args.host,

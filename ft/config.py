@@ -13,6 +13,8 @@ ADMISSIONS = ("need", "reserve")
 QUANTIZATIONS = ("int8",)
 DEVICE_PATTERN = r"auto|cpu|cuda(:\d+)?"  # auto: CUDA when torch sees one, else the CPU
 DEFAULT_STEP_TIMEOUT_S = 60.0  # far above any step, a grammar's bounded masks included
+# A chat template renders in milliseconds; one that runs for seconds loops without end.
+DEFAULT_TEMPLATE_TIMEOUT_S = 5.0
 # 1 GiB of KV holds ~23k tokens of the default model in float32 (46 KiB a token).
 DEFAULT_KV_CACHE_MEMORY = 1 << 30
 
@@ -46,6 +48,7 @@ class EngineConfig:
     max_prefill_tokens: int = 1024
     enable_prefix_caching: bool = True
     tokenizer_workers: int = 1
+    template_timeout_s: float = DEFAULT_TEMPLATE_TIMEOUT_S  # a render past it is a 400
     compute_threads: int | None = None
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
@@ -86,6 +89,8 @@ class EngineConfig:
             raise ValueError(f"max_prefill_tokens must be at least 16, got {self.max_prefill_tokens}")
         if not 1 <= self.tokenizer_workers <= 64:
             raise ValueError(f"tokenizer_workers must be in 1..64, got {self.tokenizer_workers}")
+        if not 0.1 <= self.template_timeout_s <= 600.0:
+            raise ValueError(f"template_timeout_s must be in 0.1..600, got {self.template_timeout_s}")
         if self.compute_threads is not None and not 1 <= self.compute_threads <= 256:
             raise ValueError(f"compute_threads must be in 1..256, got {self.compute_threads}")
         if not re.fullmatch(DEVICE_PATTERN, self.device):

@@ -84,6 +84,12 @@ class TokenizerActor:
         payload = encode_job(msg, self.spec_path, fault=self.fault(msg) if self.fault else None)
         try:
             result = await self.executor(self.job, payload)
+        except trio.TooSlowError as e:  # the worker was killed and replaced
+            what = "rendering the chat template and tokenizing" if msg.messages is not None else "tokenizing"
+            param = "messages" if msg.messages is not None else "prompt"
+            raise InvalidRequest(f"{what} took too long: {e}", param=param) from e
+        except FtError:
+            raise  # the engine stopped while the job ran (RequestAborted)
         except trio_parallel.BrokenWorkerError as e:
             # The details (process, pid, exit code) go to the log, never to the client.
             log.error("the tokenizer worker died: %s", e)

@@ -39,14 +39,26 @@ from ft.grammar.spec import GrammarSpec
 from ft.ids import random_id
 from ft.messages import Abort, Batch, DetokenizerIn, SchedulerIn, StepDone, Tokenize
 from ft.params import SamplingParams
-from ft.tokenizer.job import Executor, ignore_stop_signals, tokenize_job
+from ft.tokenizer.job import (
+    WORKER_MEMORY_BYTES,
+    Executor,
+    check_template_job,
+    init_worker,
+    retire_worker,
+    tokenize_job,
+)
 
 log = logging.getLogger("ft.engine")
 
 # Seconds between the engine's DEBUG summaries (only while the log level shows them).
 SUMMARY_PERIOD_S = 10.0
-# Seconds tokenizer workers get to exit once the engine stops, before they are killed.
+# Seconds idle tokenizer workers get to exit once the engine stops, before they are killed
+# (busy ones are killed at once).
 WORKER_GRACE_S = 5.0
+# Seconds a tokenizer job may run past its render deadline (`template_timeout_s`) before its
+# worker is killed: encoding the longest prompt a template may render takes ~25 s on a busy
+# laptop core. The worker's own deadline stops a looping template; this stops anything else.
+TOKENIZE_GRACE_S = 30.0
 
 
 class EngineState(enum.StrEnum):
@@ -125,6 +137,8 @@ class Engine:
         self._tokenize_slots = trio.CapacityLimiter(config.tokenizer_workers)
         self._running: Running | None = None  # set once the actors have started
         self._workers: trio_parallel.WorkerContext | None = None  # tokenizer worker processes
+        self._jobs: set[trio.CancelScope] = set()  # jobs in workers, cancelled when the engine stops
+        self._is_killing_jobs = False  # the engine has stopped: no new job starts
         self._failed = trio.Event()  # set when the model failed to load or its runner failed
         self._close_model: Callable[[bool], None] | None = None
         self._tmpdir = tempfile.TemporaryDirectory(prefix="ft-")
@@ -182,7 +196,13 @@ class Engine:
         detok_send, detok_recv = trio.open_memory_channel[DetokenizerIn](math.inf)
         run_send, run_recv = trio.open_memory_channel[Batch](1)  # one batch in flight
 
-        executor = self.hooks.tokenize_executor or self._worker_executor(workers=cfg.tokenizer_workers)
+        executor = self.hooks.tokenize_executor or self._worker_executor(
+            workers=cfg.tokenizer_workers, timeout_s=cfg.template_timeout_s + TOKENIZE_GRACE_S
+        )
+        # A template that cannot render is a load error rather than every chat request's. In a
+        # worker, which this spawns now rather than on first use; in this process when a test's
+        # executor stands in for the workers (so its calls are the requests' alone).
+        await self._check_template(executor if self.hooks.tokenize_executor is None else _run_here, spec_path)
 
         tokenizer_actor = TokenizerActor(
             tok_recv,
@@ -247,8 +267,6 @@ class Engine:
             fault=self.hooks.grammar_fault,
         )
         self._running = Running(core, spec.build(), tokenizer_actor, sched_send, tok_send, grammars)
-        if self.hooks.tokenize_executor is None:  # spawn the worker now, not on first use
-            await tokenizer_actor.tokenize(Tokenize(uid=0, params=SamplingParams(), prompt="warm up"))
         if log.isEnabledFor(logging.DEBUG):
             nursery.start_soon(self._log_summaries)
         self.stats.started()
@@ -280,21 +298,63 @@ class Engine:
         # Called from the loading thread: a float assignment, nothing else.
         self.load_progress = round(0.9 * fraction, 3)
 
-    def _worker_executor(self, *, workers: int | None = None, kill_on_cancel: bool = False) -> Executor:
-        """Jobs in the engine's worker processes, at most `workers` at once (trio-parallel's
-        default when None); `kill_on_cancel`: the worker is killed if the caller is cancelled
-        (a grammar compile past its deadline), else the job runs to its end."""
-        limiter = trio.CapacityLimiter(workers) if workers else None
+    async def _check_template(self, executor: Executor, spec_path: str) -> None:
+        """Render the chat template on sample conversations in a worker; raise `ValueError`
+        (the engine fails to start) naming the template when it cannot serve a chat."""
+        try:
+            answer = cbor2.loads(await executor(check_template_job, cbor2.dumps({"spec_path": spec_path})))
+        except trio.TooSlowError as e:
+            raise ValueError(f"the model's chat template cannot be used: {e}") from e
+        except trio_parallel.BrokenWorkerError as e:
+            raise ValueError("the model's chat template cannot be used: it crashed its worker") from e
+        if "error" in answer:
+            raise ValueError(f"the model's chat template cannot be used: {answer['error']}")
+
+    def _worker_executor(
+        self, *, workers: int | None = None, kill_on_cancel: bool = False, timeout_s: float | None = None
+    ) -> Executor:
+        """Jobs in the engine's worker processes, at most `workers` at once (one a CPU when None).
+
+        `kill_on_cancel`: a cancelled caller kills the job's worker at once (a grammar compile
+        past its deadline); else a caller that leaves lets the job run on, so a client hanging up
+        costs no worker. Either way the worker is killed past `timeout_s` (the executor raises
+        `trio.TooSlowError`) and when the engine stops (`RequestAborted`): no job outlives the
+        engine, and none holds its stop.
+        """
+        limiter = trio.CapacityLimiter(workers or os.cpu_count() or 1)
+        unlimited = trio.CapacityLimiter(math.inf)  # `limiter` is taken before the deadline starts
         context = self._workers
         assert context is not None, "the engine is not running (use open_engine)"
 
         async def executor(job: Callable[[bytes], bytes], payload: bytes) -> bytes:
-            result: bytes = await context.run_sync(
-                job, payload, limiter=limiter, kill_on_cancel=kill_on_cancel
-            )
-            return result
+            async with limiter:
+                if self._is_killing_jobs:
+                    raise RequestAborted("the server is stopping; request aborted")
+                with trio.CancelScope(shield=not kill_on_cancel) as scope:
+                    if timeout_s is not None:
+                        scope.deadline = trio.current_time() + timeout_s
+                    self._jobs.add(scope)
+                    try:
+                        result: bytes = await context.run_sync(
+                            job, payload, limiter=unlimited, kill_on_cancel=True
+                        )
+                        return result
+                    finally:
+                        self._jobs.discard(scope)
+            if self._is_killing_jobs:
+                raise RequestAborted("the server is stopping; request aborted")
+            raise trio.TooSlowError(f"it ran longer than {timeout_s:g} s in its worker, which was replaced")
 
         return executor
+
+    def _kill_jobs(self) -> None:
+        """Kill the worker of every job running, and refuse new ones: the engine has stopped.
+
+        Synchronous, so it is safe to call from a cancelled task.
+        """
+        self._is_killing_jobs = True
+        for scope in self._jobs:
+            scope.cancel()
 
     def _on_runner_failed(self, reason: str) -> None:
         """The runner can run no more steps: fail every live request and report the error.
@@ -640,6 +700,7 @@ class Engine:
         self.abort_all()
         with trio.move_on_after(self._abort_timeout_s):
             await self._wait_idle()
+        self._kill_jobs()  # a request still in a worker holds nothing up any longer
         self._stop_snapshot = self.snapshot() | {"drain_complete": True}
         if not self.has_failed:
             self.state = EngineState.STOPPED
@@ -711,6 +772,11 @@ class Engine:
         }
 
 
+async def _run_here(job: Callable[[bytes], bytes], payload: bytes) -> bytes:
+    await trio.lowlevel.checkpoint()
+    return job(payload)
+
+
 def _rss_bytes() -> int:
     """This process's resident set size (0 where /proc is missing)."""
     try:
@@ -736,9 +802,12 @@ async def open_engine(
     engine = Engine(config or EngineConfig(), hooks or EngineHooks())
     try:
         # Workers ignore SIGINT/SIGTERM (a terminal's Ctrl-C and a process-group signal reach
-        # them too): stopping is this process's decision; they exit when their context closes.
+        # them too): stopping is this process's decision. Busy ones are killed when the engine
+        # stops, idle ones exit when their context closes, and all exit if this process dies.
         async with trio_parallel.open_worker_context(
-            init=ignore_stop_signals, grace_period=WORKER_GRACE_S
+            init=partial(init_worker, engine.config.template_timeout_s, WORKER_MEMORY_BYTES),
+            retire=retire_worker,
+            grace_period=WORKER_GRACE_S,
         ) as workers:
             engine._workers = workers
             async with trio.open_nursery() as nursery:
@@ -751,6 +820,7 @@ async def open_engine(
                 finally:
                     if not engine.has_failed:
                         engine.state = EngineState.STOPPED
+                    engine._kill_jobs()
                     nursery.cancel_scope.cancel()
     finally:
         if engine._close_model is not None:

@@ -5,9 +5,17 @@ Kept free of torch and trio so worker processes start fast and stay small.
 
 from __future__ import annotations
 
+import multiprocessing
+import multiprocessing.connection
 import os
+import resource
 import signal
-from collections.abc import Awaitable, Callable
+import threading
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
+from types import FrameType
+from typing import Any
 
 import cbor2
 from tokenizers import Tokenizer
@@ -16,7 +24,7 @@ from ft.errors import InvalidRequest
 from ft.grammar.spec import GrammarSpec
 from ft.tokenizer.codec import TokenizeJob, decode_job, encode_result
 from ft.tokenizer.spec import TokenizerSpec
-from ft.tokenizer.template import render_chat
+from ft.tokenizer.template import TemplateTimeout, render_chat
 
 # Stands in for the content of the message to continue; it renders last, so `rfind` finds it.
 CONTINUE_MARKER = "\x00ft:continue-final-message\x00"
@@ -25,17 +33,124 @@ CONTINUE_MARKER = "\x00ft:continue-final-message\x00"
 # worker process (the engine's default), or in-process for tests.
 Executor = Callable[[Callable[[bytes], bytes], bytes], Awaitable[bytes]]
 
+# The memory a worker may map for data (RLIMIT_DATA): a worker maps ~0.2 GiB with the default
+# model's tokenizer loaded, and peaks at ~0.9 GiB rendering and encoding a 4 MiB chat prompt.
+WORKER_MEMORY_BYTES = 2 << 30
+# The longest prompt a chat template may render: ~4 Mi tokens, past any context window, and
+# about 25 s to encode on a busy laptop core.
+MAX_RENDERED_CHARS = 16 << 20
+# Seconds between checks that the serving process is still this worker's parent.
+PARENT_POLL_S = 1.0
+EXIT_ORPHANED = 70  # a worker's exit status once its serving process is gone
+
+# A conversation of every common shape, rendered once at load (`check_template_job`).
+SAMPLE_CONVERSATIONS: tuple[list[dict[str, Any]], ...] = (
+    [
+        {"role": "system", "content": "You are a helpful assistant."},
+        {"role": "user", "content": "Hello!"},
+        {"role": "assistant", "content": "Hello! How can I help?"},
+        {"role": "user", "content": "What is the weather in Paris?"},
+    ],
+    [  # for templates that refuse a system message (they call `raise_exception`)
+        {"role": "user", "content": "Hello!"},
+        {"role": "assistant", "content": "Hello! How can I help?"},
+        {"role": "user", "content": "What is the weather in Paris?"},
+    ],
+)
+SAMPLE_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The current weather in a city.",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+            },
+        },
+    }
+]
+
 _loaded: dict[str, tuple[Tokenizer, TokenizerSpec]] = {}
+_template_timeout_s: float | None = None  # set in a worker by `init_worker`; None: no deadline
+_must_retire = False  # the worker ran out of memory: replace it after this job
 
 
-def ignore_stop_signals() -> None:
-    """A worker's start-up: ignore SIGINT and SIGTERM, which are for the serving process.
+def init_worker(template_timeout_s: float, memory_bytes: int) -> None:
+    """A worker's start-up: its signals, its memory bound, its render deadline, its parent watch.
 
-    A Ctrl-C in a terminal and a SIGTERM sent to the process group reach the workers too; they
-    must keep tokenizing while the server drains, and they exit when the server closes them.
+    SIGINT and SIGTERM are for the serving process: a Ctrl-C in a terminal and a SIGTERM sent
+    to the process group reach the workers too, and they must keep tokenizing while the server
+    drains; the server kills the busy ones when it stops. The worker exits by itself as soon
+    as the serving process is gone (even SIGKILLed), so none outlives it.
     """
+    global _template_timeout_s
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    _, hard = resource.getrlimit(resource.RLIMIT_DATA)
+    if hard == resource.RLIM_INFINITY or memory_bytes < hard:
+        resource.setrlimit(resource.RLIMIT_DATA, (memory_bytes, hard))
+    _template_timeout_s = template_timeout_s
+    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    # NOTE: not prctl(PR_SET_PDEATHSIG): its "parent" is the thread that spawned the process,
+    # and trio-parallel spawns workers from trio's worker threads, which exit when idle (10 s),
+    # killing every worker they started. The sentinel is a pipe whose other end only the
+    # parent holds: it reads as closed the moment the parent dies; the pid check is a fallback.
+    parent = multiprocessing.parent_process()
+    sentinels = [parent.sentinel] if parent is not None and parent.sentinel is not None else []
+    while os.getppid() == parent_pid:
+        if sentinels and multiprocessing.connection.wait(sentinels, timeout=PARENT_POLL_S):
+            break
+        if not sentinels:
+            time.sleep(PARENT_POLL_S)
+    os._exit(EXIT_ORPHANED)
+
+
+def retire_worker() -> bool:
+    """Called by trio-parallel after each job: whether this worker must be replaced (it ran out
+    of memory, and a process past a `MemoryError` is not trusted with the next job)."""
+    return _must_retire
+
+
+@contextmanager
+def _render_deadline() -> Iterator[None]:
+    """Raise `TemplateTimeout` in the render once `_template_timeout_s` passes (in a worker).
+
+    A timer signal interrupts the template's Python loops; what runs as one long C call is
+    bounded by the sandbox (`ft.tokenizer.template`), and the caller kills the worker past its
+    own, longer deadline whatever the job does.
+    """
+    timeout = _template_timeout_s
+    if timeout is None or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def on_alarm(signum: int, frame: FrameType | None) -> None:
+        raise TemplateTimeout
+
+    previous = signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, timeout)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def _timeout_message() -> str:
+    return f"the chat template took longer than {_template_timeout_s:g} s to render"
+
+
+def _out_of_memory_message(what: str) -> str:
+    global _must_retire
+    _must_retire = True
+    limit = resource.getrlimit(resource.RLIMIT_DATA)[0]
+    bound = f" ({limit >> 20} MiB)" if limit != resource.RLIM_INFINITY else ""
+    return f"{what} needs more memory than a tokenizer worker may use{bound}"
 
 
 def load_spec(spec_path: str) -> tuple[Tokenizer, TokenizerSpec]:
@@ -87,17 +202,59 @@ def tokenize_job(payload: bytes) -> bytes:
         os._exit(17)
     if job.fault == "raise":  # test hook: the job crashes
         raise RuntimeError("injected tokenizer fault")
+    if job.fault == "hang":  # test hook: the job never ends, whatever its deadline says
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})
+        while True:
+            time.sleep(1.0)
     tokenizer, spec = load_spec(job.spec_path)
+    param = "messages" if job.messages is not None else "prompt"
     try:
-        text, add_bos = render_prompt(job, spec)
+        with _render_deadline():
+            text, add_bos = render_prompt(job, spec)
+        if len(text) > MAX_RENDERED_CHARS:
+            raise InvalidRequest(
+                f"the chat template rendered {len(text)} characters (at most {MAX_RENDERED_CHARS})",
+                param=param,
+            )
         ids: list[int] = tokenizer.encode(text, add_special_tokens=False).ids
     except InvalidRequest as e:
         return encode_result(error=e.message, param=e.param)
+    except TemplateTimeout:
+        return encode_result(error=_timeout_message(), param=param)
+    except MemoryError:
+        what = "rendering the chat template" if job.messages is not None else "the prompt"
+        return encode_result(error=_out_of_memory_message(what), param=param)
     if add_bos and spec.bos_token is not None:
         bos = tokenizer.token_to_id(spec.bos_token)
         if bos is not None and (not ids or ids[0] != bos):
             ids.insert(0, bos)
     return encode_result(ids)
+
+
+def check_template_job(payload: bytes) -> bytes:
+    """Worker entry point: render the chat template of a spec file on sample conversations.
+
+    CBOR in: `spec_path`. CBOR out: `{}` when a sample rendered, else `error` (why the template
+    cannot serve a chat). A template may refuse one shape of conversation with
+    `raise_exception` (many refuse a system message); one that renders none, runs past its
+    deadline or its memory bound, or does not compile cannot serve any.
+    """
+    _, spec = load_spec(cbor2.loads(payload)["spec_path"])
+    source = spec.chat_template
+    tools = SAMPLE_TOOLS if source is not None and "tools" in source else None
+    refusals: list[str] = []
+    for messages in SAMPLE_CONVERSATIONS:
+        try:
+            with _render_deadline():
+                render_chat(source, messages, tools=tools, bos_token=spec.bos_token, eos_token=spec.eos_token)
+            return cbor2.dumps({})
+        except InvalidRequest as e:
+            refusals.append(e.message)
+        except TemplateTimeout:
+            return cbor2.dumps({"error": f"{_timeout_message()} a sample conversation"})
+        except MemoryError:
+            return cbor2.dumps({"error": _out_of_memory_message("rendering a sample conversation")})
+    return cbor2.dumps({"error": f"it renders no sample conversation ({refusals[0]})"})
 
 
 def check_grammar_job(payload: bytes) -> bytes:

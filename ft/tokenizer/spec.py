@@ -35,6 +35,12 @@ PRE_TOKENIZER_SPLITS = {
 }
 
 
+# The longest token whose merges are reconstructed from scores: real vocabularies stay under
+# ~100 characters, and trying every split of a token costs the square of its length (one
+# 400,000-character token in a downloaded file took minutes to load).
+MAX_MERGED_TOKEN_CHARS = 256
+
+
 @dataclass(frozen=True, slots=True)
 class TokenizerSpec:
     """A model's tokenizer as CBOR-encodable plain fields, so worker processes can rebuild it."""
@@ -149,12 +155,21 @@ def sentencepiece_bpe_from_gguf(
 
 
 def _merges_from_scores(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
-    """Recover BPE merges from a sentencepiece vocabulary: every split of a token into two tokens."""
+    """Recover BPE merges from a sentencepiece vocabulary: every split of a token into two tokens.
+
+    Linear in the vocabulary's characters: a token longer than `MAX_MERGED_TOKEN_CHARS` gets
+    no merges, and a cut is only tried where both halves have the length of some token.
+    """
     vocab = {t: i for i, t in enumerate(tokens)}
     score = dict(zip(tokens, scores, strict=False))
+    lengths = {len(t) for t in vocab if len(t) < MAX_MERGED_TOKEN_CHARS}
     found: list[tuple[float, int, int, tuple[str, str]]] = []
     for merged in vocab:
+        if len(merged) > MAX_MERGED_TOKEN_CHARS:
+            continue
         for cut in range(1, len(merged)):
+            if cut not in lengths or len(merged) - cut not in lengths:
+                continue
             left, right = merged[:cut], merged[cut:]
             if left in vocab and right in vocab:
                 found.append((-score.get(merged, 0.0), vocab[left], vocab[right], (left, right)))

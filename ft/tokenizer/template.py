@@ -8,9 +8,19 @@ from functools import lru_cache
 from typing import Any, NoReturn
 
 import jinja2
+from jinja2.exceptions import SecurityError
+from jinja2.runtime import Context
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from ft.errors import InvalidRequest
+
+# The largest string or list a template may build with `*` (a prompt is at most a few MiB; a
+# template repeating more is hostile), and the largest integer `**` may compute: both run as
+# one C call that no deadline interrupts. Jinja's sandbox already caps `range()` at 100,000
+# items; the worker's deadline and memory bound (`ft.tokenizer.job`) stop what grows step by
+# step (loops, `+` doubling a string).
+MAX_SEQUENCE_LEN = 16 << 20
+MAX_POWER_BITS = 4096
 
 # Used when a model ships no template: ChatML, which most small instruct models understand.
 CHATML_TEMPLATE = (
@@ -65,6 +75,46 @@ def inline_tools(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) ->
     return out
 
 
+class TemplateTimeout(BaseException):
+    """The render ran past its deadline (raised by the worker's timer, so a BaseException that
+    no `except Exception` in jinja's runtime swallows)."""
+
+
+class _BoundedEnvironment(ImmutableSandboxedEnvironment):
+    """The sandbox with `*` and `**` checked before they run.
+
+    Intercepted operators are never folded at compile time, so `{{ 7 ** 77777777 }}` fails here
+    at render time (in the worker, under its deadline) instead of hanging the compiler.
+    """
+
+    # NOTE: `+` is left to the memory bound: intercepting it costs ~10% of a normal render.
+    intercepted_binops = frozenset({"*", "**"})
+
+    def call_binop(self, context: Context, operator: str, left: Any, right: Any) -> Any:
+        """`left operator right`, refused when its result would exceed the bounds above."""
+        if operator == "**":
+            _check_power(left, right)
+        elif operator == "*":
+            _check_repeat(left, right)
+        return super().call_binop(context, operator, left, right)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_power(base: Any, exponent: Any) -> None:
+    if _is_int(base) and _is_int(exponent) and abs(base) > 1 and exponent > 0:
+        if exponent * (abs(base).bit_length() - 1) > MAX_POWER_BITS:
+            raise SecurityError(f"a power larger than {MAX_POWER_BITS} bits is not allowed")
+
+
+def _check_repeat(left: Any, right: Any) -> None:
+    for seq, times in ((left, right), (right, left)):
+        if isinstance(seq, (str, list, tuple)) and _is_int(times) and len(seq) * times > MAX_SEQUENCE_LEN:
+            raise SecurityError(f"a string or list longer than {MAX_SEQUENCE_LEN} items is not allowed")
+
+
 class _TemplateRaised(Exception):
     """A template called `raise_exception(message)`."""
 
@@ -92,9 +142,7 @@ def _strftime_now(fmt: str) -> str:
 @lru_cache(maxsize=16)
 def compile_template(template: str) -> jinja2.Template:
     """Compile once per distinct template string."""
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
-    )
+    env = _BoundedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
@@ -115,6 +163,8 @@ def render_chat(
 
     Raises:
         InvalidRequest: the template failed on these messages (param "messages").
+        TemplateTimeout: the worker's render deadline passed (see `ft.tokenizer.job`).
+        MemoryError: the render needed more memory than the process may use.
     """
     source = template if template is not None else CHATML_TEMPLATE
     try:

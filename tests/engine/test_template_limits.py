@@ -1,0 +1,218 @@
+"""Hostile chat templates in real tokenizer workers: deadlines, the memory bound, load checks,
+and workers that never hold up (or outlive) the engine's stop."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+import psutil
+import pytest
+import trio
+
+from ft.config import EngineConfig
+from ft.engine import engine as engine_module
+from ft.engine.engine import Engine
+from ft.engine.fake import CHATML, FakeRunner
+from ft.engine.loading import ModelParts
+from ft.errors import InvalidRequest, RequestAborted
+from ft.messages import Tokenize
+from tests.support.engine import fake_engine, fake_parts
+
+NESTED_LOOPS = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+DOUBLING = (  # 1 MiB doubled 12 times: 4 GiB, past the worker's memory bound
+    "{% set ns = namespace(s='x' * 1048576) %}"
+    "{% for i in range(12) %}{% set ns.s = ns.s + ns.s %}{% endfor %}{{ ns.s | length }}"
+)
+SMALL_BOUND = 512 << 20  # the tests' worker memory bound: reached in a fraction of a second
+# Loops or grows only for a chosen last message, so that the load check passes.
+HOSTILE = (
+    "{% set last = messages[-1]['content'] %}"
+    f"{{% if last == 'loop' %}}{NESTED_LOOPS}{{% elif last == 'grow' %}}{DOUBLING}{{% endif %}}" + CHATML
+)
+
+
+def with_template(template: str) -> Callable[[EngineConfig], ModelParts]:
+    """The fake model, its tokenizer carrying `template`."""
+    load = fake_parts(FakeRunner())
+
+    def load_with_template(config: EngineConfig) -> ModelParts:
+        parts = load(config)
+        return replace(parts, tokenizer=replace(parts.tokenizer, chat_template=template))
+
+    return load_with_template
+
+
+def chat(content: str) -> list[dict[str, Any]]:
+    return [{"role": "user", "content": content}]
+
+
+def worker_pids() -> set[int]:
+    """This process's trio-parallel workers (not multiprocessing's resource tracker); take those
+    running before an engine starts away to get the engine's (other tests leave idle ones)."""
+    children = psutil.Process().children(recursive=True)
+    return {p.pid for p in children if "spawn_main" in " ".join(p.cmdline())}
+
+
+def is_gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+async def answer(engine: Engine, content: str) -> str:
+    async with engine.open_request(messages=chat(content)) as stream:
+        return (await stream.collect())[0].text
+
+
+def hang_on_bang(msg: Tokenize) -> str | None:
+    """Test hook: a job for a prompt starting with '!' never ends and ignores its deadline."""
+    return "hang" if msg.prompt and msg.prompt.startswith("!") else None
+
+
+async def test_a_template_that_loops_is_a_400_after_its_deadline_and_the_worker_serves_on() -> None:
+    """Two nested `range(100000)` loops hung every text request and /v1/tokenize for good."""
+    elsewhere = worker_pids()
+    with trio.fail_after(60):
+        async with fake_engine(
+            executor=None, load_model=with_template(HOSTILE), template_timeout_s=1.0
+        ) as engine:
+            before = worker_pids() - elsewhere
+            start = trio.current_time()
+            with pytest.raises(InvalidRequest, match="chat template took longer than 1 s") as info:
+                await answer(engine, "loop")
+            assert info.value.param == "messages"
+            assert trio.current_time() - start < 4.0
+            with pytest.raises(InvalidRequest, match="chat template took longer than 1 s"):
+                await engine.tokenize(messages=chat("loop"))
+            assert await answer(engine, "hi")
+            assert worker_pids() - elsewhere == before  # the render stopped; its worker lives on
+
+
+async def test_a_template_past_the_memory_bound_is_a_400_and_its_worker_is_replaced(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(engine_module, "WORKER_MEMORY_BYTES", SMALL_BOUND)
+    elsewhere = worker_pids()
+    with trio.fail_after(60):
+        async with fake_engine(
+            executor=None, load_model=with_template(HOSTILE), template_timeout_s=30
+        ) as engine:
+            before = worker_pids() - elsewhere
+            with pytest.raises(InvalidRequest, match="needs more memory than a tokenizer worker may use"):
+                await answer(engine, "grow")
+            assert await answer(engine, "hi")
+            assert (worker_pids() - elsewhere).isdisjoint(before)
+
+
+async def test_a_job_past_its_deadline_has_its_worker_killed_and_is_a_400(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A job that ignores the render deadline (a C call that never returns) is killed."""
+    # NOTE: the deadline counts a fresh worker's start too (seconds on a busy machine).
+    monkeypatch.setattr(engine_module, "TOKENIZE_GRACE_S", 5.0)
+    elsewhere = worker_pids()
+    with trio.fail_after(60):
+        async with fake_engine(executor=None, tokenizer_fault=hang_on_bang, template_timeout_s=0.5) as engine:
+            before = worker_pids() - elsewhere
+            with pytest.raises(InvalidRequest, match="tokenizing took too long.*5.5 s") as info:
+                await engine.generate("!hang")
+            assert info.value.param == "prompt"
+            assert await engine.generate("fine")
+            assert (worker_pids() - elsewhere).isdisjoint(before)
+
+
+async def test_a_cancelled_caller_waits_for_its_job_rather_than_kill_the_worker() -> None:
+    """A client hanging up while its prompt renders costs no worker (a respawn takes seconds):
+    the call ends with the job, which its deadline bounds."""
+    elsewhere = worker_pids()
+    with trio.fail_after(60):
+        async with fake_engine(
+            executor=None, load_model=with_template(HOSTILE), template_timeout_s=1.0
+        ) as engine:
+            before = worker_pids() - elsewhere
+            with pytest.raises(InvalidRequest, match="took longer than 1 s"), trio.move_on_after(0.2):
+                await engine.tokenize(messages=chat("loop"))
+            assert worker_pids() - elsewhere == before
+            assert await answer(engine, "hi")
+
+
+async def test_stopping_the_engine_kills_a_busy_worker_and_aborts_its_requests() -> None:
+    """A job that never ends held the engine's stop (and SIGTERM) forever: now the drain and
+    the abort grace bound the stop, then the busy worker is killed."""
+    elsewhere = worker_pids()
+    with trio.fail_after(30):
+        async with fake_engine(executor=None, tokenizer_fault=hang_on_bang) as engine:
+            busy = worker_pids() - elsewhere
+            outcomes: list[type[BaseException]] = []
+
+            async def stuck(call: Callable[[], Any]) -> None:
+                with pytest.raises(RequestAborted) as info:
+                    await call()
+                outcomes.append(info.type)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(stuck, lambda: engine.generate("!hang"))
+                nursery.start_soon(stuck, lambda: engine.tokenize(prompt="!hang"))
+                await trio.sleep(0.5)
+                start = trio.current_time()
+                await engine.prepare_stop(drain_timeout_s=0.2, abort_timeout_s=0.2)
+                assert trio.current_time() - start < 2.0
+            assert outcomes == [RequestAborted, RequestAborted]
+        assert busy and all(is_gone(pid) for pid in busy)
+
+
+async def test_leaving_the_engine_kills_a_busy_worker_at_once() -> None:
+    elsewhere = worker_pids()
+    with trio.fail_after(30):
+        async with fake_engine(executor=None, tokenizer_fault=hang_on_bang) as engine:
+            busy = worker_pids() - elsewhere
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(engine.generate, "!hang")
+                await trio.sleep(0.5)
+                start = trio.current_time()
+                nursery.cancel_scope.cancel()
+        assert trio.current_time() - start < 2.0
+        assert busy and all(is_gone(pid) for pid in busy)
+
+
+@pytest.mark.parametrize(
+    ("template", "reason"),
+    [
+        ("{% for m in messages %}", "chat template error"),
+        ("{{ raise_exception('nothing renders') }}", "nothing renders"),
+        ("{{ 7 ** 77777777 }}", "power"),
+        ("{{ messages[0]['content'] + 1 }}", "TypeError"),
+        (NESTED_LOOPS, "took longer than 1 s to render a sample conversation"),
+        (DOUBLING, "needs more memory"),
+    ],
+)
+async def test_a_template_that_cannot_render_fails_the_engine_at_load(
+    template: str, reason: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(engine_module, "WORKER_MEMORY_BYTES", SMALL_BOUND)
+    timeout_s = 1.0 if template == NESTED_LOOPS else 30.0  # the memory bound first, in the others
+    failed = pytest.RaisesExc(RuntimeError, match=f"chat template cannot be used: .*{re.escape(reason)}")
+    with trio.fail_after(60), pytest.RaisesGroup(failed, flatten_subgroups=True):
+        async with fake_engine(
+            executor=None, load_model=with_template(template), template_timeout_s=timeout_s
+        ):
+            pass
+
+
+async def test_a_template_that_refuses_a_system_message_loads() -> None:
+    template = (
+        "{% if messages[0]['role'] == 'system' %}"
+        "{{ raise_exception('System role not supported') }}{% endif %}"
+    )
+    async with fake_engine(load_model=with_template(template + CHATML)) as engine:
+        assert await answer(engine, "hi")
+
+
+async def test_a_template_that_reads_tools_is_checked_with_tools() -> None:
+    template = "{{ tools[0]['function']['name'] }}" + CHATML
+    async with fake_engine(load_model=with_template(template)) as engine:
+        assert engine.state == "ready"
