@@ -9,11 +9,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ft.core.batch import SeqWork
+from ft.core.batch import RowsFailed, SeqWork
 from ft.grammar import spec
-from ft.model.masks import GrammarError
 from ft.params import SamplingParams
-from tests.support.grammar import byte_matcher, byte_runner, generate, text_of
+from tests.support.grammar import byte_runner, byte_seq_matcher, generate, text_of
 
 AB = spec.regex("[ab]{6}", "x")
 
@@ -33,7 +32,7 @@ MODES = {
 def test_every_sampling_mode_follows_the_grammar(mode: str) -> None:
     """Greedy, sampled, filtered, penalized, biased and logprob rows all yield `[ab]{6}` then EOS."""
     runner = byte_runner()
-    [(tokens, ended)] = generate(runner, [byte_matcher(AB)], [MODES[mode]], max_tokens=20)
+    [(tokens, ended)] = generate(runner, [byte_seq_matcher(AB)], [MODES[mode]], max_tokens=20)
     assert ended and len(tokens) == 6 and set(text_of(tokens)) <= {"a", "b"}, text_of(tokens)
 
 
@@ -41,26 +40,28 @@ def test_constrained_and_free_rows_share_a_batch() -> None:
     """A free row beside constrained ones is untouched by their masks: it matches its solo run."""
     runner = byte_runner()
     free = SamplingParams(temperature=0.0)
-    [(alone, _)] = generate(runner, [None], [free], max_tokens=12)  # type: ignore[list-item]
-    mixed = generate(runner, [byte_matcher(AB), None, byte_matcher(AB)], [free, free, free], 12)  # type: ignore[list-item]
+    [(alone, _)] = generate(runner, [None], [free], max_tokens=12)
+    mixed = generate(runner, [byte_seq_matcher(AB), None, byte_seq_matcher(AB)], [free, free, free], 12)
     assert mixed[1][0] == alone
     assert all(set(text_of(t)) <= {"a", "b"} for t, _ in (mixed[0], mixed[2]))
 
 
-def test_a_failed_grammar_fails_its_step_and_leaves_the_others_where_they_were() -> None:
-    """A matcher in error raises `GrammarError` naming its sequence; no matcher has advanced,
-    so the runner actor's row-by-row rerun sees every other row unchanged."""
+def test_a_failed_grammar_fails_its_row_and_the_others_are_sampled() -> None:
+    """A matcher in error fails its own row (`RowsFailed` names its sequence); the other rows
+    of the step are sampled and advanced once, so nothing is rerun."""
     runner = byte_runner()
-    good, bad = byte_matcher(AB), byte_matcher(AB)
-    bad.consume_token(3 + ord("z"))  # forbidden: the matcher is now in error
-    assert bad.is_error()
+    good, bad = byte_seq_matcher(AB), byte_seq_matcher(AB)
+    bad.llg.consume_token(3 + ord("z"))  # forbidden: the matcher is now in error
+    assert bad.llg.is_error()
     works = [SeqWork(i, (60, 61), 0, (i,), True, SamplingParams(temperature=0.0), 0, matcher=m)
              for i, m in enumerate([good, bad])]  # fmt: skip
-    with pytest.raises(GrammarError, match="seq 1"):
+    with pytest.raises(RowsFailed) as err:
         runner.step(works)
-    assert good.deep_copy().consume_tokens([3 + ord("a")] * 6)  # still at the start
-    [s] = runner.step(works[:1])
-    assert chr(s.token_id - 3) in "ab"
+    assert [seq_id for seq_id, _ in err.value.failed] == [1]
+    [s] = err.value.sampled
+    assert s.seq_id == 0 and chr(s.token_id - 3) in "ab"
+    after = good.llg.deep_copy()
+    assert good.num_masks == 1 and after.consume_tokens([3 + ord("a")] * 5) and after.is_accepting()
 
 
 SCHEMAS = [
@@ -81,6 +82,6 @@ def test_random_models_write_valid_json(schema: dict[str, object], seed: int, te
     bounds its output, so the grammar itself ends it well within the 200 tokens)."""
     runner = byte_runner(seed % 7)
     params = SamplingParams(temperature=temperature, seed=seed)
-    [(tokens, ended)] = generate(runner, [byte_matcher(spec.json_schema(schema, "x"))], [params], 200)
+    [(tokens, ended)] = generate(runner, [byte_seq_matcher(spec.json_schema(schema, "x"))], [params], 200)
     assert ended
     jsonschema.validate(json.loads(text_of(tokens)), schema)

@@ -10,7 +10,7 @@ import torch
 
 from ft.core.batch import SeqWork
 from ft.engine.fake import byte_tokenizer_spec
-from ft.grammar.compiled import Matcher, compile_matcher, grammar_text, grammar_tokenizer
+from ft.grammar.compiled import LLMatcher, Matcher, compile_matcher, grammar_text, grammar_tokenizer
 from ft.grammar.spec import GrammarSpec
 from ft.model.loader import LoadedModel
 from ft.model.torch_runner import TorchRunner
@@ -21,11 +21,16 @@ BYTE_VOCAB = 259  # the fake byte tokenizer: 3 specials + 256 bytes
 EOS = byte_tokenizer_spec().eos_token_ids
 
 
-def byte_matcher(spec: GrammarSpec) -> Matcher:
-    """`spec` compiled for the byte tokenizer."""
+def byte_matcher(spec: GrammarSpec) -> LLMatcher:
+    """`spec` compiled for the byte tokenizer (llguidance's matcher: a template)."""
     s = byte_tokenizer_spec()
     tokenizer = grammar_tokenizer(s.tokenizer_json, BYTE_VOCAB, s.eos_token_ids)
     return compile_matcher(grammar_text(spec), tokenizer, BYTE_VOCAB)
+
+
+def byte_seq_matcher(spec: GrammarSpec) -> Matcher:
+    """`spec` compiled for the byte tokenizer, as a sequence's matcher (what a `SeqWork` carries)."""
+    return Matcher(byte_matcher(spec))
 
 
 def write_byte_spec(directory: pathlib.Path) -> str:
@@ -45,7 +50,7 @@ def byte_runner(seed: int = 0) -> TorchRunner:
 
 
 def generate(
-    runner: TorchRunner, matchers: list[Matcher], params: list[SamplingParams], max_tokens: int
+    runner: TorchRunner, matchers: list[Matcher | None], params: list[SamplingParams], max_tokens: int
 ) -> list[tuple[list[int], bool]]:
     """Decode one sequence per matcher in one batch; each: (tokens before EOS, ended by EOS)."""
     prompt = (byte_tokenizer_spec().eos_token_ids[0] + 1, 60, 61)
