@@ -207,16 +207,18 @@ def walk(
 
 
 class Matcher:
-    """One sequence's grammar state: llguidance's matcher and what its masks have cost.
+    """One sequence's grammar state: llguidance's matcher, the token it is yet to consume,
+    and what its tokens have cost (`ft.model.masks` keeps these).
 
     `pending` is the mask computation still running on it, if one outlived its step's
-    deadline (`ft.model.masks`): until it ends the matcher must not be touched.
+    deadline: until it ends the matcher must not be touched.
     """
 
-    __slots__ = ("llg", "mask_cpu_s", "num_masks", "pending")
+    __slots__ = ("llg", "mask_cpu_s", "next_token", "num_masks", "pending")
 
     def __init__(self, llg: LLMatcher) -> None:
         self.llg = llg
+        self.next_token: int | None = None
         self.mask_cpu_s = 0.0
         self.num_masks = 0
         self.pending: Future[tuple[np.ndarray, float]] | None = None

@@ -3,17 +3,19 @@
 The masks of a step's constrained rows are computed by llguidance (native code, without the
 GIL), then added to the logits as 0 / `-inf`, so every sampling mode (greedy, temperature,
 top-k/p, min-p, penalties, logit bias, logprobs) sees only the tokens the grammar allows. The
-matchers advance only once every row of the step has been sampled, so a step that fails and is
-rerun row by row sees each matcher exactly where it was.
+matchers advance only once every row of the step has been sampled (each takes its token at the
+start of its next mask), so a step that fails and is rerun row by row sees each matcher exactly
+where it was.
 
-A grammar's cost is its own request's: each row's mask is a task of its own, and a row fails
-(an `InvalidRequest` in its stream, through `RowsFailed`; the step's other rows are sampled)
-when its mask is still computing `MASK_DEADLINE_S` after it started (the task is left to
-finish: llguidance cannot be interrupted, and its item limits bound it), when one mask took
-more than `MASK_CPU_BUDGET_S` of CPU, or when its masks have cost more than
-`REQUEST_MASK_BASE_S` plus `REQUEST_MASK_PER_TOKEN_S` a token. A row still queued behind
-slow ones at its turn is computed by the step's own thread, so a slow grammar holds a step
-for at most about one deadline and never fails another row.
+A grammar's cost is its own request's. Each row's work (consuming the token sampled for it
+last step, then computing its mask: both grow with an ambiguous grammar) is a task of its own,
+and a row fails (an `InvalidRequest` in its stream, through `RowsFailed`; the step's other
+rows are sampled) when its task is still running `MASK_DEADLINE_S` after it started (it is
+left to finish: llguidance cannot be interrupted, and its item limits bound it), when one
+token took more than `TOKEN_CPU_BUDGET_S` of CPU, or when its tokens have cost more than
+`REQUEST_CPU_BASE_S` plus `REQUEST_CPU_PER_TOKEN_S` each. A row still queued behind slow ones
+at its turn is computed by the step's own thread, so a slow grammar holds a step for at most
+about one deadline and never fails another row.
 
 NOTE: computing the masks in a thread while the model runs pays only when the forward pass
 leaves a core idle. When it uses every core, the mask thread takes one from torch's OpenMP
@@ -37,12 +39,13 @@ import torch
 from ft.core.batch import ConstraintError, RowsFailed, Sampled, SeqWork
 from ft.grammar.compiled import Matcher, error_of
 
-# Real schemas' masks took 0.1-3.5 ms of CPU at worst here (SmolLM2's 49k vocabulary, a
-# loaded 2-core machine); an ambiguous grammar's grow with every token, to seconds.
-MASK_CPU_BUDGET_S = 0.05
-MASK_DEADLINE_S = 0.25  # wall time, from when a row's mask starts
-REQUEST_MASK_BASE_S = 1.0
-REQUEST_MASK_PER_TOKEN_S = 0.005
+# Real schemas' tokens (mask and consume) took 0.1-3.5 ms of CPU at worst, 0.07-1.1 ms on
+# average, here (SmolLM2's 49k vocabulary, a loaded 2-core machine); an ambiguous grammar's
+# grow with every token, to seconds. The average is the walk's (`ft.grammar.compiled`).
+TOKEN_CPU_BUDGET_S = 0.01
+MASK_DEADLINE_S = 0.25  # wall time, from when a row's task starts
+REQUEST_CPU_BASE_S = 0.1
+REQUEST_CPU_PER_TOKEN_S = 0.0025
 # Threads computing masks: one row each at a time; a row past its deadline keeps its thread
 # until llguidance returns, so there are spares.
 MASK_THREADS = 4
@@ -100,12 +103,17 @@ class StepMasks:
         ]
 
     def _compute(self, k: int) -> tuple[np.ndarray, float]:
-        """Row `k`'s mask (into a buffer of its own: a row abandoned at its deadline writes
-        nothing shared) and the CPU time it took."""
+        """Row `k`'s last token consumed and its mask (into a buffer of its own: a row
+        abandoned at its deadline writes nothing shared), and the CPU time they took."""
         self._started[k] = time.perf_counter()
         mask = np.zeros(self.bits.shape[1], dtype=np.int32)
         started = time.thread_time()
-        self.matchers[k].llg.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
+        m = self.matchers[k]
+        if m.next_token is not None:
+            if not m.llg.is_stopped():  # a finished grammar stays finished (only EOS is allowed)
+                m.llg.consume_token(m.next_token)
+            m.next_token = None
+        m.llg.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
         return mask, time.thread_time() - started
 
     def wait(self) -> None:
@@ -129,7 +137,7 @@ class StepMasks:
                     mask, cpu_s = future.result(timeout=left_s)
                 except TimeoutError:
                     self.matchers[k].pending = future
-                    self.failed[k] = f"a mask took longer than {MASK_DEADLINE_S * 1000:.0f} ms"
+                    self.failed[k] = f"a token took longer than {MASK_DEADLINE_S * 1000:.0f} ms"
                     continue
             self.bits[k] = mask
             self._charge(k, cpu_s)
@@ -140,14 +148,14 @@ class StepMasks:
         m = self.matchers[k]
         m.mask_cpu_s += cpu_s
         m.num_masks += 1
-        budget_s = REQUEST_MASK_BASE_S + REQUEST_MASK_PER_TOKEN_S * m.num_masks
+        budget_s = REQUEST_CPU_BASE_S + REQUEST_CPU_PER_TOKEN_S * m.num_masks
         if m.llg.is_error():
             self.failed[k] = error_of(m.llg)
         elif not self.bits[k].any():
             self.failed[k] = "it allows no token"
-        elif cpu_s > MASK_CPU_BUDGET_S:
+        elif cpu_s > TOKEN_CPU_BUDGET_S:
             self.failed[k] = (
-                f"one mask took {cpu_s * 1000:.0f} ms (the budget is {MASK_CPU_BUDGET_S * 1000:.0f} ms): "
+                f"one token took {cpu_s * 1000:.0f} ms (the budget is {TOKEN_CPU_BUDGET_S * 1000:.0f} ms): "
                 "the grammar is too ambiguous"
             )
         elif m.mask_cpu_s > budget_s:
@@ -171,7 +179,8 @@ class StepMasks:
             logits.index_add_(0, torch.tensor(self.rows, device=logits.device), offsets)
 
     def accept(self, sampled: Sequence[Sampled]) -> list[Sampled]:
-        """Advance each row's matcher by the token sampled for it (`sampled` in row order).
+        """Give each row's matcher the token sampled for it (`sampled` in row order), which it
+        consumes at the start of its next mask (off the step, under that mask's budget).
 
         Returns:
             `sampled`, when no row failed.
@@ -180,11 +189,8 @@ class StepMasks:
             RowsFailed: some rows' grammars failed; it carries the other rows' samples.
         """
         for k, (row, m) in enumerate(zip(self.rows, self.matchers, strict=True)):
-            if k in self.failed or m.llg.is_stopped():  # a finished grammar stays finished
-                continue
-            started = time.thread_time()
-            m.llg.consume_token(sampled[row].token_id)
-            m.mask_cpu_s += time.thread_time() - started
+            if k not in self.failed:
+                m.next_token = sampled[row].token_id
         if not self.failed:
             return list(sampled)
         dropped = {self.seq_ids[k] for k in self.failed}

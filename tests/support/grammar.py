@@ -40,13 +40,13 @@ def write_byte_spec(directory: pathlib.Path) -> str:
     return str(path)
 
 
-def byte_runner(seed: int = 0) -> TorchRunner:
+def byte_runner(seed: int = 0, num_pages: int = 64) -> TorchRunner:
     """A tiny random float32 model over the byte tokenizer's vocabulary."""
     config = tiny_config(vocab_size=BYTE_VOCAB)
     loaded = LoadedModel(
         config, dict(random_hf_state_dict(config, seed)), byte_tokenizer_spec(), "tiny", torch.float32
     )
-    return TorchRunner(loaded, num_pages=64, page_size=16, dtype=torch.float32)
+    return TorchRunner(loaded, num_pages=num_pages, page_size=16, dtype=torch.float32)
 
 
 def generate(
