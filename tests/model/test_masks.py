@@ -110,7 +110,8 @@ def _decode(
     """Decode `matchers`' rows (row 0 free: the bystander) for `tokens` steps, dropping rows that
     fail; the bystander's tokens, the time its steps took, and the rows that failed."""
     free = SamplingParams(temperature=1.0, seed=5, logit_bias=dict.fromkeys(EOS, -100.0))  # never ends
-    pos, fed, out, failed = [0] * len(matchers), [(60, 61)] * len(matchers), [], set()
+    fed: list[tuple[int, ...]] = [(60, 61)] * len(matchers)
+    pos, out, failed = [0] * len(matchers), [], set()
     started = time.perf_counter()
     for _ in range(tokens):
         works = [SeqWork(i, fed[i], pos[i], tuple(range(i * 20, i * 20 + 20)), True, free, pos[i], matcher=m)
