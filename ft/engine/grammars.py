@@ -31,7 +31,7 @@ import trio_parallel
 from ft.errors import InvalidRequest, Overloaded
 from ft.grammar.compiled import Grammar, build_grammar, grammar_tokenizer
 from ft.grammar.spec import GrammarSpec
-from ft.tokenizer.job import check_grammar_job, grammar_payload, ignore_stop_signals
+from ft.tokenizer.job import check_grammar_job, grammar_payload, ignore_stop_signals, warm_grammar_job
 
 # Runs `check_grammar_job` somewhere and returns its CBOR answer; cancelling it must stop the job.
 CheckExecutor = Callable[[Callable[[bytes], bytes], bytes], Awaitable[bytes]]
@@ -41,6 +41,7 @@ CACHE_SIZE = 256
 # measured with `sys.getsizeof`: 256 sources of up to 1 MiB would be far more.
 CACHE_BYTES = 32 << 20
 COMPILE_TIMEOUT_S = 5.0
+WARM_TIMEOUT_S = 30.0  # a new compile worker's start and tokenizer load
 WORKER_GRACE_S = 5.0
 CRASHED = "the grammar crashed its compiler (it is too large or too deeply nested)"
 
@@ -142,7 +143,7 @@ class Grammars:
             InvalidRequest: the grammar is invalid, exceeds the limits, takes longer than the
                 deadline or crashes its compiler (naming `spec.param`).
             Overloaded: the spec is new and `max_compiles` new specs (or the client's share)
-                are compiling already.
+                are compiling already, or no compile worker could start.
         """
         text = await self.check(spec, client=client)
         built = await trio.to_thread.run_sync(self._build, spec, text)
@@ -198,6 +199,18 @@ class Grammars:
         self.num_compiled += 1
         payload = grammar_payload(spec, self._spec_path, self._vocab_size, self._fault)
         async with self._workers:
+            # NOTE: a worker that is new (the first, or one a crash or a deadline killed)
+            # spawns and loads the tokenizer first: 1-5 s on a loaded machine, which is not
+            # the grammar's to pay. The check then runs in the warm worker (trio-parallel
+            # reuses the last one freed).
+            warm = cbor2.dumps({"spec_path": self._spec_path, "vocab_size": self._vocab_size})
+            with trio.move_on_after(WARM_TIMEOUT_S) as warming:
+                try:
+                    await self._executor(warm_grammar_job, warm)
+                except trio_parallel.BrokenWorkerError:
+                    warming.cancel()
+            if warming.cancelled_caught:  # not the grammar's fault: nothing is remembered
+                raise Overloaded("the grammar compilers cannot start; retry later")
             with trio.move_on_after(self._timeout_s):
                 try:
                     answer = cbor2.loads(await self._executor(check_grammar_job, payload))

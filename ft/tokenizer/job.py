@@ -125,6 +125,21 @@ def check_grammar_job(payload: bytes) -> bytes:
     return cbor2.dumps({"grammar": text})
 
 
+def warm_grammar_job(payload: bytes) -> bytes:
+    """Worker entry point: load what `check_grammar_job` needs (the tokenizer, llguidance's
+    view of it, its token lengths), so that the check's deadline does not pay for it.
+
+    CBOR in: `spec_path`, `vocab_size`. CBOR out: an empty map.
+    """
+    from ft.grammar.compiled import grammar_tokenizer, token_lengths
+
+    job = cbor2.loads(payload)
+    _, spec = load_spec(job["spec_path"])
+    vocab_size = job["vocab_size"]
+    token_lengths(grammar_tokenizer(spec.tokenizer_json, vocab_size, spec.eos_token_ids), vocab_size)
+    return cbor2.dumps({})
+
+
 def grammar_payload(grammar: GrammarSpec, spec_path: str, vocab_size: int, fault: str | None = None) -> bytes:
     """The CBOR job `check_grammar_job` reads."""
     job = {"spec_path": spec_path, "vocab_size": vocab_size, "kind": grammar.kind, "source": grammar.source}
