@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import trio
 
-from ft.core.batch import ConstraintError, Runner, RunnerFailure, Sampled, SeqWork
+from ft.core.batch import ConstraintError, RowsFailed, Runner, RunnerFailure, Sampled, SeqWork
 from ft.errors import FtError, InvalidRequest, RequestFailed
 from ft.messages import Batch, SchedulerIn, StepDone
 
@@ -86,6 +86,9 @@ class RunnerActor:
             return await self._run(works)
         except RunnerFailure:
             raise
+        except RowsFailed as e:  # the step ran; only these rows' grammars failed (400s)
+            failed.extend((seq_id, InvalidRequest(why)) for seq_id, why in e.failed)
+            return e.sampled
         except Exception:
             # One bad sequence must not fail its neighbours: rerun each alone. Reruns
             # rewrite the same KV slots with the same values, so this is safe.

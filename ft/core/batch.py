@@ -45,6 +45,16 @@ class ConstraintError(Exception):
     """A sequence's output constraint (its grammar) failed: its request's fault, not the engine's."""
 
 
+class RowsFailed(ConstraintError):
+    """A step ran, but some rows' grammars failed (over their budget, in error): `failed` holds
+    (seq id, why) for those, `sampled` the other rows' tokens, so nothing is rerun."""
+
+    def __init__(self, sampled: list[Sampled], failed: list[tuple[int, str]]) -> None:
+        super().__init__("; ".join(why for _, why in failed))
+        self.sampled = sampled
+        self.failed = failed
+
+
 class RunnerFailure(Exception):
     """The runner cannot run any further step (a tensor-parallel rank died or hangs).
 

@@ -263,9 +263,11 @@ class Engine:
             tokenizer_json=spec.tokenizer_json,
             eos_token_ids=spec.eos_token_ids,
             vocab_size=parts.vocab_size,
-            executor=self.hooks.tokenize_executor or self._worker_executor(kill_on_cancel=True),
+            executor=self.hooks.tokenize_executor,  # None: the grammars' own workers (`run`)
             fault=self.hooks.grammar_fault,
         )
+        if self.hooks.tokenize_executor is None:
+            await nursery.start(grammars.run)
         self._running = Running(core, spec.build(), tokenizer_actor, sched_send, tok_send, grammars)
         if log.isEnabledFor(logging.DEBUG):
             nursery.start_soon(self._log_summaries)

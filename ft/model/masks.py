@@ -3,8 +3,19 @@
 The masks of a step's constrained rows are computed by llguidance (native code, without the
 GIL), then added to the logits as 0 / `-inf`, so every sampling mode (greedy, temperature,
 top-k/p, min-p, penalties, logit bias, logprobs) sees only the tokens the grammar allows. The
-matchers advance only once every row of the step has been sampled, so a step that fails and is
-rerun row by row sees each matcher exactly where it was.
+matchers advance only once every row of the step has been sampled (each takes its token at the
+start of its next mask), so a step that fails and is rerun row by row sees each matcher exactly
+where it was.
+
+A grammar's cost is its own request's. Each row's work (consuming the token sampled for it
+last step, then computing its mask: both grow with an ambiguous grammar) is a task of its own,
+and a row fails (an `InvalidRequest` in its stream, through `RowsFailed`; the step's other
+rows are sampled) when its task is still running `MASK_DEADLINE_S` after it started (it is
+left to finish: llguidance cannot be interrupted, and its item limits bound it), when one
+token took more than `TOKEN_CPU_BUDGET_S` of CPU, or when its tokens have cost more than
+`REQUEST_CPU_BASE_S` plus `REQUEST_CPU_PER_TOKEN_S` each. A row still queued behind slow ones
+at its turn is computed by the step's own thread, so a slow grammar holds a step for at most
+about one deadline and never fails another row.
 
 NOTE: computing the masks in a thread while the model runs pays only when the forward pass
 leaves a core idle. When it uses every core, the mask thread takes one from torch's OpenMP
@@ -17,6 +28,7 @@ the machine has (what this does) 0.98 / 0.98.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import cache
@@ -24,15 +36,26 @@ from functools import cache
 import numpy as np
 import torch
 
-from ft.core.batch import ConstraintError, Sampled, SeqWork
+from ft.core.batch import ConstraintError, RowsFailed, Sampled, SeqWork
 from ft.grammar.compiled import Matcher, error_of
+
+# Real schemas' tokens (mask and consume) took 0.1-3.5 ms of CPU at worst, 0.07-1.1 ms on
+# average, here (SmolLM2's 49k vocabulary, a loaded 2-core machine); an ambiguous grammar's
+# grow with every token, to seconds. The average is the walk's (`ft.grammar.compiled`).
+TOKEN_CPU_BUDGET_S = 0.01
+MASK_DEADLINE_S = 0.25  # wall time, from when a row's task starts
+REQUEST_CPU_BASE_S = 0.1
+REQUEST_CPU_PER_TOKEN_S = 0.0025
+# Threads computing masks: one row each at a time; a row past its deadline keeps its thread
+# until llguidance returns, so there are spares.
+MASK_THREADS = 4
 
 
 class GrammarError(ConstraintError):
     """A constrained sequence's grammar failed (its limits were exceeded mid-generation)."""
 
 
-_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ft-masks")
+_pool = ThreadPoolExecutor(max_workers=MASK_THREADS, thread_name_prefix="ft-masks")
 
 
 @cache
@@ -55,7 +78,17 @@ class StepMasks:
         self.matchers: list[Matcher] = [m for w in works if (m := w.matcher) is not None]
         self.seq_ids = [works[i].seq_id for i in self.rows]
         self.bits = np.zeros((len(self.rows), (vocab_size + 31) // 32), dtype=np.int32)
-        self._done: Future[None] | None = _pool.submit(self._fill) if overlap else None
+        # Constrained rows (by index among them) that fail, and why.
+        self.failed: dict[int, str] = {
+            k: f"a mask still runs past its {MASK_DEADLINE_S * 1000:.0f} ms deadline"
+            for k, m in enumerate(self.matchers)
+            if m.is_busy
+        }
+        self._started: list[float | None] = [None] * len(self.rows)
+        self._futures: list[Future[tuple[np.ndarray, float]] | None] | None = None
+        self._collected = False
+        if overlap:
+            self._submit()
 
     @staticmethod
     def start(works: Sequence[SeqWork], vocab_size: int) -> StepMasks | None:
@@ -64,30 +97,77 @@ class StepMasks:
             return None
         return StepMasks(works, vocab_size, overlap=torch.get_num_threads() < _cores())
 
-    def _fill(self) -> None:
-        width = self.bits.shape[1] * 4
-        for k, m in enumerate(self.matchers):
-            m.unsafe_compute_mask_ptr(self.bits[k].ctypes.data, width)
+    def _submit(self) -> None:
+        self._futures = [
+            None if k in self.failed else _pool.submit(self._compute, k) for k in range(len(self.rows))
+        ]
+
+    def _compute(self, k: int) -> tuple[np.ndarray, float]:
+        """Row `k`'s last token consumed and its mask (into a buffer of its own: a row
+        abandoned at its deadline writes nothing shared), and the CPU time they took."""
+        self._started[k] = time.perf_counter()
+        mask = np.zeros(self.bits.shape[1], dtype=np.int32)
+        started = time.thread_time()
+        m = self.matchers[k]
+        if m.next_token is not None:
+            if not m.llg.is_stopped():  # a finished grammar stays finished (only EOS is allowed)
+                m.llg.consume_token(m.next_token)
+            m.next_token = None
+        m.llg.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
+        return mask, time.thread_time() - started
 
     def wait(self) -> None:
-        """Block until the masks are computed (they are then safe to reuse or drop)."""
-        if self._done is None:
-            self._fill()
-            self._done = Future()
-            self._done.set_result(None)
-        self._done.result()
+        """Collect the masks: each row's within its deadline, or the row fails. Afterwards no
+        mask computation of this step runs on a matcher but those marked `pending`."""
+        if self._collected:
+            return
+        self._collected = True
+        if self._futures is None:
+            self._submit()
+        assert self._futures is not None
+        for k, future in enumerate(self._futures):
+            if future is None:
+                continue
+            if future.cancel():  # queued behind slow rows: compute it here, now
+                mask, cpu_s = self._compute(k)
+            else:
+                started = self._started[k] or time.perf_counter()  # None: it has just begun
+                left_s = max(0.0, started + MASK_DEADLINE_S - time.perf_counter())
+                try:
+                    mask, cpu_s = future.result(timeout=left_s)
+                except TimeoutError:
+                    self.matchers[k].pending = future
+                    self.failed[k] = f"a token took longer than {MASK_DEADLINE_S * 1000:.0f} ms"
+                    continue
+            self.bits[k] = mask
+            self._charge(k, cpu_s)
+        for k in self.failed:
+            self.bits[k] = -1  # every token allowed: the row's sample is dropped anyway
+
+    def _charge(self, k: int, cpu_s: float) -> None:
+        m = self.matchers[k]
+        m.mask_cpu_s += cpu_s
+        m.num_masks += 1
+        budget_s = REQUEST_CPU_BASE_S + REQUEST_CPU_PER_TOKEN_S * m.num_masks
+        if m.llg.is_error():
+            self.failed[k] = error_of(m.llg)
+        elif not self.bits[k].any():
+            self.failed[k] = "it allows no token"
+        elif cpu_s > TOKEN_CPU_BUDGET_S:
+            self.failed[k] = (
+                f"one token took {cpu_s * 1000:.0f} ms (the budget is {TOKEN_CPU_BUDGET_S * 1000:.0f} ms): "
+                "the grammar is too ambiguous"
+            )
+        elif m.mask_cpu_s > budget_s:
+            self.failed[k] = (
+                f"its masks took {m.mask_cpu_s:.2f} s over {m.num_masks} tokens (the budget is "
+                f"{budget_s:.2f} s): the grammar is too ambiguous"
+            )
 
     def apply(self, logits: torch.Tensor) -> None:
-        """Add each row's grammar to `logits` `[R, vocab]` in place: `-inf` where it forbids.
-
-        Raises:
-            GrammarError: a row's grammar is in error, or allows nothing.
-        """
+        """Add each row's grammar to `logits` `[R, vocab]` in place: `-inf` where it forbids
+        (nothing on a failed row's)."""
         self.wait()
-        for k, m in enumerate(self.matchers):
-            if m.is_error() or not self.bits[k].any():
-                reason = error_of(m) if m.is_error() else "it allows no token"
-                raise GrammarError(f"seq {self.seq_ids[k]}: structured output failed: {reason}")
         # One table lookup per mask byte (0.3 ms for 16 rows of 49k; a boolean masked_fill
         # took 1.6 ms). On a GPU this is the step's one extra host-to-device copy.
         packed = torch.from_numpy(self.bits.view(np.uint8)).to(logits.device, dtype=torch.long)
@@ -98,8 +178,24 @@ class StepMasks:
         else:
             logits.index_add_(0, torch.tensor(self.rows, device=logits.device), offsets)
 
-    def accept(self, sampled: Sequence[Sampled]) -> None:
-        """Advance each row's matcher by the token sampled for it (`sampled` in row order)."""
-        for row, m in zip(self.rows, self.matchers, strict=True):
-            if not m.is_stopped():  # a finished grammar stays finished (only EOS is allowed)
-                m.consume_token(sampled[row].token_id)
+    def accept(self, sampled: Sequence[Sampled]) -> list[Sampled]:
+        """Give each row's matcher the token sampled for it (`sampled` in row order), which it
+        consumes at the start of its next mask (off the step, under that mask's budget).
+
+        Returns:
+            `sampled`, when no row failed.
+
+        Raises:
+            RowsFailed: some rows' grammars failed; it carries the other rows' samples.
+        """
+        for k, (row, m) in enumerate(zip(self.rows, self.matchers, strict=True)):
+            if k not in self.failed:
+                m.next_token = sampled[row].token_id
+        if not self.failed:
+            return list(sampled)
+        dropped = {self.seq_ids[k] for k in self.failed}
+        raise RowsFailed(
+            [s for s in sampled if s.seq_id not in dropped],
+            [(self.seq_ids[k], f"seq {self.seq_ids[k]}: structured output failed: {why}")
+             for k, why in sorted(self.failed.items())],
+        )  # fmt: skip

@@ -242,10 +242,9 @@ class TorchRunner:
                 sampled = sample(logits, rows)
         finally:
             if masks is not None:
-                masks.wait()  # a failed step leaves no mask computation behind
-        if masks is not None:
-            masks.accept(sampled)
-        return sampled
+                masks.wait()  # a failed step leaves no mask computation behind (but late ones)
+        # Raises `RowsFailed` when a row's grammar failed or ran over its budget.
+        return sampled if masks is None else masks.accept(sampled)
 
     def forward(self, works: list[SeqWork]) -> torch.Tensor | None:
         """Feed every work's tokens (writing their KV); logits `[R, vocab]` of the sampling rows."""

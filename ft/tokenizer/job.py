@@ -258,14 +258,14 @@ def check_template_job(payload: bytes) -> bytes:
 
 
 def check_grammar_job(payload: bytes) -> bytes:
-    """Worker entry point: compile a grammar spec, compute its first mask and walk a few tokens
-    (`ft.grammar.compiled`), with the tokenizer of the spec file tokenize jobs read.
+    """Worker entry point: compile a grammar spec, compute its first mask and walk it
+    (`ft.grammar.compiled.walk`), with the tokenizer of the spec file tokenize jobs read.
 
     CBOR in: `spec_path`, `vocab_size`, `kind`, `source`. CBOR out: `grammar` (llguidance's
     text of it) or `error`. The caller kills the worker past its deadline.
     """
     # Imported here: llguidance and numpy load only in a worker that compiles a grammar.
-    from ft.grammar.compiled import compile_matcher, grammar_text, grammar_tokenizer, walk
+    from ft.grammar.compiled import compile_matcher, grammar_text, grammar_tokenizer, token_lengths, walk
 
     job = cbor2.loads(payload)
     if job.get("fault") == "exit":  # test hook: the compiler crashes the process
@@ -275,10 +275,26 @@ def check_grammar_job(payload: bytes) -> bytes:
     try:
         text = grammar_text(GrammarSpec(job["kind"], job["source"]))
         tokenizer = grammar_tokenizer(spec.tokenizer_json, vocab_size, spec.eos_token_ids)
-        walk(compile_matcher(text, tokenizer, vocab_size), vocab_size, spec.eos_token_ids)
+        lengths = token_lengths(tokenizer, vocab_size)
+        walk(compile_matcher(text, tokenizer, vocab_size), vocab_size, spec.eos_token_ids, lengths)
     except ValueError as e:
         return cbor2.dumps({"error": str(e)})
     return cbor2.dumps({"grammar": text})
+
+
+def warm_grammar_job(payload: bytes) -> bytes:
+    """Worker entry point: load what `check_grammar_job` needs (the tokenizer, llguidance's
+    view of it, its token lengths), so that the check's deadline does not pay for it.
+
+    CBOR in: `spec_path`, `vocab_size`. CBOR out: an empty map.
+    """
+    from ft.grammar.compiled import grammar_tokenizer, token_lengths
+
+    job = cbor2.loads(payload)
+    _, spec = load_spec(job["spec_path"])
+    vocab_size = job["vocab_size"]
+    token_lengths(grammar_tokenizer(spec.tokenizer_json, vocab_size, spec.eos_token_ids), vocab_size)
+    return cbor2.dumps({})
 
 
 def grammar_payload(grammar: GrammarSpec, spec_path: str, vocab_size: int, fault: str | None = None) -> bytes:

@@ -10,7 +10,7 @@ import torch
 
 from ft.core.batch import SeqWork
 from ft.engine.fake import byte_tokenizer_spec
-from ft.grammar.compiled import Matcher, compile_matcher, grammar_text, grammar_tokenizer
+from ft.grammar.compiled import LLMatcher, Matcher, compile_matcher, grammar_text, grammar_tokenizer
 from ft.grammar.spec import GrammarSpec
 from ft.model.loader import LoadedModel
 from ft.model.torch_runner import TorchRunner
@@ -21,11 +21,16 @@ BYTE_VOCAB = 259  # the fake byte tokenizer: 3 specials + 256 bytes
 EOS = byte_tokenizer_spec().eos_token_ids
 
 
-def byte_matcher(spec: GrammarSpec) -> Matcher:
-    """`spec` compiled for the byte tokenizer."""
+def byte_matcher(spec: GrammarSpec) -> LLMatcher:
+    """`spec` compiled for the byte tokenizer (llguidance's matcher: a template)."""
     s = byte_tokenizer_spec()
     tokenizer = grammar_tokenizer(s.tokenizer_json, BYTE_VOCAB, s.eos_token_ids)
     return compile_matcher(grammar_text(spec), tokenizer, BYTE_VOCAB)
+
+
+def byte_seq_matcher(spec: GrammarSpec) -> Matcher:
+    """`spec` compiled for the byte tokenizer, as a sequence's matcher (what a `SeqWork` carries)."""
+    return Matcher(byte_matcher(spec))
 
 
 def write_byte_spec(directory: pathlib.Path) -> str:
@@ -35,17 +40,17 @@ def write_byte_spec(directory: pathlib.Path) -> str:
     return str(path)
 
 
-def byte_runner(seed: int = 0) -> TorchRunner:
+def byte_runner(seed: int = 0, num_pages: int = 64) -> TorchRunner:
     """A tiny random float32 model over the byte tokenizer's vocabulary."""
     config = tiny_config(vocab_size=BYTE_VOCAB)
     loaded = LoadedModel(
         config, dict(random_hf_state_dict(config, seed)), byte_tokenizer_spec(), "tiny", torch.float32
     )
-    return TorchRunner(loaded, num_pages=64, page_size=16, dtype=torch.float32)
+    return TorchRunner(loaded, num_pages=num_pages, page_size=16, dtype=torch.float32)
 
 
 def generate(
-    runner: TorchRunner, matchers: list[Matcher], params: list[SamplingParams], max_tokens: int
+    runner: TorchRunner, matchers: list[Matcher | None], params: list[SamplingParams], max_tokens: int
 ) -> list[tuple[list[int], bool]]:
     """Decode one sequence per matcher in one batch; each: (tokens before EOS, ended by EOS)."""
     prompt = (byte_tokenizer_spec().eos_token_ids[0] + 1, 60, 61)
