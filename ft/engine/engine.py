@@ -627,14 +627,30 @@ class Engine:
             self.stats.rejected += 1
             raise
 
-    async def compile_grammar(self, spec: GrammarSpec) -> Grammar:
-        """The compiled grammar of `spec` (cached: each distinct spec is compiled once).
+    async def check_grammar(self, spec: GrammarSpec, *, client: str | None = None) -> None:
+        """Check that `spec` compiles (in a worker, once per distinct spec: cached).
 
-        A route awaits it with the static checks, so a bad grammar is a 400 before any stream.
+        A route awaits it with the static checks, so a bad grammar is a 400 before any stream;
+        `client` names who asks (a peer address), so one client cannot fill the compile queue.
+        The request's own grammar is built when its scope opens (`compile_grammar`).
 
         Raises:
             InvalidRequest: the grammar is invalid, too large or too slow to compile.
+            Overloaded: the compile queue (or the client's share of it) is full.
             EngineStopping: the engine has not started.
+        """
+        try:
+            await self._started().grammars.check(spec, client=client)
+        except FtError:
+            self.stats.rejected += 1
+            raise
+
+    async def compile_grammar(self, spec: GrammarSpec) -> Grammar:
+        """A grammar of `spec` for one request: checked once per distinct spec (cached), its
+        template built anew, so what one request's matchers explore dies with it.
+
+        Raises:
+            InvalidRequest, Overloaded, EngineStopping: as `check_grammar`.
         """
         try:
             return await self._started().grammars.get(spec)

@@ -62,6 +62,13 @@ WALK_MASK_CPU_S = 0.010
 WALK_MEAN_CPU_S = 0.0025
 WALK_MEAN_AFTER = 32
 WALK_SEED = 0
+BUDGET_VOCAB_SIZE = 49_152  # the vocabulary the CPU budgets were measured on
+
+
+def cost_scale(vocab_size: int) -> float:
+    """How much more a mask costs than on the vocabulary the budgets were measured on: its
+    work is a walk of the vocabulary's token trie, so a 152k vocabulary (Qwen) gets 3x."""
+    return max(1.0, vocab_size / BUDGET_VOCAB_SIZE)
 
 
 def limits() -> llguidance.LLParserLimits:
@@ -175,6 +182,8 @@ def walk(
             token costs more than `mask_cpu_s`.
     """
     eos = list(eos_token_ids)
+    mask_cpu_s *= cost_scale(vocab_size)
+    mean_cpu_s = WALK_MEAN_CPU_S * cost_scale(vocab_size)
     for name, pick in walk_picks(lengths).items():
         m = matcher.deep_copy()
         walked = time.thread_time()
@@ -194,10 +203,10 @@ def walk(
                     f"the grammar is too ambiguous: one token took {(now - started) * 1000:.0f} ms "
                     f"{where}; the budget is {mask_cpu_s * 1000:.0f} ms"
                 )
-            if i >= WALK_MEAN_AFTER and (now - walked) / (i + 1) > WALK_MEAN_CPU_S:
+            if i >= WALK_MEAN_AFTER and (now - walked) / (i + 1) > mean_cpu_s:
                 raise ValueError(
                     f"the grammar is too ambiguous: its tokens took {(now - walked) / (i + 1) * 1000:.1f} ms "
-                    f"each {where}; the budget is {WALK_MEAN_CPU_S * 1000:.1f} ms"
+                    f"each {where}; the budget is {mean_cpu_s * 1000:.1f} ms"
                 )
             if m.is_stopped() or not tokens.size:
                 break

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from ft.core.batch import ConstraintError, RowsFailed, Sampled, SeqWork
-from ft.grammar.compiled import Matcher, error_of
+from ft.grammar.compiled import Matcher, cost_scale, error_of
 
 # Real schemas' tokens (mask and consume) took 0.1-3.5 ms of CPU at worst, 0.07-1.1 ms on
 # average, here (SmolLM2's 49k vocabulary, a loaded 2-core machine); an ambiguous grammar's
@@ -74,6 +74,7 @@ class StepMasks:
 
     def __init__(self, works: Sequence[SeqWork], vocab_size: int, *, overlap: bool) -> None:
         self.vocab_size = vocab_size
+        self._scale = cost_scale(vocab_size)  # the CPU budgets, for this vocabulary's masks
         self.rows = [i for i, w in enumerate(works) if w.matcher is not None]
         self.matchers: list[Matcher] = [m for w in works if (m := w.matcher) is not None]
         self.seq_ids = [works[i].seq_id for i in self.rows]
@@ -148,14 +149,15 @@ class StepMasks:
         m = self.matchers[k]
         m.mask_cpu_s += cpu_s
         m.num_masks += 1
-        budget_s = REQUEST_CPU_BASE_S + REQUEST_CPU_PER_TOKEN_S * m.num_masks
+        budget_s = (REQUEST_CPU_BASE_S + REQUEST_CPU_PER_TOKEN_S * m.num_masks) * self._scale
+        token_budget_s = TOKEN_CPU_BUDGET_S * self._scale
         if m.llg.is_error():
             self.failed[k] = error_of(m.llg)
         elif not self.bits[k].any():
             self.failed[k] = "it allows no token"
-        elif cpu_s > TOKEN_CPU_BUDGET_S:
+        elif cpu_s > token_budget_s:
             self.failed[k] = (
-                f"one token took {cpu_s * 1000:.0f} ms (the budget is {TOKEN_CPU_BUDGET_S * 1000:.0f} ms): "
+                f"one token took {cpu_s * 1000:.0f} ms (the budget is {token_budget_s * 1000:.0f} ms): "
                 "the grammar is too ambiguous"
             )
         elif m.mask_cpu_s > budget_s:

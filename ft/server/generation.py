@@ -224,7 +224,8 @@ async def prepare(ctx: ServerContext, prompt: Prompt, params: SamplingParams) ->
         ids = await engine.tokenize_for_request(prompt=prompt.text)
     engine.check_fits(len(ids), params)
     if params.grammar is not None:
-        await engine.compile_grammar(params.grammar)
+        client = request.remote_addr if has_request_context() else None
+        await engine.check_grammar(params.grammar, client=client)
     return tuple(ids)
 
 
