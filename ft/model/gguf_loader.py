@@ -118,11 +118,11 @@ def gguf_config(meta: GGUFFile, tensor_names: set[str], vocab_size: int) -> Llam
 
 
 def _head_dim(meta: GGUFFile, arch: str, hidden: int, num_heads: int) -> int:
-    """The head size: `key_length`, else the rotary dimensions, else hidden / heads; every one
-    present must agree (the rotary embedding turns the whole head)."""
-    key_length = meta.integer(f"{arch}.attention.key_length", 1, MAX_HEAD_DIM, default=0)
-    rope_dims = meta.integer(f"{arch}.rope.dimension_count", 1, MAX_HEAD_DIM, default=0)
-    head_dim = key_length or rope_dims
+    """The head size, as llama.cpp reads it: `key_length`, else hidden / heads; the rotary
+    dimensions and `value_length`, where present, must equal it (the rotary embedding turns the
+    whole head)."""
+    head_dim = meta.integer(f"{arch}.attention.key_length", 1, MAX_HEAD_DIM, default=0)
+    source = f"'{arch}.attention.key_length'"
     if not head_dim:
         if hidden % num_heads:
             raise ModelFileError(
@@ -130,10 +130,12 @@ def _head_dim(meta: GGUFFile, arch: str, hidden: int, num_heads: int) -> int:
                 f"{num_heads} heads of '{arch}.attention.head_count'"
             )
         head_dim = hidden // num_heads
-    if rope_dims and rope_dims != head_dim:
+        source = f"'{arch}.embedding_length' {hidden} / '{arch}.attention.head_count' {num_heads}"
+    rope_dims = meta.integer(f"{arch}.rope.dimension_count", 1, MAX_HEAD_DIM, default=head_dim)
+    if rope_dims != head_dim:
         raise ModelFileError(
-            f"metadata key '{arch}.rope.dimension_count': {rope_dims}, expected the head size {head_dim} "
-            "(partial rotary embeddings are not supported)"
+            f"metadata key '{arch}.rope.dimension_count': {rope_dims}, but the head size is {head_dim} "
+            f"({source}); partial rotary embeddings are not supported"
         )
     value_length = meta.integer(f"{arch}.attention.value_length", 1, MAX_HEAD_DIM, default=head_dim)
     if value_length != head_dim:
@@ -141,7 +143,7 @@ def _head_dim(meta: GGUFFile, arch: str, hidden: int, num_heads: int) -> int:
             f"metadata key '{arch}.attention.value_length': {value_length}, expected the key size {head_dim}"
         )
     if head_dim % 2:
-        raise ModelFileError(f"the head size {head_dim} is odd (the rotary embedding turns pairs)")
+        raise ModelFileError(f"the head size {head_dim} ({source}) is odd (the rotary embedding turns pairs)")
     return head_dim
 
 

@@ -147,15 +147,25 @@ def _compiler() -> str:
 
 
 def sanitizer_runtime() -> str | None:
-    """The ASan runtime a process must preload (`LD_PRELOAD`) to load the sanitized kernels,
-    or None when the compiler has none (then the sanitized build cannot run here)."""
+    """What a process must preload (`LD_PRELOAD`) to load the sanitized kernels, or None when
+    the compiler has no ASan runtime (then the sanitized build cannot run here).
+
+    NOTE: the ASan runtime must come first; libstdc++ comes with it because ASan resolves its
+    `__cxa_throw` interceptor when it starts, and Python is not linked with libstdc++ (without
+    it, the first exception a kernel throws ends the process in an ASan CHECK).
+    """
     try:
         cxx = _compiler()
     except RuntimeError:
         return None
-    done = subprocess.run([cxx, "-print-file-name=libasan.so"], capture_output=True, text=True, check=False)
-    path = done.stdout.strip()
-    return path if done.returncode == 0 and os.path.isabs(path) and os.path.exists(path) else None
+    paths = []
+    for lib in ("libasan.so", "libstdc++.so"):
+        done = subprocess.run([cxx, f"-print-file-name={lib}"], capture_output=True, text=True, check=False)
+        path = done.stdout.strip()
+        if done.returncode != 0 or not os.path.isabs(path) or not os.path.exists(path):
+            return None
+        paths.append(os.path.realpath(path))
+    return " ".join(paths)
 
 
 def check(lib: ctypes.CDLL, code: int) -> None:

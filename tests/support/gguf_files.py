@@ -12,7 +12,8 @@ from __future__ import annotations
 import pathlib
 import shutil
 import struct
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFWriter
@@ -198,7 +199,6 @@ class RawGGUF:
     alignment: int = 32
     num_kv: int | None = None  # None: len(kvs); else what the header claims
     num_tensors: int | None = None
-    extra: list[str] = field(default_factory=list)
 
     @classmethod
     def read(cls, path: pathlib.Path) -> RawGGUF:
@@ -258,7 +258,7 @@ class RawGGUF:
 
     def copy(self) -> RawGGUF:
         """An independent copy of the records."""
-        return replace(self, kvs=list(self.kvs), tensors=list(self.tensors), extra=list(self.extra))
+        return replace(self, kvs=list(self.kvs), tensors=list(self.tensors))
 
     def tensor(self, name: str) -> TensorInfo:
         """The info of tensor `name`."""
@@ -317,3 +317,51 @@ def _skip_value(buf: bytes, pos: int, kind: int) -> int:
             pos = _skip_value(buf, pos, item)
         return pos
     return pos + struct.calcsize(SCALAR_FORMATS[kind])
+
+
+# ---- issue 19's table ----
+
+Edit = Callable[["RawGGUF"], "RawGGUF"]
+
+
+def u32(key: str, value: int) -> Edit:
+    """Set `key` to a u32."""
+    return lambda raw: raw.set(key, U32, scalar(U32, value))
+
+
+def u64(key: str, value: int) -> Edit:
+    """Set `key` to a u64."""
+    return lambda raw: raw.set(key, U64, scalar(U64, value))
+
+
+def dims(name: str, *new: int) -> Edit:
+    """Make tensor `name` claim dims `new` (fastest first)."""
+    return lambda raw: raw.retensor(name, dims=new)
+
+
+def issue_cases(hidden: int, ffn: int, kv_heads: int, heads: int) -> dict[str, tuple[Edit, str]]:
+    """Issue 19's table, for a model of these sizes: each edit and the name its error must give."""
+    return {
+        "embedding_length doubled": (u32("llama.embedding_length", 2 * hidden), "llama.embedding_length"),
+        "embedding_length x4096": (u32("llama.embedding_length", hidden * 4096), "llama.embedding_length"),
+        "token_embd half as wide": (
+            lambda r: r.retensor(
+                "token_embd.weight", dims=(hidden // 2, r.tensor("token_embd.weight").dims[1])
+            ),
+            "token_embd.weight",
+        ),
+        "feed_forward_length x256": (u32("llama.feed_forward_length", ffn * 256), "ffn_gate.weight"),
+        "feed_forward_length 2^40": (u64("llama.feed_forward_length", 1 << 40), "llama.feed_forward_length"),
+        "head_count_kv 1": (u32("llama.attention.head_count_kv", 1), "blk.0.attn_k.weight"),
+        "attn_v as many rows as attn_q": (
+            lambda r: r.retensor("blk.0.attn_v.weight", dims=r.tensor("blk.0.attn_q.weight").dims),
+            "blk.0.attn_v.weight",
+        ),
+        "attn_norm of 0 elements": (dims("blk.0.attn_norm.weight", 0), "blk.0.attn_norm.weight"),
+        "head_count doubled": (u32("llama.attention.head_count", 2 * heads), "llama.attention.head_count"),
+        "a norm of 1 element": (dims("blk.1.ffn_norm.weight", 1), "blk.1.ffn_norm.weight"),
+    }
+
+
+TINY_CASES = issue_cases(TINY_HIDDEN, TINY_FFN, TINY_KV_HEADS, TINY_HEADS)
+DEFAULT_CASES = issue_cases(576, 1536, 3, 9)
