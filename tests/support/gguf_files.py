@@ -131,6 +131,18 @@ def write_tiny_gguf(path: pathlib.Path, *, seed: int = 0, tied: bool = False) ->
     return path
 
 
+def default_model_raw() -> RawGGUF:
+    """The cached default model's header (skips the test when it is not cached)."""
+    import pytest
+
+    from ft.model.pull import cached_model_path
+
+    path = cached_model_path()
+    if not path.exists():
+        pytest.skip("the default model is not cached (run `ft pull`)")
+    return RawGGUF.read(path)
+
+
 # ---- byte-level edits ----
 
 
