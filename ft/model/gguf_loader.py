@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import pathlib
 import re
 from typing import Any
@@ -85,12 +84,9 @@ def gguf_config(meta: GGUFFile, tensor_names: set[str], vocab_size: int) -> Llam
     rope_scaling: dict[str, Any] | None = None
     scaling_type = meta.text(f"{arch}.rope.scaling.type")
     if scaling_type not in (None, "none"):
-        rope_scaling = {
-            "rope_type": scaling_type,
-            "factor": meta.number(f"{arch}.rope.scaling.factor", 1e-6, 1e6, default=math.nan),
-        }
-        if math.isnan(rope_scaling["factor"]):
-            raise ModelFileError(f"GGUF file lacks required metadata key '{arch}.rope.scaling.factor'")
+        factor_key = f"{arch}.rope.scaling.factor"
+        meta.require(factor_key)
+        rope_scaling = {"rope_type": scaling_type, "factor": meta.number(factor_key, 1e-6, 1e6, default=1.0)}
         original_key = f"{arch}.rope.scaling.original_context_length"
         if original_key in meta.fields:
             rope_scaling["original_max_position_embeddings"] = meta.integer(original_key, 1, MAX_CONTEXT)
