@@ -21,6 +21,7 @@ import select
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from dataclasses import dataclass
@@ -183,20 +184,22 @@ class Prober:
         self.sanitized = sanitized
         self.env = env or {}
         self.proc: subprocess.Popen[bytes] | None = None
-        self.stderr_path = pathlib.Path(os.environ.get("TMPDIR", "/tmp")) / f"ft-probe-{os.getpid()}.err"
+        fd, name = tempfile.mkstemp(prefix="ft-probe-", suffix=".err")
+        os.close(fd)
+        self.stderr_path = pathlib.Path(name)  # the probe's stderr, read when it dies
 
     def _start(self) -> subprocess.Popen[bytes]:
         env = os.environ | {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"} | self.env
-        self.stderr = self.stderr_path.open("wb")
-        return subprocess.Popen(
-            [sys.executable, "-m", "tests.support.gguf_probe"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self.stderr,
-            cwd=ROOT,
-            env=env,
-            preexec_fn=None if self.sanitized else _limit_memory,
-        )
+        with self.stderr_path.open("wb") as stderr:
+            return subprocess.Popen(
+                [sys.executable, "-m", "tests.support.gguf_probe"],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=stderr,
+                cwd=ROOT,
+                env=env,
+                preexec_fn=None if self.sanitized else _limit_memory,
+            )
 
     def run(self, path: pathlib.Path, dtype: str = "auto", steps: int = 3, timeout_s: float = 60) -> Outcome:
         """Load `path` and generate `steps` tokens (see `probe`)."""
@@ -216,7 +219,7 @@ class Prober:
             left = deadline - time.monotonic()
             ready, _, _ = select.select([self.proc.stdout], [], [], max(left, 0))
             if not ready:
-                self.close()
+                self._stop()
                 return Outcome("timeout", f"no answer within {timeout_s} s")
             chunk = os.read(self.proc.stdout.fileno(), 1 << 16)
             if not chunk:
@@ -237,6 +240,10 @@ class Prober:
 
     def close(self) -> None:
         """Kill the probe process (synchronous)."""
+        self._stop()
+        self.stderr_path.unlink(missing_ok=True)
+
+    def _stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
