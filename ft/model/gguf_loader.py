@@ -258,7 +258,8 @@ def gguf_tokenizer(meta: GGUFFile, context_length: int) -> TokenizerSpec:
         raise ModelFileError("GGUF file lacks required metadata key 'tokenizer.ggml.tokens'")
     token_types = _list_of(meta, "tokenizer.ggml.token_type", int, len(tokens)) or []
     merges = _list_of(meta, "tokenizer.ggml.merges", str)
-    bad_merge = next((m for m in merges or () if len(m.split(" ")) != 2 or "" in m.split(" ")), None)
+    # a merge is "left right", split at its first space as the tokenizer builders do
+    bad_merge = next((m for m in merges or () if not all(m.partition(" ")[::2]) or " " not in m), None)
     if bad_merge is not None:
         raise ModelFileError(f"metadata key 'tokenizer.ggml.merges': {bad_merge!r:.80} is not two tokens")
     special = {}
