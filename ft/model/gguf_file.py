@@ -2,10 +2,15 @@
 
 `gguf.GGUFReader` builds a numpy object per array element (every vocabulary string), which costs
 seconds on a 49k-token vocabulary; this reads the same file in a fraction of that.
+
+A GGUF is untrusted input: every count, length, type, dimension and offset is checked against
+the bytes that are actually there before it is used, so any file reads in time and memory
+bounded by its length, and a malformed one raises `ModelFileError` naming the key or tensor.
 """
 
 from __future__ import annotations
 
+import math
 import pathlib
 import struct
 from dataclasses import dataclass
@@ -41,60 +46,144 @@ _NUMPY = {
     12: "<f8",
 }
 _STRING, _ARRAY = 8, 9
+_INTEGER_KINDS = (0, 1, 2, 3, 4, 5, 10, 11)
+
+MAX_ARRAY_DEPTH = 4  # metadata arrays of arrays deeper than this are refused (files use 1)
+MAX_KEY_BYTES = 65535  # the GGUF spec's bound on key length
+MAX_DIMS = 4  # GGML_MAX_DIMS
+MAX_ALIGNMENT = 1 << 20
+
+
+class ModelFileError(ValueError):
+    """A model file is malformed or disagrees with itself; the message names the key or tensor
+    and what was expected."""
 
 
 @dataclass(frozen=True, slots=True)
 class GGUFTensor:
-    """One tensor: its name, type, and raw data shaped as `gguf.quants.dequantize` expects."""
+    """One tensor: its name, type, element shape (slowest dimension first, as torch has it) and
+    raw data shaped as `gguf.quants.dequantize` expects."""
 
     name: str
     tensor_type: GGMLQuantizationType
+    shape: tuple[int, ...]
     data: np.ndarray
 
 
+@dataclass(frozen=True, slots=True)
+class _Info:
+    name: str
+    shape: tuple[int, ...]
+    tensor_type: GGMLQuantizationType
+    offset: int
+    nbytes: int
+
+
 class GGUFFile:
-    """Metadata dict and tensors of one GGUF (v2/v3) file."""
+    """Metadata dict and tensors of one GGUF (v2/v3) file.
+
+    Raises:
+        ModelFileError: the file is not a well-formed GGUF (truncated, a count or length larger
+            than the file, an unknown type, a tensor outside the data section, ...).
+    """
 
     def __init__(self, path: pathlib.Path) -> None:
+        size = path.stat().st_size
+        if size < 24:
+            raise ModelFileError(f"the file has {size} bytes, too few for a GGUF header (truncated?)")
         self.buf = np.memmap(path, dtype=np.uint8, mode="r")
         self.pos = 0
         if bytes(self.buf[:4]) != b"GGUF":
-            raise ValueError("bad magic (not a GGUF file)")
+            raise ModelFileError("bad magic (not a GGUF file)")
         self.pos = 4
         version = self._scalar(4)
         if version not in (2, 3):
-            raise ValueError(f"unsupported GGUF version {version}")
+            raise ModelFileError(f"unsupported GGUF version {version}")
         num_tensors, num_kv = self._scalar(10), self._scalar(10)
+        self._room("the header's metadata count", num_kv, 13)  # each pair takes at least 13 bytes
         self.fields: dict[str, Any] = {}
-        for _ in range(num_kv):
-            key = self._string()
-            self.fields[key] = self._value(self._scalar(4))
-        infos = []
-        for _ in range(num_tensors):
-            name = self._string()
-            dims = [self._scalar(10) for _ in range(self._scalar(4))]
-            infos.append((name, dims, GGMLQuantizationType(self._scalar(4)), self._scalar(10)))
-        align = int(self.fields.get("general.alignment", 32))
-        start = (self.pos + align - 1) // align * align
+        self.kinds: dict[str, int] = {}
+        for i in range(num_kv):
+            key = self._string(f"metadata key {i}", MAX_KEY_BYTES)
+            if key in self.fields:
+                raise ModelFileError(f"metadata key {key!r} appears twice")
+            try:
+                kind = self._scalar(4)
+                self.kinds[key] = kind
+                self.fields[key] = self._value(kind, 0)
+            except ModelFileError as e:
+                raise ModelFileError(f"metadata key {key!r}: {e}") from None
+        self._room("the header's tensor count", num_tensors, 24)  # name, dims, type, offset
+        infos = [self._info(i) for i in range(num_tensors)]
+        align = self._alignment()
+        start = -(-self.pos // align) * align
+        self.data_start = start
         self.tensors: list[GGUFTensor] = []
-        for name, dims, qtype, offset in infos:
-            block, type_size = GGML_QUANT_SIZES[qtype]
-            shape = list(reversed(dims))  # GGUF lists the fastest dimension first
-            nbytes = int(np.prod(dims)) // block * type_size
-            raw = self.buf[start + offset : start + offset + nbytes]
-            if len(raw) != nbytes:
-                raise ValueError(f"tensor {name} runs past the end of the file (truncated download?)")
-            if qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
-                data = raw.view(np.float32 if qtype == GGMLQuantizationType.F32 else np.float16).reshape(
-                    shape
+        seen: set[str] = set()
+        for info in infos:
+            if info.name in seen:
+                raise ModelFileError(f"tensor {info.name} appears twice")
+            seen.add(info.name)
+            if info.offset % align:
+                raise ModelFileError(
+                    f"tensor {info.name}: data offset {info.offset} is not a multiple of the "
+                    f"alignment {align}"
                 )
-            else:
-                data = raw.reshape(*shape[:-1], shape[-1] // block * type_size)
-            self.tensors.append(GGUFTensor(name, qtype, data))
+            if start + info.offset + info.nbytes > len(self.buf):
+                raise ModelFileError(
+                    f"tensor {info.name}: {info.nbytes} bytes at offset {info.offset} run past the end "
+                    f"of the file ({len(self.buf)} bytes; truncated download?)"
+                )
+            raw = self.buf[start + info.offset : start + info.offset + info.nbytes]
+            self.tensors.append(GGUFTensor(info.name, info.tensor_type, info.shape, _shaped(raw, info)))
+
+    def _info(self, i: int) -> _Info:
+        name = self._string(f"tensor {i}'s name", MAX_KEY_BYTES)
+        n_dims = self._scalar(4)
+        if not 1 <= n_dims <= MAX_DIMS:
+            raise ModelFileError(f"tensor {name}: {n_dims} dimensions (expected 1 to {MAX_DIMS})")
+        dims = [self._scalar(10) for _ in range(n_dims)]
+        code = self._scalar(4)
+        try:
+            tensor_type = GGMLQuantizationType(code)
+            block, type_size = GGML_QUANT_SIZES[tensor_type]
+        except (ValueError, KeyError):
+            raise ModelFileError(f"tensor {name}: unknown tensor type {code}") from None
+        offset = self._scalar(10)
+        if dims[0] % block:
+            raise ModelFileError(
+                f"tensor {name}: a row of {dims[0]} elements is not whole {tensor_type.name} "
+                f"blocks of {block}"
+            )
+        nbytes = math.prod(dims) // block * type_size  # Python ints: no overflow
+        shape = tuple(reversed(dims))  # GGUF lists the fastest dimension first
+        return _Info(name, shape, tensor_type, offset, nbytes)
+
+    def _alignment(self) -> int:
+        if "general.alignment" not in self.fields:
+            return 32
+        align = self.fields["general.alignment"]
+        if self.kinds["general.alignment"] not in _INTEGER_KINDS or not 1 <= align <= MAX_ALIGNMENT:
+            raise ModelFileError(
+                f"metadata key 'general.alignment': expected a power of two from 1 to {MAX_ALIGNMENT}, "
+                f"found {align!r}"
+            )
+        if align & (align - 1):
+            raise ModelFileError(f"metadata key 'general.alignment': {align} is not a power of two")
+        return int(align)
+
+    def _room(self, what: str, count: int, min_bytes: int) -> None:
+        """Refuse a count whose items cannot fit in the rest of the file (before allocating)."""
+        left = len(self.buf) - self.pos
+        if count * min_bytes > left:
+            raise ModelFileError(
+                f"{what} is {count}, but only {left} bytes follow (room for at most {left // min_bytes}; "
+                "truncated file?)"
+            )
 
     def _take(self, n: int) -> bytes:
         if self.pos + n > len(self.buf):
-            raise ValueError("unexpected end of GGUF header (truncated file?)")
+            raise ModelFileError("unexpected end of GGUF header (truncated file?)")
         out = bytes(self.buf[self.pos : self.pos + n])
         self.pos += n
         return out
@@ -103,21 +192,33 @@ class GGUFFile:
         fmt = _SCALARS[kind]
         return struct.unpack(fmt, self._take(struct.calcsize(fmt)))[0]
 
-    def _string(self) -> str:
-        return self._take(self._scalar(10)).decode("utf-8", errors="replace")
+    def _string(self, what: str = "a string", limit: int | None = None) -> str:
+        n = self._scalar(10)
+        if limit is not None and n > limit:
+            raise ModelFileError(f"{what} is {n} bytes long (at most {limit})")
+        self._room(f"{what}'s length", n, 1)
+        return self._take(n).decode("utf-8", errors="replace")
 
-    def _value(self, kind: int) -> Any:
+    def _value(self, kind: int, depth: int) -> Any:
         if kind == _STRING:
             return self._string()
         if kind == _ARRAY:
+            if depth >= MAX_ARRAY_DEPTH:
+                raise ModelFileError(f"arrays nested more than {MAX_ARRAY_DEPTH} deep")
             item, count = self._scalar(4), self._scalar(10)
             if item == _STRING:
+                self._room("an array of strings' length", count, 8)
                 return [self._string() for _ in range(count)]
             if item == _ARRAY:
-                return [self._value(_ARRAY) for _ in range(count)]
+                self._room("an array of arrays' length", count, 12)
+                return [self._value(_ARRAY, depth + 1) for _ in range(count)]
+            if item not in _NUMPY:
+                raise ModelFileError(f"unknown array item type {item}")
             dt = np.dtype(_NUMPY[item])
-            arr = np.frombuffer(self._take(dt.itemsize * count), dtype=dt)
-            return arr.tolist()
+            self._room("an array's length", count, dt.itemsize)
+            return np.frombuffer(self._take(dt.itemsize * count), dtype=dt).tolist()
+        if kind not in _SCALARS:
+            raise ModelFileError(f"unknown value type {kind}")
         return self._scalar(kind)
 
     def get(self, key: str, default: Any = None) -> Any:
@@ -127,5 +228,48 @@ class GGUFFile:
     def require(self, key: str) -> Any:
         """A metadata value; a clear error when missing."""
         if key not in self.fields:
-            raise ValueError(f"GGUF file lacks required metadata key {key!r}")
+            raise ModelFileError(f"GGUF file lacks required metadata key {key!r}")
         return self.fields[key]
+
+    def integer(self, key: str, low: int, high: int, default: int | None = None) -> int:
+        """An integer value of `key` in [low, high] (`default` when absent; required if None)."""
+        if key not in self.fields and default is not None:
+            return default
+        value = self.require(key)
+        if self.kinds[key] not in _INTEGER_KINDS or not low <= value <= high:
+            raise ModelFileError(
+                f"metadata key {key!r}: expected an integer from {low} to {high}, found {value!r}"
+            )
+        return int(value)
+
+    def number(self, key: str, low: float, high: float, default: float) -> float:
+        """A finite number value of `key` in [low, high] (`default` when absent)."""
+        if key not in self.fields:
+            return default
+        value = self.fields[key]
+        if (
+            self.kinds[key] not in (*_INTEGER_KINDS, 6, 12)
+            or not math.isfinite(value)
+            or not low <= value <= high
+        ):
+            raise ModelFileError(
+                f"metadata key {key!r}: expected a finite number from {low:g} to {high:g}, found {value!r}"
+            )
+        return float(value)
+
+    def text(self, key: str, default: str | None = None) -> str | None:
+        """A string value of `key` (`default` when absent)."""
+        if key not in self.fields:
+            return default
+        if self.kinds[key] != _STRING:
+            raise ModelFileError(f"metadata key {key!r}: expected a string, found {self.fields[key]!r:.80}")
+        return str(self.fields[key])
+
+
+def _shaped(raw: np.ndarray, info: _Info) -> np.ndarray:
+    """A tensor's bytes viewed as its floats, or as rows of its blocks."""
+    if info.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+        dtype = np.float32 if info.tensor_type == GGMLQuantizationType.F32 else np.float16
+        return raw.view(dtype).reshape(info.shape)
+    block, type_size = GGML_QUANT_SIZES[info.tensor_type]
+    return raw.reshape(*info.shape[:-1], info.shape[-1] // block * type_size)

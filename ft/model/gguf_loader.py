@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pathlib
 import re
-import struct
 from typing import Any
 
 import numpy as np
 import torch
 from gguf.quants import dequantize
 
-from ft.model.gguf_file import GGUFFile, GGUFTensor
+from ft.model.gguf_check import check_tensors, check_vocabulary
+from ft.model.gguf_file import GGUFFile, GGUFTensor, ModelFileError
 from ft.model.kernels import repacked
 from ft.model.llama import LlamaConfig, Progress
 from ft.model.quant import KERNEL_TYPES, QuantTensor, to_q8_0
@@ -47,43 +47,100 @@ _GLOBAL_NAMES = {
 _BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 
+# Bounds on the metadata's numbers: far above any real model, low enough that no size derived
+# from them overflows or allocates without bound before the tensors are compared with them.
+MAX_WIDTH = 1 << 20  # hidden size, ffn length
+MAX_HEADS = 1 << 12
+MAX_HEAD_DIM = 1 << 12
+MAX_LAYERS = 1 << 12
+MAX_VOCAB = 1 << 24
+MAX_CONTEXT = 1 << 24
+
+
 def gguf_config(meta: GGUFFile, tensor_names: set[str], vocab_size: int) -> LlamaConfig:
-    """A `LlamaConfig` from `{arch}.*` metadata."""
-    arch = meta.require("general.architecture")
-    name = str(meta.get("general.name", "")).lower()
+    """A `LlamaConfig` from `{arch}.*` metadata, each number type- and range-checked.
+
+    Raises:
+        ModelFileError: a key is missing, of the wrong type, out of range, or inconsistent with
+            another (the heads do not divide, the rotary dimensions differ from the head's).
+    """
+    arch = meta.text("general.architecture")
+    if arch is None:
+        raise ModelFileError("GGUF file lacks required metadata key 'general.architecture'")
+    name = str(meta.text("general.name", "") or "").lower()
     if arch not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(
+        raise ModelFileError(
             f"GGUF architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
         )
-    num_heads = int(meta.require(f"{arch}.attention.head_count"))
-    hidden = int(meta.require(f"{arch}.embedding_length"))
-    head_dim = int(meta.get(f"{arch}.attention.key_length") or meta.get(f"{arch}.rope.dimension_count") or 0)
+    num_heads = meta.integer(f"{arch}.attention.head_count", 1, MAX_HEADS)
+    hidden = meta.integer(f"{arch}.embedding_length", 1, MAX_WIDTH)
+    num_kv_heads = meta.integer(f"{arch}.attention.head_count_kv", 1, num_heads, default=num_heads)
+    if num_heads % num_kv_heads:
+        raise ModelFileError(
+            f"metadata key '{arch}.attention.head_count_kv': {num_kv_heads} does not divide the "
+            f"{num_heads} heads of '{arch}.attention.head_count'"
+        )
+    head_dim = _head_dim(meta, arch, hidden, num_heads)
     rope_scaling: dict[str, Any] | None = None
-    scaling_type = meta.get(f"{arch}.rope.scaling.type")
+    scaling_type = meta.text(f"{arch}.rope.scaling.type")
     if scaling_type not in (None, "none"):
-        rope_scaling = {
-            "rope_type": scaling_type,
-            "factor": float(meta.require(f"{arch}.rope.scaling.factor")),
-        }
-        original = meta.get(f"{arch}.rope.scaling.original_context_length")
-        if original is not None:
-            rope_scaling["original_max_position_embeddings"] = int(original)
-    return LlamaConfig(
-        vocab_size=int(meta.get(f"{arch}.vocab_size") or vocab_size),
-        hidden_size=hidden,
-        intermediate_size=int(meta.require(f"{arch}.feed_forward_length")),
-        num_layers=int(meta.require(f"{arch}.block_count")),
-        num_heads=num_heads,
-        num_kv_heads=int(meta.get(f"{arch}.attention.head_count_kv") or num_heads),
-        head_dim=head_dim if head_dim else hidden // num_heads,
-        rms_norm_eps=float(meta.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
-        rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
-        rope_scaling=rope_scaling,
-        max_position_embeddings=int(meta.get(f"{arch}.context_length", 2048)),
-        tie_word_embeddings="output.weight" not in tensor_names,
-        attention_bias="blk.0.attn_q.bias" in tensor_names,
-        architecture="mistral" if arch == "llama" and "mistral" in name else arch,
-    )
+        factor_key = f"{arch}.rope.scaling.factor"
+        meta.require(factor_key)
+        rope_scaling = {"rope_type": scaling_type, "factor": meta.number(factor_key, 1e-6, 1e6, default=1.0)}
+        original_key = f"{arch}.rope.scaling.original_context_length"
+        if original_key in meta.fields:
+            rope_scaling["original_max_position_embeddings"] = meta.integer(original_key, 1, MAX_CONTEXT)
+    try:
+        return LlamaConfig(
+            vocab_size=meta.integer(f"{arch}.vocab_size", 1, MAX_VOCAB, default=vocab_size or 1),
+            hidden_size=hidden,
+            intermediate_size=meta.integer(f"{arch}.feed_forward_length", 1, MAX_WIDTH),
+            num_layers=meta.integer(f"{arch}.block_count", 1, MAX_LAYERS),
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=meta.number(f"{arch}.attention.layer_norm_rms_epsilon", 0.0, 1.0, 1e-5),
+            rope_theta=meta.number(f"{arch}.rope.freq_base", 1e-3, 1e12, 10000.0),
+            rope_scaling=rope_scaling,
+            max_position_embeddings=meta.integer(f"{arch}.context_length", 1, MAX_CONTEXT, default=2048),
+            tie_word_embeddings="output.weight" not in tensor_names,
+            attention_bias="blk.0.attn_q.bias" in tensor_names,
+            architecture="mistral" if arch == "llama" and "mistral" in name else arch,
+        )
+    except ModelFileError:
+        raise
+    except ValueError as e:  # LlamaConfig's own checks (rope scaling type)
+        raise ModelFileError(f"metadata of architecture {arch!r}: {e}") from None
+
+
+def _head_dim(meta: GGUFFile, arch: str, hidden: int, num_heads: int) -> int:
+    """The head size, as llama.cpp reads it: `key_length`, else hidden / heads; the rotary
+    dimensions and `value_length`, where present, must equal it (the rotary embedding turns the
+    whole head)."""
+    head_dim = meta.integer(f"{arch}.attention.key_length", 1, MAX_HEAD_DIM, default=0)
+    source = f"'{arch}.attention.key_length'"
+    if not head_dim:
+        if hidden % num_heads:
+            raise ModelFileError(
+                f"metadata key '{arch}.embedding_length': {hidden} is not a multiple of the "
+                f"{num_heads} heads of '{arch}.attention.head_count'"
+            )
+        head_dim = hidden // num_heads
+        source = f"'{arch}.embedding_length' {hidden} / '{arch}.attention.head_count' {num_heads}"
+    rope_dims = meta.integer(f"{arch}.rope.dimension_count", 1, MAX_HEAD_DIM, default=head_dim)
+    if rope_dims != head_dim:
+        raise ModelFileError(
+            f"metadata key '{arch}.rope.dimension_count': {rope_dims}, but the head size is {head_dim} "
+            f"({source}); partial rotary embeddings are not supported"
+        )
+    value_length = meta.integer(f"{arch}.attention.value_length", 1, MAX_HEAD_DIM, default=head_dim)
+    if value_length != head_dim:
+        raise ModelFileError(
+            f"metadata key '{arch}.attention.value_length': {value_length}, expected the key size {head_dim}"
+        )
+    if head_dim % 2:
+        raise ModelFileError(f"the head size {head_dim} ({source}) is odd (the rotary embedding turns pairs)")
+    return head_dim
 
 
 def unpermute_rotary(w: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -96,7 +153,7 @@ def unpermute_rotary(w: torch.Tensor, n_head: int) -> torch.Tensor:
 def as_stored(tensor: GGUFTensor) -> QuantTensor:
     """A 2-D GGUF weight as packed blocks: kept as stored when the kernels multiply its type,
     otherwise requantized to Q8_0 once."""
-    cols = int(tensor.data.shape[-1]) if tensor.tensor_type in (0, 1) else _cols(tensor)
+    cols = tensor.shape[-1]
     if int(tensor.tensor_type) in KERNEL_TYPES:
         data = torch.from_numpy(np.array(tensor.data, dtype=np.uint8, copy=True))
         return QuantTensor(data, int(tensor.tensor_type), cols)
@@ -104,21 +161,22 @@ def as_stored(tensor: GGUFTensor) -> QuantTensor:
 
 
 def _dequantized(tensor: GGUFTensor) -> np.ndarray:
-    """The tensor's values as a float32 array."""
+    """The tensor's values as a float32 array.
+
+    Raises:
+        ModelFileError: its type cannot be dequantized, or (for a type `check_tensors` does not
+            scan) its values are not all finite.
+    """
     try:
         array = dequantize(tensor.data, tensor.tensor_type)
     except NotImplementedError as exc:
-        raise ValueError(
+        raise ModelFileError(
             f"GGUF tensor {tensor.name} has type {tensor.tensor_type.name}, which cannot be dequantized"
         ) from exc
-    return np.array(array, dtype=np.float32, copy=True)
-
-
-def _cols(tensor: GGUFTensor) -> int:
-    from gguf.constants import GGML_QUANT_SIZES
-
-    block, type_size = GGML_QUANT_SIZES[tensor.tensor_type]
-    return int(tensor.data.shape[-1]) // type_size * block
+    out = np.array(array, dtype=np.float32, copy=True)
+    if int(tensor.tensor_type) not in (*KERNEL_TYPES, 0, 1, 30) and not np.isfinite(out).all():
+        raise ModelFileError(f"tensor {tensor.name} holds NaN or Inf values")
+    return out
 
 
 def gguf_tensors(
@@ -186,33 +244,56 @@ def _unpermuted(w: QuantTensor, name: str, config: LlamaConfig, arch: str) -> Qu
 
 
 def gguf_tokenizer(meta: GGUFFile, context_length: int) -> TokenizerSpec:
-    """The tokenizer described by `tokenizer.ggml.*` metadata."""
-    kind = meta.require("tokenizer.ggml.model")
-    tokens: list[str] = meta.require("tokenizer.ggml.tokens")
-    token_types: list[int] = meta.get("tokenizer.ggml.token_type") or []
-    merges: list[str] | None = meta.get("tokenizer.ggml.merges")
-    if kind == "gpt2":
-        tok = byte_level_bpe_from_gguf(tokens, merges or [], token_types, meta.get("tokenizer.ggml.pre"))
-        add_bos_default = False
-    elif kind == "llama":
-        scores = meta.get("tokenizer.ggml.scores") or [0.0] * len(tokens)
-        tok = sentencepiece_bpe_from_gguf(tokens, scores, merges, token_types)
-        add_bos_default = True
-    else:
-        raise ValueError(
-            f"GGUF tokenizer model {kind!r} is not supported (supported: gpt2, llama); "
-            "use a Hugging Face directory with tokenizer.json instead"
-        )
-    eos_id = meta.get("tokenizer.ggml.eos_token_id")
-    eos_ids = [eos_id] if isinstance(eos_id, int) else []
-    eot_id = meta.get("tokenizer.ggml.eot_token_id")
-    if isinstance(eot_id, int) and eot_id not in eos_ids:
+    """The tokenizer described by `tokenizer.ggml.*` metadata.
+
+    Raises:
+        ModelFileError: a tokenizer key has the wrong type or length, or names a token that is
+            not in the vocabulary.
+    """
+    kind = meta.text("tokenizer.ggml.model")
+    if kind is None:
+        raise ModelFileError("GGUF file lacks required metadata key 'tokenizer.ggml.model'")
+    tokens = _list_of(meta, "tokenizer.ggml.tokens", str)
+    if tokens is None:
+        raise ModelFileError("GGUF file lacks required metadata key 'tokenizer.ggml.tokens'")
+    token_types = _list_of(meta, "tokenizer.ggml.token_type", int, len(tokens)) or []
+    merges = _list_of(meta, "tokenizer.ggml.merges", str)
+    # a merge is "left right", split at its first space as the tokenizer builders do
+    bad_merge = next((m for m in merges or () if not all(m.partition(" ")[::2]) or " " not in m), None)
+    if bad_merge is not None:
+        raise ModelFileError(f"metadata key 'tokenizer.ggml.merges': {bad_merge!r:.80} is not two tokens")
+    special = {}
+    for key in ("bos_token_id", "eos_token_id", "eot_token_id"):
+        if f"tokenizer.ggml.{key}" in meta.fields:
+            special[key] = meta.integer(f"tokenizer.ggml.{key}", 0, len(tokens) - 1)
+    try:
+        if kind == "gpt2":
+            tok = byte_level_bpe_from_gguf(tokens, merges or [], token_types, meta.text("tokenizer.ggml.pre"))
+            add_bos_default = False
+        elif kind == "llama":
+            scores = _list_of(meta, "tokenizer.ggml.scores", float, len(tokens)) or [0.0] * len(tokens)
+            tok = sentencepiece_bpe_from_gguf(tokens, scores, merges, token_types)
+            add_bos_default = True
+        else:
+            raise ModelFileError(
+                f"GGUF tokenizer model {kind!r} is not supported (supported: gpt2, llama); "
+                "use a Hugging Face directory with tokenizer.json instead"
+            )
+        tokenizer_json = tokenizer_json_of(tok)
+    except ModelFileError:
+        raise
+    except Exception as e:  # the tokenizers library refusing the vocabulary or merges
+        raise ModelFileError(f"metadata keys 'tokenizer.ggml.*' do not make a tokenizer: {e}") from e
+    eos_id = special.get("eos_token_id")
+    eos_ids = [eos_id] if eos_id is not None else []
+    eot_id = special.get("eot_token_id")
+    if eot_id is not None and eot_id not in eos_ids:
         eos_ids.append(eot_id)
     add_bos = meta.get("tokenizer.ggml.add_bos_token")
     return TokenizerSpec(
-        tokenizer_json=tokenizer_json_of(tok),
-        chat_template=meta.get("tokenizer.chat_template"),
-        bos_token=special_token_text(tokens, meta.get("tokenizer.ggml.bos_token_id")),
+        tokenizer_json=tokenizer_json,
+        chat_template=meta.text("tokenizer.chat_template"),
+        bos_token=special_token_text(tokens, special.get("bos_token_id")),
         eos_token=special_token_text(tokens, eos_id),
         add_bos_token=bool(add_bos) if add_bos is not None else add_bos_default,
         eos_token_ids=tuple(eos_ids),
@@ -220,26 +301,66 @@ def gguf_tokenizer(meta: GGUFFile, context_length: int) -> TokenizerSpec:
     )
 
 
-def load_gguf(
-    path: pathlib.Path, dtype: torch.dtype, progress: Progress | None = None, quantized: bool = False
-) -> tuple[LlamaConfig, dict[str, torch.Tensor | QuantTensor], TokenizerSpec, str]:
-    """Config, state dict (HF names), tokenizer and model id of one GGUF file (see `gguf_tensors`)."""
+def _list_of(meta: GGUFFile, key: str, item: type, length: int | None = None) -> list[Any] | None:
+    """The array value of `key` whose items are all `item` (and `length` of them), or None."""
+    value = meta.get(key)
+    if value is None:
+        return None
+    types = (int, float) if item is float else (item,)
+    if (
+        not isinstance(value, list)
+        or not all(isinstance(v, types) and not isinstance(v, bool) for v in value)
+        or (length is not None and len(value) != length)
+    ):
+        size = f"{len(value)} " if isinstance(value, list) else ""
+        want = f"{length} " if length is not None else ""
+        raise ModelFileError(
+            f"metadata key {key!r}: expected an array of {want}{item.__name__} values, found {size}"
+            f"{type(value).__name__}"
+        )
+    return value
+
+
+def open_gguf(path: pathlib.Path) -> GGUFFile:
+    """`path` read as a GGUF (header, metadata and tensor table checked against the file).
+
+    Raises:
+        ModelFileError: the file is not a well-formed GGUF (the message says where).
+    """
     try:
-        reader = GGUFFile(path)
-    except (ValueError, OSError, IndexError, KeyError, struct.error, UnicodeDecodeError) as exc:
-        raise ValueError(
+        return GGUFFile(path)
+    except (ModelFileError, OSError) as exc:
+        raise ModelFileError(
             f"{path} is not a readable GGUF file ({exc}); if it is the cached default model, "
             "delete it and run `ft pull`"
         ) from exc
-    meta = reader
-    names = {t.name for t in reader.tensors}
-    tokens = meta.get("tokenizer.ggml.tokens") or []
-    config = gguf_config(meta, names, len(tokens))
-    arch = meta.require("general.architecture")
-    sd, freq_factors = gguf_tensors(reader, config, arch, dtype, progress, quantized)
+
+
+def load_gguf(
+    path: pathlib.Path, dtype: torch.dtype, progress: Progress | None = None, quantized: bool = False
+) -> tuple[LlamaConfig, dict[str, torch.Tensor | QuantTensor], TokenizerSpec, str]:
+    """Config, state dict (HF names), tokenizer and model id of one GGUF file (see `gguf_tensors`).
+
+    Every tensor is checked against the config its metadata describes before any is converted
+    (`gguf_check`), so nothing inconsistent reaches torch or the packed kernels.
+
+    Raises:
+        ModelFileError: the file is malformed, or its tensors disagree with its metadata.
+    """
+    reader = open_gguf(path)
+    try:
+        tokens = _list_of(reader, "tokenizer.ggml.tokens", str) or []
+        config = gguf_config(reader, {t.name for t in reader.tensors}, len(tokens))
+        check_tensors(reader, config, packed=quantized)
+        check_vocabulary(config, len(tokens))
+        spec = gguf_tokenizer(reader, config.max_position_embeddings)
+        sd, freq_factors = gguf_tensors(
+            reader, config, str(reader.text("general.architecture")), dtype, progress, quantized
+        )
+    except ModelFileError as e:
+        raise ModelFileError(f"{path}: {e}") from None
     if freq_factors is not None:
         config = LlamaConfig(**{**_fields(config), "rope_freq_factors": freq_factors})
-    spec = gguf_tokenizer(meta, config.max_position_embeddings)
     return config, sd, spec, path.stem
 
 

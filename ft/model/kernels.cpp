@@ -4,17 +4,66 @@
 // which the formats with a minimum need), as llama.cpp does; each weight block is read once per
 // tile of up to four activation rows and multiplied in integers. Built at first use by
 // ft/model/kernels.py with -march=native, so the same source runs AVX-512 VNNI, AVX2 or plain C++.
+//
+// Every extern "C" entry point checks its own arguments (sizes are passed explicitly; each
+// weight's type, rows and row bytes are checked against the sizes it is used with) and catches
+// every C++ exception: it returns 0, or an FT_E* code with a message for ft_last_error().
+// The checks run once per call, never in the loops; nothing allocates inside a parallel region
+// (an exception there could not be caught).
 #include <math.h>
 #include <omp.h>
-
-#include <vector>
+#include <stdarg.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <string.h>
+
+#include <new>
+#include <stdexcept>
+#include <vector>
 #if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
 namespace {
+
+// ---- Errors at the extern "C" boundary ----
+enum : int { FT_OK = 0, FT_EINVAL = 1, FT_ENOMEM = 2, FT_EFAULT = 3 };
+thread_local char last_error[512];
+
+[[noreturn]] __attribute__((format(printf, 1, 2))) void invalid(const char* fmt, ...) {
+  char msg[400];
+  va_list args;
+  va_start(args, fmt);
+  vsnprintf(msg, sizeof msg, fmt, args);
+  va_end(args);
+  throw std::invalid_argument(msg);
+}
+
+#define FT_REQUIRE(cond, ...) \
+  do {                        \
+    if (!(cond)) invalid(__VA_ARGS__); \
+  } while (0)
+
+// Runs `body`, turning any exception into an error code and a message.
+template <class F>
+int guarded(const char* name, F&& body) {
+  try {
+    body();
+    return FT_OK;
+  } catch (const std::invalid_argument& e) {
+    snprintf(last_error, sizeof last_error, "%s: %s", name, e.what());
+    return FT_EINVAL;
+  } catch (const std::bad_alloc&) {
+    snprintf(last_error, sizeof last_error, "%s: out of memory", name);
+    return FT_ENOMEM;
+  } catch (const std::exception& e) {
+    snprintf(last_error, sizeof last_error, "%s: %s", name, e.what());
+    return FT_EFAULT;
+  } catch (...) {
+    snprintf(last_error, sizeof last_error, "%s: unknown C++ exception", name);
+    return FT_EFAULT;
+  }
+}
 
 // NOTE: GCC 12 at -O3 -march=native vectorized the signed-by-signed byte dot products below
 // with an unsigned-by-signed instruction (vpdpbusd), giving wrong sums; keep them scalar.
@@ -330,6 +379,28 @@ void rows_q6_k(const uint8_t* w, int nbk, const Act* a, float* out) {
 
 enum : int { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q6_K = 14 };
 
+// Elements and bytes per block of each type the kernels multiply (0: not one of them).
+inline int64_t block_elems(int64_t type) {
+  switch (type) {
+    case Q4_0: case Q4_1: case Q8_0: return QK;
+    case Q4_K: case Q6_K: return QK_K;
+  }
+  return 0;
+}
+
+inline int64_t block_bytes(int64_t type) {
+  switch (type) {
+    case Q4_0: return 18;
+    case Q4_1: return 20;
+    case Q8_0: return 34;
+    case Q4_K: return 144;
+    case Q6_K: return 210;
+  }
+  return 0;
+}
+
+inline bool repackable(int64_t type) { return type == Q4_0 || type == Q4_1 || type == Q8_0; }
+
 // ---- Repacked Q4_0 / Q4_1 / Q8_0: RC output columns interleaved per block ----
 // For a group of RC weight rows (output columns) and one block of 32, vector j holds 4 bytes of
 // each column: bytes qs[4j .. 4j + 4) of column c at [4c, 4c + 4). One vector times the
@@ -431,6 +502,23 @@ inline float repacked_at(int type, const uint8_t* gb, int c, int k) {
 }
 
 
+constexpr int64_t MAX_K = (int64_t)1 << 30;  // dot_rows counts a row's blocks in an int
+
+// A weight of `rows` rows of `row_bytes` bytes of `type` blocks (or groups of `columns`
+// repacked rows) to be multiplied against activations of K elements.
+void check_weight(const char* what, int64_t type, int64_t rows, int64_t row_bytes, int64_t columns, int64_t K) {
+  const int64_t be = block_elems(type);
+  FT_REQUIRE(be, "%s: unsupported weight type %lld", what, (long long)type);
+  FT_REQUIRE(K > 0 && K <= MAX_K && K % be == 0 && K % QK == 0,
+             "%s: %lld columns are not whole blocks of %lld", what, (long long)K, (long long)be);
+  FT_REQUIRE(rows >= 0, "%s: %lld rows", what, (long long)rows);
+  FT_REQUIRE(row_bytes == K / be * block_bytes(type), "%s: rows of %lld bytes, expected %lld for %lld columns",
+             what, (long long)row_bytes, (long long)(K / be * block_bytes(type)), (long long)K);
+  FT_REQUIRE(columns == 0 || (columns == RC && repackable(type) && rows % columns == 0),
+             "%s: repacked in groups of %lld (of %lld rows), this build multiplies groups of %d", what,
+             (long long)columns, (long long)rows, RC);
+}
+
 template <int MT>
 void dot_rows(int type, const uint8_t* w, int64_t K, const Act* a, float* out) {
   switch (type) {
@@ -514,28 +602,43 @@ void gemm_group(int type, const uint8_t* wg, const ActRows& a, int64_t M, float*
 
 extern "C" {
 
+// The message of the last failed call on this thread.
+const char* ft_last_error() { return last_error; }
+
 // x [M, K] float32 (row stride ldx) -> qs [M, K] int8; d, s, sx [M, K/32]. K % 32 == 0.
-void ft_quantize_q8(const float* x, int64_t M, int64_t K, int64_t ldx, int8_t* qs, float* d, float* s,
-                    int32_t* sx, int threads) {
-  const int64_t nb = K / QK;
+int ft_quantize_q8(const float* x, int64_t M, int64_t K, int64_t ldx, int8_t* qs, float* d, float* s,
+                   int32_t* sx, int threads) {
+  return guarded("ft_quantize_q8", [&] {
+    FT_REQUIRE(M >= 0 && K >= 0 && K % QK == 0 && K <= MAX_K, "%lld rows of %lld are not whole blocks of %d",
+               (long long)M, (long long)K, QK);
+    FT_REQUIRE(M <= 1 || ldx >= K, "row stride %lld under the row length %lld", (long long)ldx, (long long)K);
+    FT_REQUIRE(threads >= 1, "%d threads", threads);
+    const int64_t nb = K / QK;
 #pragma omp parallel for num_threads(threads) schedule(static) if (M * K > 65536)
-  for (int64_t m = 0; m < M; m++) quantize_row(x + m * ldx, K, qs + m * K, d + m * nb, s + m * nb, sx + m * nb);
+    for (int64_t m = 0; m < M; m++) quantize_row(x + m * ldx, K, qs + m * K, d + m * nb, s + m * nb, sx + m * nb);
+  });
 }
 
 // y[m, n] = sum_k x[m, k] * W[n, k] for n < N, W's rows stored as `row_bytes` bytes of blocks of
 // `type`; y has row stride ldy (so a caller can fill a column slice of a wider output).
-void ft_gemm(int type, const uint8_t* w, int64_t N, int64_t K, int64_t row_bytes, int64_t columns,
-             const int8_t* qs, const float* d, const float* s, const int32_t* sx, int64_t M, float* y, int64_t ldy,
-             int threads) {
-  const ActRows a{qs, d, s, sx, K};
-  if (columns) {
-    const int64_t group_bytes = K / QK * repacked_bytes(type);
+int ft_gemm(int type, const uint8_t* w, int64_t N, int64_t K, int64_t row_bytes, int64_t columns,
+            const int8_t* qs, const float* d, const float* s, const int32_t* sx, int64_t M, float* y, int64_t ldy,
+            int threads) {
+  return guarded("ft_gemm", [&] {
+    check_weight("weight", type, N, row_bytes, columns, K);
+    FT_REQUIRE(M >= 0 && (M <= 1 || ldy >= N), "%lld rows of stride %lld for %lld outputs", (long long)M,
+               (long long)ldy, (long long)N);
+    FT_REQUIRE(threads >= 1, "%d threads", threads);
+    const ActRows a{qs, d, s, sx, K};
+    if (columns) {
+      const int64_t group_bytes = K / QK * repacked_bytes(type);
 #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t g = 0; g < N / columns; g++) gemm_group(type, w + g * group_bytes, a, M, y + g * columns, ldy);
-    return;
-  }
+      for (int64_t g = 0; g < N / columns; g++) gemm_group(type, w + g * group_bytes, a, M, y + g * columns, ldy);
+      return;
+    }
 #pragma omp parallel for num_threads(threads) schedule(static)
-  for (int64_t n = 0; n < N; n++) gemm_row(type, w + n * row_bytes, a, M, y + n, ldy);
+    for (int64_t n = 0; n < N; n++) gemm_row(type, w + n * row_bytes, a, M, y + n, ldy);
+  });
 }
 
 // Columns per repacked group on this build (0: no repacked kernels here).
@@ -543,28 +646,32 @@ int ft_repack_columns() { return RC; }
 
 // src: N rows of GGUF blocks (Q4_0, Q4_1 or Q8_0), N % RC == 0 -> dst in the repacked layout
 // (the same number of bytes).
-void ft_repack(int type, const uint8_t* src, int64_t N, int64_t K, int64_t row_bytes, uint8_t* dst) {
-  if (!RC) return;
-  const int64_t nb = K / QK, gbytes = repacked_bytes(type);
-  const int bytes = type == Q4_0 ? 18 : type == Q4_1 ? 20 : 34;
-  const int qs_at = type == Q4_1 ? 4 : 2;
-  for (int64_t g = 0; g < N / RC; g++)
-    for (int64_t b = 0; b < nb; b++) {
-      uint8_t* out = dst + (g * nb + b) * gbytes;
-      for (int c = 0; c < RC; c++) {
-        const uint8_t* blk = src + (g * RC + c) * row_bytes + b * bytes;
-        const int nvec = type == Q8_0 ? 8 : 4;
-        for (int j = 0; j < nvec; j++)
-          for (int i = 0; i < 4; i++) {
-            const uint8_t v = blk[qs_at + 4 * j + i];
-            out[j * 4 * RC + 4 * c + i] = type == Q8_0 ? (uint8_t)(v ^ 0x80) : v;
-          }
-        memcpy(out + nvec * 4 * RC + 2 * c, blk, 2);                       // d
-        if (type == Q4_1) memcpy(out + nvec * 4 * RC + 2 * RC + 2 * c, blk + 2, 2);  // m
+int ft_repack(int type, const uint8_t* src, int64_t N, int64_t K, int64_t row_bytes, uint8_t* dst) {
+  return guarded("ft_repack", [&] {
+    FT_REQUIRE(RC && repackable(type), "type %d cannot be repacked on this build", type);
+    check_weight("weight", type, N, row_bytes, 0, K);
+    constexpr int64_t group = RC ? RC : 1;  // (no division by a zero RC where it compiles away)
+    FT_REQUIRE(N % group == 0, "%lld rows are not whole groups of %d", (long long)N, RC);
+    const int64_t nb = K / QK, gbytes = repacked_bytes(type);
+    const int bytes = type == Q4_0 ? 18 : type == Q4_1 ? 20 : 34;
+    const int qs_at = type == Q4_1 ? 4 : 2;
+    for (int64_t g = 0; g < N / group; g++)
+      for (int64_t b = 0; b < nb; b++) {
+        uint8_t* out = dst + (g * nb + b) * gbytes;
+        for (int c = 0; c < RC; c++) {
+          const uint8_t* blk = src + (g * RC + c) * row_bytes + b * bytes;
+          const int nvec = type == Q8_0 ? 8 : 4;
+          for (int j = 0; j < nvec; j++)
+            for (int i = 0; i < 4; i++) {
+              const uint8_t v = blk[qs_at + 4 * j + i];
+              out[j * 4 * RC + 4 * c + i] = type == Q8_0 ? (uint8_t)(v ^ 0x80) : v;
+            }
+          memcpy(out + nvec * 4 * RC + 2 * c, blk, 2);                                 // d
+          if (type == Q4_1) memcpy(out + nvec * 4 * RC + 2 * RC + 2 * c, blk + 2, 2);  // m
+        }
       }
-    }
+  });
 }
-
 
 }  // extern "C"
 
@@ -641,13 +748,11 @@ struct QAct {
   std::vector<float> d, s;
   std::vector<int32_t> sx;
   int64_t M = 0, K = 0;
+  // Room for m rows of up to k_max elements (before the parallel region: set() never allocates).
+  QAct(int64_t m, int64_t k_max) : qs(m * k_max), d(m * k_max / QK), s(m * k_max / QK), sx(m * k_max / QK) {}
   void set(const float* x, int64_t m, int64_t k, int64_t ldx) {
     M = m;
     K = k;
-    qs.resize(m * k);
-    d.resize(m * k / QK);
-    s.resize(m * k / QK);
-    sx.resize(m * k / QK);
     // NOTE: called inside a parallel region's single thread; rows are few or the work is small.
     for (int64_t r = 0; r < m; r++)
       quantize_row(x + r * ldx, k, &qs[r * k], &d[r * k / QK], &s[r * k / QK], &sx[r * k / QK]);
@@ -806,15 +911,31 @@ inline void softmax(float* sc, int64_t len) {
 // out + t * ldo. Consecutive rows of one sequence (a prompt chunk) go in tiles of up to eight
 // that share each block of eight keys and values, converted to float once; every (row, position)
 // is computed the same way in a tile or alone, so a row never depends on its neighbours.
+// What attend_team needs besides its inputs, made before the parallel region (nothing may
+// allocate inside one): the first row of each tile, and a score buffer per thread.
+struct AttendScratch {
+  std::vector<int64_t> tiles;
+  std::vector<float> scores;  // [thread][row < 8][head][position]
+  int64_t per_thread = 0;
+  AttendScratch(int64_t T_, const int64_t* seq, const int64_t* pos, int64_t group, int threads) {
+    int64_t len_max = 0;
+    for (int64_t t = 0; t < T_; t++) {
+      if (t == 0 || seq[t] != seq[t - 1] || pos[t] != pos[t - 1] + 1 || t - tiles.back() == 8) tiles.push_back(t);
+      len_max = pos[t] + 1 > len_max ? pos[t] + 1 : len_max;
+    }
+    per_thread = 8 * group * ((len_max + 7) / 8 * 8);
+    scores.resize(per_thread * threads);
+  }
+};
+
 template <class T>
 void attend_team(const float* qbase, int64_t ldq, const T* k_cache, const T* v_cache, int64_t T_,
                  const int64_t* seq, const int64_t* pos, const int32_t* block_tables, int64_t max_pages,
-                 int64_t page_size, int64_t nh, int64_t nkvh, int64_t hd, float* obase, int64_t ldo) {
+                 int64_t page_size, int64_t nh, int64_t nkvh, int64_t hd, float* obase, int64_t ldo,
+                 AttendScratch& scratch) {
   const int64_t kvsz = nkvh * hd, group = nh / nkvh;
   const float scale = 1.0f / sqrtf((float)hd);
-  std::vector<int64_t> tiles;  // first row of each tile
-  for (int64_t t = 0; t < T_; t++)
-    if (t == 0 || seq[t] != seq[t - 1] || pos[t] != pos[t - 1] + 1 || t - tiles.back() == 8) tiles.push_back(t);
+  const std::vector<int64_t>& tiles = scratch.tiles;  // first row of each tile
   const int64_t ntiles = (int64_t)tiles.size();
 #pragma omp for schedule(dynamic, 1) collapse(2)
   for (int64_t ti = 0; ti < ntiles; ti++) {
@@ -827,7 +948,7 @@ void attend_team(const float* qbase, int64_t ldq, const T* k_cache, const T* v_c
         p = p < len_max ? p : len_max - 1;
         return cache + ((int64_t)table[p / page_size] * page_size + p % page_size) * kvsz + kh * hd;
       };
-      std::vector<float> sc(rows * group * stride);  // [row][head][position]
+      float* sc = scratch.scores.data() + omp_get_thread_num() * scratch.per_thread;  // [row][head][position]
 #if defined(__AVX2__)
       if (hd % 8 == 0 && hd <= 256) {
         alignas(32) float buf[8 * 256];
@@ -918,28 +1039,40 @@ void rope(float* v, int64_t heads, int64_t hd, const float* cos, const float* si
 
 extern "C" {
 
-// out[t, :] = row ids[t] of W (GGUF blocks) as float32.
-// out[t, :] = row ids[t] of W (GGUF blocks, or repacked groups of `columns`) as float32.
-void ft_dequantize_rows(int type, const uint8_t* w, int64_t row_bytes, int64_t columns, int64_t K,
-                        const int64_t* ids, int64_t T, float* out) {
-  for (int64_t t = 0; t < T; t++) {
-    if (!columns) {
-      dequant_row(type, w + ids[t] * row_bytes, K, out + t * K);
-      continue;
+// out[t, :] = row ids[t] of W (`rows` rows of GGUF blocks, or repacked groups of `columns`) as
+// float32; every id must be a row.
+int ft_dequantize_rows(int type, const uint8_t* w, int64_t rows, int64_t row_bytes, int64_t columns, int64_t K,
+                       const int64_t* ids, int64_t T, float* out) {
+  return guarded("ft_dequantize_rows", [&] {
+    check_weight("weight", type, rows, row_bytes, columns, K);
+    FT_REQUIRE(T >= 0, "%lld ids", (long long)T);
+    for (int64_t t = 0; t < T; t++)
+      FT_REQUIRE(ids[t] >= 0 && ids[t] < rows, "id %lld is not one of the %lld rows", (long long)ids[t],
+                 (long long)rows);
+    for (int64_t t = 0; t < T; t++) {
+      if (!columns) {
+        dequant_row(type, w + ids[t] * row_bytes, K, out + t * K);
+        continue;
+      }
+      const int64_t nb = K / QK, g = ids[t] / columns;
+      const int c = (int)(ids[t] % columns);
+      for (int64_t b = 0; b < nb; b++) {
+        const uint8_t* gb = w + (g * nb + b) * repacked_bytes(type);
+        for (int k = 0; k < QK; k++) out[t * K + b * QK + k] = repacked_at(type, gb, c, k);
+      }
     }
-    const int64_t nb = K / QK, g = ids[t] / columns;
-    const int c = (int)(ids[t] % columns);
-    for (int64_t b = 0; b < nb; b++) {
-      const uint8_t* gb = w + (g * nb + b) * repacked_bytes(type);
-      for (int k = 0; k < QK; k++) out[t * K + b * QK + k] = repacked_at(type, gb, c, k);
-    }
-  }
+  });
 }
 
-// out[t, :] = rms_norm(x[t, :]) * weight.
-void ft_rms_norm(const float* x, int64_t T, int64_t H, int64_t ldx, const float* weight, float eps,
-                 float* out) {
-  for (int64_t t = 0; t < T; t++) rms_norm_row(x + t * ldx, weight, eps, H, out + t * H);
+// out[t, :] = rms_norm(x[t, :]) * weight, weight of `weight_len` == H elements.
+int ft_rms_norm(const float* x, int64_t T, int64_t H, int64_t ldx, const float* weight, int64_t weight_len,
+                float eps, float* out) {
+  return guarded("ft_rms_norm", [&] {
+    FT_REQUIRE(H > 0 && weight_len == H, "a norm of %lld elements for rows of %lld", (long long)weight_len,
+               (long long)H);
+    FT_REQUIRE(T >= 0 && (T <= 1 || ldx >= H), "%lld rows of stride %lld", (long long)T, (long long)ldx);
+    for (int64_t t = 0; t < T; t++) rms_norm_row(x + t * ldx, weight, eps, H, out + t * H);
+  });
 }
 
 }  // extern "C"
@@ -960,7 +1093,9 @@ void decoder_layer(float* x, int64_t T, int64_t H, const float* norm1, const flo
                    int threads) {
   const int64_t qsz = nh * hd, kvsz = nkvh * hd, qkv_w = qsz + 2 * kvsz;
   std::vector<float> h(T * H), qkv(T * qkv_w), attn(T * qsz), gu(T * 2 * inter);
-  QAct act;
+  const int64_t k_max = H > qsz ? (H > inter ? H : inter) : (qsz > inter ? qsz : inter);
+  QAct act(T, k_max);
+  AttendScratch scratch(T, seq, pos, nh / nkvh, threads);
 #pragma omp parallel num_threads(threads)
   {
     // attention block
@@ -984,7 +1119,7 @@ void decoder_layer(float* x, int64_t T, int64_t H, const float* norm1, const flo
       }
     }
     attend_team(qkv.data(), qkv_w, k_cache, v_cache, T, seq, pos, block_tables, max_pages, page_size, nh, nkvh,
-                hd, attn.data(), qsz);
+                hd, attn.data(), qsz, scratch);
 #pragma omp single
     act.set(attn.data(), T, qsz, qsz);
     gemm_team(w[3], act, h.data(), H);  // h = o_proj(attn)
@@ -1012,43 +1147,113 @@ void decoder_layer(float* x, int64_t T, int64_t H, const float* norm1, const flo
   }
 }
 
+// The indices of a step: T rows of S sequences, each row's position within its table of
+// max_pages pages of page_size slots, every page (and written slot) within num_slots.
+void check_step(int64_t T, const int64_t* slot_of, const int64_t* seq, const int64_t* pos, int64_t num_seqs,
+                const int32_t* block_tables, int64_t max_pages, int64_t page_size, int64_t num_slots) {
+  FT_REQUIRE(T >= 0 && num_seqs >= 0, "%lld rows of %lld sequences", (long long)T, (long long)num_seqs);
+  FT_REQUIRE(page_size >= 1 && max_pages >= 1 && num_slots >= 0, "pages of %lld slots, %lld per sequence",
+             (long long)page_size, (long long)max_pages);
+  std::vector<int64_t> len(num_seqs, 0);  // positions each sequence attends
+  for (int64_t t = 0; t < T; t++) {
+    FT_REQUIRE(seq[t] >= 0 && seq[t] < num_seqs, "row %lld: sequence %lld of %lld", (long long)t,
+               (long long)seq[t], (long long)num_seqs);
+    FT_REQUIRE(pos[t] >= 0 && pos[t] < max_pages * page_size, "row %lld: position %lld past %lld pages of %lld",
+               (long long)t, (long long)pos[t], (long long)max_pages, (long long)page_size);
+    FT_REQUIRE(!slot_of || (slot_of[t] >= 0 && slot_of[t] < num_slots), "row %lld: slot %lld of %lld", (long long)t,
+               (long long)slot_of[t], (long long)num_slots);
+    len[seq[t]] = pos[t] + 1 > len[seq[t]] ? pos[t] + 1 : len[seq[t]];
+  }
+  for (int64_t q = 0; q < num_seqs; q++)
+    for (int64_t p = 0; p < (len[q] + page_size - 1) / page_size; p++) {
+      const int64_t page = block_tables[q * max_pages + p];
+      FT_REQUIRE(page >= 0 && (page + 1) * page_size <= num_slots, "sequence %lld: page %lld of %lld slots",
+                 (long long)q, (long long)page, (long long)num_slots);
+    }
+}
+
+// The heads: nh query heads in groups over nkvh kv heads of hd (even: rotary pairs).
+void check_heads(int64_t nh, int64_t nkvh, int64_t hd) {
+  FT_REQUIRE(nh >= 1 && nkvh >= 1 && nh % nkvh == 0, "%lld heads over %lld kv heads", (long long)nh,
+             (long long)nkvh);
+  FT_REQUIRE(hd >= 2 && hd % 2 == 0 && nh * hd <= MAX_K, "heads of %lld", (long long)hd);
+}
+
 }  // namespace
 
 extern "C" {
 
 // Paged attention alone (the tests check it against torch): q [T, nh * hd] -> out [T, nh * hd]
 // over float32 caches [num_slots, nkvh, hd]; indices as for ft_decoder_layer.
-void ft_attention(const float* q, int64_t T, const float* k_cache, const float* v_cache, const int64_t* seq,
-                  const int64_t* pos, const int32_t* block_tables, int64_t max_pages, int64_t page_size,
-                  int64_t nh, int64_t nkvh, int64_t hd, float* out) {
+int ft_attention(const float* q, int64_t T, const float* k_cache, const float* v_cache, int64_t num_slots,
+                 int64_t kv_width,
+                 const int64_t* seq, int64_t num_seqs, const int64_t* pos, const int32_t* block_tables,
+                 int64_t max_pages, int64_t page_size, int64_t nh, int64_t nkvh, int64_t hd, float* out) {
+  return guarded("ft_attention", [&] {
+    check_heads(nh, nkvh, hd);
+    FT_REQUIRE(kv_width == nkvh * hd, "KV slots of %lld elements for %lld kv heads of %lld", (long long)kv_width,
+               (long long)nkvh, (long long)hd);
+    check_step(T, nullptr, seq, pos, num_seqs, block_tables, max_pages, page_size, num_slots);
+    AttendScratch scratch(T, seq, pos, nh / nkvh, 1);
 #pragma omp parallel num_threads(1)
-  {
-    attend_team(q, nh * hd, k_cache, v_cache, T, seq, pos, block_tables, max_pages, page_size, nh, nkvh, hd, out,
-                nh * hd);
-  }
+    {
+      attend_team(q, nh * hd, k_cache, v_cache, T, seq, pos, block_tables, max_pages, page_size, nh, nkvh, hd, out,
+                  nh * hd, scratch);
+    }
+  });
 }
 
 // decoder_layer over a KV cache of `kv_type` (KV_F32, KV_F16, KV_BF16); caches are this layer's
-// [num_slots, kvh, hd] of that type.
-void ft_decoder_layer(float* x, int64_t T, int64_t H, const float* norm1, const float* norm2, float eps,
-                      const Weight* w, const float* bias, const float* cos, const float* sin, void* k_cache,
-                      void* v_cache, int kv_type, const int64_t* slot_of, const int64_t* seq, const int64_t* pos,
-                      const int32_t* block_tables, int64_t max_pages, int64_t page_size, int64_t nh, int64_t nkvh,
-                      int64_t hd, int64_t inter, int threads) {
-  switch (kv_type) {
-    case KV_F32:
-      decoder_layer(x, T, H, norm1, norm2, eps, w, bias, cos, sin, (float*)k_cache, (float*)v_cache, slot_of, seq,
-                    pos, block_tables, max_pages, page_size, nh, nkvh, hd, inter, threads);
-      break;
-    case KV_F16:
-      decoder_layer(x, T, H, norm1, norm2, eps, w, bias, cos, sin, (half_t*)k_cache, (half_t*)v_cache, slot_of,
-                    seq, pos, block_tables, max_pages, page_size, nh, nkvh, hd, inter, threads);
-      break;
-    case KV_BF16:
-      decoder_layer(x, T, H, norm1, norm2, eps, w, bias, cos, sin, (bfloat_t*)k_cache, (bfloat_t*)v_cache,
-                    slot_of, seq, pos, block_tables, max_pages, page_size, nh, nkvh, hd, inter, threads);
-      break;
-  }
+// [num_slots, kv_width == kvh * hd] of that type; cos, sin [T, rope_width == hd / 2]. Every size is an argument and checked against the others:
+// the norms hold H floats, the bias (or null) q + 2 kv, and w[] (q, k, v, o, gate, up, down) have
+// the rows and row bytes of [nh * hd, H], [nkvh * hd, H] twice, [H, nh * hd], [inter, H] twice
+// and [H, inter].
+int ft_decoder_layer(float* x, int64_t T, int64_t H, const float* norm1, int64_t norm1_len, const float* norm2,
+                     int64_t norm2_len, float eps, const Weight* w, const float* bias, int64_t bias_len,
+                     const float* cos, const float* sin, int64_t rope_width, void* k_cache, void* v_cache,
+                     int64_t num_slots, int64_t kv_width, int kv_type,
+                     const int64_t* slot_of, const int64_t* seq, int64_t num_seqs, const int64_t* pos,
+                     const int32_t* block_tables, int64_t max_pages, int64_t page_size, int64_t nh, int64_t nkvh,
+                     int64_t hd, int64_t inter, int threads) {
+  return guarded("ft_decoder_layer", [&] {
+    check_heads(nh, nkvh, hd);
+    FT_REQUIRE(H >= 1 && H <= MAX_K && inter >= 1 && inter <= MAX_K, "hidden %lld, ffn %lld", (long long)H,
+               (long long)inter);
+    FT_REQUIRE(norm1_len == H && norm2_len == H, "norms of %lld and %lld elements for hidden %lld",
+               (long long)norm1_len, (long long)norm2_len, (long long)H);
+    const int64_t qsz = nh * hd, kvsz = nkvh * hd;
+    FT_REQUIRE(!bias || bias_len == qsz + 2 * kvsz, "a q|k|v bias of %lld, expected %lld", (long long)bias_len,
+               (long long)(qsz + 2 * kvsz));
+    static const char* names[7] = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"};
+    const int64_t rows[7] = {qsz, kvsz, kvsz, H, inter, inter, H};
+    const int64_t cols[7] = {H, H, H, qsz, H, H, inter};
+    for (int i = 0; i < 7; i++) {
+      FT_REQUIRE(w[i].rows == rows[i], "%s: %lld rows, expected %lld", names[i], (long long)w[i].rows,
+                 (long long)rows[i]);
+      check_weight(names[i], w[i].type, w[i].rows, w[i].row_bytes, w[i].columns, cols[i]);
+    }
+    FT_REQUIRE(rope_width == hd / 2, "rotary tables of %lld for heads of %lld", (long long)rope_width,
+               (long long)hd);
+    FT_REQUIRE(kv_width == kvsz, "KV slots of %lld elements for %lld kv heads of %lld", (long long)kv_width,
+               (long long)nkvh, (long long)hd);
+    FT_REQUIRE(kv_type == KV_F32 || kv_type == KV_F16 || kv_type == KV_BF16, "KV type %d", kv_type);
+    FT_REQUIRE(threads >= 1, "%d threads", threads);
+    check_step(T, slot_of, seq, pos, num_seqs, block_tables, max_pages, page_size, num_slots);
+    switch (kv_type) {
+      case KV_F32:
+        decoder_layer(x, T, H, norm1, norm2, eps, w, bias, cos, sin, (float*)k_cache, (float*)v_cache, slot_of,
+                      seq, pos, block_tables, max_pages, page_size, nh, nkvh, hd, inter, threads);
+        break;
+      case KV_F16:
+        decoder_layer(x, T, H, norm1, norm2, eps, w, bias, cos, sin, (half_t*)k_cache, (half_t*)v_cache, slot_of,
+                      seq, pos, block_tables, max_pages, page_size, nh, nkvh, hd, inter, threads);
+        break;
+      case KV_BF16:
+        decoder_layer(x, T, H, norm1, norm2, eps, w, bias, cos, sin, (bfloat_t*)k_cache, (bfloat_t*)v_cache,
+                      slot_of, seq, pos, block_tables, max_pages, page_size, nh, nkvh, hd, inter, threads);
+        break;
+    }
+  });
 }
 
 }  // extern "C"

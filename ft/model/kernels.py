@@ -4,6 +4,11 @@ The library is compiled at first use with the machine's own instruction set (`-m
 AVX-512 VNNI, AVX2 or plain C++) into `$FT_CACHE_DIR/kernels/`, keyed by the source, the
 compiler and the CPU, and shares torch's OpenMP runtime. Where no C++ compiler is found,
 `available()` is False and the loader falls back to float weights.
+
+Every entry point checks its arguments and returns an error code instead of letting a C++
+exception cross `extern "C"`; the wrappers here raise it as `KernelError`. With
+`FT_KERNELS_SANITIZE=1` the library is built with AddressSanitizer and UBSan (slow; for the
+tests, in a process started with the ASan runtime preloaded: see `sanitizer_runtime`).
 """
 
 from __future__ import annotations
@@ -28,6 +33,17 @@ QK = 32  # elements per activation block
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _error: str | None = None
+SANITIZE_FLAGS = [
+    "-O1",
+    "-g",
+    "-fno-omit-frame-pointer",
+    "-fsanitize=address,undefined",
+    "-fno-sanitize-recover=all",
+]
+
+
+class KernelError(RuntimeError):
+    """A kernel refused its arguments (or ran out of memory): nothing was written past a buffer."""
 
 
 def _cpu_key() -> str:
@@ -47,50 +63,120 @@ def _cache_dir() -> pathlib.Path:
     return pathlib.Path(root) / "kernels"
 
 
-def build_library(march: str = "native") -> ctypes.CDLL:
-    """Compile (once per source, compiler, CPU and `march`) and load the kernels.
+def build_library(march: str = "native", sanitize: bool = False) -> ctypes.CDLL:
+    """Compile (once per source, compiler, CPU, `march` and `sanitize`) and load the kernels.
 
     `march="x86-64"` builds the portable C++ paths (no AVX2): the tests check them against the
-    native build.
+    native build. `sanitize` builds with AddressSanitizer and UBSan (`SANITIZE_FLAGS`); loading
+    that library needs the ASan runtime preloaded into the process (`sanitizer_runtime`).
     """
-    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
-    if cxx is None:
-        raise RuntimeError("no C++ compiler found (g++, c++ or clang++)")
+    cxx = _compiler()
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=False).stdout
-    digest = hashlib.sha256(SOURCE.read_bytes() + version.encode() + _cpu_key().encode() + march.encode())
+    flags = SANITIZE_FLAGS if sanitize else ["-O3"]
+    digest = hashlib.sha256(
+        SOURCE.read_bytes()
+        + version.encode()
+        + _cpu_key().encode()
+        + march.encode()
+        + " ".join(flags).encode()
+    )
     key = digest.hexdigest()[:16]
-    target = _cache_dir() / f"ftkernels-{key}.so"
+    target = _cache_dir() / f"ftkernels-{key}{'-asan' if sanitize else ''}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             out = pathlib.Path(tmp) / target.name
-            cmd = [cxx, "-O3", f"-march={march}", "-fopenmp", "-shared", "-fPIC", "-o", str(out), str(SOURCE)]
+            cmd = [
+                cxx,
+                *flags,
+                f"-march={march}",
+                "-fopenmp",
+                "-shared",
+                "-fPIC",
+                "-o",
+                str(out),
+                str(SOURCE),
+            ]
             done = subprocess.run(cmd, capture_output=True, text=True, check=False)
             if done.returncode != 0:
                 raise RuntimeError(f"building {SOURCE.name} failed: {done.stderr.strip()[-400:]}")
             os.replace(out, target)  # atomic: concurrent builders leave one complete file
     lib = ctypes.CDLL(str(target))
     i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+    lib.ft_last_error.argtypes = []
+    lib.ft_last_error.restype = ctypes.c_char_p
     lib.ft_quantize_q8.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, ptr, i32]
-    lib.ft_quantize_q8.restype = None
     lib.ft_gemm.argtypes = [i32, ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr, i64, ptr, i64, i32]
-    lib.ft_gemm.restype = None
-    lib.ft_dequantize_rows.argtypes = [i32, ptr, i64, i64, i64, ptr, i64, ptr]
+    lib.ft_dequantize_rows.argtypes = [i32, ptr, i64, i64, i64, i64, ptr, i64, ptr]
     lib.ft_repack_columns.argtypes = []
-    lib.ft_repack_columns.restype = i32
     lib.ft_repack.argtypes = [i32, ptr, i64, i64, i64, ptr]
-    lib.ft_repack.restype = None
-    lib.ft_dequantize_rows.restype = None
-    lib.ft_rms_norm.argtypes = [ptr, i64, i64, i64, ptr, ctypes.c_float, ptr]
-    lib.ft_rms_norm.restype = None
+    lib.ft_rms_norm.argtypes = [ptr, i64, i64, i64, ptr, i64, ctypes.c_float, ptr]
     lib.ft_decoder_layer.argtypes = [
-        ptr, i64, i64, ptr, ptr, ctypes.c_float, ptr, ptr, ptr, ptr, ptr, ptr, i32, ptr, ptr, ptr, ptr,
-        i64, i64, i64, i64, i64, i64, i32,
+        ptr, i64, i64, ptr, i64, ptr, i64, ctypes.c_float, ptr, ptr, i64, ptr, ptr, i64, ptr, ptr, i64, i64,
+        i32, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, i64, i32,
     ]  # fmt: skip
-    lib.ft_decoder_layer.restype = None
-    lib.ft_attention.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, ptr]
-    lib.ft_attention.restype = None
+    lib.ft_attention.argtypes = [
+        ptr,
+        i64,
+        ptr,
+        ptr,
+        i64,
+        i64,
+        ptr,
+        i64,
+        ptr,
+        ptr,
+        i64,
+        i64,
+        i64,
+        i64,
+        i64,
+        ptr,
+    ]
+    for name in ("ft_quantize_q8", "ft_gemm", "ft_dequantize_rows", "ft_repack_columns", "ft_repack",
+                 "ft_rms_norm", "ft_decoder_layer", "ft_attention"):  # fmt: skip
+        getattr(lib, name).restype = i32
     return lib
+
+
+def _compiler() -> str:
+    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+    if cxx is None:
+        raise RuntimeError("no C++ compiler found (g++, c++ or clang++)")
+    return cxx
+
+
+def sanitizer_runtime() -> str | None:
+    """What a process must preload (`LD_PRELOAD`) to load the sanitized kernels, or None when
+    the compiler has no ASan runtime (then the sanitized build cannot run here).
+
+    NOTE: the ASan runtime must come first; libstdc++ comes with it because ASan resolves its
+    `__cxa_throw` interceptor when it starts, and Python is not linked with libstdc++ (without
+    it, the first exception a kernel throws ends the process in an ASan CHECK).
+    """
+    try:
+        cxx = _compiler()
+    except RuntimeError:
+        return None
+    paths = []
+    for lib in ("libasan.so", "libstdc++.so"):
+        done = subprocess.run([cxx, f"-print-file-name={lib}"], capture_output=True, text=True, check=False)
+        path = done.stdout.strip()
+        if done.returncode != 0 or not os.path.isabs(path) or not os.path.exists(path):
+            return None
+        paths.append(os.path.realpath(path))
+    return " ".join(paths)
+
+
+def check(lib: ctypes.CDLL, code: int) -> None:
+    """Raise the error a kernel call returned (its code is not 0).
+
+    Raises:
+        KernelError: with the kernel's message.
+    """
+    if code:
+        message = lib.ft_last_error().decode(errors="replace")
+        raise KernelError(f"{message} (code {code})")
 
 
 def library() -> ctypes.CDLL:
@@ -103,7 +189,7 @@ def library() -> ctypes.CDLL:
     with _lock:
         if _lib is None and _error is None:
             try:
-                _lib = build_library()
+                _lib = build_library(sanitize=os.environ.get("FT_KERNELS_SANITIZE") == "1")
             except (RuntimeError, OSError) as exc:
                 _error = str(exc)
         if _lib is None:
@@ -139,10 +225,11 @@ class QuantizedActivations:
         self.d = torch.empty(self.rows, self.cols // QK, dtype=torch.float32)
         self.s = torch.empty_like(self.d)
         self.sx = torch.empty(self.rows, self.cols // QK, dtype=torch.int32)
-        (lib or library()).ft_quantize_q8(
+        lib = lib or library()
+        check(lib, lib.ft_quantize_q8(
             x.data_ptr(), self.rows, self.cols, x.stride(0), self.qs.data_ptr(), self.d.data_ptr(),
             self.s.data_ptr(), self.sx.data_ptr(), torch.get_num_threads(),
-        )  # fmt: skip
+        ))  # fmt: skip
 
 
 def gemm_into(
@@ -158,11 +245,11 @@ def gemm_into(
         raise ValueError(f"weights repacked for {weight.columns} columns, this build multiplies rows")
     assert out.dtype == torch.float32 and out.stride(1) == 1 and out.shape[0] == x.rows
     assert data.dtype == torch.uint8 and data.is_contiguous() and weight.cols == x.cols
-    lib.ft_gemm(
+    check(lib, lib.ft_gemm(
         weight.qtype, data.data_ptr(), weight.rows, weight.cols, data.shape[1], weight.columns,
         x.qs.data_ptr(), x.d.data_ptr(), x.s.data_ptr(), x.sx.data_ptr(), x.rows, out.data_ptr(),
         out.stride(0), torch.get_num_threads(),
-    )  # fmt: skip
+    ))  # fmt: skip
 
 
 REPACKABLE = (Q4_0, Q4_1, Q8_0)
@@ -177,16 +264,49 @@ def repacked(weight: QuantTensor) -> QuantTensor:
         return weight
     src = weight.data.contiguous()
     dst = torch.empty_like(src)
-    library().ft_repack(weight.qtype, src.data_ptr(), weight.rows, weight.cols, src.shape[1], dst.data_ptr())
+    lib = library()
+    check(
+        lib,
+        lib.ft_repack(weight.qtype, src.data_ptr(), weight.rows, weight.cols, src.shape[1], dst.data_ptr()),
+    )
     return QuantTensor(dst, weight.qtype, weight.cols, columns)
 
 
 def dequantize_rows(weight: QuantTensor, ids: torch.Tensor) -> torch.Tensor:
     """Rows `ids` `[T]` of `weight` as float32 `[T, cols]`."""
-    ids = ids.contiguous()
+    ids = ids.to(torch.int64).contiguous()
     out = torch.empty(ids.shape[0], weight.cols)
-    library().ft_dequantize_rows(
-        weight.qtype, weight.data.data_ptr(), weight.data.shape[1], weight.columns, weight.cols,
+    lib = library()
+    check(lib, lib.ft_dequantize_rows(
+        weight.qtype, weight.data.data_ptr(), weight.rows, weight.data.shape[1], weight.columns, weight.cols,
         ids.data_ptr(), ids.shape[0], out.data_ptr(),
-    )  # fmt: skip
+    ))  # fmt: skip
+    return out
+
+
+def attention(
+    q: torch.Tensor,  # [T, nh * hd] float32
+    k_cache: torch.Tensor,  # [num_slots, nkvh, hd] float32
+    v_cache: torch.Tensor,
+    seq: torch.Tensor,  # [T] int64: the row's sequence (a row of block_tables)
+    pos: torch.Tensor,  # [T] int64
+    block_tables: torch.Tensor,  # [S, max_pages] int32
+    page_size: int,
+    num_heads: int,
+) -> torch.Tensor:
+    """Paged attention of each row over positions 0..pos of its sequence → `[T, nh * hd]`."""
+    assert q.dtype == k_cache.dtype == v_cache.dtype == torch.float32 and k_cache.shape == v_cache.shape
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and q.dim() == 2
+    q, seq, pos, tables = q.contiguous(), seq.contiguous(), pos.contiguous(), block_tables.contiguous()
+    num_slots, kv_heads, head_dim = k_cache.shape
+    if q.shape[1] != num_heads * head_dim:
+        raise KernelError(f"queries of {q.shape[1]} for {num_heads} heads of {head_dim}")
+    out = torch.empty_like(q)
+    lib = library()
+    check(lib, lib.ft_attention(
+        q.data_ptr(), q.shape[0], k_cache.data_ptr(), v_cache.data_ptr(), num_slots, kv_heads * head_dim,
+        seq.data_ptr(),
+        tables.shape[0], pos.data_ptr(), tables.data_ptr(), tables.shape[1], page_size, num_heads, kv_heads,
+        head_dim, out.data_ptr(),
+    ))  # fmt: skip
     return out

@@ -80,9 +80,11 @@ def is_quantized_gguf(path: str | pathlib.Path | None) -> bool:
         from ft.model.pull import default_model_path
 
         path = default_model_path()
-    from ft.model.gguf_file import GGUFFile
-
-    weights = [t.tensor_type for t in GGUFFile(pathlib.Path(path).expanduser()).tensors if t.data.ndim == 2]
+    weights = [
+        t.tensor_type
+        for t in gguf_loader.open_gguf(pathlib.Path(path).expanduser()).tensors
+        if len(t.shape) == 2
+    ]
     quantized = [t for t in weights if int(t) not in (0, 1, 30)]  # F32, F16, BF16
     return bool(weights) and 2 * len(quantized) >= len(weights)
 

@@ -86,7 +86,7 @@ class QuantizedLlama:
         self.embed = _quant(sd["model.embed_tokens.weight"])
         head = sd.get("lm_head.weight")
         self.lm_head = self.embed if head is None or config.tie_word_embeddings else _quant(head)
-        if min(self.embed.rows, self.lm_head.rows) < config.vocab_size:  # ids index them unchecked
+        if min(self.embed.rows, self.lm_head.rows) < config.vocab_size:  # logits cover the vocabulary
             raise ValueError(
                 f"the model's vocabulary ({config.vocab_size}) is larger than its embedding "
                 f"({self.embed.rows} rows) or lm_head ({self.lm_head.rows} rows)"
@@ -107,25 +107,30 @@ class QuantizedLlama:
         kv_type = kernels.KV_TYPES[k_caches.dtype]
         c = self.config
         x = kernels.dequantize_rows(self.embed, input_ids)  # [T, hidden]
-        num_tokens = x.shape[0]
+        num_tokens, hidden = x.shape
         freqs = index.positions.float()[:, None] * self.inv_freq[None, :]  # [T, head_dim // 2]
         cos, sin = freqs.cos().contiguous(), freqs.sin().contiguous()
         threads = torch.get_num_threads()
         tables = index.block_tables
+        # NOTE: every size passed is the buffer's own; the kernel checks them against each other
+        # and against each weight's rows and row bytes.
+        num_slots, kv_width = k_caches.shape[1], k_caches[0][0].numel()
         for i, layer in enumerate(self.layers):
-            self.lib.ft_decoder_layer(
-                x.data_ptr(), num_tokens, c.hidden_size, layer.norm1.data_ptr(), layer.norm2.data_ptr(),
-                c.rms_norm_eps, layer.weights, layer.bias.data_ptr() if layer.bias is not None else None,
-                cos.data_ptr(), sin.data_ptr(), k_caches[i].data_ptr(), v_caches[i].data_ptr(), kv_type,
-                index.slot_of.data_ptr(), index.seq.data_ptr(), index.positions.data_ptr(), tables.data_ptr(),
-                tables.shape[1], page_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size,
-                threads,
-            )  # fmt: skip
+            kernels.check(self.lib, self.lib.ft_decoder_layer(
+                x.data_ptr(), num_tokens, hidden, layer.norm1.data_ptr(), layer.norm1.numel(),
+                layer.norm2.data_ptr(), layer.norm2.numel(), c.rms_norm_eps, layer.weights,
+                layer.bias.data_ptr() if layer.bias is not None else None,
+                layer.bias.numel() if layer.bias is not None else 0, cos.data_ptr(), sin.data_ptr(),
+                cos.shape[1], k_caches[i].data_ptr(), v_caches[i].data_ptr(), num_slots, kv_width, kv_type,
+                index.slot_of.data_ptr(), index.seq.data_ptr(), tables.shape[0], index.positions.data_ptr(),
+                tables.data_ptr(), tables.shape[1], page_size, c.num_heads, c.num_kv_heads, c.head_dim,
+                c.intermediate_size, threads,
+            ))  # fmt: skip
         out = torch.empty_like(x)
-        self.lib.ft_rms_norm(
-            x.data_ptr(), num_tokens, c.hidden_size, c.hidden_size, self.norm.data_ptr(), c.rms_norm_eps,
+        kernels.check(self.lib, self.lib.ft_rms_norm(
+            x.data_ptr(), num_tokens, hidden, hidden, self.norm.data_ptr(), self.norm.numel(), c.rms_norm_eps,
             out.data_ptr(),
-        )  # fmt: skip
+        ))  # fmt: skip
         return out
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -218,13 +218,9 @@ def test_paged_attention_matches_torch(lengths: tuple[int, ...]) -> None:
     k_cache = torch.randn(num_pages * page, nkvh, hd)
     v_cache = torch.randn(num_pages * page, nkvh, hd)
     q = torch.randn(len(lengths), nh * hd)
-    out = torch.empty_like(q)
     seq = torch.arange(len(lengths))
     pos = torch.tensor([n - 1 for n in lengths])
-    kernels.library().ft_attention(
-        q.data_ptr(), len(lengths), k_cache.data_ptr(), v_cache.data_ptr(), seq.data_ptr(), pos.data_ptr(),
-        tables.data_ptr(), pages_per_seq, page, nh, nkvh, hd, out.data_ptr(),
-    )  # fmt: skip
+    out = kernels.attention(q, k_cache, v_cache, seq, pos, tables, page, nh)
     for i, n in enumerate(lengths):
         slots = torch.tensor([int(tables[i, p // page]) * page + p % page for p in range(n)])
         k = k_cache[slots].repeat_interleave(nh // nkvh, dim=1).transpose(0, 1)  # [nh, n, hd]

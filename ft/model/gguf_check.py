@@ -1,0 +1,114 @@
+"""What a GGUF's tensors must be, given the config its metadata describes: checked once at load.
+
+The packed kernels (`kernels.cpp`) size every buffer from the config, so a file whose tensors
+disagree with its metadata would have them read or write past a buffer. This is the one place
+that compares the two, before any tensor reaches native code or torch: each tensor's shape
+against the config, its type against what the path can multiply, its scales and float values
+for NaN/Inf, and the set of tensors against the one the architecture needs.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from ft.model.gguf_file import GGUFFile, GGUFTensor, ModelFileError
+from ft.model.llama import LlamaConfig
+from ft.model.quant import KERNEL_TYPES
+
+QK = 32  # the packed kernels quantize activations in blocks of 32
+FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
+# fp16 scale fields (byte offsets in a block) of the types the kernels multiply as stored
+_SCALE_FIELDS = {2: (0,), 3: (0, 2), 8: (0,), 12: (0, 2), 14: (208,)}
+_BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
+
+
+def expected_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor `config` needs (or may have), under GGUF names, with its torch shape."""
+    c = config
+    h, q, kv, ffn = c.hidden_size, c.q_size, c.kv_size, c.intermediate_size
+    shapes: dict[str, tuple[int, ...]] = {"token_embd.weight": (c.vocab_size, h), "output_norm.weight": (h,)}
+    if not c.tie_word_embeddings:
+        shapes["output.weight"] = (c.vocab_size, h)
+    for i in range(c.num_layers):
+        p = f"blk.{i}."
+        shapes |= {
+            p + "attn_norm.weight": (h,), p + "ffn_norm.weight": (h,),
+            p + "attn_q.weight": (q, h), p + "attn_k.weight": (kv, h), p + "attn_v.weight": (kv, h),
+            p + "attn_output.weight": (h, q),
+            p + "ffn_gate.weight": (ffn, h), p + "ffn_up.weight": (ffn, h), p + "ffn_down.weight": (h, ffn),
+        }  # fmt: skip
+        if c.attention_bias:
+            shapes |= {p + "attn_q.bias": (q,), p + "attn_k.bias": (kv,), p + "attn_v.bias": (kv,)}
+    return shapes
+
+
+def check_tensors(reader: GGUFFile, config: LlamaConfig, *, packed: bool) -> None:
+    """Every tensor `config` needs is present with its shape, and nothing else is there.
+
+    `packed`: the 2-D weights go to the packed kernels as stored (or requantized to Q8_0), so
+    their rows must be whole blocks of 32 too.
+
+    Raises:
+        ModelFileError: naming the tensor (or the metadata key), what was expected and found.
+    """
+    expected = expected_shapes(config)
+    found = {t.name: t for t in reader.tensors}
+    if "rope_freqs.weight" in found:  # llama3 rotary factors: one per rotary pair
+        expected["rope_freqs.weight"] = (config.head_dim // 2,)
+    for name, shape in expected.items():
+        tensor = found.get(name)
+        if tensor is None:
+            raise ModelFileError(f"tensor {name} is missing (the metadata describes {_summary(config)})")
+        if tensor.shape != shape:
+            raise ModelFileError(
+                f"tensor {name}: expected shape {list(shape)} from the metadata ({_summary(config)}), "
+                f"found {list(tensor.shape)}"
+            )
+        if packed and len(shape) == 2 and shape[1] % QK:
+            raise ModelFileError(f"tensor {name}: rows of {shape[1]} are not whole blocks of {QK}")
+        _check_finite(tensor)
+    for name in found.keys() - expected.keys():
+        m = _BLOCK.match(name)
+        if m and int(m.group(1)) >= config.num_layers:
+            raise ModelFileError(f"tensor {name} is past the {config.num_layers} layers of 'block_count'")
+        raise ModelFileError(f"unexpected tensor {name} (not part of a {config.architecture} model)")
+
+
+def check_vocabulary(config: LlamaConfig, num_tokens: int) -> None:
+    """The tokenizer can only produce ids the embedding has rows for."""
+    if not 0 < num_tokens <= config.vocab_size:
+        raise ModelFileError(
+            f"metadata key 'tokenizer.ggml.tokens': {num_tokens} tokens for an embedding of "
+            f"{config.vocab_size} rows (expected 1 to {config.vocab_size})"
+        )
+
+
+def _summary(c: LlamaConfig) -> str:
+    return (
+        f"hidden {c.hidden_size}, {c.num_heads} heads / {c.num_kv_heads} kv heads of {c.head_dim}, "
+        f"ffn {c.intermediate_size}, vocab {c.vocab_size}, {c.num_layers} layers"
+    )
+
+
+def _check_finite(tensor: GGUFTensor) -> None:
+    """No NaN or Inf in a float tensor's values, or in a packed tensor's fp16 scales."""
+    data = tensor.data
+    if tensor.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+        bad = not np.isfinite(data).all()
+    elif tensor.tensor_type == GGMLQuantizationType.BF16:
+        bits = np.ascontiguousarray(data).view(np.uint16)
+        bad = bool(((bits & 0x7F80) == 0x7F80).any())
+    elif int(tensor.tensor_type) in KERNEL_TYPES:
+        _, size = GGML_QUANT_SIZES[tensor.tensor_type]
+        blocks = data.reshape(-1, size)
+        bad = False
+        for at in _SCALE_FIELDS[int(tensor.tensor_type)]:
+            bits = np.ascontiguousarray(blocks[:, at : at + 2]).view(np.uint16)
+            bad = bad or bool(((bits & 0x7C00) == 0x7C00).any())
+    else:
+        return  # dequantized at load; `gguf_loader` checks the floats it gets
+    if bad:
+        raise ModelFileError(f"tensor {tensor.name} holds NaN or Inf values")

@@ -1,0 +1,255 @@
+"""Load a GGUF as `ft` does and generate a few greedy tokens, in a process of its own.
+
+`python -m tests.support.gguf_probe` reads one request per line on stdin and answers each with
+one JSON line. `load PATH DTYPE STEPS`: `{"outcome": "loaded", "tokens": [...]}`, `{"outcome":
+"refused", "error": ..., "message": ...}` for a `ValueError` (the loader's named errors), or
+`{"outcome": "raised", ...}` for any other exception. `lies PATH`: the packed model of `PATH`
+driven through the kernels with sizes that disagree (`native_lies`): "refused" when every call
+raised `KernelError`. `overflow`: a kernel call with a buffer smaller than its sizes say (the
+kernels cannot see buffers), to show that a sanitized process dies of it. A signal, a hang or a
+blown memory limit ends the process, which `Prober` (the parent's side) reports as such: the
+tests turn every one of those, and "raised", into a failure.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import resource
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+
+ROOT = pathlib.Path(__file__).parents[2]
+PROMPT = "Hello there"
+# Address space for one probe process: torch and a load of the default model fit well within it;
+# a file that makes the loader allocate without bound hits it and fails the case instead of
+# the machine.
+MEMORY_LIMIT = 6 << 30
+
+
+def probe(path: str, dtype: str, steps: int) -> dict[str, object]:
+    """Load `path` with `dtype` ("auto": packed weights when the file is quantized) and
+    generate `steps` greedy tokens after `PROMPT`."""
+    from ft.config import EngineConfig
+    from ft.core.batch import SeqWork
+    from ft.engine.loading import load_torch_model
+    from ft.params import SamplingParams
+    from ft.tokenizer.spec import build_tokenizer
+
+    try:
+        parts = load_torch_model(EngineConfig(model=path, dtype=dtype, compute_threads=1))
+    except ValueError as e:
+        return {"outcome": "refused", "error": type(e).__name__, "message": str(e)}
+    runner = parts.make_runner(8, 16)
+    ids = build_tokenizer(parts.tokenizer.tokenizer_json).encode(PROMPT).ids or [0]
+    params = SamplingParams(temperature=0.0, max_tokens=steps)
+    tokens: list[int] = []
+    feed, start = list(ids), 0
+    pages = tuple(range(8))
+    for _ in range(steps):
+        work = SeqWork(0, tuple(feed), start, pages, True, params, len(tokens))
+        (sampled,) = runner.step([work])
+        tokens.append(sampled.token_id)
+        start += len(feed)
+        feed = [sampled.token_id]
+    return {"outcome": "loaded", "tokens": tokens, "vocab_size": parts.vocab_size}
+
+
+def native_lies(path: str) -> dict[str, object]:
+    """Drive the packed kernels with sizes that disagree with the weights and buffers (a loader
+    check bypassed); each call must raise `KernelError` before touching memory."""
+    import dataclasses
+
+    import torch
+
+    from ft.model import kernels
+    from ft.model.loader import load_model
+    from ft.model.quant import QuantTensor
+    from ft.model.quantized_llama import QuantizedLlama, StepIndex
+
+    loaded = load_model(path, torch.float32, quantized=True)
+    c = loaded.config
+    k_cache = torch.zeros(c.num_layers, 64, c.num_kv_heads, c.head_dim)
+    v_cache = torch.zeros_like(k_cache)
+    good = StepIndex(
+        slot_of=torch.tensor([0, 1]), seq=torch.tensor([0, 0]), positions=torch.tensor([0, 1]),
+        block_tables=torch.tensor([[0]], dtype=torch.int32),
+    )  # fmt: skip
+    ids = torch.tensor([1, 2])
+    lies: dict[str, object] = {
+        "kv heads": (dataclasses.replace(c, num_kv_heads=1), good),
+        "heads": (dataclasses.replace(c, num_heads=c.num_heads * 2, num_kv_heads=c.num_kv_heads * 2), good),
+        "ffn": (dataclasses.replace(c, intermediate_size=c.intermediate_size * 256), good),
+        "head dim": (dataclasses.replace(c, head_dim=c.head_dim // 2), good),
+        "slot": (c, dataclasses.replace(good, slot_of=torch.tensor([0, 10**6]))),
+        "page": (c, dataclasses.replace(good, block_tables=torch.tensor([[999]], dtype=torch.int32))),
+        "sequence": (c, dataclasses.replace(good, seq=torch.tensor([0, 5]))),
+        "position": (c, dataclasses.replace(good, positions=torch.tensor([0, 10**9]))),
+    }
+    messages: dict[str, str] = {}
+    for name, (config, index) in lies.items():  # type: ignore[misc]
+        try:
+            QuantizedLlama(config, loaded.state_dict).forward(ids, index, k_cache, v_cache, 16)
+        except kernels.KernelError as e:
+            messages[name] = str(e)
+    embed = loaded.state_dict["model.embed_tokens.weight"]
+    assert isinstance(embed, QuantTensor)
+    try:
+        kernels.dequantize_rows(embed, torch.tensor([embed.rows]))
+    except kernels.KernelError as e:
+        messages["row id"] = str(e)
+    wide = dataclasses.replace(embed, cols=embed.cols * 2)
+    x = kernels.QuantizedActivations(torch.ones(1, wide.cols))
+    try:
+        kernels.gemm_into(torch.empty(1, embed.rows), wide, x)
+    except kernels.KernelError as e:
+        messages["row bytes"] = str(e)
+    missing = sorted({*lies, "row id", "row bytes"} - messages.keys())
+    if missing:
+        return {"outcome": "raised", "error": "NoKernelError", "message": f"accepted: {missing}"}
+    return {"outcome": "refused", "error": "KernelError", "message": json.dumps(messages)}
+
+
+def overflow() -> dict[str, object]:
+    """An rms norm told of two rows over a buffer of one: only a sanitizer can see it."""
+    import torch
+
+    from ft.model import kernels
+
+    x, weight = torch.ones(1, 64), torch.ones(64)
+    out = torch.empty(2, 64)
+    lib = kernels.library()
+    kernels.check(lib, lib.ft_rms_norm(x.data_ptr(), 2, 64, 64, weight.data_ptr(), 64, 1e-5, out.data_ptr()))
+    return {"outcome": "loaded", "message": "no sanitizer report"}
+
+
+def _serve() -> None:
+    for line in sys.stdin:
+        command, *args = line.split()
+        try:
+            if command == "lies":
+                answer = native_lies(args[0])
+            elif command == "overflow":
+                answer = overflow()
+            else:
+                answer = probe(args[0], args[1], int(args[2]))
+        except Exception as e:  # reported to the test, which fails on it
+            answer = {"outcome": "raised", "error": type(e).__name__, "message": traceback.format_exc()}
+        print(json.dumps(answer), flush=True)
+
+
+def _limit_memory() -> None:
+    resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT, MEMORY_LIMIT))
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """How one probe ended: `kind` is loaded, refused, raised, signal, exit or timeout."""
+
+    kind: str
+    detail: str
+    tokens: tuple[int, ...] = ()
+    vocab_size: int = 0
+
+
+def assert_clean(outcome: Outcome) -> None:
+    """A named error, or a load whose generation produced in-vocabulary tokens."""
+    assert outcome.kind in ("loaded", "refused"), f"{outcome.kind}: {outcome.detail}"
+    if outcome.kind == "loaded":
+        assert len(outcome.tokens) == 3 and all(0 <= t < outcome.vocab_size for t in outcome.tokens)
+
+
+def assert_refused(outcome: Outcome, *names: str) -> None:
+    """A named error (`ModelFileError`) that mentions every one of `names`."""
+    assert outcome.kind == "refused", f"{outcome.kind}: {outcome.detail}"
+    for name in names:
+        assert name in outcome.detail, outcome.detail
+
+
+class Prober:
+    """A probe process kept across cases (torch imports once); restarted after it dies.
+
+    `sanitized`: the kernels are built with ASan/UBSan (`FT_KERNELS_SANITIZE=1`) and the ASan
+    runtime is preloaded; then no address-space limit (ASan reserves terabytes of shadow).
+    """
+
+    def __init__(self, *, sanitized: bool = False, env: dict[str, str] | None = None) -> None:
+        self.sanitized = sanitized
+        self.env = env or {}
+        self.proc: subprocess.Popen[bytes] | None = None
+        fd, name = tempfile.mkstemp(prefix="ft-probe-", suffix=".err")
+        os.close(fd)
+        self.stderr_path = pathlib.Path(name)  # the probe's stderr, read when it dies
+
+    def _start(self) -> subprocess.Popen[bytes]:
+        env = os.environ | {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"} | self.env
+        with self.stderr_path.open("wb") as stderr:
+            return subprocess.Popen(
+                [sys.executable, "-m", "tests.support.gguf_probe"],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=stderr,
+                cwd=ROOT,
+                env=env,
+                preexec_fn=None if self.sanitized else _limit_memory,
+            )
+
+    def run(self, path: pathlib.Path, dtype: str = "auto", steps: int = 3, timeout_s: float = 60) -> Outcome:
+        """Load `path` and generate `steps` tokens (see `probe`)."""
+        return self.ask(f"load {path} {dtype} {steps}", timeout_s)
+
+    def ask(self, request: str, timeout_s: float = 60) -> Outcome:
+        """Send one request line; a process that dies or outlives `timeout_s` is reported, then
+        replaced."""
+        if self.proc is None or self.proc.poll() is not None:
+            self.proc = self._start()
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(f"{request}\n".encode())
+        self.proc.stdin.flush()
+        deadline = time.monotonic() + timeout_s
+        line = b""
+        while not line.endswith(b"\n"):
+            left = deadline - time.monotonic()
+            ready, _, _ = select.select([self.proc.stdout], [], [], max(left, 0))
+            if not ready:
+                self._stop()
+                return Outcome("timeout", f"no answer within {timeout_s} s")
+            chunk = os.read(self.proc.stdout.fileno(), 1 << 16)
+            if not chunk:
+                code = self.proc.wait()
+                self.proc = None
+                err = self.stderr_path.read_bytes().decode(errors="replace")[-4000:]
+                if code < 0:
+                    return Outcome("signal", f"{signal.Signals(-code).name}\n{err}")
+                return Outcome("exit", f"exit {code}\n{err}")
+            line += chunk
+        answer = json.loads(line)
+        return Outcome(
+            answer["outcome"],
+            answer.get("message", ""),
+            tuple(answer.get("tokens", ())),
+            int(answer.get("vocab_size", 0)),
+        )
+
+    def close(self) -> None:
+        """Kill the probe process (synchronous)."""
+        self._stop()
+        self.stderr_path.unlink(missing_ok=True)
+
+    def _stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc = None
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    _serve()
