@@ -521,7 +521,8 @@ class Engine:
         except RequestAborted:
             raise  # a drain's abort is counted as aborted, not as the engine failing
         except FtError as e:
-            outcome = "rejected" if e.status < 500 else "failed"
+            # A queue wait past `max_queue_wait_s` (Overloaded) is refused like a full queue.
+            outcome = "rejected" if e.status < 500 or isinstance(e, Overloaded) else "failed"
             raise
         finally:
             self.registry.remove(uid)
