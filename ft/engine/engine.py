@@ -754,7 +754,10 @@ class Engine:
     def snapshot(self) -> dict[str, Any]:
         """The `/v1/stats` record, derived from the registry, the core and the page pool."""
         core = self.core
-        running = core.num_running_requests if core else 0
+        # NOTE: the core lags the registry (an `Abort` or `FinishSeq` not yet taken): only
+        # requests the engine still works for count as running, so the counts add up.
+        running_uids = {seq.uid for seq in core.running.values()} if core else set()
+        running = sum(self.registry.is_in_engine(uid) for uid in running_uids)
         pool = core.pool if core else None
         return {
             "instance_id": self.instance_id,
