@@ -66,6 +66,11 @@ class Registry:
         """Live requests the engine is done with, whose output the client is still reading."""
         return self._num_done
 
+    def is_in_engine(self, uid: int) -> bool:
+        """Whether `uid` is live and the engine still works for it (counted by `num_in_engine`)."""
+        entry = self._entries.get(uid)
+        return entry is not None and not entry.is_done
+
     def __contains__(self, uid: object) -> bool:
         return uid in self._entries
 

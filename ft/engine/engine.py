@@ -521,7 +521,8 @@ class Engine:
         except RequestAborted:
             raise  # a drain's abort is counted as aborted, not as the engine failing
         except FtError as e:
-            outcome = "rejected" if e.status < 500 else "failed"
+            # A queue wait past `max_queue_wait_s` (Overloaded) is refused like a full queue.
+            outcome = "rejected" if e.status < 500 or isinstance(e, Overloaded) else "failed"
             raise
         finally:
             self.registry.remove(uid)
@@ -753,7 +754,10 @@ class Engine:
     def snapshot(self) -> dict[str, Any]:
         """The `/v1/stats` record, derived from the registry, the core and the page pool."""
         core = self.core
-        running = core.num_running_requests if core else 0
+        # NOTE: the core lags the registry (an `Abort` or `FinishSeq` not yet taken): only
+        # requests the engine still works for count as running, so the counts add up.
+        running_uids = {seq.uid for seq in core.running.values()} if core else set()
+        running = sum(self.registry.is_in_engine(uid) for uid in running_uids)
         pool = core.pool if core else None
         return {
             "instance_id": self.instance_id,

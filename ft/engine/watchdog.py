@@ -68,6 +68,8 @@ class Watchdog:
         self.period_s = min(CHECK_PERIOD_S, step_timeout_s / 4)
         self._seen_steps = runner.num_steps
         self._progress_at = trio.current_time()  # when work last moved (a step done, or idle)
+        self._checked_at = self._progress_at
+        self._was_late = False  # the last check came late and did not judge
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Check every `period_s` until a stall is reported (then return) or the task is cancelled."""
@@ -82,6 +84,11 @@ class Watchdog:
 
     def check(self, now: float) -> str | None:
         """Why the engine cannot go on at `now` (None while it can). Synchronous."""
+        # NOTE: a check far past its period means the event loop was blocked: a step may have
+        # ended meanwhile with nobody to record it yet (the runner's task wakes with this one).
+        # Judge one period later, once the loop has run; never skip two checks in a row.
+        is_late = now - self._checked_at > 2 * self.period_s and not self._was_late
+        self._checked_at, self._was_late = now, is_late
         if self.model_failure is not None and (failure := self.model_failure()) is not None:
             return failure
         started = self.runner.step_started_at
@@ -90,6 +97,8 @@ class Watchdog:
             return None
         if self.runner.num_steps != self._seen_steps:
             self._seen_steps, self._progress_at = self.runner.num_steps, now
+            return None
+        if is_late:
             return None
         # The stall began at the last progress, or when the step in flight began if later.
         since = self._progress_at if started is None else max(self._progress_at, started)

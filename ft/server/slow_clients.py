@@ -6,8 +6,8 @@ cancellation reaches it. The request's scope stays open across the blocked `yiel
 client holds its admission slot, and the server's shutdown waits for the write for ever.
 
 `GuardedTCPServer` keeps hypercorn's shield (a write cut short must not leave a half-sent
-frame on a live connection) but gives it a deadline: `send_timeout_s` from the start of each
-write, or the server's closing deadline once it stops, whichever is first. A write that misses
+frame on a live connection) but gives it a deadline: `send_timeout_s` for each 64 KiB piece
+of a write, or the server's closing deadline once it stops, whichever is first. A write that misses
 it closes the connection, which hypercorn reports to the app as a disconnect: the response
 generator is cancelled and the request's scope frees what it held, as for a client that left.
 So a client can hold a connection only while it reads, and a stopping server waits at most its
@@ -30,6 +30,9 @@ from hypercorn.trio.tcp_server import TCPServer
 log = logging.getLogger("ft.server")
 
 DEFAULT_SEND_TIMEOUT_S = 30.0
+# Bytes a client must accept within the send timeout: a write is sent in pieces of this size,
+# each with the deadline, so the timeout bounds a client that accepts nothing, not a large body.
+WRITE_PIECE_BYTES = 64 * 1024
 
 
 class SendDeadlines:
@@ -78,7 +81,12 @@ class GuardedTCPServer(TCPServer):
             scope = deadlines.open()
             try:
                 with scope:
-                    await self.stream.send_all(event.data)
+                    # NOTE: one write can be a whole non-streamed body (megabytes): the deadline
+                    # bounds each piece, so a client that reads slowly but steadily is not cut.
+                    data = memoryview(event.data)
+                    for start in range(0, len(data), WRITE_PIECE_BYTES):
+                        scope.deadline = deadlines.deadline()
+                        await self.stream.send_all(data[start : start + WRITE_PIECE_BYTES])
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 await self.protocol.handle(Closed())
                 return

@@ -418,3 +418,42 @@ async def test_a_request_the_engine_is_done_with_leaves_the_capacity() -> None:
                 assert len((await other.collect())[0].token_ids) == 2
             assert [len(c.token_ids) for c in await unread.collect()] == [3]
         await assert_nothing_held(engine)
+
+
+async def test_a_request_refused_for_its_queue_wait_is_counted_as_rejected(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """`max_queue_wait_s` refuses a request as the full queue does (503, its load's fault, not
+    the engine's): it counts as rejected, not as failed."""
+    runner = FakeRunner(script=text_script("x" * 100), step_s=0.1)
+    async with fake_engine(runner, max_running_requests=1, max_queue_wait_s=1.0) as engine:
+        async with trio.open_nursery() as nursery:
+
+            async def hold() -> None:
+                async with engine.open_request(prompt="hi", params=SamplingParams(max_tokens=50)) as s:
+                    await s.collect()
+
+            nursery.start_soon(hold)
+            await trio.testing.wait_all_tasks_blocked()
+            with pytest.raises(Overloaded):
+                async with engine.open_request(prompt="hi", params=SamplingParams(max_tokens=2)) as s:
+                    await s.collect()
+        snap = engine.snapshot()["requests"]
+        assert (snap["completed"], snap["rejected"], snap["failed"]) == (1, 1, 0)  # before: failed 1
+        await assert_nothing_held(engine)
+
+
+async def test_the_request_counts_add_up_while_the_scheduler_catches_up(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """`active` is `running + waiting + sending`, none negative, at every moment: also just
+    after a scope closed while its request ran (its `Abort` not yet taken by the scheduler)."""
+    runner = FakeRunner(script=text_script("x" * 100), step_s=0.1)
+    async with fake_engine(runner) as engine:
+        async with engine.open_request(prompt="hi", params=SamplingParams(max_tokens=50)) as s:
+            async for _ in s:
+                break
+        snap = engine.snapshot()["requests"]  # no checkpoint since the scope closed
+        counts = (snap["running"], snap["waiting"], snap["sending"])
+        assert min(counts) >= 0 and sum(counts) == snap["active"] == 0, snap  # before: waiting -1
+        await assert_nothing_held(engine)

@@ -14,6 +14,7 @@ from ft.core.batch import RunnerFailure, SeqWork
 from ft.engine.engine import Engine, EngineState
 from ft.engine.fake import FakeRunner, text_script
 from ft.engine.loading import ModelParts
+from ft.engine.watchdog import Watchdog
 from ft.errors import EngineStopping, InvalidRequest, RequestFailed
 from ft.grammar import spec
 from ft.model.masks import GrammarError
@@ -255,3 +256,41 @@ async def test_a_model_that_dies_while_idle_fails_the_engine_at_once(
         assert reason == dead[0] and engine.state == EngineState.ERROR
         with pytest.raises(EngineStopping, match="rank 1"):
             await engine.generate("late", SamplingParams(max_tokens=3))
+
+
+@dataclasses.dataclass
+class _Steps:
+    """The runner actor as the watchdog reads it."""
+
+    step_started_at: float | None = None
+    num_steps: int = 0
+
+
+@dataclasses.dataclass
+class _Pending:
+    """The scheduler core as the watchdog reads it: one request running."""
+
+    has_work: bool = True
+    num_running_requests: int = 1
+    num_waiting_requests: int = 0
+
+
+async def test_a_step_that_ended_while_the_loop_was_blocked_is_no_stall() -> None:
+    """A step whose thread returned while the event loop was blocked past the step timeout is
+    not yet counted when the watchdog wakes (the runner's task has not run): the watchdog waits
+    one period before it judges, and a step that really hangs is still a stall."""
+    stalls: list[str] = []
+    runner, core = _Steps(), _Pending()
+    watchdog = Watchdog(runner, core, step_timeout_s=10, on_stall=stalls.append)
+    t0 = trio.current_time()
+    runner.step_started_at = t0
+    assert watchdog.check(t0 + 0.5) is None
+    # The loop is blocked for 30 s; the step ended at once, but nothing has recorded it yet.
+    assert watchdog.check(t0 + 30.5) is None  # before: "a step has run for 30.5 s"
+    runner.num_steps, runner.step_started_at = 1, t0 + 30.6  # recorded; the next step starts
+    now = t0 + 31.0
+    assert watchdog.check(now) is None
+    while (reason := watchdog.check(now)) is None and now < t0 + 60:  # that one hangs
+        now += watchdog.period_s
+    assert reason is not None and "a step has run for" in reason
+    assert 10 <= now - (t0 + 30.6) <= 11

@@ -11,9 +11,13 @@ from dataclasses import replace
 
 import httpx
 import trio
+import trio.testing
+from hypercorn.events import Closed, Event, RawData
 
 from ft.engine.fake import FakeRunner, byte_token
 from ft.server import RunningServer
+from ft.server.protocol import FtHypercornConfig
+from ft.server.slow_clients import GuardedTCPServer, SendDeadlines
 from tests.support.server import TEST_SETTINGS, fake_server, wait_idle
 
 # Far more output than the socket buffers hold (the client's window is 4 KiB; the server's
@@ -140,3 +144,71 @@ async def test_shutdown_waits_for_no_client_that_stops_reading() -> None:
 async def _close_after(sock: trio.socket.SocketType, delay_s: float) -> None:
     await trio.sleep(delay_s)
     sock.close()
+
+
+class _Recorded:
+    """The protocol side of a connection: records the events hypercorn's protocol is given."""
+
+    def __init__(self) -> None:
+        self.events: list[Event] = []
+
+    async def handle(self, event: Event) -> None:
+        self.events.append(event)
+
+
+def _guarded_connection(stream: trio.abc.Stream, timeout_s: float) -> tuple[GuardedTCPServer, _Recorded]:
+    config = FtHypercornConfig()
+    config.send_deadlines = SendDeadlines(timeout_s)
+    server = GuardedTCPServer(None, config, None, None, stream)  # type: ignore[arg-type]
+    protocol = _Recorded()
+    server.protocol = protocol  # type: ignore[assignment]
+    return server, protocol
+
+
+async def test_a_client_that_reads_slowly_but_steadily_gets_a_large_write_whole(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """One write far larger than what the client reads in the send timeout (a non-streamed
+    body) is not cut while the client keeps accepting bytes: the deadline is on progress."""
+    send, receive = trio.testing.lockstep_stream_pair()
+    server, protocol = _guarded_connection(send, timeout_s=10.0)
+    body = bytes(range(256)) * 1024  # 256 KiB, read at 8 KiB/s: 32 s in all
+    received = bytearray()
+
+    async def read_steadily() -> None:
+        while len(received) < len(body):
+            received.extend(await receive.receive_some(4096))
+            await trio.sleep(0.5)
+
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(read_steadily)
+            await server.protocol_send(RawData(body))
+            nursery.cancel_scope.cancel()
+    assert bytes(received) == body  # before: cut after 10 s, the connection closed
+    assert not any(isinstance(e, Closed) for e in protocol.events)
+
+
+async def test_a_client_that_accepts_nothing_is_cut_at_the_send_timeout(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A client that stops accepting bytes mid-write is cut once the send timeout passes with
+    nothing accepted, and the protocol is told the connection closed."""
+    send, receive = trio.testing.lockstep_stream_pair()
+    server, protocol = _guarded_connection(send, timeout_s=10.0)
+    body = bytes(256 * 1024)
+
+    async def read_then_stop() -> None:
+        for _ in range(4):
+            await receive.receive_some(4096)
+        await trio.sleep_forever()
+
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(read_then_stop)
+            started = trio.current_time()
+            await server.protocol_send(RawData(body))
+            took = trio.current_time() - started
+            nursery.cancel_scope.cancel()
+    assert 10.0 <= took < 11.0
+    assert any(isinstance(e, Closed) for e in protocol.events)
