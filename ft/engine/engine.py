@@ -86,24 +86,31 @@ class Running:
 class Admission:
     """A request admitted by `Engine.admit`; it holds a drain open until released.
 
-    Until its first scope opens (`opened`) it counts against the engine's capacity as queued
-    work: tokenizing its prompt and compiling its grammar wait for workers as queued requests do.
+    Until its scopes open (`opened`, once each) its `num_preparing` prompts count against the
+    engine's capacity as queued work: tokenizing them and compiling a grammar wait for workers
+    as queued requests do.
     """
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, num_prompts: int) -> None:
         self._engine: Engine | None = engine
-        self.is_preparing = True
+        self.num_preparing = num_prompts
+
+    @property
+    def is_preparing(self) -> bool:
+        """Whether a scope of it has yet to open."""
+        return self.num_preparing > 0
 
     def opened(self) -> None:
-        """Its first request scope is open: the registry counts it from now on. Idempotent."""
+        """One of its request scopes is open: the registry counts that one from now on."""
         if self.is_preparing and self._engine is not None:
             self._engine._num_preparing -= 1
-        self.is_preparing = False
+            self.num_preparing -= 1
 
     def release(self) -> None:
         """Let a drain stop waiting for this request. Idempotent and synchronous."""
-        self.opened()
         if self._engine is not None:
+            self._engine._num_preparing -= self.num_preparing
+            self.num_preparing = 0
             self._engine._num_admissions -= 1
             self._engine = None
 
@@ -429,18 +436,20 @@ class Engine:
                 f"the queue is full ({self.config.max_queued_requests} waiting requests); retry later"
             )
 
-    def admit(self) -> Admission:
-        """Admit a request now, before the work that precedes its scope (tokenizing it,
-        compiling its grammar, sending a stream's headers): a drain that begins meanwhile
-        waits for the admission's `release` and lets its `open_request(admission=...)` in.
+    def admit(self, num_prompts: int = 1) -> Admission:
+        """Admit a request of `num_prompts` prompts (one scope each) now, before the work that
+        precedes its scopes (tokenizing, compiling its grammar, sending a stream's headers): a
+        drain that begins meanwhile waits for the admission's `release` and lets its
+        `open_request(admission=...)` in. Each prompt counts against the capacity.
 
         Raises:
-            EngineStopping, Overloaded: what `check_admission` raises.
+            EngineStopping, Overloaded: what `check_admission` raises (room for one prompt is
+                enough: the later ones are checked as their scopes open).
         """
         self.check_admission()
         self._num_admissions += 1
-        self._num_preparing += 1
-        return Admission(self)
+        self._num_preparing += num_prompts
+        return Admission(self, num_prompts)
 
     @asynccontextmanager
     async def open_request(

@@ -168,7 +168,7 @@ async def respond(ctx: ServerContext, api: GenerationApi) -> Response:
     # Admitted after the body's validation (a bad request is a 400 whatever the load). A drain
     # that begins later still serves it: it waits for the admission, which the HTTP request
     # holds to its end (a stream's work starts only after its headers are sent).
-    admission = ctx.engine.admit()
+    admission = ctx.engine.admit(len(api.prompts))
     try:
         return await _respond(ctx, api, record, admission)
     finally:

@@ -457,3 +457,23 @@ async def test_the_request_counts_add_up_while_the_scheduler_catches_up(
         counts = (snap["running"], snap["waiting"], snap["sending"])
         assert min(counts) >= 0 and sum(counts) == snap["active"] == 0, snap  # before: waiting -1
         await assert_nothing_held(engine)
+
+
+async def test_each_prompt_of_an_admitted_request_counts_while_it_is_prepared() -> None:
+    """An admission of several prompts (a completions request with a prompt list) counts each
+    of them against the capacity until its scope opens; release gives back what did not open."""
+    async with fake_engine(max_running_requests=2, max_queued_requests=2) as engine:
+        several = engine.admit(3)
+        assert engine.snapshot()["requests"]["preparing"] == 3
+        engine.admit().release()  # one place left
+        held = engine.admit()
+        with pytest.raises(Overloaded):
+            engine.admit()  # before: admitted (a 3-prompt admission counted as one)
+        held.release()
+        params = SamplingParams(max_tokens=1)
+        async with engine.open_request(prompt="hi", params=params, admission=several) as s:
+            assert engine.snapshot()["requests"]["preparing"] == 2
+            await s.collect()
+        several.release()
+        assert engine.snapshot()["requests"]["preparing"] == 0
+        await assert_nothing_held(engine)
