@@ -72,9 +72,12 @@ def gguf_config(meta: GGUFFile, tensor_names: set[str], vocab_size: int) -> Llam
         raise ModelFileError(
             f"GGUF architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
         )
-    num_heads = meta.integer(f"{arch}.attention.head_count", 1, MAX_HEADS)
+    num_layers = meta.integer(f"{arch}.block_count", 1, MAX_LAYERS)
+    num_heads = _per_layer(meta, f"{arch}.attention.head_count", 1, MAX_HEADS, num_layers)
     hidden = meta.integer(f"{arch}.embedding_length", 1, MAX_WIDTH)
-    num_kv_heads = meta.integer(f"{arch}.attention.head_count_kv", 1, num_heads, default=num_heads)
+    num_kv_heads = _per_layer(
+        meta, f"{arch}.attention.head_count_kv", 1, num_heads, num_layers, default=num_heads
+    )
     if num_heads % num_kv_heads:
         raise ModelFileError(
             f"metadata key '{arch}.attention.head_count_kv': {num_kv_heads} does not divide the "
@@ -94,8 +97,8 @@ def gguf_config(meta: GGUFFile, tensor_names: set[str], vocab_size: int) -> Llam
         return LlamaConfig(
             vocab_size=meta.integer(f"{arch}.vocab_size", 1, MAX_VOCAB, default=vocab_size or 1),
             hidden_size=hidden,
-            intermediate_size=meta.integer(f"{arch}.feed_forward_length", 1, MAX_WIDTH),
-            num_layers=meta.integer(f"{arch}.block_count", 1, MAX_LAYERS),
+            intermediate_size=_per_layer(meta, f"{arch}.feed_forward_length", 1, MAX_WIDTH, num_layers),
+            num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
@@ -111,6 +114,30 @@ def gguf_config(meta: GGUFFile, tensor_names: set[str], vocab_size: int) -> Llam
         raise
     except ValueError as e:  # LlamaConfig's own checks (rope scaling type)
         raise ModelFileError(f"metadata of architecture {arch!r}: {e}") from None
+
+
+def _per_layer(
+    meta: GGUFFile, key: str, low: int, high: int, num_layers: int, default: int | None = None
+) -> int:
+    """An integer in [low, high], or (as llama.cpp reads head counts and ffn lengths) an array of
+    one per layer; every layer must have the same value (ft runs uniform layers only)."""
+    value = meta.get(key)
+    if not isinstance(value, list):
+        return meta.integer(key, low, high, default)
+    if len(value) != num_layers or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        raise ModelFileError(
+            f"metadata key {key!r}: expected an integer or an array of {num_layers} integers (one per "
+            f"layer of 'block_count'), found {len(value)} items"
+        )
+    if any(v != value[0] for v in value):
+        raise ModelFileError(
+            f"metadata key {key!r}: layers of different sizes ({sorted(set(value))[:8]}) are not supported"
+        )
+    if not low <= value[0] <= high:
+        raise ModelFileError(
+            f"metadata key {key!r}: expected integers from {low} to {high}, found {value[0]}"
+        )
+    return int(value[0])
 
 
 def _head_dim(meta: GGUFFile, arch: str, hidden: int, num_heads: int) -> int:

@@ -17,6 +17,7 @@
 #include <stdio.h>
 #include <string.h>
 
+#include <memory>
 #include <new>
 #include <stdexcept>
 #include <vector>
@@ -915,16 +916,20 @@ inline void softmax(float* sc, int64_t len) {
 // allocate inside one): the first row of each tile, and a score buffer per thread.
 struct AttendScratch {
   std::vector<int64_t> tiles;
-  std::vector<float> scores;  // [thread][row < 8][head][position]
+  // [thread][row < tile rows][head][position]; left uninitialized (every score is written
+  // before it is read), so only the pages a thread touches are ever committed or cleared.
+  std::unique_ptr<float[]> scores;
   int64_t per_thread = 0;
   AttendScratch(int64_t T_, const int64_t* seq, const int64_t* pos, int64_t group, int threads) {
-    int64_t len_max = 0;
+    int64_t len_max = 0, rows_max = 0;
     for (int64_t t = 0; t < T_; t++) {
       if (t == 0 || seq[t] != seq[t - 1] || pos[t] != pos[t - 1] + 1 || t - tiles.back() == 8) tiles.push_back(t);
+      rows_max = t + 1 - tiles.back() > rows_max ? t + 1 - tiles.back() : rows_max;
       len_max = pos[t] + 1 > len_max ? pos[t] + 1 : len_max;
     }
-    per_thread = 8 * group * ((len_max + 7) / 8 * 8);
-    scores.resize(per_thread * threads);
+    // NOTE: sized by the longest tile (one row for decodes), not always eight rows.
+    per_thread = rows_max * group * ((len_max + 7) / 8 * 8);
+    scores.reset(new float[per_thread * threads]);
   }
 };
 
@@ -948,7 +953,7 @@ void attend_team(const float* qbase, int64_t ldq, const T* k_cache, const T* v_c
         p = p < len_max ? p : len_max - 1;
         return cache + ((int64_t)table[p / page_size] * page_size + p % page_size) * kvsz + kh * hd;
       };
-      float* sc = scratch.scores.data() + omp_get_thread_num() * scratch.per_thread;  // [row][head][position]
+      float* sc = scratch.scores.get() + omp_get_thread_num() * scratch.per_thread;  // [row][head][position]
 #if defined(__AVX2__)
       if (hd % 8 == 0 && hd <= 256) {
         alignas(32) float buf[8 * 256];

@@ -28,6 +28,10 @@ from tests.support.gguf_files import (
     I32,
     STRING,
     TINY_CASES,
+    TINY_FFN,
+    TINY_HEADS,
+    TINY_KV_HEADS,
+    TINY_LAYERS,
     U8,
     U32,
     U64,
@@ -88,6 +92,28 @@ def test_issue_cases_are_named_errors_on_the_default_model(
     SIGABRT) or generated garbage before."""
     edit, name = DEFAULT_CASES[case]
     assert_refused(load(prober, edit(default_model), tmp_path / "evil.gguf", dtype), name)
+
+
+@pytest.mark.parametrize("key", ["head_count_kv", "head_count", "feed_forward_length"])
+def test_per_layer_arrays_of_one_value_load_like_the_scalar(
+    prober: Prober, tiny: RawGGUF, tmp_path: pathlib.Path, key: str
+) -> None:
+    """llama.cpp reads head counts and ffn lengths as a scalar or one value per layer; a file
+    with an array of equal values loads and generates what the scalar file does, and layers of
+    different sizes (or an array that is not one per layer) are a named error."""
+    key = ("llama." if key == "feed_forward_length" else "llama.attention.") + key
+    value = {"llama.attention.head_count_kv": TINY_KV_HEADS, "llama.attention.head_count": TINY_HEADS}.get(
+        key, TINY_FFN
+    )
+    scalar_run = load(prober, tiny, tmp_path / "scalar.gguf")
+    per_layer = array(U32, [scalar(U32, value)] * TINY_LAYERS)
+    array_run = load(prober, tiny.set(key, ARRAY, per_layer), tmp_path / "arrays.gguf")
+    assert array_run.kind == "loaded", array_run.detail
+    assert array_run.tokens == scalar_run.tokens
+    uneven = array(U32, [scalar(U32, value), scalar(U32, value // 2)])
+    assert_refused(load(prober, tiny.set(key, ARRAY, uneven), tmp_path / "uneven.gguf"), key, "different")
+    short = array(U32, [scalar(U32, value)] * (TINY_LAYERS + 1))
+    assert_refused(load(prober, tiny.set(key, ARRAY, short), tmp_path / "short.gguf"), key, "per layer")
 
 
 def test_alignment_zero_is_a_named_error(prober: Prober, tiny: RawGGUF, tmp_path: pathlib.Path) -> None:

@@ -4,6 +4,8 @@ matches the torch one on a tiny random model (mixed prefill chunks and decode ro
 from __future__ import annotations
 
 import pathlib
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -230,6 +232,28 @@ def test_paged_attention_matches_torch(lengths: tuple[int, ...]) -> None:
             n,
             (out[i].view(nh, 1, hd) - ref).abs().max(),
         )
+
+
+_DECODE_PEAK = """
+import resource, torch
+from ft.model import kernels
+kernels.library()
+page, pages, hd = 1024, 4096, 8  # one row at position 2^22 - 1, every page the same one
+k, v, q = torch.randn(page, 1, hd), torch.randn(page, 1, hd), torch.randn(1, hd)
+tables = torch.zeros(1, pages, dtype=torch.int32)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+kernels.attention(q, k, v, torch.tensor([0]), torch.tensor([page * pages - 1]), tables, page, 1)
+print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) >> 10)
+"""
+
+
+def test_a_decode_row_costs_its_own_scores_not_a_tile_of_eight() -> None:
+    """One row at position 2^22 scores 2^22 positions (16 MiB): the attention's scratch holds
+    that row's scores, not eight rows' worth cleared up front (it was 128 MiB per call)."""
+    done = subprocess.run(
+        [sys.executable, "-c", _DECODE_PEAK], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert int(done.stdout.split()[-1]) < 48, done.stdout  # MiB of peak growth
 
 
 @pytest.mark.parametrize(
