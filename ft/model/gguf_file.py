@@ -52,6 +52,11 @@ MAX_ARRAY_DEPTH = 4  # metadata arrays of arrays deeper than this are refused (f
 MAX_KEY_BYTES = 65535  # the GGUF spec's bound on key length
 MAX_DIMS = 4  # GGML_MAX_DIMS
 MAX_ALIGNMENT = 1 << 20
+# Items in all metadata arrays together: each becomes a Python object (~7 µs and ~60 bytes a
+# string here), so a file of 10^8 tiny strings or numbers would take minutes and gigabytes. Real
+# files hold well under a million (Gemma 3: 262k tokens, scores and types; Llama 3: 128k tokens
+# and 280k merges).
+MAX_METADATA_ITEMS = 1 << 22
 
 
 class ModelFileError(ValueError):
@@ -103,6 +108,7 @@ class GGUFFile:
         self._room("the header's metadata count", num_kv, 13)  # each pair takes at least 13 bytes
         self.fields: dict[str, Any] = {}
         self.kinds: dict[str, int] = {}
+        self._items_left = MAX_METADATA_ITEMS
         for i in range(num_kv):
             key = self._string(f"metadata key {i}", MAX_KEY_BYTES)
             if key in self.fields:
@@ -206,6 +212,9 @@ class GGUFFile:
             if depth >= MAX_ARRAY_DEPTH:
                 raise ModelFileError(f"arrays nested more than {MAX_ARRAY_DEPTH} deep")
             item, count = self._scalar(4), self._scalar(10)
+            self._items_left -= count
+            if self._items_left < 0:
+                raise ModelFileError(f"the metadata's arrays hold more than {MAX_METADATA_ITEMS} items")
             if item == _STRING:
                 self._room("an array of strings' length", count, 8)
                 return [self._string() for _ in range(count)]

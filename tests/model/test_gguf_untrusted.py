@@ -19,6 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ft.model import kernels
+from ft.model.gguf_file import MAX_METADATA_ITEMS
 from tests.support.gguf_files import (
     ARRAY,
     BOOL,
@@ -153,6 +154,15 @@ def test_a_real_huge_string_and_array_load(prober: Prober, tiny: RawGGUF, tmp_pa
     raw = tiny.set("general.description", STRING, string("x" * (4 << 20)))
     raw = raw.set("general.evil", ARRAY, array(U8, [scalar(U8, 7)] * (1 << 20)))
     assert_clean(load(prober, raw, tmp_path / "big.gguf"))
+
+
+def test_metadata_arrays_of_millions_of_items_are_refused_while_reading(
+    prober: Prober, tiny: RawGGUF, tmp_path: pathlib.Path
+) -> None:
+    """A file of 5 million tiny strings (~40 MiB) is refused before they become 5 million
+    Python objects: they cost ~7 µs and ~60 bytes each (a 1 GB file of them, minutes and GBs)."""
+    raw = tiny.set("general.evil", ARRAY, array(STRING, [string("")] * (MAX_METADATA_ITEMS + 1)))
+    assert_refused(load(prober, raw, tmp_path / "items.gguf"), "metadata", "items")
 
 
 @pytest.mark.parametrize("region", ["header", "kv", "tensor_infos", "data"])
