@@ -36,9 +36,12 @@ Executor = Callable[[Callable[[bytes], bytes], bytes], Awaitable[bytes]]
 # The memory a worker may map for data (RLIMIT_DATA): a worker maps ~0.2 GiB with the default
 # model's tokenizer loaded, and peaks at ~0.9 GiB rendering and encoding a 4 MiB chat prompt.
 WORKER_MEMORY_BYTES = 2 << 30
-# The longest prompt a chat template may render: ~4 Mi tokens, past any context window, and
-# about 25 s to encode on a busy laptop core.
-MAX_RENDERED_CHARS = 16 << 20
+# The longest text a worker tokenizes, in UTF-8 bytes: ~1 Mi tokens of English, past any
+# context window. Encoding costs up to ~160 bytes of memory per byte of text (measured on the
+# default model's tokenizer: 4 Mi characters of CJK or emoji, 12 MiB and 16 MiB, peaked at
+# 2.5 and 3.1 GiB), and the tokenizer aborts the process when an allocation fails: so a longer
+# text is refused before it is encoded, and what is encoded fits the memory bound above.
+MAX_TEXT_BYTES = 4 << 20
 # Seconds between checks that the serving process is still this worker's parent.
 PARENT_POLL_S = 1.0
 EXIT_ORPHANED = 70  # a worker's exit status once its serving process is gone
@@ -211,11 +214,10 @@ def tokenize_job(payload: bytes) -> bytes:
     try:
         with _render_deadline():
             text, add_bos = render_prompt(job, spec)
-        if len(text) > MAX_RENDERED_CHARS:
-            raise InvalidRequest(
-                f"the chat template rendered {len(text)} characters (at most {MAX_RENDERED_CHARS})",
-                param=param,
-            )
+        # (`surrogatepass`: a lone surrogate, which JSON may carry, is counted here, not refused.)
+        if len(text) > MAX_TEXT_BYTES or len(text.encode("utf-8", "surrogatepass")) > MAX_TEXT_BYTES:
+            what = "the chat template rendered" if job.messages is not None else "the prompt is"
+            raise InvalidRequest(f"{what} more than {MAX_TEXT_BYTES} bytes of text", param=param)
         ids: list[int] = tokenizer.encode(text, add_special_tokens=False).ids
     except InvalidRequest as e:
         return encode_result(error=e.message, param=e.param)

@@ -8,7 +8,10 @@ from functools import lru_cache
 from typing import Any, NoReturn
 
 import jinja2
+from jinja2 import nodes
 from jinja2.exceptions import SecurityError
+from jinja2.ext import Extension
+from jinja2.parser import Parser
 from jinja2.runtime import Context
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -99,6 +102,18 @@ class _BoundedEnvironment(ImmutableSandboxedEnvironment):
         return super().call_binop(context, operator, left, right)
 
 
+class _GenerationBlocks(Extension):
+    """`{% generation %}...{% endgeneration %}`, which transformers' templates use to mark the
+    assistant's tokens for training (SmolLM3's among them): here its body renders as it is."""
+
+    tags = {"generation"}  # noqa: RUF012 (jinja's API: a class attribute)
+
+    def parse(self, parser: Parser) -> list[nodes.Node]:
+        """The block's body, in place of the block."""
+        next(parser.stream)
+        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -142,7 +157,9 @@ def _strftime_now(fmt: str) -> str:
 @lru_cache(maxsize=16)
 def compile_template(template: str) -> jinja2.Template:
     """Compile once per distinct template string."""
-    env = _BoundedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env = _BoundedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols", _GenerationBlocks]
+    )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now

@@ -108,6 +108,28 @@ async def test_a_template_past_the_memory_bound_is_a_400_and_its_worker_is_repla
             assert (worker_pids() - elsewhere).isdisjoint(before)
 
 
+async def test_a_text_too_long_to_encode_within_the_memory_bound_is_a_400_before_encoding(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A render of up to 16 Mi characters was encoded, but encoding costs up to ~160 bytes of
+    memory per byte of text: past the worker's bound the tokenizer aborted the process (a 500
+    "the tokenizer worker died; retry", and a respawn for every such request)."""
+    monkeypatch.setattr(engine_module, "WORKER_MEMORY_BYTES", SMALL_BOUND)
+    long = "{% if messages[-1]['content'] == 'long' %}{{ '\u00e9' * 3000000 }}{% endif %}"  # 6 MB
+    elsewhere = worker_pids()
+    with trio.fail_after(60):
+        async with fake_engine(executor=None, load_model=with_template(long + CHATML)) as engine:
+            before = worker_pids() - elsewhere
+            with pytest.raises(InvalidRequest, match="template rendered more than 4194304 bytes") as info:
+                await answer(engine, "long")
+            assert info.value.param == "messages"
+            with pytest.raises(InvalidRequest, match="prompt is more than 4194304 bytes") as info:
+                await engine.generate("\u00e9" * 2_500_000)
+            assert info.value.param == "prompt"
+            assert await answer(engine, "hi")
+            assert worker_pids() - elsewhere == before  # refused before encoding: no worker died
+
+
 async def test_a_job_past_its_deadline_has_its_worker_killed_and_is_a_400(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
