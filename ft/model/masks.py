@@ -28,6 +28,7 @@ the machine has (what this does) 0.98 / 0.98.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -43,7 +44,10 @@ from ft.grammar.compiled import Matcher, cost_scale, error_of
 # average, here (SmolLM2's 49k vocabulary, a loaded 2-core machine); an ambiguous grammar's
 # grow with every token, to seconds. The average is the walk's (`ft.grammar.compiled`).
 TOKEN_CPU_BUDGET_S = 0.01
-MASK_DEADLINE_S = 0.25  # wall time, from when a row's task starts
+MASK_DEADLINE_S = 0.25  # wall time, from when a row's task starts, unless it is starved:
+# a task past it that has used less CPU than its token budget (other threads of this process
+# hold the GIL or the cores) is waited for, up to this much wall time in all.
+MASK_STARVED_DEADLINE_S = 2.0
 REQUEST_CPU_BASE_S = 0.1
 REQUEST_CPU_PER_TOKEN_S = 0.0025
 # Threads computing masks: one row each at a time; a row past its deadline keeps its thread
@@ -86,6 +90,7 @@ class StepMasks:
             if m.is_busy
         }
         self._started: list[float | None] = [None] * len(self.rows)
+        self._clocks: list[tuple[int, float] | None] = [None] * len(self.rows)  # CPU clock, start
         self._futures: list[Future[tuple[np.ndarray, float]] | None] | None = None
         self._collected = False
         if overlap:
@@ -109,6 +114,7 @@ class StepMasks:
         self._started[k] = time.perf_counter()
         mask = np.zeros(self.bits.shape[1], dtype=np.int32)
         started = time.thread_time()
+        self._clocks[k] = (time.pthread_getcpuclockid(threading.get_ident()), started)
         m = self.matchers[k]
         if m.next_token is not None:
             if not m.llg.is_stopped():  # a finished grammar stays finished (only EOS is allowed)
@@ -132,10 +138,8 @@ class StepMasks:
             if future.cancel():  # queued behind slow rows: compute it here, now
                 mask, cpu_s = self._compute(k)
             else:
-                started = self._started[k] or time.perf_counter()  # None: it has just begun
-                left_s = max(0.0, started + MASK_DEADLINE_S - time.perf_counter())
                 try:
-                    mask, cpu_s = future.result(timeout=left_s)
+                    mask, cpu_s = self._result(k, future)
                 except TimeoutError:
                     self.matchers[k].pending = future
                     self.failed[k] = f"a token took longer than {MASK_DEADLINE_S * 1000:.0f} ms"
@@ -144,6 +148,28 @@ class StepMasks:
             self._charge(k, cpu_s)
         for k in self.failed:
             self.bits[k] = -1  # every token allowed: the row's sample is dropped anyway
+
+    def _result(self, k: int, future: Future[tuple[np.ndarray, float]]) -> tuple[np.ndarray, float]:
+        """Row `k`'s mask by its deadline; past it, only while its task is starved of CPU (it
+        has used less than its token budget: the deadline is for grammars, not for a busy
+        process). Raises `TimeoutError`."""
+        started = self._started[k] or time.perf_counter()  # None: it has just begun
+        deadline = started + MASK_DEADLINE_S
+        while True:
+            try:
+                return future.result(timeout=max(0.0, deadline - time.perf_counter()))
+            except TimeoutError:
+                clock = self._clocks[k]
+                now = time.perf_counter()
+                if clock is None or now > started + MASK_STARVED_DEADLINE_S:
+                    raise
+                try:
+                    used_s = time.clock_gettime(clock[0]) - clock[1]
+                except OSError:  # the thread has just ended its task
+                    used_s = 0.0
+                if used_s > TOKEN_CPU_BUDGET_S * self._scale:
+                    raise
+                deadline = now + 0.02
 
     def _charge(self, k: int, cpu_s: float) -> None:
         m = self.matchers[k]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import json
 import time
 
@@ -145,18 +146,39 @@ def test_an_ambiguous_grammar_fails_its_rows_and_does_not_slow_a_bystander(gramm
 
 
 class SlowMask:
-    """A stand-in for llguidance's matcher whose mask takes `delay_s`."""
+    """A stand-in for llguidance's matcher whose mask takes `delay_s` of CPU (`starved`: of
+    waiting, as a thread that other threads of the process keep from running)."""
 
-    def __init__(self, delay_s: float) -> None:
+    def __init__(self, delay_s: float, *, starved: bool = False) -> None:
         self.delay_s = delay_s
+        self.starved = starved
         self.calls = 0
 
     def unsafe_compute_mask_ptr(self, pointer: int, size: int) -> None:
         self.calls += 1
-        time.sleep(self.delay_s)
+        if self.starved:  # waiting, as a thread kept from the CPU by others does
+            time.sleep(self.delay_s)
+            ctypes.memset(pointer, 0xFF, size)  # then every token allowed
+            return
+        end = time.thread_time() + self.delay_s  # computing, as an ambiguous grammar does
+        while time.thread_time() < end:
+            pass
 
     def is_error(self) -> bool:
         return False
+
+
+def test_a_starved_mask_past_its_deadline_is_waited_for() -> None:
+    """A row's task past `MASK_DEADLINE_S` that has used little CPU (other threads of the
+    process held the GIL or the cores: a body flood) is waited for, not failed: the deadline is
+    for grammars, not for a busy process."""
+    runner = byte_runner()
+    starved = Matcher(SlowMask(0.6, starved=True))  # type: ignore[arg-type]
+    good = byte_seq_matcher(AB)
+    works = [SeqWork(i, (60, 61), 0, (i,), True, SamplingParams(temperature=0.0), 0, matcher=m)
+             for i, m in enumerate([good, starved])]  # fmt: skip
+    sampled = runner.step(works)  # before: RowsFailed, "a token took longer than 250 ms"
+    assert [s.seq_id for s in sampled] == [0, 1]
 
 
 def test_a_mask_past_its_deadline_fails_its_row_without_holding_the_step() -> None:
