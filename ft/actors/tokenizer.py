@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from functools import partial
 
 import trio
 import trio_parallel
@@ -17,6 +18,8 @@ from ft.tokenizer.job import Executor
 log = logging.getLogger("ft.tokenizer")
 
 FaultHook = Callable[[Tokenize], str | None]
+
+ENCODE_THREADS = 1  # threads encoding jobs at once: encoding holds the GIL (see ft.server.body)
 
 
 class TokenizerActor:
@@ -42,6 +45,7 @@ class TokenizerActor:
         self.executor = executor
         self.job = job
         self.fault = fault
+        self.encode_limiter = trio.CapacityLimiter(ENCODE_THREADS)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Serve jobs until the inbox closes."""
@@ -81,7 +85,12 @@ class TokenizerActor:
                     param="prompt",
                 )
             return list(ids)
-        payload = encode_job(msg, self.spec_path, fault=self.fault(msg) if self.fault else None)
+        fault = self.fault(msg) if self.fault else None
+        # Encoding is linear in the messages and kwargs the client sent (tens of ms for 1 MB):
+        # off the loop, a few at a time, like the body parse before it.
+        payload = await trio.to_thread.run_sync(
+            partial(encode_job, msg, self.spec_path, fault=fault), limiter=self.encode_limiter
+        )
         try:
             result = await self.executor(self.job, payload)
         except trio_parallel.BrokenWorkerError as e:
