@@ -14,6 +14,10 @@ from ft.core.suffix import held_suffix_len
 Decode = Callable[[Sequence[int]], str]
 
 REPLACEMENT = "\ufffd"
+# An incomplete UTF-8 character is at most 3 bytes, so at most 3 tokens: that many are held
+# while the text ends in U+FFFD; past it the U+FFFD is the output's own (or bytes that never
+# complete), and all but the last 3 are sent. This bounds every decode to a few tokens.
+MAX_HELD_TOKENS = 3
 
 
 class IncrementalDecoder:
@@ -28,15 +32,35 @@ class IncrementalDecoder:
         self._read_offset = len(self._ids)
 
     def add(self, token_id: int) -> str:
-        """Append one token; return the text it completes (possibly empty)."""
+        """Append one token; return the text it completes (possibly empty).
+
+        Each decode covers at most `2 * (MAX_HELD_TOKENS + 1)` tokens, whatever the output, so
+        detokenizing is linear in its length (a tail that was re-decoded while it ended in
+        U+FFFD made 8,000 such tokens cost 5.46 s).
+        """
         self._ids.append(token_id)
         prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
         new_text = self._decode(self._ids[self._prefix_offset :])
         if len(new_text) > len(prefix_text) and not new_text.endswith(REPLACEMENT):
-            self._prefix_offset = self._read_offset
-            self._read_offset = len(self._ids)
+            self._advance(len(self._ids))
             return new_text[len(prefix_text) :]
-        return ""
+        if len(self._ids) - self._read_offset <= MAX_HELD_TOKENS:
+            return ""
+        # More held than any incomplete character needs: the U+FFFD is the output's own (or
+        # bytes that never complete). Send the text up to the latest token boundary that no
+        # character spans (the two sides decode to the whole), keeping the last tokens held.
+        cut_text = ""
+        for cut in range(len(self._ids) - 1, len(self._ids) - MAX_HELD_TOKENS - 1, -1):
+            cut_text = self._decode(self._ids[self._prefix_offset : cut])
+            if cut_text + self._decode(self._ids[cut:]) == new_text:
+                break
+        self._advance(cut)
+        return cut_text[len(prefix_text) :] if len(cut_text) > len(prefix_text) else ""
+
+    def _advance(self, read_offset: int) -> None:
+        # The tokens just sent become the left context of the next decode; older ones drop out.
+        self._prefix_offset = self._read_offset
+        self._read_offset = read_offset
 
     def flush(self) -> str:
         """Return whatever text is still held (invalid UTF-8 at the very end included)."""
