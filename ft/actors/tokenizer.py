@@ -12,7 +12,7 @@ import trio_parallel
 from ft.actors.registry import Registry
 from ft.errors import FtError, InvalidRequest, RequestFailed
 from ft.messages import Enqueue, PromptReady, SchedulerIn, Tokenize
-from ft.tokenizer.codec import decode_result, encode_job
+from ft.tokenizer.codec import decode_result, encode_job, is_small_job
 from ft.tokenizer.job import Executor
 
 log = logging.getLogger("ft.tokenizer")
@@ -85,12 +85,13 @@ class TokenizerActor:
                     param="prompt",
                 )
             return list(ids)
-        fault = self.fault(msg) if self.fault else None
+        encode = partial(encode_job, msg, self.spec_path, fault=self.fault(msg) if self.fault else None)
         # Encoding is linear in the messages and kwargs the client sent (tens of ms for 1 MB):
-        # off the loop, a few at a time, like the body parse before it.
-        payload = await trio.to_thread.run_sync(
-            partial(encode_job, msg, self.spec_path, fault=fault), limiter=self.encode_limiter
-        )
+        # a large job is encoded off the loop, one at a time, like the body parse before it.
+        if is_small_job(msg):
+            payload = encode()
+        else:
+            payload = await trio.to_thread.run_sync(encode, limiter=self.encode_limiter)
         try:
             result = await self.executor(self.job, payload)
         except trio_parallel.BrokenWorkerError as e:

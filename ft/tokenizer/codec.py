@@ -7,6 +7,7 @@ shows up; it is translated here, once, into `InvalidRequest`, inside the request
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from itertools import chain, islice
 from typing import Any
 
 import cbor2
@@ -15,6 +16,32 @@ from ft.errors import InvalidRequest
 from ft.messages import Tokenize
 
 INT64_MIN, UINT64_MAX = -(2**63), 2**64 - 1
+# A job with at most this many values and characters is encoded on the event loop (well under
+# a millisecond); a larger one in a thread (see `is_small_job`).
+INLINE_JOB_VALUES = 4096
+INLINE_JOB_CHARS = 256 * 1024
+
+
+def is_small_job(msg: Tokenize) -> bool:
+    """Whether `msg` is cheap enough to encode on the event loop.
+
+    A walk that stops at `INLINE_JOB_VALUES` values or `INLINE_JOB_CHARS` characters, so it is
+    bounded whatever the client sent.
+    """
+    values = chars = 0
+    stack: list[Any] = [msg.prompt, msg.messages, msg.tools, msg.chat_template_kwargs]
+    while stack:
+        item = stack.pop()
+        values += 1
+        if isinstance(item, str):
+            chars += len(item)
+        elif isinstance(item, dict):
+            stack.extend(islice(chain.from_iterable(item.items()), 2 * INLINE_JOB_VALUES + 2))
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item[: INLINE_JOB_VALUES + 1])
+        if values > INLINE_JOB_VALUES or chars > INLINE_JOB_CHARS:
+            return False
+    return True
 
 
 def _check_ints(value: Any, path: str) -> None:

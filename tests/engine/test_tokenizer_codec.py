@@ -13,7 +13,7 @@ import ft.actors.tokenizer as tokenizer_actor
 from ft.errors import InvalidRequest
 from ft.messages import Tokenize
 from ft.params import SamplingParams
-from ft.tokenizer.codec import decode_job, encode_job
+from ft.tokenizer.codec import INLINE_JOB_CHARS, INLINE_JOB_VALUES, decode_job, encode_job, is_small_job
 from tests.support.engine import fake_engine
 
 
@@ -56,8 +56,18 @@ def test_an_unsendable_field_is_named(fields: dict[str, Any], param: str) -> Non
     assert refused.value.param == param
 
 
-async def test_jobs_are_encoded_off_the_event_loop(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The tokenizer actor encodes each job in a thread, never on the loop's."""
+def test_a_job_is_small_by_its_values_and_characters() -> None:
+    """Jobs past a bounded count of values or characters are large, however they nest."""
+    assert is_small_job(job(chat_template_kwargs={"a": [1] * (INLINE_JOB_VALUES // 2)}))
+    assert not is_small_job(job(chat_template_kwargs={"a": [1] * 300_000}))
+    assert not is_small_job(job(chat_template_kwargs={str(i): i for i in range(300_000)}))
+    assert not is_small_job(job(chat_template_kwargs={"a": [[[1] * 100] * 100]}))
+    assert not is_small_job(job(prompt="x" * (INLINE_JOB_CHARS + 1), messages=None))
+    assert is_small_job(job(prompt="x" * 1000, messages=None))
+
+
+async def test_large_jobs_are_encoded_off_the_event_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tokenizer actor encodes a large job in a thread, never on the loop's."""
     threads: list[threading.Thread] = []
     real = tokenizer_actor.encode_job
 
