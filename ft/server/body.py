@@ -31,9 +31,9 @@ INT_MIN, INT_MAX = -(2**63), 2**64 - 1
 # Bodies up to this size are parsed on the event loop (well under a millisecond); larger ones
 # in a thread, so the loop keeps serving `/health` and streams meanwhile.
 INLINE_BODY_BYTES = 16 * 1024
-# Threads parsing bodies at once. Parsing holds the GIL, so more threads add no throughput;
-# they only make the loop's thread wait longer for its turn (100 bodies in 40 threads held
-# `/health` for 13.8 s).
+# Threads parsing bodies at once. Parsing holds the GIL, so each thread makes the loop's thread
+# wait longer for its turn: 100 bodies in up to 40 threads held `/health` for 6.7-29.8 s; in 2,
+# p99 0.5-1.1 s; in 1, p99 0.1-0.4 s (a flood then takes longer to parse, ~2x, not the loop).
 PARSE_THREADS = 1
 # The walk over a parsed body gives up the GIL after each this many values (~0.2 ms of work),
 # so the loop's thread never waits a whole switch interval for it (see `yield_gil`).
