@@ -68,11 +68,12 @@ class DetokenizerActor:
         detok = entry.detoks.get(index)
         if detok is None:
             skip = entry.params.skip_special_tokens
-            detok = SeqDetokenizer(
-                lambda ids: self.decode(ids, skip),
-                entry.params.stop,
-                entry.prompt_ids[-CONTEXT_TOKENS:],
-            )
+            # NOTE: stop strings do not apply under a grammar. It shapes the answer from its
+            # first token and ends it where the answer is complete; a stop string matched
+            # inside it would cut it and call the cut answer complete (`stop`, invalid JSON).
+            stops = () if entry.params.grammar is not None else entry.params.stop
+            context = entry.prompt_ids[-CONTEXT_TOKENS:]
+            detok = SeqDetokenizer(lambda ids: self.decode(ids, skip), stops, context)
             entry.detoks[index] = detok
         return detok
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from functools import partial
 
 import trio
 import trio_parallel
@@ -11,12 +12,14 @@ import trio_parallel
 from ft.actors.registry import Registry
 from ft.errors import FtError, InvalidRequest, RequestFailed
 from ft.messages import Enqueue, PromptReady, SchedulerIn, Tokenize
-from ft.tokenizer.codec import decode_result, encode_job
+from ft.tokenizer.codec import decode_result, encode_job, is_small_job
 from ft.tokenizer.job import Executor
 
 log = logging.getLogger("ft.tokenizer")
 
 FaultHook = Callable[[Tokenize], str | None]
+
+ENCODE_THREADS = 1  # threads encoding jobs at once: encoding holds the GIL (see ft.server.body)
 
 
 class TokenizerActor:
@@ -42,6 +45,7 @@ class TokenizerActor:
         self.executor = executor
         self.job = job
         self.fault = fault
+        self.encode_limiter = trio.CapacityLimiter(ENCODE_THREADS)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Serve jobs until the inbox closes."""
@@ -81,7 +85,13 @@ class TokenizerActor:
                     param="prompt",
                 )
             return list(ids)
-        payload = encode_job(msg, self.spec_path, fault=self.fault(msg) if self.fault else None)
+        encode = partial(encode_job, msg, self.spec_path, fault=self.fault(msg) if self.fault else None)
+        # Encoding is linear in the messages and kwargs the client sent (tens of ms for 1 MB):
+        # a large job is encoded off the loop, one at a time, like the body parse before it.
+        if is_small_job(msg):
+            payload = encode()
+        else:
+            payload = await trio.to_thread.run_sync(encode, limiter=self.encode_limiter)
         try:
             result = await self.executor(self.job, payload)
         except trio.TooSlowError as e:  # the worker was killed and replaced

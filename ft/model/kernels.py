@@ -189,7 +189,12 @@ def library() -> ctypes.CDLL:
     with _lock:
         if _lib is None and _error is None:
             try:
-                _lib = build_library(sanitize=os.environ.get("FT_KERNELS_SANITIZE") == "1")
+                # FT_KERNELS_MARCH (e.g. haswell, x86-64) builds for another instruction set:
+                # how the suite is run as it would on another CPU.
+                _lib = build_library(
+                    os.environ.get("FT_KERNELS_MARCH") or "native",
+                    sanitize=os.environ.get("FT_KERNELS_SANITIZE") == "1",
+                )
             except (RuntimeError, OSError) as exc:
                 _error = str(exc)
         if _lib is None:

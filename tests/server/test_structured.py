@@ -167,3 +167,23 @@ async def test_a_prefill_with_structured_output_is_a_400(client: httpx.AsyncClie
     r = await client.post("/v1/messages", json={"messages": prefill, "max_tokens": 5, "output_format": fmt})
     assert r.status_code == 400, r.text
     assert "prefill" in r.json()["error"]["message"]
+
+
+async def test_a_stop_string_inside_a_constrained_answer_does_not_cut_it() -> None:
+    """A stop string that occurs inside the constrained answer does not end it: an answer under
+    a grammar that says `stop` is the whole answer, valid (issue 18: it was cut, said `stop`)."""
+    answer = '{"a": "x", "b": [1, 2]}'
+    async with fake_engine(FakeRunner(text_script(answer))) as engine:
+        regex = spec.regex(r'\{"a": "x", "b": \[1, 2\]\}', "guided_regex")
+        for grammar in (spec.json_object("response_format"), regex):
+            params = SamplingParams(max_tokens=100, stop=('"', ", ", "]"), grammar=grammar)
+            async with engine.open_request(prompt="hello", params=params) as stream:
+                deltas = await stream.collect()
+            assert "".join(d.text for d in deltas) == answer
+            assert deltas[-1].finish_reason == "stop" and deltas[-1].stop_reason is None
+        # without a grammar the same stop strings apply
+        params = SamplingParams(max_tokens=100, stop=(", ",))
+        async with engine.open_request(prompt="hello", params=params) as stream:
+            deltas = await stream.collect()
+        assert "".join(d.text for d in deltas) == '{"a": "x"'
+        assert deltas[-1].finish_reason == "stop" and deltas[-1].stop_reason == ", "
