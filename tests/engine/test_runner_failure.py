@@ -9,14 +9,16 @@ import pytest
 import trio
 import trio.testing
 
+from ft.actors.runner import RunnerActor
 from ft.config import EngineConfig
-from ft.core.batch import RunnerFailure, SeqWork
+from ft.core.batch import RowsFailed, RunnerFailure, Sampled, SeqWork
 from ft.engine.engine import Engine, EngineState
 from ft.engine.fake import FakeRunner, text_script
 from ft.engine.loading import ModelParts
 from ft.engine.watchdog import Watchdog
 from ft.errors import EngineStopping, InvalidRequest, RequestFailed
 from ft.grammar import spec
+from ft.messages import Batch, SchedulerIn, StepDone
 from ft.model.masks import GrammarError
 from ft.params import SamplingParams
 from tests.engine.test_request_scope import assert_nothing_held
@@ -294,3 +296,37 @@ async def test_a_step_that_ended_while_the_loop_was_blocked_is_no_stall() -> Non
         now += watchdog.period_s
     assert reason is not None and "a step has run for" in reason
     assert 10 <= now - (t0 + 30.6) <= 11
+
+
+class PartlyFailingRunner:
+    """A runner whose steps sample every row but fail the grammar of seq 0 (`RowsFailed`)."""
+
+    page_size, num_pages, vocab_size = 16, 8, 259
+
+    def __init__(self) -> None:
+        self.num_steps = 0
+
+    def step(self, works: list[SeqWork]) -> list[Sampled]:
+        self.num_steps += 1
+        raise RowsFailed(
+            [Sampled(w.seq_id, 7) for w in works if w.seq_id != 0], [(0, "seq 0: one token took 30 ms")]
+        )
+
+
+async def test_a_row_whose_grammar_fails_is_a_400_and_its_step_is_not_rerun() -> None:
+    """`RowsFailed` fails only its rows, as invalid requests, and keeps the step's other
+    samples: the batch is not rerun row by row (which would pay the grammar again)."""
+    runner = PartlyFailingRunner()
+    batches, inbox = trio.open_memory_channel[Batch](1)
+    out, done = trio.open_memory_channel[SchedulerIn](1)
+    works = tuple(SeqWork(i, (1,), 0, (i,), True, SamplingParams(), 0) for i in range(3))
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(RunnerActor(inbox, out, runner).run)
+        await batches.send(Batch(1, works))
+        with trio.fail_after(5):
+            step = await done.receive()
+        batches.close()
+    assert isinstance(step, StepDone) and runner.num_steps == 1
+    assert [s.seq_id for s in step.sampled] == [1, 2]
+    [(seq_id, error)] = step.failed
+    assert seq_id == 0 and isinstance(error, InvalidRequest) and error.status == 400
