@@ -63,11 +63,6 @@ class SendDeadlines:
         for scope in self._live:
             scope.deadline = min(scope.deadline, self.closing_at)
 
-    @property
-    def num_live(self) -> int:
-        """Writes under way now."""
-        return len(self._live)
-
 
 class GuardedTCPServer(TCPServer):
     """hypercorn's trio TCP connection with a deadline on every write (module docstring)."""
