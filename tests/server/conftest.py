@@ -8,7 +8,6 @@ import httpx
 import pytest
 
 from ft.server import RunningServer
-from tests.support.gguf_files import RawGGUF, default_model_raw, write_tiny_gguf
 from tests.support.server import fake_server
 
 
@@ -24,15 +23,3 @@ async def client(server: RunningServer) -> AsyncIterator[httpx.AsyncClient]:
     """An async HTTP client on `server`."""
     async with httpx.AsyncClient(base_url=server.base_url, timeout=10) as c:
         yield c
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> RawGGUF:
-    """A tiny valid GGUF's header, ready to edit (`tests.support.gguf_files`)."""
-    return RawGGUF.read(write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf"))
-
-
-@pytest.fixture(scope="module")
-def default_model() -> RawGGUF:
-    """The default model's header; skips when it is not cached."""
-    return default_model_raw()
