@@ -49,6 +49,7 @@ CACHE_SIZE = 256
 # measured with `sys.getsizeof`: 256 sources of up to 1 MiB would be far more.
 CACHE_BYTES = 32 << 20
 COMPILE_TIMEOUT_S = 5.0
+MIN_COMPILES = 16  # new specs compiling or waiting, at least (8 a worker)
 WARM_TIMEOUT_S = 30.0  # a new compile worker's start and tokenizer load
 WORKER_GRACE_S = 5.0
 CRASHED = "the grammar crashed its compiler (it is too large or too deeply nested)"
@@ -102,7 +103,10 @@ class Grammars:
         # NOTE: at most as many compilations as the executor has workers, so that a burst of
         # new specs waits here, before its deadline starts, and is not refused for queueing.
         self._workers = trio.CapacityLimiter(workers)
-        self.max_compiles = max_compiles or 2 * workers
+        # NOTE: a client may send several new schemas at once (an evaluation's seven, all in
+        # parallel): with 4 on 2 workers, one client's seventh got 503. 16 compiles of at most
+        # `timeout_s` each keep a new spec's wait bounded (behind a flood of crashing ones too).
+        self.max_compiles = max_compiles or max(MIN_COMPILES, 8 * workers)
         self.max_compiles_per_client = max(1, self.max_compiles // 2)
         self._fault = fault
         self._cache: OrderedDict[tuple[str, str], Checked] = OrderedDict()
