@@ -21,8 +21,8 @@ from ft.config import (
     model_config_fields,
 )
 from ft.logs import LOG_FORMATS, setup_logging
+from ft.server.edge.slow_clients import DEFAULT_SEND_TIMEOUT_S
 from ft.server.settings import LOG_LEVELS, ServerSettings
-from ft.server.slow_clients import DEFAULT_SEND_TIMEOUT_S
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 _UNITS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}

@@ -19,7 +19,7 @@ log = logging.getLogger("ft.tokenizer")
 
 FaultHook = Callable[[Tokenize], str | None]
 
-ENCODE_THREADS = 1  # threads encoding jobs at once: encoding holds the GIL (see ft.server.body)
+ENCODE_THREADS = 1  # threads encoding jobs at once: encoding holds the GIL (see ft.server.edge.body)
 
 
 class TokenizerActor:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ft.server.app import RunningServer, create_app, open_server, serve
-from ft.server.context import ServerContext
+from ft.server.generation.context import ServerContext
 from ft.server.settings import ServerSettings
 
 __all__ = ["RunningServer", "ServerContext", "ServerSettings", "create_app", "open_server", "serve"]

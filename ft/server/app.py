@@ -23,14 +23,18 @@ from ft.config import EngineConfig
 from ft.engine.engine import Engine, open_engine
 from ft.engine.loading import EngineHooks
 from ft.errors import FtError
-from ft.server import anthropic, control, openai, protocol, responses, slow_clients
-from ft.server.auth import authorize
-from ft.server.context import ServerContext, error_response
-from ft.server.http_errors import HttpError, internal_error
-from ft.server.protocol import FtHypercornConfig
+from ft.server import control
+from ft.server.anthropic import routes as anthropic_routes
+from ft.server.edge import protocol, slow_clients
+from ft.server.edge.auth import authorize
+from ft.server.edge.http_errors import HttpError, internal_error
+from ft.server.edge.protocol import FtHypercornConfig
+from ft.server.edge.slow_clients import SendDeadlines
+from ft.server.edge.tracing import Tracing
+from ft.server.generation.context import ServerContext, error_response
+from ft.server.openai import routes as openai_routes
+from ft.server.responses import routes as responses_routes
 from ft.server.settings import ServerSettings
-from ft.server.slow_clients import SendDeadlines
-from ft.server.tracing import Tracing
 
 log = logging.getLogger("ft.server")
 
@@ -77,7 +81,7 @@ def create_app(
     ctx = ServerContext(engine=engine, settings=settings)
     app.extensions["ft"] = ctx
     _install_edge(app, ctx)
-    for module in (openai, anthropic, responses, control):
+    for module in (openai_routes, anthropic_routes, responses_routes, control):
         module.register(app, ctx)
     for register in extra_routes:
         register(app, ctx)
@@ -142,7 +146,7 @@ def _install_edge(app: QuartTrio, ctx: ServerContext) -> None:
 
 def hypercorn_config(settings: ServerSettings) -> FtHypercornConfig:
     """Hypercorn's config for `settings` (access log only at debug level; HTTP/1.x only
-    unless `settings.http2`, see `ft.server.protocol`)."""
+    unless `settings.http2`, see `ft.server.edge.protocol`)."""
     protocol.install()
     slow_clients.install()
     cfg = FtHypercornConfig()

@@ -16,11 +16,11 @@ from quart_trio import QuartTrio
 
 from ft.engine.engine import EngineState
 from ft.errors import EngineStopping
-from ft.server.context import ServerContext, json_response, read_request
-from ft.server.http_errors import HttpError
+from ft.server.edge.http_errors import HttpError
+from ft.server.generation.context import ServerContext, json_response, read_request
 from ft.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from ft.server.openai_format import chat_message_for_template
-from ft.server.schemas_openai import DetokenizeRequest, PrepareStopRequest, TokenizeRequest
+from ft.server.openai.format import chat_message_for_template
+from ft.server.openai.schemas import DetokenizeRequest, PrepareStopRequest, TokenizeRequest
 
 # `/health`'s status for each engine state (any other: "stopping").
 HEALTH_STATUS = {EngineState.READY: "ok", EngineState.LOADING: "loading", EngineState.ERROR: "error"}

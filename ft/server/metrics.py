@@ -23,7 +23,7 @@ from prometheus_client.registry import Collector
 
 from ft.engine.engine import Engine
 from ft.engine.stats import RequestReport
-from ft.server.tracing import RequestRecord
+from ft.server.edge.tracing import RequestRecord
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 

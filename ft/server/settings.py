@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ft.logs import LOG_FORMATS
-from ft.server.slow_clients import DEFAULT_SEND_TIMEOUT_S
+from ft.server.edge.slow_clients import DEFAULT_SEND_TIMEOUT_S
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 

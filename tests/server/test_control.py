@@ -15,7 +15,7 @@ from ft.config import EngineConfig
 from ft.engine.fake import FakeRunner, run_inline, text_script
 from ft.server import RunningServer, ServerSettings
 from ft.server.app import EngineFailed, serve
-from ft.server.auth import is_loopback
+from ft.server.edge.auth import is_loopback
 from tests.support.engine import fake_hooks, fake_parts
 from tests.support.server import TEST_SETTINGS, fake_server, parse_sse, running_server, wait_idle
 

@@ -10,7 +10,7 @@ import pytest
 import trio
 
 from ft.server import ServerSettings
-from ft.server.openai_format import MAX_ECHO_TOKENS
+from ft.server.openai.format import MAX_ECHO_TOKENS
 from tests.support.server import fake_server, health_watch, wait_idle
 
 USER = [{"role": "user", "content": "hi"}]

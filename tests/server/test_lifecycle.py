@@ -1,4 +1,4 @@
-"""The one generation lifecycle (`ft.server.generation`), checked across all four APIs."""
+"""The one generation lifecycle (`ft.server.generation.lifecycle`), checked across all four APIs."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import httpx
 import trio
 
 from ft.engine.fake import FakeRunner, text_script
-from ft.server.context import ServerContext
-from ft.server.generation import respond
-from ft.server.openai import ChatCompletion
-from ft.server.schemas_openai import ChatCompletionRequest
+from ft.server.generation.context import ServerContext
+from ft.server.generation.lifecycle import respond
+from ft.server.openai.routes import ChatCompletion
+from ft.server.openai.schemas import ChatCompletionRequest
 from tests.support.server import fake_server, parse_sse, wait_idle
 
 USER = [{"role": "user", "content": "hi"}]

@@ -20,7 +20,7 @@ from quart import Response
 from ft.engine.stream import RequestStream
 from ft.errors import FtError
 from ft.messages import Delta
-from ft.server.http_errors import ErrorFormatter, openai_error_body
+from ft.server.edge.http_errors import ErrorFormatter, openai_error_body
 
 CONNECTED = b": connected\n\n"
 HEARTBEAT = b": heartbeat\n\n"

@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import ft.server.body as body
+import ft.server.edge.body as body
 from ft.errors import InvalidRequest
-from ft.server.body import INT_MAX, MAX_DEPTH, WALK_SLICE, check_value
+from ft.server.edge.body import INT_MAX, MAX_DEPTH, WALK_SLICE, check_value
 
 SCALARS = st.one_of(
     st.none(),

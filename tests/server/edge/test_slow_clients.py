@@ -16,8 +16,8 @@ from hypercorn.events import Closed, Event, RawData
 
 from ft.engine.fake import FakeRunner, byte_token
 from ft.server import RunningServer
-from ft.server.protocol import FtHypercornConfig
-from ft.server.slow_clients import GuardedTCPServer, SendDeadlines
+from ft.server.edge.protocol import FtHypercornConfig
+from ft.server.edge.slow_clients import GuardedTCPServer, SendDeadlines
 from tests.support.server import TEST_SETTINGS, fake_server, wait_idle
 
 # Far more output than the socket buffers hold (the client's window is 4 KiB; the server's

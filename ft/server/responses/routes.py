@@ -26,8 +26,10 @@ from quart_trio import QuartTrio
 from ft.errors import FtError, InvalidRequest
 from ft.ids import random_id
 from ft.messages import Delta
-from ft.server import generation
-from ft.server.assemble import (
+from ft.server.edge.body import parse_arguments
+from ft.server.edge.http_errors import HttpError
+from ft.server.generation import lifecycle
+from ft.server.generation.assemble import (
     Block,
     BlockAssembler,
     BlockDelta,
@@ -36,25 +38,23 @@ from ft.server.assemble import (
     BlockStop,
     assemble_blocks,
 )
-from ft.server.body import parse_arguments
-from ft.server.context import ServerContext, read_request
-from ft.server.generation import Generated, GenerationApi, Prompt, Usage, respond
-from ft.server.http_errors import HttpError
-from ft.server.schemas_responses import (
-    FunctionCallItem,
-    FunctionCallOutputItem,
-    FunctionChoice,
-    MessageItem,
-    ResponsesRequest,
-)
-from ft.server.sse import sse_event
-from ft.server.structured import reasoning_parser_name, responses_output
-from ft.server.tools import (
+from ft.server.generation.context import ServerContext, read_request
+from ft.server.generation.lifecycle import Generated, GenerationApi, Prompt, Usage, respond
+from ft.server.generation.sse import sse_event
+from ft.server.generation.structured import reasoning_parser_name, responses_output
+from ft.server.generation.tools import (
     ToolChoice,
     apply_tool_choice,
     function_tool,
     output_grammar,
     tool_call_parser_name,
+)
+from ft.server.responses.schemas import (
+    FunctionCallItem,
+    FunctionCallOutputItem,
+    FunctionChoice,
+    MessageItem,
+    ResponsesRequest,
 )
 
 ITEM_ID_PREFIXES = {"thinking": "rs_", "text": "msg_", "tool_call": "fc_"}
@@ -191,7 +191,7 @@ class ResponseCall(GenerationApi):
         self.tool_call_parser = tool_call_parser_name(config.tool_call_parser, sent_tools is not None)
         self.text_format = req.text.format if req.text is not None else None
         answer = responses_output(self.text_format)
-        self.params = generation.sampling_params(
+        self.params = lifecycle.sampling_params(
             ctx,
             temperature=req.temperature,
             top_p=req.top_p,

@@ -21,7 +21,7 @@ from typing import Any
 
 from quart import Request
 
-from ft.server.http_errors import HttpError
+from ft.server.edge.http_errors import HttpError
 from ft.server.settings import ServerSettings
 
 # Paths that never need the API key: probes, and the scraper's unless --metrics-require-key.

@@ -26,14 +26,14 @@ from hypercorn.config import Config as HypercornConfig
 from hypercorn.events import Closed, Event
 from hypercorn.protocol.h11 import H11Protocol
 
-from ft.server.slow_clients import SendDeadlines
+from ft.server.edge.slow_clients import SendDeadlines
 
 HTTP1_VERSIONS = frozenset({b"1.0", b"1.1"})
 
 
 class FtHypercornConfig(HypercornConfig):
     """hypercorn's config plus whether cleartext HTTP/2 is served and the deadlines of its
-    socket writes (`ft.server.slow_clients`)."""
+    socket writes (`ft.server.edge.slow_clients`)."""
 
     http2: bool = False
     send_deadlines: SendDeadlines | None = None

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ft.engine.stream import Choice
-from ft.server.assemble import (
+from ft.server.generation.assemble import (
     Block,
     BlockAssembler,
     BlockDelta,
@@ -18,7 +18,7 @@ from ft.server.assemble import (
     ChatAssembler,
     assemble_blocks,
 )
-from ft.server.tools import add_system_instruction, function_tool, tool_call_parser_name
+from ft.server.generation.tools import add_system_instruction, function_tool, tool_call_parser_name
 
 CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
 OUTPUT = "<think>\nThe user wants weather.\n</think>\n\nLet me check. " + CALL + "\n" + CALL

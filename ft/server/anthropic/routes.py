@@ -9,7 +9,7 @@ A streamed response follows Anthropic's event sequence exactly: `message_start`,
 content block `content_block_start` / `content_block_delta`… / `content_block_stop`, then
 `message_delta` (stop reason, usage) and `message_stop`; `ping` while the request is queued or
 prefilling; `error` if the request fails after the headers went out. The lifecycle is
-`ft.server.generation`'s; this module supplies the prompt and the shapes.
+`ft.server.generation.lifecycle`'s; this module supplies the prompt and the shapes.
 
 A final assistant turn is a prefill: the model continues it, and the response holds only the
 continuation, as Anthropic's does. Usage reports the prefix-cache hits as
@@ -29,8 +29,9 @@ from ft.grammar.spec import GrammarSpec
 from ft.ids import random_id
 from ft.messages import Delta
 from ft.params import SamplingParams
-from ft.server import generation
-from ft.server.assemble import (
+from ft.server.anthropic.schemas import CountTokensRequest, MessagesRequest, PromptFields
+from ft.server.generation import lifecycle
+from ft.server.generation.assemble import (
     Block,
     BlockAssembler,
     BlockDelta,
@@ -39,12 +40,11 @@ from ft.server.assemble import (
     BlockStop,
     assemble_blocks,
 )
-from ft.server.context import ServerContext, json_response, read_request
-from ft.server.generation import Generated, GenerationApi, Prompt, Usage, respond
-from ft.server.schemas_anthropic import CountTokensRequest, MessagesRequest, PromptFields
-from ft.server.sse import sse_event
-from ft.server.structured import anthropic_output, reasoning_parser_name
-from ft.server.tools import (
+from ft.server.generation.context import ServerContext, json_response, read_request
+from ft.server.generation.lifecycle import Generated, GenerationApi, Prompt, Usage, respond
+from ft.server.generation.sse import sse_event
+from ft.server.generation.structured import anthropic_output, reasoning_parser_name
+from ft.server.generation.tools import (
     ToolChoice,
     apply_tool_choice,
     function_tool,
@@ -201,7 +201,7 @@ def messages_prompt(req: PromptFields) -> Prompt:
     """The engine-side prompt of a Messages request: template messages, tools, kwargs.
 
     A final assistant turn is a prefill: the model continues it. `tool_choice` follows the
-    shared policy (`ft.server.tools`): `none` sends no tools.
+    shared policy (`ft.server.generation.tools`): `none` sends no tools.
     """
     tools = [function_tool(t.name, t.description, t.input_schema) for t in req.tools or ()]
     messages, sent_tools = apply_tool_choice(template_messages(req), tools, tool_choice(req))
@@ -223,7 +223,7 @@ def sampling_params(ctx: ServerContext, req: MessagesRequest, grammar: GrammarSp
     # context (Claude Code: 32000). One that reaches the context means "up to the context".
     max_tokens = None if req.max_tokens >= ctx.engine.max_model_len else req.max_tokens
     try:
-        return generation.sampling_params(
+        return lifecycle.sampling_params(
             ctx,
             temperature=req.temperature,
             top_p=req.top_p,

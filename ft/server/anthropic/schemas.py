@@ -2,7 +2,7 @@
 
 Strict types and engine-representable bounds, as for the OpenAI routes; unknown fields are
 ignored (`service_tier`, `cache_control`, `container`, …). Lone surrogates and integers past
-64 bits were already refused, naming the field, by `ft.server.body.parse_json`.
+64 bits were already refused, naming the field, by `ft.server.edge.body.parse_json`.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pydantic import Discriminator, Field, Tag, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from ft.params import MAX_STOP_STRINGS
-from ft.server.schemas_openai import (
+from ft.server.openai.schemas import (
     MAX_MESSAGES,
     MAX_NAME_LEN,
     MAX_TOOLS,

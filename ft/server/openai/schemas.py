@@ -3,7 +3,7 @@
 Unknown top-level fields are ignored (as OpenAI does); known fields are strictly typed (no
 string-to-number coercion) and bounded by what the engine can represent. Free-form objects
 (`chat_template_kwargs`, `tools`, `tool_calls`) were already checked for lone surrogates and
-64-bit integers by `ft.server.body.parse_json`.
+64-bit integers by `ft.server.edge.body.parse_json`.
 """
 
 from __future__ import annotations

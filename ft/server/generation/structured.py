@@ -3,7 +3,7 @@
 OpenAI chat and completions: `response_format` (`json_object`, `json_schema`), and vLLM's
 `structured_outputs` / `guided_json|regex|choice|grammar`. Responses: `text.format`.
 Anthropic: `output_format`. A forced `tool_choice` is the other source of a grammar; it is
-combined with these in `ft.server.tools.output_grammar`.
+combined with these in `ft.server.generation.tools.output_grammar`.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from typing import Any
 from ft.errors import InvalidRequest
 from ft.grammar import spec
 from ft.grammar.spec import GrammarSpec
-from ft.server.schemas_anthropic import OutputFormat
-from ft.server.schemas_openai import SamplingFields
-from ft.server.schemas_responses import TextFormat
+from ft.server.anthropic.schemas import OutputFormat
+from ft.server.openai.schemas import SamplingFields
+from ft.server.responses.schemas import TextFormat
 
 
 def only_one(asked: list[GrammarSpec]) -> GrammarSpec | None:

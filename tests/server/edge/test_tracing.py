@@ -14,7 +14,7 @@ import pytest
 
 from ft.engine.fake import FakeRunner, text_script
 from ft.logs import JsonFormatter, RequestIdFilter, TextFormatter
-from ft.server.tracing import MAX_REQUEST_ID_LEN, valid_request_id
+from ft.server.edge.tracing import MAX_REQUEST_ID_LEN, valid_request_id
 from tests.support.server import TEST_SETTINGS, fake_server, parse_sse, wait_idle
 
 USER = [{"role": "user", "content": "the secret prompt"}]

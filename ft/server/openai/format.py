@@ -14,14 +14,14 @@ from ft.errors import InvalidRequest
 from ft.grammar.spec import GrammarSpec
 from ft.messages import TokenLogprob
 from ft.params import SamplingParams
-from ft.server import generation
-from ft.server.assemble import ChatAssembler
-from ft.server.body import parse_arguments
-from ft.server.context import ServerContext
-from ft.server.generation import Usage
-from ft.server.schemas_openai import ChatMessage, CompletionRequest, SamplingFields
-from ft.server.structured import reasoning_parser_name
-from ft.server.tools import tool_call_parser_name
+from ft.server.edge.body import parse_arguments
+from ft.server.generation import lifecycle
+from ft.server.generation.assemble import ChatAssembler
+from ft.server.generation.context import ServerContext
+from ft.server.generation.lifecycle import Usage
+from ft.server.generation.structured import reasoning_parser_name
+from ft.server.generation.tools import tool_call_parser_name
+from ft.server.openai.schemas import ChatMessage, CompletionRequest, SamplingFields
 
 # The most prompt tokens a completion may echo, counting each of the `n` choices: a 576 KB
 # request (64 prompts, n 16, echo, logprobs 5) asked for ~1.5M echoed tokens, a 50 MB response.
@@ -47,7 +47,7 @@ def sampling_params(
     bias = req.logit_bias_ids()
     ctx.check_token_ids(list(bias), "logit_bias")
     ctx.check_token_ids(list(req.stop_token_ids or ()), "stop_token_ids")
-    return generation.sampling_params(
+    return lifecycle.sampling_params(
         ctx,
         temperature=req.temperature,
         top_p=req.top_p,

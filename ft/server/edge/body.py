@@ -24,7 +24,7 @@ from quart import Request
 
 from ft.errors import InvalidRequest
 from ft.params import has_lone_surrogate
-from ft.server.http_errors import HttpError
+from ft.server.edge.http_errors import HttpError
 
 MAX_DEPTH = 64
 INT_MIN, INT_MAX = -(2**63), 2**64 - 1

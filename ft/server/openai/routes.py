@@ -2,7 +2,7 @@
 
 Each class parses its body into prompts and sampling params and renders OpenAI's shapes; the
 request's lifecycle (static checks, scopes, heartbeats, in-stream errors) is
-`ft.server.generation`'s.
+`ft.server.generation.lifecycle`'s.
 """
 
 from __future__ import annotations
@@ -18,10 +18,13 @@ from ft.errors import FtError, InvalidRequest
 from ft.ids import random_id
 from ft.messages import Delta
 from ft.params import SamplingParams
-from ft.server.assemble import ChatAssembler, openai_finish_reason
-from ft.server.context import ServerContext, read_request
-from ft.server.generation import Generated, GenerationApi, Prompt, Usage, respond
-from ft.server.openai_format import (
+from ft.server.generation.assemble import ChatAssembler, openai_finish_reason
+from ft.server.generation.context import ServerContext, read_request
+from ft.server.generation.lifecycle import Generated, GenerationApi, Prompt, Usage, respond
+from ft.server.generation.sse import DONE, sse_data, sse_error
+from ft.server.generation.structured import openai_output
+from ft.server.generation.tools import ToolChoice, apply_tool_choice, output_grammar, tool_call_parser_name
+from ft.server.openai.format import (
     CompletionLogprobs,
     chat_logprobs,
     chat_message_for_template,
@@ -30,10 +33,7 @@ from ft.server.openai_format import (
     sampling_params,
     usage,
 )
-from ft.server.schemas_openai import ChatCompletionRequest, CompletionRequest, PromptItem
-from ft.server.sse import DONE, sse_data, sse_error
-from ft.server.structured import openai_output
-from ft.server.tools import ToolChoice, apply_tool_choice, output_grammar, tool_call_parser_name
+from ft.server.openai.schemas import ChatCompletionRequest, CompletionRequest, PromptItem
 
 
 def register(app: QuartTrio, ctx: ServerContext) -> None:

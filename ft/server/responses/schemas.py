@@ -2,7 +2,7 @@
 
 Strict types and engine-representable bounds; unknown fields are ignored (`metadata`,
 `reasoning`, `truncation`, `include`, `service_tier`, …). `top_k` is accepted as an extension.
-Lone surrogates and integers past 64 bits were already refused by `ft.server.body.parse_json`.
+Lone surrogates and integers past 64 bits were already refused by `ft.server.edge.body.parse_json`.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Discriminator, Field, Tag, field_validator
 
-from ft.server.schemas_openai import (
+from ft.server.openai.schemas import (
     MAX_MESSAGES,
     MAX_NAME_LEN,
     MAX_TOOLS,

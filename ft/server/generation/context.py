@@ -18,17 +18,17 @@ from quart import Response, request
 
 from ft.engine.engine import Engine
 from ft.errors import FtError, InvalidRequest
-from ft.server.body import parse_json, read_body, require_json_content_type, run_sized
-from ft.server.http_errors import (
+from ft.server.edge.body import parse_json, read_body, require_json_content_type, run_sized
+from ft.server.edge.http_errors import (
     ErrorFormatter,
     HttpError,
     dumps,
     error_headers,
     openai_error_body,
 )
+from ft.server.edge.tracing import current_record
 from ft.server.metrics import ServerMetrics
 from ft.server.settings import ServerSettings
-from ft.server.tracing import current_record
 
 M = TypeVar("M", bound=BaseModel)
 

@@ -17,7 +17,7 @@ here, once (`respond`):
    `aclose()` (`aclosing` here, Quart's `IterableBody` outside): a client that leaves cancels
    or closes it at once, never later by the garbage collector.
 
-Along the way the request's `RequestRecord` (`ft.server.tracing`) learns its route, token
+Along the way the request's `RequestRecord` (`ft.server.edge.tracing`) learns its route, token
 counts, time to first token and finish reasons, for its log line and the metrics; its id goes
 into each engine request.
 """
@@ -37,10 +37,10 @@ from ft.engine.stream import Choice, RequestStream
 from ft.errors import FtError
 from ft.messages import Delta
 from ft.params import SamplingParams
-from ft.server.context import ServerContext, json_response, json_response_off_loop
-from ft.server.http_errors import internal_error
-from ft.server.sse import CONNECTED, HEARTBEAT, DeltaMux, MuxResult, sse_response
-from ft.server.tracing import RequestRecord, current_record
+from ft.server.edge.http_errors import internal_error
+from ft.server.edge.tracing import RequestRecord, current_record
+from ft.server.generation.context import ServerContext, json_response, json_response_off_loop
+from ft.server.generation.sse import CONNECTED, HEARTBEAT, DeltaMux, MuxResult, sse_response
 
 
 @dataclass(frozen=True, slots=True)

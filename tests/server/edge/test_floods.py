@@ -36,7 +36,7 @@ async def flood(server: RunningServer, body: bytes, tmp_path: Path) -> list[floa
     argv = [sys.executable, "-m", "tests.support.flood"]
     argv += [str(url.hostname), str(url.port), "/v1/chat/completions", str(body_file), str(NUM_BODIES)]
     with trio.fail_after(180):
-        done = await trio.run_process(argv, capture_stdout=True, cwd=Path(__file__).parents[2])
+        done = await trio.run_process(argv, capture_stdout=True, cwd=Path(__file__).parents[3])
     result = json.loads(done.stdout)
     assert result["statuses"] == [200] * NUM_BODIES, result["statuses"]
     return list(result["latencies"])
