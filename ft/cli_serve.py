@@ -91,18 +91,21 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     engine = parser.add_argument_group("engine")
     engine.add_argument(
         "--max-running-requests",
+        metavar="N",
         type=int,
         default=_E.max_running_requests,
         help="sequences decoded together (default: %(default)s)",
     )
     engine.add_argument(
         "--max-queued-requests",
+        metavar="N",
         type=int,
         default=_E.max_queued_requests,
         help="waiting requests before 503 (default: %(default)s)",
     )
     engine.add_argument(
         "--max-queue-wait",
+        metavar="S",
         type=float,
         default=_E.max_queue_wait_s,
         help="seconds a request may wait in the queue for its first step before a 503 with "
@@ -110,24 +113,31 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     engine.add_argument(
         "--max-prefill-tokens",
+        metavar="N",
         type=int,
         default=_E.max_prefill_tokens,
         help="prompt tokens per step, a quarter of it while other requests decode (default: %(default)s)",
     )
     engine.add_argument(
         "--num-pages",
+        metavar="N",
         type=int,
         default=_E.num_pages,
         help="KV cache pages, overriding --kv-cache-memory (default: from --kv-cache-memory)",
     )
     engine.add_argument(
         "--kv-cache-memory",
+        metavar="SIZE",
         type=parse_size,
         default=_E.kv_cache_memory,
         help=f"KV cache budget, e.g. 512MiB, 1G, or bytes (default: {format_size(_E.kv_cache_memory)})",
     )
     engine.add_argument(
-        "--page-size", type=int, default=_E.page_size, help="tokens per KV page (default: %(default)s)"
+        "--page-size",
+        metavar="N",
+        type=int,
+        default=_E.page_size,
+        help="tokens per KV page (default: %(default)s)",
     )
     engine.add_argument(
         "--kv-cache-dtype",
@@ -140,16 +150,18 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,
         default=_E.enable_prefix_caching,
-        help="reuse the KV pages of prompt prefixes seen before (default: on)",
+        help="reuse the KV pages of prompt prefixes already computed (default: on)",
     )
     engine.add_argument(
         "--tokenizer-workers",
+        metavar="N",
         type=int,
         default=_E.tokenizer_workers,
-        help="processes that render chat templates and tokenize (default: %(default)s)",
+        help="processes that render chat templates and tokenize prompts (default: %(default)s)",
     )
     engine.add_argument(
         "--step-timeout",
+        metavar="S",
         type=float,
         default=_E.step_timeout_s,
         help="seconds work may wait with no step completing (a hung step, rank or scheduler) before "
@@ -157,6 +169,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     engine.add_argument(
         "--template-timeout",
+        metavar="S",
         type=float,
         default=_E.template_timeout_s,
         help="seconds the model's chat template may take to render one request before it is "
@@ -171,15 +184,19 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
     http = parser.add_argument_group("http")
-    http.add_argument("--host", default=_S.host, help="bind address (default: %(default)s)")
-    http.add_argument("--port", type=int, default=_S.port, help="bind port (default: %(default)s)")
+    http.add_argument("--host", metavar="ADDR", default=_S.host, help="bind address (default: %(default)s)")
+    http.add_argument(
+        "--port", metavar="N", type=int, default=_S.port, help="bind port (default: %(default)s)"
+    )
     http.add_argument(
         "--api-key",
+        metavar="KEY",
         default=os.environ.get("FT_API_KEY", _S.api_key),
         help="require 'Authorization: Bearer KEY'; /health and /metrics stay open (default: $FT_API_KEY)",
     )
     http.add_argument(
         "--admin-key",
+        metavar="KEY",
         default=os.environ.get("FT_ADMIN_KEY", _S.admin_key),
         help="serve /v1/admin/* to any caller with 'Authorization: Bearer KEY'; unset, admin is "
         "loopback-only and refused through a proxy (default: $FT_ADMIN_KEY)",
@@ -192,24 +209,28 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     http.add_argument(
         "--cors-origins",
+        metavar="LIST",
         type=_origins,
         default=_S.cors_origins,
         help="comma-separated allowed origins, or '*' (default: none)",
     )
     http.add_argument(
         "--max-body-bytes",
+        metavar="SIZE",
         type=parse_size,
         default=_S.max_body_bytes,
         help=f"largest request body, else 413 (default: {format_size(_S.max_body_bytes)})",
     )
     http.add_argument(
         "--sse-heartbeat-s",
+        metavar="S",
         type=float,
         default=_S.sse_heartbeat_s,
         help="seconds between stream heartbeats while waiting (default: %(default)g)",
     )
     http.add_argument(
         "--send-timeout",
+        metavar="S",
         type=float,
         default=_S.send_timeout_s,
         help="seconds a client may accept no bytes before its connection is closed and its request "
@@ -225,12 +246,19 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     ops = parser.add_argument_group("operations")
     ops.add_argument(
         "--drain-timeout",
+        metavar="S",
         type=float,
         default=_S.drain_timeout_s,
         help="on SIGINT/SIGTERM: seconds to finish in-flight requests before aborting them "
         "(default: %(default)g)",
     )
-    ops.add_argument("--log-level", choices=LOG_LEVELS, default=_S.log_level, help="(default: %(default)s)")
+    ops.add_argument(
+        "--log-level",
+        metavar="LEVEL",
+        choices=LOG_LEVELS,
+        default=_S.log_level,
+        help="(default: %(default)s)",
+    )
     ops.add_argument(
         "--log-format",
         choices=LOG_FORMATS,

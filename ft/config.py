@@ -139,6 +139,7 @@ def add_model_arguments(parser: argparse.ArgumentParser | Any) -> None:
     d = ENGINE_DEFAULTS
     parser.add_argument(
         "--model",
+        metavar="PATH",
         default=d.model,
         help="GGUF file or Hugging Face directory (default: SmolLM2-135M-Instruct, fetched by ft pull)",
     )
@@ -151,12 +152,14 @@ def add_model_arguments(parser: argparse.ArgumentParser | Any) -> None:
     )
     parser.add_argument(
         "--max-model-len",
+        metavar="N",
         type=int,
         default=d.max_model_len,
         help="context length, prompt and output (default: the model's)",
     )
     parser.add_argument(
         "--device",
+        metavar="{auto,cpu,cuda,cuda:N}",
         default=d.device,
         help="auto, cpu, cuda or cuda:N; auto is CUDA when torch sees a GPU (default: %(default)s)",
     )
@@ -169,12 +172,14 @@ def add_model_arguments(parser: argparse.ArgumentParser | Any) -> None:
     )
     parser.add_argument(
         "--tensor-parallel-size",
+        metavar="N",
         type=int,
         default=d.tensor_parallel_size,
         help="split the model across N ranks (processes) with torch.distributed (default: %(default)s)",
     )
     parser.add_argument(
         "--compute-threads",
+        metavar="N",
         type=int,
         default=d.compute_threads,
         help="CPU threads a step computes with, fixed (default: measured, the faster count per batch size)",

@@ -14,6 +14,7 @@ import trio
 from quart import Response
 from quart_trio import QuartTrio
 
+from ft.config import MAX_SERVED_NAME_LEN
 from ft.engine.engine import EngineState
 from ft.errors import EngineStopping
 from ft.server.edge.http_errors import HttpError
@@ -65,6 +66,8 @@ def register(app: QuartTrio, ctx: ServerContext) -> None:
     @app.get("/v1/models/<path:model>")
     async def retrieve_model(model: str) -> Response:
         _check_models_ready(ctx)
+        if len(model) > MAX_SERVED_NAME_LEN:  # no name is this long (a request's `model` neither)
+            raise HttpError(404, "no model has a name this long", param="model", code="model_not_found")
         ctx.check_model(model)  # any name is the served model's unless --strict-model-names
         listed = engine.names.listed
         return json_response(model_entry(ctx, model if model in listed else engine.model_id))

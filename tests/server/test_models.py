@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 from typing import Any
 
@@ -110,6 +111,9 @@ async def test_any_model_name_is_served_by_the_model_by_default() -> None:
                 assert r.status_code == 200 and r.json()["model"] == "fake", (path, name)
         r = await c.get("/v1/models/gpt-4o")
         assert r.status_code == 200 and r.json()["id"] == "fake"
+        # A path longer than any name (or a request's `model`) is no model's.
+        assert (await c.get("/v1/models/" + "x" * 257)).status_code == 404
+        assert s.engine.model_id == "fake"
 
 
 async def test_several_served_names_are_each_listed_and_the_first_answers() -> None:
@@ -166,3 +170,19 @@ async def test_models_is_503_while_loading_then_lists_the_model() -> None:
         with trio.fail_after(10):
             await s.engine.wait_ready()
         assert (await c.get("/v1/models/fake")).status_code == 200
+
+
+async def test_other_model_names_are_logged_once_each_up_to_a_bound(caplog: pytest.LogCaptureFixture) -> None:
+    """The first request for a name that is not the model's is logged, once per name, for the
+    first MAX_LOGGED_MODEL_NAMES names only: names cannot grow the log or the memory."""
+    from ft.server.generation.context import MAX_LOGGED_MODEL_NAMES
+
+    caplog.set_level(logging.INFO, logger="ft.server")
+    async with fake_server() as s, httpx.AsyncClient(base_url=s.base_url, timeout=10) as c:
+        for _ in range(2):
+            for i in range(MAX_LOGGED_MODEL_NAMES + 4):
+                body = {"model": f"other-{i}", "prompt": "hi", "max_tokens": 1}
+                assert (await c.post("/v1/completions", json=body)).status_code == 200
+    logged = [r.getMessage() for r in caplog.records if "are served by" in r.getMessage()]
+    assert len(logged) == MAX_LOGGED_MODEL_NAMES
+    assert len(set(logged)) == MAX_LOGGED_MODEL_NAMES and "'other-0'" in logged[0]
