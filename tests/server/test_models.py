@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import pathlib
 import threading
 from typing import Any
 
@@ -15,6 +16,7 @@ from ft.engine.fake import FakeRunner
 from ft.engine.loading import EngineHooks
 from ft.server import ServerSettings
 from tests.support.engine import fake_hooks, fake_parts
+from tests.support.parallel import serve_process
 from tests.support.server import TEST_SETTINGS, fake_server, running_server
 
 USER = [{"role": "user", "content": "hi"}]
@@ -186,3 +188,25 @@ async def test_other_model_names_are_logged_once_each_up_to_a_bound(caplog: pyte
     logged = [r.getMessage() for r in caplog.records if "are served by" in r.getMessage()]
     assert len(logged) == MAX_LOGGED_MODEL_NAMES
     assert len(set(logged)) == MAX_LOGGED_MODEL_NAMES and "'other-0'" in logged[0]
+
+
+@pytest.mark.slow  # the real default model in a real `ft serve`
+async def test_ft_serve_shows_one_id_from_its_first_answer_and_accepts_the_readmes_name(
+    tmp_path: pathlib.Path,
+) -> None:
+    """`ft serve --strict-model-names`: /health's first answer names the model as /v1/models
+    does once loaded, and the name the README and --help use is accepted (every client's first
+    try was a 404: loading said SmolLM2-135M-Instruct, loaded SmolLM2-135M-Instruct.Q4_1)."""
+    async with (
+        serve_process(["--strict-model-names"], tmp_path / "serve.log") as (_, url),
+        httpx.AsyncClient(base_url=url, timeout=30) as c,
+    ):
+        first = (await c.get("/health")).json()["model"]
+        with trio.fail_after(120):
+            while (await c.get("/health")).json()["status"] != "ok":
+                await trio.sleep(0.1)
+        assert [m["id"] for m in (await c.get("/v1/models")).json()["data"]] == [first] == [DEFAULT_ID]
+        for name in (first, "SmolLM2-135M-Instruct"):
+            body = {"model": name, "messages": USER, "max_tokens": 1}
+            r = await c.post("/v1/chat/completions", json=body)
+            assert r.status_code == 200 and r.json()["model"] == first
