@@ -30,7 +30,7 @@ DEFAULT_MODEL_REPO = "HuggingFaceTB/SmolLM2-135M-Instruct"  # where the default 
 
 def name_key(name: str) -> str:
     """The form names are compared in: lower case, no owner prefix, no `.gguf`, no `-GGUF`."""
-    key = name.strip().lower().rsplit("/", 1)[-1]
+    key = name.strip().rstrip("/").lower().rsplit("/", 1)[-1]
     key = key.removesuffix(".gguf")
     return _REPO_SUFFIX.sub("", key)
 
