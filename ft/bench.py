@@ -92,7 +92,6 @@ async def main(args: argparse.Namespace) -> None:
     config = EngineConfig(
         **model_config_fields(args),
         max_running_requests=max(args.concurrency),
-        compute_threads=args.threads,
     )
     async with open_engine(config) as engine:
         await run_level(engine, 1, 8)  # warm-up
@@ -136,8 +135,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of `ft bench`."""
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--max-tokens", type=int, default=128)
-    add_model_arguments(parser)
-    parser.add_argument("--threads", type=int, default=None)
+    add_model_arguments(parser)  # `--compute-threads` among them, as for `ft serve`
+    # NOTE: the old spelling, kept so recorded bench commands still run.
+    parser.add_argument("--threads", type=int, dest="compute_threads", help=argparse.SUPPRESS)
     parser.add_argument(
         "--structured",
         action="store_true",

@@ -12,16 +12,15 @@ import trio
 
 from ft.config import (
     ADMISSIONS,
-    DEFAULT_KV_CACHE_MEMORY,
-    DEFAULT_STEP_TIMEOUT_S,
-    DEFAULT_TEMPLATE_TIMEOUT_S,
+    ENGINE_DEFAULTS,
     KV_CACHE_DTYPES,
     EngineConfig,
     add_model_arguments,
     model_config_fields,
 )
+from ft.core.reasoning import REASONING_PARSERS
+from ft.core.toolcalls import TOOL_CALL_PARSERS
 from ft.logs import LOG_FORMATS, setup_logging
-from ft.server.edge.slow_clients import DEFAULT_SEND_TIMEOUT_S
 from ft.server.settings import LOG_LEVELS, ServerSettings
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
@@ -37,161 +36,249 @@ def parse_size(text: str) -> int:
     return int(float(number) * 1024 ** _UNITS[unit.lower()])
 
 
+def format_size(size: int) -> str:
+    """`size` bytes the way `parse_size` reads it back: `1GiB`, `4MiB`, `1536KiB`, `1000`."""
+    for unit, power in (("TiB", 4), ("GiB", 3), ("MiB", 2), ("KiB", 1)):
+        if size and size % 1024**power == 0:
+            return f"{size // 1024**power}{unit}"
+    return str(size)
+
+
 def _origins(text: str) -> tuple[str, ...]:
     return tuple(o.strip() for o in text.split(",") if o.strip())
 
 
+# The defaults `ft serve` shows and uses: read from the records, written once (there).
+_E = ENGINE_DEFAULTS
+_S = ServerSettings()
+
+
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add `ft serve`'s options to `parser`."""
+    """Add `ft serve`'s options to `parser`; every default is the `EngineConfig` or
+    `ServerSettings` field's, and every help ends with `(default: ...)` (the README's options
+    table says the same, `tests/test_readme_options.py`)."""
     model = parser.add_argument_group("model")
     add_model_arguments(model)
     model.add_argument(
         "--served-model-name",
-        default=None,
-        help="the model id clients see and send (default: from the model)",
+        nargs="+",
+        metavar="NAME",
+        default=_E.served_model_name,
+        help="the model id responses and /v1/models show; with several, the first is shown and "
+        "every one is accepted (default: the model file's name)",
     )
     model.add_argument(
-        "--tool-call-parser", default=None, help="parse tool calls out of chat output with this parser"
+        "--strict-model-names",
+        action="store_true",
+        default=_S.strict_model_names,
+        help="refuse (404) a request whose model is not a name of the served model; off, any name "
+        "is served by it (default: off)",
     )
     model.add_argument(
-        "--reasoning-parser", default=None, help="split reasoning out of chat output with this parser"
+        "--tool-call-parser",
+        choices=TOOL_CALL_PARSERS,
+        default=_S.tool_call_parser,
+        help="the format tool calls are parsed out of chat output in (default: hermes when a "
+        "request has tools)",
+    )
+    model.add_argument(
+        "--reasoning-parser",
+        choices=REASONING_PARSERS,
+        default=_S.reasoning_parser,
+        help="split reasoning out of chat output with this parser (default: none)",
     )
 
     engine = parser.add_argument_group("engine")
     engine.add_argument(
-        "--max-running-requests", type=int, default=32, help="sequences decoded together (default: 32)"
+        "--max-running-requests",
+        metavar="N",
+        type=int,
+        default=_E.max_running_requests,
+        help="sequences decoded together (default: %(default)s)",
     )
     engine.add_argument(
-        "--max-queued-requests", type=int, default=256, help="waiting requests before 503 (default: 256)"
+        "--max-queued-requests",
+        metavar="N",
+        type=int,
+        default=_E.max_queued_requests,
+        help="waiting requests before 503 (default: %(default)s)",
     )
     engine.add_argument(
         "--max-queue-wait",
+        metavar="S",
         type=float,
-        default=None,
+        default=_E.max_queue_wait_s,
         help="seconds a request may wait in the queue for its first step before a 503 with "
-        "Retry-After (in-stream for a stream; default: no bound)",
+        "Retry-After, in-stream for a stream (default: none)",
     )
     engine.add_argument(
         "--max-prefill-tokens",
+        metavar="N",
         type=int,
-        default=1024,
-        help="prompt tokens per step (a quarter of it while other requests decode; default: 1024)",
+        default=_E.max_prefill_tokens,
+        help="prompt tokens per step, a quarter of it while other requests decode (default: %(default)s)",
     )
     engine.add_argument(
-        "--num-pages", type=int, default=None, help="KV cache pages (overrides --kv-cache-memory)"
+        "--num-pages",
+        metavar="N",
+        type=int,
+        default=_E.num_pages,
+        help="KV cache pages, overriding --kv-cache-memory (default: from --kv-cache-memory)",
     )
     engine.add_argument(
         "--kv-cache-memory",
+        metavar="SIZE",
         type=parse_size,
-        default=DEFAULT_KV_CACHE_MEMORY,
-        help="KV cache budget, e.g. 512MiB, 1G, or bytes (default: 1GiB)",
+        default=_E.kv_cache_memory,
+        help=f"KV cache budget, e.g. 512MiB, 1G, or bytes (default: {format_size(_E.kv_cache_memory)})",
     )
-    engine.add_argument("--page-size", type=int, default=16, help="tokens per KV page (default: 16)")
+    engine.add_argument(
+        "--page-size",
+        metavar="N",
+        type=int,
+        default=_E.page_size,
+        help="tokens per KV page (default: %(default)s)",
+    )
     engine.add_argument(
         "--kv-cache-dtype",
         choices=KV_CACHE_DTYPES,
-        default="auto",
-        help="KV cache element type; float16/bfloat16 hold 2x the tokens of float32 (default: the model's)",
+        default=_E.kv_cache_dtype,
+        help="KV cache element type; float16/bfloat16 hold 2x the tokens of float32; auto is float16 "
+        "for packed GGUF weights, else the compute dtype (default: %(default)s)",
+    )
+    engine.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=_E.enable_prefix_caching,
+        help="reuse the KV pages of prompt prefixes already computed (default: on)",
+    )
+    engine.add_argument(
+        "--tokenizer-workers",
+        metavar="N",
+        type=int,
+        default=_E.tokenizer_workers,
+        help="processes that render chat templates and tokenize prompts (default: %(default)s)",
     )
     engine.add_argument(
         "--step-timeout",
+        metavar="S",
         type=float,
-        default=DEFAULT_STEP_TIMEOUT_S,
+        default=_E.step_timeout_s,
         help="seconds work may wait with no step completing (a hung step, rank or scheduler) before "
-        "the server fails every request, /health says why and it exits 1 "
-        f"(default: {DEFAULT_STEP_TIMEOUT_S:g})",
+        "the server fails every request, /health says why and it exits 1 (default: %(default)g)",
     )
     engine.add_argument(
         "--template-timeout",
+        metavar="S",
         type=float,
-        default=DEFAULT_TEMPLATE_TIMEOUT_S,
+        default=_E.template_timeout_s,
         help="seconds the model's chat template may take to render one request before it is "
-        f"refused with a 400 (default: {DEFAULT_TEMPLATE_TIMEOUT_S:g})",
+        "refused with a 400 (default: %(default)g)",
     )
     engine.add_argument(
         "--admission",
         choices=ADMISSIONS,
-        default="need",
+        default=_E.admission,
         help="need: admit on what a request needs now and preempt when short; "
-        "reserve: reserve each request's whole budget (default: need)",
+        "reserve: reserve each request's whole budget (default: %(default)s)",
     )
 
     http = parser.add_argument_group("http")
-    http.add_argument("--host", default="127.0.0.1", help="bind address (default: 127.0.0.1)")
-    http.add_argument("--port", type=int, default=1941, help="bind port (default: 1941)")
+    http.add_argument("--host", metavar="ADDR", default=_S.host, help="bind address (default: %(default)s)")
+    http.add_argument(
+        "--port", metavar="N", type=int, default=_S.port, help="bind port (default: %(default)s)"
+    )
     http.add_argument(
         "--api-key",
-        default=os.environ.get("FT_API_KEY"),
-        help="require 'Authorization: Bearer KEY' (default: $FT_API_KEY; /health and /metrics stay open)",
+        metavar="KEY",
+        default=os.environ.get("FT_API_KEY", _S.api_key),
+        help="require 'Authorization: Bearer KEY'; /health and /metrics stay open (default: $FT_API_KEY)",
     )
     http.add_argument(
         "--admin-key",
-        default=os.environ.get("FT_ADMIN_KEY"),
-        help="serve /v1/admin/* to any caller with 'Authorization: Bearer KEY' (default: $FT_ADMIN_KEY; "
-        "unset, admin is loopback-only and refused through a proxy)",
+        metavar="KEY",
+        default=os.environ.get("FT_ADMIN_KEY", _S.admin_key),
+        help="serve /v1/admin/* to any caller with 'Authorization: Bearer KEY'; unset, admin is "
+        "loopback-only and refused through a proxy (default: $FT_ADMIN_KEY)",
     )
     http.add_argument(
         "--http2",
         action="store_true",
-        help="also serve cleartext HTTP/2 (h2c); off by default: hypercorn buffers it without limit",
+        default=_S.http2,
+        help="also serve cleartext HTTP/2 (h2c); hypercorn buffers it without limit (default: off)",
     )
     http.add_argument(
         "--cors-origins",
+        metavar="LIST",
         type=_origins,
-        default=(),
-        help="comma-separated allowed origins, or '*' (default: no CORS)",
+        default=_S.cors_origins,
+        help="comma-separated allowed origins, or '*' (default: none)",
     )
     http.add_argument(
         "--max-body-bytes",
+        metavar="SIZE",
         type=parse_size,
-        default=4 * 1024 * 1024,
-        help="largest request body, else 413 (default: 4MiB)",
+        default=_S.max_body_bytes,
+        help=f"largest request body, else 413 (default: {format_size(_S.max_body_bytes)})",
     )
     http.add_argument(
         "--sse-heartbeat-s",
+        metavar="S",
         type=float,
-        default=2.0,
-        help="seconds between stream heartbeats while waiting (default: 2)",
+        default=_S.sse_heartbeat_s,
+        help="seconds between stream heartbeats while waiting (default: %(default)g)",
     )
     http.add_argument(
         "--send-timeout",
+        metavar="S",
         type=float,
-        default=DEFAULT_SEND_TIMEOUT_S,
+        default=_S.send_timeout_s,
         help="seconds a client may accept no bytes before its connection is closed and its request "
-        f"aborted (a client that stops reading has left; default: {DEFAULT_SEND_TIMEOUT_S:g})",
+        "aborted; a client that stops reading has left (default: %(default)g)",
     )
     http.add_argument(
         "--metrics-require-key",
         action="store_true",
-        help="/metrics needs the API key too (default: open, like /health)",
+        default=_S.metrics_require_key,
+        help="/metrics needs the API key too; off, it is open like /health (default: off)",
     )
 
     ops = parser.add_argument_group("operations")
     ops.add_argument(
         "--drain-timeout",
+        metavar="S",
         type=float,
-        default=10.0,
-        help="on SIGINT/SIGTERM: seconds to finish in-flight requests before aborting them (default: 10)",
+        default=_S.drain_timeout_s,
+        help="on SIGINT/SIGTERM: seconds to finish in-flight requests before aborting them "
+        "(default: %(default)g)",
     )
-    ops.add_argument("--log-level", choices=LOG_LEVELS, default="info")
+    ops.add_argument(
+        "--log-level",
+        metavar="LEVEL",
+        choices=LOG_LEVELS,
+        default=_S.log_level,
+        help="(default: %(default)s)",
+    )
     ops.add_argument(
         "--log-format",
         choices=LOG_FORMATS,
-        default="text",
-        help="text lines, or one JSON object per line (default: text)",
+        default=_S.log_format,
+        help="text lines, or one JSON object per line (default: %(default)s)",
     )
     ops.add_argument(
         "--log-prompts",
         action="store_true",
-        help="add prompts and outputs to the end-of-request log lines (default: never logged)",
+        default=_S.log_prompts,
+        help="add prompts and outputs to the end-of-request log lines; never logged otherwise (default: off)",
     )
 
 
 def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerSettings]:
     """The engine config and server settings `args` describe. Raises `ValueError`."""
+    served = args.served_model_name
     engine = EngineConfig(
         **model_config_fields(args),
-        served_model_name=args.served_model_name,
+        served_model_name=tuple(served) if served is not None else None,
         page_size=args.page_size,
         num_pages=args.num_pages,
         kv_cache_memory=args.kv_cache_memory,
@@ -201,8 +288,8 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerSet
         max_prefill_tokens=args.max_prefill_tokens,
         max_queued_requests=args.max_queued_requests,
         max_queue_wait_s=args.max_queue_wait,
-        tool_call_parser=args.tool_call_parser,
-        reasoning_parser=args.reasoning_parser,
+        enable_prefix_caching=args.enable_prefix_caching,
+        tokenizer_workers=args.tokenizer_workers,
         step_timeout_s=args.step_timeout,
         template_timeout_s=args.template_timeout,
     )
@@ -221,7 +308,9 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerSet
         log_format=args.log_format,
         log_prompts=args.log_prompts,
         metrics_require_key=args.metrics_require_key,
-        served_model_name=args.served_model_name,
+        strict_model_names=args.strict_model_names,
+        tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
     )
     return engine, settings
 

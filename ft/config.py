@@ -17,6 +17,12 @@ DEFAULT_STEP_TIMEOUT_S = 60.0  # far above any step, a grammar's bounded masks i
 DEFAULT_TEMPLATE_TIMEOUT_S = 5.0
 # 1 GiB of KV holds ~23k tokens of the default model in float32 (46 KiB a token).
 DEFAULT_KV_CACHE_MEMORY = 1 << 30
+# A drain's defaults (`Engine.prepare_stop`, `POST /v1/admin/prepare-stop`): seconds in-flight
+# requests get to finish, then seconds the aborted rest get to close their scopes (every stop's
+# abort grace, `ft serve`'s on SIGINT/SIGTERM too; its drain is `ServerSettings.drain_timeout_s`).
+DEFAULT_DRAIN_TIMEOUT_S = 5.0
+DEFAULT_ABORT_TIMEOUT_S = 3.0
+MAX_SERVED_NAME_LEN = 256  # a request's `model` is at most this long too
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,12 +30,14 @@ class EngineConfig:
     """Everything `open_engine` needs. Defaults suit the default model on a laptop CPU.
 
     `model` is a GGUF file, a Hugging Face directory, or None for the default model
-    (SmolLM2-135M-Instruct, fetched by `ft pull`). `num_pages` overrides the KV budget
-    `kv_cache_memory` (bytes). `max_model_len` defaults to the model's context length.
+    (SmolLM2-135M-Instruct, fetched by `ft pull`). `served_model_name`: the id the model is
+    shown as, or several (the first is shown, every one accepted); None: the model's file name
+    (`ft.model_names`). `num_pages` overrides the KV budget `kv_cache_memory` (bytes).
+    `max_model_len` defaults to the model's context length.
     """
 
     model: str | None = None
-    served_model_name: str | None = None
+    served_model_name: str | tuple[str, ...] | None = None
     dtype: str = "auto"
     quantize: str | None = None  # "int8": int8 weights for the linear layers (faster, approximate)
     page_size: int = 16
@@ -50,8 +58,6 @@ class EngineConfig:
     tokenizer_workers: int = 1
     template_timeout_s: float = DEFAULT_TEMPLATE_TIMEOUT_S  # a render past it is a 400
     compute_threads: int | None = None
-    tool_call_parser: str | None = None
-    reasoning_parser: str | None = None
     device: str = "auto"
     cuda_graphs: bool = True  # replay decode steps as CUDA graphs (CUDA, one rank); False: eager
     # Ranks the model is split across (torch.distributed: NCCL on CUDA, gloo on the CPU).
@@ -61,6 +67,12 @@ class EngineConfig:
     step_timeout_s: float = DEFAULT_STEP_TIMEOUT_S
 
     def __post_init__(self) -> None:
+        for name in self.served_names:
+            if not 0 < len(name) <= MAX_SERVED_NAME_LEN or not name.isprintable() or name != name.strip():
+                raise ValueError(
+                    f"served_model_name must be 1..{MAX_SERVED_NAME_LEN} printable characters with no "
+                    f"space around them, got {name!r}"
+                )
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.quantize is not None and self.quantize not in QUANTIZATIONS:
@@ -106,38 +118,71 @@ class EngineConfig:
         if not 1.0 <= self.step_timeout_s <= 3600.0:
             raise ValueError(f"step_timeout_s must be in 1..3600, got {self.step_timeout_s}")
 
+    @property
+    def served_names(self) -> tuple[str, ...]:
+        """`served_model_name` as a tuple (empty: none given)."""
+        if self.served_model_name is None:
+            return ()
+        if isinstance(self.served_model_name, str):
+            return (self.served_model_name,)
+        return self.served_model_name
+
+
+# The defaults every command's options show and use: read from the record, written once.
+ENGINE_DEFAULTS = EngineConfig()
+
 
 def add_model_arguments(parser: argparse.ArgumentParser | Any) -> None:
     """Add the model options every command takes (`--model`, `--dtype`, `--quantize`,
-    `--max-model-len`) to `parser` or an argument group of it."""
+    `--max-model-len`, `--device`, `--enforce-eager`, `--tensor-parallel-size`,
+    `--compute-threads`) to `parser` or an argument group of it; defaults from `EngineConfig`."""
+    d = ENGINE_DEFAULTS
     parser.add_argument(
-        "--model", default=None, help="GGUF file or Hugging Face directory (default: SmolLM2-135M-Instruct)"
+        "--model",
+        metavar="PATH",
+        default=d.model,
+        help="GGUF file or Hugging Face directory (default: SmolLM2-135M-Instruct, fetched by ft pull)",
     )
-    parser.add_argument("--dtype", choices=DTYPES, default="auto")
+    parser.add_argument("--dtype", choices=DTYPES, default=d.dtype, help="(default: %(default)s)")
     parser.add_argument(
         "--quantize",
         choices=QUANTIZATIONS,
-        default=None,
-        help="int8 weights for the linear layers: ~2-3x faster decode, approximate output",
+        default=d.quantize,
+        help="int8 weights for the linear layers: ~2-3x faster decode, approximate output (default: off)",
     )
     parser.add_argument(
-        "--max-model-len", type=int, default=None, help="context length (default: the model's)"
+        "--max-model-len",
+        metavar="N",
+        type=int,
+        default=d.max_model_len,
+        help="context length, prompt and output (default: the model's)",
     )
     parser.add_argument(
         "--device",
-        default="auto",
-        help="auto, cpu, cuda or cuda:N (default: auto, CUDA when torch sees a GPU)",
+        metavar="{auto,cpu,cuda,cuda:N}",
+        default=d.device,
+        help="auto, cpu, cuda or cuda:N; auto is CUDA when torch sees a GPU (default: %(default)s)",
     )
     parser.add_argument(
         "--enforce-eager",
         action="store_true",
-        help="on CUDA, run every step eagerly instead of replaying decode steps as CUDA graphs",
+        default=not d.cuda_graphs,
+        help="on CUDA, run every step eagerly instead of replaying decode steps as CUDA graphs "
+        "(default: off)",
     )
     parser.add_argument(
         "--tensor-parallel-size",
+        metavar="N",
         type=int,
-        default=1,
-        help="split the model across N ranks (processes) with torch.distributed (default: 1)",
+        default=d.tensor_parallel_size,
+        help="split the model across N ranks (processes) with torch.distributed (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--compute-threads",
+        metavar="N",
+        type=int,
+        default=d.compute_threads,
+        help="CPU threads a step computes with, fixed (default: measured, the faster count per batch size)",
     )
 
 
@@ -151,4 +196,5 @@ def model_config_fields(args: argparse.Namespace) -> dict[str, Any]:
         "device": args.device,
         "tensor_parallel_size": args.tensor_parallel_size,
         "cuda_graphs": not args.enforce_eager,
+        "compute_threads": args.compute_threads,
     }

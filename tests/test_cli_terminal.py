@@ -59,6 +59,16 @@ def test_generate_prints_the_completion_and_exits_zero() -> None:
     assert "Paris" in str(child.before)
 
 
+def test_chat_names_the_model_by_the_id_the_server_serves() -> None:
+    """`ft chat` opens with the model's id, the one `ft serve` shows and accepts, and takes
+    `--compute-threads` as `ft serve` and `ft bench` do."""
+    child = spawn("chat", "--max-tokens", "1", "--compute-threads", "1")
+    try:
+        child.expect_exact("SmolLM2-135M-Instruct.Q4_1 — /reset clears the conversation")
+    finally:
+        child.close(force=True)
+
+
 def test_generate_streams_and_ctrl_c_stops_it() -> None:
     """Words arrive while `ft generate` still generates; Ctrl-C stops it (status 130)."""
     child = spawn("generate", "Once upon a time", "--max-tokens", "2000")

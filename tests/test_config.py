@@ -1,10 +1,15 @@
-"""EngineConfig validates itself with clear ValueErrors."""
+"""EngineConfig and ServerSettings refuse bad values with clear ValueErrors; the options reach them."""
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 
+from ft.bench import add_bench_arguments
+from ft.cli_serve import add_serve_arguments, configs_from_args
 from ft.config import EngineConfig
+from ft.server.settings import ServerSettings
 
 
 @pytest.mark.parametrize(
@@ -48,3 +53,59 @@ def test_ft_serve_refuses_bad_options_on_stderr_with_status_2(
     assert main(["serve", *argv]) == 2
     out, err = capsys.readouterr()
     assert out == "" and err.startswith("ft serve: ")
+
+
+def serve_args(*argv: str) -> argparse.Namespace:
+    """`ft serve ARGV`, parsed."""
+    parser = argparse.ArgumentParser(prog="ft serve")
+    add_serve_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_ft_serve_sets_the_engine_fields_it_had_no_flag_for() -> None:
+    """`--no-enable-prefix-caching`, `--tokenizer-workers`, `--compute-threads` and several
+    `--served-model-name`s reach `EngineConfig`; the parsers reach `ServerSettings`."""
+    engine, settings = configs_from_args(
+        serve_args(
+            "--no-enable-prefix-caching",
+            "--tokenizer-workers=3",
+            "--compute-threads=2",
+            "--served-model-name",
+            "a",
+            "org/b",
+            "--tool-call-parser=llama3_json",
+            "--reasoning-parser=think",
+            "--strict-model-names",
+        )
+    )
+    assert engine.enable_prefix_caching is False and engine.tokenizer_workers == 3
+    assert engine.compute_threads == 2 and engine.served_names == ("a", "org/b")
+    assert settings.tool_call_parser == "llama3_json" and settings.reasoning_parser == "think"
+    assert settings.strict_model_names is True
+    assert configs_from_args(serve_args("--enable-prefix-caching"))[0].enable_prefix_caching is True
+
+
+@pytest.mark.parametrize("argv", [["--compute-threads", "3"], ["--threads", "3"]])
+def test_ft_bench_takes_compute_threads_as_ft_serve_does(argv: list[str]) -> None:
+    """`ft bench` spells the option as `ft serve` does (the old `--threads` still works)."""
+    parser = argparse.ArgumentParser(prog="ft bench")
+    add_bench_arguments(parser)
+    assert parser.parse_args(argv).compute_threads == 3
+    assert "--threads" not in parser.format_help()
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [{"served_model_name": ""}, {"served_model_name": ("a", " b")}, {"served_model_name": "x" * 257}],
+)
+def test_bad_served_model_names_are_refused(fields: dict[str, object]) -> None:
+    """A served name is 1..256 printable characters with no space around it."""
+    with pytest.raises(ValueError, match="served_model_name"):
+        EngineConfig(**fields)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("fields", [{"tool_call_parser": "xml"}, {"reasoning_parser": "nope"}])
+def test_unknown_parsers_are_refused_when_the_settings_are_built(fields: dict[str, object]) -> None:
+    """An unknown parser is refused at start, not on the first request that needs it."""
+    with pytest.raises(ValueError, match=next(iter(fields))):
+        ServerSettings(**fields)  # type: ignore[arg-type]

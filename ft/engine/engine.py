@@ -25,7 +25,7 @@ from ft.actors.registry import Registry, RequestEntry
 from ft.actors.runner import RunnerActor
 from ft.actors.scheduler import SchedulerActor
 from ft.actors.tokenizer import TokenizerActor
-from ft.config import EngineConfig
+from ft.config import DEFAULT_ABORT_TIMEOUT_S, DEFAULT_DRAIN_TIMEOUT_S, EngineConfig
 from ft.core.kv import PagePool
 from ft.core.scheduler import Scheduler
 from ft.engine.grammars import Grammars
@@ -38,6 +38,7 @@ from ft.grammar.compiled import Grammar
 from ft.grammar.spec import GrammarSpec
 from ft.ids import random_id
 from ft.messages import Abort, Batch, DetokenizerIn, SchedulerIn, StepDone, Tokenize
+from ft.model_names import model_names
 from ft.params import SamplingParams
 from ft.tokenizer.job import (
     WORKER_MEMORY_BYTES,
@@ -127,7 +128,9 @@ class Engine:
         self.state = EngineState.LOADING
         self.error: str | None = None
         self.load_progress = 0.0  # fraction of the start-up done, for /health
-        self.model_id = config.served_model_name or (config.model or "SmolLM2-135M-Instruct")
+        # Decided before any work, so every surface shows one id from the first second on.
+        self.names = model_names(config.model, config.served_names)
+        self.model_id = self.names.id
         self.max_model_len = 0
         self.vocab_size = 0
         self.kv_cache_dtype = config.kv_cache_dtype  # resolved to a real dtype once loaded
@@ -178,8 +181,6 @@ class Engine:
         kv_dtype = getattr(runner, "kv_dtype", None)
         if kv_dtype is not None:
             self.kv_cache_dtype = str(kv_dtype).removeprefix("torch.")
-        if not cfg.served_model_name:
-            self.model_id = parts.model_id
         self.vocab_size = parts.vocab_size
         self.generation_defaults = parts.generation_defaults
         spec_path = os.path.join(self._tmpdir.name, "tokenizer.cbor")
@@ -699,7 +700,11 @@ class Engine:
         while len(self.registry) or self._num_admissions:
             await trio.sleep(0.01)
 
-    def begin_stop(self, drain_timeout_s: float = 5.0, abort_timeout_s: float = 3.0) -> None:
+    def begin_stop(
+        self,
+        drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
+        abort_timeout_s: float = DEFAULT_ABORT_TIMEOUT_S,
+    ) -> None:
         """Stop admitting now and start the drain in the engine's nursery; return at once.
 
         The drain waits up to `drain_timeout_s` for active requests, aborts the rest, waits
@@ -748,7 +753,9 @@ class Engine:
         return self._stop_snapshot
 
     async def prepare_stop(
-        self, drain_timeout_s: float = 5.0, abort_timeout_s: float = 3.0
+        self,
+        drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
+        abort_timeout_s: float = DEFAULT_ABORT_TIMEOUT_S,
     ) -> dict[str, Any]:
         """Stop admitting; drain, then abort what is left; return the final snapshot.
 

@@ -27,7 +27,6 @@ RANK_STOP_GRACE_S = 5.0
 class ModelParts:
     """What the engine needs from a model: its tokenizer and a way to build its runner."""
 
-    model_id: str
     tokenizer: TokenizerSpec
     make_runner: Callable[[int, int], Runner]  # (num_pages, page_size) -> Runner
     bytes_per_page: Callable[[int], int]  # page_size -> bytes
@@ -159,7 +158,6 @@ def load_torch_model(
             torch.distributed.destroy_process_group()
 
     return ModelParts(
-        model_id=loaded.model_id,
         tokenizer=loaded.tokenizer,
         make_runner=make_runner,
         bytes_per_page=lambda ps: TorchRunner.bytes_per_page(loaded.config, ps, kv_dtype, world),

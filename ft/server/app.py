@@ -19,7 +19,7 @@ from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
-from ft.config import EngineConfig
+from ft.config import DEFAULT_ABORT_TIMEOUT_S, EngineConfig
 from ft.engine.engine import Engine, open_engine
 from ft.engine.loading import EngineHooks
 from ft.errors import FtError
@@ -47,9 +47,6 @@ HTTP_ERROR_CODES = {
     413: "request_too_large",
     415: "unsupported_media_type",
 }
-
-# Seconds aborted requests get to close their scopes once a shutdown drain times out.
-ABORT_TIMEOUT_S = 3.0
 
 RouteRegistrar = Callable[[QuartTrio, ServerContext], None]
 
@@ -244,7 +241,7 @@ async def serve(
             if failure is not None:
                 # Every request has been failed; let their streams send the error and close.
                 log.error("the engine failed: %s; stopping", failure)
-                with trio.move_on_after(ABORT_TIMEOUT_S):
+                with trio.move_on_after(DEFAULT_ABORT_TIMEOUT_S):
                     while len(server.engine.registry):
                         await trio.sleep(0.01)
             else:
@@ -289,8 +286,8 @@ async def _drain(signals: AsyncIterator[int], server: RunningServer, settings: S
         nursery.start_soon(force_on_second_signal)
         # The drain runs in the engine's nursery; a drain an admin began earlier is
         # shortened to this deadline. The outer bound holds whatever state it is in.
-        server.engine.begin_stop(settings.drain_timeout_s, ABORT_TIMEOUT_S)
-        with trio.move_on_after(settings.drain_timeout_s + ABORT_TIMEOUT_S + 1.0):
+        server.engine.begin_stop(settings.drain_timeout_s, DEFAULT_ABORT_TIMEOUT_S)
+        with trio.move_on_after(settings.drain_timeout_s + DEFAULT_ABORT_TIMEOUT_S + 1.0):
             snapshot = await server.engine.wait_stopped()
             log.info("drained: %s", snapshot["requests"])
         nursery.cancel_scope.cancel()

@@ -14,6 +14,7 @@ import trio
 from quart import Response
 from quart_trio import QuartTrio
 
+from ft.config import MAX_SERVED_NAME_LEN
 from ft.engine.engine import EngineState
 from ft.errors import EngineStopping
 from ft.server.edge.http_errors import HttpError
@@ -58,20 +59,18 @@ def register(app: QuartTrio, ctx: ServerContext) -> None:
     @app.get("/v1/models")
     async def models() -> Response:
         # A load balancer probing here must not send traffic that would fail: 503 until ready.
-        _check_ready(ctx)
-        if engine.state != EngineState.READY:
-            raise EngineStopping("the server is stopping and admits no new requests")
-        data = [
-            {
-                "id": name,
-                "object": "model",
-                "created": int(ctx.started_at),
-                "owned_by": "ft",
-                "max_model_len": engine.max_model_len or None,
-            }
-            for name in sorted(ctx.served_names(), key=lambda n: n != engine.model_id)
-        ]
+        _check_models_ready(ctx)
+        data = [model_entry(ctx, name) for name in engine.names.listed]
         return json_response({"object": "list", "data": data})
+
+    @app.get("/v1/models/<path:model>")
+    async def retrieve_model(model: str) -> Response:
+        _check_models_ready(ctx)
+        if len(model) > MAX_SERVED_NAME_LEN:  # no name is this long (a request's `model` neither)
+            raise HttpError(404, "no model has a name this long", param="model", code="model_not_found")
+        ctx.check_model(model)  # any name is the served model's unless --strict-model-names
+        listed = engine.names.listed
+        return json_response(model_entry(ctx, model if model in listed else engine.model_id))
 
     @app.get("/v1/stats")
     async def stats() -> Response:
@@ -115,6 +114,36 @@ def register(app: QuartTrio, ctx: ServerContext) -> None:
         req = await read_request(ctx, PrepareStopRequest, allow_empty=True)
         snapshot = await engine.prepare_stop(req.drain_timeout_s, req.abort_timeout_s)
         return json_response(snapshot)
+
+
+def model_entry(ctx: ServerContext, name: str) -> dict[str, Any]:
+    """The `/v1/models` entry for `name`: OpenAI's fields, every other name the model accepts,
+    its limits (`context_length` and `max_model_len`: the context a prompt and its output share
+    at runtime, after `--max-model-len`) and what ft does with it (`capabilities`)."""
+    engine = ctx.engine
+    names = engine.names
+    return {
+        "id": name,
+        "object": "model",
+        "created": int(ctx.started_at),
+        "owned_by": "ft",
+        "root": engine.model_id,
+        "aliases": [n for n in (*names.listed, *names.aliases) if n != name],
+        "context_length": engine.max_model_len,
+        "max_model_len": engine.max_model_len,
+        "capabilities": {
+            "tools": True,  # every model: its template's format, or Hermes calls in the system prompt
+            "reasoning": ctx.settings.reasoning_parser is not None,
+            "vision": False,  # text only: image, audio and file parts are refused
+            "embeddings": False,  # no /v1/embeddings
+        },
+    }
+
+
+def _check_models_ready(ctx: ServerContext) -> None:
+    _check_ready(ctx)
+    if ctx.engine.state != EngineState.READY:
+        raise EngineStopping("the server is stopping and admits no new requests")
 
 
 def _check_ready(ctx: ServerContext) -> None:

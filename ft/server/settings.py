@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ft.core.reasoning import REASONING_PARSERS
+from ft.core.toolcalls import TOOL_CALL_PARSERS
 from ft.logs import LOG_FORMATS
 from ft.server.edge.slow_clients import DEFAULT_SEND_TIMEOUT_S
 
@@ -17,10 +19,16 @@ class ServerSettings:
     `api_key` None disables auth. `admin_key` set lets admin routes be called from anywhere
     with that key; None keeps them to loopback callers that did not come through a proxy.
     `cors_origins` empty sends no CORS headers; `("*",)` allows any origin (never for admin
-    routes). `served_model_name` is accepted as the `model` of a request in addition to the
-    engine's model id. `port` 0 binds a free port (tests). `http2` enables cleartext HTTP/2
-    (h2c), which hypercorn buffers without back-pressure; off, only HTTP/1.x is served.
-    `drain_timeout_s` bounds the drain on SIGINT/SIGTERM. `log_format` is "text" or "json";
+    routes). `strict_model_names` refuses (404 `model_not_found`) a request whose `model` is not
+    a name of the served model (`ft.model_names`); off, any name is served by the one model,
+    as llama-server does, and responses name the model that answered. `tool_call_parser` and
+    `reasoning_parser` name the output formats parsed out of chat output (None: tool calls in
+    the Hermes format when a request has tools, no reasoning split). `port` 0 binds a free port
+    (tests). `http2` enables cleartext HTTP/2 (h2c), which hypercorn buffers without
+    back-pressure; off, only HTTP/1.x is served.
+    `drain_timeout_s` bounds the drain on SIGINT/SIGTERM (then the aborted requests get
+    `ft.config.DEFAULT_ABORT_TIMEOUT_S`); `graceful_timeout_s` is hypercorn's for open
+    connections once it stops. `log_format` is "text" or "json";
     `log_prompts` adds prompts and outputs to the end-of-request log lines.
     `send_timeout_s`: a connection whose client accepts no bytes for that long is closed (a
     client that stops reading is a client that left: its request is aborted).
@@ -38,7 +46,9 @@ class ServerSettings:
     log_format: str = "text"
     log_prompts: bool = False
     metrics_require_key: bool = False
-    served_model_name: str | None = None
+    strict_model_names: bool = False
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
     graceful_timeout_s: float = 3.0
     send_timeout_s: float = DEFAULT_SEND_TIMEOUT_S
     admin_key: str | None = None
@@ -65,3 +75,7 @@ class ServerSettings:
             raise ValueError(f"graceful_timeout_s must be in 0..600, got {self.graceful_timeout_s}")
         if not 0.1 <= self.send_timeout_s <= 3600:
             raise ValueError(f"send_timeout_s must be in 0.1..3600, got {self.send_timeout_s}")
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}")

@@ -222,7 +222,6 @@ def tp2_model(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[En
                 return runner  # its KV cache has room for any pool the examples ask for
 
             return ModelParts(
-                model_id="tiny-tp2",
                 tokenizer=byte_tokenizer_spec(128),
                 make_runner=make,
                 bytes_per_page=lambda ps: 1024 * ps,

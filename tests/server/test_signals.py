@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import trio
 
-from ft.server.app import ABORT_TIMEOUT_S
+from ft.config import DEFAULT_ABORT_TIMEOUT_S
 
 ROOT = Path(__file__).parents[2]  # `python -m tests.support.serve_fake` runs from here
 USER = [{"role": "user", "content": "hi"}]
@@ -128,7 +128,7 @@ async def test_sigterm_exits_in_time_while_a_client_never_reads() -> None:
             async with httpx.AsyncClient(base_url=url) as c:
                 assert (await c.get("/v1/stats")).json()["requests"]["active"] == 1
             proc.send_signal(signal.SIGTERM)
-            with trio.fail_after(1.0 + ABORT_TIMEOUT_S + 1.0 + 5):  # before: still running after 60 s
+            with trio.fail_after(1.0 + DEFAULT_ABORT_TIMEOUT_S + 1.0 + 5):  # before: still running after 60 s
                 assert await proc.wait() == 0
         assert b"exited cleanly" in await _rest(stdout)
     finally:

@@ -13,6 +13,7 @@ import psutil
 import pytest
 import trio
 
+from ft.config import DEFAULT_ABORT_TIMEOUT_S
 from ft.model.gguf_file import GGUFFile
 from ft.model.pull import default_model_path
 from tests.support.gguf_template import with_chat_template
@@ -20,7 +21,7 @@ from tests.support.parallel import ROOT, serve_process
 
 pytestmark = pytest.mark.slow  # the real default model
 
-DRAIN_S, ABORT_S = 0.5, 3.0  # `--drain-timeout`, and the server's abort grace (`ABORT_TIMEOUT_S`)
+DRAIN_S, ABORT_S = 0.5, DEFAULT_ABORT_TIMEOUT_S  # `--drain-timeout`, and the abort grace
 # An idle `ft serve` takes ~5 s from SIGTERM to exit on a busy test machine (hypercorn's
 # graceful timeout, the model's close); a busy worker may add no more than the drain and grace.
 IDLE_EXIT_S = 8.0

@@ -25,7 +25,6 @@ def fake_parts(runner: FakeRunner, context_length: int = 2048) -> Callable[[Engi
             return runner
 
         return ModelParts(
-            model_id="fake",
             tokenizer=byte_tokenizer_spec(context_length),
             make_runner=make,
             bytes_per_page=lambda ps: 1024 * ps,
@@ -81,5 +80,7 @@ async def fake_engine(
         context_length=context_length,
         load_model=load_model,
     )
-    async with open_engine(replace(EngineConfig(num_pages=64), **config), hooks=hooks) as engine:
+    async with open_engine(
+        replace(EngineConfig(num_pages=64, served_model_name="fake"), **config), hooks=hooks
+    ) as engine:
         yield engine

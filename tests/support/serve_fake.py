@@ -105,7 +105,12 @@ async def main(args: argparse.Namespace) -> None:
         server: RunningServer = await nursery.start(
             partial(
                 serve,
-                EngineConfig(num_pages=context // 8, tokenizer_workers=1, step_timeout_s=args.step_timeout),
+                EngineConfig(
+                    num_pages=context // 8,
+                    tokenizer_workers=1,
+                    step_timeout_s=args.step_timeout,
+                    served_model_name="fake",
+                ),
                 settings,
                 hooks=hooks,
             )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import replace
+from dataclasses import fields, replace
 from typing import Any
 
 import httpx
@@ -19,6 +19,7 @@ from ft.server import RunningServer, ServerSettings, open_server
 from tests.support.engine import fake_hooks
 
 TEST_SETTINGS = ServerSettings(port=0, sse_heartbeat_s=0.2, graceful_timeout_s=0.5)
+SERVER_FIELDS = frozenset(f.name for f in fields(ServerSettings))
 
 
 @asynccontextmanager
@@ -44,10 +45,14 @@ async def fake_server(
     settings: ServerSettings | None = None,
     before_step: Callable[[list[SeqWork]], None] | None = None,
     context_length: int = 2048,
-    **config: Any,
+    **options: Any,
 ) -> AsyncIterator[RunningServer]:
-    """`running_server` on the fake model (byte tokenizer, scripted runner, inline tokenize)."""
-    cfg = replace(EngineConfig(num_pages=256), **config)
+    """`running_server` on the fake model (byte tokenizer, scripted runner, inline tokenize),
+    served as "fake"; `options` are `EngineConfig` or `ServerSettings` fields, by name."""
+    server_options = {k: options.pop(k) for k in list(options) if k in SERVER_FIELDS}
+    if server_options:
+        settings = replace(settings or TEST_SETTINGS, **server_options)
+    cfg = replace(EngineConfig(num_pages=256, served_model_name="fake"), **options)
     hooks = fake_hooks(runner, before_step=before_step, context_length=context_length)
     async with running_server(cfg, hooks=hooks, settings=settings) as server:
         yield server

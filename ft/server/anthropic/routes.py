@@ -317,7 +317,7 @@ class MessagesCall(GenerationApi):
         ctx.check_model(req.model)
         prompt = messages_prompt(req)
         self.prompts = [prompt]
-        config = ctx.engine.config
+        config = ctx.settings
         self.tool_call_parser = tool_call_parser_name(config.tool_call_parser, prompt.tools is not None)
         grammar = output_grammar(
             prompt.tools, tool_choice(req), self.tool_call_parser, anthropic_output(req.output_format)
@@ -331,7 +331,7 @@ class MessagesCall(GenerationApi):
         self.params = sampling_params(ctx, req, grammar)
         self.stream = req.stream
         self.id = random_id("msg_")
-        self.model = req.model or ctx.engine.model_id
+        self.model = ctx.engine.model_id  # the model that answers, whatever name was sent
         self.reasoning_parser = reasoning_parser_name(config.reasoning_parser, grammar)
         self.assembler = BlockAssembler(self.tool_call_parser, self.reasoning_parser, new_tool_use_id)
         self.finish: tuple[str | None, str | int | None] = (None, None)

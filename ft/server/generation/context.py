@@ -7,6 +7,7 @@ they read the body with `read_request(ctx, Model)`, check the engine with
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -31,6 +32,8 @@ from ft.server.metrics import ServerMetrics
 from ft.server.settings import ServerSettings
 
 M = TypeVar("M", bound=BaseModel)
+log = logging.getLogger("ft.server")
+MAX_LOGGED_MODEL_NAMES = 16  # names not the model's that are logged (once each): a bounded set
 
 
 @dataclass
@@ -43,6 +46,7 @@ class ServerContext:
     error_formats: list[tuple[str, ErrorFormatter]] = field(default_factory=list)
     started_at: float = field(default_factory=time.time)
     metrics: ServerMetrics = field(init=False)
+    other_model_names: set[str] = field(default_factory=set)  # logged once each, up to a bound
 
     def __post_init__(self) -> None:
         self.metrics = ServerMetrics(self.engine)
@@ -55,21 +59,27 @@ class ServerContext:
                 best = (len(prefix), fmt)
         return best[1]
 
-    def served_names(self) -> set[str]:
-        """Model names a request may ask for."""
-        names = {self.engine.model_id}
-        if self.settings.served_model_name:
-            names.add(self.settings.served_model_name)
-        return names
-
     def check_model(self, model: str | None) -> None:
-        """Raise 404 unless `model` is served (None or "" means the served model)."""
-        if model and model not in self.served_names():
+        """Check a request's `model` against the served model's names (`ft.model_names`).
+
+        None, "" and every name of the model pass. Any other name is served by the one model
+        too (logged once), unless `settings.strict_model_names`: then it is a 404.
+        """
+        if not model or self.engine.names.accepts(model):
+            return
+        if self.settings.strict_model_names:
             raise HttpError(
                 404,
                 f"the model '{model}' does not exist; this server serves '{self.engine.model_id}'",
                 param="model",
                 code="model_not_found",
+            )
+        if len(self.other_model_names) < MAX_LOGGED_MODEL_NAMES and model not in self.other_model_names:
+            self.other_model_names.add(model)
+            log.info(
+                "requests for model %r are served by %r (--strict-model-names refuses them)",
+                model,
+                self.engine.model_id,
             )
 
     def check_admission(self) -> None:

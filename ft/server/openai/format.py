@@ -169,8 +169,8 @@ def make_chat_output(ctx: ServerContext, has_tools: bool, grammar: GrammarSpec |
     """The output shaper for one chat choice: text, tool calls (when the request has tools)
     and reasoning (when the output is free)."""
     return ChatAssembler(
-        tool_call_parser=tool_call_parser_name(ctx.engine.config.tool_call_parser, has_tools),
-        reasoning_parser=reasoning_parser_name(ctx.engine.config.reasoning_parser, grammar),
+        tool_call_parser=tool_call_parser_name(ctx.settings.tool_call_parser, has_tools),
+        reasoning_parser=reasoning_parser_name(ctx.settings.reasoning_parser, grammar),
     )
 
 

@@ -118,7 +118,7 @@ class ChatCompletion(OpenAIGeneration):
         messages, tools = apply_tool_choice(
             [chat_message_for_template(m) for m in req.messages], req.tools, choice
         )
-        parser = tool_call_parser_name(ctx.engine.config.tool_call_parser, tools is not None)
+        parser = tool_call_parser_name(ctx.settings.tool_call_parser, tools is not None)
         self.params: SamplingParams = sampling_params(
             ctx,
             req,
@@ -147,7 +147,7 @@ class ChatCompletion(OpenAIGeneration):
         self.is_body_large = self.params.logprobs  # n x tokens x top_logprobs entries
         self.id = openai_id("chatcmpl")
         self.created = int(time.time())
-        self.model = req.model or ctx.engine.model_id
+        self.model = ctx.engine.model_id  # the model that answers, whatever name was sent
         self.outputs: dict[int, ChatAssembler] = {}
 
     def body(self, done: Generated) -> dict[str, Any]:
@@ -219,7 +219,7 @@ class TextCompletion(OpenAIGeneration):
         self.is_body_large = req.echo or self.params.logprobs  # as large as the client asks
         self.id = openai_id("cmpl")
         self.created = int(time.time())
-        self.model = req.model or ctx.engine.model_id
+        self.model = ctx.engine.model_id  # the model that answers, whatever name was sent
         self.started: set[int] = set()
         self.offsets: dict[int, CompletionLogprobs] = {}
 

@@ -21,6 +21,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from ft.config import DEFAULT_ABORT_TIMEOUT_S, DEFAULT_DRAIN_TIMEOUT_S
 from ft.params import (
     MAX_LOGIT_BIAS,
     MAX_N,
@@ -370,5 +371,5 @@ class DetokenizeRequest(StrictModel):
 class PrepareStopRequest(StrictModel):
     """`POST /v1/admin/prepare-stop`."""
 
-    drain_timeout_s: Annotated[float, Field(ge=0.0, le=60.0)] = 5.0
-    abort_timeout_s: Annotated[float, Field(ge=0.0, le=10.0)] = 3.0
+    drain_timeout_s: Annotated[float, Field(ge=0.0, le=60.0)] = DEFAULT_DRAIN_TIMEOUT_S
+    abort_timeout_s: Annotated[float, Field(ge=0.0, le=10.0)] = DEFAULT_ABORT_TIMEOUT_S

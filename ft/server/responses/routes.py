@@ -187,7 +187,7 @@ class ResponseCall(GenerationApi):
         tools = [function_tool(t.name, t.description, t.parameters) for t in req.tools or ()]
         messages, sent_tools = apply_tool_choice(template_messages(req), tools, tool_choice)
         self.prompts = [Prompt(messages=messages, tools=sent_tools)]
-        config = ctx.engine.config
+        config = ctx.settings
         self.tool_call_parser = tool_call_parser_name(config.tool_call_parser, sent_tools is not None)
         self.text_format = req.text.format if req.text is not None else None
         answer = responses_output(self.text_format)
@@ -203,7 +203,7 @@ class ResponseCall(GenerationApi):
         self.stream = req.stream
         self.id = random_id("resp_", 32)
         self.created = int(time.time())
-        self.model = req.model or ctx.engine.model_id
+        self.model = ctx.engine.model_id  # the model that answers, whatever name was sent
         self.item_ids: dict[int, str] = {}
         self.assembler = BlockAssembler(self.tool_call_parser, self.reasoning_parser)
         self.numbers = itertools.count()

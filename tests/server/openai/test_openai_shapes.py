@@ -45,14 +45,6 @@ async def test_missing_model_means_the_served_one(client: httpx.AsyncClient) -> 
     assert (await chat(client, max_tokens=1)).status_code == 200
 
 
-async def test_unknown_model_is_404(client: httpx.AsyncClient) -> None:
-    """An unknown `model` is a 404 `model_not_found` naming the field."""
-    r = await chat(client, model="gpt-9")
-    assert r.status_code == 404
-    assert r.json()["error"]["code"] == "model_not_found"
-    assert r.json()["error"]["param"] == "model"
-
-
 @pytest.mark.parametrize("stop", ["fake", ["xyz", "fake"]])
 async def test_stop_as_string_or_list(client: httpx.AsyncClient, stop: object) -> None:
     """`stop` works as a string or a list; the text ends before the stop string."""
