@@ -300,3 +300,18 @@ async def test_unbounded_previous_response_chain_is_400_and_holds_nothing() -> N
         assert r.status_code == 400, r.text[:500]
         assert r.json()["error"]["param"] == "previous_response_id"
         assert (await wait_idle(c))["requests"]["active"] == baseline
+
+
+async def test_deeply_nested_custom_grammar_within_bounds_is_never_compiled() -> None:
+    """A custom tool's lark grammar nested 30,000 deep is shown to the model, never compiled:
+    the request is served at once, with no grammar compile held."""
+    nested = "start: " + "(" * 30_000 + '"x"' + ")" * 30_000
+    tool = CUSTOM | {"format": {"type": "grammar", "syntax": "lark", "definition": nested}}
+    async with (
+        fake_server(context_length=131072, num_pages=8192) as s,
+        httpx.AsyncClient(base_url=s.base_url) as c,
+    ):
+        with trio.fail_after(30):
+            r = await post(s, {"input": QUESTION, "tools": [tool], "store": False})
+        assert r.status_code == 200, r.text[:500]
+        assert (await wait_idle(c))["requests"]["active"] == 0
