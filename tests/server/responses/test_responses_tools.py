@@ -7,6 +7,7 @@ import json
 from typing import Any
 
 import httpx
+import openai
 import pytest
 import trio
 
@@ -315,3 +316,19 @@ async def test_deeply_nested_custom_grammar_within_bounds_is_never_compiled() ->
             r = await post(s, {"input": QUESTION, "tools": [tool], "store": False})
         assert r.status_code == 200, r.text[:500]
         assert (await wait_idle(c))["requests"]["active"] == 0
+
+
+async def test_sdk_retrieve_continue_and_delete() -> None:
+    """The openai SDK's retrieve, previous_response_id and delete work against the store."""
+    async with (
+        fake_server() as s,
+        openai.AsyncOpenAI(base_url=f"{s.base_url}/v1", api_key="unused", max_retries=0) as client,
+    ):
+        first = await client.responses.create(model="fake", input=QUESTION)
+        got = await client.responses.retrieve(first.id)
+        assert got.id == first.id and got.output_text == first.output_text
+        second = await client.responses.create(model="fake", input="More?", previous_response_id=first.id)
+        assert second.previous_response_id == first.id and second.status == "completed"
+        await client.responses.delete(first.id)
+        with pytest.raises(openai.NotFoundError):
+            await client.responses.retrieve(first.id)
