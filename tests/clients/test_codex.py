@@ -98,7 +98,7 @@ async def run_codex(tmp: Path, server: RunningServer, model: str, task: str) -> 
     """`codex exec TASK` in a scratch directory under `tmp`, against `server`."""
     binary = codex_binary()
     work = tmp / "work"
-    work.mkdir(exist_ok=True)
+    work.mkdir(parents=True, exist_ok=True)
     env = {
         "PATH": os.environ.get("PATH", ""),
         "HOME": str(tmp),
@@ -167,3 +167,24 @@ async def test_codex_exec_tool_round_trip(tmp_path: Path, caplog: pytest.LogCapt
     prompts = [json.dumps(line.get("prompt")) for line in lines if line.get("path") == "/v1/responses"]
     assert len(prompts) >= 2, output[-4000:]
     assert any('"role": "tool"' in p for p in prompts[1:]), "no tool output came back"
+
+
+async def test_codex_reads_an_answer_cut_by_the_context(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An answer cut by the context's end is a 200 ending in `response.incomplete`; Codex reads
+    its reason (`max_output_tokens`), not a broken stream. (A first run measures Codex's
+    prompt; the second server's context leaves 64 tokens after it.)"""
+    caplog.set_level(logging.INFO, logger="ft.request")
+    async with fake_server(context_length=131072, num_pages=4096) as s:
+        await run_codex(tmp_path / "measure", s, "fake", "Say hello.")
+    (num_prompt_tokens,) = {line["prompt_tokens"] for line in request_lines(caplog)}
+    caplog.clear()
+    runner = FakeRunner(script=text_script("x" * 3000))
+    context = num_prompt_tokens + 64
+    async with fake_server(runner, settings=LOGGED, context_length=context, num_pages=4096) as s:
+        done = await run_codex(tmp_path / "cut", s, "fake", "Say hello.")
+    output = done.stdout + done.stderr
+    assert_no_http_errors(request_lines(caplog), output)
+    assert b"max_output_tokens" in output, output[-4000:]
+    assert b"stream disconnected" not in output and b"stream closed" not in output, output[-4000:]
