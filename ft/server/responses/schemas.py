@@ -241,21 +241,6 @@ class LocalShellTool(StrictModel):
     type: Literal["local_shell"]
 
 
-NamespaceMember = Annotated[FunctionTool | CustomTool, Discriminator("type")]
-
-
-class NamespaceTool(StrictModel):
-    """Codex's `{"type": "namespace", "name", "tools": [...]}`: a group of function and custom
-    tools, offered to the model as its members."""
-
-    type: Literal["namespace"]
-    name: Annotated[str, Field(min_length=1, max_length=MAX_NAME_LEN)]
-    description: str | None = None
-    tools: Annotated[
-        list[Annotated[FunctionTool | CustomTool, Discriminator("type")]], Field(max_length=MAX_TOOLS)
-    ]
-
-
 class HostedTool(StrictModel):
     """A tool OpenAI runs itself (`web_search`, `file_search`, `mcp`, `code_interpreter`, …) or
     one of a type this server does not know: only its `type` is kept."""
@@ -271,6 +256,33 @@ def _tool_kind(value: Any) -> str | None:
     if not isinstance(kind, str):
         return None
     return kind if kind in LOCAL_TOOL_TYPES else "hosted"
+
+
+def _member_kind(value: Any) -> str | None:
+    kind = _tool_kind(value)
+    return kind if kind in ("function", "custom", None) else "hosted"
+
+
+NamespaceMember = Annotated[
+    Annotated[FunctionTool, Tag("function")]
+    | Annotated[CustomTool, Tag("custom")]
+    | Annotated[HostedTool, Tag("hosted")],
+    Discriminator(
+        _member_kind,
+        custom_error_type="tool",
+        custom_error_message="a namespace's tools must be objects with a string 'type'",
+    ),
+]
+
+
+class NamespaceTool(StrictModel):
+    """Codex's `{"type": "namespace", "name", "tools": [...]}`: a group of function and custom
+    tools, offered to the model as its members."""
+
+    type: Literal["namespace"]
+    name: Annotated[str, Field(min_length=1, max_length=MAX_NAME_LEN)]
+    description: str | None = None
+    tools: Annotated[list[NamespaceMember], Field(max_length=MAX_TOOLS)]
 
 
 Tool = Annotated[

@@ -147,11 +147,18 @@ def offered_tools(tools: Sequence[Tool] | None) -> ToolSet:
                 )
             case NamespaceTool(name=namespace, tools=members):
                 for member in members:
-                    _add_callable(offered, member, namespace)
-            case HostedTool(type=kind):
-                offered.num_dropped += 1
-                log.debug("tool of type %r dropped from the prompt: the model cannot run it", kind[:64])
+                    if isinstance(member, HostedTool):
+                        _drop(offered, member)
+                    else:
+                        _add_callable(offered, member, namespace)
+            case HostedTool():
+                _drop(offered, tool)
     return offered
+
+
+def _drop(offered: ToolSet, tool: HostedTool) -> None:
+    offered.num_dropped += 1
+    log.debug("tool of type %r dropped from the prompt: the model cannot run it", tool.type[:64])
 
 
 def _add_callable(offered: ToolSet, tool: FunctionTool | CustomTool, namespace: str | None) -> None:

@@ -38,6 +38,7 @@ NAMESPACE = {
     "tools": [
         {"type": "function", "name": "spawn_agent", "parameters": {"type": "object", "properties": {}}},
         {"type": "custom", "name": "agent_note", "format": {"type": "text"}},
+        {"type": "web_search"},
     ],
 }
 HOSTED = [
@@ -72,7 +73,7 @@ def test_local_tools_are_offered_and_hosted_ones_dropped() -> None:
     req = ResponsesRequest.model_validate({"input": "hi", "tools": EVERY_TOOL})
     offered = offered_tools(req.tools)
     assert list(offered.by_name) == ["get_weather", "apply_patch", "local_shell", "spawn_agent", "agent_note"]
-    assert offered.num_dropped == len(HOSTED)
+    assert offered.num_dropped == len(HOSTED) + 1  # and the namespace's web_search
     assert offered.by_name["spawn_agent"].namespace == "multi_agent_v1"
     patch = next(d for d in offered.definitions if d["function"]["name"] == "apply_patch")
     assert LARK in patch["function"]["description"]
