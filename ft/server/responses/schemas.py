@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Discriminator, Field, Tag, field_validator
+from pydantic import Discriminator, Field, Tag, field_validator, model_validator
 
 from ft.server.openai.schemas import (
     MAX_MESSAGES,
@@ -129,6 +129,12 @@ class LocalShellCallOutputItem(StrictModel):
     def the_call_id(self) -> str:
         """`call_id`, or `id` as OpenAI spells it."""
         return self.call_id or self.id or ""
+
+    @model_validator(mode="after")
+    def _has_call_id(self) -> LocalShellCallOutputItem:
+        if not (self.call_id or self.id):
+            raise ValueError("a local_shell_call_output needs the call's id (in 'id' or 'call_id')")
+        return self
 
 
 class ReasoningItem(StrictModel):

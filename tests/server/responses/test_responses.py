@@ -102,6 +102,7 @@ async def test_sdk_bad_parameter_is_bad_request(server: RunningServer) -> None:
         ({"tools": [{"name": "no_type"}]}, "tools"),
         ({"tools": TOOLS, "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
         ({"input": [{"type": "teleport_call"}]}, "input"),
+        ({"input": [{"type": "local_shell_call_output", "output": "x"}]}, "input"),
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input"),
         ({"max_output_tokens": 0}, "max_output_tokens"),
     ],
