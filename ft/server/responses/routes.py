@@ -1,17 +1,22 @@
-"""OpenAI Responses API: `POST /v1/responses`, streamed or not; ft keeps no responses.
+"""OpenAI Responses API: `POST /v1/responses`, streamed or not, and `GET`/`DELETE
+/v1/responses/{id}` of a stored one.
 
-`previous_response_id` and `store: true` are refused with a 400 (send the whole conversation as
-`input` instead), and `GET`/`DELETE /v1/responses/{id}` answer 404. Errors are in OpenAI's shape.
+A response is stored unless the request says `store: false` (OpenAI's default), in a bounded
+in-memory store (`ft.server.responses.store`); `previous_response_id` continues a stored one's
+conversation. The tools the model is offered, and the item types its calls come back as, are
+`ft.server.responses.tools`; input and output items are `ft.server.responses.items`. Errors are
+in OpenAI's shape.
 
 A streamed response is a sequence of named events, each with a monotonic `sequence_number`:
 `response.created`, `response.in_progress`, then per output item `response.output_item.added`,
 its content events (`response.content_part.added`, `response.output_text.delta`…,
 `response.output_text.done`, `response.content_part.done`; or
 `response.function_call_arguments.delta`… / `.done`; or `response.reasoning_text.*`),
-`response.output_item.done`; and last `response.completed` — or `response.incomplete` when
-`max_output_tokens` cut the output short, as OpenAI does — or `response.failed` on an error
-after the headers went out. `: heartbeat` comments keep the stream alive while queued or
-prefilling.
+`response.output_item.done` (a custom tool's call streams `response.custom_tool_call_input.*`,
+a `local_shell_call` only its added / done items); and last `response.completed` — or
+`response.incomplete` when `max_output_tokens` cut the output short, as OpenAI does — or
+`response.failed` on an error after the headers went out. `: heartbeat` comments keep the
+stream alive while queued or prefilling.
 """
 
 from __future__ import annotations
@@ -20,13 +25,12 @@ import itertools
 import time
 from typing import Any
 
-from quart import Response
+from quart import Response, request
 from quart_trio import QuartTrio
 
-from ft.errors import FtError, InvalidRequest
+from ft.errors import FtError
 from ft.ids import random_id
 from ft.messages import Delta
-from ft.server.edge.body import parse_arguments
 from ft.server.edge.http_errors import HttpError
 from ft.server.generation import lifecycle
 from ft.server.generation.assemble import (
@@ -38,42 +42,42 @@ from ft.server.generation.assemble import (
     BlockStop,
     assemble_blocks,
 )
-from ft.server.generation.context import ServerContext, read_request
+from ft.server.generation.context import ServerContext, json_response, read_request
 from ft.server.generation.lifecycle import Generated, GenerationApi, Prompt, Usage, respond
 from ft.server.generation.sse import sse_event
 from ft.server.generation.structured import reasoning_parser_name, responses_output
-from ft.server.generation.tools import (
-    ToolChoice,
-    apply_tool_choice,
-    function_tool,
-    output_grammar,
-    tool_call_parser_name,
-)
-from ft.server.responses.schemas import (
-    FunctionCallItem,
-    FunctionCallOutputItem,
-    FunctionChoice,
-    MessageItem,
-    ResponsesRequest,
-)
+from ft.server.generation.tools import ToolChoice, apply_tool_choice, output_grammar, tool_call_parser_name
+from ft.server.responses.items import input_messages, output_item, output_messages, output_text
+from ft.server.responses.schemas import FunctionChoice, ResponsesRequest
+from ft.server.responses.store import ResponseStore
+from ft.server.responses.tools import custom_input, offered_tools
 
 ITEM_ID_PREFIXES = {"thinking": "rs_", "text": "msg_", "tool_call": "fc_"}
+CALL_ID_PREFIXES = {"function": "fc_", "custom": "ctc_", "local_shell": "lsh_"}
+ENCRYPTED_REASONING = "reasoning.encrypted_content"
 
 
 def register(app: QuartTrio, ctx: ServerContext) -> None:
     """Add the Responses routes to `app`."""
 
+    store = ResponseStore()
+
     @app.post("/v1/responses")
     async def create_response() -> Response:
         req = await read_request(ctx, ResponsesRequest)
-        return await respond(ctx, ResponseCall(ctx, req))
+        return await respond(ctx, ResponseCall(ctx, req, store))
 
     @app.route("/v1/responses/<response_id>", methods=["GET", "DELETE"])
     async def stored_response(response_id: str) -> Response:
+        if request.method == "DELETE":
+            if store.delete(response_id):
+                return json_response({"id": response_id, "object": "response", "deleted": True})
+        elif (entry := store.get(response_id)) is not None:
+            return json_response(entry.response)
         raise HttpError(
             404,
-            f"no response '{response_id[:64]}': this server keeps no responses (it is "
-            "stateless); send the whole conversation as input",
+            f"no stored response '{response_id[:64]}' (not stored, deleted, or evicted from "
+            "this server's bounded in-memory store)",
             param="response_id",
             code="not_found",
         )
@@ -82,36 +86,20 @@ def register(app: QuartTrio, ctx: ServerContext) -> None:
 # --- request -> engine -----------------------------------------------------------------------
 
 
-def template_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
-    """`instructions` and `input` as chat-template messages.
+def template_messages(
+    req: ResponsesRequest, store: ResponseStore
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The chat-template messages of `req`, and the conversation (without `instructions`,
+    which OpenAI does not carry over) that a stored response keeps.
 
-    Consecutive `function_call` items join the assistant turn before them as its `tool_calls`
-    (arguments as an object, as Hugging Face templates expect); `function_call_output` items
-    become `tool` messages; reasoning items are dropped.
+    Raises:
+        InvalidRequest: `previous_response_id` names no stored response, or too long a one.
     """
-    out: list[dict[str, Any]] = []
-    if req.instructions:
-        out.append({"role": "system", "content": req.instructions})
-    if isinstance(req.input, str):
-        out.append({"role": "user", "content": req.input})
-        return out
-    for item in req.input:
-        match item:
-            case MessageItem(role=role, content=content):
-                out.append({"role": "system" if role == "developer" else role, "content": content})
-            case FunctionCallItem(call_id=call_id, name=name, arguments=arguments):
-                call = {
-                    "id": call_id,
-                    "type": "function",
-                    "function": {"name": name, "arguments": parse_arguments(arguments)},
-                }
-                if out and out[-1]["role"] == "assistant":
-                    out[-1].setdefault("tool_calls", []).append(call)
-                else:
-                    out.append({"role": "assistant", "content": "", "tool_calls": [call]})
-            case FunctionCallOutputItem(call_id=call_id, output=output):
-                out.append({"role": "tool", "tool_call_id": call_id, "content": output})
-    return out
+    conversation = input_messages(req.input)
+    if req.previous_response_id is not None:
+        conversation = store.history(req.previous_response_id, conversation)
+    system = [{"role": "system", "content": req.instructions}] if req.instructions else []
+    return [*system, *conversation], conversation
 
 
 def usage(u: Usage) -> dict[str, Any]:
@@ -125,67 +113,26 @@ def usage(u: Usage) -> dict[str, Any]:
     }
 
 
-def output_item(block: Block, item_id: str, status: str) -> dict[str, Any]:
-    """A finished block as a Responses output item."""
-    match block.kind:
-        case "thinking":
-            return {
-                "id": item_id,
-                "type": "reasoning",
-                "summary": [],
-                "content": [{"type": "reasoning_text", "text": block.text}],
-                "status": status,
-            }
-        case "text":
-            return {
-                "id": item_id,
-                "type": "message",
-                "status": status,
-                "role": "assistant",
-                "content": [output_text(block.text)],
-            }
-        case "tool_call":
-            return {
-                "id": item_id,
-                "type": "function_call",
-                "call_id": block.call_id,
-                "name": block.name,
-                "arguments": block.arguments,
-                "status": status,
-            }
-
-
-def output_text(text: str) -> dict[str, Any]:
-    """An `output_text` content part."""
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-
-
 class ResponseCall(GenerationApi):
     """One `/v1/responses` request, from validated body to response."""
 
-    def __init__(self, ctx: ServerContext, req: ResponsesRequest) -> None:
-        self.ctx, self.req = ctx, req
+    def __init__(self, ctx: ServerContext, req: ResponsesRequest, store: ResponseStore) -> None:
+        self.ctx, self.req, self.store = ctx, req, store
         ctx.check_model(req.model)
-        if req.previous_response_id is not None:
-            raise InvalidRequest(
-                "previous_response_id is not supported: this server keeps no responses; send "
-                "the whole conversation as input",
-                param="previous_response_id",
-            )
-        if req.store:
-            raise InvalidRequest(
-                "store: true is not supported: this server keeps no responses; omit store or set it to false",
-                param="store",
-            )
+        self.is_stored = req.store is not False
+        self.include_encrypted = ENCRYPTED_REASONING in (req.include or ())
         choice = req.tool_choice
         parallel = req.parallel_tool_calls is not False
-        tool_choice = (
-            ToolChoice("required", choice.name, parallel)
-            if isinstance(choice, FunctionChoice)
-            else ToolChoice(choice or "auto", parallel=parallel)
-        )
-        tools = [function_tool(t.name, t.description, t.parameters) for t in req.tools or ()]
-        messages, sent_tools = apply_tool_choice(template_messages(req), tools, tool_choice)
+        if isinstance(choice, FunctionChoice):
+            tool_choice = ToolChoice("required", choice.name, parallel)
+        elif isinstance(choice, str):
+            tool_choice = ToolChoice(choice, parallel=parallel)
+        else:  # None, or a hosted tool's choice this server cannot force
+            tool_choice = ToolChoice("auto", parallel=parallel)
+        self.tools = offered_tools(req.tools)
+        tools = self.tools.definitions or None
+        messages, self.conversation = template_messages(req, store)
+        messages, sent_tools = apply_tool_choice(messages, tools, tool_choice)
         self.prompts = [Prompt(messages=messages, tools=sent_tools)]
         config = ctx.settings
         self.tool_call_parser = tool_call_parser_name(config.tool_call_parser, sent_tools is not None)
@@ -212,16 +159,35 @@ class ResponseCall(GenerationApi):
     def item_id(self, index: int, block: Block) -> str:
         """The id of output item `index` (made on first use)."""
         if index not in self.item_ids:
-            self.item_ids[index] = random_id(ITEM_ID_PREFIXES[block.kind], 32)
+            prefix = (
+                CALL_ID_PREFIXES[self.tools.kind_of(block.name)]
+                if block.kind == "tool_call"
+                else ITEM_ID_PREFIXES[block.kind]
+            )
+            self.item_ids[index] = random_id(prefix, 32)
         return self.item_ids[index]
+
+    def output_item(self, block: Block, item_id: str, status: str) -> dict[str, Any]:
+        """A block as an output item of this request."""
+        return output_item(block, item_id, status, self.tools, include_encrypted=self.include_encrypted)
 
     def items(self, blocks: list[Block], is_incomplete: bool) -> list[dict[str, Any]]:
         """Every block as an output item; the last is `incomplete` when the output was cut."""
         last = len(blocks) - 1
         return [
-            output_item(b, self.item_id(i, b), "incomplete" if is_incomplete and i == last else "completed")
+            self.output_item(
+                b, self.item_id(i, b), "incomplete" if is_incomplete and i == last else "completed"
+            )
             for i, b in enumerate(blocks)
         ]
+
+    def finished(self, response: dict[str, Any]) -> dict[str, Any]:
+        """`response` (completed or incomplete), stored first unless the request said not to."""
+        if self.is_stored:
+            conversation = [*self.conversation, *output_messages(response["output"])]
+            if not self.store.put(self.id, response, conversation):
+                response["store"] = False
+        return response
 
     def response(
         self,
@@ -247,14 +213,14 @@ class ResponseCall(GenerationApi):
             "model": self.model,
             "output": output,
             "parallel_tool_calls": req.parallel_tool_calls is not False,
-            "previous_response_id": None,
+            "previous_response_id": req.previous_response_id,
             "reasoning": {"effort": None, "summary": None},
-            "store": False,
+            "store": self.is_stored,
             "temperature": self.params.temperature,
             "text": {"format": self.text_format.model_dump(by_alias=True, exclude_none=True)}
             if self.text_format is not None
             else {"format": {"type": "text"}},
-            "tool_choice": choice.model_dump() if isinstance(choice, FunctionChoice) else (choice or "auto"),
+            "tool_choice": choice if isinstance(choice, str) else choice.model_dump() if choice else "auto",
             "tools": [t.model_dump() for t in req.tools or ()],
             "top_p": self.params.top_p,
             "truncation": "disabled",
@@ -274,7 +240,7 @@ class ResponseCall(GenerationApi):
         is_incomplete = choice.finish_reason == "length"
         status = "incomplete" if is_incomplete else "completed"
         self.tool_calls = any(b.kind == "tool_call" for b in blocks)
-        return self.response(status, self.items(blocks, is_incomplete), done.usage)
+        return self.finished(self.response(status, self.items(blocks, is_incomplete), done.usage))
 
     def event(self, kind: str, **fields: Any) -> bytes:
         """One named event with the next `sequence_number`."""
@@ -309,7 +275,8 @@ class ResponseCall(GenerationApi):
         self.tool_calls = self.assembler.has_tool_calls
         status = "incomplete" if is_incomplete else "completed"
         items = self.items(self.assembler.blocks, is_incomplete)
-        frames.append(self.event(f"response.{status}", response=self.response(status, items, u)))
+        response = self.finished(self.response(status, items, u))
+        frames.append(self.event(f"response.{status}", response=response))
         return frames
 
     def error(self, err: FtError) -> list[bytes]:
@@ -326,7 +293,7 @@ class ResponseCall(GenerationApi):
         match event:
             case BlockStart(block=block):
                 item_id = self.item_id(index, block)
-                added = output_item(block, item_id, "in_progress")
+                added = self.output_item(block, item_id, "in_progress")
                 if block.kind == "tool_call":
                     return [("response.output_item.added", where | {"item": added})]
                 added["content"] = []
@@ -339,6 +306,8 @@ class ResponseCall(GenerationApi):
                     ),
                 ]
             case BlockDelta(kind="tool_call", text=text):
+                if self.tools.kind_of(self.assembler.blocks[index].name) != "function":
+                    return []  # the item's input is not this JSON: it comes whole at the stop
                 return [
                     ("response.function_call_arguments.delta", where | {"item_id": item_id, "delta": text})
                 ]
@@ -352,15 +321,9 @@ class ResponseCall(GenerationApi):
                     )
                 ]
             case BlockStop(block=block):
-                done = output_item(block, item_id, "incomplete" if is_incomplete else "completed")
+                done = self.output_item(block, item_id, "incomplete" if is_incomplete else "completed")
                 if block.kind == "tool_call":
-                    return [
-                        (
-                            "response.function_call_arguments.done",
-                            where | {"item_id": item_id, "name": block.name, "arguments": block.arguments},
-                        ),
-                        ("response.output_item.done", where | {"item": done}),
-                    ]
+                    return self.call_done_events(block, item_id, where, done)
                 name = "output_text" if block.kind == "text" else "reasoning_text"
                 extra_done: dict[str, Any] = {"logprobs": []} if block.kind == "text" else {}
                 in_part = where | {"item_id": item_id, "content_index": 0}
@@ -370,3 +333,27 @@ class ResponseCall(GenerationApi):
                     ("response.output_item.done", where | {"item": done}),
                 ]
         raise AssertionError(event)  # pragma: no cover
+
+    def call_done_events(
+        self, block: Block, item_id: str, where: dict[str, Any], done: dict[str, Any]
+    ) -> list[tuple[str, dict[str, Any]]]:
+        """The events that end a tool call's item, as its tool's kind spells them."""
+        match self.tools.kind_of(block.name):
+            case "custom":
+                text = custom_input(block.arguments)
+                in_item = where | {"item_id": item_id}
+                return [
+                    ("response.custom_tool_call_input.delta", in_item | {"delta": text}),
+                    ("response.custom_tool_call_input.done", in_item | {"input": text}),
+                    ("response.output_item.done", where | {"item": done}),
+                ]
+            case "local_shell":
+                return [("response.output_item.done", where | {"item": done})]
+            case "function":
+                return [
+                    (
+                        "response.function_call_arguments.done",
+                        where | {"item_id": item_id, "name": block.name, "arguments": block.arguments},
+                    ),
+                    ("response.output_item.done", where | {"item": done}),
+                ]

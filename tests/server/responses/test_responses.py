@@ -92,15 +92,15 @@ async def test_sdk_bad_parameter_is_bad_request(server: RunningServer) -> None:
     ("extra", "param"),
     [
         ({"previous_response_id": "resp_123"}, "previous_response_id"),
-        ({"store": True}, "store"),
         (
             {"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": 3}}}},
             "text.format.schema",
         ),
         ({"text": {"format": {"type": "yaml"}}}, "text.format"),
-        ({"tools": [{"type": "web_search"}]}, "tools"),
+        ({"tools": [{"name": "no_type"}]}, "tools"),
         ({"tools": TOOLS, "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
-        ({"input": [{"type": "computer_call"}]}, "input"),
+        ({"input": [{"type": "teleport_call"}]}, "input"),
+        ({"input": [{"type": "local_shell_call_output", "output": "x"}]}, "input"),
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input"),
         ({"max_output_tokens": 0}, "max_output_tokens"),
     ],
@@ -116,8 +116,8 @@ async def test_unsupported_or_invalid_fields_are_400(
     assert error["param"] is not None and error["param"].startswith(param), error
 
 
-async def test_store_false_is_fine_and_stored_responses_are_404(server: RunningServer) -> None:
-    """store false is served; GET and DELETE of a stored response are 404 (ft keeps none)."""
+async def test_unknown_stored_responses_are_404(server: RunningServer) -> None:
+    """GET and DELETE of a response never stored are 404s, through the SDK too."""
     assert (await post(server, {"input": QUESTION, "store": False})).status_code == 200
     async with httpx.AsyncClient(base_url=server.base_url) as c:
         for method in ("GET", "DELETE"):
