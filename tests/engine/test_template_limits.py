@@ -14,6 +14,7 @@ import trio
 
 from ft.config import EngineConfig
 from ft.engine import engine as engine_module
+from ft.engine import lifetime
 from ft.engine.engine import Engine
 from ft.engine.fake import CHATML, FakeRunner
 from ft.engine.loading import ModelParts
@@ -135,7 +136,7 @@ async def test_a_job_past_its_deadline_has_its_worker_killed_and_is_a_400(
 ) -> None:
     """A job that ignores the render deadline (a C call that never returns) is killed."""
     # NOTE: the deadline counts a fresh worker's start too (seconds on a busy machine).
-    monkeypatch.setattr(engine_module, "TOKENIZE_GRACE_S", 5.0)
+    monkeypatch.setattr(lifetime, "TOKENIZE_GRACE_S", 5.0)
     elsewhere = worker_pids()
     with trio.fail_after(60):
         async with fake_engine(executor=None, tokenizer_fault=hang_on_bang, template_timeout_s=0.5) as engine:
