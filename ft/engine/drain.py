@@ -5,11 +5,13 @@ It runs in the engine's nursery, so it completes whoever asked for it and whethe
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import trio
 
 from ft.engine.lifetime import EngineState
+from ft.engine.observe import EngineSnapshot
 
 if TYPE_CHECKING:
     from ft.engine.engine import Engine
@@ -22,7 +24,7 @@ class Drain:
         self._engine = engine
         self._scope: trio.CancelScope | None = None
         self._abort_timeout_s = 0.0
-        self._stop_snapshot: dict[str, Any] | None = None
+        self._stop_snapshot: EngineSnapshot | None = None
         self._stopped = trio.Event()
 
     def begin(self, drain_timeout_s: float, abort_timeout_s: float) -> None:
@@ -50,7 +52,7 @@ class Drain:
         with trio.move_on_after(self._abort_timeout_s):
             await self._wait_idle()
         engine.jobs.kill_all()  # a request still in a worker holds nothing up any longer
-        self._stop_snapshot = engine.snapshot() | {"drain_complete": True}
+        self._stop_snapshot = replace(engine.snapshot(), drain_complete=True)
         if not engine.has_failed:
             engine.state = EngineState.STOPPED
         self._stopped.set()
@@ -60,7 +62,7 @@ class Drain:
         while len(engine.registry) or engine.admissions.num_admissions:
             await trio.sleep(0.01)
 
-    async def wait(self) -> dict[str, Any]:
+    async def wait(self) -> EngineSnapshot:
         """Wait for the drain `begin` started; return its final snapshot."""
         await self._stopped.wait()
         assert self._stop_snapshot is not None

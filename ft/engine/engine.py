@@ -25,7 +25,7 @@ from ft.engine.admission import Admission, Admissions
 from ft.engine.drain import Drain
 from ft.engine.lifetime import WORKER_GRACE_S, EngineState, Running, WorkerJobs, boot
 from ft.engine.loading import EngineHooks
-from ft.engine.observe import snapshot
+from ft.engine.observe import EngineSnapshot, snapshot
 from ft.engine.stats import Stats
 from ft.engine.stream import RequestStream
 from ft.errors import EngineStopping, FtError, InvalidRequest, Overloaded, RequestAborted, RequestFailed
@@ -415,13 +415,13 @@ class Engine:
             if self._running is not None:
                 self._running.scheduler_inbox.send_nowait(Abort(uid))
 
-    async def wait_stopped(self) -> dict[str, Any]:
+    async def wait_stopped(self) -> EngineSnapshot:
         """Wait for the drain `begin_stop` started; return its final snapshot."""
         return await self._drain.wait()
 
     async def prepare_stop(
         self, drain_timeout_s: float = 5.0, abort_timeout_s: float = 3.0
-    ) -> dict[str, Any]:
+    ) -> EngineSnapshot:
         """Stop admitting; drain, then abort what is left; return the final snapshot.
 
         `begin_stop` then `wait_stopped`: cancelling the caller leaves the drain running.
@@ -432,8 +432,8 @@ class Engine:
 
     # --- observability (the records are `observe`'s) ------------------------------------------
 
-    def snapshot(self) -> dict[str, Any]:
-        """The `/v1/stats` record, derived from the registry, the core and the page pool."""
+    def snapshot(self) -> EngineSnapshot:
+        """The engine now (a frozen record; `/v1/stats` is its `as_json()`)."""
         return snapshot(self)
 
 

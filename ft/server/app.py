@@ -10,7 +10,7 @@ import logging
 import signal
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from functools import partial
 
 import hypercorn.trio
@@ -292,5 +292,5 @@ async def _drain(signals: AsyncIterator[int], server: RunningServer, settings: S
         server.engine.begin_stop(settings.drain_timeout_s, ABORT_TIMEOUT_S)
         with trio.move_on_after(settings.drain_timeout_s + ABORT_TIMEOUT_S + 1.0):
             snapshot = await server.engine.wait_stopped()
-            log.info("drained: %s", snapshot["requests"])
+            log.info("drained: %s", asdict(snapshot.requests))
         nursery.cancel_scope.cancel()

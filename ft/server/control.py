@@ -75,7 +75,7 @@ def register(app: QuartTrio, ctx: ServerContext) -> None:
 
     @app.get("/v1/stats")
     async def stats() -> Response:
-        return json_response(engine.snapshot())
+        return json_response(engine.snapshot().as_json())
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -114,7 +114,7 @@ def register(app: QuartTrio, ctx: ServerContext) -> None:
         # Who may call it (loopback or --admin-key, no foreign Origin) is `auth.authorize_admin`.
         req = await read_request(ctx, PrepareStopRequest, allow_empty=True)
         snapshot = await engine.prepare_stop(req.drain_timeout_s, req.abort_timeout_s)
-        return json_response(snapshot)
+        return json_response(snapshot.as_json())
 
 
 def _check_ready(ctx: ServerContext) -> None:
