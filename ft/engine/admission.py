@@ -7,6 +7,8 @@ released, and the prompts of one not yet open count against the capacity as queu
 
 from __future__ import annotations
 
+import trio
+
 from ft.actors.registry import Registry
 from ft.config import EngineConfig
 from ft.errors import Overloaded
@@ -38,9 +40,8 @@ class Admission:
     def release(self) -> None:
         """Let a drain stop waiting for this request. Idempotent and synchronous."""
         if self._admissions is not None:
-            self._admissions.num_preparing -= self.num_preparing
+            self._admissions.note_released(self.num_preparing)
             self.num_preparing = 0
-            self._admissions.num_admissions -= 1
             self._admissions = None
 
 
@@ -52,6 +53,8 @@ class Admissions:
         self.registry = registry
         self.num_admissions = 0  # `Admission`s not yet released: a drain waits for them
         self.num_preparing = 0  # `Admission`s whose scopes are not open yet: they count as queued
+        self._all_released = trio.Event()  # set while `num_admissions` is 0
+        self._all_released.set()
 
     def check_capacity(self, admission: Admission | None = None) -> None:
         """Raise `Overloaded` when the running slots and the queue are full.
@@ -72,6 +75,19 @@ class Admissions:
 
     def admit(self, num_prompts: int) -> Admission:
         """Count a request of `num_prompts` prompts as admitted (the caller checked first)."""
+        if self._all_released.is_set():
+            self._all_released = trio.Event()
         self.num_admissions += 1
         self.num_preparing += num_prompts
         return Admission(self, num_prompts)
+
+    def note_released(self, num_preparing: int) -> None:
+        """An admission was released with `num_preparing` of its scopes never opened."""
+        self.num_preparing -= num_preparing
+        self.num_admissions -= 1
+        if not self.num_admissions:
+            self._all_released.set()
+
+    async def wait_all_released(self) -> None:
+        """Wait until every admission is released (at once, with a checkpoint, if none is held)."""
+        await self._all_released.wait()

@@ -58,9 +58,11 @@ class Drain:
         self._stopped.set()
 
     async def _wait_idle(self) -> None:
-        engine = self._engine
-        while len(engine.registry) or engine.admissions.num_admissions:
-            await trio.sleep(0.01)
+        """Wait until no request scope is open and no admission held (woken by each, no polling)."""
+        registry, admissions = self._engine.registry, self._engine.admissions
+        while len(registry) or admissions.num_admissions:
+            await registry.wait_empty()
+            await admissions.wait_all_released()
 
     async def wait(self) -> EngineSnapshot:
         """Wait for the drain `begin` started; return its final snapshot."""

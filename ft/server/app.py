@@ -245,8 +245,7 @@ async def serve(
                 # Every request has been failed; let their streams send the error and close.
                 log.error("the engine failed: %s; stopping", failure)
                 with trio.move_on_after(ABORT_TIMEOUT_S):
-                    while len(server.engine.registry):
-                        await trio.sleep(0.01)
+                    await server.engine.registry.wait_empty()
             else:
                 await _drain(signals, server, settings)
                 if server.engine.has_failed:  # a rank failed while draining

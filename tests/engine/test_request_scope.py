@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import pytest
@@ -263,6 +264,26 @@ async def test_prepare_stop_on_an_idle_engine_returns_at_once(
         start = trio.current_time()
         snap = await engine.prepare_stop()
         assert trio.current_time() - start < 0.05 and snap.drain_complete
+
+
+async def test_the_drain_wakes_when_the_last_scope_closes_not_on_a_poll(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The drain is woken by the last scope's exit and the last admission's release: with the
+    clock stopped (where a polling wait's sleep never ends) it completes at once."""
+    async with fake_engine() as engine:
+        admission = engine.admit()
+        async with engine.open_request(prompt="hi", params=SamplingParams(max_tokens=2)) as stream:
+            await stream.collect()
+            autojump_clock.autojump_threshold = math.inf  # time stands still from here
+            engine.begin_stop(drain_timeout_s=30.0, abort_timeout_s=3.0)
+            await trio.testing.wait_all_tasks_blocked()
+            assert engine.state == "stopping"
+        await trio.testing.wait_all_tasks_blocked()
+        assert engine.state == "stopping"  # the admission still holds the drain
+        admission.release()
+        await trio.testing.wait_all_tasks_blocked()
+        assert engine.state == "stopped"  # before: asleep in a 10 ms poll, which never ended
 
 
 async def test_detokenizers_get_the_prompt_as_left_context(
