@@ -10,8 +10,8 @@ import itertools
 import logging
 import tempfile
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from contextlib import asynccontextmanager, contextmanager
 from functools import partial
 from typing import Any
 
@@ -23,7 +23,7 @@ from ft.config import EngineConfig
 from ft.core.scheduler import Scheduler
 from ft.engine.admission import Admission, Admissions
 from ft.engine.drain import Drain
-from ft.engine.lifetime import WORKER_GRACE_S, EngineState, Running, WorkerJobs, boot
+from ft.engine.lifetime import WORKER_GRACE_S, EngineState, Running, WorkerJobs, boot, refusal
 from ft.engine.loading import EngineHooks
 from ft.engine.observe import EngineSnapshot, snapshot
 from ft.engine.stats import Stats
@@ -33,7 +33,7 @@ from ft.grammar.compiled import Grammar
 from ft.grammar.spec import GrammarSpec
 from ft.ids import random_id
 from ft.messages import Abort, StepDone, Tokenize
-from ft.params import SamplingParams
+from ft.params import SamplingParams, check_token_ids
 from ft.tokenizer.job import WORKER_MEMORY_BYTES, init_worker, retire_worker
 
 __all__ = ["Admission", "Engine", "EngineState", "open_engine"]
@@ -112,11 +112,28 @@ class Engine:
         """The scheduler core (None until the engine has started)."""
         return self._running.core if self._running is not None else None
 
+    def refusal(self) -> EngineStopping:
+        """The 503 for a request the engine cannot serve in its state (loading, failed, stopping);
+        the one place these refusals are worded."""
+        return refusal(self.state, self.error)
+
     def _started(self) -> Running:
         """What the started engine holds. Raises `EngineStopping` (503) while it loads."""
         if self._running is None:
-            raise EngineStopping("the model is still loading", code="model_loading")
+            raise self.refusal()
         return self._running
+
+    @contextmanager
+    def counting_rejections(self, *kinds: type[FtError]) -> Iterator[None]:
+        """Count a refusal of `kinds` (any `FtError` when none given) raised in the block as a
+        rejected request (`stats.rejected`), and let it propagate: the checks themselves only raise.
+        """
+        caught = kinds or (FtError,)
+        try:
+            yield
+        except caught:
+            self.stats.rejected += 1
+            raise
 
     # --- requests ----------------------------------------------------------------------------
 
@@ -126,19 +143,12 @@ class Engine:
         A streaming route calls it first so it can answer 503 before committing to a 200.
         `admission`: the request was admitted (`admit`) before a drain began, so a drain lets
         it in (it is in flight, not new), and its own place in the queue is not counted twice.
+        A pure check: `admit`, `open_request` and `tokenize` count what they refuse.
         """
-        admitted = admission is not None
-        if self.state == EngineState.LOADING:
-            raise EngineStopping("the model is still loading", code="model_loading")
-        if self.state == EngineState.ERROR:
-            raise EngineStopping(f"the engine failed: {self.error}", code="engine_error")
-        if self.state != EngineState.READY and not (admitted and self.state == EngineState.STOPPING):
-            raise EngineStopping("the server is stopping and admits no new requests")
-        try:
-            self.admissions.check_capacity(admission)
-        except Overloaded:
-            self.stats.rejected += 1
-            raise
+        is_admitted_in_drain = admission is not None and self.state == EngineState.STOPPING
+        if self.state != EngineState.READY and not is_admitted_in_drain:
+            raise self.refusal()
+        self.admissions.check_capacity(admission)
 
     def admit(self, num_prompts: int = 1) -> Admission:
         """Admit a request of `num_prompts` prompts (one scope each) now, before the work that
@@ -148,9 +158,11 @@ class Engine:
 
         Raises:
             EngineStopping, Overloaded: what `check_admission` raises (room for one prompt is
-                enough: the later ones are checked as their scopes open).
+                enough: the later ones are checked as their scopes open). A full queue is
+                counted as a rejected request.
         """
-        self.check_admission()
+        with self.counting_rejections(Overloaded):
+            self.check_admission()
         return self.admissions.admit(num_prompts)
 
     @asynccontextmanager
@@ -186,14 +198,17 @@ class Engine:
         params = params or SamplingParams()
         if sum(x is not None for x in (messages, prompt, prompt_token_ids)) != 1:
             raise InvalidRequest("give exactly one of messages, prompt or prompt_token_ids")
-        self.check_admission(admission)
+        with self.counting_rejections(Overloaded):
+            self.check_admission(admission)
         grammar: Grammar | None = None
         if params.grammar is not None:
-            grammar = await self.compile_grammar(params.grammar)
+            with self.counting_rejections():
+                grammar = await self.compile_grammar(params.grammar)
             # NOTE: a new grammar compiles for up to seconds: admission is checked again, so a
             # request is never registered with an engine that began to stop meanwhile (one
             # admitted before the drain stays admitted).
-            self.check_admission(admission)
+            with self.counting_rejections(Overloaded):
+                self.check_admission(admission)
         running = self._started()
         uid = next(self._uids)
         # Bounded by the most events a request can receive: PromptReady, a Delta per token
@@ -267,50 +282,23 @@ class Engine:
         chat_template_kwargs: dict[str, Any] | None = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        admission: Admission | None = None,
     ) -> list[int]:
         """Token ids of a prompt or of rendered chat messages (no request is registered).
 
-        These share the tokenizer workers with generation, so they are admitted like requests
-        (503 while loading, stopping or with a full queue) and at most `tokenizer_workers` run
-        at once; one more is refused with `Overloaded` rather than queued behind them.
+        `admission`: the prompt is a generation request's, admitted (`admit`) before its scope
+        opens; the tokenizer workers bound how many run at once (the rest wait for one, as
+        `Tokenize` jobs do). Without one (`/v1/tokenize`), the call shares the workers with
+        generation, so it is admitted like a request (503 while loading, stopping or with a full
+        queue) and at most `tokenizer_workers` run at once; one more is refused with
+        `Overloaded` rather than queued behind them.
         `continue_final_message` renders the last message open, so generation continues it.
-        """
-        self.check_admission()
-        if self._tokenize_slots.borrowed_tokens >= self._tokenize_slots.total_tokens:
-            self.stats.rejected += 1
-            raise Overloaded(
-                f"{self._tokenize_slots.total_tokens} tokenize requests are running; retry later"
-            )
-        async with self._tokenize_slots:
-            return await self.tokenize_for_request(
-                prompt=prompt,
-                messages=messages,
-                tools=tools,
-                chat_template_kwargs=chat_template_kwargs,
-                add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message,
-            )
-
-    async def tokenize_for_request(
-        self,
-        *,
-        prompt: str | None = None,
-        messages: list[dict[str, Any]] | None = None,
-        tools: list[dict[str, Any]] | None = None,
-        chat_template_kwargs: dict[str, Any] | None = None,
-        add_generation_prompt: bool = True,
-        continue_final_message: bool = False,
-    ) -> list[int]:
-        """Token ids of a generation request's prompt, before its scope opens.
-
-        Not limited like `tokenize`: a route calls it after `check_admission`, and the tokenizer
-        workers bound how many run at once (the rest wait for one, as `Tokenize` jobs do).
 
         Raises:
             InvalidRequest: the prompt cannot be rendered or encoded.
-            EngineStopping: the engine has not started.
+            EngineStopping: loading, stopping (without an admission), or failed.
+            Overloaded: without an admission, the queue or the tokenize slots are full.
         """
-        tokenizer_actor = self._started().tokenizer_actor
         msg = Tokenize(
             uid=0,
             params=SamplingParams(),
@@ -321,7 +309,15 @@ class Engine:
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
         )
-        return await tokenizer_actor.tokenize(msg)
+        if admission is not None:
+            return await self._started().tokenizer_actor.tokenize(msg)
+        slots = self._tokenize_slots
+        with self.counting_rejections(Overloaded):
+            self.check_admission()
+            if slots.borrowed_tokens >= slots.total_tokens:
+                raise Overloaded(f"{slots.total_tokens} tokenize requests are running; retry later")
+        async with slots:
+            return await self._started().tokenizer_actor.tokenize(msg)
 
     def check_fits(self, num_prompt_tokens: int, params: SamplingParams) -> None:
         """Raise what admission would refuse a prompt of this size for, whatever the load.
@@ -333,11 +329,7 @@ class Engine:
             InvalidRequest: an empty prompt, or `n` above `max_running_requests`.
             ContextLengthExceeded: the prompt and `max_tokens` do not fit.
         """
-        try:
-            self._started().core.check_fits(num_prompt_tokens, params)
-        except FtError:
-            self.stats.rejected += 1
-            raise
+        self._started().core.check_fits(num_prompt_tokens, params)
 
     async def check_grammar(self, spec: GrammarSpec, *, client: str | None = None) -> None:
         """Check that `spec` compiles (in a worker, once per distinct spec: cached).
@@ -351,11 +343,7 @@ class Engine:
             Overloaded: the compile queue (or the client's share of it) is full.
             EngineStopping: the engine has not started.
         """
-        try:
-            await self._started().grammars.check(spec, client=client)
-        except FtError:
-            self.stats.rejected += 1
-            raise
+        await self._started().grammars.check(spec, client=client)
 
     async def compile_grammar(self, spec: GrammarSpec) -> Grammar:
         """A grammar of `spec` for one request: checked once per distinct spec (cached), its
@@ -364,20 +352,12 @@ class Engine:
         Raises:
             InvalidRequest, Overloaded, EngineStopping: as `check_grammar`.
         """
-        try:
-            return await self._started().grammars.get(spec)
-        except FtError:
-            self.stats.rejected += 1
-            raise
+        return await self._started().grammars.get(spec)
 
     def detokenize(self, token_ids: list[int], *, skip_special_tokens: bool = False) -> str:
         """Text of `token_ids`. Raises `InvalidRequest` for ids outside the vocabulary."""
-        for t in token_ids:
-            if not 0 <= t < self.vocab_size:
-                raise InvalidRequest(
-                    f"token id {t} is outside the vocabulary (0..{self.vocab_size - 1})",
-                    param="tokens",
-                )
+        # The only check on this path (`/v1/detokenize` passes the body's ids straight here).
+        check_token_ids(token_ids, self.vocab_size, param="tokens")
         return self._decode(token_ids, skip_special_tokens)
 
     def _decode(self, ids: Sequence[int], skip_special_tokens: bool) -> str:

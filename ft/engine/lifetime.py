@@ -27,7 +27,7 @@ from ft.engine.grammars import Grammars
 from ft.engine.loading import load_torch_model
 from ft.engine.observe import log_summaries
 from ft.engine.watchdog import Watchdog
-from ft.errors import RequestAborted
+from ft.errors import EngineStopping, RequestAborted
 from ft.messages import Batch, DetokenizerIn, SchedulerIn, Tokenize
 from ft.tokenizer.job import Executor, check_template_job, tokenize_job
 
@@ -53,6 +53,15 @@ class EngineState(enum.StrEnum):
     STOPPING = "stopping"
     STOPPED = "stopped"
     ERROR = "error"
+
+
+def refusal(state: EngineState, error: str | None) -> EngineStopping:
+    """The 503 for a request an engine in `state` cannot serve (any state but READY)."""
+    if state == EngineState.LOADING:
+        return EngineStopping("the model is still loading; retry shortly", code="model_loading")
+    if state == EngineState.ERROR:
+        return EngineStopping(f"the engine failed: {error}", code="engine_error")
+    return EngineStopping("the server is stopping and admits no new requests")
 
 
 @dataclass(frozen=True, slots=True)

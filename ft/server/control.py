@@ -15,7 +15,6 @@ from quart import Response
 from quart_trio import QuartTrio
 
 from ft.engine.engine import EngineState
-from ft.errors import EngineStopping
 from ft.server.edge.http_errors import HttpError
 from ft.server.generation.context import ServerContext, json_response, read_request
 from ft.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -58,9 +57,8 @@ def register(app: QuartTrio, ctx: ServerContext) -> None:
     @app.get("/v1/models")
     async def models() -> Response:
         # A load balancer probing here must not send traffic that would fail: 503 until ready.
-        _check_ready(ctx)
         if engine.state != EngineState.READY:
-            raise EngineStopping("the server is stopping and admits no new requests")
+            raise engine.refusal()
         data = [
             {
                 "id": name,
@@ -118,7 +116,6 @@ def register(app: QuartTrio, ctx: ServerContext) -> None:
 
 
 def _check_ready(ctx: ServerContext) -> None:
-    if ctx.engine.state == EngineState.LOADING:
-        raise EngineStopping("the model is still loading; retry shortly", code="model_loading")
-    if ctx.engine.state == EngineState.ERROR:
-        raise EngineStopping(f"the engine failed: {ctx.engine.error}", code="engine_error")
+    """503 while the model loads or after the engine failed (a drain still answers these)."""
+    if ctx.engine.state in (EngineState.LOADING, EngineState.ERROR):
+        raise ctx.engine.refusal()

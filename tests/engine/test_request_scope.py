@@ -10,7 +10,7 @@ import trio
 import trio.testing
 
 from ft.engine.engine import Engine
-from ft.engine.fake import FakeRunner, delayed_inline, run_inline, text_script
+from ft.engine.fake import FakeRunner, byte_token, delayed_inline, run_inline, text_script
 from ft.errors import (
     ContextLengthExceeded,
     EngineStopping,
@@ -402,6 +402,31 @@ async def test_a_request_compiling_its_grammar_is_refused_once_the_engine_stops(
 
 
 # --- capacity counts what holds or waits for resources -----------------------------------------
+
+
+async def test_the_checks_only_raise_and_the_refusing_actions_count() -> None:
+    """`check_admission` and `check_fits` are pure checks: asking does not count a rejection;
+    `admit`, `tokenize` and `counting_rejections` count each refusal once."""
+    async with fake_engine(max_running_requests=1, max_queued_requests=0) as engine:
+        held = engine.admit()
+        for _ in range(3):
+            with pytest.raises(Overloaded):
+                engine.check_admission()
+            with pytest.raises(ContextLengthExceeded):
+                engine.check_fits(10_000, SamplingParams())
+        assert engine.snapshot().requests.rejected == 0  # before: 6
+        with pytest.raises(Overloaded):
+            engine.admit()
+        with pytest.raises(Overloaded):
+            await engine.tokenize(prompt="hi")
+        assert (await engine.tokenize(prompt="hi", admission=held)) == [
+            byte_token(b) for b in b"hi"
+        ]  # admitted: no limit
+        with pytest.raises(ContextLengthExceeded), engine.counting_rejections():
+            engine.check_fits(10_000, SamplingParams())
+        assert engine.snapshot().requests.rejected == 3
+        held.release()
+        await assert_nothing_held(engine)
 
 
 async def test_an_admitted_request_being_prepared_counts_against_the_queue() -> None:

@@ -187,6 +187,19 @@ async def test_loading_answers_health_and_503() -> None:
             assert r.status_code == 503 and r.headers["retry-after"] == "1"
             assert r.json()["error"]["code"] == "model_loading"
         assert (await c.post("/v1/tokenize", json={"prompt": "a"})).status_code == 503
+        refusals = [
+            await c.post("/v1/chat/completions", json={"messages": USER}),
+            await c.post("/v1/completions", json={"prompt": [1, 2]}),
+            await c.post("/v1/tokenize", json={"prompt": "a"}),
+            await c.post("/v1/detokenize", json={"tokens": [1]}),
+            await c.get("/v1/models"),
+            await c.post("/v1/messages/count_tokens", json={"model": s.engine.model_id, "messages": USER}),
+        ]
+        assert all(r.status_code == 503 for r in refusals), [r.text for r in refusals]
+        # One refusal, worded in one place (before: the routes' "...; retry shortly" and the engine's not).
+        assert {r.json()["error"]["message"] for r in refusals} == {
+            "the model is still loading; retry shortly"
+        }
         release.set()
         await s.engine.wait_ready()
         assert (await c.get("/health")).json()["status"] == "ok"
