@@ -12,6 +12,8 @@ import trio
 
 from ft.engine.lifetime import EngineState
 from ft.engine.observe import EngineSnapshot
+from ft.errors import RequestAborted
+from ft.messages import Abort
 
 if TYPE_CHECKING:
     from ft.engine.engine import Engine
@@ -48,7 +50,7 @@ class Drain:
         engine = self._engine
         with drain_scope:
             await self._wait_idle()
-        engine.abort_all()
+        self._abort_all()
         with trio.move_on_after(self._abort_timeout_s):
             await self._wait_idle()
         engine.jobs.kill_all()  # a request still in a worker holds nothing up any longer
@@ -56,6 +58,14 @@ class Drain:
         if not engine.has_failed:
             engine.state = EngineState.STOPPED
         self._stopped.set()
+
+    def _abort_all(self) -> None:
+        """Fail every live request with `RequestAborted` and free what it holds (synchronous)."""
+        engine = self._engine
+        for uid in engine.registry.uids():
+            engine.registry.fail(uid, RequestAborted("the server is stopping; request aborted"))
+            if engine._running is not None:
+                engine._running.scheduler_inbox.send_nowait(Abort(uid))
 
     async def _wait_idle(self) -> None:
         """Wait until no request scope is open and no admission held (woken by each, no polling)."""

@@ -12,18 +12,16 @@ import tempfile
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager
-from functools import partial
 from typing import Any
 
 import trio
-import trio_parallel
 
 from ft.actors.registry import Registry, RequestEntry
 from ft.config import EngineConfig
 from ft.core.scheduler import Scheduler
 from ft.engine.admission import Admission, Admissions
 from ft.engine.drain import Drain
-from ft.engine.lifetime import WORKER_GRACE_S, EngineState, Running, WorkerJobs, boot, refusal
+from ft.engine.lifetime import EngineState, Running, WorkerJobs, refusal, run
 from ft.engine.loading import EngineHooks
 from ft.engine.observe import EngineSnapshot, snapshot
 from ft.engine.stats import Stats
@@ -34,7 +32,6 @@ from ft.grammar.spec import GrammarSpec
 from ft.ids import random_id
 from ft.messages import Abort, StepDone, Tokenize
 from ft.params import SamplingParams, check_token_ids
-from ft.tokenizer.job import WORKER_MEMORY_BYTES, init_worker, retire_worker
 
 __all__ = ["Admission", "Engine", "EngineState", "open_engine"]
 
@@ -364,14 +361,6 @@ class Engine:
         decoded = self._started().tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
         return str(decoded)
 
-    def _on_tokens(self, entry: RequestEntry) -> None:
-        now = trio.current_time()
-        if entry.first_token_at is None:
-            entry.first_token_at = now
-        elif entry.last_token_at is not None:
-            entry.token_gaps.append(now - entry.last_token_at)
-        entry.last_token_at = now
-
     def _on_step(self, done: StepDone) -> None:
         self.stats.step(done, trio.current_time())
 
@@ -387,13 +376,6 @@ class Engine:
         Synchronous, so it is safe to call from a cancelled task.
         """
         self._drain.begin(drain_timeout_s, abort_timeout_s)
-
-    def abort_all(self) -> None:
-        """Fail every live request with `RequestAborted` and free what it holds (synchronous)."""
-        for uid in self.registry.uids():
-            self.registry.fail(uid, RequestAborted("the server is stopping; request aborted"))
-            if self._running is not None:
-                self._running.scheduler_inbox.send_nowait(Abort(uid))
 
     async def wait_stopped(self) -> EngineSnapshot:
         """Wait for the drain `begin_stop` started; return its final snapshot."""
@@ -431,29 +413,5 @@ async def open_engine(
     `/health` during the load.
     """
     engine = Engine(config or EngineConfig(), hooks or EngineHooks())
-    try:
-        # Workers ignore SIGINT/SIGTERM (a terminal's Ctrl-C and a process-group signal reach
-        # them too): stopping is this process's decision. Busy ones are killed when the engine
-        # stops, idle ones exit when their context closes, and all exit if this process dies.
-        async with trio_parallel.open_worker_context(
-            init=partial(init_worker, engine.config.template_timeout_s, WORKER_MEMORY_BYTES),
-            retire=retire_worker,
-            grace_period=WORKER_GRACE_S,
-        ) as workers:
-            engine.jobs.context = workers
-            async with trio.open_nursery() as nursery:
-                engine._nursery = nursery
-                nursery.start_soon(boot, engine, nursery)
-                if wait_ready:
-                    await engine.wait_ready()
-                try:
-                    yield engine
-                finally:
-                    if not engine.has_failed:
-                        engine.state = EngineState.STOPPED
-                    engine.jobs.kill_all()
-                    nursery.cancel_scope.cancel()
-    finally:
-        if engine._close_model is not None:
-            engine._close_model(engine.has_failed)
-        engine._tmpdir.cleanup()
+    async with run(engine, wait_ready=wait_ready):
+        yield engine

@@ -7,7 +7,8 @@ import enum
 import logging
 import math
 import os
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass
 from functools import partial
 from typing import TYPE_CHECKING
@@ -25,11 +26,18 @@ from ft.core.kv import PagePool
 from ft.core.scheduler import Scheduler
 from ft.engine.grammars import Grammars
 from ft.engine.loading import load_torch_model
-from ft.engine.observe import log_summaries
+from ft.engine.observe import log_summaries, stamp_tokens
 from ft.engine.watchdog import Watchdog
 from ft.errors import EngineStopping, RequestAborted
 from ft.messages import Batch, DetokenizerIn, SchedulerIn, Tokenize
-from ft.tokenizer.job import Executor, check_template_job, tokenize_job
+from ft.tokenizer.job import (
+    WORKER_MEMORY_BYTES,
+    Executor,
+    check_template_job,
+    init_worker,
+    retire_worker,
+    tokenize_job,
+)
 
 if TYPE_CHECKING:
     from ft.engine.engine import Engine
@@ -129,6 +137,38 @@ class WorkerJobs:
         self.is_killing = True
         for scope in self._jobs:
             scope.cancel()
+
+
+@asynccontextmanager
+async def run(engine: Engine, *, wait_ready: bool) -> AsyncIterator[None]:
+    """Run `engine` for the block: its worker processes, its nursery, its boot; stop them all
+    when the block exits (see `open_engine`)."""
+    try:
+        # Workers ignore SIGINT/SIGTERM (a terminal's Ctrl-C and a process-group signal reach
+        # them too): stopping is this process's decision. Busy ones are killed when the engine
+        # stops, idle ones exit when their context closes, and all exit if this process dies.
+        async with trio_parallel.open_worker_context(
+            init=partial(init_worker, engine.config.template_timeout_s, WORKER_MEMORY_BYTES),
+            retire=retire_worker,
+            grace_period=WORKER_GRACE_S,
+        ) as workers:
+            engine.jobs.context = workers
+            async with trio.open_nursery() as nursery:
+                engine._nursery = nursery
+                nursery.start_soon(boot, engine, nursery)
+                if wait_ready:
+                    await engine.wait_ready()
+                try:
+                    yield
+                finally:
+                    if not engine.has_failed:
+                        engine.state = EngineState.STOPPED
+                    engine.jobs.kill_all()
+                    nursery.cancel_scope.cancel()
+    finally:
+        if engine._close_model is not None:
+            engine._close_model(engine.has_failed)
+        engine._tmpdir.cleanup()
 
 
 async def boot(engine: Engine, nursery: trio.Nursery) -> None:
@@ -244,7 +284,7 @@ async def _start(engine: Engine, nursery: trio.Nursery) -> None:
             sched_send.clone(),
             engine.registry,
             engine._decode,
-            on_tokens=engine._on_tokens,
+            on_tokens=stamp_tokens,
         ).run
     )
     grammars = Grammars(

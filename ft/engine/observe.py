@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
+from ft.actors.registry import RequestEntry
 from ft.engine.stats import Throughput
 
 if TYPE_CHECKING:
@@ -154,6 +155,16 @@ def snapshot(engine: Engine) -> EngineSnapshot:
         ),
         process=ProcessStats(rss_bytes=_rss_bytes()),
     )
+
+
+def stamp_tokens(entry: RequestEntry) -> None:
+    """Time a step's tokens for a request (first token, gaps), for its `RequestReport`."""
+    now = trio.current_time()
+    if entry.first_token_at is None:
+        entry.first_token_at = now
+    elif entry.last_token_at is not None:
+        entry.token_gaps.append(now - entry.last_token_at)
+    entry.last_token_at = now
 
 
 async def log_summaries(engine: Engine) -> None:
