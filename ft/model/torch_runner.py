@@ -220,9 +220,10 @@ class TorchRunner:
         pages = work.page_ids[:needed]
         if len(pages) < needed or (pages and (min(pages) < 0 or max(pages) >= self._num_pages)):
             raise ValueError(f"seq {work.seq_id}: page_ids {work.page_ids} cannot hold {end} positions")
-        # NOTE: not redundant with the requests' `check_token_ids`: it guards the embedding lookup
-        # (native kernels) against ids no request check sees (a text prompt whose tokenizer lists
-        # more tokens than the model's rows), and fails the row as a model error, not a 400.
+        # NOTE: no request reaches this (the tokenizer actor checks a prompt's ids, the load
+        # refuses a tokenizer with more tokens than embedding rows, sampling stays in the
+        # vocabulary); it stays as the native embedding lookup's own guard, so an id a bug let
+        # through fails one row as a model error instead of reading past the table.
         bad = first_outside_vocab(work.token_ids, self.config.vocab_size)
         if bad is not None:
             raise ValueError(f"seq {work.seq_id}: token id {bad} outside the vocabulary")
