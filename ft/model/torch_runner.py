@@ -220,10 +220,10 @@ class TorchRunner:
         pages = work.page_ids[:needed]
         if len(pages) < needed or (pages and (min(pages) < 0 or max(pages) >= self._num_pages)):
             raise ValueError(f"seq {work.seq_id}: page_ids {work.page_ids} cannot hold {end} positions")
-        # NOTE: no request reaches this (the tokenizer actor checks a prompt's ids, the load
-        # refuses a tokenizer with more tokens than embedding rows, sampling stays in the
-        # vocabulary); it stays as the native embedding lookup's own guard, so an id a bug let
-        # through fails one row as a model error instead of reading past the table.
+        # NOTE: a request's ids are checked before they get here (the tokenizer actor checks a
+        # prompt's ids; the load refuses a tokenizer with more tokens than embedding rows); this
+        # stays as the native embedding lookup's own guard, so an id that slipped through (a
+        # sampled one, a bug) fails one row as a model error instead of reading past the table.
         bad = first_outside_vocab(work.token_ids, self.config.vocab_size)
         if bad is not None:
             raise ValueError(f"seq {work.seq_id}: token id {bad} outside the vocabulary")
