@@ -57,7 +57,7 @@ class Engine:
         self.generation_defaults: dict[str, float | int] = {}
         self.admissions = Admissions(config, self.registry)
         self._drain = Drain(self)
-        self.jobs = WorkerJobs()  # tokenizer worker processes, set by `open_engine`
+        self.jobs = WorkerJobs()  # jobs in the tokenizer worker processes (`lifetime.run` opens them)
         self._uids = itertools.count(1)
         self._ready = trio.Event()
         self._nursery: trio.Nursery | None = None

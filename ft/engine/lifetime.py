@@ -88,7 +88,7 @@ class WorkerJobs:
     """Jobs run in the engine's tokenizer worker processes; `kill_all` ends them when it stops."""
 
     def __init__(self) -> None:
-        self.context: trio_parallel.WorkerContext | None = None  # set by `open_engine`
+        self.context: trio_parallel.WorkerContext | None = None  # set by `run`
         self._jobs: set[trio.CancelScope] = set()  # jobs in workers, cancelled when the engine stops
         self.is_killing = False  # the engine has stopped: no new job starts
 
