@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ft.errors import InvalidRequest
@@ -39,6 +40,23 @@ def _integer(name: str, value: int, lo: int, hi: int) -> None:
         raise InvalidRequest(f"{name} must be an integer", param=name)
     if not lo <= value <= hi:
         raise InvalidRequest(f"{name} must be between {lo} and {hi}, got {value}", param=name)
+
+
+def first_outside_vocab(ids: Sequence[int], vocab_size: int) -> int | None:
+    """The first of `ids` outside `0..vocab_size - 1`, or None: the token-id rule, written once.
+
+    `min`/`max` first: C loops, so the ~2M ids a body can hold are checked on the event loop.
+    """
+    if ids and (min(ids) < 0 or max(ids) >= vocab_size):
+        return next(t for t in ids if not 0 <= t < vocab_size)
+    return None
+
+
+def check_token_ids(ids: Sequence[int], vocab_size: int, *, param: str) -> None:
+    """Raise `InvalidRequest` (a 400 naming `param`) for an id outside the vocabulary."""
+    t = first_outside_vocab(ids, vocab_size)
+    if t is not None:
+        raise InvalidRequest(f"token id {t} is outside the vocabulary (0..{vocab_size - 1})", param=param)
 
 
 def has_lone_surrogate(text: str) -> bool:

@@ -52,6 +52,8 @@ class Registry:
     def __init__(self) -> None:
         self._entries: dict[int, RequestEntry] = {}
         self._num_done = 0
+        self._empty = trio.Event()  # set while no request is registered; a new one while some are
+        self._empty.set()
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -85,6 +87,8 @@ class Registry:
     def add(self, entry: RequestEntry) -> None:
         """Register a request (called on scope entry)."""
         assert entry.uid not in self._entries
+        if self._empty.is_set():
+            self._empty = trio.Event()
         self._entries[entry.uid] = entry
 
     def remove(self, uid: int) -> RequestEntry | None:
@@ -94,7 +98,13 @@ class Registry:
             entry.send.close()
             if entry.is_done:
                 self._num_done -= 1
+            if not self._entries:
+                self._empty.set()
         return entry
+
+    async def wait_empty(self) -> None:
+        """Wait until no request is registered (at once, with a checkpoint, if none is)."""
+        await self._empty.wait()
 
     def note_finished(self, entry: RequestEntry) -> None:
         """One of `entry`'s choices has had its last delta routed."""

@@ -12,6 +12,7 @@ import trio_parallel
 from ft.actors.registry import Registry
 from ft.errors import FtError, InvalidRequest, RequestFailed
 from ft.messages import Enqueue, PromptReady, SchedulerIn, Tokenize
+from ft.params import check_token_ids
 from ft.tokenizer.codec import decode_result, encode_job, is_small_job
 from ft.tokenizer.job import Executor
 
@@ -77,14 +78,11 @@ class TokenizerActor:
     async def tokenize(self, msg: Tokenize) -> list[int]:
         """Token ids for a job (runs in a worker). Raises `FtError`."""
         if msg.prompt_token_ids is not None:
-            ids = msg.prompt_token_ids
-            if ids and (min(ids) < 0 or max(ids) >= self.vocab_size):  # C loops, on the loop
-                t = next(t for t in ids if not 0 <= t < self.vocab_size)
-                raise InvalidRequest(
-                    f"token id {t} is outside the vocabulary (0..{self.vocab_size - 1})",
-                    param="prompt",
-                )
-            return list(ids)
+            # The engine's own check of a request's ids (`open_request` is public: bench and
+            # library callers pass ids no route has seen); a route checks them earlier too, for
+            # a 400 before a stream's 200 and a `param` naming which prompt.
+            check_token_ids(msg.prompt_token_ids, self.vocab_size, param="prompt")
+            return list(msg.prompt_token_ids)
         encode = partial(encode_job, msg, self.spec_path, fault=self.fault(msg) if self.fault else None)
         # Encoding is linear in the messages and kwargs the client sent (tens of ms for 1 MB):
         # a large job is encoded off the loop, one at a time, like the body parse before it.

@@ -7,7 +7,6 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from ft.actors.registry import RequestEntry
 from ft.engine.stream import RequestStream
@@ -48,6 +47,14 @@ class RequestReport:
     queue_s: float | None
     ttft_s: float | None
     token_gaps_s: tuple[float, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Throughput:
+    """Tokens per second over the last `WINDOW_S` seconds of steps."""
+
+    decode_tps: float
+    prefill_tps: float
 
 
 RequestObserver = Callable[[RequestReport], None]
@@ -112,27 +119,22 @@ class Stats:
         while self._steps and self._steps[0][0] < now - WINDOW_S:
             self._steps.popleft()
 
-    def throughput(self, now: float) -> dict[str, float]:
+    def throughput(self, now: float) -> Throughput:
         """Prefill and decode tokens per second over the last few seconds."""
         recent = [s for s in self._steps if s[0] >= now - WINDOW_S]
         if not recent:
-            return {"decode_tps": 0.0, "prefill_tps": 0.0}
+            return Throughput(decode_tps=0.0, prefill_tps=0.0)
         span = max(now - recent[0][0], 1e-3)
-        return {
-            "decode_tps": round(sum(s[2] for s in recent) / span, 2),
-            "prefill_tps": round(sum(s[1] for s in recent) / span, 2),
-        }
+        return Throughput(
+            decode_tps=round(sum(s[2] for s in recent) / span, 2),
+            prefill_tps=round(sum(s[1] for s in recent) / span, 2),
+        )
 
-    def request_totals(self) -> dict[str, Any]:
-        """Counters and latency summaries for the `requests` block."""
+    def ttft_mean_ms(self) -> float:
+        """The mean time to first token of recent completed requests (ms)."""
         ttft = sum(self._ttfts) / len(self._ttfts) if self._ttfts else 0.0
-        return {
-            "completed": self.completed,
-            "aborted": self.aborted,
-            "rejected": self.rejected,
-            "failed": self.failed,
-            "ttft_mean_ms": round(ttft * 1000, 2),
-            "p95_ms": round(_p95(self._latencies) * 1000, 2),
-            "prompt_tokens_total": self.prompt_tokens_total,
-            "completion_tokens_total": self.completion_tokens_total,
-        }
+        return round(ttft * 1000, 2)
+
+    def p95_ms(self) -> float:
+        """The 95th percentile latency of recent completed requests (ms)."""
+        return round(_p95(self._latencies) * 1000, 2)

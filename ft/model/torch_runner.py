@@ -24,6 +24,7 @@ from ft.model.quant import QuantTensor
 from ft.model.quantized_llama import QuantizedLlama, StepIndex
 from ft.model.sampler import sample
 from ft.model.threads import ThreadChooser, thread_choices
+from ft.params import first_outside_vocab
 
 log = logging.getLogger("ft.model")
 
@@ -219,8 +220,13 @@ class TorchRunner:
         pages = work.page_ids[:needed]
         if len(pages) < needed or (pages and (min(pages) < 0 or max(pages) >= self._num_pages)):
             raise ValueError(f"seq {work.seq_id}: page_ids {work.page_ids} cannot hold {end} positions")
-        if max(work.token_ids) >= self.config.vocab_size or min(work.token_ids) < 0:
-            raise ValueError(f"seq {work.seq_id}: token id outside the vocabulary")
+        # NOTE: a request's ids are checked before they get here (the tokenizer actor checks a
+        # prompt's ids; the load refuses a tokenizer with more tokens than embedding rows); this
+        # stays as the native embedding lookup's own guard, so an id that slipped through (a
+        # sampled one, a bug) fails one row as a model error instead of reading past the table.
+        bad = first_outside_vocab(work.token_ids, self.config.vocab_size)
+        if bad is not None:
+            raise ValueError(f"seq {work.seq_id}: token id {bad} outside the vocabulary")
 
     def step(self, works: list[SeqWork]) -> list[Sampled]:
         """Run one forward pass; return one `Sampled` per work with `sample=True`, in order."""

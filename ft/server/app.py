@@ -10,7 +10,7 @@ import logging
 import signal
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from functools import partial
 
 import hypercorn.trio
@@ -242,8 +242,7 @@ async def serve(
                 # Every request has been failed; let their streams send the error and close.
                 log.error("the engine failed: %s; stopping", failure)
                 with trio.move_on_after(DEFAULT_ABORT_TIMEOUT_S):
-                    while len(server.engine.registry):
-                        await trio.sleep(0.01)
+                    await server.engine.registry.wait_empty()
             else:
                 await _drain(signals, server, settings)
                 if server.engine.has_failed:  # a rank failed while draining
@@ -289,5 +288,5 @@ async def _drain(signals: AsyncIterator[int], server: RunningServer, settings: S
         server.engine.begin_stop(settings.drain_timeout_s, DEFAULT_ABORT_TIMEOUT_S)
         with trio.move_on_after(settings.drain_timeout_s + DEFAULT_ABORT_TIMEOUT_S + 1.0):
             snapshot = await server.engine.wait_stopped()
-            log.info("drained: %s", snapshot["requests"])
+            log.info("drained: %s", asdict(snapshot.requests))
         nursery.cancel_scope.cancel()

@@ -16,7 +16,6 @@ from quart_trio import QuartTrio
 
 from ft.config import MAX_SERVED_NAME_LEN
 from ft.engine.engine import EngineState
-from ft.errors import EngineStopping
 from ft.server.edge.http_errors import HttpError
 from ft.server.generation.context import ServerContext, json_response, read_request
 from ft.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -74,7 +73,7 @@ def register(app: QuartTrio, ctx: ServerContext) -> None:
 
     @app.get("/v1/stats")
     async def stats() -> Response:
-        return json_response(engine.snapshot())
+        return json_response(engine.snapshot().as_json())
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -113,7 +112,7 @@ def register(app: QuartTrio, ctx: ServerContext) -> None:
         # Who may call it (loopback or --admin-key, no foreign Origin) is `auth.authorize_admin`.
         req = await read_request(ctx, PrepareStopRequest, allow_empty=True)
         snapshot = await engine.prepare_stop(req.drain_timeout_s, req.abort_timeout_s)
-        return json_response(snapshot)
+        return json_response(snapshot.as_json())
 
 
 def model_entry(ctx: ServerContext, name: str) -> dict[str, Any]:
@@ -141,13 +140,13 @@ def model_entry(ctx: ServerContext, name: str) -> dict[str, Any]:
 
 
 def _check_models_ready(ctx: ServerContext) -> None:
-    _check_ready(ctx)
+    """503 until the model serves, and while it stops: a balancer probing here sends no traffic
+    that would fail."""
     if ctx.engine.state != EngineState.READY:
-        raise EngineStopping("the server is stopping and admits no new requests")
+        raise ctx.engine.refusal()
 
 
 def _check_ready(ctx: ServerContext) -> None:
-    if ctx.engine.state == EngineState.LOADING:
-        raise EngineStopping("the model is still loading; retry shortly", code="model_loading")
-    if ctx.engine.state == EngineState.ERROR:
-        raise EngineStopping(f"the engine failed: {ctx.engine.error}", code="engine_error")
+    """503 while the model loads or after the engine failed (a drain still answers these)."""
+    if ctx.engine.state in (EngineState.LOADING, EngineState.ERROR):
+        raise ctx.engine.refusal()

@@ -75,8 +75,8 @@ class EngineCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         snap = self.engine.snapshot()
-        model = str(snap["model"]["id"])
-        req, kv, sched = snap["requests"], snap["kv"], snap["scheduler"]
+        model = snap.model.id
+        req, kv, sched = snap.requests, snap.kv, snap.scheduler
 
         def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
             family = GaugeMetricFamily(name, doc, labels=["model"])
@@ -91,39 +91,37 @@ class EngineCollector(Collector):
         info = GaugeMetricFamily(
             "ft_info", "The serving instance and its engine state.", labels=["model", "instance_id", "state"]
         )
-        info.add_metric([model, str(snap["instance_id"]), str(snap["state"])], 1)
+        info.add_metric([model, snap.instance_id, str(snap.state)], 1)
         yield info
-        yield gauge("ft_requests_running", "Requests decoding in the running batch.", req["running"])
-        yield gauge("ft_requests_waiting", "Requests tokenizing or queued for a slot.", req["waiting"])
+        yield gauge("ft_requests_running", "Requests decoding in the running batch.", req.running)
+        yield gauge("ft_requests_waiting", "Requests tokenizing or queued for a slot.", req.waiting)
         yield gauge(
             "ft_requests_sending",
             "Requests the engine is done with, their output still sending.",
-            req["sending"],
+            req.sending,
         )
         yield gauge(
             "ft_requests_preparing",
             "Admitted requests not yet queued (tokenizing, compiling).",
-            req["preparing"],
+            req.preparing,
         )
         yield gauge(
-            "ft_requests_active", "Requests with an open scope (running + waiting + sending).", req["active"]
+            "ft_requests_active", "Requests with an open scope (running + waiting + sending).", req.active
         )
-        yield gauge("ft_kv_used_pages", "KV cache pages held by requests.", kv["used_pages"])
-        yield gauge("ft_kv_total_pages", "KV cache pages in the pool.", kv["total_pages"])
-        yield gauge("ft_kv_cached_pages", "Free KV pages kept for prefix reuse.", kv["cached_pages"])
-        yield gauge("ft_kv_usage_ratio", "Fraction of the KV pages held by requests.", kv["usage"])
-        yield counter("ft_prompt_tokens", "Prompt tokens of finished requests.", req["prompt_tokens_total"])
+        yield gauge("ft_kv_used_pages", "KV cache pages held by requests.", kv.used_pages)
+        yield gauge("ft_kv_total_pages", "KV cache pages in the pool.", kv.total_pages)
+        yield gauge("ft_kv_cached_pages", "Free KV pages kept for prefix reuse.", kv.cached_pages)
+        yield gauge("ft_kv_usage_ratio", "Fraction of the KV pages held by requests.", kv.usage)
+        yield counter("ft_prompt_tokens", "Prompt tokens of finished requests.", req.prompt_tokens_total)
         yield counter(
-            "ft_generation_tokens", "Output tokens of finished requests.", req["completion_tokens_total"]
+            "ft_generation_tokens", "Output tokens of finished requests.", req.completion_tokens_total
         )
         yield counter(
-            "ft_prefix_cache_queries", "Tokens looked up in the prefix cache.", sched["prefix_query_tokens"]
+            "ft_prefix_cache_queries", "Tokens looked up in the prefix cache.", sched.prefix_query_tokens
         )
-        yield counter("ft_prefix_cache_hits", "Tokens the prefix cache supplied.", sched["prefix_hit_tokens"])
-        yield counter("ft_preemptions", "Requests preempted to free KV pages.", sched["preemptions"])
-        yield counter(
-            "ft_recomputed_tokens", "Tokens recomputed after preemptions.", sched["recomputed_tokens"]
-        )
+        yield counter("ft_prefix_cache_hits", "Tokens the prefix cache supplied.", sched.prefix_hit_tokens)
+        yield counter("ft_preemptions", "Requests preempted to free KV pages.", sched.preemptions)
+        yield counter("ft_recomputed_tokens", "Tokens recomputed after preemptions.", sched.recomputed_tokens)
 
 
 class ServerMetrics:

@@ -88,9 +88,9 @@ async def test_default_model_generates_batches_and_frees_everything() -> None:
                         pass
             await trio.sleep(0.5)
             snap = engine.snapshot()
-            assert snap["requests"]["active"] == 0
-            assert snap["kv"]["used_pages"] == 0  # cached prefix pages are counted apart
-            assert snap["kv"]["cached_pages"] > 0
+            assert snap.requests.active == 0
+            assert snap.kv.used_pages == 0  # cached prefix pages are counted apart
+            assert snap.kv.cached_pages > 0
 
 
 @pytest.mark.parametrize("dtype", ["auto", "float32"])  # packed GGUF kernels, float weights
@@ -120,7 +120,7 @@ async def test_default_model_preempted_requests_continue_as_if_uninterrupted(dty
             assert engine.core.num_preemptions > 0
             assert [together[seed] for seed in seeds] == alone
             snap = engine.snapshot()
-            assert snap["scheduler"]["recomputed_tokens"] > 0 and snap["kv"]["used_pages"] == 0
+            assert snap.scheduler.recomputed_tokens > 0 and snap.kv.used_pages == 0
 
 
 async def _sample(engine: Engine, params: SamplingParams) -> list[int]:

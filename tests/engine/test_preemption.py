@@ -71,7 +71,7 @@ async def test_a_preempted_stream_pauses_then_continues_with_nothing_resent(
             nursery.start_soon(one, "b", 0.001)
         assert texts == {"a": TEXT[:40], "b": TEXT[:40]}
         snap = engine.snapshot()
-        assert snap["scheduler"]["preemptions"] >= 1 and snap["scheduler"]["recomputed_tokens"] > 0
+        assert snap.scheduler.preemptions >= 1 and snap.scheduler.recomputed_tokens > 0
         await assert_nothing_held(engine)
 
 
@@ -120,8 +120,8 @@ async def test_cancel_at_each_preemption_stage_frees_everything_once(
         assert older == [TEXT[:40]]  # the older request never noticed
         await assert_nothing_held(engine)
         snap = engine.snapshot()
-        assert snap["requests"]["aborted"] == 1 and snap["requests"]["completed"] == 1
-        assert snap["kv"]["used_pages"] == 0
+        assert snap.requests.aborted == 1 and snap.requests.completed == 1
+        assert snap.kv.used_pages == 0
 
 
 async def test_cancelling_the_older_request_lets_the_preempted_one_finish_whole(
@@ -147,7 +147,7 @@ async def test_cancelling_the_older_request_lets_the_preempted_one_finish_whole(
                             older_scope.cancel()
         assert older_scope.cancelled_caught and core.num_preemptions >= 1
         assert texts == [TEXT[:40]]
-        assert engine.snapshot()["requests"]["aborted"] == 1
+        assert engine.snapshot().requests.aborted == 1
         await assert_nothing_held(engine)
 
 
@@ -164,5 +164,5 @@ async def test_reserve_admission_never_preempts(autojump_clock: trio.testing.Moc
             for _ in range(3):
                 nursery.start_soon(one)
         assert texts == [TEXT[:40]] * 3
-        assert engine.snapshot()["scheduler"]["preemptions"] == 0
+        assert engine.snapshot().scheduler.preemptions == 0
         await assert_nothing_held(engine)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import pytest
@@ -9,7 +10,7 @@ import trio
 import trio.testing
 
 from ft.engine.engine import Engine
-from ft.engine.fake import FakeRunner, delayed_inline, run_inline, text_script
+from ft.engine.fake import FakeRunner, byte_token, delayed_inline, run_inline, text_script
 from ft.errors import (
     ContextLengthExceeded,
     EngineStopping,
@@ -35,7 +36,7 @@ async def assert_nothing_held(engine: Engine) -> None:
     assert not engine.core.running and not engine.core.waiting
     assert engine.core.pool.num_used == 0
     snap = engine.snapshot()
-    assert snap["requests"]["active"] == 0 and snap["kv"]["used_pages"] == 0
+    assert snap.requests.active == 0 and snap.kv.used_pages == 0
 
 
 async def test_generates_the_scripted_text(autojump_clock: trio.testing.MockClock) -> None:
@@ -46,7 +47,7 @@ async def test_generates_the_scripted_text(autojump_clock: trio.testing.MockCloc
         assert choice.text == "Bonjour" and choice.finish_reason == "stop"
         assert stream.num_prompt_tokens > 0 and stream.num_completion_tokens == 8
         await assert_nothing_held(engine)
-        assert engine.snapshot()["requests"]["completed"] == 1
+        assert engine.snapshot().requests.completed == 1
 
 
 @pytest.mark.parametrize("stage", ["queued", "prefill", "decode"])
@@ -84,7 +85,7 @@ async def test_cancel_at_each_stage_frees_pages_and_slot(
             held = {s.uid for s in engine.core.running.values()}
             assert stream.uid not in held
         await assert_nothing_held(engine)
-        assert engine.snapshot()["requests"]["aborted"] == 1
+        assert engine.snapshot().requests.aborted == 1
 
 
 async def test_cancel_while_tokenizing_never_enqueues(autojump_clock: trio.testing.MockClock) -> None:
@@ -97,7 +98,7 @@ async def test_cancel_while_tokenizing_never_enqueues(autojump_clock: trio.testi
         assert scope.cancelled_caught and stream.num_prompt_tokens == 0
         await trio.sleep(1.0)  # the job finishes after the client left
         await assert_nothing_held(engine)
-        assert engine.core.num_prefix_hit_tokens == 0 and engine.snapshot()["requests"]["aborted"] == 1
+        assert engine.core.num_prefix_hit_tokens == 0 and engine.snapshot().requests.aborted == 1
 
 
 async def test_lone_surrogate_fails_cbor_encoding_inside_the_scope(
@@ -203,7 +204,7 @@ async def test_overload_is_refused_before_registering(autojump_clock: trio.testi
                     pass  # pragma: no cover
             assert len(engine.registry) == 2
         await assert_nothing_held(engine)
-        assert engine.snapshot()["requests"]["rejected"] == 1
+        assert engine.snapshot().requests.rejected == 1
 
 
 async def test_stop_string_ends_the_sequence_and_frees_it(
@@ -246,7 +247,7 @@ async def test_prepare_stop_drains_then_aborts_the_rest(
             nursery.start_soon(long_request)
             await trio.sleep(0.5)
             snap = await engine.prepare_stop(drain_timeout_s=1.0, abort_timeout_s=1.0)
-        assert snap["drain_complete"] is True and snap["requests"]["active"] == 0
+        assert snap.drain_complete is True and snap.requests.active == 0
         assert len(errors) == 1
         assert await engine.prepare_stop() == snap
         with pytest.raises(Exception, match="stopping"):
@@ -262,7 +263,27 @@ async def test_prepare_stop_on_an_idle_engine_returns_at_once(
     async with fake_engine() as engine:
         start = trio.current_time()
         snap = await engine.prepare_stop()
-        assert trio.current_time() - start < 0.05 and snap["drain_complete"]
+        assert trio.current_time() - start < 0.05 and snap.drain_complete
+
+
+async def test_the_drain_wakes_when_the_last_scope_closes_not_on_a_poll(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The drain is woken by the last scope's exit and the last admission's release: with the
+    clock stopped (where a polling wait's sleep never ends) it completes at once."""
+    async with fake_engine() as engine:
+        admission = engine.admit()
+        async with engine.open_request(prompt="hi", params=SamplingParams(max_tokens=2)) as stream:
+            await stream.collect()
+            autojump_clock.autojump_threshold = math.inf  # time stands still from here
+            engine.begin_stop(drain_timeout_s=30.0, abort_timeout_s=3.0)
+            await trio.testing.wait_all_tasks_blocked()
+            assert engine.state == "stopping"
+        await trio.testing.wait_all_tasks_blocked()
+        assert engine.state == "stopping"  # the admission still holds the drain
+        admission.release()
+        await trio.testing.wait_all_tasks_blocked()
+        assert engine.state == "stopped"  # before: asleep in a 10 ms poll, which never ended
 
 
 async def test_detokenizers_get_the_prompt_as_left_context(
@@ -297,7 +318,7 @@ async def test_prepare_stop_while_loading_stays_stopped() -> None:
     with trio.fail_after(20):
         async with open_engine(EngineConfig(num_pages=64), hooks=hooks, wait_ready=False) as engine:
             snap = await engine.prepare_stop()
-            assert snap["drain_complete"] and engine.state == "stopped"
+            assert snap.drain_complete and engine.state == "stopped"
             release.set()
             await engine.wait_ready()
             assert engine.state == "stopped"
@@ -329,9 +350,9 @@ async def test_a_cancelled_prepare_stop_still_drains_and_aborts_at_its_deadline(
             started = trio.current_time()
             snap = await engine.wait_stopped()
         assert 28.0 <= trio.current_time() - started <= 30.5
-        assert engine.state == "stopped" and snap["requests"]["active"] == 0
+        assert engine.state == "stopped" and snap.requests.active == 0
         assert len(errors) == 1 and "stopping" in str(errors[0])
-        assert snap["requests"]["aborted"] == 1 and snap["requests"]["failed"] == 0
+        assert snap.requests.aborted == 1 and snap.requests.failed == 0
         await assert_nothing_held(engine)
 
 
@@ -350,7 +371,7 @@ async def test_a_later_stop_shortens_a_running_drain(autojump_clock: trio.testin
         await trio.sleep(1.0)
         started = trio.current_time()
         snap = await engine.prepare_stop(drain_timeout_s=2.0, abort_timeout_s=1.0)
-        assert trio.current_time() - started <= 3.1 and snap["requests"]["active"] == 0
+        assert trio.current_time() - started <= 3.1 and snap.requests.active == 0
 
 
 async def test_a_request_compiling_its_grammar_is_refused_once_the_engine_stops(
@@ -375,12 +396,37 @@ async def test_a_request_compiling_its_grammar_is_refused_once_the_engine_stops(
         nursery.start_soon(constrained)
         await trio.testing.wait_all_tasks_blocked()
         snap = await engine.prepare_stop()  # idle: the compiling request is not registered yet
-        assert snap["requests"]["active"] == 0
+        assert snap.requests.active == 0
         gate.set()
     await assert_nothing_held(engine)
 
 
 # --- capacity counts what holds or waits for resources -----------------------------------------
+
+
+async def test_the_checks_only_raise_and_the_refusing_actions_count() -> None:
+    """`check_admission` and `check_fits` are pure checks: asking does not count a rejection;
+    `admit`, `tokenize` and `counting_rejections` count each refusal once."""
+    async with fake_engine(max_running_requests=1, max_queued_requests=0) as engine:
+        held = engine.admit()
+        for _ in range(3):
+            with pytest.raises(Overloaded):
+                engine.check_admission()
+            with pytest.raises(ContextLengthExceeded):
+                engine.check_fits(10_000, SamplingParams())
+        assert engine.snapshot().requests.rejected == 0  # before: 6
+        with pytest.raises(Overloaded):
+            engine.admit()
+        with pytest.raises(Overloaded):
+            await engine.tokenize(prompt="hi")
+        assert (await engine.tokenize(prompt="hi", admission=held)) == [
+            byte_token(b) for b in b"hi"
+        ]  # admitted: no limit
+        with pytest.raises(ContextLengthExceeded), engine.counting_rejections():
+            engine.check_fits(10_000, SamplingParams())
+        assert engine.snapshot().requests.rejected == 3
+        held.release()
+        await assert_nothing_held(engine)
 
 
 async def test_an_admitted_request_being_prepared_counts_against_the_queue() -> None:
@@ -412,8 +458,8 @@ async def test_a_request_the_engine_is_done_with_leaves_the_capacity() -> None:
             with trio.fail_after(5):
                 while engine.registry.num_in_engine:
                     await trio.sleep(0.01)
-            snap = engine.snapshot()["requests"]
-            assert (snap["active"], snap["sending"], snap["waiting"], snap["running"]) == (1, 1, 0, 0)
+            snap = engine.snapshot().requests
+            assert (snap.active, snap.sending, snap.waiting, snap.running) == (1, 1, 0, 0)
             async with engine.open_request(prompt="hi", params=SamplingParams(max_tokens=2)) as other:
                 assert len((await other.collect())[0].token_ids) == 2
             assert [len(c.token_ids) for c in await unread.collect()] == [3]
@@ -438,8 +484,8 @@ async def test_a_request_refused_for_its_queue_wait_is_counted_as_rejected(
             with pytest.raises(Overloaded):
                 async with engine.open_request(prompt="hi", params=SamplingParams(max_tokens=2)) as s:
                     await s.collect()
-        snap = engine.snapshot()["requests"]
-        assert (snap["completed"], snap["rejected"], snap["failed"]) == (1, 1, 0)  # before: failed 1
+        snap = engine.snapshot().requests
+        assert (snap.completed, snap.rejected, snap.failed) == (1, 1, 0)  # before: failed 1
         await assert_nothing_held(engine)
 
 
@@ -453,9 +499,9 @@ async def test_the_request_counts_add_up_while_the_scheduler_catches_up(
         async with engine.open_request(prompt="hi", params=SamplingParams(max_tokens=50)) as s:
             async for _ in s:
                 break
-        snap = engine.snapshot()["requests"]  # no checkpoint since the scope closed
-        counts = (snap["running"], snap["waiting"], snap["sending"])
-        assert min(counts) >= 0 and sum(counts) == snap["active"] == 0, snap  # before: waiting -1
+        snap = engine.snapshot().requests  # no checkpoint since the scope closed
+        counts = (snap.running, snap.waiting, snap.sending)
+        assert min(counts) >= 0 and sum(counts) == snap.active == 0, snap  # before: waiting -1
         await assert_nothing_held(engine)
 
 
@@ -464,7 +510,7 @@ async def test_each_prompt_of_an_admitted_request_counts_while_it_is_prepared() 
     of them against the capacity until its scope opens; release gives back what did not open."""
     async with fake_engine(max_running_requests=2, max_queued_requests=2) as engine:
         several = engine.admit(3)
-        assert engine.snapshot()["requests"]["preparing"] == 3
+        assert engine.snapshot().requests.preparing == 3
         engine.admit().release()  # one place left
         held = engine.admit()
         with pytest.raises(Overloaded):
@@ -472,8 +518,8 @@ async def test_each_prompt_of_an_admitted_request_counts_while_it_is_prepared() 
         held.release()
         params = SamplingParams(max_tokens=1)
         async with engine.open_request(prompt="hi", params=params, admission=several) as s:
-            assert engine.snapshot()["requests"]["preparing"] == 2
+            assert engine.snapshot().requests.preparing == 2
             await s.collect()
         several.release()
-        assert engine.snapshot()["requests"]["preparing"] == 0
+        assert engine.snapshot().requests.preparing == 0
         await assert_nothing_held(engine)

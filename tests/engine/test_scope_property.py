@@ -155,7 +155,7 @@ async def scenario(
         assert len(engine.registry) == 0
         assert not engine.core.running and not engine.core.waiting
         assert engine.core.pool.num_used == 0
-        assert engine.snapshot()["requests"]["active"] == 0
+        assert engine.snapshot().requests.active == 0
         return engine.core.num_preemptions
 
 

@@ -13,7 +13,7 @@ import pytest
 import trio
 
 from ft.config import EngineConfig
-from ft.engine import engine as engine_module
+from ft.engine import lifetime
 from ft.engine.engine import Engine
 from ft.engine.fake import CHATML, FakeRunner
 from ft.engine.loading import ModelParts
@@ -95,7 +95,7 @@ async def test_a_template_that_loops_is_a_400_after_its_deadline_and_the_worker_
 async def test_a_template_past_the_memory_bound_is_a_400_and_its_worker_is_replaced(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(engine_module, "WORKER_MEMORY_BYTES", SMALL_BOUND)
+    monkeypatch.setattr(lifetime, "WORKER_MEMORY_BYTES", SMALL_BOUND)
     elsewhere = worker_pids()
     with trio.fail_after(60):
         async with fake_engine(
@@ -114,7 +114,7 @@ async def test_a_text_too_long_to_encode_within_the_memory_bound_is_a_400_before
     """A render of up to 16 Mi characters was encoded, but encoding costs up to ~160 bytes of
     memory per byte of text: past the worker's bound the tokenizer aborted the process (a 500
     "the tokenizer worker died; retry", and a respawn for every such request)."""
-    monkeypatch.setattr(engine_module, "WORKER_MEMORY_BYTES", SMALL_BOUND)
+    monkeypatch.setattr(lifetime, "WORKER_MEMORY_BYTES", SMALL_BOUND)
     long = "{% if messages[-1]['content'] == 'long' %}{{ '\u00e9' * 3000000 }}{% endif %}"  # 6 MB
     elsewhere = worker_pids()
     with trio.fail_after(60):
@@ -135,7 +135,7 @@ async def test_a_job_past_its_deadline_has_its_worker_killed_and_is_a_400(
 ) -> None:
     """A job that ignores the render deadline (a C call that never returns) is killed."""
     # NOTE: the deadline counts a fresh worker's start too (seconds on a busy machine).
-    monkeypatch.setattr(engine_module, "TOKENIZE_GRACE_S", 5.0)
+    monkeypatch.setattr(lifetime, "TOKENIZE_GRACE_S", 5.0)
     elsewhere = worker_pids()
     with trio.fail_after(60):
         async with fake_engine(executor=None, tokenizer_fault=hang_on_bang, template_timeout_s=0.5) as engine:
@@ -215,7 +215,7 @@ async def test_leaving_the_engine_kills_a_busy_worker_at_once() -> None:
 async def test_a_template_that_cannot_render_fails_the_engine_at_load(
     template: str, reason: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(engine_module, "WORKER_MEMORY_BYTES", SMALL_BOUND)
+    monkeypatch.setattr(lifetime, "WORKER_MEMORY_BYTES", SMALL_BOUND)
     timeout_s = 1.0 if template == NESTED_LOOPS else 30.0  # the memory bound first, in the others
     failed = pytest.RaisesExc(RuntimeError, match=f"chat template cannot be used: .*{re.escape(reason)}")
     with trio.fail_after(60), pytest.RaisesGroup(failed, flatten_subgroups=True):

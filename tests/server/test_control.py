@@ -38,6 +38,64 @@ async def test_health_models_stats_metrics(client: httpx.AsyncClient) -> None:
     assert "# TYPE ft_requests_total counter" in metrics.text
 
 
+# The `/v1/stats` body as it was when `snapshot()` returned a dict: each block's keys in order.
+STATS_KEYS = {
+    "instance_id": None,
+    "state": None,
+    "model": ["id", "ctx"],
+    "uptime_s": None,
+    "kv": [
+        "used_pages",
+        "total_pages",
+        "page_size",
+        "cached_pages",
+        "free_pages",
+        "used_tokens",
+        "usage",
+        "dtype",
+    ],
+    "scheduler": [
+        "admission",
+        "preemptions",
+        "recomputed_tokens",
+        "prefix_hit_tokens",
+        "prefix_query_tokens",
+    ],
+    "throughput": ["decode_tps", "prefill_tps"],
+    "requests": [
+        "active",
+        "waiting",
+        "running",
+        "sending",
+        "preparing",
+        "completed",
+        "aborted",
+        "rejected",
+        "failed",
+        "ttft_mean_ms",
+        "p95_ms",
+        "prompt_tokens_total",
+        "completion_tokens_total",
+    ],
+    "process": ["rss_bytes"],
+}
+
+
+def _keys(body: dict[str, object]) -> dict[str, list[str] | None]:
+    return {k: list(v) if isinstance(v, dict) else None for k, v in body.items()}
+
+
+async def test_stats_and_prepare_stop_bodies_keep_their_keys(client: httpx.AsyncClient) -> None:
+    """The typed snapshot serializes to the same JSON keys, in order; prepare-stop adds one."""
+    stats = (await client.get("/v1/stats")).json()
+    assert _keys(stats) == STATS_KEYS
+    assert stats["state"] == "ready" and stats["model"] == {"id": "fake", "ctx": 2048}
+    assert all(isinstance(v, int | float) for v in stats["requests"].values())
+    stopped = (await client.post("/v1/admin/prepare-stop", json={})).json()
+    assert _keys(stopped) == STATS_KEYS | {"drain_complete": None} and stopped["drain_complete"] is True
+    assert stopped["state"] == "stopping"  # taken as the drain ends, before the state says so
+
+
 async def test_stats_and_metrics_report_preemption_and_the_pools_use(client: httpx.AsyncClient) -> None:
     stats = (await client.get("/v1/stats")).json()
     assert stats["scheduler"] == {
@@ -127,6 +185,19 @@ async def test_loading_answers_health_and_503() -> None:
             assert r.status_code == 503 and r.headers["retry-after"] == "1"
             assert r.json()["error"]["code"] == "model_loading"
         assert (await c.post("/v1/tokenize", json={"prompt": "a"})).status_code == 503
+        refusals = [
+            await c.post("/v1/chat/completions", json={"messages": USER}),
+            await c.post("/v1/completions", json={"prompt": [1, 2]}),
+            await c.post("/v1/tokenize", json={"prompt": "a"}),
+            await c.post("/v1/detokenize", json={"tokens": [1]}),
+            await c.get("/v1/models"),
+            await c.post("/v1/messages/count_tokens", json={"model": s.engine.model_id, "messages": USER}),
+        ]
+        assert all(r.status_code == 503 for r in refusals), [r.text for r in refusals]
+        # One refusal, worded in one place (before: the routes' "...; retry shortly" and the engine's not).
+        assert {r.json()["error"]["message"] for r in refusals} == {
+            "the model is still loading; retry shortly"
+        }
         release.set()
         await s.engine.wait_ready()
         assert (await c.get("/health")).json()["status"] == "ok"
@@ -321,7 +392,7 @@ async def test_a_request_still_tokenizing_when_the_drain_begins_is_served(stream
         assert events[-1] == "[DONE]" and not any("error" in e for e in events[:-1]), r.text
     else:
         assert r.json()["usage"]["completion_tokens"] == 5
-    assert snapshot["requests"]["aborted"] == 0
+    assert snapshot.requests.aborted == 0
 
 
 async def test_a_client_that_leaves_before_its_stream_starts_does_not_hold_the_drain() -> None:

@@ -100,7 +100,6 @@ def register(app: QuartTrio, ctx: ServerContext) -> None:
         req = await read_request(ctx, CountTokensRequest)
         ctx.check_model(req.model)
         prompt = messages_prompt(req)
-        ctx.check_admission()
         assert prompt.messages is not None
         ids = await ctx.engine.tokenize(
             messages=prompt.messages,

@@ -19,6 +19,7 @@ from quart import Response, request
 
 from ft.engine.engine import Engine
 from ft.errors import FtError, InvalidRequest
+from ft.params import check_token_ids
 from ft.server.edge.body import parse_json, read_body, require_json_content_type, run_sized
 from ft.server.edge.http_errors import (
     ErrorFormatter,
@@ -83,17 +84,14 @@ class ServerContext:
             )
 
     def check_admission(self) -> None:
-        """Raise 503 while loading, stopping, failed, or with a full queue."""
+        """Raise 503 while loading, stopping, failed, or with a full queue (a pure check)."""
         self.engine.check_admission()
 
     def check_token_ids(self, ids: list[int], param: str) -> None:
         """Raise 400 for a token id outside the vocabulary (503 while there is none yet)."""
         if ids and not self.engine.vocab_size:
-            self.check_admission()  # loading or failed: the 503 every request gets then
-        vocab = self.engine.vocab_size
-        if ids and (min(ids) < 0 or max(ids) >= vocab):  # C loops: up to ~2M ids fit a body
-            t = next(t for t in ids if not 0 <= t < vocab)
-            raise InvalidRequest(f"token id {t} is outside the vocabulary (0..{vocab - 1})", param=param)
+            raise self.engine.refusal()  # loading or failed: the 503 every request gets then
+        check_token_ids(ids, self.engine.vocab_size, param=param)
 
 
 # Union members pydantic names in an error's location (`input.str`, `system.list[TextBlock]`).

@@ -179,7 +179,7 @@ async def respond(ctx: ServerContext, api: GenerationApi) -> Response:
 async def _respond(
     ctx: ServerContext, api: GenerationApi, record: RequestRecord, admission: Admission
 ) -> Response:
-    prompt_ids = [await prepare(ctx, prompt, api.params) for prompt in api.prompts]
+    prompt_ids = [await prepare(ctx, prompt, api.params, admission) for prompt in api.prompts]
     record.prompt_tokens = sum(len(ids) for ids in prompt_ids)
     if api.stream:
         return sse_response(stream_body(ctx, api, prompt_ids, record, admission))
@@ -203,8 +203,11 @@ def _loggable(prompt: Prompt) -> Any:
     return prompt.text if prompt.text is not None else prompt.token_ids
 
 
-async def prepare(ctx: ServerContext, prompt: Prompt, params: SamplingParams) -> tuple[int, ...]:
-    """Tokenize `prompt` and run every static check on it; return its token ids.
+async def prepare(
+    ctx: ServerContext, prompt: Prompt, params: SamplingParams, admission: Admission
+) -> tuple[int, ...]:
+    """Tokenize `prompt` (admitted: `admission`) and run every static check on it; return its
+    token ids. A request the checks refuse is counted as rejected.
 
     Raises:
         FtError: the prompt cannot be rendered or encoded, or can never fit (a 4xx).
@@ -213,19 +216,21 @@ async def prepare(ctx: ServerContext, prompt: Prompt, params: SamplingParams) ->
     if prompt.token_ids is not None:
         ids = prompt.token_ids
     elif prompt.messages is not None:
-        ids = await engine.tokenize_for_request(
+        ids = await engine.tokenize(
             messages=prompt.messages,
             tools=prompt.tools,
             chat_template_kwargs=prompt.chat_template_kwargs,
             add_generation_prompt=prompt.add_generation_prompt,
             continue_final_message=prompt.continue_final_message,
+            admission=admission,
         )
     else:
-        ids = await engine.tokenize_for_request(prompt=prompt.text)
-    engine.check_fits(len(ids), params)
-    if params.grammar is not None:
-        client = request.remote_addr if has_request_context() else None
-        await engine.check_grammar(params.grammar, client=client)
+        ids = await engine.tokenize(prompt=prompt.text, admission=admission)
+    with engine.counting_rejections():
+        engine.check_fits(len(ids), params)
+        if params.grammar is not None:
+            client = request.remote_addr if has_request_context() else None
+            await engine.check_grammar(params.grammar, client=client)
     return tuple(ids)
 
 

@@ -78,7 +78,7 @@ async def test_a_non_streamed_body_the_client_does_not_read_is_cut() -> None:
         sock = await request_and_never_read(server.base_url, "/v1/completions", body)
         with sock:
             with trio.fail_after(30):
-                while server.engine.snapshot()["requests"]["completed"] < 1:
+                while server.engine.snapshot().requests.completed < 1:
                     await trio.sleep(0.05)
             await trio.sleep(1.5)  # reading nothing for longer than the send timeout
             received = b""

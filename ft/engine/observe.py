@@ -1,0 +1,197 @@
+"""Observation: the engine's snapshot (a frozen record, as trio's `statistics()`), the
+`/v1/stats` body, and its periodic DEBUG summary."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from ft.actors.registry import RequestEntry
+from ft.engine.stats import Throughput
+
+if TYPE_CHECKING:
+    from ft.engine.engine import Engine
+    from ft.engine.lifetime import EngineState
+
+log = logging.getLogger("ft.engine")
+
+# Seconds between the engine's DEBUG summaries (only while the log level shows them).
+SUMMARY_PERIOD_S = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class ModelStats:
+    """The served model: its id and its context length (`ctx`, tokens)."""
+
+    id: str
+    ctx: int
+
+
+@dataclass(frozen=True, slots=True)
+class KvStats:
+    """The KV page pool (all zero until the engine has started)."""
+
+    used_pages: int
+    total_pages: int
+    page_size: int
+    cached_pages: int  # free pages kept for prefix reuse
+    free_pages: int
+    used_tokens: int
+    usage: float  # fraction of the pages held by requests
+    dtype: str
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerStats:
+    """The scheduler's policy and its counters since the start."""
+
+    admission: str
+    preemptions: int
+    recomputed_tokens: int
+    prefix_hit_tokens: int
+    prefix_query_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class RequestStats:
+    """Request gauges (derived from the registry now) and totals since the start."""
+
+    active: int  # scopes open: waiting + running + sending
+    waiting: int
+    running: int
+    sending: int  # the engine is done with them; their client still reads
+    preparing: int  # admitted, their scopes not open yet
+    completed: int
+    aborted: int
+    rejected: int
+    failed: int
+    ttft_mean_ms: float
+    p95_ms: float
+    prompt_tokens_total: int
+    completion_tokens_total: int
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessStats:
+    """This process."""
+
+    rss_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSnapshot:
+    """What `Engine.snapshot()` returns: the engine now, read by attribute (`/v1/stats` is
+    `as_json()`). `drain_complete` is True in the drain's final snapshot, None elsewhere."""
+
+    instance_id: str
+    state: EngineState
+    model: ModelStats
+    uptime_s: float
+    kv: KvStats
+    scheduler: SchedulerStats
+    throughput: Throughput
+    requests: RequestStats
+    process: ProcessStats
+    drain_complete: bool | None = None
+
+    def as_json(self) -> dict[str, Any]:
+        """The record as `/v1/stats` and prepare-stop send it (`drain_complete` only when set)."""
+        body = asdict(self)
+        if self.drain_complete is None:
+            del body["drain_complete"]
+        return body
+
+
+def snapshot(engine: Engine) -> EngineSnapshot:
+    """The engine now, derived from the registry, the core and the page pool."""
+    core = engine.core
+    # NOTE: the core lags the registry (an `Abort` or `FinishSeq` not yet taken): only
+    # requests the engine still works for count as running, so the counts add up.
+    running_uids = {seq.uid for seq in core.running.values()} if core else set()
+    running = sum(engine.registry.is_in_engine(uid) for uid in running_uids)
+    pool = core.pool if core else None
+    stats = engine.stats
+    return EngineSnapshot(
+        instance_id=engine.instance_id,
+        state=engine.state,
+        model=ModelStats(id=engine.model_id, ctx=engine.max_model_len),
+        uptime_s=round(stats.uptime(), 3),
+        kv=KvStats(
+            used_pages=pool.num_used if pool else 0,
+            total_pages=pool.num_pages if pool else 0,
+            page_size=engine.config.page_size,
+            cached_pages=pool.num_cached if pool else 0,
+            free_pages=pool.num_allocatable - pool.num_cached if pool else 0,
+            used_tokens=core.num_held_tokens if core else 0,
+            usage=round(pool.num_used / pool.num_pages, 4) if pool else 0.0,
+            dtype=engine.kv_cache_dtype,
+        ),
+        scheduler=SchedulerStats(
+            admission=engine.config.admission,
+            preemptions=core.num_preemptions if core else 0,
+            recomputed_tokens=core.num_recomputed_tokens if core else 0,
+            prefix_hit_tokens=core.num_prefix_hit_tokens if core else 0,
+            prefix_query_tokens=core.num_prefix_query_tokens if core else 0,
+        ),
+        throughput=stats.throughput(trio.current_time()),
+        requests=RequestStats(
+            active=len(engine.registry),
+            waiting=engine.registry.num_in_engine - running,
+            running=running,
+            sending=engine.registry.num_sending,
+            preparing=engine.admissions.num_preparing,
+            completed=stats.completed,
+            aborted=stats.aborted,
+            rejected=stats.rejected,
+            failed=stats.failed,
+            ttft_mean_ms=stats.ttft_mean_ms(),
+            p95_ms=stats.p95_ms(),
+            prompt_tokens_total=stats.prompt_tokens_total,
+            completion_tokens_total=stats.completion_tokens_total,
+        ),
+        process=ProcessStats(rss_bytes=_rss_bytes()),
+    )
+
+
+def stamp_tokens(entry: RequestEntry) -> None:
+    """Time a step's tokens for a request (first token, gaps), for its `RequestReport`."""
+    now = trio.current_time()
+    if entry.first_token_at is None:
+        entry.first_token_at = now
+    elif entry.last_token_at is not None:
+        entry.token_gaps.append(now - entry.last_token_at)
+    entry.last_token_at = now
+
+
+async def log_summaries(engine: Engine) -> None:
+    """Every `SUMMARY_PERIOD_S`, while anything is live, one DEBUG line on the engine's state."""
+    while True:
+        await trio.sleep(SUMMARY_PERIOD_S)
+        if not len(engine.registry):
+            continue
+        snap = engine.snapshot()
+        req, kv, tps = snap.requests, snap.kv, snap.throughput
+        log.debug(
+            "summary: %d running, %d waiting; KV %d/%d pages (%d cached); "
+            "decode %.1f tok/s, prefill %.1f tok/s",
+            req.running,
+            req.waiting,
+            kv.used_pages,
+            kv.total_pages,
+            kv.cached_pages,
+            tps.decode_tps,
+            tps.prefill_tps,
+        )
+
+
+def _rss_bytes() -> int:
+    """This process's resident set size (0 where /proc is missing)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
