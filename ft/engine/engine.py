@@ -39,6 +39,7 @@ from ft.grammar.spec import GrammarSpec
 from ft.ids import random_id
 from ft.messages import Abort, Batch, DetokenizerIn, SchedulerIn, StepDone, Tokenize
 from ft.params import SamplingParams
+from ft.prompt import PromptSpec
 from ft.tokenizer.job import (
     WORKER_MEMORY_BYTES,
     Executor,
@@ -454,19 +455,13 @@ class Engine:
     @asynccontextmanager
     async def open_request(
         self,
+        prompt: PromptSpec,
         *,
-        messages: list[dict[str, Any]] | None = None,
-        prompt: str | None = None,
-        prompt_token_ids: list[int] | None = None,
         params: SamplingParams | None = None,
-        tools: list[dict[str, Any]] | None = None,
-        chat_template_kwargs: dict[str, Any] | None = None,
-        add_generation_prompt: bool = True,
-        continue_final_message: bool = False,
         request_id: str | None = None,
         admission: Admission | None = None,
     ) -> AsyncIterator[RequestStream]:
-        """Register a request for the block's duration; yield its stream of deltas.
+        """Register a request for `prompt` for the block's duration; yield its stream of deltas.
 
         `request_id` names the request in the engine's logs and in its `RequestReport` (the
         server passes the HTTP `X-Request-Id`); one is made when it is None. `admission`: it
@@ -477,13 +472,10 @@ class Engine:
         the block from a cancelled task.
 
         Raises:
-            InvalidRequest: no prompt, or more than one kind of prompt.
             Overloaded: the waiting queue is full.
             EngineStopping: loading, stopping, or failed.
         """
         params = params or SamplingParams()
-        if sum(x is not None for x in (messages, prompt, prompt_token_ids)) != 1:
-            raise InvalidRequest("give exactly one of messages, prompt or prompt_token_ids")
         self.check_admission(admission)
         grammar: Grammar | None = None
         if params.grammar is not None:
@@ -510,20 +502,7 @@ class Engine:
         )
         outcome = "aborted"
         try:
-            running.tokenizer_inbox.send_nowait(
-                Tokenize(
-                    uid=uid,
-                    params=params,
-                    prompt=prompt,
-                    prompt_token_ids=tuple(prompt_token_ids) if prompt_token_ids else None,
-                    messages=tuple(messages) if messages is not None else None,
-                    tools=tuple(tools) if tools is not None else None,
-                    chat_template_kwargs=chat_template_kwargs or {},
-                    add_generation_prompt=add_generation_prompt,
-                    continue_final_message=continue_final_message,
-                    grammar=grammar,
-                )
-            )
+            running.tokenizer_inbox.send_nowait(Tokenize(uid, params, prompt, grammar))
             yield stream
             if stream.is_finished:
                 outcome = "completed"
@@ -553,25 +532,15 @@ class Engine:
 
     async def generate(self, prompt: str, params: SamplingParams | None = None) -> str:
         """Complete `prompt` (no chat template); return the first choice's text."""
-        async with self.open_request(prompt=prompt, params=params) as stream:
+        async with self.open_request(PromptSpec(text=prompt), params=params) as stream:
             return (await stream.collect())[0].text
 
-    async def tokenize(
-        self,
-        *,
-        prompt: str | None = None,
-        messages: list[dict[str, Any]] | None = None,
-        tools: list[dict[str, Any]] | None = None,
-        chat_template_kwargs: dict[str, Any] | None = None,
-        add_generation_prompt: bool = True,
-        continue_final_message: bool = False,
-    ) -> list[int]:
-        """Token ids of a prompt or of rendered chat messages (no request is registered).
+    async def tokenize(self, prompt: PromptSpec) -> list[int]:
+        """Token ids of `prompt`, its messages rendered (no request is registered).
 
         These share the tokenizer workers with generation, so they are admitted like requests
         (503 while loading, stopping or with a full queue) and at most `tokenizer_workers` run
         at once; one more is refused with `Overloaded` rather than queued behind them.
-        `continue_final_message` renders the last message open, so generation continues it.
         """
         self.check_admission()
         if self._tokenize_slots.borrowed_tokens >= self._tokenize_slots.total_tokens:
@@ -580,25 +549,9 @@ class Engine:
                 f"{self._tokenize_slots.total_tokens} tokenize requests are running; retry later"
             )
         async with self._tokenize_slots:
-            return await self.tokenize_for_request(
-                prompt=prompt,
-                messages=messages,
-                tools=tools,
-                chat_template_kwargs=chat_template_kwargs,
-                add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message,
-            )
+            return await self.tokenize_for_request(prompt)
 
-    async def tokenize_for_request(
-        self,
-        *,
-        prompt: str | None = None,
-        messages: list[dict[str, Any]] | None = None,
-        tools: list[dict[str, Any]] | None = None,
-        chat_template_kwargs: dict[str, Any] | None = None,
-        add_generation_prompt: bool = True,
-        continue_final_message: bool = False,
-    ) -> list[int]:
+    async def tokenize_for_request(self, prompt: PromptSpec) -> list[int]:
         """Token ids of a generation request's prompt, before its scope opens.
 
         Not limited like `tokenize`: a route calls it after `check_admission`, and the tokenizer
@@ -608,18 +561,7 @@ class Engine:
             InvalidRequest: the prompt cannot be rendered or encoded.
             EngineStopping: the engine has not started.
         """
-        tokenizer_actor = self._started().tokenizer_actor
-        msg = Tokenize(
-            uid=0,
-            params=SamplingParams(),
-            prompt=prompt,
-            messages=tuple(messages) if messages is not None else None,
-            tools=tuple(tools) if tools is not None else None,
-            chat_template_kwargs=chat_template_kwargs or {},
-            add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message,
-        )
-        return await tokenizer_actor.tokenize(msg)
+        return await self._started().tokenizer_actor.tokenize(prompt)
 
     def check_fits(self, num_prompt_tokens: int, params: SamplingParams) -> None:
         """Raise what admission would refuse a prompt of this size for, whatever the load.

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from ft.config import EngineConfig
 from ft.core.batch import Runner, SeqWork
-from ft.messages import Tokenize
+from ft.prompt import PromptSpec
 from ft.tokenizer.job import Executor
 from ft.tokenizer.spec import TokenizerSpec
 
@@ -48,7 +48,7 @@ class EngineHooks:
     load_model: Callable[[EngineConfig], ModelParts] | None = None
     tokenize_executor: Executor | None = None  # replaces the worker processes (tests)
     before_step: Callable[[list[SeqWork]], None] | None = None
-    tokenizer_fault: Callable[[Tokenize], str | None] | None = None
+    tokenizer_fault: Callable[[PromptSpec], str | None] | None = None
     grammar_fault: str | None = None  # "exit": the grammar compiler's process dies
 
 

@@ -18,7 +18,7 @@ from ft.engine.engine import Engine
 from ft.engine.fake import CHATML, FakeRunner
 from ft.engine.loading import ModelParts
 from ft.errors import InvalidRequest, RequestAborted
-from ft.messages import Tokenize
+from ft.prompt import PromptSpec
 from tests.support.engine import fake_engine, fake_parts
 
 NESTED_LOOPS = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
@@ -64,13 +64,13 @@ def is_gone(pid: int) -> bool:
 
 
 async def answer(engine: Engine, content: str) -> str:
-    async with engine.open_request(messages=chat(content)) as stream:
+    async with engine.open_request(PromptSpec(messages=chat(content))) as stream:
         return (await stream.collect())[0].text
 
 
-def hang_on_bang(msg: Tokenize) -> str | None:
+def hang_on_bang(msg: PromptSpec) -> str | None:
     """Test hook: a job for a prompt starting with '!' never ends and ignores its deadline."""
-    return "hang" if msg.prompt and msg.prompt.startswith("!") else None
+    return "hang" if msg.text and msg.text.startswith("!") else None
 
 
 async def test_a_template_that_loops_is_a_400_after_its_deadline_and_the_worker_serves_on() -> None:
@@ -87,7 +87,7 @@ async def test_a_template_that_loops_is_a_400_after_its_deadline_and_the_worker_
             assert info.value.param == "messages"
             assert trio.current_time() - start < 4.0
             with pytest.raises(InvalidRequest, match="chat template took longer than 1 s"):
-                await engine.tokenize(messages=chat("loop"))
+                await engine.tokenize(PromptSpec(messages=chat("loop")))
             assert await answer(engine, "hi")
             assert worker_pids() - elsewhere == before  # the render stopped; its worker lives on
 
@@ -157,7 +157,7 @@ async def test_a_cancelled_caller_waits_for_its_job_rather_than_kill_the_worker(
         ) as engine:
             before = worker_pids() - elsewhere
             with pytest.raises(InvalidRequest, match="took longer than 1 s"), trio.move_on_after(0.2):
-                await engine.tokenize(messages=chat("loop"))
+                await engine.tokenize(PromptSpec(messages=chat("loop")))
             assert worker_pids() - elsewhere == before
             assert await answer(engine, "hi")
 
@@ -178,7 +178,7 @@ async def test_stopping_the_engine_kills_a_busy_worker_and_aborts_its_requests()
 
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(stuck, lambda: engine.generate("!hang"))
-                nursery.start_soon(stuck, lambda: engine.tokenize(prompt="!hang"))
+                nursery.start_soon(stuck, lambda: engine.tokenize(PromptSpec(text="!hang")))
                 await trio.sleep(0.5)
                 start = trio.current_time()
                 await engine.prepare_stop(drain_timeout_s=0.2, abort_timeout_s=0.2)

@@ -12,7 +12,7 @@ from ft.core.batch import SeqWork
 from ft.engine.engine import Engine, open_engine
 from ft.engine.fake import FakeRunner, byte_tokenizer_spec, run_inline
 from ft.engine.loading import EngineHooks, ModelParts
-from ft.messages import Tokenize
+from ft.prompt import PromptSpec
 from ft.tokenizer.job import Executor
 
 
@@ -40,7 +40,7 @@ def fake_hooks(
     runner: FakeRunner | None = None,
     *,
     before_step: Callable[[list[SeqWork]], None] | None = None,
-    tokenizer_fault: Callable[[Tokenize], str | None] | None = None,
+    tokenizer_fault: Callable[[PromptSpec], str | None] | None = None,
     executor: Executor | None = run_inline,
     context_length: int = 2048,
     load_model: Callable[[EngineConfig], ModelParts] | None = None,
@@ -63,7 +63,7 @@ async def fake_engine(
     runner: FakeRunner | None = None,
     *,
     before_step: Callable[[list[SeqWork]], None] | None = None,
-    tokenizer_fault: Callable[[Tokenize], str | None] | None = None,
+    tokenizer_fault: Callable[[PromptSpec], str | None] | None = None,
     executor: Executor | None = run_inline,
     context_length: int = 2048,
     load_model: Callable[[EngineConfig], ModelParts] | None = None,

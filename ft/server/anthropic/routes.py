@@ -29,6 +29,7 @@ from ft.grammar.spec import GrammarSpec
 from ft.ids import random_id
 from ft.messages import Delta
 from ft.params import SamplingParams
+from ft.prompt import PromptSpec
 from ft.server.anthropic.schemas import CountTokensRequest, MessagesRequest, PromptFields
 from ft.server.generation import lifecycle
 from ft.server.generation.assemble import (
@@ -41,7 +42,7 @@ from ft.server.generation.assemble import (
     assemble_blocks,
 )
 from ft.server.generation.context import ServerContext, json_response, read_request
-from ft.server.generation.lifecycle import Generated, GenerationApi, Prompt, Usage, respond
+from ft.server.generation.lifecycle import Generated, GenerationApi, Usage, respond
 from ft.server.generation.sse import sse_event
 from ft.server.generation.structured import anthropic_output, reasoning_parser_name
 from ft.server.generation.tools import (
@@ -101,14 +102,7 @@ def register(app: QuartTrio, ctx: ServerContext) -> None:
         ctx.check_model(req.model)
         prompt = messages_prompt(req)
         ctx.check_admission()
-        assert prompt.messages is not None
-        ids = await ctx.engine.tokenize(
-            messages=prompt.messages,
-            tools=prompt.tools,
-            chat_template_kwargs=prompt.chat_template_kwargs,
-            add_generation_prompt=prompt.add_generation_prompt,
-            continue_final_message=prompt.continue_final_message,
-        )
+        ids = await ctx.engine.tokenize(prompt)
         return json_response({"input_tokens": len(ids)})
 
 
@@ -197,7 +191,7 @@ def tool_choice(req: PromptFields) -> ToolChoice:
             return ToolChoice(parallel=parallel)
 
 
-def messages_prompt(req: PromptFields) -> Prompt:
+def messages_prompt(req: PromptFields) -> PromptSpec:
     """The engine-side prompt of a Messages request: template messages, tools, kwargs.
 
     A final assistant turn is a prefill: the model continues it. `tool_choice` follows the
@@ -206,11 +200,11 @@ def messages_prompt(req: PromptFields) -> Prompt:
     tools = [function_tool(t.name, t.description, t.input_schema) for t in req.tools or ()]
     messages, sent_tools = apply_tool_choice(template_messages(req), tools, tool_choice(req))
     is_prefill = req.messages[-1].role == "assistant"
-    return Prompt(
+    return PromptSpec(
         messages=messages,
         tools=sent_tools,
         chat_template_kwargs=(
-            {"enable_thinking": req.thinking.type != "disabled"} if req.thinking is not None else None
+            {"enable_thinking": req.thinking.type != "disabled"} if req.thinking is not None else {}
         ),
         add_generation_prompt=not is_prefill,
         continue_final_message=is_prefill,
@@ -320,7 +314,10 @@ class MessagesCall(GenerationApi):
         config = ctx.engine.config
         self.tool_call_parser = tool_call_parser_name(config.tool_call_parser, prompt.tools is not None)
         grammar = output_grammar(
-            prompt.tools, tool_choice(req), self.tool_call_parser, anthropic_output(req.output_format)
+            list(prompt.tools) if prompt.tools is not None else None,
+            tool_choice(req),
+            self.tool_call_parser,
+            anthropic_output(req.output_format),
         )
         if prompt.continue_final_message and grammar is not None:
             raise InvalidRequest(

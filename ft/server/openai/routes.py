@@ -18,9 +18,10 @@ from ft.errors import FtError, InvalidRequest
 from ft.ids import random_id
 from ft.messages import Delta
 from ft.params import SamplingParams
+from ft.prompt import PromptSpec
 from ft.server.generation.assemble import ChatAssembler, openai_finish_reason
 from ft.server.generation.context import ServerContext, read_request
-from ft.server.generation.lifecycle import Generated, GenerationApi, Prompt, Usage, respond
+from ft.server.generation.lifecycle import Generated, GenerationApi, Usage, respond
 from ft.server.generation.sse import DONE, sse_data, sse_error
 from ft.server.generation.structured import openai_output
 from ft.server.generation.tools import ToolChoice, apply_tool_choice, output_grammar, tool_call_parser_name
@@ -103,17 +104,6 @@ class ChatCompletion(OpenAIGeneration):
         ctx.check_model(req.model)
         if req.top_logprobs and not req.logprobs:
             raise InvalidRequest("top_logprobs requires logprobs: true", param="top_logprobs")
-        if req.continue_final_message:
-            if req.add_generation_prompt:
-                raise InvalidRequest(
-                    "continue_final_message needs add_generation_prompt: false",
-                    param="continue_final_message",
-                )
-            if req.messages[-1].role != "assistant":
-                raise InvalidRequest(
-                    "continue_final_message needs a final assistant message to continue",
-                    param="continue_final_message",
-                )
         choice = chat_tool_choice(req)
         messages, tools = apply_tool_choice(
             [chat_message_for_template(m) for m in req.messages], req.tools, choice
@@ -134,10 +124,10 @@ class ChatCompletion(OpenAIGeneration):
                 param="continue_final_message",
             )
         self.prompts = [
-            Prompt(
+            PromptSpec(
                 messages=messages,
                 tools=tools,
-                chat_template_kwargs=req.chat_template_kwargs,
+                chat_template_kwargs=req.chat_template_kwargs or {},
                 add_generation_prompt=req.add_generation_prompt,
                 continue_final_message=req.continue_final_message,
             )
@@ -214,7 +204,9 @@ class TextCompletion(OpenAIGeneration):
             grammar=openai_output(req),
         )
         check_echo_size(req, ctx.engine.max_model_len)
-        self.prompts = [Prompt(text=p) if isinstance(p, str) else Prompt(token_ids=p) for p in req.prompt]
+        self.prompts = [
+            PromptSpec(text=p) if isinstance(p, str) else PromptSpec(token_ids=p) for p in req.prompt
+        ]
         self.stream, self.include_usage = req.stream, req.include_usage
         self.is_body_large = req.echo or self.params.logprobs  # as large as the client asks
         self.id = openai_id("cmpl")

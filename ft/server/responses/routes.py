@@ -26,6 +26,7 @@ from quart_trio import QuartTrio
 from ft.errors import FtError, InvalidRequest
 from ft.ids import random_id
 from ft.messages import Delta
+from ft.prompt import PromptSpec
 from ft.server.edge.body import parse_arguments
 from ft.server.edge.http_errors import HttpError
 from ft.server.generation import lifecycle
@@ -39,7 +40,7 @@ from ft.server.generation.assemble import (
     assemble_blocks,
 )
 from ft.server.generation.context import ServerContext, read_request
-from ft.server.generation.lifecycle import Generated, GenerationApi, Prompt, Usage, respond
+from ft.server.generation.lifecycle import Generated, GenerationApi, Usage, respond
 from ft.server.generation.sse import sse_event
 from ft.server.generation.structured import reasoning_parser_name, responses_output
 from ft.server.generation.tools import (
@@ -186,7 +187,7 @@ class ResponseCall(GenerationApi):
         )
         tools = [function_tool(t.name, t.description, t.parameters) for t in req.tools or ()]
         messages, sent_tools = apply_tool_choice(template_messages(req), tools, tool_choice)
-        self.prompts = [Prompt(messages=messages, tools=sent_tools)]
+        self.prompts = [PromptSpec(messages=messages, tools=sent_tools)]
         config = ctx.engine.config
         self.tool_call_parser = tool_call_parser_name(config.tool_call_parser, sent_tools is not None)
         self.text_format = req.text.format if req.text is not None else None
