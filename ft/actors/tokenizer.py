@@ -18,8 +18,6 @@ from ft.tokenizer.job import Executor
 
 log = logging.getLogger("ft.tokenizer")
 
-FaultHook = Callable[[PromptSpec], str | None]
-
 ENCODE_THREADS = 1  # threads encoding jobs at once: encoding holds the GIL (see ft.server.edge.body)
 
 
@@ -36,7 +34,6 @@ class TokenizerActor:
         vocab_size: int,
         executor: Executor,
         job: Callable[[bytes], bytes],
-        fault: FaultHook | None = None,
     ) -> None:
         self.inbox = inbox
         self.scheduler = scheduler
@@ -44,8 +41,7 @@ class TokenizerActor:
         self.spec_path = spec_path
         self.vocab_size = vocab_size
         self.executor = executor
-        self.job = job
-        self.fault = fault
+        self.job = job  # what a worker runs: `ft.tokenizer.job.tokenize_job` (a test double in tests)
         self.encode_limiter = trio.CapacityLimiter(ENCODE_THREADS)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -86,7 +82,7 @@ class TokenizerActor:
                     param="prompt",
                 )
             return list(ids)
-        encode = partial(encode_job, prompt, self.spec_path, fault=self.fault(prompt) if self.fault else None)
+        encode = partial(encode_job, prompt, self.spec_path)
         # Encoding is linear in the messages and kwargs the client sent (tens of ms for 1 MB):
         # a large job is encoded off the loop, one at a time, like the body parse before it.
         if is_small_job(prompt):

@@ -43,6 +43,7 @@ from ft.prompt import PromptSpec
 from ft.tokenizer.job import (
     WORKER_MEMORY_BYTES,
     Executor,
+    check_grammar_job,
     check_template_job,
     init_worker,
     retire_worker,
@@ -219,8 +220,7 @@ class Engine:
             spec_path=spec_path,
             vocab_size=parts.vocab_size,
             executor=executor,
-            job=tokenize_job,
-            fault=self.hooks.tokenizer_fault,
+            job=self.hooks.tokenize_job or tokenize_job,
         )
         await nursery.start(tokenizer_actor.run)
         await nursery.start(
@@ -272,7 +272,7 @@ class Engine:
             eos_token_ids=spec.eos_token_ids,
             vocab_size=parts.vocab_size,
             executor=self.hooks.tokenize_executor,  # None: the grammars' own workers (`run`)
-            fault=self.hooks.grammar_fault,
+            check_job=self.hooks.grammar_job or check_grammar_job,
         )
         if self.hooks.tokenize_executor is None:
             await nursery.start(grammars.run)

@@ -93,7 +93,6 @@ class TokenizeJob:
 
     spec_path: str
     prompt: PromptSpec
-    fault: str | None = None  # test hook: "exit" or "raise" in the worker
 
 
 # A prompt's fields go by name (a new one travels with no edit here), but for its token ids:
@@ -123,7 +122,7 @@ def _fields(record: TokenizeResult) -> dict[str, Any]:
 _ENCODE_ERRORS = (UnicodeEncodeError, cbor2.CBOREncodeError, ValueError, TypeError)
 
 
-def encode_job(prompt: PromptSpec, spec_path: str, *, fault: str | None = None) -> bytes:
+def encode_job(prompt: PromptSpec, spec_path: str) -> bytes:
     """Encode a tokenize job. Raises `InvalidRequest` naming the field that cannot be sent.
 
     Linear in the job's size (a 0.9 MB list of integers takes tens of milliseconds): callers
@@ -133,7 +132,7 @@ def encode_job(prompt: PromptSpec, spec_path: str, *, fault: str | None = None) 
     for name, value in payload.items():
         _check_ints(value, _PARAMS.get(name, name))
     try:
-        return cbor2.dumps({"spec_path": spec_path, "prompt": payload, "fault": fault})
+        return cbor2.dumps({"spec_path": spec_path, "prompt": payload})
     except _ENCODE_ERRORS as e:
         field = _unencodable_field(payload)
         raise InvalidRequest(f"{field or 'the request'} cannot be encoded: {_reason(e)}", param=field) from e
@@ -158,7 +157,7 @@ def _reason(e: Exception) -> str:
 def decode_job(payload: bytes) -> TokenizeJob:
     """Decode a job on the worker side: its prompt rebuilt as the `PromptSpec` it was."""
     job = cbor2.loads(payload)
-    return TokenizeJob(job["spec_path"], PromptSpec(**job["prompt"]), job["fault"])
+    return TokenizeJob(job["spec_path"], PromptSpec(**job["prompt"]))
 
 
 def encode_result(

@@ -202,14 +202,6 @@ def render_prompt(prompt: PromptSpec, spec: TokenizerSpec) -> tuple[str, bool]:
 def tokenize_job(payload: bytes) -> bytes:
     """Worker entry point: CBOR job in, CBOR token ids (or a refusal) out."""
     job = decode_job(payload)
-    if job.fault == "exit":  # test hook: the worker process dies mid-job
-        os._exit(17)
-    if job.fault == "raise":  # test hook: the job crashes
-        raise RuntimeError("injected tokenizer fault")
-    if job.fault == "hang":  # test hook: the job never ends, whatever its deadline says
-        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})
-        while True:
-            time.sleep(1.0)
     tokenizer, spec = load_spec(job.spec_path)
     prompt = job.prompt
     param = prompt.param
@@ -272,8 +264,6 @@ def check_grammar_job(payload: bytes) -> bytes:
     from ft.grammar.compiled import compile_matcher, grammar_text, grammar_tokenizer, token_lengths, walk
 
     job = cbor2.loads(payload)
-    if job.get("fault") == "exit":  # test hook: the compiler crashes the process
-        os._exit(17)
     _, spec = load_spec(job["spec_path"])
     vocab_size = job["vocab_size"]
     try:
@@ -301,7 +291,7 @@ def warm_grammar_job(payload: bytes) -> bytes:
     return cbor2.dumps({})
 
 
-def grammar_payload(grammar: GrammarSpec, spec_path: str, vocab_size: int, fault: str | None = None) -> bytes:
+def grammar_payload(grammar: GrammarSpec, spec_path: str, vocab_size: int) -> bytes:
     """The CBOR job `check_grammar_job` reads."""
     job = {"spec_path": spec_path, "vocab_size": vocab_size, "kind": grammar.kind, "source": grammar.source}
-    return cbor2.dumps(job | ({"fault": fault} if fault else {}))
+    return cbor2.dumps(job)

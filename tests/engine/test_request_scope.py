@@ -23,6 +23,7 @@ from ft.params import SamplingParams
 from ft.prompt import PromptSpec
 from ft.tokenizer.job import check_grammar_job
 from tests.support.engine import fake_engine
+from tests.support.faulty_worker import RAISE, faulty_tokenize_job
 
 CHAT = [{"role": "user", "content": "hi"}]
 
@@ -134,12 +135,9 @@ async def test_tokenizer_crash_fails_only_its_request(
 ) -> None:
     """A crashing tokenizer job fails its own request; the next one is served."""
 
-    def fault(msg: PromptSpec) -> str | None:
-        return "raise" if msg.text == "crash" else None
-
-    async with fake_engine(tokenizer_fault=fault) as engine:
-        with pytest.raises(RequestFailed):
-            async with engine.open_request(PromptSpec(text="crash")) as stream:
+    async with fake_engine(tokenize_job=faulty_tokenize_job) as engine:
+        with pytest.raises(RequestFailed, match="tokenization failed"):
+            async with engine.open_request(PromptSpec(text=RAISE)) as stream:
                 await stream.collect()
         async with engine.open_request(PromptSpec(text="fine")) as stream:
             assert (await stream.collect())[0].finish_reason == "stop"

@@ -26,6 +26,7 @@ from ft.errors import FtError
 from ft.params import SamplingParams
 from ft.prompt import PromptSpec
 from tests.support.engine import fake_engine
+from tests.support.faulty_worker import RAISE, faulty_tokenize_job
 from tests.support.parallel import tensor_parallel_runner
 from tests.support.tiny_model import save_hf_dir, tiny_config
 
@@ -92,13 +93,10 @@ async def scenario(
     runner = FakeRunner(text_script(TEXT), step_s=0.03)
     scripted = load_model is None
 
-    def fault(m: PromptSpec) -> str | None:
-        return "raise" if m.text and m.text.startswith("!") else None
-
     async with fake_engine(
         runner,
         before_step=before_step,
-        tokenizer_fault=fault,
+        tokenize_job=faulty_tokenize_job,
         max_running_requests=max_running,
         num_pages=num_pages,
         page_size=PAGE_SIZE,
@@ -115,7 +113,7 @@ async def scenario(
             prompt = "p" * plan.prompt_len
             kwargs = {}
             if plan.fault == "tokenizer":
-                prompt = "!" + prompt
+                prompt = RAISE + prompt
             if plan.fault == "surrogate":
                 prompt = prompt + "\udc80"
             if plan.fault == "bigint":

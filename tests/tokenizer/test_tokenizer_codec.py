@@ -60,9 +60,9 @@ async def test_large_jobs_are_encoded_off_the_event_loop(monkeypatch: pytest.Mon
     threads: list[threading.Thread] = []
     real = tokenizer_actor.encode_job
 
-    def recorded(prompt: PromptSpec, spec_path: str, *, fault: str | None = None) -> bytes:
+    def recorded(prompt: PromptSpec, spec_path: str) -> bytes:
         threads.append(threading.current_thread())
-        return real(prompt, spec_path, fault=fault)
+        return real(prompt, spec_path)
 
     monkeypatch.setattr(tokenizer_actor, "encode_job", recorded)
     with trio.fail_after(30):
