@@ -41,15 +41,10 @@ from ft.server.generation.assemble import (
 )
 from ft.server.generation.context import ServerContext, read_request
 from ft.server.generation.lifecycle import Generated, GenerationApi, Usage, respond
+from ft.server.generation.policy import output_policy
 from ft.server.generation.sse import sse_event
-from ft.server.generation.structured import reasoning_parser_name, responses_output
-from ft.server.generation.tools import (
-    ToolChoice,
-    apply_tool_choice,
-    function_tool,
-    output_grammar,
-    tool_call_parser_name,
-)
+from ft.server.generation.structured import responses_output
+from ft.server.generation.tools import ToolChoice, function_tool
 from ft.server.responses.schemas import (
     FunctionCallItem,
     FunctionCallOutputItem,
@@ -115,6 +110,14 @@ def template_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
     return out
 
 
+def responses_tool_choice(req: ResponsesRequest) -> ToolChoice:
+    """The request's `tool_choice` (and `parallel_tool_calls`) as the shared policy record."""
+    choice, parallel = req.tool_choice, req.parallel_tool_calls is not False
+    if isinstance(choice, FunctionChoice):
+        return ToolChoice("required", choice.name, parallel)
+    return ToolChoice(choice or "auto", parallel=parallel)
+
+
 def usage(u: Usage) -> dict[str, Any]:
     """The Responses `usage` object, with the prefix-cache hits in `input_tokens_details`."""
     return {
@@ -178,29 +181,20 @@ class ResponseCall(GenerationApi):
                 "store: true is not supported: this server keeps no responses; omit store or set it to false",
                 param="store",
             )
-        choice = req.tool_choice
-        parallel = req.parallel_tool_calls is not False
-        tool_choice = (
-            ToolChoice("required", choice.name, parallel)
-            if isinstance(choice, FunctionChoice)
-            else ToolChoice(choice or "auto", parallel=parallel)
-        )
         tools = [function_tool(t.name, t.description, t.parameters) for t in req.tools or ()]
-        messages, sent_tools = apply_tool_choice(template_messages(req), tools, tool_choice)
-        self.prompts = [PromptSpec(messages=messages, tools=sent_tools)]
-        config = ctx.engine.config
-        self.tool_call_parser = tool_call_parser_name(config.tool_call_parser, sent_tools is not None)
+        prompt = PromptSpec(messages=template_messages(req), tools=tools or None)
         self.text_format = req.text.format if req.text is not None else None
-        answer = responses_output(self.text_format)
+        policy = output_policy(ctx, prompt, responses_tool_choice(req), responses_output(self.text_format))
+        self.prompts = [policy.prompt]
+        self.tool_call_parser, self.reasoning_parser = policy.tool_call_parser, policy.reasoning_parser
         self.params = lifecycle.sampling_params(
             ctx,
             temperature=req.temperature,
             top_p=req.top_p,
             top_k=req.top_k,
             max_tokens=req.max_output_tokens,
-            grammar=output_grammar(sent_tools, tool_choice, self.tool_call_parser, answer),
+            grammar=policy.grammar,
         )
-        self.reasoning_parser = reasoning_parser_name(config.reasoning_parser, self.params.grammar)
         self.stream = req.stream
         self.id = random_id("resp_", 32)
         self.created = int(time.time())
