@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     )
     from ft.messages import Delta
     from ft.params import SamplingParams
+    from ft.prompt import PromptSpec
 
 _EXPORTS = {
     "EngineConfig": "ft.config",
@@ -34,6 +35,7 @@ _EXPORTS = {
     "RequestStream": "ft.engine.stream",
     "Delta": "ft.messages",
     "SamplingParams": "ft.params",
+    "PromptSpec": "ft.prompt",
     "FtError": "ft.errors",
     "InvalidRequest": "ft.errors",
     "ContextLengthExceeded": "ft.errors",
@@ -54,6 +56,7 @@ __all__ = [
     "FtError",
     "InvalidRequest",
     "Overloaded",
+    "PromptSpec",
     "RequestAborted",
     "RequestFailed",
     "RequestStream",

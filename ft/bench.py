@@ -25,6 +25,7 @@ from ft.engine.engine import Engine, open_engine
 from ft.grammar import spec
 from ft.grammar.spec import GrammarSpec
 from ft.params import SamplingParams
+from ft.prompt import PromptSpec
 
 PROMPTS = [
     "Write a short story about a lighthouse keeper.",
@@ -66,8 +67,10 @@ async def run_level(
         params = SamplingParams(
             max_tokens=max_tokens, temperature=0.8, seed=i, ignore_eos=grammar is None, grammar=grammar
         )
-        messages = [{"role": "user", "content": PROMPTS[i % len(PROMPTS)] + f" ({i})"}]
-        async with engine.open_request(messages=messages, params=params) as stream:
+        messages: list[dict[str, object]] = [
+            {"role": "user", "content": PROMPTS[i % len(PROMPTS)] + f" ({i})"}
+        ]
+        async with engine.open_request(PromptSpec(messages=messages), params=params) as stream:
             async for _ in stream:
                 if first is None:
                     first = time.perf_counter() - start

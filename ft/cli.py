@@ -17,6 +17,7 @@ from ft.cli_serve import add_serve_arguments, run_serve
 from ft.config import EngineConfig, add_model_arguments, model_config_fields
 from ft.errors import FtError
 from ft.params import SamplingParams
+from ft.prompt import PromptSpec
 
 T = TypeVar("T")
 
@@ -56,10 +57,12 @@ async def _generate(args: argparse.Namespace) -> None:
     from ft.engine.engine import open_engine
 
     async with open_engine(_engine_config(args)) as engine:
-        kwargs = (
-            {"messages": [{"role": "user", "content": args.prompt}]} if args.chat else {"prompt": args.prompt}
+        prompt = (
+            PromptSpec(messages=[{"role": "user", "content": args.prompt}])
+            if args.chat
+            else PromptSpec(text=args.prompt)
         )
-        async with engine.open_request(params=_params(args), **kwargs) as stream:
+        async with engine.open_request(prompt, params=_params(args)) as stream:
             async for delta in stream:
                 print(delta.text, end="", flush=True)
         print()
@@ -92,7 +95,7 @@ async def _chat(args: argparse.Namespace) -> None:
                 reply: list[str] = []
 
                 async def answer(turn: list[dict[str, object]] = messages, reply: list[str] = reply) -> None:
-                    async with engine.open_request(messages=turn, params=_params(args)) as stream:
+                    async with engine.open_request(PromptSpec(messages=turn), params=_params(args)) as stream:
                         async for delta in stream:
                             reply.append(delta.text)
                             print(delta.text, end="", flush=True)

@@ -8,12 +8,13 @@ reads (`Batch`, `StepDone`, `TokenOut`, `SeqFailed`) live beside its batch types
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ft.core.batch import Batch, SeqFailed, StepDone, TokenOut
 from ft.errors import FtError
 from ft.params import SamplingParams
+from ft.prompt import PromptSpec
 
 if TYPE_CHECKING:
     from ft.grammar.compiled import Grammar
@@ -42,17 +43,11 @@ __all__ = [
 
 @dataclass(frozen=True, slots=True)
 class Tokenize:
-    """Render (if chat) and tokenize one request's prompt, then enqueue it."""
+    """Render (if chat) and tokenize request `uid`'s prompt, then enqueue it."""
 
     uid: int
     params: SamplingParams
-    prompt: str | None = None
-    prompt_token_ids: tuple[int, ...] | None = None
-    messages: tuple[dict[str, object], ...] | None = None
-    tools: tuple[dict[str, object], ...] | None = None
-    chat_template_kwargs: dict[str, object] = field(default_factory=dict)
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False  # render the last (assistant) message open
+    prompt: PromptSpec
     grammar: Grammar | None = None  # structured output: what the choices must follow
 
 

@@ -13,12 +13,11 @@ from ft.actors.registry import Registry
 from ft.errors import FtError, InvalidRequest, RequestFailed
 from ft.messages import Enqueue, PromptReady, SchedulerIn, Tokenize
 from ft.params import check_token_ids
+from ft.prompt import PromptSpec
 from ft.tokenizer.codec import decode_result, encode_job, is_small_job
 from ft.tokenizer.job import Executor
 
 log = logging.getLogger("ft.tokenizer")
-
-FaultHook = Callable[[Tokenize], str | None]
 
 ENCODE_THREADS = 1  # threads encoding jobs at once: encoding holds the GIL (see ft.server.edge.body)
 
@@ -36,7 +35,6 @@ class TokenizerActor:
         vocab_size: int,
         executor: Executor,
         job: Callable[[bytes], bytes],
-        fault: FaultHook | None = None,
     ) -> None:
         self.inbox = inbox
         self.scheduler = scheduler
@@ -44,8 +42,7 @@ class TokenizerActor:
         self.spec_path = spec_path
         self.vocab_size = vocab_size
         self.executor = executor
-        self.job = job
-        self.fault = fault
+        self.job = job  # what a worker runs: `ft.tokenizer.job.tokenize_job` (a test double in tests)
         self.encode_limiter = trio.CapacityLimiter(ENCODE_THREADS)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -59,7 +56,7 @@ class TokenizerActor:
         if msg.uid not in self.registry:
             return
         try:
-            ids = await self.tokenize(msg)
+            ids = await self.tokenize(msg.prompt)
         except FtError as e:
             log.debug("uid %d: tokenization refused: %s", msg.uid, e)
             self.registry.fail(msg.uid, e)
@@ -75,27 +72,26 @@ class TokenizerActor:
         entry.send.send_nowait(PromptReady(entry.prompt_ids))
         self.scheduler.send_nowait(Enqueue(msg.uid, tuple(ids), msg.params, msg.grammar))
 
-    async def tokenize(self, msg: Tokenize) -> list[int]:
-        """Token ids for a job (runs in a worker). Raises `FtError`."""
-        if msg.prompt_token_ids is not None:
+    async def tokenize(self, prompt: PromptSpec) -> list[int]:
+        """Token ids for a prompt (rendered and tokenized in a worker). Raises `FtError`."""
+        if prompt.token_ids is not None:
             # The engine's own check of a request's ids (`open_request` is public: bench and
             # library callers pass ids no route has seen); a route checks them earlier too, for
             # a 400 before a stream's 200 and a `param` naming which prompt.
-            check_token_ids(msg.prompt_token_ids, self.vocab_size, param="prompt")
-            return list(msg.prompt_token_ids)
-        encode = partial(encode_job, msg, self.spec_path, fault=self.fault(msg) if self.fault else None)
+            check_token_ids(prompt.token_ids, self.vocab_size, param="prompt")
+            return list(prompt.token_ids)
+        encode = partial(encode_job, prompt, self.spec_path)
         # Encoding is linear in the messages and kwargs the client sent (tens of ms for 1 MB):
         # a large job is encoded off the loop, one at a time, like the body parse before it.
-        if is_small_job(msg):
+        if is_small_job(prompt):
             payload = encode()
         else:
             payload = await trio.to_thread.run_sync(encode, limiter=self.encode_limiter)
         try:
             result = await self.executor(self.job, payload)
         except trio.TooSlowError as e:  # the worker was killed and replaced
-            what = "rendering the chat template and tokenizing" if msg.messages is not None else "tokenizing"
-            param = "messages" if msg.messages is not None else "prompt"
-            raise InvalidRequest(f"{what} took too long: {e}", param=param) from e
+            what = "rendering the chat template and tokenizing" if prompt.is_chat else "tokenizing"
+            raise InvalidRequest(f"{what} took too long: {e}", param=prompt.param) from e
         except FtError:
             raise  # the engine stopped while the job ran (RequestAborted)
         except trio_parallel.BrokenWorkerError as e:

@@ -26,13 +26,14 @@ from ft.engine.loading import EngineHooks
 from ft.engine.observe import EngineSnapshot, snapshot
 from ft.engine.stats import Stats
 from ft.engine.stream import RequestStream
-from ft.errors import EngineStopping, FtError, InvalidRequest, Overloaded, RequestAborted, RequestFailed
+from ft.errors import EngineStopping, FtError, Overloaded, RequestAborted, RequestFailed
 from ft.grammar.compiled import Grammar
 from ft.grammar.spec import GrammarSpec
 from ft.ids import random_id
 from ft.messages import Abort, StepDone, Tokenize
 from ft.model_names import model_names
 from ft.params import SamplingParams, check_token_ids
+from ft.prompt import PromptSpec
 
 __all__ = ["Admission", "Engine", "EngineState", "open_engine"]
 
@@ -168,19 +169,13 @@ class Engine:
     @asynccontextmanager
     async def open_request(
         self,
+        prompt: PromptSpec,
         *,
-        messages: list[dict[str, Any]] | None = None,
-        prompt: str | None = None,
-        prompt_token_ids: list[int] | None = None,
         params: SamplingParams | None = None,
-        tools: list[dict[str, Any]] | None = None,
-        chat_template_kwargs: dict[str, Any] | None = None,
-        add_generation_prompt: bool = True,
-        continue_final_message: bool = False,
         request_id: str | None = None,
         admission: Admission | None = None,
     ) -> AsyncIterator[RequestStream]:
-        """Register a request for the block's duration; yield its stream of deltas.
+        """Register a request for `prompt` for the block's duration; yield its stream of deltas.
 
         `request_id` names the request in the engine's logs and in its `RequestReport` (the
         server passes the HTTP `X-Request-Id`); one is made when it is None. `admission`: it
@@ -191,13 +186,10 @@ class Engine:
         the block from a cancelled task.
 
         Raises:
-            InvalidRequest: no prompt, or more than one kind of prompt.
             Overloaded: the waiting queue is full.
             EngineStopping: loading, stopping, or failed.
         """
         params = params or SamplingParams()
-        if sum(x is not None for x in (messages, prompt, prompt_token_ids)) != 1:
-            raise InvalidRequest("give exactly one of messages, prompt or prompt_token_ids")
         with self.counting_rejections(Overloaded):
             self.check_admission(admission)
         grammar: Grammar | None = None
@@ -227,20 +219,7 @@ class Engine:
         )
         outcome = "aborted"
         try:
-            running.tokenizer_inbox.send_nowait(
-                Tokenize(
-                    uid=uid,
-                    params=params,
-                    prompt=prompt,
-                    prompt_token_ids=tuple(prompt_token_ids) if prompt_token_ids else None,
-                    messages=tuple(messages) if messages is not None else None,
-                    tools=tuple(tools) if tools is not None else None,
-                    chat_template_kwargs=chat_template_kwargs or {},
-                    add_generation_prompt=add_generation_prompt,
-                    continue_final_message=continue_final_message,
-                    grammar=grammar,
-                )
-            )
+            running.tokenizer_inbox.send_nowait(Tokenize(uid, params, prompt, grammar))
             yield stream
             if stream.is_finished:
                 outcome = "completed"
@@ -270,21 +249,16 @@ class Engine:
 
     async def generate(self, prompt: str, params: SamplingParams | None = None) -> str:
         """Complete `prompt` (no chat template); return the first choice's text."""
-        async with self.open_request(prompt=prompt, params=params) as stream:
+        async with self.open_request(PromptSpec(text=prompt), params=params) as stream:
             return (await stream.collect())[0].text
 
     async def tokenize(
         self,
+        prompt: PromptSpec,
         *,
-        prompt: str | None = None,
-        messages: list[dict[str, Any]] | None = None,
-        tools: list[dict[str, Any]] | None = None,
-        chat_template_kwargs: dict[str, Any] | None = None,
-        add_generation_prompt: bool = True,
-        continue_final_message: bool = False,
         admission: Admission | None = None,
     ) -> list[int]:
-        """Token ids of a prompt or of rendered chat messages (no request is registered).
+        """Token ids of `prompt`, its messages rendered (no request is registered).
 
         `admission`: the prompt is a generation request's, admitted (`admit`) before its scope
         opens; the tokenizer workers bound how many run at once (the rest wait for one, as
@@ -292,32 +266,21 @@ class Engine:
         generation, so it is admitted like a request (503 while loading, stopping or with a full
         queue) and at most `tokenizer_workers` run at once; one more is refused with
         `Overloaded` rather than queued behind them.
-        `continue_final_message` renders the last message open, so generation continues it.
 
         Raises:
             InvalidRequest: the prompt cannot be rendered or encoded.
             EngineStopping: loading, stopping (without an admission), or failed.
             Overloaded: without an admission, the queue or the tokenize slots are full.
         """
-        msg = Tokenize(
-            uid=0,
-            params=SamplingParams(),
-            prompt=prompt,
-            messages=tuple(messages) if messages is not None else None,
-            tools=tuple(tools) if tools is not None else None,
-            chat_template_kwargs=chat_template_kwargs or {},
-            add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message,
-        )
         if admission is not None:
-            return await self._started().tokenizer_actor.tokenize(msg)
+            return await self._started().tokenizer_actor.tokenize(prompt)
         slots = self._tokenize_slots
         with self.counting_rejections(Overloaded):
             self.check_admission()
             if slots.borrowed_tokens >= slots.total_tokens:
                 raise Overloaded(f"{slots.total_tokens} tokenize requests are running; retry later")
         async with slots:
-            return await self._started().tokenizer_actor.tokenize(msg)
+            return await self._started().tokenizer_actor.tokenize(prompt)
 
     def check_fits(self, num_prompt_tokens: int, params: SamplingParams) -> None:
         """Raise what admission would refuse a prompt of this size for, whatever the load.

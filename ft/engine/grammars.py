@@ -92,7 +92,7 @@ class Grammars:
         timeout_s: float = COMPILE_TIMEOUT_S,
         workers: int = os.cpu_count() or 1,
         max_compiles: int | None = None,
-        fault: str | None = None,
+        check_job: Callable[[bytes], bytes] = check_grammar_job,
     ) -> None:
         self._spec_path = spec_path
         self._tokenizer_args = (tokenizer_json, vocab_size, eos_token_ids)
@@ -108,7 +108,7 @@ class Grammars:
         # `timeout_s` each keep a new spec's wait bounded (behind a flood of crashing ones too).
         self.max_compiles = max_compiles or max(MIN_COMPILES, 8 * workers)
         self.max_compiles_per_client = max(1, self.max_compiles // 2)
-        self._fault = fault
+        self._check_job = check_job  # `check_grammar_job`, or a test double of it
         self._cache: OrderedDict[tuple[str, str], Checked] = OrderedDict()
         self._pending: dict[tuple[str, str], trio.Event] = {}
         self._pending_by_client: Counter[str] = Counter()
@@ -211,7 +211,7 @@ class Grammars:
 
     async def _compile(self, spec: GrammarSpec) -> Checked:
         self.num_compiled += 1
-        payload = grammar_payload(spec, self._spec_path, self._vocab_size, self._fault)
+        payload = grammar_payload(spec, self._spec_path, self._vocab_size)
         async with self._workers:
             # NOTE: a worker that is new (the first, or one a crash or a deadline killed)
             # spawns and loads the tokenizer first: 1-5 s on a loaded machine, which is not
@@ -227,7 +227,7 @@ class Grammars:
                 raise Overloaded("the grammar compilers cannot start; retry later")
             with trio.move_on_after(self._timeout_s):
                 try:
-                    answer = cbor2.loads(await self._executor(check_grammar_job, payload))
+                    answer = cbor2.loads(await self._executor(self._check_job, payload))
                 except trio_parallel.BrokenWorkerError:
                     return Checked(None, CRASHED)
                 if "error" in answer:

@@ -33,6 +33,7 @@ from ft.messages import Batch, DetokenizerIn, SchedulerIn, Tokenize
 from ft.tokenizer.job import (
     WORKER_MEMORY_BYTES,
     Executor,
+    check_grammar_job,
     check_template_job,
     init_worker,
     retire_worker,
@@ -238,8 +239,7 @@ async def _start(engine: Engine, nursery: trio.Nursery) -> None:
         spec_path=spec_path,
         vocab_size=parts.vocab_size,
         executor=executor,
-        job=tokenize_job,
-        fault=hooks.tokenizer_fault,
+        job=hooks.tokenize_job or tokenize_job,
     )
     await nursery.start(tokenizer_actor.run)
     await nursery.start(
@@ -291,7 +291,7 @@ async def _start(engine: Engine, nursery: trio.Nursery) -> None:
         eos_token_ids=spec.eos_token_ids,
         vocab_size=parts.vocab_size,
         executor=hooks.tokenize_executor,  # None: the grammars' own workers (`run`)
-        fault=hooks.grammar_fault,
+        check_job=hooks.grammar_job or check_grammar_job,
     )
     if hooks.tokenize_executor is None:
         await nursery.start(grammars.run)

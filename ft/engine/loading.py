@@ -10,7 +10,6 @@ from typing import TYPE_CHECKING
 
 from ft.config import EngineConfig
 from ft.core.batch import Runner, SeqWork
-from ft.messages import Tokenize
 from ft.tokenizer.job import Executor
 from ft.tokenizer.spec import TokenizerSpec
 
@@ -42,13 +41,18 @@ class ModelParts:
 
 @dataclass(frozen=True)
 class EngineHooks:
-    """Test hooks: a fake model, in-process tokenization, and fault injection."""
+    """Test hooks: a fake model, in-process tokenization, and test doubles of the worker jobs.
+
+    A job double (`tokenize_job`, `grammar_job`) is a module-level function of CBOR bytes, run
+    where the real job would run (a worker process), so a test can make a worker crash, raise
+    or hang; nothing of it travels in the jobs themselves.
+    """
 
     load_model: Callable[[EngineConfig], ModelParts] | None = None
     tokenize_executor: Executor | None = None  # replaces the worker processes (tests)
     before_step: Callable[[list[SeqWork]], None] | None = None
-    tokenizer_fault: Callable[[Tokenize], str | None] | None = None
-    grammar_fault: str | None = None  # "exit": the grammar compiler's process dies
+    tokenize_job: Callable[[bytes], bytes] | None = None  # replaces `ft.tokenizer.job.tokenize_job`
+    grammar_job: Callable[[bytes], bytes] | None = None  # replaces `check_grammar_job`
 
 
 def load_torch_model(

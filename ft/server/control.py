@@ -16,6 +16,7 @@ from quart_trio import QuartTrio
 
 from ft.config import MAX_SERVED_NAME_LEN
 from ft.engine.engine import EngineState
+from ft.prompt import PromptSpec
 from ft.server.edge.http_errors import HttpError
 from ft.server.generation.context import ServerContext, json_response, read_request
 from ft.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -87,15 +88,15 @@ def register(app: QuartTrio, ctx: ServerContext) -> None:
             raise HttpError(400, "give exactly one of prompt or messages", param="prompt")
         _check_ready(ctx)
         if req.messages is not None:
-            ids = await engine.tokenize(
+            prompt = PromptSpec(
                 messages=[chat_message_for_template(m) for m in req.messages],
                 tools=req.tools,
-                chat_template_kwargs=req.chat_template_kwargs,
+                chat_template_kwargs=req.chat_template_kwargs or {},
                 add_generation_prompt=req.add_generation_prompt,
             )
         else:
-            assert req.prompt is not None
-            ids = await engine.tokenize(prompt=req.prompt)
+            prompt = PromptSpec(text=req.prompt)
+        ids = await engine.tokenize(prompt)
         return json_response({"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len})
 
     @app.post("/v1/detokenize")

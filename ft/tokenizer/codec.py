@@ -13,7 +13,7 @@ from typing import Any
 import cbor2
 
 from ft.errors import InvalidRequest
-from ft.messages import Tokenize
+from ft.prompt import PromptSpec
 
 INT64_MIN, UINT64_MAX = -(2**63), 2**64 - 1
 # A job with at most this many values and characters is encoded on the event loop (well under
@@ -22,14 +22,14 @@ INLINE_JOB_VALUES = 4096
 INLINE_JOB_CHARS = 256 * 1024
 
 
-def is_small_job(msg: Tokenize) -> bool:
-    """Whether `msg` is cheap enough to encode on the event loop.
+def is_small_job(prompt: PromptSpec) -> bool:
+    """Whether `prompt` is cheap enough to encode on the event loop.
 
     A walk that stops at `INLINE_JOB_VALUES` values or `INLINE_JOB_CHARS` characters, so it is
     bounded whatever the client sent.
     """
     values = chars = 0
-    stack: list[Any] = [msg.prompt, msg.messages, msg.tools, msg.chat_template_kwargs]
+    stack: list[Any] = list(_wire_fields(prompt).values())
     while stack:
         item = stack.pop()
         values += 1
@@ -92,13 +92,18 @@ class TokenizeJob:
     """One tokenizer job as it crosses the process boundary; rebuilt whole on the worker side."""
 
     spec_path: str
-    prompt: str | None
-    messages: list[dict[str, Any]] | None
-    tools: list[dict[str, Any]] | None
-    chat_template_kwargs: dict[str, Any]
-    add_generation_prompt: bool
-    continue_final_message: bool
-    fault: str | None = None  # test hook: "exit" or "raise" in the worker
+    prompt: PromptSpec
+
+
+# A prompt's fields go by name (a new one travels with no edit here), but for its token ids:
+# the tokenizer actor answers a prompt of ids itself, without a job.
+_LOCAL_FIELDS = frozenset({"token_ids"})
+# The request field a refusal names for a record field, where the two differ.
+_PARAMS = {"text": "prompt"}
+
+
+def _wire_fields(prompt: PromptSpec) -> dict[str, Any]:
+    return {f.name: getattr(prompt, f.name) for f in fields(prompt) if f.name not in _LOCAL_FIELDS}
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,36 +115,24 @@ class TokenizeResult:
     param: str | None = None
 
 
-def _fields(record: TokenizeJob | TokenizeResult) -> dict[str, Any]:
+def _fields(record: TokenizeResult) -> dict[str, Any]:
     return {f.name: getattr(record, f.name) for f in fields(record)}
 
 
 _ENCODE_ERRORS = (UnicodeEncodeError, cbor2.CBOREncodeError, ValueError, TypeError)
 
 
-def encode_job(msg: Tokenize, spec_path: str, *, fault: str | None = None) -> bytes:
+def encode_job(prompt: PromptSpec, spec_path: str) -> bytes:
     """Encode a tokenize job. Raises `InvalidRequest` naming the field that cannot be sent.
 
     Linear in the job's size (a 0.9 MB list of integers takes tens of milliseconds): callers
     run it off the event loop.
     """
-    payload: dict[str, Any] = {
-        "messages": list(msg.messages) if msg.messages is not None else None,
-        "tools": list(msg.tools) if msg.tools is not None else None,
-        "chat_template_kwargs": msg.chat_template_kwargs,
-        "prompt": msg.prompt,
-    }
+    payload = _wire_fields(prompt)
     for name, value in payload.items():
-        _check_ints(value, name)
-    job = TokenizeJob(
-        spec_path=spec_path,
-        add_generation_prompt=msg.add_generation_prompt,
-        continue_final_message=msg.continue_final_message,
-        fault=fault,
-        **payload,
-    )
+        _check_ints(value, _PARAMS.get(name, name))
     try:
-        return cbor2.dumps(_fields(job))
+        return cbor2.dumps({"spec_path": spec_path, "prompt": payload})
     except _ENCODE_ERRORS as e:
         field = _unencodable_field(payload)
         raise InvalidRequest(f"{field or 'the request'} cannot be encoded: {_reason(e)}", param=field) from e
@@ -151,7 +144,7 @@ def _unencodable_field(payload: dict[str, Any]) -> str | None:
         try:
             cbor2.dumps(value)
         except _ENCODE_ERRORS:
-            return name
+            return _PARAMS.get(name, name)
     return None
 
 
@@ -162,8 +155,9 @@ def _reason(e: Exception) -> str:
 
 
 def decode_job(payload: bytes) -> TokenizeJob:
-    """Decode a job on the worker side."""
-    return TokenizeJob(**cbor2.loads(payload))
+    """Decode a job on the worker side: its prompt rebuilt as the `PromptSpec` it was."""
+    job = cbor2.loads(payload)
+    return TokenizeJob(job["spec_path"], PromptSpec(**job["prompt"]))
 
 
 def encode_result(

@@ -22,7 +22,8 @@ from tokenizers import Tokenizer
 
 from ft.errors import InvalidRequest
 from ft.grammar.spec import GrammarSpec
-from ft.tokenizer.codec import TokenizeJob, decode_job, encode_result
+from ft.prompt import PromptSpec
+from ft.tokenizer.codec import decode_job, encode_result
 from ft.tokenizer.spec import TokenizerSpec
 from ft.tokenizer.template import TemplateTimeout, render_chat
 
@@ -168,55 +169,48 @@ def load_spec(spec_path: str) -> tuple[Tokenizer, TokenizerSpec]:
     return hit
 
 
-def render_prompt(job: TokenizeJob, spec: TokenizerSpec) -> tuple[str, bool]:
+def render_prompt(prompt: PromptSpec, spec: TokenizerSpec) -> tuple[str, bool]:
     """The text to tokenize, and whether a BOS token must be prepended to it."""
-    if job.messages is None:
-        assert job.prompt is not None
-        return job.prompt, spec.add_bos_token
-    messages = job.messages
-    if job.continue_final_message:
+    if prompt.messages is None:
+        assert prompt.text is not None
+        return prompt.text, spec.add_bos_token
+    messages = list(prompt.messages)
+    if prompt.continue_final_message:
         # Render the last message closed around a marker, then cut at the marker: what the
         # template put before the message's content stays, its end-of-turn goes.
-        messages = [*messages[:-1], messages[-1] | {"content": CONTINUE_MARKER}]
+        messages[-1] = messages[-1] | {"content": CONTINUE_MARKER}
     text = render_chat(
         spec.chat_template,
         messages,
-        tools=job.tools,
-        add_generation_prompt=job.add_generation_prompt,
+        tools=list(prompt.tools) if prompt.tools is not None else None,
+        add_generation_prompt=prompt.add_generation_prompt,
         bos_token=spec.bos_token,
         eos_token=spec.eos_token,
-        extra=job.chat_template_kwargs,
+        extra=dict(prompt.chat_template_kwargs),
     )
-    if job.continue_final_message:
+    if prompt.continue_final_message:
         cut = text.rfind(CONTINUE_MARKER)
         if cut < 0:
             raise InvalidRequest(
                 "the chat template does not render the final message's content, so it cannot be continued",
                 param="messages",
             )
-        text = text[:cut] + (job.messages[-1].get("content") or "")
+        text = text[:cut] + str(prompt.messages[-1].get("content") or "")
     return text, False
 
 
 def tokenize_job(payload: bytes) -> bytes:
     """Worker entry point: CBOR job in, CBOR token ids (or a refusal) out."""
     job = decode_job(payload)
-    if job.fault == "exit":  # test hook: the worker process dies mid-job
-        os._exit(17)
-    if job.fault == "raise":  # test hook: the job crashes
-        raise RuntimeError("injected tokenizer fault")
-    if job.fault == "hang":  # test hook: the job never ends, whatever its deadline says
-        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})
-        while True:
-            time.sleep(1.0)
     tokenizer, spec = load_spec(job.spec_path)
-    param = "messages" if job.messages is not None else "prompt"
+    prompt = job.prompt
+    param = prompt.param
     try:
         with _render_deadline():
-            text, add_bos = render_prompt(job, spec)
+            text, add_bos = render_prompt(prompt, spec)
         # (`surrogatepass`: a lone surrogate, which JSON may carry, is counted here, not refused.)
         if len(text) > MAX_TEXT_BYTES or len(text.encode("utf-8", "surrogatepass")) > MAX_TEXT_BYTES:
-            what = "the chat template rendered" if job.messages is not None else "the prompt is"
+            what = "the chat template rendered" if prompt.is_chat else "the prompt is"
             raise InvalidRequest(f"{what} more than {MAX_TEXT_BYTES} bytes of text", param=param)
         ids: list[int] = tokenizer.encode(text, add_special_tokens=False).ids
     except InvalidRequest as e:
@@ -224,7 +218,7 @@ def tokenize_job(payload: bytes) -> bytes:
     except TemplateTimeout:
         return encode_result(error=_timeout_message(), param=param)
     except MemoryError:
-        what = "rendering the chat template" if job.messages is not None else "the prompt"
+        what = "rendering the chat template" if prompt.is_chat else "the prompt"
         return encode_result(error=_out_of_memory_message(what), param=param)
     if add_bos and spec.bos_token is not None:
         bos = tokenizer.token_to_id(spec.bos_token)
@@ -270,8 +264,6 @@ def check_grammar_job(payload: bytes) -> bytes:
     from ft.grammar.compiled import compile_matcher, grammar_text, grammar_tokenizer, token_lengths, walk
 
     job = cbor2.loads(payload)
-    if job.get("fault") == "exit":  # test hook: the compiler crashes the process
-        os._exit(17)
     _, spec = load_spec(job["spec_path"])
     vocab_size = job["vocab_size"]
     try:
@@ -299,7 +291,7 @@ def warm_grammar_job(payload: bytes) -> bytes:
     return cbor2.dumps({})
 
 
-def grammar_payload(grammar: GrammarSpec, spec_path: str, vocab_size: int, fault: str | None = None) -> bytes:
+def grammar_payload(grammar: GrammarSpec, spec_path: str, vocab_size: int) -> bytes:
     """The CBOR job `check_grammar_job` reads."""
     job = {"spec_path": spec_path, "vocab_size": vocab_size, "kind": grammar.kind, "source": grammar.source}
-    return cbor2.dumps(job | ({"fault": fault} if fault else {}))
+    return cbor2.dumps(job)

@@ -16,6 +16,7 @@ import trio
 from ft.config import EngineConfig
 from ft.engine.engine import Engine, open_engine
 from ft.params import SamplingParams
+from ft.prompt import PromptSpec
 
 pytestmark = pytest.mark.slow  # the real default model, or a long soak
 
@@ -24,7 +25,7 @@ CHAT = [{"role": "user", "content": "Name three colors."}]
 
 async def greedy(engine: Engine, **kw: object) -> list[int]:
     params = SamplingParams(max_tokens=24, temperature=0)
-    async with engine.open_request(messages=CHAT, params=params, **kw) as stream:  # type: ignore[arg-type]
+    async with engine.open_request(PromptSpec(messages=CHAT), params=params, **kw) as stream:  # type: ignore[arg-type]
         return (await stream.collect())[0].token_ids
 
 
@@ -36,7 +37,7 @@ async def test_default_model_generates_batches_and_frees_everything() -> None:
             assert engine.core is not None
             # Greedy chat output is real text and stable.
             async with engine.open_request(
-                messages=CHAT, params=SamplingParams(max_tokens=24, temperature=0)
+                PromptSpec(messages=CHAT), params=SamplingParams(max_tokens=24, temperature=0)
             ) as stream:
                 (choice,) = await stream.collect()
             assert choice.finish_reason in ("stop", "length")
@@ -76,13 +77,13 @@ async def test_default_model_generates_batches_and_frees_everything() -> None:
             text = engine.detokenize(solo)
             stop = text[len(text) // 2 : len(text) // 2 + 3]
             async with engine.open_request(
-                messages=CHAT, params=SamplingParams(max_tokens=24, temperature=0, stop=(stop,))
+                PromptSpec(messages=CHAT), params=SamplingParams(max_tokens=24, temperature=0, stop=(stop,))
             ) as stream:
                 (choice,) = await stream.collect()
             assert stop not in choice.text and text.startswith(choice.text)
             with trio.move_on_after(1.0):
                 async with engine.open_request(
-                    messages=CHAT, params=SamplingParams(max_tokens=2000, ignore_eos=True)
+                    PromptSpec(messages=CHAT), params=SamplingParams(max_tokens=2000, ignore_eos=True)
                 ) as stream:
                     async for _ in stream:
                         pass
@@ -124,7 +125,7 @@ async def test_default_model_preempted_requests_continue_as_if_uninterrupted(dty
 
 
 async def _sample(engine: Engine, params: SamplingParams) -> list[int]:
-    async with engine.open_request(messages=CHAT, params=params) as stream:
+    async with engine.open_request(PromptSpec(messages=CHAT), params=params) as stream:
         return (await stream.collect())[0].token_ids
 
 

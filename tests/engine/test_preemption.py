@@ -15,6 +15,7 @@ from ft.core.sequence import SeqStatus
 from ft.engine.engine import Engine
 from ft.engine.fake import FakeRunner, text_script
 from ft.params import SamplingParams
+from ft.prompt import PromptSpec
 from tests.support.engine import fake_engine
 
 TEXT = "abcdefghijklmnopqrstuvwxyz0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZ"
@@ -48,7 +49,9 @@ def victim_stage(core: Scheduler, uid: int, works: list[SeqWork]) -> str | None:
 
 
 async def consume(engine: Engine, prompt: str, max_tokens: int) -> str:
-    async with engine.open_request(prompt=prompt, params=SamplingParams(max_tokens=max_tokens)) as stream:
+    async with engine.open_request(
+        PromptSpec(text=prompt), params=SamplingParams(max_tokens=max_tokens)
+    ) as stream:
         (choice,) = await stream.collect()
     assert choice.finish_reason == "length"
     return choice.text
@@ -105,7 +108,9 @@ async def test_cancel_at_each_preemption_stage_frees_everything_once(
         async def victim(cancel_scope: trio.CancelScope) -> None:
             await trio.sleep(0.001)
             with cancel_scope:
-                async with engine.open_request(prompt="bbbb", params=SamplingParams(max_tokens=40)) as s:
+                async with engine.open_request(
+                    PromptSpec(text="bbbb"), params=SamplingParams(max_tokens=40)
+                ) as s:
                     victim_uid.append(s.uid)
                     await s.collect()
 
@@ -141,7 +146,9 @@ async def test_cancelling_the_older_request_lets_the_preempted_one_finish_whole(
         async with trio.open_nursery() as nursery:
             with trio.CancelScope() as older_scope:
                 nursery.start_soon(victim)
-                async with engine.open_request(prompt="aaaa", params=SamplingParams(max_tokens=40)) as s:
+                async with engine.open_request(
+                    PromptSpec(text="aaaa"), params=SamplingParams(max_tokens=40)
+                ) as s:
                     async for _ in s:
                         if core.num_preemptions:
                             older_scope.cancel()

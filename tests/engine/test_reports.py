@@ -11,6 +11,7 @@ import trio.testing
 from ft.engine.fake import FakeRunner, text_script
 from ft.engine.stats import RequestReport
 from ft.params import SamplingParams
+from ft.prompt import PromptSpec
 from tests.support.engine import fake_engine
 
 LONG = "lorem ipsum " * 100
@@ -24,7 +25,7 @@ async def test_a_closed_request_reports_its_queue_time_ttft_gaps_and_lengths(
     async with fake_engine(FakeRunner(text_script(LONG), step_s=0.1)) as engine:
         engine.stats.observers.append(reports.append)
         params = SamplingParams(max_tokens=5)
-        async with engine.open_request(prompt="hello", params=params, request_id="r-1") as stream:
+        async with engine.open_request(PromptSpec(text="hello"), params=params, request_id="r-1") as stream:
             await stream.collect()
     (report,) = reports
     assert report.request_id == "r-1" and report.outcome == "completed"
@@ -47,7 +48,9 @@ async def test_a_request_that_waits_for_a_slot_reports_its_queue_time(
 
         async def one(request_id: str) -> None:
             params = SamplingParams(max_tokens=3)
-            async with engine.open_request(prompt="hi", params=params, request_id=request_id) as stream:
+            async with engine.open_request(
+                PromptSpec(text="hi"), params=params, request_id=request_id
+            ) as stream:
                 await stream.collect()
 
         async with trio.open_nursery() as nursery:
@@ -66,7 +69,7 @@ async def test_an_aborted_request_reports_no_first_token_and_a_made_up_id(
     async with fake_engine(FakeRunner(text_script(LONG), step_s=1.0)) as engine:
         engine.stats.observers.append(reports.append)
         with trio.move_on_after(0.5):
-            async with engine.open_request(prompt="hi") as stream:
+            async with engine.open_request(PromptSpec(text="hi")) as stream:
                 await stream.collect()
     (report,) = reports
     assert report.outcome == "aborted" and report.ttft_s is None and report.token_gaps_s == ()
@@ -81,7 +84,7 @@ async def test_the_engine_logs_summaries_at_debug_while_requests_live(
     async with fake_engine(FakeRunner(text_script(LONG), step_s=1.0)) as engine:
         with trio.move_on_after(25):
             params = SamplingParams(max_tokens=100)
-            async with engine.open_request(prompt="hi", params=params, request_id="busy") as stream:
+            async with engine.open_request(PromptSpec(text="hi"), params=params, request_id="busy") as stream:
                 await stream.collect()
     summaries = [r.getMessage() for r in caplog.records if r.getMessage().startswith("summary:")]
     assert len(summaries) == 2 and summaries[0].startswith("summary: 1 running, 0 waiting")

@@ -20,10 +20,11 @@ from ft.errors import (
     RequestFailed,
 )
 from ft.grammar import spec
-from ft.messages import Tokenize
 from ft.params import SamplingParams
+from ft.prompt import PromptSpec
 from ft.tokenizer.job import check_grammar_job
 from tests.support.engine import fake_engine
+from tests.support.faulty_worker import RAISE, faulty_tokenize_job
 
 CHAT = [{"role": "user", "content": "hi"}]
 
@@ -42,7 +43,7 @@ async def assert_nothing_held(engine: Engine) -> None:
 async def test_generates_the_scripted_text(autojump_clock: trio.testing.MockClock) -> None:
     """A chat request through every actor yields the runner's text and finishes with "stop"."""
     async with fake_engine(FakeRunner(text_script("Bonjour"))) as engine:
-        async with engine.open_request(messages=CHAT, params=SamplingParams()) as stream:
+        async with engine.open_request(PromptSpec(messages=CHAT), params=SamplingParams()) as stream:
             (choice,) = await stream.collect()
         assert choice.text == "Bonjour" and choice.finish_reason == "stop"
         assert stream.num_prompt_tokens > 0 and stream.num_completion_tokens == 8
@@ -61,7 +62,7 @@ async def test_cancel_at_each_stage_frees_pages_and_slot(
         blocker_done = trio.Event()
 
         async def blocker() -> None:
-            async with engine.open_request(prompt="b", params=SamplingParams(max_tokens=20)) as s:
+            async with engine.open_request(PromptSpec(text="b"), params=SamplingParams(max_tokens=20)) as s:
                 await s.collect()
             blocker_done.set()
 
@@ -72,7 +73,7 @@ async def test_cancel_at_each_stage_frees_pages_and_slot(
             with trio.move_on_after(0.35 if stage != "decode" else 2.0) as scope:
                 params = SamplingParams(max_tokens=400)
                 prompt = "p" * (200 if stage == "prefill" else 4)
-                async with engine.open_request(prompt=prompt, params=params) as stream:
+                async with engine.open_request(PromptSpec(text=prompt), params=params) as stream:
                     async for _ in stream:
                         pass
             assert scope.cancelled_caught
@@ -93,7 +94,7 @@ async def test_cancel_while_tokenizing_never_enqueues(autojump_clock: trio.testi
     async with fake_engine(executor=delayed_inline(1.0)) as engine:
         assert engine.core is not None
         with trio.move_on_after(0.5) as scope:
-            async with engine.open_request(prompt="slow to tokenize") as stream:
+            async with engine.open_request(PromptSpec(text="slow to tokenize")) as stream:
                 await stream.collect()
         assert scope.cancelled_caught and stream.num_prompt_tokens == 0
         await trio.sleep(1.0)  # the job finishes after the client left
@@ -107,7 +108,9 @@ async def test_lone_surrogate_fails_cbor_encoding_inside_the_scope(
     """A lone surrogate fails at the CBOR boundary as `InvalidRequest` naming the field, inside the scope."""
     async with fake_engine() as engine:
         with pytest.raises(InvalidRequest, match="surrogate") as info:
-            async with engine.open_request(messages=[{"role": "user", "content": "a\ud800b"}]) as stream:
+            async with engine.open_request(
+                PromptSpec(messages=[{"role": "user", "content": "a\ud800b"}])
+            ) as stream:
                 await stream.collect()
         assert info.value.param == "messages"
         await assert_nothing_held(engine)
@@ -120,7 +123,9 @@ async def test_unpackable_integer_fails_inside_the_scope(
     """An integer past 64 bits is refused at the CBOR boundary, inside the scope."""
     async with fake_engine() as engine:
         with pytest.raises(InvalidRequest) as info:
-            async with engine.open_request(messages=CHAT, chat_template_kwargs={"x": value}) as stream:
+            async with engine.open_request(
+                PromptSpec(messages=CHAT, chat_template_kwargs={"x": value})
+            ) as stream:
                 await stream.collect()
         assert info.value.param == "chat_template_kwargs.x"
         await assert_nothing_held(engine)
@@ -131,14 +136,11 @@ async def test_tokenizer_crash_fails_only_its_request(
 ) -> None:
     """A crashing tokenizer job fails its own request; the next one is served."""
 
-    def fault(msg: Tokenize) -> str | None:
-        return "raise" if msg.prompt == "crash" else None
-
-    async with fake_engine(tokenizer_fault=fault) as engine:
-        with pytest.raises(RequestFailed):
-            async with engine.open_request(prompt="crash") as stream:
+    async with fake_engine(tokenize_job=faulty_tokenize_job) as engine:
+        with pytest.raises(RequestFailed, match="tokenization failed"):
+            async with engine.open_request(PromptSpec(text=RAISE)) as stream:
                 await stream.collect()
-        async with engine.open_request(prompt="fine") as stream:
+        async with engine.open_request(PromptSpec(text="fine")) as stream:
             assert (await stream.collect())[0].finish_reason == "stop"
         await assert_nothing_held(engine)
 
@@ -147,7 +149,7 @@ async def test_out_of_vocabulary_token_ids_are_refused(autojump_clock: trio.test
     """Prompt token ids outside the vocabulary are an `InvalidRequest`."""
     async with fake_engine() as engine:
         with pytest.raises(InvalidRequest, match="vocabulary"):
-            async with engine.open_request(prompt_token_ids=[5, 10**9]) as stream:
+            async with engine.open_request(PromptSpec(token_ids=[5, 10**9])) as stream:
                 await stream.collect()
         await assert_nothing_held(engine)
 
@@ -158,7 +160,9 @@ async def test_context_overflow_is_refused_with_the_limit(
     """A prompt past the context is refused, and the message names the limit."""
     async with fake_engine(context_length=64) as engine:
         with pytest.raises(ContextLengthExceeded, match="64"):
-            async with engine.open_request(prompt="x" * 50, params=SamplingParams(max_tokens=20)) as s:
+            async with engine.open_request(
+                PromptSpec(text="x" * 50), params=SamplingParams(max_tokens=20)
+            ) as s:
                 await s.collect()
         await assert_nothing_held(engine)
 
@@ -177,7 +181,7 @@ async def test_runner_fault_fails_one_request_and_its_neighbours_finish(
 
         async def run(name: str, seed: int | None) -> None:
             try:
-                async with engine.open_request(prompt=name, params=SamplingParams(seed=seed)) as s:
+                async with engine.open_request(PromptSpec(text=name), params=SamplingParams(seed=seed)) as s:
                     results[name] = (await s.collect())[0].text
             except RequestFailed as e:
                 results[name] = e
@@ -200,7 +204,7 @@ async def test_overload_is_refused_before_registering(autojump_clock: trio.testi
                 nursery.start_soon(engine.generate, "a", SamplingParams(max_tokens=5))
             await trio.sleep(0.05)
             with pytest.raises(Overloaded):
-                async with engine.open_request(prompt="c"):
+                async with engine.open_request(PromptSpec(text="c")):
                     pass  # pragma: no cover
             assert len(engine.registry) == 2
         await assert_nothing_held(engine)
@@ -213,7 +217,7 @@ async def test_stop_string_ends_the_sequence_and_frees_it(
     """A stop string ends the choice (text before it, "stop" with the string) and frees its pages."""
     async with fake_engine(FakeRunner(text_script("one, two, three, four"))) as engine:
         params = SamplingParams(stop=(", thr",), max_tokens=50)
-        async with engine.open_request(prompt="go", params=params) as stream:
+        async with engine.open_request(PromptSpec(text="go"), params=params) as stream:
             (choice,) = await stream.collect()
         assert choice.text == "one, two" and choice.stop_reason == ", thr"
         await assert_nothing_held(engine)
@@ -222,7 +226,7 @@ async def test_stop_string_ends_the_sequence_and_frees_it(
 async def test_leaving_the_block_early_aborts(autojump_clock: trio.testing.MockClock) -> None:
     """Leaving the scope mid-stream aborts the request: nothing stays registered or allocated."""
     async with fake_engine(FakeRunner(text_script("z" * 300))) as engine:
-        async with engine.open_request(prompt="go", params=SamplingParams(max_tokens=300)) as s:
+        async with engine.open_request(PromptSpec(text="go"), params=SamplingParams(max_tokens=300)) as s:
             async for delta in s:
                 if delta.text:
                     break
@@ -251,7 +255,7 @@ async def test_prepare_stop_drains_then_aborts_the_rest(
         assert len(errors) == 1
         assert await engine.prepare_stop() == snap
         with pytest.raises(Exception, match="stopping"):
-            async with engine.open_request(prompt="late"):
+            async with engine.open_request(PromptSpec(text="late")):
                 pass  # pragma: no cover
         await assert_nothing_held(engine)
 
@@ -273,7 +277,7 @@ async def test_the_drain_wakes_when_the_last_scope_closes_not_on_a_poll(
     clock stopped (where a polling wait's sleep never ends) it completes at once."""
     async with fake_engine() as engine:
         admission = engine.admit()
-        async with engine.open_request(prompt="hi", params=SamplingParams(max_tokens=2)) as stream:
+        async with engine.open_request(PromptSpec(text="hi"), params=SamplingParams(max_tokens=2)) as stream:
             await stream.collect()
             autojump_clock.autojump_threshold = math.inf  # time stands still from here
             engine.begin_stop(drain_timeout_s=30.0, abort_timeout_s=3.0)
@@ -291,7 +295,7 @@ async def test_detokenizers_get_the_prompt_as_left_context(
 ) -> None:
     """Each choice's detokenizer starts with the prompt's last tokens as left context."""
     async with fake_engine() as engine:
-        async with engine.open_request(prompt="context") as stream:
+        async with engine.open_request(PromptSpec(text="context")) as stream:
             first = await stream.__anext__()
             entry = engine.registry.get(stream.uid)
             assert entry is not None and entry.prompt_ids == stream.prompt_ids
@@ -323,7 +327,7 @@ async def test_prepare_stop_while_loading_stays_stopped() -> None:
             await engine.wait_ready()
             assert engine.state == "stopped"
             with pytest.raises(Exception, match="stopping"):
-                async with engine.open_request(prompt="late"):
+                async with engine.open_request(PromptSpec(text="late")):
                     pass  # pragma: no cover
 
 
@@ -418,8 +422,8 @@ async def test_the_checks_only_raise_and_the_refusing_actions_count() -> None:
         with pytest.raises(Overloaded):
             engine.admit()
         with pytest.raises(Overloaded):
-            await engine.tokenize(prompt="hi")
-        assert (await engine.tokenize(prompt="hi", admission=held)) == [
+            await engine.tokenize(PromptSpec(text="hi"))
+        assert (await engine.tokenize(PromptSpec(text="hi"), admission=held)) == [
             byte_token(b) for b in b"hi"
         ]  # admitted: no limit
         with pytest.raises(ContextLengthExceeded), engine.counting_rejections():
@@ -437,7 +441,7 @@ async def test_an_admitted_request_being_prepared_counts_against_the_queue() -> 
         with pytest.raises(Overloaded):
             engine.admit()  # before: admitted (only open scopes were counted)
         async with engine.open_request(
-            prompt="hi", params=SamplingParams(max_tokens=2), admission=first
+            PromptSpec(text="hi"), params=SamplingParams(max_tokens=2), admission=first
         ) as s:
             with pytest.raises(Overloaded):
                 engine.admit()
@@ -452,7 +456,7 @@ async def test_a_request_the_engine_is_done_with_leaves_the_capacity() -> None:
     """Once every choice has finished, a request whose caller has not read its output yet no
     longer counts: the next request is admitted (it counts as `sending` in the stats)."""
     async with fake_engine(max_running_requests=1, max_queued_requests=0) as engine:
-        async with engine.open_request(prompt="hi", params=SamplingParams(max_tokens=3)) as unread:
+        async with engine.open_request(PromptSpec(text="hi"), params=SamplingParams(max_tokens=3)) as unread:
             with pytest.raises(Overloaded):
                 engine.admit()
             with trio.fail_after(5):
@@ -460,7 +464,9 @@ async def test_a_request_the_engine_is_done_with_leaves_the_capacity() -> None:
                     await trio.sleep(0.01)
             snap = engine.snapshot().requests
             assert (snap.active, snap.sending, snap.waiting, snap.running) == (1, 1, 0, 0)
-            async with engine.open_request(prompt="hi", params=SamplingParams(max_tokens=2)) as other:
+            async with engine.open_request(
+                PromptSpec(text="hi"), params=SamplingParams(max_tokens=2)
+            ) as other:
                 assert len((await other.collect())[0].token_ids) == 2
             assert [len(c.token_ids) for c in await unread.collect()] == [3]
         await assert_nothing_held(engine)
@@ -476,13 +482,17 @@ async def test_a_request_refused_for_its_queue_wait_is_counted_as_rejected(
         async with trio.open_nursery() as nursery:
 
             async def hold() -> None:
-                async with engine.open_request(prompt="hi", params=SamplingParams(max_tokens=50)) as s:
+                async with engine.open_request(
+                    PromptSpec(text="hi"), params=SamplingParams(max_tokens=50)
+                ) as s:
                     await s.collect()
 
             nursery.start_soon(hold)
             await trio.testing.wait_all_tasks_blocked()
             with pytest.raises(Overloaded):
-                async with engine.open_request(prompt="hi", params=SamplingParams(max_tokens=2)) as s:
+                async with engine.open_request(
+                    PromptSpec(text="hi"), params=SamplingParams(max_tokens=2)
+                ) as s:
                     await s.collect()
         snap = engine.snapshot().requests
         assert (snap.completed, snap.rejected, snap.failed) == (1, 1, 0)  # before: failed 1
@@ -496,7 +506,7 @@ async def test_the_request_counts_add_up_while_the_scheduler_catches_up(
     after a scope closed while its request ran (its `Abort` not yet taken by the scheduler)."""
     runner = FakeRunner(script=text_script("x" * 100), step_s=0.1)
     async with fake_engine(runner) as engine:
-        async with engine.open_request(prompt="hi", params=SamplingParams(max_tokens=50)) as s:
+        async with engine.open_request(PromptSpec(text="hi"), params=SamplingParams(max_tokens=50)) as s:
             async for _ in s:
                 break
         snap = engine.snapshot().requests  # no checkpoint since the scope closed
@@ -517,7 +527,7 @@ async def test_each_prompt_of_an_admitted_request_counts_while_it_is_prepared() 
             engine.admit()  # before: admitted (a 3-prompt admission counted as one)
         held.release()
         params = SamplingParams(max_tokens=1)
-        async with engine.open_request(prompt="hi", params=params, admission=several) as s:
+        async with engine.open_request(PromptSpec(text="hi"), params=params, admission=several) as s:
             assert engine.snapshot().requests.preparing == 2
             await s.collect()
         several.release()

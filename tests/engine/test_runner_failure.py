@@ -21,6 +21,7 @@ from ft.grammar import spec
 from ft.messages import Batch, SchedulerIn, StepDone
 from ft.model.masks import GrammarError
 from ft.params import SamplingParams
+from ft.prompt import PromptSpec
 from tests.engine.test_request_scope import assert_nothing_held
 from tests.support.engine import fake_engine, fake_parts
 
@@ -45,7 +46,7 @@ async def test_a_runner_failure_fails_every_request_and_frees_their_pages(
         async def one(i: int) -> None:
             try:
                 async with engine.open_request(
-                    prompt=f"p{i}", params=SamplingParams(max_tokens=500)
+                    PromptSpec(text=f"p{i}"), params=SamplingParams(max_tokens=500)
                 ) as stream:
                     async for _ in stream:
                         got_tokens.set()
@@ -65,7 +66,7 @@ async def test_a_runner_failure_fails_every_request_and_frees_their_pages(
         await assert_nothing_held(engine)
         steps_then = len(steps)
         with pytest.raises(EngineStopping):  # nothing new is admitted
-            async with engine.open_request(prompt="late", params=SamplingParams(max_tokens=5)):
+            async with engine.open_request(PromptSpec(text="late"), params=SamplingParams(max_tokens=5)):
                 pass
         await trio.sleep(1)
         assert len(steps) == steps_then  # and no step ran again
@@ -81,10 +82,12 @@ async def test_an_ordinary_step_error_still_fails_only_its_sequence(
             raise ValueError("bad row")
 
     async with fake_engine(FakeRunner(text_script("ok")), before_step=before_step) as engine:
-        async with engine.open_request(prompt="a", params=SamplingParams(max_tokens=2)) as stream:
+        async with engine.open_request(PromptSpec(text="a"), params=SamplingParams(max_tokens=2)) as stream:
             await stream.collect()
         with pytest.raises(RequestFailed):
-            async with engine.open_request(prompt="b", params=SamplingParams(max_tokens=2, seed=13)) as s:
+            async with engine.open_request(
+                PromptSpec(text="b"), params=SamplingParams(max_tokens=2, seed=13)
+            ) as s:
                 await s.collect()
         assert engine.state == EngineState.READY and not engine.has_failed
         await assert_nothing_held(engine)
@@ -127,7 +130,9 @@ async def test_a_failed_engine_stays_in_error_through_a_drain(
 
         async def one() -> None:
             with pytest.raises(RequestFailed):
-                async with engine.open_request(prompt="p", params=SamplingParams(max_tokens=500)) as s:
+                async with engine.open_request(
+                    PromptSpec(text="p"), params=SamplingParams(max_tokens=500)
+                ) as s:
                     async for _ in s:
                         got_tokens.set()
 
@@ -154,7 +159,9 @@ async def _stream_until_failed(
 
     async def one(i: int) -> None:
         with pytest.raises(RequestFailed) as err:
-            async with engine.open_request(prompt=f"p{i}", params=SamplingParams(max_tokens=500)) as stream:
+            async with engine.open_request(
+                PromptSpec(text=f"p{i}"), params=SamplingParams(max_tokens=500)
+            ) as stream:
                 async for _ in stream:
                     on_tokens.set()
         errors.append(err.value)

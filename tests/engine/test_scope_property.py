@@ -23,9 +23,10 @@ from ft.core.batch import SeqWork
 from ft.engine.fake import FakeRunner, byte_tokenizer_spec, text_script
 from ft.engine.loading import ModelParts
 from ft.errors import FtError
-from ft.messages import Tokenize
 from ft.params import SamplingParams
+from ft.prompt import PromptSpec
 from tests.support.engine import fake_engine
+from tests.support.faulty_worker import RAISE, faulty_tokenize_job
 from tests.support.parallel import tensor_parallel_runner
 from tests.support.tiny_model import save_hf_dir, tiny_config
 
@@ -92,13 +93,10 @@ async def scenario(
     runner = FakeRunner(text_script(TEXT), step_s=0.03)
     scripted = load_model is None
 
-    def fault(m: Tokenize) -> str | None:
-        return "raise" if m.prompt and m.prompt.startswith("!") else None
-
     async with fake_engine(
         runner,
         before_step=before_step,
-        tokenizer_fault=fault,
+        tokenize_job=faulty_tokenize_job,
         max_running_requests=max_running,
         num_pages=num_pages,
         page_size=PAGE_SIZE,
@@ -115,7 +113,7 @@ async def scenario(
             prompt = "p" * plan.prompt_len
             kwargs = {}
             if plan.fault == "tokenizer":
-                prompt = "!" + prompt
+                prompt = RAISE + prompt
             if plan.fault == "surrogate":
                 prompt = prompt + "\udc80"
             if plan.fault == "bigint":
@@ -131,10 +129,11 @@ async def scenario(
                 try:
                     if plan.fault == "bigint":
                         cm = engine.open_request(
-                            messages=[{"role": "user", "content": prompt}], params=params, **kwargs
+                            PromptSpec(messages=[{"role": "user", "content": prompt}], **kwargs),
+                            params=params,
                         )
                     else:
-                        cm = engine.open_request(prompt=prompt, params=params)
+                        cm = engine.open_request(PromptSpec(text=prompt), params=params)
                     async with cm as stream:
                         choices = await stream.collect()
                         assert all(c.finish_reason for c in choices)

@@ -18,8 +18,9 @@ from ft.engine.engine import Engine
 from ft.engine.fake import CHATML, FakeRunner
 from ft.engine.loading import ModelParts
 from ft.errors import InvalidRequest, RequestAborted
-from ft.messages import Tokenize
+from ft.prompt import PromptSpec
 from tests.support.engine import fake_engine, fake_parts
+from tests.support.faulty_worker import HANG, faulty_tokenize_job
 
 NESTED_LOOPS = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
 DOUBLING = (  # 1 MiB doubled 12 times: 4 GiB, past the worker's memory bound
@@ -64,13 +65,8 @@ def is_gone(pid: int) -> bool:
 
 
 async def answer(engine: Engine, content: str) -> str:
-    async with engine.open_request(messages=chat(content)) as stream:
+    async with engine.open_request(PromptSpec(messages=chat(content))) as stream:
         return (await stream.collect())[0].text
-
-
-def hang_on_bang(msg: Tokenize) -> str | None:
-    """Test hook: a job for a prompt starting with '!' never ends and ignores its deadline."""
-    return "hang" if msg.prompt and msg.prompt.startswith("!") else None
 
 
 async def test_a_template_that_loops_is_a_400_after_its_deadline_and_the_worker_serves_on() -> None:
@@ -87,7 +83,7 @@ async def test_a_template_that_loops_is_a_400_after_its_deadline_and_the_worker_
             assert info.value.param == "messages"
             assert trio.current_time() - start < 4.0
             with pytest.raises(InvalidRequest, match="chat template took longer than 1 s"):
-                await engine.tokenize(messages=chat("loop"))
+                await engine.tokenize(PromptSpec(messages=chat("loop")))
             assert await answer(engine, "hi")
             assert worker_pids() - elsewhere == before  # the render stopped; its worker lives on
 
@@ -138,10 +134,12 @@ async def test_a_job_past_its_deadline_has_its_worker_killed_and_is_a_400(
     monkeypatch.setattr(lifetime, "TOKENIZE_GRACE_S", 5.0)
     elsewhere = worker_pids()
     with trio.fail_after(60):
-        async with fake_engine(executor=None, tokenizer_fault=hang_on_bang, template_timeout_s=0.5) as engine:
+        async with fake_engine(
+            executor=None, tokenize_job=faulty_tokenize_job, template_timeout_s=0.5
+        ) as engine:
             before = worker_pids() - elsewhere
             with pytest.raises(InvalidRequest, match="tokenizing took too long.*5.5 s") as info:
-                await engine.generate("!hang")
+                await engine.generate(HANG)
             assert info.value.param == "prompt"
             assert await engine.generate("fine")
             assert (worker_pids() - elsewhere).isdisjoint(before)
@@ -157,7 +155,7 @@ async def test_a_cancelled_caller_waits_for_its_job_rather_than_kill_the_worker(
         ) as engine:
             before = worker_pids() - elsewhere
             with pytest.raises(InvalidRequest, match="took longer than 1 s"), trio.move_on_after(0.2):
-                await engine.tokenize(messages=chat("loop"))
+                await engine.tokenize(PromptSpec(messages=chat("loop")))
             assert worker_pids() - elsewhere == before
             assert await answer(engine, "hi")
 
@@ -167,7 +165,7 @@ async def test_stopping_the_engine_kills_a_busy_worker_and_aborts_its_requests()
     the abort grace bound the stop, then the busy worker is killed."""
     elsewhere = worker_pids()
     with trio.fail_after(30):
-        async with fake_engine(executor=None, tokenizer_fault=hang_on_bang) as engine:
+        async with fake_engine(executor=None, tokenize_job=faulty_tokenize_job) as engine:
             busy = worker_pids() - elsewhere
             outcomes: list[type[BaseException]] = []
 
@@ -177,8 +175,8 @@ async def test_stopping_the_engine_kills_a_busy_worker_and_aborts_its_requests()
                 outcomes.append(info.type)
 
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(stuck, lambda: engine.generate("!hang"))
-                nursery.start_soon(stuck, lambda: engine.tokenize(prompt="!hang"))
+                nursery.start_soon(stuck, lambda: engine.generate(HANG))
+                nursery.start_soon(stuck, lambda: engine.tokenize(PromptSpec(text=HANG)))
                 await trio.sleep(0.5)
                 start = trio.current_time()
                 await engine.prepare_stop(drain_timeout_s=0.2, abort_timeout_s=0.2)
@@ -190,10 +188,10 @@ async def test_stopping_the_engine_kills_a_busy_worker_and_aborts_its_requests()
 async def test_leaving_the_engine_kills_a_busy_worker_at_once() -> None:
     elsewhere = worker_pids()
     with trio.fail_after(30):
-        async with fake_engine(executor=None, tokenizer_fault=hang_on_bang) as engine:
+        async with fake_engine(executor=None, tokenize_job=faulty_tokenize_job) as engine:
             busy = worker_pids() - elsewhere
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(engine.generate, "!hang")
+                nursery.start_soon(engine.generate, HANG)
                 await trio.sleep(0.5)
                 start = trio.current_time()
                 nursery.cancel_scope.cancel()

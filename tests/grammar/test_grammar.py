@@ -24,6 +24,7 @@ from ft.grammar import spec
 from ft.grammar.compiled import LLMatcher, grammar_text
 from ft.grammar.spec import GrammarSpec
 from ft.tokenizer.job import warm_grammar_job
+from tests.support.faulty_worker import crashing_grammar_job
 from tests.support.grammar import BYTE_VOCAB, byte_matcher, write_byte_spec
 
 TOOLS = [
@@ -241,7 +242,7 @@ async def test_a_schema_that_crashes_the_compiler_costs_a_worker_not_the_server(
         await g.get(GrammarSpec("json_schema", deep, "guided_json"))
     with pytest.raises(InvalidRequest, match="cannot be read"):
         spec.json_schema(deep, "guided_json")
-    crash = grammars(tmp_path, fault="exit")
+    crash = grammars(tmp_path, check_job=crashing_grammar_job)
     with pytest.raises(InvalidRequest, match="crashed its compiler"):
         await crash.get(spec.json_object("x"))
     assert await g.get(spec.regex("[ab]+", "x"))

@@ -12,7 +12,6 @@ from ft.core.batch import SeqWork
 from ft.engine.engine import Engine, open_engine
 from ft.engine.fake import FakeRunner, byte_tokenizer_spec, run_inline
 from ft.engine.loading import EngineHooks, ModelParts
-from ft.messages import Tokenize
 from ft.tokenizer.job import Executor
 
 
@@ -39,7 +38,7 @@ def fake_hooks(
     runner: FakeRunner | None = None,
     *,
     before_step: Callable[[list[SeqWork]], None] | None = None,
-    tokenizer_fault: Callable[[Tokenize], str | None] | None = None,
+    tokenize_job: Callable[[bytes], bytes] | None = None,
     executor: Executor | None = run_inline,
     context_length: int = 2048,
     load_model: Callable[[EngineConfig], ModelParts] | None = None,
@@ -47,13 +46,14 @@ def fake_hooks(
     """The engine hooks for the fake model: every test engine and server is built with these.
 
     `executor=None` tokenizes in real worker processes; `load_model` replaces the fake model's
-    loader (a slow or a failing load).
+    loader (a slow or a failing load); `tokenize_job` the worker's job (a test double,
+    `tests.support.faulty_worker`).
     """
     return EngineHooks(
         load_model=load_model or fake_parts(runner or FakeRunner(), context_length),
         tokenize_executor=executor,
         before_step=before_step,
-        tokenizer_fault=tokenizer_fault,
+        tokenize_job=tokenize_job,
     )
 
 
@@ -62,7 +62,7 @@ async def fake_engine(
     runner: FakeRunner | None = None,
     *,
     before_step: Callable[[list[SeqWork]], None] | None = None,
-    tokenizer_fault: Callable[[Tokenize], str | None] | None = None,
+    tokenize_job: Callable[[bytes], bytes] | None = None,
     executor: Executor | None = run_inline,
     context_length: int = 2048,
     load_model: Callable[[EngineConfig], ModelParts] | None = None,
@@ -75,7 +75,7 @@ async def fake_engine(
     hooks = fake_hooks(
         runner,
         before_step=before_step,
-        tokenizer_fault=tokenizer_fault,
+        tokenize_job=tokenize_job,
         executor=executor,
         context_length=context_length,
         load_model=load_model,

@@ -11,33 +11,22 @@ import trio
 
 import ft.actors.tokenizer as tokenizer_actor
 from ft.errors import InvalidRequest
-from ft.messages import Tokenize
 from ft.params import SamplingParams
+from ft.prompt import PromptSpec
 from ft.tokenizer.codec import INLINE_JOB_CHARS, INLINE_JOB_VALUES, decode_job, encode_job, is_small_job
 from tests.support.engine import fake_engine
 
 
-def job(**fields: Any) -> Tokenize:
-    base: dict[str, Any] = {
-        "uid": 1,
-        "prompt": None,
-        "prompt_token_ids": None,
-        "messages": ({"role": "user", "content": "hi"},),
-        "tools": None,
-        "chat_template_kwargs": {},
-        "add_generation_prompt": True,
-        "continue_final_message": False,
-        "params": SamplingParams(),
-        "grammar": None,
-    }
-    return Tokenize(**base | fields)
+def job(**fields: Any) -> PromptSpec:
+    base: dict[str, Any] = {"messages": ({"role": "user", "content": "hi"},)}
+    return PromptSpec(**base | fields)
 
 
 def test_a_job_round_trips_with_a_large_kwargs_value() -> None:
     """0.9 MB of integers in `chat_template_kwargs` arrive whole on the worker side."""
     kwargs = {"zzz": [7] * 300_000, "nested": [{"a": [1, 2]}]}
     decoded = decode_job(encode_job(job(chat_template_kwargs=kwargs), "spec"))
-    assert decoded.chat_template_kwargs == kwargs
+    assert decoded.prompt == job(chat_template_kwargs=kwargs)
 
 
 @pytest.mark.parametrize(
@@ -62,8 +51,8 @@ def test_a_job_is_small_by_its_values_and_characters() -> None:
     assert not is_small_job(job(chat_template_kwargs={"a": [1] * 300_000}))
     assert not is_small_job(job(chat_template_kwargs={str(i): i for i in range(300_000)}))
     assert not is_small_job(job(chat_template_kwargs={"a": [[[1] * 100] * 100]}))
-    assert not is_small_job(job(prompt="x" * (INLINE_JOB_CHARS + 1), messages=None))
-    assert is_small_job(job(prompt="x" * 1000, messages=None))
+    assert not is_small_job(job(text="x" * (INLINE_JOB_CHARS + 1), messages=None))
+    assert is_small_job(job(text="x" * 1000, messages=None))
 
 
 async def test_large_jobs_are_encoded_off_the_event_loop(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -71,16 +60,17 @@ async def test_large_jobs_are_encoded_off_the_event_loop(monkeypatch: pytest.Mon
     threads: list[threading.Thread] = []
     real = tokenizer_actor.encode_job
 
-    def recorded(msg: Tokenize, spec_path: str, *, fault: str | None = None) -> bytes:
+    def recorded(prompt: PromptSpec, spec_path: str) -> bytes:
         threads.append(threading.current_thread())
-        return real(msg, spec_path, fault=fault)
+        return real(prompt, spec_path)
 
     monkeypatch.setattr(tokenizer_actor, "encode_job", recorded)
     with trio.fail_after(30):
         async with fake_engine() as engine:
             async with engine.open_request(
-                messages=[{"role": "user", "content": "hi"}],
-                chat_template_kwargs={"zzz": [7] * 300_000},
+                PromptSpec(
+                    messages=[{"role": "user", "content": "hi"}], chat_template_kwargs={"zzz": [7] * 300_000}
+                ),
                 params=SamplingParams(max_tokens=2),
             ) as stream:
                 await stream.collect()

@@ -29,6 +29,7 @@ from ft.grammar.spec import GrammarSpec
 from ft.ids import random_id
 from ft.messages import Delta
 from ft.params import SamplingParams
+from ft.prompt import PromptSpec
 from ft.server.anthropic.schemas import CountTokensRequest, MessagesRequest, PromptFields
 from ft.server.generation import lifecycle
 from ft.server.generation.assemble import (
@@ -41,16 +42,11 @@ from ft.server.generation.assemble import (
     assemble_blocks,
 )
 from ft.server.generation.context import ServerContext, json_response, read_request
-from ft.server.generation.lifecycle import Generated, GenerationApi, Prompt, Usage, respond
-from ft.server.generation.sse import sse_event
-from ft.server.generation.structured import anthropic_output, reasoning_parser_name
-from ft.server.generation.tools import (
-    ToolChoice,
-    apply_tool_choice,
-    function_tool,
-    output_grammar,
-    tool_call_parser_name,
-)
+from ft.server.generation.lifecycle import Generated, GenerationApi, Usage, respond
+from ft.server.generation.policy import output_policy, template_prompt
+from ft.server.generation.sse import sse_error, sse_event
+from ft.server.generation.structured import anthropic_output
+from ft.server.generation.tools import ToolChoice, function_tool
 
 PATH_PREFIX = "/v1/messages"
 
@@ -77,12 +73,6 @@ def anthropic_error_body(err: FtError) -> dict[str, Any]:
     return {"type": "error", "error": {"type": kind, "message": err.message}}
 
 
-def sse_anthropic_error(err: FtError) -> bytes:
-    """`event: error` with Anthropic's error body; ASCII-escaped, so always valid JSON."""
-    text = json.dumps(anthropic_error_body(err), separators=(",", ":"))
-    return b"event: error\ndata: " + text.encode("ascii") + b"\n\n"
-
-
 PING = sse_event("ping", {"type": "ping"})
 
 
@@ -99,15 +89,8 @@ def register(app: QuartTrio, ctx: ServerContext) -> None:
     async def count_tokens() -> Response:
         req = await read_request(ctx, CountTokensRequest)
         ctx.check_model(req.model)
-        prompt = messages_prompt(req)
-        assert prompt.messages is not None
-        ids = await ctx.engine.tokenize(
-            messages=prompt.messages,
-            tools=prompt.tools,
-            chat_template_kwargs=prompt.chat_template_kwargs,
-            add_generation_prompt=prompt.add_generation_prompt,
-            continue_final_message=prompt.continue_final_message,
-        )
+        prompt = template_prompt(messages_prompt(req), tool_choice(req))
+        ids = await ctx.engine.tokenize(prompt)
         return json_response({"input_tokens": len(ids)})
 
 
@@ -196,20 +179,19 @@ def tool_choice(req: PromptFields) -> ToolChoice:
             return ToolChoice(parallel=parallel)
 
 
-def messages_prompt(req: PromptFields) -> Prompt:
-    """The engine-side prompt of a Messages request: template messages, tools, kwargs.
+def messages_prompt(req: PromptFields) -> PromptSpec:
+    """The engine-side prompt of a Messages request: template messages, every tool, kwargs.
 
-    A final assistant turn is a prefill: the model continues it. `tool_choice` follows the
-    shared policy (`ft.server.generation.tools`): `none` sends no tools.
+    A final assistant turn is a prefill: the model continues it. `tool_choice` is applied by
+    the shared policy (`ft.server.generation.policy`): `none` sends no tools.
     """
     tools = [function_tool(t.name, t.description, t.input_schema) for t in req.tools or ()]
-    messages, sent_tools = apply_tool_choice(template_messages(req), tools, tool_choice(req))
     is_prefill = req.messages[-1].role == "assistant"
-    return Prompt(
-        messages=messages,
-        tools=sent_tools,
+    return PromptSpec(
+        messages=template_messages(req),
+        tools=tools or None,
         chat_template_kwargs=(
-            {"enable_thinking": req.thinking.type != "disabled"} if req.thinking is not None else None
+            {"enable_thinking": req.thinking.type != "disabled"} if req.thinking is not None else {}
         ),
         add_generation_prompt=not is_prefill,
         continue_final_message=is_prefill,
@@ -314,24 +296,19 @@ class MessagesCall(GenerationApi):
     def __init__(self, ctx: ServerContext, req: MessagesRequest) -> None:
         self.ctx, self.req = ctx, req
         ctx.check_model(req.model)
-        prompt = messages_prompt(req)
-        self.prompts = [prompt]
-        config = ctx.settings
-        self.tool_call_parser = tool_call_parser_name(config.tool_call_parser, prompt.tools is not None)
-        grammar = output_grammar(
-            prompt.tools, tool_choice(req), self.tool_call_parser, anthropic_output(req.output_format)
+        policy = output_policy(
+            ctx,
+            messages_prompt(req),
+            tool_choice(req),
+            anthropic_output(req.output_format),
+            prefill_param="messages",
         )
-        if prompt.continue_final_message and grammar is not None:
-            raise InvalidRequest(
-                "an assistant prefill cannot be used with output_format or a forced tool_choice: "
-                "the grammar shapes a whole new answer, not the rest of the prefilled one",
-                param="messages",
-            )
-        self.params = sampling_params(ctx, req, grammar)
+        self.prompts = [policy.prompt]
+        self.tool_call_parser, self.reasoning_parser = policy.tool_call_parser, policy.reasoning_parser
+        self.params = sampling_params(ctx, req, policy.grammar)
         self.stream = req.stream
         self.id = random_id("msg_")
         self.model = ctx.engine.model_id  # the model that answers, whatever name was sent
-        self.reasoning_parser = reasoning_parser_name(config.reasoning_parser, grammar)
         self.assembler = BlockAssembler(self.tool_call_parser, self.reasoning_parser, new_tool_use_id)
         self.finish: tuple[str | None, str | int | None] = (None, None)
 
@@ -390,7 +367,7 @@ class MessagesCall(GenerationApi):
 
     def error(self, err: FtError) -> list[bytes]:
         """`event: error`."""
-        return [sse_anthropic_error(err)]
+        return [sse_error(err, anthropic_error_body, event="error")]
 
 
 def block_event(event: BlockEvent) -> bytes:

@@ -1,6 +1,6 @@
 """One path for a generation request, whatever its API: chat, completions, messages, responses.
 
-An API supplies only what differs, as a `GenerationApi`: its body parsed into `Prompt`s and
+An API supplies only what differs, as a `GenerationApi`: its body parsed into `PromptSpec`s and
 `SamplingParams`, its stream events, its final JSON, its in-stream error. The lifecycle is
 here, once (`respond`):
 
@@ -37,27 +37,11 @@ from ft.engine.stream import Choice, RequestStream
 from ft.errors import FtError
 from ft.messages import Delta
 from ft.params import SamplingParams
+from ft.prompt import PromptSpec
 from ft.server.edge.http_errors import internal_error
 from ft.server.edge.tracing import RequestRecord, current_record
 from ft.server.generation.context import ServerContext, json_response, json_response_off_loop
 from ft.server.generation.sse import CONNECTED, HEARTBEAT, DeltaMux, MuxResult, sse_response
-
-
-@dataclass(frozen=True, slots=True)
-class Prompt:
-    """What one engine request generates from: chat `messages`, or a raw `text` / `token_ids`.
-
-    `continue_final_message` renders the last (assistant) message open, so the model continues
-    it (Anthropic's prefill, vLLM's `continue_final_message`).
-    """
-
-    messages: list[dict[str, Any]] | None = None
-    text: str | None = None
-    token_ids: list[int] | None = None
-    tools: list[dict[str, Any]] | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,7 +84,7 @@ class GenerationApi:
     a `yield`.
     """
 
-    prompts: list[Prompt]
+    prompts: list[PromptSpec]
     params: SamplingParams
     stream: bool
     heartbeat: bytes = HEARTBEAT
@@ -196,15 +180,15 @@ async def _respond(
     return response
 
 
-def _loggable(prompt: Prompt) -> Any:
+def _loggable(prompt: PromptSpec) -> Any:
     """What `--log-prompts` logs of a prompt: its messages, text or token ids."""
     if prompt.messages is not None:
-        return prompt.messages
-    return prompt.text if prompt.text is not None else prompt.token_ids
+        return list(prompt.messages)
+    return prompt.text if prompt.text is not None else list(prompt.token_ids or ())
 
 
 async def prepare(
-    ctx: ServerContext, prompt: Prompt, params: SamplingParams, admission: Admission
+    ctx: ServerContext, prompt: PromptSpec, params: SamplingParams, admission: Admission
 ) -> tuple[int, ...]:
     """Tokenize `prompt` (admitted: `admission`) and run every static check on it; return its
     token ids. A request the checks refuse is counted as rejected.
@@ -214,18 +198,9 @@ async def prepare(
     """
     engine = ctx.engine
     if prompt.token_ids is not None:
-        ids = prompt.token_ids
-    elif prompt.messages is not None:
-        ids = await engine.tokenize(
-            messages=prompt.messages,
-            tools=prompt.tools,
-            chat_template_kwargs=prompt.chat_template_kwargs,
-            add_generation_prompt=prompt.add_generation_prompt,
-            continue_final_message=prompt.continue_final_message,
-            admission=admission,
-        )
+        ids: Sequence[int] = prompt.token_ids  # checked against the vocabulary by the route
     else:
-        ids = await engine.tokenize(prompt=prompt.text, admission=admission)
+        ids = await engine.tokenize(prompt, admission=admission)
     with engine.counting_rejections():
         engine.check_fits(len(ids), params)
         if params.grammar is not None:
@@ -251,7 +226,7 @@ async def open_requests(
             open_request = ctx.engine.open_request
             for ids in prompt_ids:
                 scope = open_request(
-                    prompt_token_ids=list(ids),
+                    PromptSpec(token_ids=ids),
                     params=params,
                     request_id=record.request_id,
                     admission=admission,

@@ -40,10 +40,14 @@ def sse_event(event: str, obj: Any) -> bytes:
     return f"event: {event}\n".encode() + sse_data(obj)
 
 
-def sse_error(err: FtError, formatter: ErrorFormatter = openai_error_body) -> bytes:
-    """An in-stream error frame; valid JSON whatever the message holds."""
+def sse_error(
+    err: FtError, formatter: ErrorFormatter = openai_error_body, *, event: str | None = None
+) -> bytes:
+    """An in-stream error frame (named `event` when given, as Anthropic's `error`); valid JSON
+    whatever the message holds."""
     text = json.dumps(formatter(err), separators=(",", ":"))  # ASCII-escaped: always encodable
-    return b"data: " + text.encode("ascii") + b"\n\n"
+    name = f"event: {event}\n".encode("ascii") if event is not None else b""
+    return name + b"data: " + text.encode("ascii") + b"\n\n"
 
 
 def sse_response(body: AsyncIterator[bytes], headers: dict[str, str] | None = None) -> Response:

@@ -22,13 +22,20 @@ DEFAULT_TOOL_CALL_PARSER = "hermes"
 class ToolChoice:
     """A request's `tool_choice` in any API's spelling: `auto`, `none`, `required`, or one tool.
 
-    `name` (with `mode` "required") names the one tool the model must call; `parallel` lets it
-    make several calls in one answer.
+    `name` (with `mode` "required") names the one tool the model must call, exactly once, as
+    clients mean it (OpenAI's named function, Anthropic's `tool`); `parallel` (the API's
+    `parallel_tool_calls`, or not Anthropic's `disable_parallel_tool_use`) lets an `auto` or
+    `required` answer make several calls.
     """
 
     mode: Literal["auto", "none", "required"] = "auto"
     name: str | None = None
     parallel: bool = True
+
+    @property
+    def allows_several_calls(self) -> bool:
+        """Whether one answer may hold more than one call: never for a named tool."""
+        return self.parallel and self.name is None
 
 
 def function_tool(name: str, description: str | None, parameters: dict[str, Any] | None) -> dict[str, Any]:
@@ -80,16 +87,18 @@ def output_grammar(
 ) -> GrammarSpec | None:
     """What the output must follow, given the tools the template saw and the answer format.
 
-    A forced choice (`required`, a named tool) is a grammar of calls in `parser`'s format to
-    the allowed tools, arguments following each tool's parameter schema. With `auto`, a JSON
+    A forced choice (`required`: one call or, with `parallel`, several; a named tool: exactly
+    one call of it) is a grammar of calls in `parser`'s format to the allowed tools, arguments
+    following each tool's parameter schema. With `auto`, a JSON
     `answer` format becomes "calls or that JSON"; any other answer format stands alone.
     """
     if not tools or parser not in spec.TOOL_CALL_FORMATS:
         return answer
+    parallel = choice.allows_several_calls
     if choice.mode == "required":
-        return spec.tool_calls(tools, name=choice.name, parallel=choice.parallel, parser=parser)
+        return spec.tool_calls(tools, name=choice.name, parallel=parallel, parser=parser)
     if answer is not None and answer.kind == "json_schema":
-        return spec.tool_calls(tools, name=None, parallel=choice.parallel, parser=parser, otherwise=answer)
+        return spec.tool_calls(tools, name=None, parallel=parallel, parser=parser, otherwise=answer)
     return answer
 
 

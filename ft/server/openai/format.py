@@ -1,7 +1,7 @@
 """OpenAI response shapes: sampling params from a request, logprobs, usage, chunks, messages.
 
-`make_chat_output` is the seam where tool-call and reasoning parsers plug in: every chat
-response, streamed or not, builds its assistant message / deltas through a `ChatAssembler`.
+The tool-call and reasoning parsers plug in through a `ChatAssembler` that the chat route
+builds from its output policy (`ft.server.generation.policy`), streamed or not.
 """
 
 from __future__ import annotations
@@ -16,11 +16,8 @@ from ft.messages import TokenLogprob
 from ft.params import SamplingParams
 from ft.server.edge.body import parse_arguments
 from ft.server.generation import lifecycle
-from ft.server.generation.assemble import ChatAssembler
 from ft.server.generation.context import ServerContext
 from ft.server.generation.lifecycle import Usage
-from ft.server.generation.structured import reasoning_parser_name
-from ft.server.generation.tools import tool_call_parser_name
 from ft.server.openai.schemas import ChatMessage, CompletionRequest, SamplingFields
 
 # The most prompt tokens a completion may echo, counting each of the `n` choices: a 576 KB
@@ -163,15 +160,6 @@ class CompletionLogprobs:
     def merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
         """`a` followed by `b`."""
         return {key: a[key] + b[key] for key in a}
-
-
-def make_chat_output(ctx: ServerContext, has_tools: bool, grammar: GrammarSpec | None) -> ChatAssembler:
-    """The output shaper for one chat choice: text, tool calls (when the request has tools)
-    and reasoning (when the output is free)."""
-    return ChatAssembler(
-        tool_call_parser=tool_call_parser_name(ctx.settings.tool_call_parser, has_tools),
-        reasoning_parser=reasoning_parser_name(ctx.settings.reasoning_parser, grammar),
-    )
 
 
 def chat_message_for_template(message: ChatMessage) -> dict[str, Any]:

@@ -18,18 +18,19 @@ from ft.errors import FtError, InvalidRequest
 from ft.ids import random_id
 from ft.messages import Delta
 from ft.params import SamplingParams
+from ft.prompt import PromptSpec
 from ft.server.generation.assemble import ChatAssembler, openai_finish_reason
 from ft.server.generation.context import ServerContext, read_request
-from ft.server.generation.lifecycle import Generated, GenerationApi, Prompt, Usage, respond
+from ft.server.generation.lifecycle import Generated, GenerationApi, Usage, respond
+from ft.server.generation.policy import output_policy
 from ft.server.generation.sse import DONE, sse_data, sse_error
 from ft.server.generation.structured import openai_output
-from ft.server.generation.tools import ToolChoice, apply_tool_choice, output_grammar, tool_call_parser_name
+from ft.server.generation.tools import ToolChoice
 from ft.server.openai.format import (
     CompletionLogprobs,
     chat_logprobs,
     chat_message_for_template,
     check_echo_size,
-    make_chat_output,
     sampling_params,
     usage,
 )
@@ -103,46 +104,23 @@ class ChatCompletion(OpenAIGeneration):
         ctx.check_model(req.model)
         if req.top_logprobs and not req.logprobs:
             raise InvalidRequest("top_logprobs requires logprobs: true", param="top_logprobs")
-        if req.continue_final_message:
-            if req.add_generation_prompt:
-                raise InvalidRequest(
-                    "continue_final_message needs add_generation_prompt: false",
-                    param="continue_final_message",
-                )
-            if req.messages[-1].role != "assistant":
-                raise InvalidRequest(
-                    "continue_final_message needs a final assistant message to continue",
-                    param="continue_final_message",
-                )
-        choice = chat_tool_choice(req)
-        messages, tools = apply_tool_choice(
-            [chat_message_for_template(m) for m in req.messages], req.tools, choice
+        prompt = PromptSpec(
+            messages=[chat_message_for_template(m) for m in req.messages],
+            tools=req.tools,
+            chat_template_kwargs=req.chat_template_kwargs or {},
+            add_generation_prompt=req.add_generation_prompt,
+            continue_final_message=req.continue_final_message,
         )
-        parser = tool_call_parser_name(ctx.settings.tool_call_parser, tools is not None)
+        self.policy = output_policy(ctx, prompt, chat_tool_choice(req), openai_output(req))
         self.params: SamplingParams = sampling_params(
             ctx,
             req,
             max_tokens=req.max_completion_tokens or req.max_tokens,
             logprobs=req.logprobs,
             top_logprobs=req.top_logprobs or 0,
-            grammar=output_grammar(tools, choice, parser, openai_output(req)),
+            grammar=self.policy.grammar,
         )
-        if req.continue_final_message and self.params.grammar is not None:
-            raise InvalidRequest(
-                "continue_final_message cannot be used with structured output or a forced tool "
-                "choice: the grammar shapes a whole new answer, not the rest of the given one",
-                param="continue_final_message",
-            )
-        self.prompts = [
-            Prompt(
-                messages=messages,
-                tools=tools,
-                chat_template_kwargs=req.chat_template_kwargs,
-                add_generation_prompt=req.add_generation_prompt,
-                continue_final_message=req.continue_final_message,
-            )
-        ]
-        self.has_tools = tools is not None
+        self.prompts = [self.policy.prompt]
         self.stream, self.include_usage = req.stream, req.include_usage
         self.is_body_large = self.params.logprobs  # n x tokens x top_logprobs entries
         self.id = openai_id("chatcmpl")
@@ -154,11 +132,18 @@ class ChatCompletion(OpenAIGeneration):
         """The non-streamed `chat.completion` object."""
         out = []
         for c in done.choices[0]:
-            message, reason = make_chat_output(self.ctx, self.has_tools, self.params.grammar).message(c)
+            message, reason = self.chat_output().message(c)
             self.tool_calls |= reason == "tool_calls"
             logprobs = chat_logprobs(c.logprobs) if self.params.logprobs else None
             out.append({"index": c.index, "message": message, "logprobs": logprobs, "finish_reason": reason})
         return self._object(out, "chat.completion") | {"usage": usage(done.usage)}
+
+    def chat_output(self) -> ChatAssembler:
+        """The output shaper for one choice: text, tool calls and reasoning, as the policy says."""
+        policy = self.policy
+        return ChatAssembler(
+            tool_call_parser=policy.tool_call_parser, reasoning_parser=policy.reasoning_parser
+        )
 
     def chunk(
         self,
@@ -177,7 +162,7 @@ class ChatCompletion(OpenAIGeneration):
         frames = []
         out = self.outputs.get(delta.index)
         if out is None:
-            out = self.outputs[delta.index] = make_chat_output(self.ctx, self.has_tools, self.params.grammar)
+            out = self.outputs[delta.index] = self.chat_output()
             frames.append(self.chunk(delta.index, {"role": "assistant", "content": ""}))
         fields = out.delta(delta.text)
         lps = chat_logprobs(delta.logprobs) if delta.logprobs else None
@@ -214,7 +199,9 @@ class TextCompletion(OpenAIGeneration):
             grammar=openai_output(req),
         )
         check_echo_size(req, ctx.engine.max_model_len)
-        self.prompts = [Prompt(text=p) if isinstance(p, str) else Prompt(token_ids=p) for p in req.prompt]
+        self.prompts = [
+            PromptSpec(text=p) if isinstance(p, str) else PromptSpec(token_ids=p) for p in req.prompt
+        ]
         self.stream, self.include_usage = req.stream, req.include_usage
         self.is_body_large = req.echo or self.params.logprobs  # as large as the client asks
         self.id = openai_id("cmpl")

@@ -256,6 +256,18 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
 
+    @field_validator("continue_final_message")
+    @classmethod
+    def _continue(cls, value: bool, info: ValidationInfo) -> bool:
+        messages = info.data.get("messages")
+        if value and info.data.get("add_generation_prompt", True):
+            raise PydanticCustomError("continue_final_message", "it needs add_generation_prompt: false")
+        if value and messages and messages[-1].role != "assistant":
+            raise PydanticCustomError(
+                "continue_final_message", "it needs a final assistant message to continue"
+            )
+        return value
+
     @field_validator("tools")
     @classmethod
     def _tools(cls, tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:

@@ -31,6 +31,7 @@ from quart_trio import QuartTrio
 from ft.errors import FtError
 from ft.ids import random_id
 from ft.messages import Delta
+from ft.prompt import PromptSpec
 from ft.server.edge.http_errors import HttpError
 from ft.server.generation import lifecycle
 from ft.server.generation.assemble import (
@@ -43,10 +44,11 @@ from ft.server.generation.assemble import (
     assemble_blocks,
 )
 from ft.server.generation.context import ServerContext, json_response, read_request
-from ft.server.generation.lifecycle import Generated, GenerationApi, Prompt, Usage, respond
+from ft.server.generation.lifecycle import Generated, GenerationApi, Usage, respond
+from ft.server.generation.policy import output_policy
 from ft.server.generation.sse import sse_event
-from ft.server.generation.structured import reasoning_parser_name, responses_output
-from ft.server.generation.tools import ToolChoice, apply_tool_choice, output_grammar, tool_call_parser_name
+from ft.server.generation.structured import responses_output
+from ft.server.generation.tools import ToolChoice
 from ft.server.responses.items import input_messages, output_item, output_messages, output_text
 from ft.server.responses.schemas import FunctionChoice, ResponsesRequest
 from ft.server.responses.store import ResponseStore
@@ -102,6 +104,16 @@ def template_messages(
     return [*system, *conversation], conversation
 
 
+def responses_tool_choice(req: ResponsesRequest) -> ToolChoice:
+    """The request's `tool_choice` (and `parallel_tool_calls`) as the shared policy record."""
+    choice, parallel = req.tool_choice, req.parallel_tool_calls is not False
+    if isinstance(choice, FunctionChoice):
+        return ToolChoice("required", choice.name, parallel)
+    if isinstance(choice, str):
+        return ToolChoice(choice, parallel=parallel)
+    return ToolChoice("auto", parallel=parallel)  # None, or a hosted tool's choice none can force
+
+
 def usage(u: Usage) -> dict[str, Any]:
     """The Responses `usage` object, with the prefix-cache hits in `input_tokens_details`."""
     return {
@@ -121,32 +133,21 @@ class ResponseCall(GenerationApi):
         ctx.check_model(req.model)
         self.is_stored = req.store is not False
         self.include_encrypted = ENCRYPTED_REASONING in (req.include or ())
-        choice = req.tool_choice
-        parallel = req.parallel_tool_calls is not False
-        if isinstance(choice, FunctionChoice):
-            tool_choice = ToolChoice("required", choice.name, parallel)
-        elif isinstance(choice, str):
-            tool_choice = ToolChoice(choice, parallel=parallel)
-        else:  # None, or a hosted tool's choice this server cannot force
-            tool_choice = ToolChoice("auto", parallel=parallel)
         self.tools = offered_tools(req.tools)
-        tools = self.tools.definitions or None
         messages, self.conversation = template_messages(req, store)
-        messages, sent_tools = apply_tool_choice(messages, tools, tool_choice)
-        self.prompts = [Prompt(messages=messages, tools=sent_tools)]
-        config = ctx.settings
-        self.tool_call_parser = tool_call_parser_name(config.tool_call_parser, sent_tools is not None)
+        prompt = PromptSpec(messages=messages, tools=self.tools.definitions or None)
         self.text_format = req.text.format if req.text is not None else None
-        answer = responses_output(self.text_format)
+        policy = output_policy(ctx, prompt, responses_tool_choice(req), responses_output(self.text_format))
+        self.prompts = [policy.prompt]
+        self.tool_call_parser, self.reasoning_parser = policy.tool_call_parser, policy.reasoning_parser
         self.params = lifecycle.sampling_params(
             ctx,
             temperature=req.temperature,
             top_p=req.top_p,
             top_k=req.top_k,
             max_tokens=req.max_output_tokens,
-            grammar=output_grammar(sent_tools, tool_choice, self.tool_call_parser, answer),
+            grammar=policy.grammar,
         )
-        self.reasoning_parser = reasoning_parser_name(config.reasoning_parser, self.params.grammar)
         self.stream = req.stream
         self.id = random_id("resp_", 32)
         self.created = int(time.time())

@@ -14,6 +14,7 @@ from ft.engine.fake import FakeRunner, text_script
 from ft.grammar import spec
 from ft.grammar.compiled import Grammar, Matcher
 from ft.params import SamplingParams
+from ft.prompt import PromptSpec
 from ft.server import RunningServer
 from tests.support.engine import fake_engine
 from tests.support.server import fake_server, health_watch, wait_idle
@@ -129,7 +130,7 @@ async def test_a_request_that_leaves_frees_its_matchers() -> None:
         engine.compile_grammar = compile_spy  # type: ignore[method-assign]
         params = SamplingParams(max_tokens=200, n=3, grammar=spec.regex("[a-z ]+", "x"))
         with trio.move_on_after(0.05):
-            async with engine.open_request(prompt="hello", params=params) as stream:
+            async with engine.open_request(PromptSpec(text="hello"), params=params) as stream:
                 await stream.collect()
         assert len(spy.handed) == 3
         with trio.fail_after(2):
@@ -177,13 +178,13 @@ async def test_a_stop_string_inside_a_constrained_answer_does_not_cut_it() -> No
         regex = spec.regex(r'\{"a": "x", "b": \[1, 2\]\}', "guided_regex")
         for grammar in (spec.json_object("response_format"), regex):
             params = SamplingParams(max_tokens=100, stop=('"', ", ", "]"), grammar=grammar)
-            async with engine.open_request(prompt="hello", params=params) as stream:
+            async with engine.open_request(PromptSpec(text="hello"), params=params) as stream:
                 deltas = await stream.collect()
             assert "".join(d.text for d in deltas) == answer
             assert deltas[-1].finish_reason == "stop" and deltas[-1].stop_reason is None
         # without a grammar the same stop strings apply
         params = SamplingParams(max_tokens=100, stop=(", ",))
-        async with engine.open_request(prompt="hello", params=params) as stream:
+        async with engine.open_request(PromptSpec(text="hello"), params=params) as stream:
             deltas = await stream.collect()
         assert "".join(d.text for d in deltas) == '{"a": "x"'
         assert deltas[-1].finish_reason == "stop" and deltas[-1].stop_reason == ", "

@@ -277,3 +277,49 @@ async def test_required_tool_choice_yields_a_valid_call_on_all_three_apis() -> N
                 [block] = m.content
                 assert block.type == "tool_use" and block.name in allowed
                 check_call(block.name, block.input)  # type: ignore[arg-type]
+
+
+async def test_a_named_tool_choice_yields_exactly_one_call_with_parallel_calls_on() -> None:
+    """A named `tool_choice` is one call of that tool on every API, even with parallel calls on
+    (the default) and a prompt that asks for several: instructor, the agent SDKs and the
+    Anthropic SDK's forced tool round trip run each call, so a second one ran the tool twice."""
+    prompt = "What is the weather in Paris, in London, in Tokyo and in Rome?"
+    async with server() as s:
+        client, model = oai(s), s.engine.model_id
+        named: Any = {"type": "function", "function": {"name": "get_weather"}}
+        r = await client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": prompt}], tools=OPENAI_TOOLS,
+            tool_choice=named, temperature=1.0, n=8, max_tokens=MAX_TOKENS,
+        )  # fmt: skip
+        for c in r.choices:
+            assert c.finish_reason == "tool_calls", c.message
+            [call] = c.message.tool_calls or []
+            assert call.function.name == "get_weather"  # type: ignore[union-attr]
+            check_call(call.function.name, call.function.arguments)  # type: ignore[union-attr]
+
+        responses_tools: list[Any] = [
+            {"type": "function", "name": t["function"]["name"], "parameters": t["function"]["parameters"]}
+            for t in OPENAI_TOOLS
+        ]
+        for _ in range(4):
+            resp = await client.responses.create(
+                model=model, input=prompt, tools=responses_tools,
+                tool_choice={"type": "function", "name": "get_weather"}, temperature=1.0,
+                max_output_tokens=MAX_TOKENS,
+            )  # fmt: skip
+            [item] = resp.output
+            assert item.type == "function_call" and item.name == "get_weather"
+
+        a = anthropic.AsyncAnthropic(base_url=s.base_url, api_key="x", max_retries=0, timeout=300)
+        anthropic_tools: list[Any] = [
+            {"name": t["function"]["name"], "description": "x", "input_schema": t["function"]["parameters"]}
+            for t in OPENAI_TOOLS
+        ]
+        for _ in range(4):
+            m = await a.messages.create(
+                model=model, max_tokens=MAX_TOKENS, messages=[{"role": "user", "content": prompt}],
+                tools=anthropic_tools, tool_choice={"type": "tool", "name": "get_weather"},
+            )  # fmt: skip
+            assert m.stop_reason == "tool_use"
+            [block] = m.content
+            assert block.type == "tool_use" and block.name == "get_weather"

@@ -1,0 +1,92 @@
+"""The output policy every API shares: a named tool choice is exactly one call of that tool;
+`required` / `any` may be several unless the request turns parallel calls off."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from ft.server.anthropic.routes import tool_choice as anthropic_tool_choice
+from ft.server.anthropic.schemas import MessagesRequest
+from ft.server.generation.tools import ToolChoice, output_grammar
+from ft.server.openai.routes import chat_tool_choice
+from ft.server.openai.schemas import ChatCompletionRequest
+from ft.server.responses.routes import responses_tool_choice
+from ft.server.responses.schemas import ResponsesRequest
+from tests.support.grammar import byte_matcher
+
+TOOLS: list[dict[str, Any]] = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}},
+    {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {"zone": {"enum": ["utc", "local"]}}, "required": ["zone"]}}},
+]  # fmt: skip
+WEATHER = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+TWO_CALLS = WEATHER + "\n" + WEATHER
+USER = [{"role": "user", "content": "Weather in Paris, London and Tokyo?"}]
+
+
+def chat(**fields: Any) -> ToolChoice:
+    return chat_tool_choice(ChatCompletionRequest.model_validate({"messages": USER, "tools": TOOLS} | fields))
+
+
+def responses(**fields: Any) -> ToolChoice:
+    tools = [
+        {"type": "function", "name": t["function"]["name"], "parameters": t["function"]["parameters"]}
+        for t in TOOLS
+    ]
+    return responses_tool_choice(ResponsesRequest.model_validate({"input": "hi", "tools": tools} | fields))
+
+
+def anthropic(**fields: Any) -> ToolChoice:
+    tools = [{"name": t["function"]["name"], "input_schema": t["function"]["parameters"]} for t in TOOLS]
+    body = {"messages": USER, "max_tokens": 10, "tools": tools} | fields
+    return anthropic_tool_choice(MessagesRequest.model_validate(body))
+
+
+def accepts(choice: ToolChoice, text: str) -> bool:
+    """Whether the output grammar of `choice` (hermes calls) accepts `text` whole."""
+    grammar = output_grammar(TOOLS, choice, "hermes", None)
+    assert grammar is not None
+    m = byte_matcher(grammar)
+    return m.consume_tokens([3 + b for b in text.encode()]) and m.is_accepting()
+
+
+NAMED = [
+    chat(tool_choice={"type": "function", "function": {"name": "get_weather"}}),
+    chat(tool_choice={"type": "function", "function": {"name": "get_weather"}}, parallel_tool_calls=True),
+    responses(tool_choice={"type": "function", "name": "get_weather"}),
+    responses(tool_choice={"type": "function", "name": "get_weather"}, parallel_tool_calls=True),
+    anthropic(tool_choice={"type": "tool", "name": "get_weather"}),
+]
+
+
+@pytest.mark.parametrize(
+    "choice", NAMED, ids=["chat", "chat-parallel", "responses", "responses-parallel", "anthropic"]
+)
+def test_a_named_tool_choice_is_exactly_one_call_in_every_dialect(choice: ToolChoice) -> None:
+    """OpenAI's named function and Anthropic's `tool` mean one call, whatever `parallel_tool_calls` says."""
+    assert accepts(choice, WEATHER)
+    assert not accepts(choice, TWO_CALLS)
+    assert not accepts(choice, "Sure! " + WEATHER)
+
+
+@pytest.mark.parametrize(
+    ("choice", "several"),
+    [
+        (chat(tool_choice="required"), True),
+        (chat(tool_choice="required", parallel_tool_calls=False), False),
+        (responses(tool_choice="required"), True),
+        (responses(tool_choice="required", parallel_tool_calls=False), False),
+        (anthropic(tool_choice={"type": "any"}), True),
+        (anthropic(tool_choice={"type": "any", "disable_parallel_tool_use": True}), False),
+    ],
+    ids=["chat", "chat-serial", "responses", "responses-serial", "anthropic", "anthropic-serial"],
+)
+def test_required_and_any_are_several_calls_unless_parallel_calls_are_off(
+    choice: ToolChoice, several: bool
+) -> None:
+    """`required` / `any` force calls; a second one only while parallel calls are on."""
+    assert accepts(choice, WEATHER)
+    assert accepts(choice, TWO_CALLS) == several
