@@ -58,11 +58,14 @@ class OutputAssembler:
         """Consume a text delta; return what it completes."""
         return self._route(self._reasoning.feed(text), finish=False)
 
-    def finish(self) -> list[OutputEvent]:
-        """End of output: flush everything held back."""
-        return self._route(self._reasoning.finish(), finish=True)
+    def finish(self, *, is_cut: bool = False) -> list[OutputEvent]:
+        """End of output: flush everything held back (a tool call the cut, `is_cut`, left
+        unfinished is dropped, never text)."""
+        return self._route(self._reasoning.finish(), finish=True, is_cut=is_cut)
 
-    def _route(self, events: list[ReasoningDelta | ContentDelta], *, finish: bool) -> list[OutputEvent]:
+    def _route(
+        self, events: list[ReasoningDelta | ContentDelta], *, finish: bool, is_cut: bool = False
+    ) -> list[OutputEvent]:
         out: list[OutputEvent] = []
         for event in events:
             if isinstance(event, ReasoningDelta):
@@ -70,7 +73,7 @@ class OutputAssembler:
             else:
                 out.extend(self._tools.feed(event.text))
         if finish:
-            out.extend(self._tools.finish())
+            out.extend(self._tools.finish(is_cut=is_cut))
         return out
 
 
@@ -144,9 +147,9 @@ class BlockAssembler:
         """Consume a text delta; return the block events it completes."""
         return self._group(self._output.feed(text))
 
-    def finish(self) -> list[BlockEvent]:
-        """End of output: flush, and close the open block."""
-        out = self._group(self._output.finish())
+    def finish(self, *, is_cut: bool = False) -> list[BlockEvent]:
+        """End of output: flush, and close the open block (`is_cut`: cut by `max_tokens`)."""
+        out = self._group(self._output.finish(is_cut=is_cut))
         self._close(out)
         return out
 
@@ -201,11 +204,13 @@ def assemble_blocks(
     tool_call_parser: str | None,
     reasoning_parser: str | None,
     id_factory: Callable[[], str] = new_tool_call_id,
+    is_cut: bool = False,
 ) -> list[Block]:
-    """The blocks of a whole output (what the streamed events add up to)."""
+    """The blocks of a whole output (what the streamed events add up to); `is_cut`: the output
+    was cut short (finish reason `length`)."""
     assembler = BlockAssembler(tool_call_parser, reasoning_parser, id_factory)
     assembler.feed(text)
-    assembler.finish()
+    assembler.finish(is_cut=is_cut)
     return assembler.blocks
 
 
@@ -249,7 +254,8 @@ class ChatAssembler:
         output = OutputAssembler(
             tool_call_parser=self._tool_call_parser, reasoning_parser=self._reasoning_parser
         )
-        fields = self._fields(output.feed(choice.text) + output.finish())
+        is_cut = choice.finish_reason == "length"
+        fields = self._fields(output.feed(choice.text) + output.finish(is_cut=is_cut))
         calls = fields.get("tool_calls", [])
         message: dict[str, Any] = {
             "role": "assistant",
@@ -267,7 +273,7 @@ class ChatAssembler:
 
     def finish(self, reason: str | None) -> tuple[dict[str, Any] | None, str | None]:
         """Delta fields held back until the end, and the finish reason."""
-        fields = self._fields(self._output.finish())
+        fields = self._fields(self._output.finish(is_cut=reason == "length"))
         return fields or None, openai_finish_reason(reason, self._output.has_tool_calls)
 
     @staticmethod

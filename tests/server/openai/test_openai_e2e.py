@@ -5,12 +5,14 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+import httpx
 import pytest
+import trio
 
 from ft.config import EngineConfig
 from ft.server import RunningServer
 from tests.support import scenarios
-from tests.support.server import running_server
+from tests.support.server import parse_sse, running_server
 
 pytestmark = pytest.mark.slow  # the real default model, or a long soak
 
@@ -44,3 +46,39 @@ async def test_two_concurrent_requests_with_one_running_slot() -> None:
     """On the default model, two requests with one running slot both complete."""
     async with real_server(max_running_requests=1) as s:
         await scenarios.two_requests_one_slot(s.base_url)
+
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+
+
+async def test_a_forced_tool_call_cut_by_max_tokens_is_never_text() -> None:
+    """On the default model, a forced call cut by max_tokens comes back as no text and no call,
+    finish reason `length`, streamed and not."""
+    body = {
+        "messages": [{"role": "user", "content": "What is the weather in Paris?"}],
+        "tools": [WEATHER_TOOL],
+        "tool_choice": "required",
+        "max_tokens": 6,
+        "temperature": 0,
+    }
+    async with real_server() as s, httpx.AsyncClient(base_url=s.base_url, timeout=60) as client:
+        with trio.fail_after(120):
+            r = await client.post("/v1/chat/completions", json=body)
+            assert r.status_code == 200, r.text
+            (choice,) = r.json()["choices"]
+            assert choice["finish_reason"] == "length"
+            assert not choice["message"]["content"]
+            assert not choice["message"].get("tool_calls")
+            r = await client.post("/v1/chat/completions", json=body | {"stream": True})
+            chunks = parse_sse(r.text)
+            deltas = [c["choices"][0] for c in chunks if c != "[DONE]" and c["choices"]]
+            assert "".join(d["delta"].get("content") or "" for d in deltas) == ""
+            assert not any(d["delta"].get("tool_calls") for d in deltas)
+            assert deltas[-1]["finish_reason"] == "length"
