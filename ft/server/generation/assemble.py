@@ -12,8 +12,9 @@ Two layers, both synchronous:
   the same assembler (streamed and non-streamed output cannot disagree).
 
 `ChatAssembler` shapes chat completions (`message`, `delta`,
-`finish`) for the chat completions route: `delta.tool_calls`, `reasoning_content`, and finish
-reason `tool_calls`.
+`finish`) for the chat completions route: `delta.tool_calls`, the reasoning under both its
+names (`reasoning_content`, which the AI SDK and opencode read, and `reasoning`, vLLM's newer
+name), and finish reason `tool_calls`.
 """
 
 from __future__ import annotations
@@ -262,7 +263,7 @@ class ChatAssembler:
             "content": fields.get("content", "") or (None if calls else ""),
         }
         if "reasoning_content" in fields:
-            message["reasoning_content"] = fields["reasoning_content"]
+            message["reasoning_content"] = message["reasoning"] = fields["reasoning_content"]
         if calls:
             message["tool_calls"] = [{k: v for k, v in c.items() if k != "index"} for c in calls]
         return message, openai_finish_reason(choice.finish_reason, output.has_tool_calls)
@@ -293,8 +294,8 @@ class ChatAssembler:
                 case ToolCallEnd():
                     pass
         fields: dict[str, Any] = {}
-        if reasoning:
-            fields["reasoning_content"] = reasoning
+        if reasoning:  # both spellings: clients read one or the other
+            fields["reasoning_content"] = fields["reasoning"] = reasoning
         if content:
             fields["content"] = content
         if calls:

@@ -188,8 +188,8 @@ def chat_message_for_template(message: ChatMessage) -> dict[str, Any]:
         out["name"] = message.name
     if message.tool_call_id is not None:
         out["tool_call_id"] = message.tool_call_id
-    if message.reasoning_content is not None:
-        out["reasoning_content"] = message.reasoning_content
+    if message.reasoning_text is not None:  # templates read `reasoning_content`
+        out["reasoning_content"] = message.reasoning_text
     if message.tool_calls:
         out["tool_calls"] = [_template_tool_call(tc) for tc in message.tool_calls]
     return out

@@ -148,6 +148,12 @@ class ChatMessage(StrictModel):
     tool_calls: Annotated[list[dict[str, Any]], Field(max_length=MAX_TOOLS)] | None = None
     tool_call_id: Name | None = None
     reasoning_content: str | None = None
+    reasoning: str | None = None  # vLLM's newer name for `reasoning_content`; either is read
+
+    @property
+    def reasoning_text(self) -> str | None:
+        """The reasoning sent back with an assistant turn, under either name."""
+        return self.reasoning_content if self.reasoning_content is not None else self.reasoning
 
     @field_validator("content", mode="before")
     @classmethod
