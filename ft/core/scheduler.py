@@ -92,41 +92,36 @@ class Scheduler:
     # --- admission ---------------------------------------------------------------------------
 
     def check_fits(self, num_prompt_tokens: int, params: SamplingParams) -> int:
-        """Return the resolved max_tokens, or raise when the request can never be served."""
+        """Return the resolved max_tokens, or raise when the request can never be served.
+
+        `max_tokens` is a ceiling: one past what the context (or, per sequence, the KV pool)
+        leaves after the prompt is lowered to it, and the output ends there with `length`.
+        Agents send their own ceiling (Claude Code 32000, opencode the model's advertised
+        output) whatever the prompt's size; vLLM's 400 would fail every such turn. Only a
+        prompt that leaves no room at all is refused, with the token counts.
+        """
         if num_prompt_tokens == 0:
             raise InvalidRequest("the prompt is empty", param="prompt")
+        if params.n > self.max_running:
+            raise InvalidRequest(f"n={params.n} exceeds max_running_requests={self.max_running}", param="n")
         room = self.max_model_len - num_prompt_tokens
         if room < 1:
             raise ContextLengthExceeded(
                 f"the prompt has {num_prompt_tokens} tokens; this model's maximum context "
                 f"length is {self.max_model_len} tokens"
             )
-        if params.max_tokens is None:
-            # Up to the end of the context, as OpenAI does, but never more than the pool holds:
-            # a request alone must always be able to finish (the no-livelock guarantee).
-            pool_tokens = self.pool.num_pages // params.n * self.pool.page_size
-            max_tokens = min(room, pool_tokens - num_prompt_tokens)
-            if max_tokens < 1:
-                raise ContextLengthExceeded(
-                    f"the prompt has {num_prompt_tokens} tokens; the KV pool holds "
-                    f"{pool_tokens} tokens per sequence"
-                )
-        else:
-            max_tokens = params.max_tokens
-        if max_tokens > room:
+        # Never more than the pool holds either: a request alone must always be able to
+        # finish (the no-livelock guarantee).
+        pool_tokens = self.pool.num_pages // params.n * self.pool.page_size
+        max_tokens = min(room, pool_tokens - num_prompt_tokens)
+        if max_tokens < 1:
             raise ContextLengthExceeded(
-                f"this model's maximum context length is {self.max_model_len} tokens; the "
-                f"prompt has {num_prompt_tokens} and max_tokens asks for {max_tokens} more"
+                f"the prompt has {num_prompt_tokens} tokens; the KV pool holds "
+                f"{pool_tokens} tokens per sequence"
+                + (f" (n={params.n} sequences share it)" if params.n > 1 else "")
             )
-        if params.n > self.max_running:
-            raise InvalidRequest(f"n={params.n} exceeds max_running_requests={self.max_running}", param="n")
-        needed = params.n * pages_for(num_prompt_tokens + max_tokens, self.pool.page_size)
-        if needed > self.pool.num_pages:
-            raise ContextLengthExceeded(
-                f"prompt ({num_prompt_tokens} tokens) plus max_tokens ({max_tokens}) times "
-                f"n={params.n} needs {needed} KV pages; the pool has {self.pool.num_pages} "
-                f"pages of {self.pool.page_size} tokens"
-            )
+        if params.max_tokens is not None:
+            max_tokens = min(max_tokens, params.max_tokens)
         return max_tokens
 
     def add(

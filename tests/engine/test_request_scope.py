@@ -157,7 +157,7 @@ async def test_context_overflow_is_refused_with_the_limit(
     """A prompt past the context is refused, and the message names the limit."""
     async with fake_engine(context_length=64) as engine:
         with pytest.raises(ContextLengthExceeded, match="64"):
-            async with engine.open_request(prompt="x" * 50, params=SamplingParams(max_tokens=20)) as s:
+            async with engine.open_request(prompt="x" * 70, params=SamplingParams(max_tokens=20)) as s:
                 await s.collect()
         await assert_nothing_held(engine)
 
