@@ -103,6 +103,7 @@ class GenerationApi:
     prompts: list[Prompt]
     params: SamplingParams
     stream: bool
+    prompt_ids: list[tuple[int, ...]]  # each prompt's token ids, set once they are known
     heartbeat: bytes = HEARTBEAT
     is_body_large: bool = False  # the client chooses its size (echo, logprobs): build it off the loop
     tool_calls: bool = False  # set once a tool call was parsed out of the output (for the metrics)
@@ -179,7 +180,7 @@ async def respond(ctx: ServerContext, api: GenerationApi) -> Response:
 async def _respond(
     ctx: ServerContext, api: GenerationApi, record: RequestRecord, admission: Admission
 ) -> Response:
-    prompt_ids = [await prepare(ctx, prompt, api.params) for prompt in api.prompts]
+    prompt_ids = api.prompt_ids = [await prepare(ctx, prompt, api.params) for prompt in api.prompts]
     record.prompt_tokens = sum(len(ids) for ids in prompt_ids)
     if api.stream:
         return sse_response(stream_body(ctx, api, prompt_ids, record, admission))

@@ -7,12 +7,12 @@ response, streamed or not, builds its assistant message / deltas through a `Chat
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ft.errors import InvalidRequest
 from ft.grammar.spec import GrammarSpec
-from ft.messages import TokenLogprob
+from ft.messages import TokenLogprob, TokenScore, TopLogprob
 from ft.params import SamplingParams
 from ft.server.edge.body import parse_arguments
 from ft.server.generation import lifecycle
@@ -38,6 +38,7 @@ def sampling_params(
     logprobs: bool,
     top_logprobs: int,
     grammar: GrammarSpec | None,
+    prompt_logprobs: int | None = None,
 ) -> SamplingParams:
     """Engine sampling params for a chat or completions request.
 
@@ -64,6 +65,7 @@ def sampling_params(
         ignore_eos=req.ignore_eos,
         logprobs=logprobs,
         top_logprobs=top_logprobs,
+        prompt_logprobs=prompt_logprobs,
         n=req.n,
         skip_special_tokens=req.skip_special_tokens,
         grammar=grammar,
@@ -88,6 +90,21 @@ def check_echo_size(req: CompletionRequest, max_model_len: int) -> None:
             f"entry); the limit is {MAX_ECHO_TOKENS}: send fewer or shorter prompts or a smaller n",
             param="echo",
         )
+
+
+def prompt_logprobs(
+    detokenize: Callable[[list[int]], str], scores: Sequence[TokenScore]
+) -> list[TokenLogprob]:
+    """Scored prompt tokens with their text (linear in the prompt: a body builds it off the loop)."""
+    return [
+        TokenLogprob(
+            s.token_id,
+            detokenize([s.token_id]),
+            s.logprob,
+            tuple(TopLogprob(t, detokenize([t]), lp) for t, lp in s.top_logprobs),
+        )
+        for s in scores
+    ]
 
 
 def usage(u: Usage) -> dict[str, Any]:
@@ -133,13 +150,20 @@ class CompletionLogprobs:
     def __init__(self, offset: int = 0) -> None:
         self.offset = offset
 
-    def add_prompt(self, tokens: Sequence[str]) -> dict[str, Any]:
-        """Entries for echoed prompt tokens (no logprobs: the engine does not score prompts)."""
+    def add_prompt(self, tokens: Sequence[str], scores: Sequence[TokenLogprob] = ()) -> dict[str, Any]:
+        """Entries for echoed prompt tokens; `scores` are tokens 1.. scored (vLLM's shape: the
+        first token has no context, so its logprob is null; each scored one's `top_logprobs`
+        holds its alternatives and the token itself)."""
         out = self._empty()
-        for tok in tokens:
+        for i, tok in enumerate(tokens):
+            score = scores[i - 1] if 0 < i <= len(scores) else None
             out["tokens"].append(tok)
-            out["token_logprobs"].append(None)
-            out["top_logprobs"].append(None)
+            out["token_logprobs"].append(None if score is None else _lp(score.logprob))
+            out["top_logprobs"].append(
+                None
+                if score is None
+                else {alt.token: _lp(alt.logprob) for alt in score.top} | {score.token: _lp(score.logprob)}
+            )
             out["text_offset"].append(self.offset)
             self.offset += len(tok)
         return out

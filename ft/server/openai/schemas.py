@@ -348,7 +348,8 @@ class CompletionRequest(SamplingFields):
     """`POST /v1/completions`."""
 
     prompt: Annotated[list[PromptItem], BeforeValidator(normalize_prompt)]
-    max_tokens: MaxTokens | None = 16
+    # 0 generates nothing: with `echo` and `logprobs`, the prompt's own logprobs (lm-eval)
+    max_tokens: Annotated[int, Field(ge=0, le=MAX_TOKENS_LIMIT)] | None = 16
     echo: bool = False
     suffix: str | None = None
     logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None

@@ -260,13 +260,14 @@ async def test_prompt_forms(client: httpx.AsyncClient, prompt: object, count: in
 
 
 async def test_echo_and_logprobs(client: httpx.AsyncClient) -> None:
-    """`echo` prepends the prompt; logprobs list its tokens with null logprobs, then the output's."""
+    """`echo` prepends the prompt; logprobs list its tokens (the first with a null logprob, the
+    others scored: the fake model scores -1), then the output's."""
     r = await complete(client, prompt="ab", max_tokens=2, echo=True, logprobs=1)
     choice = r.json()["choices"][0]
     assert choice["text"] == "abHe"
     lp = choice["logprobs"]
     assert lp["tokens"] == ["a", "b", "H", "e"]
-    assert lp["token_logprobs"] == [None, None, -0.5, -0.5]
+    assert lp["token_logprobs"] == [None, -1.0, -0.5, -0.5]
     assert lp["text_offset"] == [0, 1, 2, 3]
     assert lp["top_logprobs"][2] == {"H": -0.5}
 
