@@ -30,6 +30,7 @@ from contextlib import AsyncExitStack, aclosing, asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
+import trio
 from quart import Response, has_request_context, request
 
 from ft.engine.engine import Admission
@@ -312,7 +313,11 @@ async def _events(
                 for k, delta in got.deltas:
                     if ctx.settings.log_prompts:
                         outputs.setdefault((k, delta.index), []).append(delta.text)
-                    for frame in api.delta(k, delta):
+                    if delta.prompt_logprobs:  # a scored prompt's text: linear in it, off the loop
+                        frames = await trio.to_thread.run_sync(api.delta, k, delta)
+                    else:
+                        frames = api.delta(k, delta)
+                    for frame in frames:
                         yield frame
         ending = api.end(Usage.of(streams))
     except FtError as e:
