@@ -73,9 +73,11 @@ def sampling_params(
 
 
 def check_echo_size(req: CompletionRequest, max_model_len: int) -> None:
-    """Raise `InvalidRequest` when `echo` would return more than `MAX_ECHO_TOKENS` tokens.
+    """Raise `InvalidRequest` when `echo` would return more than `MAX_ECHO_TOKENS` entries.
 
     A string prompt counts its UTF-8 bytes (at least its token count), capped at the context.
+    With `logprobs: N` each echoed token is scored: it counts N + 2 (its logprob, its N
+    alternatives and itself in `top_logprobs`).
     """
     if not req.echo:
         return
@@ -83,25 +85,42 @@ def check_echo_size(req: CompletionRequest, max_model_len: int) -> None:
         len(p) if isinstance(p, list) else min(len(p.encode("utf-8", "surrogatepass")), max_model_len)
         for p in req.prompt
     )
-    echoed = tokens * req.n
+    weight = 1 if req.logprobs is None else req.logprobs + 2
+    echoed = tokens * req.n * weight
     if echoed > MAX_ECHO_TOKENS:
         raise InvalidRequest(
-            f"echo would return {echoed} prompt tokens (prompt tokens x n, each with its logprobs "
-            f"entry); the limit is {MAX_ECHO_TOKENS}: send fewer or shorter prompts or a smaller n",
+            f"echo would return {echoed} prompt token entries (prompt tokens x n, x (logprobs + 2) "
+            f"with logprobs: each is scored); the limit is {MAX_ECHO_TOKENS}: send fewer or "
+            "shorter prompts, a smaller n or fewer logprobs",
             param="echo",
         )
 
 
-def prompt_logprobs(
-    detokenize: Callable[[list[int]], str], scores: Sequence[TokenScore]
-) -> list[TokenLogprob]:
+class TokenTexts:
+    """Each token id's text, decoded once: an echoed prompt's tokens and their alternatives
+    repeat (an 8k-token prompt with 20 alternatives each is 172k lookups, ~0.8 s decoded one by
+    one), so a body decodes each distinct id once."""
+
+    def __init__(self, detokenize: Callable[[list[int]], str]) -> None:
+        self._detokenize = detokenize
+        self._texts: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        """The text of `token_id` alone."""
+        text = self._texts.get(token_id)
+        if text is None:
+            text = self._texts[token_id] = self._detokenize([token_id])
+        return text
+
+
+def prompt_logprobs(text: TokenTexts, scores: Sequence[TokenScore]) -> list[TokenLogprob]:
     """Scored prompt tokens with their text (linear in the prompt: a body builds it off the loop)."""
     return [
         TokenLogprob(
             s.token_id,
-            detokenize([s.token_id]),
+            text(s.token_id),
             s.logprob,
-            tuple(TopLogprob(t, detokenize([t]), lp) for t, lp in s.top_logprobs),
+            tuple(TopLogprob(t, text(t), lp) for t, lp in s.top_logprobs),
         )
         for s in scores
     ]

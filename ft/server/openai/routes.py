@@ -27,6 +27,7 @@ from ft.server.generation.structured import openai_output
 from ft.server.generation.tools import ToolChoice, apply_tool_choice, output_grammar, tool_call_parser_name
 from ft.server.openai.format import (
     CompletionLogprobs,
+    TokenTexts,
     chat_logprobs,
     chat_message_for_template,
     check_echo_size,
@@ -234,6 +235,7 @@ class TextCompletion(OpenAIGeneration):
         self.created = int(time.time())
         self.model = req.model or ctx.engine.model_id
         self.started: set[int] = set()
+        self.token_texts = TokenTexts(ctx.engine.detokenize)  # shared by the choices' echoes
         self.offsets: dict[int, CompletionLogprobs] = {}
 
     def end(self, u: Usage) -> list[bytes]:
@@ -261,10 +263,8 @@ class TextCompletion(OpenAIGeneration):
         self, lp: CompletionLogprobs, prompt_ids: tuple[int, ...], choice: Choice
     ) -> dict[str, Any]:
         """The echoed prompt's logprobs entries: null for its first token, then each one's."""
-        detokenize = self.ctx.engine.detokenize
-        return lp.add_prompt(
-            [detokenize([t]) for t in prompt_ids], prompt_logprobs(detokenize, choice.prompt_logprobs)
-        )
+        text = self.token_texts
+        return lp.add_prompt([text(t) for t in prompt_ids], prompt_logprobs(text, choice.prompt_logprobs))
 
     def choice_body(
         self, k: int, prompt: PromptItem, prompt_ids: tuple[int, ...], c: Choice

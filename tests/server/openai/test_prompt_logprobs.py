@@ -6,7 +6,7 @@ from __future__ import annotations
 import httpx
 import trio
 
-from tests.support.server import fake_server, parse_sse
+from tests.support.server import fake_server, health_watch, parse_sse
 
 PROMPT = "Paris is"  # the fake model's byte tokenizer: one token per byte (and no BOS)
 
@@ -66,3 +66,18 @@ async def test_logprobs_without_echo_do_not_score_the_prompt() -> None:
     async with fake_server() as s, httpx.AsyncClient(base_url=s.base_url) as c:
         r = await complete(c, logprobs=1, max_tokens=2)
         assert r.json()["choices"][0]["logprobs"]["tokens"] == ["H", "e"]
+
+
+async def test_a_large_scored_echo_keeps_health_answering() -> None:
+    """A scored echo near the entry limit (16 x 1000 prompt tokens, logprobs 5: 112k entries)
+    is built off the loop: /health keeps answering."""
+    prompts = [[65 + i] * 1000 for i in range(16)]
+    body = {"prompt": prompts, "echo": True, "logprobs": 5, "max_tokens": 0}
+    async with fake_server(num_pages=4096) as s, httpx.AsyncClient(base_url=s.base_url, timeout=60) as c:
+        async with health_watch(s.base_url) as latencies:
+            with trio.fail_after(60):
+                r = await c.post("/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        assert len(choice["logprobs"]["token_logprobs"]) == 1000
+        assert max(latencies) < 0.5, max(latencies)
