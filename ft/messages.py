@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ft.core.batch import Batch, SeqFailed, StepDone, TokenOut
+from ft.core.batch import Batch, SeqFailed, StepDone, TokenOut, TokenScore
 from ft.errors import FtError
 from ft.params import SamplingParams
 from ft.prompt import PromptSpec
@@ -34,6 +34,7 @@ __all__ = [
     "StepDone",
     "TokenLogprob",
     "TokenOut",
+    "TokenScore",
     "Tokenize",
     "TopLogprob",
 ]
@@ -124,6 +125,9 @@ class Delta:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     num_cached_tokens: int = 0  # prompt tokens the prefix cache supplied to this choice
+    # A choice's first delta, when `prompt_logprobs` was asked: prompt tokens 1.. scored (ids:
+    # the route turns them into text, off the loop for a body).
+    prompt_logprobs: tuple[TokenScore, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

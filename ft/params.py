@@ -91,6 +91,8 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: int = 0
+    # The prompt tokens' logprobs (and this many alternatives each); None: not computed.
+    prompt_logprobs: int | None = None
     n: int = 1
     skip_special_tokens: bool = True
     grammar: GrammarSpec | None = None  # structured output: what the text must follow
@@ -129,6 +131,8 @@ class SamplingParams:
         for t in self.stop_token_ids:
             _integer("stop_token_ids", t, 0, MAX_INT64)
         _integer("top_logprobs", self.top_logprobs, 0, MAX_TOP_LOGPROBS)
+        if self.prompt_logprobs is not None:
+            _integer("prompt_logprobs", self.prompt_logprobs, 0, MAX_TOP_LOGPROBS)
         _integer("n", self.n, 1, MAX_N)
         if self.grammar is not None and not isinstance(self.grammar, GrammarSpec):
             raise InvalidRequest("grammar must be a GrammarSpec", param="grammar")

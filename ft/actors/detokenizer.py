@@ -110,6 +110,7 @@ class DetokenizerActor:
                 finish_reason=finish_reason,
                 stop_reason=stop_reason,
                 num_cached_tokens=out.num_cached_tokens,
+                prompt_logprobs=out.prompt_logprobs,
             ),
         )
         return entry

@@ -7,6 +7,7 @@ they carry, so the core depends on no actor message module.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -27,6 +28,10 @@ class SeqWork:
     `history` holds prompt + output ids only when the params use penalties. `matcher` (sampling
     works of a constrained request only) is the sequence's grammar state: the runner masks the
     logits with it and advances it by the sampled token.
+
+    `score_ids` (prompt logprobs): the fed tokens from index `score_offset` on are scored, the
+    logits at fed token `score_offset + i` giving the logprob of `score_ids[i]` (the prompt
+    token after it), with `params.prompt_logprobs` alternatives; the runner returns one `Scored`.
     """
 
     seq_id: int
@@ -39,6 +44,8 @@ class SeqWork:
     history: tuple[int, ...] = ()
     num_prompt_tokens: int = 0
     matcher: Matcher | None = None
+    score_offset: int = 0
+    score_ids: tuple[int, ...] = ()
 
 
 class ConstraintError(Exception):
@@ -49,9 +56,9 @@ class RowsFailed(ConstraintError):
     """A step ran, but some rows' grammars failed (over their budget, in error): `failed` holds
     (seq id, why) for those, `sampled` the other rows' tokens, so nothing is rerun."""
 
-    def __init__(self, sampled: list[Sampled], failed: list[tuple[int, str]]) -> None:
+    def __init__(self, sampled: Sequence[Sampled | Scored], failed: list[tuple[int, str]]) -> None:
         super().__init__("; ".join(why for _, why in failed))
-        self.sampled = sampled
+        self.sampled: list[Sampled | Scored] = list(sampled)
         self.failed = failed
 
 
@@ -73,6 +80,24 @@ class Sampled:
     top_logprobs: tuple[tuple[int, float], ...] = ()
 
 
+@dataclass(frozen=True, slots=True)
+class TokenScore:
+    """A prompt token's logprob under the model given the tokens before it, with the top
+    alternatives at its position."""
+
+    token_id: int
+    logprob: float
+    top_logprobs: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Scored:
+    """The scores of one work's `score_ids`, in order."""
+
+    seq_id: int
+    scores: tuple[TokenScore, ...]
+
+
 class Runner(Protocol):
     """Runs model steps over a paged KV cache. `step` is synchronous and runs in a thread."""
 
@@ -85,8 +110,9 @@ class Runner(Protocol):
     @property
     def vocab_size(self) -> int: ...
 
-    def step(self, works: list[SeqWork]) -> list[Sampled]:
-        """Run one forward pass; return one `Sampled` per work with `sample=True`, in order.
+    def step(self, works: list[SeqWork]) -> list[Sampled | Scored]:
+        """Run one forward pass; return one `Sampled` per work with `sample=True`, in order,
+        and one `Scored` per work with `score_ids` (anywhere in the list).
 
         Raises `RunnerFailure` when no further step can run; anything else fails the step.
         """
@@ -108,6 +134,7 @@ class StepDone:
     step: int
     sampled: tuple[Sampled, ...]
     failed: tuple[tuple[int, FtError], ...] = ()
+    scored: tuple[Scored, ...] = ()
     duration_s: float = 0.0
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
@@ -130,6 +157,9 @@ class TokenOut:
     stop_reason: int | None = None
     is_hidden: bool = False
     num_cached_tokens: int = 0  # prompt tokens the prefix cache supplied
+    # On a sequence's first token, when its request asked: the scores of prompt tokens 1.. (the
+    # first prompt token has no context to be scored in).
+    prompt_logprobs: tuple[TokenScore, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

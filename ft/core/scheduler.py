@@ -92,41 +92,36 @@ class Scheduler:
     # --- admission ---------------------------------------------------------------------------
 
     def check_fits(self, num_prompt_tokens: int, params: SamplingParams) -> int:
-        """Return the resolved max_tokens, or raise when the request can never be served."""
+        """Return the resolved max_tokens, or raise when the request can never be served.
+
+        `max_tokens` is a ceiling: one past what the context (or, per sequence, the KV pool)
+        leaves after the prompt is lowered to it, and the output ends there with `length`.
+        Agents send their own ceiling (Claude Code 32000, opencode the model's advertised
+        output) whatever the prompt's size; vLLM's 400 would fail every such turn. Only a
+        prompt that leaves no room at all is refused, with the token counts.
+        """
         if num_prompt_tokens == 0:
             raise InvalidRequest("the prompt is empty", param="prompt")
+        if params.n > self.max_running:
+            raise InvalidRequest(f"n={params.n} exceeds max_running_requests={self.max_running}", param="n")
         room = self.max_model_len - num_prompt_tokens
         if room < 1:
             raise ContextLengthExceeded(
                 f"the prompt has {num_prompt_tokens} tokens; this model's maximum context "
                 f"length is {self.max_model_len} tokens"
             )
-        if params.max_tokens is None:
-            # Up to the end of the context, as OpenAI does, but never more than the pool holds:
-            # a request alone must always be able to finish (the no-livelock guarantee).
-            pool_tokens = self.pool.num_pages // params.n * self.pool.page_size
-            max_tokens = min(room, pool_tokens - num_prompt_tokens)
-            if max_tokens < 1:
-                raise ContextLengthExceeded(
-                    f"the prompt has {num_prompt_tokens} tokens; the KV pool holds "
-                    f"{pool_tokens} tokens per sequence"
-                )
-        else:
-            max_tokens = params.max_tokens
-        if max_tokens > room:
+        # Never more than the pool holds either: a request alone must always be able to
+        # finish (the no-livelock guarantee).
+        pool_tokens = self.pool.num_pages // params.n * self.pool.page_size
+        max_tokens = min(room, pool_tokens - num_prompt_tokens)
+        if max_tokens < 1:
             raise ContextLengthExceeded(
-                f"this model's maximum context length is {self.max_model_len} tokens; the "
-                f"prompt has {num_prompt_tokens} and max_tokens asks for {max_tokens} more"
+                f"the prompt has {num_prompt_tokens} tokens; the KV pool holds "
+                f"{pool_tokens} tokens per sequence"
+                + (f" (n={params.n} sequences share it)" if params.n > 1 else "")
             )
-        if params.n > self.max_running:
-            raise InvalidRequest(f"n={params.n} exceeds max_running_requests={self.max_running}", param="n")
-        needed = params.n * pages_for(num_prompt_tokens + max_tokens, self.pool.page_size)
-        if needed > self.pool.num_pages:
-            raise ContextLengthExceeded(
-                f"prompt ({num_prompt_tokens} tokens) plus max_tokens ({max_tokens}) times "
-                f"n={params.n} needs {needed} KV pages; the pool has {self.pool.num_pages} "
-                f"pages of {self.pool.page_size} tokens"
-            )
+        if params.max_tokens is not None:
+            max_tokens = min(max_tokens, params.max_tokens)
         return max_tokens
 
     def add(
@@ -157,10 +152,7 @@ class Scheduler:
         """Admit all of a request's sequences, or none: nothing is held unless all fit."""
         if len(self.running) + len(group) > self.max_running:
             return False
-        matched = [
-            self.pool.match_prefix(self._full_page_hashes(seq) if self.enable_prefix_caching else [])
-            for seq in group
-        ]
+        matched = [self._match_prefix(seq) for seq in group]
         fresh = [
             pages_for(self._admission_tokens(seq), self.pool.page_size) - len(m)
             for seq, m in zip(group, matched, strict=True)
@@ -185,6 +177,23 @@ class Scheduler:
             seq.status = SeqStatus.RUNNING
             self.running[seq.seq_id] = seq
         return True
+
+    def _match_prefix(self, seq: Sequence) -> list[int]:
+        """The cached pages `seq` can start from.
+
+        A cached page has no logits: a sequence whose prompt logprobs are still to be scored
+        reuses only the pages before the first position it must score, and recomputes the rest
+        (at first admission that is position 0: no reuse, so `prompt_logprobs` requests see no
+        prefix-cache hits; after a preemption, what it scored already is not scored again).
+        """
+        if not self.enable_prefix_caching:
+            return []
+        matched = self.pool.match_prefix(self._full_page_hashes(seq))
+        if seq.wants_prompt_scores:
+            keep = len(seq.prompt_scores) // self.pool.page_size
+            self.pool.release(matched[keep:])
+            matched = matched[:keep]
+        return matched
 
     def _admission_tokens(self, seq: Sequence) -> int:
         """Tokens whose pages admission allocates: its whole budget, or what it needs now."""
@@ -347,6 +356,7 @@ class Scheduler:
         return Batch(self._step, tuple(works))
 
     def _work(self, seq: Sequence, tokens: list[int], start: int, *, sample: bool) -> SeqWork:
+        score_offset, score_ids = self._score_span(seq, start, start + len(tokens))
         history: tuple[int, ...] = ()
         if sample and seq.params.uses_penalties:
             history = tuple(seq.prompt_ids) + tuple(seq.output_ids)
@@ -361,7 +371,24 @@ class Scheduler:
             history=history,
             num_prompt_tokens=len(seq.prompt_ids),
             matcher=seq.matcher if sample else None,
+            score_offset=score_offset,
+            score_ids=score_ids,
         )
+
+    @staticmethod
+    def _score_span(seq: Sequence, start: int, stop: int) -> tuple[int, tuple[int, ...]]:
+        """(`score_offset`, `score_ids`) of a work feeding positions [start, stop) of `seq`.
+
+        The logits at position p score prompt token p + 1: positions from the first unscored
+        one to the prompt's last but one are scored (a recompute skips what is scored).
+        """
+        if not seq.wants_prompt_scores:
+            return 0, ()
+        first = max(start, len(seq.prompt_scores))
+        last = min(stop, len(seq.prompt_ids) - 1)
+        if first >= last:
+            return 0, ()
+        return first - start, tuple(seq.prompt_ids[first + 1 : last + 1])
 
     def on_step_done(self, batch: Batch, done: StepDone) -> list[TokenOut | SeqFailed]:
         """Fold a finished step back in; return the tokens and failures to route out."""
@@ -378,12 +405,17 @@ class Scheduler:
             if seq is not None:
                 self.abort(seq.uid)
                 outs.append(SeqFailed(seq.uid, error))
+        for scored in done.scored:
+            seq = self.running.get(scored.seq_id)
+            if seq is not None:
+                seq.prompt_scores.extend(scored.scores)
         for sampled in done.sampled:
             seq = self.running.get(sampled.seq_id)
             if seq is None:
                 continue
             seq.output_ids.append(sampled.token_id)
             finish = self._finish_check(seq, sampled.token_id)
+            is_first_with_scores = len(seq.output_ids) == 1 and seq.params.prompt_logprobs is not None
             outs.append(
                 TokenOut(
                     uid=seq.uid,
@@ -396,6 +428,7 @@ class Scheduler:
                     stop_reason=finish.stop_token,
                     is_hidden=finish.is_hidden,
                     num_cached_tokens=seq.num_cached_prompt,
+                    prompt_logprobs=tuple(seq.prompt_scores) if is_first_with_scores else (),
                 )
             )
             if finish.reason is not None:

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from ft.params import SamplingParams
 
 if TYPE_CHECKING:
+    from ft.core.batch import TokenScore
     from ft.grammar.compiled import Matcher
 
 
@@ -40,6 +41,16 @@ class Sequence:
     num_preemptions: int = 0
     status: SeqStatus = SeqStatus.WAITING
     matcher: Matcher | None = None  # its grammar's state (structured output), advanced by the runner
+    prompt_scores: list[TokenScore] = field(default_factory=list)  # prompt tokens 1.., scored so far
+
+    @property
+    def wants_prompt_scores(self) -> bool:
+        """True while prompt logprobs were asked for and some are not scored yet.
+
+        Each of a request's `n` sequences scores its own copy (n > 1 with prompt logprobs is
+        rare; sharing would tie the choices' streams together).
+        """
+        return self.params.prompt_logprobs is not None and len(self.prompt_scores) < len(self.prompt_ids) - 1
 
     @property
     def num_tokens(self) -> int:

@@ -6,6 +6,11 @@ and valid (`ToolCallStart`, one `ToolCallArgsDelta` with the whole arguments str
 `ToolCallEnd`), so the events never depend on how the output was split into deltas. A call that
 turns out invalid or unterminated comes back as plain text; the parsers never raise on model
 output.
+
+An output cut short (`finish(is_cut=True)`: `max_tokens`, the end of the context) is another
+matter: the call it was writing is dropped, never surfaced as text, and so is a held-back
+prefix of a call's opening marker. Nothing of a call is sent before it parses, so a streamed
+client never saw any of it either.
 """
 
 from __future__ import annotations
@@ -67,8 +72,9 @@ class ToolCallParser(Protocol):
         """Consume the next text delta; return the events it completes (maybe none)."""
         ...
 
-    def finish(self) -> list[ToolEvent]:
-        """End of output: flush held-back text; an unterminated or invalid call becomes text."""
+    def finish(self, *, is_cut: bool = False) -> list[ToolEvent]:
+        """End of output: flush held-back text; an unterminated or invalid call becomes text,
+        unless the output was cut short (`is_cut`): then the call it was writing is dropped."""
         ...
 
     @property
@@ -134,7 +140,7 @@ class PassthroughParser:
         """Return `text` as a `TextDelta` (nothing for an empty delta)."""
         return [TextDelta(text)] if text else []
 
-    def finish(self) -> list[ToolEvent]:
+    def finish(self, *, is_cut: bool = False) -> list[ToolEvent]:
         """Nothing is ever held back."""
         return []
 
@@ -226,16 +232,26 @@ class HermesParser:
                 self._is_in_call = False
                 self._close_call(body, self.END, out)
 
-    def finish(self) -> list[ToolEvent]:
-        """Flush held text; an unterminated call is accepted only if its JSON is complete."""
+    def finish(self, *, is_cut: bool = False) -> list[ToolEvent]:
+        """Flush held text; an unterminated call is accepted only if its JSON is complete.
+
+        Cut short (`is_cut`), an incomplete call is dropped, with a held prefix of `<tool_call>`
+        and the whitespace before it.
+        """
         out: list[ToolEvent] = []
+        is_dropped = False
         if self._is_in_call:
             self._is_in_call = False
-            self._close_call(self._buf, "", out)
+            if is_cut and _call_from_json(self._buf) is None:
+                is_dropped = True
+            else:
+                self._close_call(self._buf, "", out)
+        elif is_cut and self._buf:  # only ever a held prefix of the start tag
+            is_dropped = True
         else:
             self._emit_text(self._buf, out)
         self._buf = ""
-        if self._held_whitespace and not self.has_tool_calls:
+        if self._held_whitespace and not self.has_tool_calls and not is_dropped:
             out.append(TextDelta(self._held_whitespace))
         self._held_whitespace = ""
         return out
@@ -304,9 +320,16 @@ class Llama3JsonParser:
             return self._fall_back_to_text()
         return self._scan_calls()
 
-    def finish(self) -> list[ToolEvent]:
-        """Flush: an incomplete object or undecided prefix becomes text; trailing `;` is dropped."""
+    def finish(self, *, is_cut: bool = False) -> list[ToolEvent]:
+        """Flush: an incomplete object or undecided prefix becomes text; trailing `;` is dropped.
+
+        Cut short (`is_cut`), the incomplete object (or a prefix of `<|python_tag|>`) is dropped.
+        """
         if self._is_text:
+            return []
+        if is_cut:
+            self._is_text = True
+            self._buf = self._skipped = ""
             return []
         if self.has_tool_calls:
             self._buf = self._buf.lstrip(_JSON_WHITESPACE + ";")

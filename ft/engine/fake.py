@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import trio
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-from ft.core.batch import Sampled, SeqWork
+from ft.core.batch import Sampled, Scored, SeqWork, TokenScore
 from ft.tokenizer.spec import TokenizerSpec, bytes_to_unicode
 
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -91,18 +91,18 @@ class FakeRunner:
     record: bool = False
     hangs: bool = False  # set: steps never return (a hung kernel or rank), for the watchdog
 
-    async def astep(self, works: list[SeqWork]) -> list[Sampled]:
+    async def astep(self, works: list[SeqWork]) -> list[Sampled | Scored]:
         """One fake step: check page coverage, wait `step_s`, emit scripted tokens."""
         await trio.sleep(self.step_s)
         if self.hangs:
             await trio.sleep_forever()
         return self.step(works)
 
-    def step(self, works: list[SeqWork]) -> list[Sampled]:
-        """Synchronous step (no delay)."""
+    def step(self, works: list[SeqWork]) -> list[Sampled | Scored]:
+        """Synchronous step (no delay); prompt tokens score -1.0 each."""
         if self.record:
             self.steps.append(works)
-        out = []
+        out: list[Sampled | Scored] = []
         for w in works:
             end = w.start_pos + len(w.token_ids)
             assert len(w.page_ids) * self.page_size >= end, "pages do not cover the work"
@@ -112,4 +112,8 @@ class FakeRunner:
                 lp = -0.5 if w.params.logprobs else None
                 top = tuple((token, -0.5) for _ in range(min(1, w.params.top_logprobs)))
                 out.append(Sampled(w.seq_id, token, lp, top))
+            if w.score_ids:
+                n = w.params.prompt_logprobs or 0
+                scores = tuple(TokenScore(t, -1.0, ((t, -1.0),) * min(1, n)) for t in w.score_ids)
+                out.append(Scored(w.seq_id, scores))
         return out

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import trio
 
 from ft.errors import RequestAborted
-from ft.messages import Delta, Failed, PromptReady, RequestEvent, TokenLogprob
+from ft.messages import Delta, Failed, PromptReady, RequestEvent, TokenLogprob, TokenScore
 from ft.params import SamplingParams
 
 
@@ -21,9 +21,11 @@ class Choice:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    prompt_logprobs: list[TokenScore] = field(default_factory=list)  # prompt tokens 1.., when asked
 
     def add(self, delta: Delta) -> None:
         """Append one of this choice's deltas."""
+        self.prompt_logprobs += delta.prompt_logprobs
         self.text += delta.text
         self.token_ids += delta.token_ids
         self.logprobs += delta.logprobs

@@ -130,17 +130,30 @@ def shard_fused(config: LlamaConfig, fused: dict[str, torch.Tensor], shard: Shar
 
 
 def encode_works(works: list[SeqWork]) -> bytes:
-    """The fields a forward pass needs, as CBOR (sampling happens on rank 0 only)."""
-    return cbor2.dumps(
-        {"op": "step", "works": [[list(w.token_ids), w.start_pos, list(w.page_ids), w.sample] for w in works]}
-    )
+    """The fields a forward pass needs, as CBOR (sampling happens on rank 0 only; the scored
+    rows are sent because every rank runs their vocabulary projection, a collective)."""
+    rows = [
+        [list(w.token_ids), w.start_pos, list(w.page_ids), w.sample, w.score_offset, list(w.score_ids)]
+        for w in works
+    ]
+    return cbor2.dumps({"op": "step", "works": rows})
 
 
 def decode_works(rows: list[Any]) -> list[SeqWork]:
     """`SeqWork`s rebuilt from `encode_works`'s rows (greedy params: they are never sampled here)."""
     return [
-        SeqWork(i, tuple(tokens), int(start), tuple(pages), bool(sample), _GREEDY, 0)
-        for i, (tokens, start, pages, sample) in enumerate(rows)
+        SeqWork(
+            i,
+            tuple(tokens),
+            int(start),
+            tuple(pages),
+            bool(sample),
+            _GREEDY,
+            0,
+            score_offset=int(score_offset),
+            score_ids=tuple(score_ids),
+        )
+        for i, (tokens, start, pages, sample, score_offset, score_ids) in enumerate(rows)
     ]
 
 

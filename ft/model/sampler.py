@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ft.core.batch import Sampled, SeqWork
+from ft.core.batch import Sampled, SeqWork, TokenScore
 from ft.params import SamplingParams, mix_seed
 
 _SEED_MASK = (1 << 63) - 1
@@ -140,3 +140,21 @@ def sample(logits: torch.Tensor, works: list[SeqWork]) -> list[Sampled]:
             top = tuple(zip(best.indices.tolist(), best.values.tolist(), strict=True))
         out.append(Sampled(work.seq_id, token, float(logprobs[token]), top))
     return out
+
+
+def score_tokens(logits: torch.Tensor, targets: list[int], top: int) -> list[TokenScore]:
+    """Each target's logprob under its row of `logits` `[S, vocab]`, with the `top` best.
+
+    Prompt logprobs are the model's own distribution: no bias, penalty or temperature applies
+    to a prompt (vLLM's prompt logprobs are the raw ones too).
+    """
+    logprobs = logits.float().log_softmax(-1)  # [S, vocab]
+    ids = torch.tensor(targets, dtype=torch.long, device=logprobs.device)
+    chosen = logprobs.gather(1, ids[:, None])[:, 0].tolist()
+    if not top:
+        return [TokenScore(t, lp) for t, lp in zip(targets, chosen, strict=True)]
+    best = torch.topk(logprobs, top, dim=-1)
+    return [
+        TokenScore(t, lp, tuple(zip(i, v, strict=True)))
+        for t, lp, i, v in zip(targets, chosen, best.indices.tolist(), best.values.tolist(), strict=True)
+    ]

@@ -12,7 +12,7 @@ import torch
 import torch.utils.mkldnn
 
 from ft.config import QUANTIZATIONS
-from ft.core.batch import Sampled, SeqWork
+from ft.core.batch import RowsFailed, Sampled, Scored, SeqWork
 from ft.model import kernels
 from ft.model.attention import SeqSpan, build_metadata
 from ft.model.cuda_graphs import DecodeGraphs
@@ -22,7 +22,7 @@ from ft.model.masks import StepMasks
 from ft.model.parallel import RankFailure, RankGroup, Shard, decode_works, local_config
 from ft.model.quant import QuantTensor
 from ft.model.quantized_llama import QuantizedLlama, StepIndex
-from ft.model.sampler import sample
+from ft.model.sampler import sample, score_tokens
 from ft.model.threads import ThreadChooser, thread_choices
 from ft.params import first_outside_vocab
 
@@ -79,6 +79,9 @@ def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         count *= n
     raw = torch.from_numpy(np.zeros(count * itemsize, dtype=np.uint8))
     return raw.view(dtype).view(shape)
+
+
+SCORE_ROWS = 256  # prompt positions scored per vocabulary projection (prompt logprobs)
 
 
 class TorchRunner:
@@ -228,20 +231,21 @@ class TorchRunner:
         if bad is not None:
             raise ValueError(f"seq {work.seq_id}: token id {bad} outside the vocabulary")
 
-    def step(self, works: list[SeqWork]) -> list[Sampled]:
-        """Run one forward pass; return one `Sampled` per work with `sample=True`, in order."""
+    def step(self, works: list[SeqWork]) -> list[Sampled | Scored]:
+        """Run one forward pass; return one `Sampled` per work with `sample=True`, in order,
+        then one `Scored` per work with `score_ids`."""
         with self._threads.timed(sum(len(w.token_ids) for w in works)) as threads:
             if threads != torch.get_num_threads():
                 torch.set_num_threads(threads)
             return self._step(works)
 
-    def _step(self, works: list[SeqWork]) -> list[Sampled]:
+    def _step(self, works: list[SeqWork]) -> list[Sampled | Scored]:
         rows = [w for w in works if w.sample]
         masks = StepMasks.start(rows, self.vocab_size)  # computed while the model runs
         try:
-            logits = self.forward(works)
+            logits, scored = self._forward_locked(works)
             if logits is None:
-                return []
+                return list(scored)
             with torch.inference_mode():
                 if masks is not None:
                     masks.apply(logits)
@@ -249,13 +253,22 @@ class TorchRunner:
         finally:
             if masks is not None:
                 masks.wait()  # a failed step leaves no mask computation behind (but late ones)
-        # Raises `RowsFailed` when a row's grammar failed or ran over its budget.
-        return sampled if masks is None else masks.accept(sampled)
+        if masks is None:
+            return [*sampled, *scored]
+        try:  # raises `RowsFailed` when a row's grammar failed or ran over its budget
+            return [*masks.accept(sampled), *scored]
+        except RowsFailed as e:
+            e.sampled.extend(scored)
+            raise
 
     def forward(self, works: list[SeqWork]) -> torch.Tensor | None:
         """Feed every work's tokens (writing their KV); logits `[R, vocab]` of the sampling rows."""
+        return self._forward_locked(works)[0]
+
+    def _forward_locked(self, works: list[SeqWork]) -> tuple[torch.Tensor | None, list[Scored]]:
+        """`forward`, and the `Scored` of the works with `score_ids`."""
         if not works:
-            return None
+            return None, []
         for work in works:
             self._check(work)
         with self._lock:
@@ -303,7 +316,7 @@ class TorchRunner:
         finally:
             self._lock.release()
 
-    def _forward(self, works: list[SeqWork]) -> torch.Tensor | None:
+    def _forward(self, works: list[SeqWork]) -> tuple[torch.Tensor | None, list[Scored]]:
         if self.device.type != "cuda":
             return self._forward_on_device(works)
         # NOTE: steps run in whichever thread trio lends; streams, events and graphs follow the
@@ -311,7 +324,7 @@ class TorchRunner:
         with torch.cuda.device(self.device):
             return self._forward_on_device(works)
 
-    def _forward_on_device(self, works: list[SeqWork]) -> torch.Tensor | None:
+    def _forward_on_device(self, works: list[SeqWork]) -> tuple[torch.Tensor | None, list[Scored]]:
         token_ids: list[int] = []
         positions: list[int] = []
         sample_rows: list[int] = []
@@ -334,10 +347,33 @@ class TorchRunner:
                 else:
                     spans = [SeqSpan(w.start_pos, len(w.token_ids), w.page_ids) for w in works]
                     hidden = self._forward_torch(token_ids, positions, spans)
-            if not sample_rows:
-                return None
-            rows = hidden if len(sample_rows) == len(token_ids) else hidden[sample_rows]  # [R, hidden]
-            return self._lm_head(rows)  # [R, vocab]
+            logits = None
+            if sample_rows:
+                rows = hidden if len(sample_rows) == len(token_ids) else hidden[sample_rows]  # [R, hidden]
+                logits = self._lm_head(rows)  # [R, vocab]
+            return logits, self._score(works, hidden)
+
+    def _score(self, works: list[SeqWork], hidden: torch.Tensor) -> list[Scored]:
+        """Prompt logprobs of the works with `score_ids`, from their rows of `hidden` `[T, hidden]`.
+
+        The vocabulary projection runs `SCORE_ROWS` rows at a time: a whole 8k-token prompt's
+        logits would be 1.6 GB at the default model's 49k vocabulary. (Every rank runs this
+        too, with the same slices: the gathered lm_head is a collective.)
+        """
+        out: list[Scored] = []
+        base = 0
+        for work in works:
+            if work.score_ids:
+                first = base + work.score_offset
+                top = work.params.prompt_logprobs or 0
+                scores = []
+                for lo in range(0, len(work.score_ids), SCORE_ROWS):
+                    targets = list(work.score_ids[lo : lo + SCORE_ROWS])
+                    logits = self._lm_head(hidden[first + lo : first + lo + len(targets)])  # [S, vocab]
+                    scores += score_tokens(logits, targets, top)
+                out.append(Scored(work.seq_id, tuple(scores)))
+            base += len(work.token_ids)
+        return out
 
     def _step_index(self, works: list[SeqWork], positions: list[int]) -> StepIndex:
         page = self._page_size

@@ -26,16 +26,31 @@ def run_step(s: Scheduler, token: int = 7) -> tuple[Batch, list[TokenOut | SeqFa
     return batch, s.on_step_done(batch, StepDone(batch.step, sampled))
 
 
-def test_prompt_plus_max_tokens_over_context_is_rejected_naming_the_limit() -> None:
+def test_max_tokens_past_the_context_is_a_ceiling_lowered_to_the_room_left() -> None:
+    """max_tokens past what the context leaves after the prompt runs to the context's end."""
     s = make()
-    with pytest.raises(ContextLengthExceeded, match="128"):
-        s.add(1, list(range(1, 100)), SamplingParams(max_tokens=40))
+    s.add(1, list(range(1, 100)), SamplingParams(max_tokens=40))
+    assert s.waiting[0][0].params.max_tokens == 128 - 99
 
 
-def test_request_larger_than_the_pool_is_rejected() -> None:
+def test_a_prompt_that_fills_the_context_is_rejected_naming_the_limit() -> None:
+    """A prompt that leaves no room for one token is refused, with the counts."""
+    with pytest.raises(ContextLengthExceeded, match="128 tokens"):
+        make().add(1, list(range(1, 129)), SamplingParams(max_tokens=1))
+
+
+def test_max_tokens_past_the_pool_is_lowered_to_what_the_pool_holds() -> None:
+    """A budget larger than the pool is lowered to what one sequence can hold there."""
     s = make(num_pages=4, page_size=4)
-    with pytest.raises(ContextLengthExceeded, match="KV pages"):
-        s.add(1, [1] * 10, SamplingParams(max_tokens=10))
+    s.add(1, [1] * 10, SamplingParams(max_tokens=10))
+    assert s.waiting[0][0].params.max_tokens == 16 - 10
+
+
+def test_max_tokens_within_the_room_is_kept() -> None:
+    """A max_tokens that fits is not touched."""
+    s = make()
+    s.add(1, [1, 2, 3], SamplingParams(max_tokens=7))
+    assert s.waiting[0][0].params.max_tokens == 7
 
 
 def test_n_above_max_running_is_rejected() -> None:

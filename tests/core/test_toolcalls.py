@@ -379,3 +379,61 @@ def test_arguments_that_overflow_to_infinity_are_not_a_call() -> None:
     text = '<tool_call>{"name": "f", "arguments": {"a": 1e400}}</tool_call>'
     content, calls = parse_tool_calls(text, "hermes")
     assert calls == [] and content == text
+
+
+# --- an output cut short (max_tokens) --------------------------------------------------------
+
+# Per format: text before the calls, the calls as the model writes them, and the opening
+# markers no cut may surface as text.
+CUT_FORMATS: dict[str, tuple[str, list[str], tuple[str, ...]]] = {
+    "hermes": (
+        "Let me check. ",
+        [
+            '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+            '\n<tool_call>\n{"name": "b", "arguments": {"q": "</tool_call>"}}\n</tool_call>',
+        ],
+        ("<tool_call>", '{"name"'),
+    ),
+    "llama3_json": (
+        "",
+        [
+            '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}',
+            '; {"name": "b", "parameters": {}}',
+        ],
+        ("<|python_tag|>", '{"name"'),
+    ),
+}
+
+
+def run_cut(name: str, chunks: list[str]) -> list[ToolEvent]:
+    counter = itertools.count()
+    parser = make_tool_call_parser(name, id_factory=lambda: f"call_{next(counter)}")
+    events: list[ToolEvent] = []
+    for chunk in chunks:
+        events.extend(parser.feed(chunk))
+    events.extend(parser.finish(is_cut=True))
+    return events
+
+
+@settings(max_examples=400)
+@given(name=st.sampled_from(sorted(CUT_FORMATS)), cut=st.integers(min_value=0), cuts=cuts_strategy)
+def test_a_call_cut_short_is_never_surfaced_as_text(name: str, cut: int, cuts: list[int]) -> None:
+    """For any cut point of valid calls, however streamed, no content holds a call's opening
+    marker: the calls complete before the cut come back, the one it cut is dropped."""
+    before, calls, markers = CUT_FORMATS[name]
+    whole = before + "".join(calls)
+    cut_text = whole[: cut % (len(whole) + 1)]
+    content, parsed = summarize(run_cut(name, split(cut_text, cuts)))
+    assert not any(marker in content for marker in markers)
+    assert before.startswith(content)  # only the text before the calls, maybe held back at the cut
+    complete = len([i for i in range(len(calls)) if len(before + "".join(calls[: i + 1])) <= len(cut_text)])
+    assert len(parsed) in (complete, complete + 1)  # the last may parse before its closing tag
+
+
+@pytest.mark.parametrize("name", sorted(CUT_FORMATS))
+def test_an_output_that_ends_without_a_cut_still_returns_an_unfinished_call_as_text(name: str) -> None:
+    """Only a cut drops an unfinished call: a model that stopped inside one gets it back as text."""
+    before, calls, _ = CUT_FORMATS[name]
+    fragment = before + calls[0][: len(calls[0]) // 2]
+    assert summarize(run(name, [fragment])) == (fragment, [])
+    assert summarize(run_cut(name, [fragment])) == (before, [])

@@ -161,7 +161,7 @@ async def test_context_overflow_is_refused_with_the_limit(
     async with fake_engine(context_length=64) as engine:
         with pytest.raises(ContextLengthExceeded, match="64"):
             async with engine.open_request(
-                PromptSpec(text="x" * 50), params=SamplingParams(max_tokens=20)
+                PromptSpec(text="x" * 70), params=SamplingParams(max_tokens=20)
             ) as s:
                 await s.collect()
         await assert_nothing_held(engine)

@@ -335,6 +335,7 @@ class MessagesCall(GenerationApi):
             tool_call_parser=self.tool_call_parser,
             reasoning_parser=self.reasoning_parser,
             id_factory=new_tool_use_id,
+            is_cut=choice.finish_reason == "length",
         )
         has_calls = self.tool_calls = any(b.kind == "tool_call" for b in blocks)
         reason, sequence = stop_reason(choice.finish_reason, choice.stop_reason, has_calls)
@@ -353,7 +354,7 @@ class MessagesCall(GenerationApi):
 
     def end(self, u: Usage) -> list[bytes]:
         """The last block events, `message_delta` (stop reason, usage) and `message_stop`."""
-        frames = [block_event(e) for e in self.assembler.finish()]
+        frames = [block_event(e) for e in self.assembler.finish(is_cut=self.finish[0] == "length")]
         self.tool_calls = self.assembler.has_tool_calls
         reason, sequence = stop_reason(*self.finish, self.tool_calls)
         message_delta = {

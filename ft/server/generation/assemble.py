@@ -12,8 +12,9 @@ Two layers, both synchronous:
   the same assembler (streamed and non-streamed output cannot disagree).
 
 `ChatAssembler` shapes chat completions (`message`, `delta`,
-`finish`) for the chat completions route: `delta.tool_calls`, `reasoning_content`, and finish
-reason `tool_calls`.
+`finish`) for the chat completions route: `delta.tool_calls`, the reasoning under both its
+names (`reasoning_content`, which the AI SDK and opencode read, and `reasoning`, vLLM's newer
+name), and finish reason `tool_calls`.
 """
 
 from __future__ import annotations
@@ -58,11 +59,14 @@ class OutputAssembler:
         """Consume a text delta; return what it completes."""
         return self._route(self._reasoning.feed(text), finish=False)
 
-    def finish(self) -> list[OutputEvent]:
-        """End of output: flush everything held back."""
-        return self._route(self._reasoning.finish(), finish=True)
+    def finish(self, *, is_cut: bool = False) -> list[OutputEvent]:
+        """End of output: flush everything held back (a tool call the cut, `is_cut`, left
+        unfinished is dropped, never text)."""
+        return self._route(self._reasoning.finish(), finish=True, is_cut=is_cut)
 
-    def _route(self, events: list[ReasoningDelta | ContentDelta], *, finish: bool) -> list[OutputEvent]:
+    def _route(
+        self, events: list[ReasoningDelta | ContentDelta], *, finish: bool, is_cut: bool = False
+    ) -> list[OutputEvent]:
         out: list[OutputEvent] = []
         for event in events:
             if isinstance(event, ReasoningDelta):
@@ -70,7 +74,7 @@ class OutputAssembler:
             else:
                 out.extend(self._tools.feed(event.text))
         if finish:
-            out.extend(self._tools.finish())
+            out.extend(self._tools.finish(is_cut=is_cut))
         return out
 
 
@@ -144,9 +148,9 @@ class BlockAssembler:
         """Consume a text delta; return the block events it completes."""
         return self._group(self._output.feed(text))
 
-    def finish(self) -> list[BlockEvent]:
-        """End of output: flush, and close the open block."""
-        out = self._group(self._output.finish())
+    def finish(self, *, is_cut: bool = False) -> list[BlockEvent]:
+        """End of output: flush, and close the open block (`is_cut`: cut by `max_tokens`)."""
+        out = self._group(self._output.finish(is_cut=is_cut))
         self._close(out)
         return out
 
@@ -201,11 +205,13 @@ def assemble_blocks(
     tool_call_parser: str | None,
     reasoning_parser: str | None,
     id_factory: Callable[[], str] = new_tool_call_id,
+    is_cut: bool = False,
 ) -> list[Block]:
-    """The blocks of a whole output (what the streamed events add up to)."""
+    """The blocks of a whole output (what the streamed events add up to); `is_cut`: the output
+    was cut short (finish reason `length`)."""
     assembler = BlockAssembler(tool_call_parser, reasoning_parser, id_factory)
     assembler.feed(text)
-    assembler.finish()
+    assembler.finish(is_cut=is_cut)
     return assembler.blocks
 
 
@@ -249,14 +255,15 @@ class ChatAssembler:
         output = OutputAssembler(
             tool_call_parser=self._tool_call_parser, reasoning_parser=self._reasoning_parser
         )
-        fields = self._fields(output.feed(choice.text) + output.finish())
+        is_cut = choice.finish_reason == "length"
+        fields = self._fields(output.feed(choice.text) + output.finish(is_cut=is_cut))
         calls = fields.get("tool_calls", [])
         message: dict[str, Any] = {
             "role": "assistant",
             "content": fields.get("content", "") or (None if calls else ""),
         }
         if "reasoning_content" in fields:
-            message["reasoning_content"] = fields["reasoning_content"]
+            message["reasoning_content"] = message["reasoning"] = fields["reasoning_content"]
         if calls:
             message["tool_calls"] = [{k: v for k, v in c.items() if k != "index"} for c in calls]
         return message, openai_finish_reason(choice.finish_reason, output.has_tool_calls)
@@ -267,7 +274,7 @@ class ChatAssembler:
 
     def finish(self, reason: str | None) -> tuple[dict[str, Any] | None, str | None]:
         """Delta fields held back until the end, and the finish reason."""
-        fields = self._fields(self._output.finish())
+        fields = self._fields(self._output.finish(is_cut=reason == "length"))
         return fields or None, openai_finish_reason(reason, self._output.has_tool_calls)
 
     @staticmethod
@@ -287,8 +294,8 @@ class ChatAssembler:
                 case ToolCallEnd():
                     pass
         fields: dict[str, Any] = {}
-        if reasoning:
-            fields["reasoning_content"] = reasoning
+        if reasoning:  # both spellings: clients read one or the other
+            fields["reasoning_content"] = fields["reasoning"] = reasoning
         if content:
             fields["content"] = content
         if calls:

@@ -30,6 +30,7 @@ from contextlib import AsyncExitStack, aclosing, asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
+import trio
 from quart import Response, has_request_context, request
 
 from ft.engine.engine import Admission
@@ -87,6 +88,7 @@ class GenerationApi:
     prompts: list[PromptSpec]
     params: SamplingParams
     stream: bool
+    prompt_ids: list[tuple[int, ...]]  # each prompt's token ids, set once they are known
     heartbeat: bytes = HEARTBEAT
     is_body_large: bool = False  # the client chooses its size (echo, logprobs): build it off the loop
     tool_calls: bool = False  # set once a tool call was parsed out of the output (for the metrics)
@@ -163,7 +165,9 @@ async def respond(ctx: ServerContext, api: GenerationApi) -> Response:
 async def _respond(
     ctx: ServerContext, api: GenerationApi, record: RequestRecord, admission: Admission
 ) -> Response:
-    prompt_ids = [await prepare(ctx, prompt, api.params, admission) for prompt in api.prompts]
+    prompt_ids = api.prompt_ids = [
+        await prepare(ctx, prompt, api.params, admission) for prompt in api.prompts
+    ]
     record.prompt_tokens = sum(len(ids) for ids in prompt_ids)
     if api.stream:
         return sse_response(stream_body(ctx, api, prompt_ids, record, admission))
@@ -291,7 +295,11 @@ async def _events(
                 for k, delta in got.deltas:
                     if ctx.settings.log_prompts:
                         outputs.setdefault((k, delta.index), []).append(delta.text)
-                    for frame in api.delta(k, delta):
+                    if delta.prompt_logprobs:  # a scored prompt's text: linear in it, off the loop
+                        frames = await trio.to_thread.run_sync(api.delta, k, delta)
+                    else:
+                        frames = api.delta(k, delta)
+                    for frame in frames:
                         yield frame
         ending = api.end(Usage.of(streams))
     except FtError as e:

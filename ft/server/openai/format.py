@@ -7,12 +7,12 @@ builds from its output policy (`ft.server.generation.policy`), streamed or not.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ft.errors import InvalidRequest
 from ft.grammar.spec import GrammarSpec
-from ft.messages import TokenLogprob
+from ft.messages import TokenLogprob, TokenScore, TopLogprob
 from ft.params import SamplingParams
 from ft.server.edge.body import parse_arguments
 from ft.server.generation import lifecycle
@@ -35,6 +35,7 @@ def sampling_params(
     logprobs: bool,
     top_logprobs: int,
     grammar: GrammarSpec | None,
+    prompt_logprobs: int | None = None,
 ) -> SamplingParams:
     """Engine sampling params for a chat or completions request.
 
@@ -61,6 +62,7 @@ def sampling_params(
         ignore_eos=req.ignore_eos,
         logprobs=logprobs,
         top_logprobs=top_logprobs,
+        prompt_logprobs=prompt_logprobs,
         n=req.n,
         skip_special_tokens=req.skip_special_tokens,
         grammar=grammar,
@@ -68,9 +70,11 @@ def sampling_params(
 
 
 def check_echo_size(req: CompletionRequest, max_model_len: int) -> None:
-    """Raise `InvalidRequest` when `echo` would return more than `MAX_ECHO_TOKENS` tokens.
+    """Raise `InvalidRequest` when `echo` would return more than `MAX_ECHO_TOKENS` entries.
 
     A string prompt counts its UTF-8 bytes (at least its token count), capped at the context.
+    With `logprobs: N` each echoed token is scored: it counts N + 2 (its logprob, its N
+    alternatives and itself in `top_logprobs`).
     """
     if not req.echo:
         return
@@ -78,13 +82,45 @@ def check_echo_size(req: CompletionRequest, max_model_len: int) -> None:
         len(p) if isinstance(p, list) else min(len(p.encode("utf-8", "surrogatepass")), max_model_len)
         for p in req.prompt
     )
-    echoed = tokens * req.n
+    weight = 1 if req.logprobs is None else req.logprobs + 2
+    echoed = tokens * req.n * weight
     if echoed > MAX_ECHO_TOKENS:
         raise InvalidRequest(
-            f"echo would return {echoed} prompt tokens (prompt tokens x n, each with its logprobs "
-            f"entry); the limit is {MAX_ECHO_TOKENS}: send fewer or shorter prompts or a smaller n",
+            f"echo would return {echoed} prompt token entries (prompt tokens x n, x (logprobs + 2) "
+            f"with logprobs: each is scored); the limit is {MAX_ECHO_TOKENS}: send fewer or "
+            "shorter prompts, a smaller n or fewer logprobs",
             param="echo",
         )
+
+
+class TokenTexts:
+    """Each token id's text, decoded once: an echoed prompt's tokens and their alternatives
+    repeat (an 8k-token prompt with 20 alternatives each is 172k lookups, ~0.8 s decoded one by
+    one), so a body decodes each distinct id once."""
+
+    def __init__(self, detokenize: Callable[[list[int]], str]) -> None:
+        self._detokenize = detokenize
+        self._texts: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        """The text of `token_id` alone."""
+        text = self._texts.get(token_id)
+        if text is None:
+            text = self._texts[token_id] = self._detokenize([token_id])
+        return text
+
+
+def prompt_logprobs(text: TokenTexts, scores: Sequence[TokenScore]) -> list[TokenLogprob]:
+    """Scored prompt tokens with their text (linear in the prompt: a body builds it off the loop)."""
+    return [
+        TokenLogprob(
+            s.token_id,
+            text(s.token_id),
+            s.logprob,
+            tuple(TopLogprob(t, text(t), lp) for t, lp in s.top_logprobs),
+        )
+        for s in scores
+    ]
 
 
 def usage(u: Usage) -> dict[str, Any]:
@@ -130,13 +166,20 @@ class CompletionLogprobs:
     def __init__(self, offset: int = 0) -> None:
         self.offset = offset
 
-    def add_prompt(self, tokens: Sequence[str]) -> dict[str, Any]:
-        """Entries for echoed prompt tokens (no logprobs: the engine does not score prompts)."""
+    def add_prompt(self, tokens: Sequence[str], scores: Sequence[TokenLogprob] = ()) -> dict[str, Any]:
+        """Entries for echoed prompt tokens; `scores` are tokens 1.. scored (vLLM's shape: the
+        first token has no context, so its logprob is null; each scored one's `top_logprobs`
+        holds its alternatives and the token itself)."""
         out = self._empty()
-        for tok in tokens:
+        for i, tok in enumerate(tokens):
+            score = scores[i - 1] if 0 < i <= len(scores) else None
             out["tokens"].append(tok)
-            out["token_logprobs"].append(None)
-            out["top_logprobs"].append(None)
+            out["token_logprobs"].append(None if score is None else _lp(score.logprob))
+            out["top_logprobs"].append(
+                None
+                if score is None
+                else {alt.token: _lp(alt.logprob) for alt in score.top} | {score.token: _lp(score.logprob)}
+            )
             out["text_offset"].append(self.offset)
             self.offset += len(tok)
         return out
@@ -176,8 +219,8 @@ def chat_message_for_template(message: ChatMessage) -> dict[str, Any]:
         out["name"] = message.name
     if message.tool_call_id is not None:
         out["tool_call_id"] = message.tool_call_id
-    if message.reasoning_content is not None:
-        out["reasoning_content"] = message.reasoning_content
+    if message.reasoning_text is not None:  # templates read `reasoning_content`
+        out["reasoning_content"] = message.reasoning_text
     if message.tool_calls:
         out["tool_calls"] = [_template_tool_call(tc) for tc in message.tool_calls]
     return out

@@ -8,6 +8,7 @@ request's lifecycle (static checks, scopes, heartbeats, in-stream errors) is
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Any
 
 from quart import Response
@@ -28,9 +29,11 @@ from ft.server.generation.structured import openai_output
 from ft.server.generation.tools import ToolChoice
 from ft.server.openai.format import (
     CompletionLogprobs,
+    TokenTexts,
     chat_logprobs,
     chat_message_for_template,
     check_echo_size,
+    prompt_logprobs,
     sampling_params,
     usage,
 )
@@ -190,13 +193,24 @@ class TextCompletion(OpenAIGeneration):
         for i, p in enumerate(req.prompt):
             if isinstance(p, list):
                 ctx.check_token_ids(p, "prompt" if len(req.prompt) == 1 else f"prompt[{i}]")
+        # max_tokens 0 (lm-eval's loglikelihood requests): the prompt echoed, nothing generated.
+        # The engine samples one token to finish the prefill; it is dropped here.
+        self.is_echo_only = req.max_tokens == 0
+        if self.is_echo_only and not req.echo:
+            raise InvalidRequest(
+                "max_tokens 0 generates nothing: it is accepted with echo (the prompt, and with "
+                "logprobs the prompt's logprobs)",
+                param="max_tokens",
+            )
         self.params = sampling_params(
             ctx,
             req,
-            max_tokens=req.max_tokens,
+            max_tokens=1 if self.is_echo_only else req.max_tokens,
             logprobs=req.logprobs is not None,
             top_logprobs=req.logprobs or 0,
             grammar=openai_output(req),
+            # echo with logprobs scores the prompt too (vLLM's shape, what lm-eval reads)
+            prompt_logprobs=req.logprobs if req.echo else None,
         )
         check_echo_size(req, ctx.engine.max_model_len)
         self.prompts = [
@@ -208,11 +222,20 @@ class TextCompletion(OpenAIGeneration):
         self.created = int(time.time())
         self.model = ctx.engine.model_id  # the model that answers, whatever name was sent
         self.started: set[int] = set()
+        self.token_texts = TokenTexts(ctx.engine.detokenize)  # shared by the choices' echoes
         self.offsets: dict[int, CompletionLogprobs] = {}
+
+    def end(self, u: Usage) -> list[bytes]:
+        """The usage chunk when asked for, then `[DONE]`."""
+        return super().end(self.usage(u))
 
     def prompt_text(self, prompt: PromptItem) -> str:
         """The prompt as text (for `echo`)."""
         return prompt if isinstance(prompt, str) else self.ctx.engine.detokenize(prompt)
+
+    def usage(self, u: Usage) -> Usage:
+        """`u`, less the token sampled and dropped for `max_tokens: 0`."""
+        return replace(u, completion_tokens=0) if self.is_echo_only else u
 
     def body(self, done: Generated) -> dict[str, Any]:
         """The non-streamed `text_completion` object."""
@@ -221,22 +244,25 @@ class TextCompletion(OpenAIGeneration):
             for k, choices in enumerate(done.choices)
             for c in choices
         ]
-        return self._object(out) | {"usage": usage(done.usage)}
+        return self._object(out) | {"usage": usage(self.usage(done.usage))}
+
+    def echo_logprobs(
+        self, lp: CompletionLogprobs, prompt_ids: tuple[int, ...], choice: Choice
+    ) -> dict[str, Any]:
+        """The echoed prompt's logprobs entries: null for its first token, then each one's."""
+        text = self.token_texts
+        return lp.add_prompt([text(t) for t in prompt_ids], prompt_logprobs(text, choice.prompt_logprobs))
 
     def choice_body(
         self, k: int, prompt: PromptItem, prompt_ids: tuple[int, ...], c: Choice
     ) -> dict[str, Any]:
         """One non-streamed choice."""
-        text, logprobs = c.text, None
+        text, logprobs = ("", None) if self.is_echo_only else (c.text, None)
         echo = self.prompt_text(prompt) if self.req.echo else ""
         if self.params.logprobs:
             lp = CompletionLogprobs()
-            logprobs = (
-                lp.add_prompt([])
-                if not echo
-                else lp.add_prompt([self.ctx.engine.detokenize([t]) for t in prompt_ids])
-            )
-            logprobs = CompletionLogprobs.merge(logprobs, lp.add(c.logprobs))
+            logprobs = self.echo_logprobs(lp, prompt_ids, c) if echo else lp.add_prompt([])
+            logprobs = CompletionLogprobs.merge(logprobs, lp.add([] if self.is_echo_only else c.logprobs))
         return {
             "index": k * self.params.n + c.index,
             "text": echo + text,
@@ -255,14 +281,20 @@ class TextCompletion(OpenAIGeneration):
         """Every prompt's choices, interleaved as they arrive (prompt `k`'s at `k * n + i`)."""
         frames = []
         index = k * self.params.n + delta.index
-        text = delta.text
-        if index not in self.started:
+        text = "" if self.is_echo_only else delta.text
+        is_first = index not in self.started
+        if is_first:
             self.started.add(index)
             if self.req.echo:
                 text = self.prompt_text(self.req.prompt[k]) + text
         lps = None
         if self.params.logprobs:
-            lps = self.offsets.setdefault(index, CompletionLogprobs()).add(delta.logprobs)
+            lp = self.offsets.setdefault(index, CompletionLogprobs())
+            lps = lp.add_prompt([])
+            if is_first and self.req.echo:
+                choice = Choice(delta.index, prompt_logprobs=list(delta.prompt_logprobs))
+                lps = self.echo_logprobs(lp, self.prompt_ids[k], choice)
+            lps = CompletionLogprobs.merge(lps, lp.add(() if self.is_echo_only else delta.logprobs))
         if text or (lps and lps["tokens"]):
             frames.append(self.chunk(index, text, logprobs=lps))
         if delta.finish_reason is not None:

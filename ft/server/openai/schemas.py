@@ -149,6 +149,12 @@ class ChatMessage(StrictModel):
     tool_calls: Annotated[list[dict[str, Any]], Field(max_length=MAX_TOOLS)] | None = None
     tool_call_id: Name | None = None
     reasoning_content: str | None = None
+    reasoning: str | None = None  # vLLM's newer name for `reasoning_content`; either is read
+
+    @property
+    def reasoning_text(self) -> str | None:
+        """The reasoning sent back with an assistant turn, under either name."""
+        return self.reasoning_content if self.reasoning_content is not None else self.reasoning
 
     @field_validator("content", mode="before")
     @classmethod
@@ -355,7 +361,8 @@ class CompletionRequest(SamplingFields):
     """`POST /v1/completions`."""
 
     prompt: Annotated[list[PromptItem], BeforeValidator(normalize_prompt)]
-    max_tokens: MaxTokens | None = 16
+    # 0 generates nothing: with `echo` and `logprobs`, the prompt's own logprobs (lm-eval)
+    max_tokens: Annotated[int, Field(ge=0, le=MAX_TOKENS_LIMIT)] | None = 16
     echo: bool = False
     suffix: str | None = None
     logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None

@@ -237,6 +237,7 @@ class ResponseCall(GenerationApi):
             choice.text,
             tool_call_parser=self.tool_call_parser,
             reasoning_parser=self.reasoning_parser,
+            is_cut=choice.finish_reason == "length",
         )
         is_incomplete = choice.finish_reason == "length"
         status = "incomplete" if is_incomplete else "completed"
@@ -270,7 +271,7 @@ class ResponseCall(GenerationApi):
         last = len(self.assembler.blocks) - 1
         frames = [
             self.event(kind, **fields)
-            for block_event in self.assembler.finish()
+            for block_event in self.assembler.finish(is_cut=is_incomplete)
             for kind, fields in self.item_events(block_event, is_incomplete and block_event.index == last)
         ]
         self.tool_calls = self.assembler.has_tool_calls

@@ -154,3 +154,26 @@ def test_function_tool_and_system_instruction() -> None:
     assert add_system_instruction([{"role": "system", "content": "S"}], "X") == [
         {"role": "system", "content": "S\n\nX"}
     ]
+
+
+CUT = "Let me check. " + CALL + "\n" + CALL[: len(CALL) // 2]  # the second call cut by max_tokens
+
+
+def test_a_call_cut_by_max_tokens_is_dropped_from_every_shape() -> None:
+    """Cut by max_tokens, a call's fragment is never text: chat message and deltas, blocks;
+    the complete call before it stays, and the finish reason stays `length`."""
+    message, reason = ChatAssembler(tool_call_parser="hermes", reasoning_parser=None).message(
+        Choice(0, text=CUT, finish_reason="length")
+    )
+    assert reason == "length"
+    assert message["content"] == "Let me check. " and len(message["tool_calls"]) == 1
+    asm = ChatAssembler(tool_call_parser="hermes", reasoning_parser=None)
+    deltas = [d for ch in CUT if (d := asm.delta(ch)) is not None]
+    rest, reason = asm.finish("length")
+    deltas += [rest] if rest else []
+    assert reason == "length"
+    assert "".join(d.get("content", "") for d in deltas) == "Let me check. "
+    assert len([c for d in deltas for c in d.get("tool_calls", [])]) == 1
+    blocks = assemble_blocks(CUT, tool_call_parser="hermes", reasoning_parser=None, is_cut=True)
+    assert [b.kind for b in blocks] == ["text", "tool_call"]
+    assert "<tool_call>" not in blocks[0].text

@@ -179,19 +179,37 @@ async def test_stream_logprobs(client: httpx.AsyncClient) -> None:
     assert tokens == ["H", "e"]
 
 
+LONG_USER = [{"role": "user", "content": "x" * 2100}]  # the fake model's context is 2048 bytes
+
+
 async def test_context_length_exceeded(client: httpx.AsyncClient) -> None:
-    """A prompt plus max_tokens past the context is a 400 `context_length_exceeded`."""
-    r = await chat(client, max_tokens=5000)
+    """A prompt past the context is a 400 `context_length_exceeded` with the token counts."""
+    r = await chat(client, messages=LONG_USER, max_tokens=5)
     assert r.status_code == 400
     assert r.json()["error"]["code"] == "context_length_exceeded"
+    assert "2048 tokens" in r.json()["error"]["message"]
 
 
 async def test_streamed_context_length_exceeded_is_a_400_before_the_stream(client: httpx.AsyncClient) -> None:
     """A prompt that can never fit is refused before any 200 (in-stream errors: test_faults)."""
-    r = await chat(client, max_tokens=5000, stream=True)
+    r = await chat(client, messages=LONG_USER, max_tokens=5, stream=True)
     assert r.status_code == 400
     assert r.json()["error"]["code"] == "context_length_exceeded"
     await wait_idle(client)
+
+
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/completions"])
+async def test_max_tokens_past_the_context_is_a_ceiling(client: httpx.AsyncClient, route: str) -> None:
+    """max_tokens past what the context leaves after the prompt (agents send their own ceiling)
+    is a 200 that runs up to the context's end and finishes with `length`, as on /v1/messages."""
+    prompt = {"messages": [{"role": "user", "content": "x" * 2000}]}
+    if route == "/v1/completions":
+        prompt = {"prompt": "x" * 2000}
+    r = await client.post(route, json=prompt | {"max_tokens": 32000, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    usage = r.json()["usage"]
+    assert usage["total_tokens"] == 2048
+    assert r.json()["choices"][0]["finish_reason"] == "length"
 
 
 # --- completions ---------------------------------------------------------------------------
@@ -234,13 +252,14 @@ async def test_prompt_forms(client: httpx.AsyncClient, prompt: object, count: in
 
 
 async def test_echo_and_logprobs(client: httpx.AsyncClient) -> None:
-    """`echo` prepends the prompt; logprobs list its tokens with null logprobs, then the output's."""
+    """`echo` prepends the prompt; logprobs list its tokens (the first with a null logprob, the
+    others scored: the fake model scores -1), then the output's."""
     r = await complete(client, prompt="ab", max_tokens=2, echo=True, logprobs=1)
     choice = r.json()["choices"][0]
     assert choice["text"] == "abHe"
     lp = choice["logprobs"]
     assert lp["tokens"] == ["a", "b", "H", "e"]
-    assert lp["token_logprobs"] == [None, None, -0.5, -0.5]
+    assert lp["token_logprobs"] == [None, -1.0, -0.5, -0.5]
     assert lp["text_offset"] == [0, 1, 2, 3]
     assert lp["top_logprobs"][2] == {"H": -0.5}
 
