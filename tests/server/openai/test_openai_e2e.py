@@ -11,6 +11,7 @@ import trio
 
 from ft.config import EngineConfig
 from ft.params import SamplingParams
+from ft.prompt import PromptSpec
 from ft.server import RunningServer
 from tests.support import scenarios
 from tests.support.server import parse_sse, running_server
@@ -91,7 +92,7 @@ async def test_prompt_logprobs_on_the_default_model_score_what_it_generated() ->
     greedy continuation gives those tokens the logprobs they were generated with."""
     async with real_server() as s, httpx.AsyncClient(base_url=s.base_url, timeout=60) as client:
         with trio.fail_after(120):
-            prompt = await s.engine.tokenize(prompt="The capital of France is")
+            prompt = await s.engine.tokenize(PromptSpec(text="The capital of France is"))
             async with s.engine.open_request(
                 prompt_token_ids=prompt,
                 params=SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, logprobs=True),
