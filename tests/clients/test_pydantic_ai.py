@@ -63,7 +63,9 @@ def test_pydantic_ai_runs_a_tool(ft_serve: FtServe, env: dict[str, str]) -> None
     ("api", "mode"),
     [("chat", "tool"), ("chat", "native"), ("responses", "native")],
 )
-def test_pydantic_ai_returns_a_typed_output(ft_serve: FtServe, env: dict[str, str], api: str, mode: str) -> None:
+def test_pydantic_ai_returns_a_typed_output(
+    ft_serve: FtServe, env: dict[str, str], api: str, mode: str
+) -> None:
     """`output_type` as a forced output tool (`ToolOutput`, pydantic-ai's default) and as a
     JSON schema response format (`NativeOutput`) comes back as a validated instance."""
     output: Any = ToolOutput(City) if mode == "tool" else NativeOutput(City)
