@@ -43,7 +43,7 @@ def _project(server: FtServe, folder: Path, tools: dict[str, bool]) -> Path:
                     server.model: {
                         "name": server.model,
                         "tool_call": True,
-                        "limit": {"context": 8192, "output": 256},
+                        "limit": {"context": 8192, "output": 96},
                     }
                 },  # fmt: skip
             }
