@@ -189,7 +189,7 @@ def install_npm(name: str, *packages: str) -> Path | None:
         return folder
     folder.mkdir(parents=True, exist_ok=True)
     command = [npm, "install", "--prefix", str(folder), "--no-audit", "--no-fund", "--no-update-notifier",
-               "--loglevel=error", *packages]  # fmt: skip
+               "--loglevel=error", "--fetch-retries=1", "--fetch-timeout=30000", *packages]  # fmt: skip
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=INSTALL_TIMEOUT_S)
     except subprocess.TimeoutExpired:
@@ -214,8 +214,9 @@ def install_venv(name: str, *requirements: str) -> Path | None:
     try:
         subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(folder)], check=True,
                        capture_output=True, timeout=60)  # fmt: skip
-        done = subprocess.run([str(python), "-m", "pip", "install", "-q", *requirements],
-                              capture_output=True, text=True, timeout=INSTALL_TIMEOUT_S)  # fmt: skip
+        pip = [str(python), "-m", "pip", "install", "-q", "--timeout", "30", "--retries", "1"]
+        install = [*pip, *requirements]
+        done = subprocess.run(install, capture_output=True, text=True, timeout=INSTALL_TIMEOUT_S)
     except (subprocess.TimeoutExpired, subprocess.CalledProcessError) as e:
         print(f"venv {name}: {e}", file=sys.stderr)
         return None
