@@ -16,8 +16,9 @@ from tests.support.clients import FtServe, assert_clean, install_venv
 
 INSTRUCTOR = "instructor==1.17.0"
 NAMED_TOOL_CHOICE = (
-    "Mode.TOOLS forces the tool by name and ft lets the model call it again and again; the cut"
-    " second call comes back as text (issue 23 item 3, owned by the tool-choice fix)"
+    "Mode.TOOLS forces the tool by name and ft lets the model call it again and again until"
+    " max_tokens: finish_reason 'length', and instructor raises IncompleteOutputException"
+    " (issue 23 item 3, owned by the tool-choice fix)"
 )
 SCRIPT = """
 import json, sys
