@@ -127,6 +127,9 @@ class Engine:
         self.state = EngineState.LOADING
         self.error: str | None = None
         self.load_progress = 0.0  # fraction of the start-up done, for /health
+        # Whether the chat template renders a system message mid-conversation in place (known
+        # once the template check ran at load; until then False: such turns are folded).
+        self.template_renders_mid_system = False
         self.model_id = config.served_model_name or (config.model or "SmolLM2-135M-Instruct")
         self.max_model_len = 0
         self.vocab_size = 0
@@ -318,6 +321,7 @@ class Engine:
             raise ValueError("the model's chat template cannot be used: it crashed its worker") from e
         if "error" in answer:
             raise ValueError(f"the model's chat template cannot be used: {answer['error']}")
+        self.template_renders_mid_system = bool(answer.get("mid_system"))
 
     def _worker_executor(
         self, *, workers: int | None = None, kill_on_cancel: bool = False, timeout_s: float | None = None

@@ -8,13 +8,14 @@ is what they translate with.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from ft.errors import InvalidRequest
 from ft.grammar.spec import GrammarSpec
 from ft.ids import random_id
 from ft.params import SamplingParams
-from ft.server.anthropic.schemas import MessagesRequest, PromptFields
+from ft.server.anthropic.schemas import MessagesRequest, PromptFields, TextBlock
 from ft.server.generation import lifecycle
 from ft.server.generation.assemble import Block, BlockDelta, BlockEvent, BlockStart, BlockStop
 from ft.server.generation.context import ServerContext
@@ -25,22 +26,71 @@ from ft.server.generation.tools import ToolChoice, apply_tool_choice, function_t
 # --- request -> engine -----------------------------------------------------------------------
 
 
-def template_messages(req: PromptFields) -> list[dict[str, Any]]:
+# Request metadata that Claude Code sends as its first system block, shaped as an HTTP header
+# (`x-anthropic-billing-header: cc_version=2.1.197.1c0; cc_entrypoint=sdk-cli;`). Anthropic's
+# API reads it and leaves it out of the prompt. Its value changes from request to request
+# while the agent's long prompt after it does not, so a prompt that began with it would share
+# no prefix with the previous turn's: ft leaves it out too. Longer blocks are prompt text.
+HEADER_BLOCK = re.compile(r"x-anthropic-[a-z0-9-]+:[^\n]*")
+MAX_HEADER_BLOCK_CHARS = 1024
+
+
+def is_header_block(text: str) -> bool:
+    """Whether a system block is request metadata (`x-anthropic-…: …`, one line), not prompt."""
+    return len(text) <= MAX_HEADER_BLOCK_CHARS and HEADER_BLOCK.fullmatch(text.strip()) is not None
+
+
+def system_text(req: PromptFields) -> str:
+    """The system prompt as one string, without the header blocks (`is_header_block`)."""
+    if req.system is None or isinstance(req.system, str):
+        return req.system or ""
+    return "\n".join(b.text for b in req.system if not is_header_block(b.text))
+
+
+def template_messages(req: PromptFields, *, system_turns: bool) -> list[dict[str, Any]]:
     """Anthropic turns as chat-template messages (OpenAI's shape, as templates expect).
 
     `tool_use` blocks become the assistant's `tool_calls` (arguments as an object, as Hugging
     Face templates expect); each `tool_result` becomes a `tool` message, in block order;
     `thinking` becomes `reasoning_content`.
+
+    `system` turns inside `messages` stay where they are: before the first user or assistant
+    turn they join the system prompt; after it, they are system messages when the template
+    renders those in place (`system_turns`, probed at load), else their text joins the
+    neighbouring user turn (the next one, or the previous one at the end), so that roles
+    still alternate as strict templates require.
     """
     out: list[dict[str, Any]] = []
-    system = req.system_text
-    if system:
-        out.append({"role": "system", "content": system})
+    leading = [system_text(req)]
+    folded: set[int] = set()  # indices in `out` of user messages that hold a system turn's text
     for message in req.messages:
-        if message.role == "assistant":
+        if message.role == "system":
+            text = "\n".join(b.text for b in message.content if isinstance(b, TextBlock))
+            if not out:
+                leading.append(text)
+            elif system_turns:
+                out.append({"role": "system", "content": text})
+            else:
+                folded.add(len(out))
+                out.append({"role": "user", "content": text})
+        elif message.role == "assistant":
             out.append(_assistant_message(message.content))
         else:
             out.extend(_user_messages(message.content))
+    system = "\n\n".join(t for t in leading if t)
+    return ([{"role": "system", "content": system}] if system else []) + _join_folded(out, folded)
+
+
+def _join_folded(messages: list[dict[str, Any]], folded: set[int]) -> list[dict[str, Any]]:
+    """`messages` with each run of user messages that holds a folded system turn made one."""
+    out: list[dict[str, Any]] = []
+    for i, message in enumerate(messages):
+        prev = out[-1] if out else None
+        joins = i in folded or (i - 1 in folded)
+        if joins and prev is not None and prev["role"] == "user" and message["role"] == "user":
+            out[-1] = prev | {"content": f"{prev['content']}\n\n{message['content']}"}
+        else:
+            out.append(message)
     return out
 
 
@@ -107,14 +157,16 @@ def tool_choice(req: PromptFields) -> ToolChoice:
             return ToolChoice(parallel=parallel)
 
 
-def messages_prompt(req: PromptFields) -> Prompt:
+def messages_prompt(req: PromptFields, *, system_turns: bool) -> Prompt:
     """The engine-side prompt of a Messages request: template messages, tools, kwargs.
 
     A final assistant turn is a prefill: the model continues it. `tool_choice` follows the
-    shared policy (`ft.server.generation.tools`): `none` sends no tools.
+    shared policy (`ft.server.generation.tools`): `none` sends no tools. `system_turns`: the
+    template renders system messages mid-conversation (`template_messages`).
     """
     tools = [function_tool(t.name, t.description, t.input_schema) for t in req.tools or ()]
-    messages, sent_tools = apply_tool_choice(template_messages(req), tools, tool_choice(req))
+    messages = template_messages(req, system_turns=system_turns)
+    messages, sent_tools = apply_tool_choice(messages, tools, tool_choice(req))
     is_prefill = req.messages[-1].role == "assistant"
     return Prompt(
         messages=messages,

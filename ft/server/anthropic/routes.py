@@ -92,7 +92,7 @@ def register(app: QuartTrio, ctx: ServerContext) -> None:
     async def count_tokens() -> Response:
         req = await read_request(ctx, CountTokensRequest)
         ctx.check_model(req.model)
-        prompt = messages_prompt(req)
+        prompt = messages_prompt(req, system_turns=ctx.engine.template_renders_mid_system)
         ctx.check_admission()
         assert prompt.messages is not None
         ids = await ctx.engine.tokenize(
@@ -113,13 +113,11 @@ class MessagesCall(GenerationApi):
     def __init__(self, ctx: ServerContext, req: MessagesRequest) -> None:
         self.ctx, self.req = ctx, req
         ctx.check_model(req.model)
-        prompt = messages_prompt(req)
+        prompt = messages_prompt(req, system_turns=ctx.engine.template_renders_mid_system)
         self.prompts = [prompt]
         config = ctx.engine.config
         self.tool_call_parser = tool_call_parser_name(config.tool_call_parser, prompt.tools is not None)
-        grammar = output_grammar(
-            prompt.tools, tool_choice(req), self.tool_call_parser, anthropic_output(req.output_format)
-        )
+        grammar = output_grammar(prompt.tools, tool_choice(req), self.tool_call_parser, anthropic_output(req))
         if prompt.continue_final_message and grammar is not None:
             raise InvalidRequest(
                 "an assistant prefill cannot be used with output_format or a forced tool_choice: "
