@@ -55,6 +55,9 @@ class Engine:
         # Decided before any work, so every surface shows one id from the first second on.
         self.names = model_names(config.model, config.served_names)
         self.model_id = self.names.id
+        # Whether the chat template renders a system message mid-conversation in place (known
+        # once the template check ran at load; until then False: such turns are folded).
+        self.template_renders_mid_system = False
         self.max_model_len = 0
         self.vocab_size = 0
         self.kv_cache_dtype = config.kv_cache_dtype  # resolved to a real dtype once loaded

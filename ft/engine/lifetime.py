@@ -230,7 +230,9 @@ async def _start(engine: Engine, nursery: trio.Nursery) -> None:
     # A template that cannot render is a load error rather than every chat request's. In a
     # worker, which this spawns now rather than on first use; in this process when a test's
     # executor stands in for the workers (so its calls are the requests' alone).
-    await _check_template(executor if hooks.tokenize_executor is None else _run_here, spec_path)
+    engine.template_renders_mid_system = await _check_template(
+        executor if hooks.tokenize_executor is None else _run_here, spec_path
+    )
 
     tokenizer_actor = TokenizerActor(
         tok_recv,
@@ -304,9 +306,10 @@ async def _start(engine: Engine, nursery: trio.Nursery) -> None:
         engine.state = EngineState.READY
 
 
-async def _check_template(executor: Executor, spec_path: str) -> None:
+async def _check_template(executor: Executor, spec_path: str) -> bool:
     """Render the chat template on sample conversations in a worker; raise `ValueError`
-    (the engine fails to start) naming the template when it cannot serve a chat."""
+    (the engine fails to start) naming the template when it cannot serve a chat. Return
+    whether it renders a system message mid-conversation in place."""
     try:
         answer = cbor2.loads(await executor(check_template_job, cbor2.dumps({"spec_path": spec_path})))
     except trio.TooSlowError as e:
@@ -315,6 +318,7 @@ async def _check_template(executor: Executor, spec_path: str) -> None:
         raise ValueError("the model's chat template cannot be used: it crashed its worker") from e
     if "error" in answer:
         raise ValueError(f"the model's chat template cannot be used: {answer['error']}")
+    return bool(answer.get("mid_system"))
 
 
 async def _run_here(job: Callable[[bytes], bytes], payload: bytes) -> bytes:

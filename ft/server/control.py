@@ -1,5 +1,5 @@
-"""Control plane: health and probes, models, stats, Prometheus metrics, tokenize/detokenize,
-prepare-stop.
+"""Control plane: the root (`GET`/`HEAD /`), health and probes, models, stats, Prometheus
+metrics, tokenize/detokenize, prepare-stop.
 
 None of these open a request scope; they read the engine's derived state, so they answer at
 once even while generations stream or the model loads.
@@ -30,6 +30,12 @@ HEALTH_STATUS = {EngineState.READY: "ok", EngineState.LOADING: "loading", Engine
 def register(app: QuartTrio, ctx: ServerContext) -> None:
     """Add the control-plane routes to `app`."""
     engine = ctx.engine
+
+    @app.get("/")
+    async def root() -> Response:
+        # Clients probe the base URL before their first request (Claude Code sends `HEAD /`;
+        # quart answers HEAD with the GET route's headers and no body).
+        return json_response({"status": "ok", "model": engine.model_id})
 
     @app.get("/health")
     async def health() -> Response:

@@ -61,6 +61,14 @@ SAMPLE_CONVERSATIONS: tuple[list[dict[str, Any]], ...] = (
         {"role": "user", "content": "What is the weather in Paris?"},
     ],
 )
+# A system message in the middle of a conversation (Anthropic's mid-conversation system turns):
+# a template renders it in place when the marker comes out between the turns around it.
+MID_SYSTEM_MARKER = "ft:mid-conversation-system"
+MID_SYSTEM_CONVERSATION: list[dict[str, Any]] = [
+    *SAMPLE_CONVERSATIONS[0][:3],
+    {"role": "system", "content": MID_SYSTEM_MARKER},
+    SAMPLE_CONVERSATIONS[0][3],
+]
 SAMPLE_TOOLS = [
     {
         "type": "function",
@@ -230,8 +238,9 @@ def tokenize_job(payload: bytes) -> bytes:
 def check_template_job(payload: bytes) -> bytes:
     """Worker entry point: render the chat template of a spec file on sample conversations.
 
-    CBOR in: `spec_path`. CBOR out: `{}` when a sample rendered, else `error` (why the template
-    cannot serve a chat). A template may refuse one shape of conversation with
+    CBOR in: `spec_path`. CBOR out: `{"mid_system": bool}` when a sample rendered (whether the
+    template renders a system message mid-conversation in place), else `error` (why the
+    template cannot serve a chat). A template may refuse one shape of conversation with
     `raise_exception` (many refuse a system message); one that renders none, runs past its
     deadline or its memory bound, or does not compile cannot serve any.
     """
@@ -243,7 +252,7 @@ def check_template_job(payload: bytes) -> bytes:
         try:
             with _render_deadline():
                 render_chat(source, messages, tools=tools, bos_token=spec.bos_token, eos_token=spec.eos_token)
-            return cbor2.dumps({})
+            return cbor2.dumps({"mid_system": renders_mid_system(spec)})
         except InvalidRequest as e:
             refusals.append(e.message)
         except TemplateTimeout:
@@ -251,6 +260,28 @@ def check_template_job(payload: bytes) -> bytes:
         except MemoryError:
             return cbor2.dumps({"error": _out_of_memory_message("rendering a sample conversation")})
     return cbor2.dumps({"error": f"it renders no sample conversation ({refusals[0]})"})
+
+
+def renders_mid_system(spec: TokenizerSpec) -> bool:
+    """Whether `spec`'s template renders a system message between two turns, in place.
+
+    False when it refuses one (`raise_exception`: roles must alternate, system first), drops
+    it, moves it, or fails on it in any way: the caller then folds such messages into the
+    user's turns, which every template renders.
+    """
+    try:
+        with _render_deadline():
+            text = render_chat(
+                spec.chat_template,
+                MID_SYSTEM_CONVERSATION,
+                bos_token=spec.bos_token,
+                eos_token=spec.eos_token,
+            )
+    except (InvalidRequest, TemplateTimeout, MemoryError):
+        return False
+    before = text.find(str(MID_SYSTEM_CONVERSATION[2]["content"]))
+    after = text.rfind(str(MID_SYSTEM_CONVERSATION[4]["content"]))
+    return -1 < before < text.find(MID_SYSTEM_MARKER) < after
 
 
 def check_grammar_job(payload: bytes) -> bytes:

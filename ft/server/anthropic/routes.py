@@ -25,28 +25,25 @@ from quart import Response
 from quart_trio import QuartTrio
 
 from ft.errors import FtError, InvalidRequest, Overloaded
-from ft.grammar.spec import GrammarSpec
 from ft.ids import random_id
 from ft.messages import Delta
-from ft.params import SamplingParams
-from ft.prompt import PromptSpec
-from ft.server.anthropic.schemas import CountTokensRequest, MessagesRequest, PromptFields
-from ft.server.generation import lifecycle
-from ft.server.generation.assemble import (
-    Block,
-    BlockAssembler,
-    BlockDelta,
-    BlockEvent,
-    BlockStart,
-    BlockStop,
-    assemble_blocks,
+from ft.server.anthropic.format import (
+    block_event,
+    content_block,
+    messages_prompt,
+    new_tool_use_id,
+    sampling_params,
+    stop_reason,
+    tool_choice,
+    usage,
 )
+from ft.server.anthropic.schemas import CountTokensRequest, MessagesRequest
+from ft.server.generation.assemble import BlockAssembler, assemble_blocks
 from ft.server.generation.context import ServerContext, json_response, read_request
 from ft.server.generation.lifecycle import Generated, GenerationApi, Usage, respond
 from ft.server.generation.policy import output_policy, template_prompt
 from ft.server.generation.sse import sse_error, sse_event
 from ft.server.generation.structured import anthropic_output
-from ft.server.generation.tools import ToolChoice, function_tool
 
 PATH_PREFIX = "/v1/messages"
 
@@ -89,203 +86,9 @@ def register(app: QuartTrio, ctx: ServerContext) -> None:
     async def count_tokens() -> Response:
         req = await read_request(ctx, CountTokensRequest)
         ctx.check_model(req.model)
-        prompt = template_prompt(messages_prompt(req), tool_choice(req))
-        ids = await ctx.engine.tokenize(prompt)
+        prompt = messages_prompt(req, system_turns=ctx.engine.template_renders_mid_system)
+        ids = await ctx.engine.tokenize(template_prompt(prompt, tool_choice(req)))
         return json_response({"input_tokens": len(ids)})
-
-
-# --- request -> engine -----------------------------------------------------------------------
-
-
-def template_messages(req: PromptFields) -> list[dict[str, Any]]:
-    """Anthropic turns as chat-template messages (OpenAI's shape, as templates expect).
-
-    `tool_use` blocks become the assistant's `tool_calls` (arguments as an object, as Hugging
-    Face templates expect); each `tool_result` becomes a `tool` message, in block order;
-    `thinking` becomes `reasoning_content`.
-    """
-    out: list[dict[str, Any]] = []
-    system = req.system_text
-    if system:
-        out.append({"role": "system", "content": system})
-    for message in req.messages:
-        if message.role == "assistant":
-            out.append(_assistant_message(message.content))
-        else:
-            out.extend(_user_messages(message.content))
-    return out
-
-
-def _assistant_message(blocks: list[Any]) -> dict[str, Any]:
-    texts, thinking, calls = [], [], []
-    for block in blocks:
-        match block.type:
-            case "text":
-                texts.append(block.text)
-            case "thinking":
-                thinking.append(block.thinking)
-            case "tool_use":
-                calls.append(
-                    {
-                        "id": block.id,
-                        "type": "function",
-                        "function": {"name": block.name, "arguments": block.input},
-                    }
-                )
-            case "tool_result":
-                raise InvalidRequest("tool_result blocks belong in user turns", param="messages")
-    out: dict[str, Any] = {"role": "assistant", "content": "".join(texts)}
-    if thinking:
-        out["reasoning_content"] = "\n".join(thinking)
-    if calls:
-        out["tool_calls"] = calls
-    return out
-
-
-def _user_messages(blocks: list[Any]) -> list[dict[str, Any]]:
-    out: list[dict[str, Any]] = []
-    texts: list[str] = []
-    for block in blocks:
-        match block.type:
-            case "text":
-                texts.append(block.text)
-            case "tool_result":
-                if texts:
-                    out.append({"role": "user", "content": "\n".join(texts)})
-                    texts = []
-                out.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": block.text})
-            case "tool_use" | "thinking":
-                raise InvalidRequest(f"{block.type} blocks belong in assistant turns", param="messages")
-    if texts or not out:
-        out.append({"role": "user", "content": "\n".join(texts)})
-    return out
-
-
-def tool_choice(req: PromptFields) -> ToolChoice:
-    """Anthropic's `tool_choice` as the shared policy record (`any` and `tool` force a call)."""
-    if req.tool_choice is None:
-        return ToolChoice()
-    parallel = not req.tool_choice.disable_parallel_tool_use
-    match req.tool_choice.type:
-        case "none":
-            return ToolChoice("none")
-        case "any":
-            return ToolChoice("required", parallel=parallel)
-        case "tool":
-            if req.tool_choice.name is None:
-                raise InvalidRequest("tool_choice of type 'tool' needs a name", param="tool_choice.name")
-            return ToolChoice("required", req.tool_choice.name, parallel=parallel)
-        case _:
-            return ToolChoice(parallel=parallel)
-
-
-def messages_prompt(req: PromptFields) -> PromptSpec:
-    """The engine-side prompt of a Messages request: template messages, every tool, kwargs.
-
-    A final assistant turn is a prefill: the model continues it. `tool_choice` is applied by
-    the shared policy (`ft.server.generation.policy`): `none` sends no tools.
-    """
-    tools = [function_tool(t.name, t.description, t.input_schema) for t in req.tools or ()]
-    is_prefill = req.messages[-1].role == "assistant"
-    return PromptSpec(
-        messages=template_messages(req),
-        tools=tools or None,
-        chat_template_kwargs=(
-            {"enable_thinking": req.thinking.type != "disabled"} if req.thinking is not None else {}
-        ),
-        add_generation_prompt=not is_prefill,
-        continue_final_message=is_prefill,
-    )
-
-
-def sampling_params(ctx: ServerContext, req: MessagesRequest, grammar: GrammarSpec | None) -> SamplingParams:
-    """Engine sampling params; unset fields take the model's generation defaults."""
-    # Anthropic's max_tokens is a ceiling, and agents send far more than a small model's
-    # context (Claude Code: 32000). One that reaches the context means "up to the context".
-    max_tokens = None if req.max_tokens >= ctx.engine.max_model_len else req.max_tokens
-    try:
-        return lifecycle.sampling_params(
-            ctx,
-            temperature=req.temperature,
-            top_p=req.top_p,
-            top_k=req.top_k,
-            max_tokens=max_tokens,
-            stop=tuple(req.stop_sequences or ()),
-            grammar=grammar,
-        )
-    except InvalidRequest as e:
-        if e.param == "stop":
-            e.param = "stop_sequences"
-        raise
-
-
-def usage(u: Usage) -> dict[str, int]:
-    """Anthropic's `usage`: `input_tokens` excludes the prompt tokens read from the cache.
-
-    ft writes every prompt page to its prefix cache at no extra cost, so nothing is reported
-    as `cache_creation_input_tokens`.
-    """
-    return {
-        "input_tokens": u.prompt_tokens - u.cached_tokens,
-        "cache_creation_input_tokens": 0,
-        "cache_read_input_tokens": u.cached_tokens,
-        "output_tokens": u.completion_tokens,
-    }
-
-
-# --- engine -> response ----------------------------------------------------------------------
-
-
-def content_block(block: Block) -> dict[str, Any]:
-    """A finished block as an Anthropic content block."""
-    match block.kind:
-        case "thinking":
-            return {"type": "thinking", "thinking": block.text, "signature": ""}
-        case "text":
-            return {"type": "text", "text": block.text}
-        case "tool_call":
-            return {
-                "type": "tool_use",
-                "id": block.call_id,
-                "name": block.name,
-                "input": json.loads(block.arguments),
-            }
-
-
-def start_block(block: Block) -> dict[str, Any]:
-    """The empty block of a `content_block_start` event."""
-    match block.kind:
-        case "thinking":
-            return {"type": "thinking", "thinking": "", "signature": ""}
-        case "text":
-            return {"type": "text", "text": ""}
-        case "tool_call":
-            return {"type": "tool_use", "id": block.call_id, "name": block.name, "input": {}}
-
-
-DELTA_TYPES = {
-    "thinking": ("thinking_delta", "thinking"),
-    "text": ("text_delta", "text"),
-    "tool_call": ("input_json_delta", "partial_json"),
-}
-
-
-def stop_reason(
-    finish_reason: str | None, matched: str | int | None, has_tool_calls: bool
-) -> tuple[str, str | None]:
-    """Anthropic's (`stop_reason`, `stop_sequence`) for how the engine finished."""
-    if finish_reason == "length":
-        return "max_tokens", None
-    if has_tool_calls:
-        return "tool_use", None
-    if isinstance(matched, str):
-        return "stop_sequence", matched
-    return "end_turn", None
-
-
-def new_tool_use_id() -> str:
-    """An Anthropic-style tool call id."""
-    return random_id("toolu_")
 
 
 class MessagesCall(GenerationApi):
@@ -298,9 +101,9 @@ class MessagesCall(GenerationApi):
         ctx.check_model(req.model)
         policy = output_policy(
             ctx,
-            messages_prompt(req),
+            messages_prompt(req, system_turns=ctx.engine.template_renders_mid_system),
             tool_choice(req),
-            anthropic_output(req.output_format),
+            anthropic_output(req),
             prefill_param="messages",
         )
         self.prompts = [policy.prompt]
@@ -369,17 +172,3 @@ class MessagesCall(GenerationApi):
     def error(self, err: FtError) -> list[bytes]:
         """`event: error`."""
         return [sse_error(err, anthropic_error_body, event="error")]
-
-
-def block_event(event: BlockEvent) -> bytes:
-    """One content block event."""
-    match event:
-        case BlockStart(index=index, block=block):
-            start = {"type": "content_block_start", "index": index, "content_block": start_block(block)}
-            return sse_event("content_block_start", start)
-        case BlockDelta(index=index, kind=kind, text=text):
-            delta_type, key = DELTA_TYPES[kind]
-            delta = {"type": "content_block_delta", "index": index, "delta": {"type": delta_type, key: text}}
-            return sse_event("content_block_delta", delta)
-        case BlockStop(index=index):
-            return sse_event("content_block_stop", {"type": "content_block_stop", "index": index})

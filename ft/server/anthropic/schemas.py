@@ -1,8 +1,12 @@
 """Pydantic models of the Anthropic Messages request bodies (`/v1/messages`, `count_tokens`).
 
 Strict types and engine-representable bounds, as for the OpenAI routes; unknown fields are
-ignored (`service_tier`, `cache_control`, `container`, …). Lone surrogates and integers past
-64 bits were already refused, naming the field, by `ft.server.edge.body.parse_json`.
+ignored (`service_tier`, `container`, …). What Claude Code sends is typed and checked, though
+ft has no use for some of it: `cache_control` on every block and tool (ft caches every
+prompt page anyway), `output_config.effort`, `context_management` (its edits are not
+applied: ft keeps what the client sends), `system` turns inside `messages` (beta
+`mid-conversation-system-2026-04-07`). Lone surrogates and integers past 64 bits were already
+refused, naming the field, by `ft.server.edge.body.parse_json`.
 """
 
 from __future__ import annotations
@@ -28,6 +32,15 @@ from ft.server.openai.schemas import (
 
 UnitTemperature = Annotated[float, Field(ge=0.0, le=1.0)]
 TopK = Annotated[int, Field(ge=0, le=1 << 30)]
+MAX_CONTEXT_EDITS = 16
+
+
+class CacheControl(StrictModel):
+    """`cache_control` (a prompt-cache breakpoint): checked, then unused, since ft writes every
+    prompt page to its prefix cache and reads any prefix it holds."""
+
+    type: Literal["ephemeral"]
+    ttl: Literal["5m", "1h"] | None = None
 
 
 class TextBlock(StrictModel):
@@ -35,6 +48,7 @@ class TextBlock(StrictModel):
 
     type: Literal["text"]
     text: str
+    cache_control: CacheControl | None = None
 
 
 class ToolUseBlock(StrictModel):
@@ -44,6 +58,7 @@ class ToolUseBlock(StrictModel):
     id: Name
     name: Name
     input: dict[str, Any]
+    cache_control: CacheControl | None = None
 
 
 class ToolResultBlock(StrictModel):
@@ -51,8 +66,9 @@ class ToolResultBlock(StrictModel):
 
     type: Literal["tool_result"]
     tool_use_id: Name
-    content: str | list[TextBlock] = ""
+    content: str | Annotated[list[TextBlock], Field(max_length=MAX_MESSAGES)] = ""
     is_error: bool = False
+    cache_control: CacheControl | None = None
 
     @property
     def text(self) -> str:
@@ -118,15 +134,24 @@ ContentBlock = Annotated[
 
 
 class Message(StrictModel):
-    """One conversation turn; `content` (a string or a list of blocks) becomes blocks."""
+    """One conversation turn; `content` (a string or a list of blocks) becomes blocks.
 
-    role: Literal["user", "assistant"]
+    A `system` turn (mid-conversation instructions) holds text blocks only.
+    """
+
+    role: Literal["user", "assistant", "system"]
     content: Annotated[list[ContentBlock], Field(max_length=MAX_MESSAGES)]
 
     @field_validator("content", mode="before")
     @classmethod
     def _string_is_one_text_block(cls, value: Any) -> Any:
         return [{"type": "text", "text": value}] if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _system_turns_hold_text(self) -> Message:
+        if self.role == "system" and not all(isinstance(b, TextBlock) for b in self.content):
+            raise PydanticCustomError("system_text_only", "a system turn holds text blocks only")
+        return self
 
 
 class Tool(StrictModel):
@@ -136,6 +161,7 @@ class Tool(StrictModel):
     name: Annotated[str, Field(min_length=1, max_length=MAX_NAME_LEN)]
     description: str | None = None
     input_schema: dict[str, Any]
+    cache_control: CacheControl | None = None
 
 
 class ToolChoice(StrictModel):
@@ -153,11 +179,33 @@ class OutputFormat(StrictModel):
     schema_: JsonSchema = Field(alias="schema")
 
 
+class OutputConfig(StrictModel):
+    """`output_config`: `format` (structured output, the SDK's `messages.parse` sends it here)
+    and `effort` (accepted: a local model has one effort)."""
+
+    format: OutputFormat | None = None
+    effort: Literal["low", "medium", "high", "max"] | None = None
+
+
 class Thinking(StrictModel):
-    """`{"type": "enabled", "budget_tokens"} | {"type": "disabled"}` (accepted; see docs)."""
+    """`{"type": "enabled", "budget_tokens"} | {"type": "disabled"} | {"type": "adaptive"}`:
+    the template's `enable_thinking` (templates without it ignore it); the budget is unused."""
 
     type: Literal["enabled", "disabled", "adaptive"]
     budget_tokens: Annotated[int, Field(ge=0, le=1 << 30)] | None = None
+
+
+class ContextEdit(StrictModel):
+    """One of `context_management.edits` (`clear_tool_uses_…`, `clear_thinking_…`): checked,
+    not applied."""
+
+    type: Annotated[str, Field(min_length=1, max_length=MAX_NAME_LEN)]
+
+
+class ContextManagement(StrictModel):
+    """`context_management` (accepted; ft does not edit the conversation it is sent)."""
+
+    edits: Annotated[list[ContextEdit], Field(max_length=MAX_CONTEXT_EDITS)] = []
 
 
 class PromptFields(StrictModel):
@@ -169,13 +217,15 @@ class PromptFields(StrictModel):
     tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: ToolChoice | None = None
     thinking: Thinking | None = None
+    context_management: ContextManagement | None = None
+    output_config: OutputConfig | None = None
 
-    @property
-    def system_text(self) -> str | None:
-        """The system prompt as one string."""
-        if self.system is None or isinstance(self.system, str):
-            return self.system
-        return "\n".join(b.text for b in self.system)
+    @field_validator("messages")
+    @classmethod
+    def _not_only_system_turns(cls, value: list[Message]) -> list[Message]:
+        if all(m.role == "system" for m in value):
+            raise PydanticCustomError("no_turns", "messages need a user or assistant turn")
+        return value
 
 
 class MessagesRequest(PromptFields):

@@ -2,8 +2,9 @@
 
 OpenAI chat and completions: `response_format` (`json_object`, `json_schema`), and vLLM's
 `structured_outputs` / `guided_json|regex|choice|grammar`. Responses: `text.format`.
-Anthropic: `output_format`. A forced `tool_choice` is the other source of a grammar; it is
-combined with these in `ft.server.generation.tools.output_grammar`.
+Anthropic: `output_format`, or `output_config.format` (its newer spelling). A forced
+`tool_choice` is the other source of a grammar; it is combined with these in
+`ft.server.generation.tools.output_grammar`.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any
 from ft.errors import InvalidRequest
 from ft.grammar import spec
 from ft.grammar.spec import GrammarSpec
-from ft.server.anthropic.schemas import OutputFormat
+from ft.server.anthropic.schemas import MessagesRequest
 from ft.server.openai.schemas import SamplingFields
 from ft.server.responses.schemas import TextFormat
 
@@ -73,9 +74,14 @@ def responses_output(fmt: TextFormat | None) -> GrammarSpec | None:
     return spec.json_schema(fmt.schema_, "text.format.schema")
 
 
-def anthropic_output(fmt: OutputFormat | None) -> GrammarSpec | None:
-    """What a Messages request's text must follow (`output_format`)."""
-    return None if fmt is None else spec.json_schema(fmt.schema_, "output_format.schema")
+def anthropic_output(req: MessagesRequest) -> GrammarSpec | None:
+    """What a Messages request's text must follow (`output_format` or `output_config.format`)."""
+    asked: list[GrammarSpec] = []
+    if req.output_format is not None:
+        asked.append(spec.json_schema(req.output_format.schema_, "output_format.schema"))
+    if req.output_config is not None and req.output_config.format is not None:
+        asked.append(spec.json_schema(req.output_config.format.schema_, "output_config.format.schema"))
+    return only_one(asked)
 
 
 def reasoning_parser_name(configured: str | None, grammar: GrammarSpec | None) -> str | None:

@@ -130,7 +130,8 @@ async def test_stop_sequence_is_reported(server: RunningServer) -> None:
     [
         ({"messages": USER}, "max_tokens"),
         ({"max_tokens": 4, "messages": []}, "messages"),
-        ({"max_tokens": 4, "messages": [{"role": "system", "content": "x"}]}, "role"),
+        ({"max_tokens": 4, "messages": [{"role": "tool", "content": "x"}]}, "role"),
+        ({"max_tokens": 4, "messages": [{"role": "system", "content": "x"}]}, "user or assistant turn"),
         ({"max_tokens": 4, "messages": USER, "top_k": -1}, "top_k"),
         (
             {

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 import anthropic
 import httpx
+import pydantic
 import pytest
 
 from ft.config import EngineConfig
@@ -41,3 +44,21 @@ async def test_sdk_messages_streamed_equals_unstreamed_at_temperature_0() -> Non
                 )
         async with httpx.AsyncClient(base_url=s.base_url) as c:
             await wait_idle(c, timeout_s=10)
+
+
+class Colour(pydantic.BaseModel):
+    # Bounded by the schema itself: the SDK moves string limits into descriptions.
+    name: Literal["red", "green", "blue"]
+    is_warm: bool
+
+
+async def test_sdk_messages_parse_returns_the_model() -> None:
+    """`messages.parse(output_format=Model)` (sent as `output_config.format`) parses: the answer
+    is constrained to the model's schema."""
+    async with running_server(EngineConfig()) as s:
+        client = anthropic.AsyncAnthropic(base_url=s.base_url, api_key="unused", max_retries=0)
+        async with client:
+            parsed = await client.messages.parse(
+                model=s.engine.model_id, max_tokens=200, messages=USER, output_format=Colour
+            )
+        assert isinstance(parsed.parsed_output, Colour)
