@@ -16,6 +16,11 @@ Guarantee (no livelock): the oldest running request is never preempted, and `che
 refuses any request whose whole budget could not fit the pool alone, so the oldest request
 always gets its next page and advances every step. The queue is FIFO with preempted requests at
 its head, so nothing admitted later overtakes an earlier request: every request finishes.
+
+NOTE: this module is past the ~400 lines a room keeps to, on purpose: `Scheduler` is one state
+machine whose invariants (pages held = pages of running sequences, the oldest request always
+advances, prompt scores taken once per position across preemptions) span admission, growth,
+preemption and step folding; split across files, each half would hold half an invariant.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Streaming tool-call parsers: model text deltas in, text and tool-call events out.
+"""Streaming tool-call parsers: model text deltas in, text and tool-call events out (the events
+and the pieces the formats share are `ft.core.toolcall_events`).
 
 Each family (`hermes`, `llama3_json`) is a small synchronous state machine. Text outside calls
 streams as soon as it cannot be the start of a call; a call is emitted once its JSON is complete
@@ -15,164 +16,21 @@ client never saw any of it either.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Protocol
 
 from ft.core.suffix import held_suffix_len
-from ft.ids import random_id
-from ft.params import has_lone_surrogate
-
-
-@dataclass(frozen=True, slots=True)
-class TextDelta:
-    """Plain assistant text, outside any tool call."""
-
-    text: str
-
-
-@dataclass(frozen=True, slots=True)
-class ToolCallStart:
-    """A tool call begins: its position among this output's calls, its id and function name."""
-
-    index: int
-    id: str
-    name: str
-
-
-@dataclass(frozen=True, slots=True)
-class ToolCallArgsDelta:
-    """A fragment of call `index`'s JSON arguments string; the fragments concatenate to it."""
-
-    index: int
-    arguments: str
-
-
-@dataclass(frozen=True, slots=True)
-class ToolCallEnd:
-    """Call `index` is complete; `arguments` is its full, valid JSON arguments string."""
-
-    index: int
-    arguments: str
-
-
-ToolEvent = TextDelta | ToolCallStart | ToolCallArgsDelta | ToolCallEnd
-
-
-def new_tool_call_id() -> str:
-    """A fresh OpenAI-style call id: `call_` and 24 random alphanumerics."""
-    return random_id("call_")
-
-
-class ToolCallParser(Protocol):
-    """Turns streamed model text into `ToolEvent`s, incrementally."""
-
-    def feed(self, text: str) -> list[ToolEvent]:
-        """Consume the next text delta; return the events it completes (maybe none)."""
-        ...
-
-    def finish(self, *, is_cut: bool = False) -> list[ToolEvent]:
-        """End of output: flush held-back text; an unterminated or invalid call becomes text,
-        unless the output was cut short (`is_cut`): then the call it was writing is dropped."""
-        ...
-
-    @property
-    def has_tool_calls(self) -> bool:
-        """True once any `ToolCallStart` has been emitted."""
-        ...
-
-
-def _reject_constant(name: str) -> object:
-    raise ValueError(f"{name} is not valid JSON")
-
-
-def _load_json(text: str) -> object:
-    """`json.loads` that rejects NaN/Infinity, which would not round-trip as JSON."""
-    return json.loads(text, parse_constant=_reject_constant)
-
-
-def _call_from_json(text: str) -> tuple[str, str] | None:
-    """(name, compact arguments JSON) when `text` is a tool-call object, else None."""
-    try:
-        obj = _load_json(text)
-        if not isinstance(obj, dict):
-            return None
-        name = obj.get("name")
-        args = obj.get("arguments", obj.get("parameters", {}))
-        if isinstance(args, str):
-            args = _load_json(args)
-    except (ValueError, RecursionError):  # NOTE: deep nesting is model output too
-        return None
-    if not isinstance(name, str) or not name or not isinstance(args, dict):
-        return None
-    try:  # 1e400 parses as inf, which no client's JSON parser accepts back
-        arguments = json.dumps(args, ensure_ascii=False, allow_nan=False)
-    except ValueError:
-        return None
-    # NOTE: JSON escapes can smuggle in lone surrogates, which cannot be sent as UTF-8.
-    if has_lone_surrogate(name) or has_lone_surrogate(arguments):
-        return None
-    return name, arguments
-
-
-class _CallEmitter:
-    """Numbers calls and gives each an id; shared bookkeeping of the parser families."""
-
-    def __init__(self, id_factory: Callable[[], str]) -> None:
-        self._id_factory = id_factory
-        self.num_calls = 0
-
-    def emit(self, name: str, arguments: str) -> list[ToolEvent]:
-        index = self.num_calls
-        self.num_calls += 1
-        return [
-            ToolCallStart(index, self._id_factory(), name),
-            ToolCallArgsDelta(index, arguments),
-            ToolCallEnd(index, arguments),
-        ]
-
-
-class PassthroughParser:
-    """No tool-call format: every delta is text."""
-
-    def feed(self, text: str) -> list[ToolEvent]:
-        """Return `text` as a `TextDelta` (nothing for an empty delta)."""
-        return [TextDelta(text)] if text else []
-
-    def finish(self, *, is_cut: bool = False) -> list[ToolEvent]:
-        """Nothing is ever held back."""
-        return []
-
-    @property
-    def has_tool_calls(self) -> bool:
-        """Always false."""
-        return False
-
-
-class _StringScan:
-    """Whether JSON text, read as the start of a value, ends inside an open string.
-
-    Incremental: each call reads only what was added since the last one (the text only grows),
-    so a call body quoting many closing tags is read once, not once per tag.
-    """
-
-    def __init__(self) -> None:
-        self._pos = 0
-        self._is_inside = False
-        self._is_escaped = False
-
-    def ends_inside(self, text: str) -> bool:
-        """True when `text` (a longer version of the text of the last call) ends inside a string."""
-        for ch in text[self._pos :]:
-            if self._is_escaped:
-                self._is_escaped = False
-            elif ch == "\\" and self._is_inside:
-                self._is_escaped = True
-            elif ch == '"':
-                self._is_inside = not self._is_inside
-        self._pos = len(text)
-        return self._is_inside
+from ft.core.toolcall_events import (
+    CallEmitter,
+    PassthroughParser,
+    StringScan,
+    TextDelta,
+    ToolCallEnd,
+    ToolCallParser,
+    ToolCallStart,
+    ToolEvent,
+    call_from_json,
+    new_tool_call_id,
+)
 
 
 class HermesParser:
@@ -189,11 +47,11 @@ class HermesParser:
     END = "</tool_call>"
 
     def __init__(self, id_factory: Callable[[], str] = new_tool_call_id) -> None:
-        self._calls = _CallEmitter(id_factory)
+        self._calls = CallEmitter(id_factory)
         self._buf = ""
         self._is_in_call = False
         self._end_search_from = 0
-        self._string_scan = _StringScan()  # over the open call's JSON, for a tag inside a string
+        self._string_scan = StringScan()  # over the open call's JSON, for a tag inside a string
         self._is_at_boundary = True
         self._held_whitespace = ""
 
@@ -218,7 +76,7 @@ class HermesParser:
                 self._buf = self._buf[start + len(self.START) :]
                 self._is_in_call = True
                 self._end_search_from = 0
-                self._string_scan = _StringScan()
+                self._string_scan = StringScan()
             else:
                 end = self._buf.find(self.END, self._end_search_from)
                 if end < 0:
@@ -242,7 +100,7 @@ class HermesParser:
         is_dropped = False
         if self._is_in_call:
             self._is_in_call = False
-            if is_cut and _call_from_json(self._buf) is None:
+            if is_cut and call_from_json(self._buf) is None:
                 is_dropped = True
             else:
                 self._close_call(self._buf, "", out)
@@ -257,7 +115,7 @@ class HermesParser:
         return out
 
     def _close_call(self, body: str, end_tag: str, out: list[ToolEvent]) -> None:
-        call = _call_from_json(body)
+        call = call_from_json(body)
         if call is None:
             self._emit_text(self.START + body + end_tag, out)
             return
@@ -292,7 +150,7 @@ class Llama3JsonParser:
     PYTHON_TAG = "<|python_tag|>"
 
     def __init__(self, id_factory: Callable[[], str] = new_tool_call_id) -> None:
-        self._calls = _CallEmitter(id_factory)
+        self._calls = CallEmitter(id_factory)
         self._buf = ""
         self._skipped = ""  # raw text consumed since the last call: whitespace, tag, separators
         self._is_undecided = True
@@ -365,7 +223,7 @@ class Llama3JsonParser:
                 return out
             if end < 0:
                 return out + self._fall_back_to_text()
-            call = _call_from_json(self._buf[:end])
+            call = call_from_json(self._buf[:end])
             if call is None:
                 return out + self._fall_back_to_text()
             out.extend(self._calls.emit(*call))

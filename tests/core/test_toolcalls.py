@@ -11,17 +11,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ft.core.toolcalls import (
-    TOOL_CALL_PARSERS,
+from ft.core.toolcall_events import (
     TextDelta,
     ToolCallArgsDelta,
     ToolCallEnd,
     ToolCallStart,
     ToolEvent,
-    make_tool_call_parser,
     new_tool_call_id,
-    parse_tool_calls,
 )
+from ft.core.toolcalls import TOOL_CALL_PARSERS, make_tool_call_parser, parse_tool_calls
 
 Call = tuple[str, str, str]  # (id, name, arguments)
 

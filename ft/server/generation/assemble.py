@@ -24,14 +24,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from ft.core.reasoning import ContentDelta, ReasoningDelta, make_reasoning_parser
-from ft.core.toolcalls import (
-    TextDelta,
-    ToolCallArgsDelta,
-    ToolCallEnd,
-    ToolCallStart,
-    make_tool_call_parser,
-    new_tool_call_id,
-)
+from ft.core.toolcall_events import TextDelta, ToolCallArgsDelta, ToolCallEnd, ToolCallStart, new_tool_call_id
+from ft.core.toolcalls import make_tool_call_parser
 from ft.engine.stream import Choice
 
 OutputEvent = ReasoningDelta | TextDelta | ToolCallStart | ToolCallArgsDelta | ToolCallEnd
