@@ -18,13 +18,12 @@ continuation, as Anthropic's does. Usage reports the prefix-cache hits as
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from quart import Response
 from quart_trio import QuartTrio
 
-from ft.errors import FtError, InvalidRequest, Overloaded
+from ft.errors import FtError, Overloaded
 from ft.ids import random_id
 from ft.messages import Delta
 from ft.server.anthropic.format import (
