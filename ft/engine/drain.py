@@ -28,6 +28,7 @@ class Drain:
         self._abort_timeout_s = 0.0
         self._stop_snapshot: EngineSnapshot | None = None
         self._stopped = trio.Event()
+        self.has_aborted = False  # the rest was aborted: an admission not yet open is refused too
 
     def begin(self, drain_timeout_s: float, abort_timeout_s: float) -> None:
         """Stop admitting now and start the drain in the engine's nursery (see `Engine.begin_stop`)."""
@@ -62,6 +63,7 @@ class Drain:
     def _abort_all(self) -> None:
         """Fail every live request with `RequestAborted` and free what it holds (synchronous)."""
         engine = self._engine
+        self.has_aborted = True
         for uid in engine.registry.uids():
             engine.registry.fail(uid, RequestAborted("the server is stopping; request aborted"))
             if engine._running is not None:

@@ -146,10 +146,15 @@ class Engine:
 
         A streaming route calls it first so it can answer 503 before committing to a 200.
         `admission`: the request was admitted (`admit`) before a drain began, so a drain lets
-        it in (it is in flight, not new), and its own place in the queue is not counted twice.
+        it in (it is in flight, not new) until the drain aborts the rest (then `RequestAborted`),
+        and its own place in the queue is not counted twice.
         A pure check: `admit`, `open_request` and `tokenize` count what they refuse.
         """
         is_admitted_in_drain = admission is not None and self.state == EngineState.STOPPING
+        if is_admitted_in_drain and self._drain.has_aborted:
+            # The drain's deadline passed and it aborted the rest: one still being prepared then
+            # is aborted too, rather than served after the drain reported itself complete.
+            raise RequestAborted("the server is stopping; request aborted")
         if self.state != EngineState.READY and not is_admitted_in_drain:
             raise self.refusal()
         self.admissions.check_capacity(admission)

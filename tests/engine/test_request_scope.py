@@ -290,6 +290,28 @@ async def test_the_drain_wakes_when_the_last_scope_closes_not_on_a_poll(
         assert engine.state == "stopped"  # before: asleep in a 10 ms poll, which never ended
 
 
+async def test_an_admission_that_opens_after_the_drain_aborted_the_rest_is_aborted(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A request admitted before the drain but still being prepared when the drain's deadline
+    passes is aborted like the rest, not let in and served after the drain completed."""
+    runner = FakeRunner(text_script("w" * 1000), step_s=0.1)
+    async with fake_engine(runner) as engine:
+        admission = engine.admit()
+        engine.begin_stop(drain_timeout_s=1.0, abort_timeout_s=5.0)
+        await trio.sleep(2.0)  # past the drain's deadline: it has aborted the rest
+        assert engine.state == "stopping"
+        with pytest.raises(RequestAborted):
+            async with engine.open_request(
+                PromptSpec(text="late"), params=SamplingParams(max_tokens=1000), admission=admission
+            ) as stream:
+                await stream.collect()  # before: 1000 tokens, 100 s past the drain's end
+        admission.release()
+        snap = await engine.wait_stopped()
+        assert snap.requests.active == 0 and snap.requests.completed == 0
+    await assert_nothing_held(engine)
+
+
 async def test_detokenizers_get_the_prompt_as_left_context(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
