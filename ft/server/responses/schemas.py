@@ -35,6 +35,12 @@ MAX_GRAMMAR_LEN = 64 * 1024  # a custom tool's grammar: Codex's apply_patch gram
 MAX_ENCRYPTED_LEN = 1 << 20
 MAX_ARGV = 4096
 MAX_COMMAND_LEN = 128 * 1024
+# `metadata` as OpenAI bounds it: at most 16 string pairs, keys to 64 and values to 512 chars.
+# A stored response keeps it, so unbounded it let one request fill the store (a 4 MiB body
+# of metadata per response: 16 requests evicted every other client's stored responses).
+MAX_METADATA_PAIRS = 16
+MAX_METADATA_KEY_LEN = 64
+MAX_METADATA_VALUE_LEN = 512
 
 
 class MessageItem(StrictModel):
@@ -362,5 +368,14 @@ class ResponsesRequest(StrictModel):
         None
     )
     stream: bool = False
-    metadata: dict[str, Any] | None = None
+    metadata: (
+        Annotated[
+            dict[
+                Annotated[str, Field(max_length=MAX_METADATA_KEY_LEN)],
+                Annotated[str, Field(max_length=MAX_METADATA_VALUE_LEN)],
+            ],
+            Field(max_length=MAX_METADATA_PAIRS),
+        ]
+        | None
+    ) = None
     user: Annotated[str, Field(max_length=MAX_NAME_LEN)] | None = None

@@ -4,6 +4,7 @@ fake model: the shapes, `max_tokens: 0`, streaming. The numbers: tests/model/tes
 from __future__ import annotations
 
 import httpx
+import pytest
 import trio
 
 from tests.support.server import fake_server, health_watch, parse_sse
@@ -81,3 +82,23 @@ async def test_a_large_scored_echo_keeps_health_answering() -> None:
         choice = r.json()["choices"][0]
         assert len(choice["logprobs"]["token_logprobs"]) == 1000
         assert max(latencies) < 0.5, max(latencies)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="review finding: max_tokens 0 is served as max_tokens 1, so check_fits wants one token "
+    "of room past the prompt and a context-filling prompt is refused though nothing is generated",
+)
+async def test_max_tokens_zero_scores_a_prompt_that_fills_the_context() -> None:
+    """lm-eval's loglikelihood truncates each request to the model's length (`inp[-max_length:]`)
+    and sends it with echo, logprobs and max_tokens 0: a prompt of exactly the context is scored
+    (vLLM accepts prompt + max_tokens <= max_model_len), not a 400."""
+    context = 256
+    body = {"prompt": [[65] * context], "echo": True, "logprobs": 1, "max_tokens": 0}
+    async with fake_server(context_length=context) as s, httpx.AsyncClient(base_url=s.base_url) as c:
+        with trio.fail_after(30):
+            fits = await c.post("/v1/completions", json=body | {"prompt": [[65] * (context - 1)]})
+            assert fits.status_code == 200, fits.text
+            r = await c.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text[:500]
+        assert len(r.json()["choices"][0]["logprobs"]["tokens"]) == context

@@ -285,6 +285,33 @@ async def test_unknown_tool_with_a_huge_payload_is_dropped_not_held() -> None:
         assert len(stored.content) < 10_000
 
 
+@pytest.mark.parametrize(
+    "metadata",
+    [
+        {f"k{i}": "v" for i in range(17)},
+        {"k": "v" * 513},
+        {"k" * 65: "v"},
+        {"k": {"nested": "v"}},
+        {f"k{i}": "v" * 60 for i in range(50_000)},  # ~3.5 MiB: 16 such filled the store
+    ],
+    ids=["too_many_pairs", "long_value", "long_key", "not_a_string", "megabytes"],
+)
+async def test_metadata_past_openais_bounds_is_400_and_stores_nothing(metadata: dict[str, Any]) -> None:
+    """`metadata` is kept with a stored response: past OpenAI's bounds (16 string pairs, keys
+    to 64 chars, values to 512) it is a 400 naming metadata, and nothing is stored or held."""
+    async with fake_server() as s, httpx.AsyncClient(base_url=s.base_url, timeout=30) as c:
+        with trio.fail_after(30):
+            r = await post(s, {"input": QUESTION, "max_output_tokens": 2, "metadata": metadata})
+        assert r.status_code == 400, r.text[:500]
+        assert r.json()["error"]["param"].startswith("metadata")
+        assert (await wait_idle(c))["requests"]["active"] == 0
+        ok = {f"k{i}": "v" * 512 for i in range(16)}
+        r = await post(s, {"input": QUESTION, "max_output_tokens": 2, "metadata": ok})
+        assert r.status_code == 200, r.text[:500]
+        stored = await c.get(f"/v1/responses/{r.json()['id']}")
+        assert stored.json()["metadata"] == ok
+
+
 async def test_unbounded_previous_response_chain_is_400_and_holds_nothing() -> None:
     """Continuing a stored conversation past the history bound is a 400 naming
     previous_response_id; nothing is registered and nothing new stored."""
