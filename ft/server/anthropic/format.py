@@ -79,7 +79,10 @@ def template_messages(req: PromptFields, *, system_turns: bool) -> list[dict[str
         else:
             out.extend(_user_messages(message.content))
     system = "\n\n".join(t for t in leading if t)
-    return ([{"role": "system", "content": system}] if system else []) + _join_folded(out, folded)
+    joined = _join_folded(out, folded)
+    if not system_turns:
+        joined = _join_after_tool_results(joined)
+    return ([{"role": "system", "content": system}] if system else []) + joined
 
 
 def _join_folded(messages: list[dict[str, Any]], folded: set[int]) -> list[dict[str, Any]]:
@@ -89,6 +92,23 @@ def _join_folded(messages: list[dict[str, Any]], folded: set[int]) -> list[dict[
         prev = out[-1] if out else None
         joins = i in folded or (i - 1 in folded)
         if joins and prev is not None and prev["role"] == "user" and message["role"] == "user":
+            out[-1] = prev | {"content": f"{prev['content']}\n\n{message['content']}"}
+        else:
+            out.append(message)
+    return out
+
+
+def _join_after_tool_results(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`messages` with user text that directly follows a tool result appended to that result.
+
+    Strict templates (Mistral's) count an assistant turn with tool calls and its results as no
+    turn at all, so user text after a result reads as two user turns in a row: Claude Code sends
+    a system reminder (folded into user text here) after its tool results on every turn.
+    """
+    out: list[dict[str, Any]] = []
+    for message in messages:
+        prev = out[-1] if out else None
+        if prev is not None and prev["role"] == "tool" and message["role"] == "user":
             out[-1] = prev | {"content": f"{prev['content']}\n\n{message['content']}"}
         else:
             out.append(message)

@@ -248,22 +248,21 @@ async def test_claude_code_request_streams_on_lenient_and_strict_templates(name:
             assert prompt.count("[INST]") == 1 and prompt.index(MID_SYSTEM) < prompt.index("[/INST]")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="review finding: a folded system turn (or user text) after a tool result is a user "
-    "message after the tool message, and Mistral's template, which skips tool turns when it "
-    "checks alternation, sees user, user: 400 on every Claude Code turn after a tool call",
-)
-async def test_system_turn_after_a_tool_result_renders_on_a_strict_template() -> None:
-    """Claude Code's turn after a tool call (tool_use, tool_result, then its system turn last)
-    is answered on Mistral v0.3's strict template, the system turn's text in the prompt."""
+@pytest.mark.parametrize("tail", ["system turn", "text in the result's turn"])
+async def test_system_turn_after_a_tool_result_renders_on_a_strict_template(tail: str) -> None:
+    """Claude Code's turn after a tool call (tool_use, tool_result, then its system turn last,
+    or text beside the result) is answered on Mistral v0.3's strict template, the text in the
+    prompt (before: 400, "roles must alternate")."""
     call_id = "abcdefghi"  # Mistral's template wants nine alphanumerics
-    messages = [
+    result = {"type": "tool_result", "tool_use_id": call_id, "content": "ok"}
+    messages: list[dict[str, Any]] = [
         {"role": "user", "content": "say hello"},
         {"role": "assistant", "content": [{"type": "tool_use", "id": call_id, "name": "Write", "input": {}}]},
-        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call_id, "content": "ok"}]},
-        {"role": "system", "content": MID_SYSTEM},
     ]
+    if tail == "system turn":
+        messages += [{"role": "user", "content": [result]}, {"role": "system", "content": MID_SYSTEM}]
+    else:
+        messages += [{"role": "user", "content": [result, {"type": "text", "text": MID_SYSTEM}]}]
     log = PromptLog()
     async with (
         template_server(TEMPLATES["mistral-v0.3"], log) as s,
