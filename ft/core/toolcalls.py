@@ -16,6 +16,7 @@ client never saw any of it either.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 
 from ft.core.suffix import held_suffix_len
@@ -139,6 +140,22 @@ class HermesParser:
 _JSON_WHITESPACE = " \t\r\n"
 
 
+_CALL_KEYS = ("name", "parameters", "arguments")
+_FIRST_KEY = re.compile(r'\s*\{\s*"((?:[^"\\]|\\.)*)("?)')
+_NAME_KEY = re.compile(r'"name"\s*:')
+
+
+def _may_be_call(fragment: str) -> bool:
+    """Whether a cut-off object at the start of `fragment` may be a Llama 3 call (linear)."""
+    first = _FIRST_KEY.match(fragment)
+    if first is None:  # `{`, or not even that: too short to tell
+        return True
+    key, is_closed = first.group(1), bool(first.group(2))
+    if not is_closed:
+        return any(k.startswith(key) for k in _CALL_KEYS)
+    return key in _CALL_KEYS or _NAME_KEY.search(fragment) is not None
+
+
 class Llama3JsonParser:
     """Llama 3.1/3.2 JSON calls: `[<|python_tag|>]{"name": ..., "parameters": {...}}; {...}`.
 
@@ -181,11 +198,13 @@ class Llama3JsonParser:
     def finish(self, *, is_cut: bool = False) -> list[ToolEvent]:
         """Flush: an incomplete object or undecided prefix becomes text; trailing `;` is dropped.
 
-        Cut short (`is_cut`), the incomplete object (or a prefix of `<|python_tag|>`) is dropped.
+        Cut short (`is_cut`), the incomplete object (or a prefix of `<|python_tag|>`) is dropped
+        when it may be a call; a cut JSON answer that cannot be one (its first key is no call
+        key and it has no `"name"` key) stays text.
         """
         if self._is_text:
             return []
-        if is_cut:
+        if is_cut and (self.has_tool_calls or self.PYTHON_TAG in self._skipped or _may_be_call(self._buf)):
             self._is_text = True
             self._buf = self._skipped = ""
             return []

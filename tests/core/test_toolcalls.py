@@ -435,3 +435,22 @@ def test_an_output_that_ends_without_a_cut_still_returns_an_unfinished_call_as_t
     fragment = before + calls[0][: len(calls[0]) // 2]
     assert summarize(run(name, [fragment])) == (fragment, [])
     assert summarize(run_cut(name, [fragment])) == (before, [])
+
+
+@pytest.mark.parametrize(
+    ("fragment", "kept"),
+    [
+        ('{"answer": "Paris is the capital of', True),  # a JSON answer, not a call: stays text
+        ('{"answer": 1, "name": "f", "parameters": {', False),  # a "name" key: may be a call
+        ('{"name": "get_w', False),
+        ('{"na', False),
+        ("{", False),
+        ('<|python_tag|>{"answer": 1', False),  # the tag says a call follows
+    ],
+)
+def test_a_cut_llama3_json_answer_that_cannot_be_a_call_stays_text(fragment: str, kept: bool) -> None:
+    """With the `llama3_json` parser, a JSON answer cut by `max_tokens` (structured output with
+    tools offered) is returned as text; an object that may be a call is dropped."""
+    parser = make_tool_call_parser("llama3_json")
+    events = parser.feed(fragment) + parser.finish(is_cut=True)
+    assert events == ([TextDelta(fragment)] if kept else [])

@@ -181,10 +181,11 @@ class OutputFormat(StrictModel):
 
 class OutputConfig(StrictModel):
     """`output_config`: `format` (structured output, the SDK's `messages.parse` sends it here)
-    and `effort` (accepted: a local model has one effort)."""
+    and `effort` (accepted: a local model has one effort; any short name, so a level Anthropic
+    adds later is no 400)."""
 
     format: OutputFormat | None = None
-    effort: Literal["low", "medium", "high", "max"] | None = None
+    effort: Annotated[str, Field(min_length=1, max_length=32)] | None = None
 
 
 class Thinking(StrictModel):
