@@ -19,6 +19,8 @@ from ft.engine.engine import EngineState
 from ft.prompt import PromptSpec
 from ft.server.edge.http_errors import HttpError
 from ft.server.generation.context import ServerContext, json_response, read_request
+from ft.server.generation.policy import template_prompt
+from ft.server.generation.tools import ToolChoice
 from ft.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from ft.server.openai.format import chat_message_for_template
 from ft.server.openai.schemas import DetokenizeRequest, PrepareStopRequest, TokenizeRequest
@@ -93,16 +95,7 @@ def register(app: QuartTrio, ctx: ServerContext) -> None:
         if (req.prompt is None) == (req.messages is None):
             raise HttpError(400, "give exactly one of prompt or messages", param="prompt")
         _check_ready(ctx)
-        if req.messages is not None:
-            prompt = PromptSpec(
-                messages=[chat_message_for_template(m) for m in req.messages],
-                tools=req.tools,
-                chat_template_kwargs=req.chat_template_kwargs or {},
-                add_generation_prompt=req.add_generation_prompt,
-            )
-        else:
-            prompt = PromptSpec(text=req.prompt)
-        ids = await engine.tokenize(prompt)
+        ids = await engine.tokenize(tokenize_prompt(req))
         return json_response({"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len})
 
     @app.post("/v1/detokenize")
@@ -120,6 +113,21 @@ def register(app: QuartTrio, ctx: ServerContext) -> None:
         req = await read_request(ctx, PrepareStopRequest, allow_empty=True)
         snapshot = await engine.prepare_stop(req.drain_timeout_s, req.abort_timeout_s)
         return json_response(snapshot.as_json())
+
+
+def tokenize_prompt(req: TokenizeRequest) -> PromptSpec:
+    """What `/v1/tokenize` renders: the prompt, or the messages as a chat completion with the
+    same fields renders them (`tool_choice` auto, through the shared policy: `tools: []` is
+    no tools, as there, not an empty list a template may test against none)."""
+    if req.messages is None:
+        return PromptSpec(text=req.prompt)
+    prompt = PromptSpec(
+        messages=[chat_message_for_template(m) for m in req.messages],
+        tools=req.tools,
+        chat_template_kwargs=req.chat_template_kwargs or {},
+        add_generation_prompt=req.add_generation_prompt,
+    )
+    return template_prompt(prompt, ToolChoice())
 
 
 def model_entry(ctx: ServerContext, name: str) -> dict[str, Any]:

@@ -66,14 +66,18 @@ def apply_tool_choice(
     Raises:
         InvalidRequest: `choice` names a tool the request does not define.
     """
-    if not tools or choice.mode == "none":
+    if choice.mode == "none":
         return messages, None
     if choice.name is not None:
-        if choice.name not in {tool_name(t) for t in tools}:
+        # NOTE: before the check for no tools, so a named choice with none is refused, not ignored.
+        if choice.name not in {tool_name(t) for t in tools or ()}:
             raise InvalidRequest(
                 f"tool_choice names an unknown tool '{choice.name}'", param="tool_choice.name"
             )
+        assert tools is not None
         return add_system_instruction(messages, require_tool_instruction(choice.name)), tools
+    if not tools:
+        return messages, None
     if choice.mode == "required":
         return add_system_instruction(messages, require_tool_instruction(None)), tools
     return messages, tools

@@ -41,7 +41,6 @@ from ft.server.generation.assemble import (
     BlockEvent,
     BlockStart,
     BlockStop,
-    assemble_blocks,
 )
 from ft.server.generation.context import ServerContext, json_response, read_request
 from ft.server.generation.lifecycle import Generated, GenerationApi, Usage, respond
@@ -125,6 +124,15 @@ def usage(u: Usage) -> dict[str, Any]:
     }
 
 
+def cut_block(blocks: list[Block], finish_events: list[BlockEvent], is_cut: bool) -> int | None:
+    """The index of the item the cut left incomplete: the last block, when the output was cut
+    (`is_cut`) while it was open (the final flush, `finish_events`, closed it); else None. A
+    block closed before the cut (a tool call whose closing tag came) is complete."""
+    last = len(blocks) - 1
+    closed_at_cut = any(isinstance(e, BlockStop) and e.index == last for e in finish_events)
+    return last if is_cut and closed_at_cut else None
+
+
 class ResponseCall(GenerationApi):
     """One `/v1/responses` request, from validated body to response."""
 
@@ -172,13 +180,10 @@ class ResponseCall(GenerationApi):
         """A block as an output item of this request."""
         return output_item(block, item_id, status, self.tools, include_encrypted=self.include_encrypted)
 
-    def items(self, blocks: list[Block], is_incomplete: bool) -> list[dict[str, Any]]:
-        """Every block as an output item; the last is `incomplete` when the output was cut."""
-        last = len(blocks) - 1
+    def items(self, blocks: list[Block], cut: int | None) -> list[dict[str, Any]]:
+        """Every block as an output item; block `cut` (see `cut_block`) is `incomplete`."""
         return [
-            self.output_item(
-                b, self.item_id(i, b), "incomplete" if is_incomplete and i == last else "completed"
-            )
+            self.output_item(b, self.item_id(i, b), "incomplete" if i == cut else "completed")
             for i, b in enumerate(blocks)
         ]
 
@@ -233,16 +238,14 @@ class ResponseCall(GenerationApi):
     def body(self, done: Generated) -> dict[str, Any]:
         """The whole response."""
         (choice,) = done.choices[0]
-        blocks = assemble_blocks(
-            choice.text,
-            tool_call_parser=self.tool_call_parser,
-            reasoning_parser=self.reasoning_parser,
-            is_cut=choice.finish_reason == "length",
-        )
         is_incomplete = choice.finish_reason == "length"
+        # NOTE: fed and finished apart, as `end` sees them, so both mark the same item incomplete.
+        assembler = BlockAssembler(self.tool_call_parser, self.reasoning_parser)
+        assembler.feed(choice.text)
+        cut = cut_block(assembler.blocks, assembler.finish(is_cut=is_incomplete), is_incomplete)
         status = "incomplete" if is_incomplete else "completed"
-        self.tool_calls = any(b.kind == "tool_call" for b in blocks)
-        return self.finished(self.response(status, self.items(blocks, is_incomplete), done.usage))
+        self.tool_calls = any(b.kind == "tool_call" for b in assembler.blocks)
+        return self.finished(self.response(status, self.items(assembler.blocks, cut), done.usage))
 
     def event(self, kind: str, **fields: Any) -> bytes:
         """One named event with the next `sequence_number`."""
@@ -268,15 +271,16 @@ class ResponseCall(GenerationApi):
     def end(self, u: Usage) -> list[bytes]:
         """The last item events, then `response.completed` (or `.incomplete`, cut short)."""
         is_incomplete = self.finish_reason == "length"
-        last = len(self.assembler.blocks) - 1
+        events = self.assembler.finish(is_cut=is_incomplete)
+        cut = cut_block(self.assembler.blocks, events, is_incomplete)
         frames = [
             self.event(kind, **fields)
-            for block_event in self.assembler.finish(is_cut=is_incomplete)
-            for kind, fields in self.item_events(block_event, is_incomplete and block_event.index == last)
+            for block_event in events
+            for kind, fields in self.item_events(block_event, block_event.index == cut)
         ]
         self.tool_calls = self.assembler.has_tool_calls
         status = "incomplete" if is_incomplete else "completed"
-        items = self.items(self.assembler.blocks, is_incomplete)
+        items = self.items(self.assembler.blocks, cut)
         response = self.finished(self.response(status, items, u))
         frames.append(self.event(f"response.{status}", response=response))
         return frames
@@ -284,7 +288,7 @@ class ResponseCall(GenerationApi):
     def error(self, err: FtError) -> list[bytes]:
         """`response.failed`, with the items so far."""
         error = {"code": err.code or err.type, "message": err.message}
-        failed = self.response("failed", self.items(self.assembler.blocks, False), None, error=error)
+        failed = self.response("failed", self.items(self.assembler.blocks, None), None, error=error)
         return [self.event("response.failed", response=failed)]
 
     def item_events(self, event: BlockEvent, is_incomplete: bool) -> list[tuple[str, dict[str, Any]]]:

@@ -3,9 +3,12 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
+import httpx
 import pytest
+import trio
 
 from ft.server.anthropic.routes import tool_choice as anthropic_tool_choice
 from ft.server.anthropic.schemas import MessagesRequest
@@ -15,6 +18,7 @@ from ft.server.openai.schemas import ChatCompletionRequest
 from ft.server.responses.routes import responses_tool_choice
 from ft.server.responses.schemas import ResponsesRequest
 from tests.support.grammar import byte_matcher
+from tests.support.server import fake_server
 
 TOOLS: list[dict[str, Any]] = [
     {"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -25,6 +29,7 @@ TOOLS: list[dict[str, Any]] = [
 WEATHER = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 TWO_CALLS = WEATHER + "\n" + WEATHER
 USER = [{"role": "user", "content": "Weather in Paris, London and Tokyo?"}]
+JSON = {"content-type": "application/json"}
 
 
 def chat(**fields: Any) -> ToolChoice:
@@ -90,3 +95,29 @@ def test_required_and_any_are_several_calls_unless_parallel_calls_are_off(
     """`required` / `any` force calls; a second one only while parallel calls are on."""
     assert accepts(choice, WEATHER)
     assert accepts(choice, TWO_CALLS) == several
+
+
+async def test_a_named_tool_choice_without_that_tool_is_a_400_in_every_dialect() -> None:
+    """A named choice when the request defines no tools is refused (as chat's schema refuses it),
+    not ignored: ignored, the answer would be free text, not the one call the client asked for."""
+    user = [{"role": "user", "content": "hi"}]
+    named, function = {"type": "function", "name": "x"}, {"type": "function", "function": {"name": "x"}}
+    requests = [
+        ("/v1/messages", {"messages": user, "max_tokens": 8, "tool_choice": {"type": "tool", "name": "x"}}),
+        ("/v1/messages/count_tokens", {"messages": user, "tool_choice": {"type": "tool", "name": "x"}}),
+        ("/v1/responses", {"input": "hi", "tool_choice": named}),
+        # Only hosted tools, which the model is not offered: still no tool named x.
+        ("/v1/responses", {"input": "hi", "tools": [{"type": "web_search"}], "tool_choice": named}),
+        ("/v1/chat/completions", {"messages": user, "tool_choice": function}),
+    ]  # fmt: skip
+    with trio.fail_after(30):
+        async with (
+            fake_server() as s,
+            httpx.AsyncClient(
+                base_url=s.base_url, timeout=30, headers={"content-type": "application/json"}
+            ) as c,
+        ):
+            for path, body in requests:
+                r = await c.post(path, content=json.dumps({"model": "fake"} | body))
+                assert r.status_code == 400, (path, r.text)
+                assert "tool_choice" in r.text and "'x'" in r.text, (path, r.text)
