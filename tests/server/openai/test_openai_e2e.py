@@ -94,7 +94,7 @@ async def test_prompt_logprobs_on_the_default_model_score_what_it_generated() ->
         with trio.fail_after(120):
             prompt = await s.engine.tokenize(PromptSpec(text="The capital of France is"))
             async with s.engine.open_request(
-                prompt_token_ids=prompt,
+                PromptSpec(token_ids=prompt),
                 params=SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, logprobs=True),
             ) as stream:
                 (generated,) = await stream.collect()
