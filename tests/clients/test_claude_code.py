@@ -1,7 +1,7 @@
 """Claude Code (`claude -p`, from npm) against ft: a hello run on the default model, and a tool
 round trip (its Write tool creates a file in a scratch directory) on the fake model.
 
-Claude Code is installed at test time into a cache directory (`FT_CLIENTS_DIR`, default
+Claude Code is installed at test time into a cache directory (`FT_CLIENTS_CACHE`, default
 `~/.cache/ft-clients`; the install is bounded) and skipped, saying why, where npm is missing or
 the install fails. It runs with telemetry, error reporting, update checks and nonessential
 traffic off, `HOME` in a temporary directory, and a dummy key: its only traffic is to ft on
@@ -35,6 +35,7 @@ import trio
 from ft.config import EngineConfig
 from ft.core.batch import SeqWork
 from ft.engine.fake import FakeRunner, text_script
+from tests.support.clients import CLIENTS_CACHE
 from tests.support.engine import fake_hooks
 from tests.support.server import running_server
 
@@ -56,8 +57,7 @@ def claude() -> pathlib.Path:
     npm = shutil.which("npm")
     if npm is None or shutil.which("node") is None:
         pytest.skip("npm or node is missing: Claude Code cannot be installed")
-    prefix = pathlib.Path(os.environ.get("FT_CLIENTS_DIR", pathlib.Path.home() / ".cache" / "ft-clients"))
-    prefix = prefix / "claude-code"
+    prefix = CLIENTS_CACHE / "claude-code"
     exe = prefix / "node_modules" / ".bin" / "claude"
     if not exe.exists():
         prefix.mkdir(parents=True, exist_ok=True)

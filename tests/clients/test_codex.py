@@ -31,11 +31,12 @@ import trio
 from ft.core.batch import SeqWork
 from ft.engine.fake import FakeRunner, text_script
 from ft.server import RunningServer
+from tests.support.clients import CLIENTS_CACHE
 from tests.support.server import TEST_SETTINGS, fake_server
 
 pytestmark = pytest.mark.slow
 
-CACHE = Path(os.environ.get("FT_CLIENTS_CACHE", Path.home() / ".cache" / "ft-clients")) / "codex"
+CACHE = CLIENTS_CACHE / "codex"
 INSTALL_TIMEOUT_S = 300
 RUN_TIMEOUT_S = 240
 SCRATCH_FILE = "ft_codex_probe.txt"
