@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Discriminator, Field, Tag, field_validator, model_validator
+from pydantic import BeforeValidator, Discriminator, Field, Tag, field_validator, model_validator
 
 from ft.server.openai.schemas import (
     MAX_MESSAGES,
@@ -30,6 +30,14 @@ from ft.server.openai.schemas import (
     TopP,
     text_of_parts,
 )
+
+
+def _parts_as_text(value: Any) -> Any:
+    return text_of_parts(value) if isinstance(value, list) else value
+
+
+# A string, or a list of content parts joined into one (message content, tool outputs).
+PartsText = Annotated[str, BeforeValidator(_parts_as_text)]
 
 MAX_GRAMMAR_LEN = 64 * 1024  # a custom tool's grammar: Codex's apply_patch grammar is ~2 KiB
 MAX_ENCRYPTED_LEN = 1 << 20
@@ -48,12 +56,7 @@ class MessageItem(StrictModel):
 
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
-    content: str
-
-    @field_validator("content", mode="before")
-    @classmethod
-    def _content(cls, value: Any) -> Any:
-        return text_of_parts(value) if isinstance(value, list) else value
+    content: PartsText
 
 
 class FunctionCallItem(StrictModel):
@@ -70,12 +73,7 @@ class FunctionCallOutputItem(StrictModel):
 
     type: Literal["function_call_output"]
     call_id: Name
-    output: str
-
-    @field_validator("output", mode="before")
-    @classmethod
-    def _output(cls, value: Any) -> Any:
-        return text_of_parts(value) if isinstance(value, list) else value
+    output: PartsText
 
 
 class CustomToolCallItem(StrictModel):
@@ -92,12 +90,7 @@ class CustomToolCallOutputItem(StrictModel):
 
     type: Literal["custom_tool_call_output"]
     call_id: Name
-    output: str
-
-    @field_validator("output", mode="before")
-    @classmethod
-    def _output(cls, value: Any) -> Any:
-        return text_of_parts(value) if isinstance(value, list) else value
+    output: PartsText
 
 
 class LocalShellAction(StrictModel):
