@@ -10,23 +10,11 @@ import openai
 
 from ft.engine.fake import FakeRunner, text_script
 from ft.server import RunningServer
+from ft.tokenizer.job import SAMPLE_TOOLS
 from tests.support.scripts import ANSWER, CALL, QUESTION, tool_then_answer
 from tests.support.server import fake_server
 
-TOOLS: list[Any] = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "description": "The current weather in a city.",
-            "parameters": {
-                "type": "object",
-                "properties": {"city": {"type": "string"}},
-                "required": ["city"],
-            },
-        },
-    }
-]
+TOOLS: list[Any] = list(SAMPLE_TOOLS)  # get_weather(city), the load check's sample tool
 
 
 def sdk(server: RunningServer) -> openai.AsyncOpenAI:
