@@ -262,6 +262,13 @@ class Engine:
         async with self.open_request(PromptSpec(text=prompt), params=params) as stream:
             return (await stream.collect())[0].text
 
+    async def embed(self, prompt: str, pooling: str | None = None) -> tuple[float, ...]:
+        """Pool `prompt`'s hidden states (`pooling`, else the engine's); return the vector, not
+        normalized. A pooling request: batched and scheduled like any, nothing sampled."""
+        params = SamplingParams(pooling=pooling or self.pooling)
+        async with self.open_request(PromptSpec(text=prompt), params=params) as stream:
+            return await stream.wait_embedding()
+
     async def tokenize(
         self,
         prompt: PromptSpec,
