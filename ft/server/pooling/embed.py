@@ -179,4 +179,5 @@ async def _pool_all(
     if failure:
         raise failure[0]
     record.cached_tokens = sum(cached)
+    record.finish_reasons = ["stop" for _ in prompt_ids]
     return vectors, sum(cached)
