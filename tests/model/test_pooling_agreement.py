@@ -14,6 +14,7 @@ import pathlib
 import pytest
 import torch
 
+from ft.config import resolve_pooling
 from ft.core.batch import EmbeddingOut, PoolSum, Sampled, StepDone
 from ft.core.kv import PagePool
 from ft.core.scheduler import Scheduler
@@ -165,3 +166,18 @@ def test_default_model_pools_as_transformers(
         else:
             diff = max(float((a - b).abs().max()) for a, b in zip(ours, theirs, strict=True))
             assert diff < FLOAT_TOLERANCE, (pooling, diff)
+
+
+@pytest.mark.parametrize(("pooling_type", "expected"), [(None, None), (0, None), (1, "mean"), (2, "cls"),
+                                                         (3, "last"), (4, None)])  # fmt: skip
+def test_the_gguf_pooling_type_is_read(
+    tmp_path: pathlib.Path, pooling_type: int | None, expected: str | None
+) -> None:
+    path = write_tiny_gguf(tmp_path / "p.gguf", pooling_type=pooling_type)
+    assert load_model(path, torch.float32, quantized=True).config.pooling == expected
+
+
+def test_the_configured_pooling_wins_then_the_file_then_last() -> None:
+    assert resolve_pooling("auto", None) == "last"
+    assert resolve_pooling("auto", "mean") == "mean"
+    assert resolve_pooling("cls", "mean") == "cls"

@@ -74,8 +74,11 @@ def tiny_tokens() -> tuple[list[str], list[str], list[int]]:
     return tokens, merges, types
 
 
-def write_tiny_gguf(path: pathlib.Path, *, seed: int = 0, tied: bool = False) -> pathlib.Path:
-    """A tiny random-weight Llama GGUF (2 layers, hidden 256, GQA 4/2) at `path`."""
+def write_tiny_gguf(
+    path: pathlib.Path, *, seed: int = 0, tied: bool = False, pooling_type: int | None = None
+) -> pathlib.Path:
+    """A tiny random-weight Llama GGUF (2 layers, hidden 256, GQA 4/2) at `path`; with
+    `pooling_type`, its `llama.pooling_type` (llama.cpp's numbering: 1 mean, 2 cls, 3 last)."""
     rng = np.random.default_rng(seed)
     tokens, merges, types = tiny_tokens()
     vocab = len(tokens)
@@ -100,6 +103,8 @@ def write_tiny_gguf(path: pathlib.Path, *, seed: int = 0, tied: bool = False) ->
     w.add_eos_token_id(2)
     w.add_add_bos_token(False)
     w.add_chat_template(TEMPLATE)
+    if pooling_type is not None:
+        w.add_uint32("llama.pooling_type", pooling_type)
 
     def norm(n: int) -> np.ndarray:
         return (1 + 0.1 * rng.standard_normal(n)).astype(np.float32)
