@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import struct
 import time
+from collections.abc import Callable
 from typing import Any
 
 from quart import Response
@@ -19,8 +20,8 @@ from quart_trio import QuartTrio
 from ft.errors import InvalidRequest
 from ft.ids import random_id
 from ft.prompt import PromptSpec
-from ft.server.generation.context import ServerContext, json_response, read_request
-from ft.server.pooling.embed import Input, Pooled, cosine, embed, inputs_of
+from ft.server.generation.context import ServerContext, json_response, json_response_off_loop, read_request
+from ft.server.pooling.embed import Input, Pooled, cosine, embed, inputs_of, is_large
 from ft.server.pooling.schemas import MAX_INPUTS, EmbeddingRequest, RerankRequest, ScoreRequest
 
 
@@ -36,7 +37,7 @@ def register(app: QuartTrio, ctx: ServerContext) -> None:
         pooled = await embed(
             ctx, inputs_of(items, "input"), truncate=req.truncate_prompt_tokens, dimensions=req.dimensions
         )
-        return json_response(embeddings_body(ctx, pooled, req.encoding_format))
+        return await answer(pooled, lambda: embeddings_body(ctx, pooled, req.encoding_format))
 
     @app.post("/v1/rerank")
     async def rerank() -> Response:
@@ -47,7 +48,7 @@ def register(app: QuartTrio, ctx: ServerContext) -> None:
         pooled = await embed(
             ctx, [query, *inputs_of(texts, "documents", many=True)], truncate=req.truncate_prompt_tokens
         )
-        return json_response(rerank_body(ctx, req, texts, pooled))
+        return await answer(pooled, lambda: rerank_body(ctx, req, texts, pooled))
 
     @app.post("/v1/score")
     async def score() -> Response:
@@ -68,7 +69,15 @@ def register(app: QuartTrio, ctx: ServerContext) -> None:
             *inputs_of(right, "text_2", many=isinstance(req.text_2, list)),
         ]
         pooled = await embed(ctx, inputs, truncate=req.truncate_prompt_tokens)
-        return json_response(score_body(ctx, pooled, len(left)))
+        return await answer(pooled, lambda: score_body(ctx, pooled, len(left)))
+
+
+async def answer(pooled: Pooled, build: Callable[[], dict[str, Any]]) -> Response:
+    """The JSON response `build()` makes: built in a thread for a large batch (its cosines,
+    base64 and JSON are linear in it)."""
+    if is_large(pooled.vectors):
+        return await json_response_off_loop(build)
+    return json_response(build())
 
 
 def usage(pooled: Pooled) -> dict[str, Any]:
