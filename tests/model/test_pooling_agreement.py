@@ -1,8 +1,9 @@
 """Pooled embeddings agree with transformers: the same pooling over its last hidden state (after
 the final norm), for prompts fed through the real scheduler in chunks.
 
-Float path (a random Hugging Face checkpoint built here, Llama- and Qwen2-style): agreement
-within float32 summation order (max |diff| < 1e-4 on unit vectors). Packed GGUF path (int8
+Float path (a random Hugging Face checkpoint built here, Llama- and Qwen2-style; the default
+model dequantized): agreement within float32 summation order (max |diff| < 1e-5 and 1e-4 on
+unit vectors). Packed GGUF path (int8
 activations per block of 32, as llama.cpp does): cosine similarity > 0.99 with transformers'
 dequantized float model, on a tiny random GGUF and, when cached, on the default model.
 """
@@ -34,7 +35,8 @@ PROMPTS = [
     [44, 11, 90, 3, 3, 27],
     [9],
 ]
-FLOAT_TOLERANCE = 1e-4
+FLOAT_TOLERANCE = 1e-4  # the default model (measured 1.9e-7..1.1e-6)
+TINY_FLOAT_TOLERANCE = 1e-5  # measured 1.0e-7..2.6e-7
 PACKED_MIN_COSINE = 0.99
 
 
@@ -85,7 +87,7 @@ def test_float_path_pools_as_transformers(tmp_path: pathlib.Path, model_type: st
     )
     ours, theirs = ft_pooled(runner, PROMPTS, pooling), hf_pooled(hf, PROMPTS, pooling)
     for a, b in zip(ours, theirs, strict=True):
-        assert (a - b).abs().max().item() < FLOAT_TOLERANCE
+        assert (a - b).abs().max().item() < TINY_FLOAT_TOLERANCE
 
 
 needs_kernels = pytest.mark.skipif(not kernels.available(), reason="no C++ compiler for the kernels")

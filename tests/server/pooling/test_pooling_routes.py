@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import math
 import struct
+from functools import partial
 from typing import Any
 
 import httpx
@@ -256,3 +257,38 @@ async def test_openai_sdk_embeddings_create(server: RunningServer, client: httpx
     assert [d.embedding for d in out.data] == [pytest.approx(v, rel=1e-6) for v in floats]
     assert [d.embedding for d in as_floats.data] == floats
     assert out.usage.prompt_tokens == len(TEXTS[0]) + len(TEXTS[1])
+
+
+async def test_an_input_whose_step_fails_fails_the_request_and_frees_the_rest() -> None:
+    """The runner fails one input (alone, after the batch is bisected): the request is a 500
+    and every other input's scope closes."""
+    bad = byte_token(ord("!"))
+
+    def fail_bad_rows(works: list[Any]) -> None:
+        if any(bad in w.token_ids for w in works):
+            raise RuntimeError("a fault in the model step")
+
+    async with (
+        fake_server(FakeRunner(step_s=0.05), before_step=fail_bad_rows) as s,
+        httpx.AsyncClient(base_url=s.base_url, timeout=10) as c,
+    ):
+        r = await c.post("/v1/embeddings", json={"input": ["fine " * 20, "broken!", "fine too " * 20]})
+        assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+        stats = await wait_idle(c)
+        assert stats["requests"]["failed"] == 1
+        assert len(await embed(c, input="fine")) == 1  # the engine serves on
+
+
+async def test_a_full_queue_refuses_an_embedding_with_503() -> None:
+    async with (
+        fake_server(FakeRunner(step_s=0.05), max_running_requests=1, max_queued_requests=0) as s,
+        httpx.AsyncClient(base_url=s.base_url, timeout=10) as c,
+        trio.open_nursery() as nursery,
+    ):
+        nursery.start_soon(partial(c.post, "/v1/completions", json={"prompt": "hi", "max_tokens": 50}))
+        with trio.fail_after(5):
+            while (await c.get("/v1/stats")).json()["requests"]["active"] == 0:
+                await trio.sleep(0.01)
+        r = await c.post("/v1/embeddings", json={"input": "x"})
+        assert r.status_code == 503 and "Retry-After" in r.headers
+        nursery.cancel_scope.cancel()
