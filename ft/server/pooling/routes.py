@@ -40,6 +40,8 @@ def register(app: QuartTrio, ctx: ServerContext) -> None:
         return await answer(pooled, lambda: embeddings_body(ctx, pooled, req.encoding_format))
 
     @app.post("/v1/rerank")
+    @app.post("/v2/rerank")  # Cohere's client
+    @app.post("/rerank")  # vLLM's and llama-server's other path
     async def rerank() -> Response:
         req = await read_request(ctx, RerankRequest)
         ctx.check_model(req.model)
@@ -51,6 +53,7 @@ def register(app: QuartTrio, ctx: ServerContext) -> None:
         return await answer(pooled, lambda: rerank_body(ctx, req, texts, pooled))
 
     @app.post("/v1/score")
+    @app.post("/score")  # vLLM's other path
     async def score() -> Response:
         req = await read_request(ctx, ScoreRequest)
         ctx.check_model(req.model)

@@ -292,3 +292,11 @@ async def test_a_full_queue_refuses_an_embedding_with_503() -> None:
         r = await c.post("/v1/embeddings", json={"input": "x"})
         assert r.status_code == 503 and "Retry-After" in r.headers
         nursery.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize("path", ["/rerank", "/v2/rerank"])
+async def test_rerank_answers_on_vllm_and_cohere_paths(client: httpx.AsyncClient, path: str) -> None:
+    body = {"query": "q?", "documents": TEXTS}
+    expected = (await client.post("/v1/rerank", json=body)).json()["results"]
+    r = await client.post(path, json=body)
+    assert r.status_code == 200 and r.json()["results"] == expected
