@@ -300,3 +300,29 @@ async def test_rerank_answers_on_vllm_and_cohere_paths(client: httpx.AsyncClient
     expected = (await client.post("/v1/rerank", json=body)).json()["results"]
     r = await client.post(path, json=body)
     assert r.status_code == 200 and r.json()["results"] == expected
+
+
+POOLING_BODIES = [
+    ("/v1/embeddings", {"input": "hi"}),
+    ("/v1/rerank", {"query": "hi", "documents": ["a"]}),
+    ("/v1/score", {"text_1": "hi", "text_2": "a"}),
+]
+
+
+@pytest.mark.parametrize(("path", "body"), POOLING_BODIES)
+async def test_pooling_routes_take_json_only(
+    client: httpx.AsyncClient, path: str, body: dict[str, Any]
+) -> None:
+    """A cross-site "simple request" (no JSON content type) never reaches the engine."""
+    import json
+
+    r = await client.post(path, content=json.dumps(body), headers={"content-type": "text/plain"})
+    assert r.status_code == 415
+
+
+@pytest.mark.parametrize(("path", "body"), POOLING_BODIES)
+async def test_pooling_routes_need_the_api_key(path: str, body: dict[str, Any]) -> None:
+    async with fake_server(api_key="sesame") as s, httpx.AsyncClient(base_url=s.base_url) as c:
+        assert (await c.post(path, json=body)).status_code == 401
+        r = await c.post(path, json=body, headers={"authorization": "Bearer sesame"})
+        assert r.status_code == 200
