@@ -4,6 +4,8 @@ preemption, and pages registered like any prompt's."""
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ft.core.batch import EmbeddingOut, PoolSum, Sampled, Scored, SeqFailed, StepDone, TokenOut
 from ft.core.kv import PagePool
@@ -13,6 +15,7 @@ from ft.errors import ContextLengthExceeded, InvalidRequest
 from ft.params import SamplingParams
 
 Out = TokenOut | EmbeddingOut | SeqFailed
+POOLINGS_AND_GENERATION = ("mean", "cls", "last", "gen")
 PROMPT = [(7 * i + 3) % 90 + 3 for i in range(37)]  # 37 tokens: 9 full pages of 4 and one more
 
 
@@ -131,6 +134,17 @@ def test_a_pooling_request_preempted_mid_prompt_pools_each_position_once() -> No
     assert s.num_preemptions == 1
 
 
+@pytest.mark.parametrize(("budget", "caching"), [(18, True), (16, False), (23, False)])
+def test_a_recompute_never_sums_a_position_twice(budget: int, caching: bool) -> None:
+    """Preempted after a chunk that ends mid-page (or with no prefix cache at all), the
+    recompute starts before what was summed: those positions are fed again but not pooled."""
+    s = make(max_prefill_tokens=budget, enable_prefix_caching=caching)
+    s.add(1, PROMPT, SamplingParams(pooling="mean"))
+    step(s)
+    s.preempt(1)
+    assert embedding(run(s)).vector == pytest.approx(expected(PROMPT, "mean"), abs=1e-12)
+
+
 def test_an_aborted_pooling_request_frees_its_pages() -> None:
     s = make()
     s.add(1, PROMPT, SamplingParams(pooling="mean"))
@@ -171,3 +185,48 @@ def test_a_pooling_input_larger_than_the_pool_is_refused() -> None:
 def test_pooling_params_refuse_sampling_options(fields: dict[str, object]) -> None:
     with pytest.raises(InvalidRequest):
         SamplingParams(**fields)  # type: ignore[arg-type]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    prompts=st.lists(st.lists(st.integers(3, 40), min_size=1, max_size=40), min_size=1, max_size=5),
+    poolings=st.lists(st.sampled_from(POOLINGS_AND_GENERATION), min_size=5, max_size=5),
+    budget=st.integers(16, 48),
+    num_pages=st.integers(12, 40),
+    events=st.lists(st.sampled_from(["step", "step", "step", "preempt", "warm"]), max_size=40),
+)
+def test_any_mix_of_chunks_preemptions_and_cache_hits_pools_exactly(
+    prompts: list[list[int]], poolings: list[str], budget: int, num_pages: int, events: list[str]
+) -> None:
+    """Whatever the chunking, the pool's size (and the preemptions it forces), explicit
+    preemptions and prefixes cached by earlier requests: each pooled vector is the prompt's,
+    each request ends once, and every page is released at the end."""
+    s = make(num_pages=num_pages, max_prefill_tokens=budget, max_running=3)
+    kinds = dict(enumerate(poolings[: len(prompts)], start=1))
+    for uid, prompt in enumerate(prompts, start=1):
+        kind = kinds[uid]
+        s.add(
+            uid,
+            prompt,
+            SamplingParams(max_tokens=3, ignore_eos=True) if kind == "gen" else SamplingParams(pooling=kind),
+        )
+    outs: list[Out] = []
+    warm_uid = 100
+    for event in [*events, *["step"] * 400]:
+        if not s.has_work:
+            break
+        if event == "preempt" and s.running:
+            s.preempt(next(reversed(s.running.values())).uid)
+        elif event == "warm":  # another request caches a prompt's prefix meanwhile
+            s.add(warm_uid, prompts[warm_uid % len(prompts)], SamplingParams(max_tokens=1))
+            warm_uid += 1
+        else:
+            outs += step(s)
+    assert not s.has_work
+    for uid, prompt in enumerate(prompts, start=1):
+        if kinds[uid] == "gen":
+            assert len([o for o in outs if isinstance(o, TokenOut) and o.uid == uid]) == 3
+        else:
+            assert embedding(outs, uid).vector == pytest.approx(expected(prompt, kinds[uid]), abs=1e-9)
+    assert not any(isinstance(o, SeqFailed) for o in outs)
+    assert s.pool.num_used == 0
