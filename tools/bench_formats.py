@@ -47,8 +47,9 @@ def llama_side(model: str, tokens: int, streams: int, prefill: int, threads: int
                             "-n", str(tokens), "-o", "json"]))  # fmt: skip
     tg = next(r["avg_ts"] for r in bench if r["n_gen"] > 0)
     pp = next(r["avg_ts"] for r in bench if r["n_prompt"] > 0)
-    batched = run([str(BIN / "llama-batched-bench"), "-m", model, "-t", str(threads), "-c", "8192", "-npp", "32",
-                   "-ntg", str(tokens), "-npl", str(streams), "--output-format", "jsonl"])  # fmt: skip
+    batched = run([str(BIN / "llama-batched-bench"), "-m", model, "-t", str(threads), "-c", "8192",
+                   "-npp", "32", "-ntg", str(tokens), "-npl", str(streams),
+                   "--output-format", "jsonl"])  # fmt: skip
     rows = [json.loads(line) for line in batched.splitlines() if line.startswith("{")]
     tgn = rows[-1]["speed_tg"] if rows else float("nan")
     return {"tg1": tg, "tgN": tgn, "pp": pp}
