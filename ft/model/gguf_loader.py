@@ -226,6 +226,7 @@ def gguf_tensors(
             progress(i / len(reader.tensors))
         if quantized and tensor.data.ndim == 2 and tensor.name != "rope_freqs.weight":
             sd[_hf_name(tensor.name)] = repacked(_unpermuted(as_stored(tensor), tensor.name, config, arch))
+            reader.release(tensor)
             continue
         w = torch.from_numpy(_dequantized(tensor))
         if tensor.name == "rope_freqs.weight":
@@ -246,6 +247,7 @@ def gguf_tensors(
         else:
             raise ValueError(f"unexpected GGUF tensor {tensor.name}")
         sd[name] = w.to(dtype)
+        reader.release(tensor)
     return sd, freq_factors
 
 
