@@ -56,8 +56,12 @@ class FtServe:
             [sys.executable, "-m", "ft.cli_serve", "--port", "0", "--log-format", "json", *key_args, *args],
             stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT,
         )  # fmt: skip
-        self.base_url = self._wait_listening(timeout_s=120)
-        self.model = self._wait_ready(timeout_s=180)
+        try:
+            self.base_url = self._wait_listening(timeout_s=120)
+            self.model = self._wait_ready(timeout_s=180)
+        except BaseException:
+            self.close()  # the caller gets no object to close: do not leave the server running
+            raise
 
     def _wait_listening(self, timeout_s: float) -> str:
         deadline = time.monotonic() + timeout_s
