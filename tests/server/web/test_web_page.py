@@ -4,6 +4,7 @@ status."""
 
 from __future__ import annotations
 
+import argparse
 import tomllib
 from fnmatch import fnmatch
 from html.parser import HTMLParser
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import httpx
 
+from ft.cli_serve import add_serve_arguments, configs_from_args
 from ft.server.web import ASSETS, CONTENT_SECURITY_POLICY, read_static
 from tests.support.server import fake_server
 
@@ -166,3 +168,10 @@ def test_every_static_file_is_package_data() -> None:
     for path in STATIC.iterdir():
         assert any(fnmatch(f"static/{path.name}", p) for p in web), path.name
     assert sorted(p.name for p in STATIC.iterdir()) == sorted(["index.html", *ASSETS])
+
+
+def test_no_web_ui_is_the_cli_flag_for_the_setting() -> None:
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    assert configs_from_args(parser.parse_args([]))[1].web_ui is True
+    assert configs_from_args(parser.parse_args(["--no-web-ui"]))[1].web_ui is False
