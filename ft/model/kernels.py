@@ -115,7 +115,9 @@ def build_library(march: str = "native", sanitize: bool = False) -> ctypes.CDLL:
         ptr, i64, i64, ptr, i64, ptr, i64, ctypes.c_float, ptr, ptr, i64, ptr, ptr, i64, ptr, ptr, i64, i64,
         i32, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, i64, i32,
     ]  # fmt: skip
-    lib.ft_attention.argtypes = [ptr, i64, ptr, ptr, i64, i64, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, ptr, i32]
+    lib.ft_attention.argtypes = [
+        ptr, i64, ptr, ptr, i64, i64, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, ptr, i32,
+    ]  # fmt: skip
     for name in ("ft_quantize_q8", "ft_gemm", "ft_dequantize_rows", "ft_repack_columns", "ft_repack",
                  "ft_rms_norm", "ft_decoder_layer", "ft_attention"):  # fmt: skip
         getattr(lib, name).restype = i32
@@ -332,7 +334,7 @@ def dequantize_rows(weight: QuantTensor, ids: torch.Tensor) -> torch.Tensor:
 
 def attention(
     q: torch.Tensor,  # [T, nh * hd] float32
-    k_cache: torch.Tensor,  # [num_slots, nkvh, hd] float32/float16/bfloat16, or q8_0 uint8 [.., hd // 32 * 34]
+    k_cache: torch.Tensor,  # [num_slots, nkvh, hd] float32/float16/bfloat16; q8_0: uint8 [.., hd // 32 * 34]
     v_cache: torch.Tensor,
     seq: torch.Tensor,  # [T] int64: the row's sequence (a row of block_tables)
     pos: torch.Tensor,  # [T] int64

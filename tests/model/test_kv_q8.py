@@ -79,8 +79,8 @@ def test_portable_build_reads_q8_0_blocks_too() -> None:
     out = torch.empty_like(q)
     kernels.check(portable, portable.ft_attention(
         q.data_ptr(), q.shape[0], k_q8.data_ptr(), v_q8.data_ptr(), k_q8.shape[0], k_q8[0].numel(),
-        seq.data_ptr(), tables.shape[0], pos.data_ptr(), tables.data_ptr(), tables.shape[1], page, nh, nkvh, hd,
-        out.data_ptr(), kernels.Q8_0_KV_CODE,
+        seq.data_ptr(), tables.shape[0], pos.data_ptr(), tables.data_ptr(), tables.shape[1], page, nh, nkvh,
+        hd, out.data_ptr(), kernels.Q8_0_KV_CODE,
     ))  # fmt: skip
     assert torch.allclose(out, native, atol=1e-5, rtol=1e-4)
 
@@ -90,7 +90,9 @@ def test_attention_refuses_q8_0_slots_of_the_wrong_size() -> None:
     q = torch.randn(1, 64)
     cache = torch.zeros(8, 1, 33, dtype=torch.uint8)  # 33 bytes: not a block
     with pytest.raises(kernels.KernelError):
-        kernels.attention(q, cache, cache, torch.tensor([0]), torch.tensor([0]), torch.zeros(1, 1, dtype=torch.int32), 8, 1)
+        kernels.attention(
+            q, cache, cache, torch.tensor([0]), torch.tensor([0]), torch.zeros(1, 1, dtype=torch.int32), 8, 1
+        )
 
 
 @pytest.fixture
@@ -229,7 +231,9 @@ def test_config_refuses_q8_0_off_the_packed_path(fields: dict[str, object]) -> N
         EngineConfig(kv_cache_dtype="q8_0", **fields)  # type: ignore[arg-type]
 
 
-def test_float_weights_refuse_q8_0_before_loading(tiny_dir: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_float_weights_refuse_q8_0_before_loading(
+    tiny_dir: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A Hugging Face model (float weights) with q8_0 KV is refused before a weight is read,
     with a message naming the packed path; a float runner refuses it too."""
     from ft.engine import loading
