@@ -18,6 +18,7 @@ from ft.model.quant import to_q8_0
 from ft.model.quantized_llama import QuantizedLlama, StepIndex
 from ft.model.torch_runner import TorchRunner
 from ft.params import SamplingParams
+from tests.support.gguf_files import TINY_HEAD_DIM, U32, RawGGUF, scalar, write_tiny_gguf
 from tests.support.tiny_model import random_hf_state_dict, tiny_config
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="no C++ compiler for the kernels")
@@ -248,3 +249,43 @@ def test_float_weights_refuse_q8_0_before_loading(
         loading.load_torch_model(EngineConfig(model=str(tiny_dir), kv_cache_dtype="q8_0", device="cpu"))
     with pytest.raises(ValueError, match=Q8_0_KV_PATH[:40]):
         TorchRunner(loaded, num_pages=4, page_size=4, dtype=torch.float32, kv_dtype=Q8)
+
+
+def test_a_quantized_gguf_loads_with_q8_0_kv(tmp_path: pathlib.Path) -> None:
+    """A quantized GGUF (heads of 64) loads packed with q8_0 KV: its runner's caches are q8_0
+    blocks and its pages are counted in their bytes."""
+    from ft.engine import loading
+
+    path = write_tiny_gguf(tmp_path / "tiny.gguf")
+    parts = loading.load_torch_model(EngineConfig(model=str(path), kv_cache_dtype="q8_0", device="cpu"))
+    runner = parts.make_runner(4, 16)
+    assert isinstance(runner, TorchRunner) and runner.packed is not None and runner.kv_dtype == Q8
+    assert runner.k_cache.dtype == torch.uint8 and runner.k_cache.shape[-1] == TINY_HEAD_DIM // 32 * 34
+    assert parts.bytes_per_page(16) == 2 * runner.k_cache[:, :16].numel()
+
+
+@pytest.mark.parametrize("where", ["cuda", "heads of 16"])
+def test_q8_0_is_refused_before_loading_a_gguf_it_cannot_run(
+    where: str, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A quantized GGUF that would run on a GPU, or whose heads are not whole blocks (its header
+    says 16: its tensors are never read, so they need not agree), is refused before loading."""
+    from ft.engine import loading, ranks
+    from ft.model import loader
+
+    raw = RawGGUF.read(write_tiny_gguf(tmp_path / "tiny.gguf"))
+    if where == "cuda":
+        monkeypatch.setattr(ranks, "resolve_device", lambda device, rank: torch.device("cuda"))
+        expected = "packed CPU path.*not on the CPU"
+    else:
+        raw = raw.set("llama.attention.head_count", U32, scalar(U32, 16))
+        raw = raw.set("llama.rope.dimension_count", U32, scalar(U32, 16))
+        expected = "heads of 16 are not a multiple of 32"
+    raw.write(tmp_path / "edited.gguf")
+
+    def no_load(*args: object, **kwargs: object) -> None:
+        raise AssertionError("weights were loaded")
+
+    monkeypatch.setattr(loader, "load_model", no_load)
+    with pytest.raises(ValueError, match=expected):
+        loading.load_torch_model(EngineConfig(model=str(tmp_path / "edited.gguf"), kv_cache_dtype="q8_0"))
