@@ -775,8 +775,8 @@ void gemm_team(const Weight& w, const QAct& a, float* y, int64_t ldy) {
   }
 }
 
-// KV cache element types: float32, IEEE half, bfloat16.
-enum : int { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2 };
+// KV cache element types: float32, IEEE half, bfloat16, and q8_0 blocks of 32.
+enum : int { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2, KV_Q8_0 = 3 };
 struct half_t {
   uint16_t bits;
 };
@@ -820,11 +820,79 @@ inline void from_float(float x, bfloat_t* out) {  // round to nearest even, as t
   out->bits = (uint16_t)((b + 0x7FFF + ((b >> 16) & 1)) >> 16);
 }
 
+// A q8_0 KV block, as GGUF's Q8_0: 32 int8 values and their scale d (IEEE half); element i is
+// qs[i] * d. A head of hd (a multiple of 32) elements is hd / 32 consecutive blocks.
+struct kv_q8_t {
+  uint16_t d;
+  int8_t qs[QK];
+};
+static_assert(sizeof(kv_q8_t) == 34, "a q8_0 KV block is 34 bytes");
+
+// Elements per unit of a KV cache of T: one, or a block's 32.
+template <class T>
+constexpr int64_t kv_per = 1;
+template <>
+constexpr int64_t kv_per<kv_q8_t> = QK;
+
+// Element i of a head (or slot) starting at p, as float.
+template <class T>
+inline float kv_at(const T* p, int64_t i) {
+  return to_float(p[i]);
+}
+inline float kv_at(const kv_q8_t* p, int64_t i) {
+  const kv_q8_t& b = p[i / QK];
+  return (float)b.qs[i % QK] * rd16((const uint8_t*)&b.d);
+}
+
+// The IEEE half nearest a scale d >= 0, saturated at the largest half (subnormals kept: the
+// portable from_float flushes them, which would zero a block of small values).
+inline uint16_t kv_scale_bits(float d) {
+  d = d < 65504.0f ? d : 65504.0f;
+#if defined(__F16C__)
+  return _cvtss_sh(d, _MM_FROUND_TO_NEAREST_INT);
+#else
+  if (d < 6.103515625e-05f) return (uint16_t)lrintf(d * 16777216.0f);  // 2^-24 steps
+  half_t h;
+  from_float(d, &h);
+  return h.bits;
+#endif
+}
+
+// n elements of x written from `out` on (the KV write of one slot).
+template <class T>
+inline void kv_store(const float* x, int64_t n, T* out) {
+  for (int64_t i = 0; i < n; i++) from_float(x[i], out + i);
+}
+// q8_0: per block of 32, d = max|x| / 127 rounded to half, qs = round(x / d) (n % 32 == 0).
+inline void kv_store(const float* x, int64_t n, kv_q8_t* out) {
+  for (int64_t b = 0; b < n / QK; b++) {
+    const float* xb = x + b * QK;
+    float amax = 0;
+    for (int i = 0; i < QK; i++) amax = fabsf(xb[i]) > amax ? fabsf(xb[i]) : amax;
+    out[b].d = kv_scale_bits(amax / 127.0f);
+    const float d = rd16((const uint8_t*)&out[b].d), id = d > 0 ? 1.0f / d : 0.0f;
+    for (int i = 0; i < QK; i++) {
+      const float v = xb[i] * id;  // NOTE: NaN stores 0; the clamps keep the cast defined
+      out[b].qs[i] = (int8_t)(v == v ? roundf(v < -127.0f ? -127.0f : v > 127.0f ? 127.0f : v) : 0.0f);
+    }
+  }
+}
+
 #if defined(__AVX2__)
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const half_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
 inline __m256 load8(const bfloat_t* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+// Elements i..i+7 of a head starting at p (i % 8 == 0), as float: exactly kv_at's values.
+template <class T>
+inline __m256 kv_load8(const T* p, int64_t i) {
+  return load8(p + i);
+}
+inline __m256 kv_load8(const kv_q8_t* p, int64_t i) {
+  const kv_q8_t& b = p[i / QK];
+  const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(b.qs + i % QK))));
+  return _mm256_mul_ps(q, _mm256_set1_ps(rd16((const uint8_t*)&b.d)));
 }
 #endif
 
@@ -835,10 +903,10 @@ inline float dot_kv(const float* q, const T* k, int64_t hd) {
   float sum = 0;
 #if defined(__AVX2__)
   __m256 acc = _mm256_setzero_ps();
-  for (; i + 8 <= hd; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), load8(k + i), acc);
+  for (; i + 8 <= hd; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), kv_load8(k, i), acc);
   sum = hsum(acc);
 #endif
-  for (; i < hd; i++) sum += q[i] * to_float(k[i]);
+  for (; i < hd; i++) sum += q[i] * kv_at(k, i);
   return sum;
 }
 
@@ -848,9 +916,9 @@ inline void axpy_kv(float c, const T* v, float* o, int64_t hd) {
   int64_t i = 0;
 #if defined(__AVX2__)
   const __m256 cv = _mm256_set1_ps(c);
-  for (; i + 8 <= hd; i += 8) _mm256_storeu_ps(o + i, _mm256_fmadd_ps(cv, load8(v + i), _mm256_loadu_ps(o + i)));
+  for (; i + 8 <= hd; i += 8) _mm256_storeu_ps(o + i, _mm256_fmadd_ps(cv, kv_load8(v, i), _mm256_loadu_ps(o + i)));
 #endif
-  for (; i < hd; i++) o[i] += c * to_float(v[i]);
+  for (; i < hd; i++) o[i] += c * kv_at(v, i);
 }
 
 #if defined(__AVX2__)
@@ -951,7 +1019,7 @@ void attend_team(const float* qbase, int64_t ldq, const T* k_cache, const T* v_c
       // Positions past the tile's last are clamped to it: computed, then never used.
       auto at = [&](const T* cache, int64_t p) {
         p = p < len_max ? p : len_max - 1;
-        return cache + ((int64_t)table[p / page_size] * page_size + p % page_size) * kvsz + kh * hd;
+        return cache + (((int64_t)table[p / page_size] * page_size + p % page_size) * kvsz + kh * hd) / kv_per<T>;
       };
       float* sc = scratch.scores.get() + omp_get_thread_num() * scratch.per_thread;  // [row][head][position]
 #if defined(__AVX2__)
@@ -960,7 +1028,7 @@ void attend_team(const float* qbase, int64_t ldq, const T* k_cache, const T* v_c
         for (int64_t p0 = 0; p0 < len_max; p0 += 8) {
           for (int j = 0; j < 8; j++) {
             const T* k = at(k_cache, p0 + j);
-            for (int64_t i = 0; i < hd; i += 8) _mm256_store_ps(buf + j * hd + i, load8(k + i));
+            for (int64_t i = 0; i < hd; i += 8) _mm256_store_ps(buf + j * hd + i, kv_load8(k, i));
           }
           for (int64_t r = 0; r < rows; r++) {
             if (p0 > pos[t0 + r]) continue;
@@ -983,7 +1051,7 @@ void attend_team(const float* qbase, int64_t ldq, const T* k_cache, const T* v_c
         for (int64_t p0 = 0; p0 < len_max; p0 += 8) {
           for (int j = 0; j < 8; j++) {
             const T* v = at(v_cache, p0 + j);
-            for (int64_t i = 0; i < hd; i += 8) _mm256_store_ps(buf + j * hd + i, load8(v + i));
+            for (int64_t i = 0; i < hd; i += 8) _mm256_store_ps(buf + j * hd + i, kv_load8(v, i));
           }
           for (int64_t r = 0; r < rows; r++) {
             const int64_t n = pos[t0 + r] + 1 - p0 < 8 ? pos[t0 + r] + 1 - p0 : 8;
@@ -1089,7 +1157,7 @@ namespace {
 // then it attends every position 0..pos[t] of its sequence, found through
 // block_tables[seq[t] * max_pages + p / page_size] * page_size + p % page_size. So decode rows
 // and causal prefill chunks are the same loop. w: q, k, v, o, gate, up, down. bias: q|k|v or null.
-// cos, sin: [T, hd / 2]. Caches: this layer's [num_slots, kvh, hd] float32.
+// cos, sin: [T, hd / 2]. Caches: this layer's num_slots slots of kvh * hd elements of KT.
 template <class KT>
 void decoder_layer(float* x, int64_t T, int64_t H, const float* norm1, const float* norm2, float eps,
                    const Weight* w, const float* bias, const float* cos, const float* sin, KT* k_cache, KT* v_cache,
@@ -1118,10 +1186,8 @@ void decoder_layer(float* x, int64_t T, int64_t H, const float* norm1, const flo
         for (int64_t i = 0; i < qkv_w; i++) row[i] += bias[i];
       rope(row, nh, hd, cos + t * (hd / 2), sin + t * (hd / 2));
       rope(row + qsz, nkvh, hd, cos + t * (hd / 2), sin + t * (hd / 2));
-      for (int64_t i = 0; i < kvsz; i++) {
-        from_float(row[qsz + i], k_cache + slot_of[t] * kvsz + i);
-        from_float(row[qsz + kvsz + i], v_cache + slot_of[t] * kvsz + i);
-      }
+      kv_store(row + qsz, kvsz, k_cache + slot_of[t] * kvsz / kv_per<KT>);
+      kv_store(row + qsz + kvsz, kvsz, v_cache + slot_of[t] * kvsz / kv_per<KT>);
     }
     attend_team(qkv.data(), qkv_w, k_cache, v_cache, T, seq, pos, block_tables, max_pages, page_size, nh, nkvh,
                 hd, attn.data(), qsz, scratch);
@@ -1177,6 +1243,19 @@ void check_step(int64_t T, const int64_t* slot_of, const int64_t* seq, const int
     }
 }
 
+// The KV type, and the bytes of one slot of the caches (kvsz elements of it) against those of
+// the buffers passed: q8_0 needs heads of a multiple of 32 (blocks never straddle two heads).
+void check_kv(int kv_type, int64_t kvsz, int64_t hd, int64_t slot_bytes) {
+  FT_REQUIRE(kv_type >= KV_F32 && kv_type <= KV_Q8_0, "KV type %d", kv_type);
+  FT_REQUIRE(kv_type != KV_Q8_0 || hd % QK == 0, "q8_0 KV needs heads of a multiple of %d, not %lld", QK,
+             (long long)hd);
+  const int64_t expected = kv_type == KV_Q8_0 ? kvsz / QK * (int64_t)sizeof(kv_q8_t)
+                           : kv_type == KV_F32 ? kvsz * 4
+                                               : kvsz * 2;
+  FT_REQUIRE(slot_bytes == expected, "KV slots of %lld bytes for %lld elements of type %d (%lld bytes)",
+             (long long)slot_bytes, (long long)kvsz, kv_type, (long long)expected);
+}
+
 // The heads: nh query heads in groups over nkvh kv heads of hd (even: rotary pairs).
 void check_heads(int64_t nh, int64_t nkvh, int64_t hd) {
   FT_REQUIRE(nh >= 1 && nkvh >= 1 && nh % nkvh == 0, "%lld heads over %lld kv heads", (long long)nh,
@@ -1189,34 +1268,43 @@ void check_heads(int64_t nh, int64_t nkvh, int64_t hd) {
 extern "C" {
 
 // Paged attention alone (the tests check it against torch): q [T, nh * hd] -> out [T, nh * hd]
-// over float32 caches [num_slots, nkvh, hd]; indices as for ft_decoder_layer.
-int ft_attention(const float* q, int64_t T, const float* k_cache, const float* v_cache, int64_t num_slots,
-                 int64_t kv_width,
+// over caches of `kv_type` of num_slots slots of slot_bytes (nkvh * hd elements) each;
+// indices as for ft_decoder_layer.
+int ft_attention(const float* q, int64_t T, const void* k_cache, const void* v_cache, int64_t num_slots,
+                 int64_t slot_bytes,
                  const int64_t* seq, int64_t num_seqs, const int64_t* pos, const int32_t* block_tables,
-                 int64_t max_pages, int64_t page_size, int64_t nh, int64_t nkvh, int64_t hd, float* out) {
+                 int64_t max_pages, int64_t page_size, int64_t nh, int64_t nkvh, int64_t hd, float* out,
+                 int kv_type) {
   return guarded("ft_attention", [&] {
     check_heads(nh, nkvh, hd);
-    FT_REQUIRE(kv_width == nkvh * hd, "KV slots of %lld elements for %lld kv heads of %lld", (long long)kv_width,
-               (long long)nkvh, (long long)hd);
+    check_kv(kv_type, nkvh * hd, hd, slot_bytes);
     check_step(T, nullptr, seq, pos, num_seqs, block_tables, max_pages, page_size, num_slots);
     AttendScratch scratch(T, seq, pos, nh / nkvh, 1);
+    auto run = [&](auto* kc, auto* vc) {
 #pragma omp parallel num_threads(1)
-    {
-      attend_team(q, nh * hd, k_cache, v_cache, T, seq, pos, block_tables, max_pages, page_size, nh, nkvh, hd, out,
-                  nh * hd, scratch);
+      {
+        attend_team(q, nh * hd, kc, vc, T, seq, pos, block_tables, max_pages, page_size, nh, nkvh, hd, out, nh * hd,
+                    scratch);
+      }
+    };
+    switch (kv_type) {
+      case KV_F32: run((const float*)k_cache, (const float*)v_cache); break;
+      case KV_F16: run((const half_t*)k_cache, (const half_t*)v_cache); break;
+      case KV_BF16: run((const bfloat_t*)k_cache, (const bfloat_t*)v_cache); break;
+      case KV_Q8_0: run((const kv_q8_t*)k_cache, (const kv_q8_t*)v_cache); break;
     }
   });
 }
 
-// decoder_layer over a KV cache of `kv_type` (KV_F32, KV_F16, KV_BF16); caches are this layer's
-// [num_slots, kv_width == kvh * hd] of that type; cos, sin [T, rope_width == hd / 2]. Every size is an argument and checked against the others:
+// decoder_layer over a KV cache of `kv_type` (KV_F32, KV_F16, KV_BF16, KV_Q8_0); caches are this
+// layer's num_slots slots of kv_slot_bytes (kvh * hd elements of that type) each; cos, sin [T, rope_width == hd / 2]. Every size is an argument and checked against the others:
 // the norms hold H floats, the bias (or null) q + 2 kv, and w[] (q, k, v, o, gate, up, down) have
 // the rows and row bytes of [nh * hd, H], [nkvh * hd, H] twice, [H, nh * hd], [inter, H] twice
 // and [H, inter].
 int ft_decoder_layer(float* x, int64_t T, int64_t H, const float* norm1, int64_t norm1_len, const float* norm2,
                      int64_t norm2_len, float eps, const Weight* w, const float* bias, int64_t bias_len,
                      const float* cos, const float* sin, int64_t rope_width, void* k_cache, void* v_cache,
-                     int64_t num_slots, int64_t kv_width, int kv_type,
+                     int64_t num_slots, int64_t kv_slot_bytes, int kv_type,
                      const int64_t* slot_of, const int64_t* seq, int64_t num_seqs, const int64_t* pos,
                      const int32_t* block_tables, int64_t max_pages, int64_t page_size, int64_t nh, int64_t nkvh,
                      int64_t hd, int64_t inter, int threads) {
@@ -1239,9 +1327,7 @@ int ft_decoder_layer(float* x, int64_t T, int64_t H, const float* norm1, int64_t
     }
     FT_REQUIRE(rope_width == hd / 2, "rotary tables of %lld for heads of %lld", (long long)rope_width,
                (long long)hd);
-    FT_REQUIRE(kv_width == kvsz, "KV slots of %lld elements for %lld kv heads of %lld", (long long)kv_width,
-               (long long)nkvh, (long long)hd);
-    FT_REQUIRE(kv_type == KV_F32 || kv_type == KV_F16 || kv_type == KV_BF16, "KV type %d", kv_type);
+    check_kv(kv_type, kvsz, hd, kv_slot_bytes);
     FT_REQUIRE(threads >= 1, "%d threads", threads);
     check_step(T, slot_of, seq, pos, num_seqs, block_tables, max_pages, page_size, num_slots);
     switch (kv_type) {
@@ -1255,6 +1341,10 @@ int ft_decoder_layer(float* x, int64_t T, int64_t H, const float* norm1, int64_t
         break;
       case KV_BF16:
         decoder_layer(x, T, H, norm1, norm2, eps, w, bias, cos, sin, (bfloat_t*)k_cache, (bfloat_t*)v_cache,
+                      slot_of, seq, pos, block_tables, max_pages, page_size, nh, nkvh, hd, inter, threads);
+        break;
+      case KV_Q8_0:
+        decoder_layer(x, T, H, norm1, norm2, eps, w, bias, cos, sin, (kv_q8_t*)k_cache, (kv_q8_t*)v_cache,
                       slot_of, seq, pos, block_tables, max_pages, page_size, nh, nkvh, hd, inter, threads);
         break;
     }
