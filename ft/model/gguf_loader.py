@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import logging
 import pathlib
 import re
+from collections import Counter
 from typing import Any
 
 import numpy as np
@@ -45,6 +47,7 @@ _GLOBAL_NAMES = {
     "output.weight": "lm_head.weight",
 }
 _BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
+log = logging.getLogger("ft.model")
 
 
 # Bounds on the metadata's numbers: far above any real model, low enough that no size derived
@@ -178,8 +181,9 @@ def unpermute_rotary(w: torch.Tensor, n_head: int) -> torch.Tensor:
 
 
 def as_stored(tensor: GGUFTensor) -> QuantTensor:
-    """A 2-D GGUF weight as packed blocks: kept as stored when the kernels multiply its type,
-    otherwise requantized to Q8_0 once."""
+    """A 2-D GGUF weight as packed blocks: kept as stored when the kernels multiply its type
+    (`KERNEL_TYPES`), otherwise (float weights, IQ1/IQ2/IQ3, TQ, MXFP4, ...) requantized to Q8_0
+    once (`gguf_tensors` logs which)."""
     cols = tensor.shape[-1]
     if int(tensor.tensor_type) in KERNEL_TYPES:
         data = torch.from_numpy(np.array(tensor.data, dtype=np.uint8, copy=True))
@@ -221,10 +225,13 @@ def gguf_tensors(
     """
     sd: dict[str, torch.Tensor | QuantTensor] = {}
     freq_factors: tuple[float, ...] | None = None
+    requantized: Counter[str] = Counter()
     for i, tensor in enumerate(reader.tensors):
         if progress is not None:
             progress(i / len(reader.tensors))
         if quantized and tensor.data.ndim == 2 and tensor.name != "rope_freqs.weight":
+            if int(tensor.tensor_type) not in KERNEL_TYPES:
+                requantized[tensor.tensor_type.name] += 1
             sd[_hf_name(tensor.name)] = repacked(_unpermuted(as_stored(tensor), tensor.name, config, arch))
             continue
         w = torch.from_numpy(_dequantized(tensor))
@@ -246,6 +253,11 @@ def gguf_tensors(
         else:
             raise ValueError(f"unexpected GGUF tensor {tensor.name}")
         sd[name] = w.to(dtype)
+    if requantized:
+        log.warning(
+            "requantized to Q8_0 at load (no kernel multiplies them as stored): %s",
+            ", ".join(f"{n} tensors of {t}" for t, n in sorted(requantized.items())),
+        )
     return sd, freq_factors
 
 

@@ -48,6 +48,11 @@ LAYER_TYPES = {
     "ffn_down": GGMLQuantizationType.Q4_K,
 }
 _K_SCALES = {GGMLQuantizationType.Q4_K: (0, 2), GGMLQuantizationType.Q6_K: (208,)}
+# fp16 scale fields (byte offsets in a block) of the other types gguf-py cannot quantize
+_K_SCALES |= {
+    GGMLQuantizationType.Q2_K: (80, 82), GGMLQuantizationType.Q3_K: (108,), GGMLQuantizationType.Q5_K: (0, 2),
+    GGMLQuantizationType.IQ4_XS: (0,), GGMLQuantizationType.IQ4_NL: (0,),
+}  # fmt: skip
 
 
 def _packed(qtype: GGMLQuantizationType, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
@@ -74,8 +79,17 @@ def tiny_tokens() -> tuple[list[str], list[str], list[int]]:
     return tokens, merges, types
 
 
-def write_tiny_gguf(path: pathlib.Path, *, seed: int = 0, tied: bool = False) -> pathlib.Path:
-    """A tiny random-weight Llama GGUF (2 layers, hidden 256, GQA 4/2) at `path`."""
+def write_tiny_gguf(
+    path: pathlib.Path,
+    *,
+    seed: int = 0,
+    tied: bool = False,
+    layer_types: dict[str, GGMLQuantizationType] | None = None,
+    embedding_type: GGMLQuantizationType = GGMLQuantizationType.Q8_0,
+) -> pathlib.Path:
+    """A tiny random-weight Llama GGUF (2 layers, hidden 256, GQA 4/2) at `path`; its layer
+    weights of `layer_types` (default `LAYER_TYPES`), its embedding of `embedding_type`."""
+    layer_types = layer_types or LAYER_TYPES
     rng = np.random.default_rng(seed)
     tokens, merges, types = tiny_tokens()
     vocab = len(tokens)
@@ -109,7 +123,7 @@ def write_tiny_gguf(path: pathlib.Path, *, seed: int = 0, tied: bool = False) ->
         raw_dtype = None if qtype == GGMLQuantizationType.F16 else qtype
         w.add_tensor(name, data, raw_dtype=raw_dtype)
 
-    add("token_embd.weight", GGMLQuantizationType.Q8_0, vocab, TINY_HIDDEN)
+    add("token_embd.weight", embedding_type, vocab, TINY_HIDDEN)
     q, kv = TINY_HEADS * TINY_HEAD_DIM, TINY_KV_HEADS * TINY_HEAD_DIM
     shapes = {
         "attn_q": (q, TINY_HIDDEN), "attn_k": (kv, TINY_HIDDEN), "attn_v": (kv, TINY_HIDDEN),
@@ -120,7 +134,7 @@ def write_tiny_gguf(path: pathlib.Path, *, seed: int = 0, tied: bool = False) ->
         w.add_tensor(f"blk.{i}.attn_norm.weight", norm(TINY_HIDDEN))
         w.add_tensor(f"blk.{i}.ffn_norm.weight", norm(TINY_HIDDEN))
         for part, (rows, cols) in shapes.items():
-            add(f"blk.{i}.{part}.weight", LAYER_TYPES[part], rows, cols)
+            add(f"blk.{i}.{part}.weight", layer_types[part], rows, cols)
     w.add_tensor("output_norm.weight", norm(TINY_HIDDEN))
     if not tied:
         add("output.weight", GGMLQuantizationType.Q6_K, vocab, TINY_HIDDEN)
