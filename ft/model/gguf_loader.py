@@ -182,11 +182,12 @@ def unpermute_rotary(w: torch.Tensor, n_head: int) -> torch.Tensor:
 
 def as_stored(tensor: GGUFTensor) -> QuantTensor:
     """A 2-D GGUF weight as packed blocks: kept as stored when the kernels multiply its type
-    (`KERNEL_TYPES`), otherwise (float weights, IQ1/IQ2/IQ3, TQ, MXFP4, ...) requantized to Q8_0
+    (`KERNEL_TYPES`), otherwise (F32 weights, IQ1/IQ2/IQ3, TQ, MXFP4, ...) requantized to Q8_0
     once (`gguf_tensors` logs which)."""
     cols = tensor.shape[-1]
-    if int(tensor.tensor_type) in KERNEL_TYPES:
-        data = torch.from_numpy(np.array(tensor.data, dtype=np.uint8, copy=True))
+    if int(tensor.tensor_type) in KERNEL_TYPES:  # (F16 comes as float16 values: their bytes)
+        raw = np.ascontiguousarray(tensor.data).view(np.uint8).reshape(tensor.data.shape[0], -1)
+        data = torch.from_numpy(np.array(raw, copy=True))
         return QuantTensor(data, int(tensor.tensor_type), cols)
     return to_q8_0(_dequantized(tensor).reshape(-1, cols))
 

@@ -788,6 +788,80 @@ void dequant_formats32(int type, const uint8_t* w, int64_t K, float* out) {
   }
 }
 
+// ==== F16 / BF16 weights as stored: float weights times the activation blocks as floats (d * q,
+// the same int8 activations every format multiplies), F16C or shifted BF16 conversion and FMA.
+// Counted in "blocks" of 32 elements (64 bytes) so the row checks are the quantized formats'. ====
+enum : int { F16 = 1, BF16 = 30 };
+constexpr int FLOAT_BLOCK_BYTES = 2 * QK;
+
+inline float bf16_to_float(const uint8_t* p) {
+  uint16_t h;
+  memcpy(&h, p, 2);
+  const uint32_t bits = (uint32_t)h << 16;
+  float f;
+  memcpy(&f, &bits, 4);
+  return f;
+}
+
+template <int Type>
+inline float float_at(const uint8_t* p) {
+  return Type == F16 ? rd16(p) : bf16_to_float(p);
+}
+
+#if defined(__AVX2__) && defined(__F16C__)
+template <int Type>
+inline __m256 float8(const uint8_t* p) {  // eight weights
+  const __m128i h = _mm_loadu_si128((const __m128i*)p);
+  return Type == F16 ? _mm256_cvtph_ps(h) : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+inline __m256 int8x8_ps(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)); }  // low 8 bytes
+#endif
+
+template <int Type, int MT>
+void rows_float(const uint8_t* w, int nb, const Act* a, float* out) {
+#if defined(__AVX2__) && defined(__F16C__)
+  __m256 acc[MT];
+  for (int r = 0; r < MT; r++) acc[r] = _mm256_setzero_ps();
+  for (int b = 0; b < nb; b++) {
+    const uint8_t* wb = w + b * FLOAT_BLOCK_BYTES;
+    const __m256 w0 = float8<Type>(wb), w1 = float8<Type>(wb + 16), w2 = float8<Type>(wb + 32),
+                 w3 = float8<Type>(wb + 48);
+    for (int r = 0; r < MT; r++) {
+      const int8_t* x = a[r].qs + b * QK;
+      const __m128i lo = _mm_loadu_si128((const __m128i*)x), hi = _mm_loadu_si128((const __m128i*)(x + 16));
+      __m256 s = _mm256_mul_ps(w0, int8x8_ps(lo));
+      s = _mm256_fmadd_ps(w1, int8x8_ps(_mm_srli_si128(lo, 8)), s);
+      s = _mm256_fmadd_ps(w2, int8x8_ps(hi), s);
+      s = _mm256_fmadd_ps(w3, int8x8_ps(_mm_srli_si128(hi, 8)), s);
+      acc[r] = _mm256_fmadd_ps(s, _mm256_set1_ps(a[r].d[b]), acc[r]);
+    }
+  }
+  for (int r = 0; r < MT; r++) out[r] = hsum(acc[r]);
+#else
+  float acc[MT];
+  for (int r = 0; r < MT; r++) acc[r] = 0;
+  for (int b = 0; b < nb; b++) {
+    const uint8_t* wb = w + b * FLOAT_BLOCK_BYTES;
+    float wf[QK];
+    for (int j = 0; j < QK; j++) wf[j] = float_at<Type>(wb + 2 * j);
+    for (int r = 0; r < MT; r++) {
+      const int8_t* x = a[r].qs + b * QK;
+      float s = 0;
+      for (int j = 0; j < QK; j++) s += wf[j] * x[j];
+      acc[r] += s * a[r].d[b];
+    }
+  }
+  for (int r = 0; r < MT; r++) out[r] = acc[r];
+#endif
+}
+
+template <int Type>
+void dequant_float(const uint8_t* w, int64_t K, float* out) {
+  for (int64_t i = 0; i < K; i++) out[i] = float_at<Type>(w + 2 * i);
+}
+
+
 
 // Elements and bytes per block of each type the kernels multiply (0: not one of them).
 inline int64_t block_elems(int64_t type) {
@@ -796,6 +870,7 @@ inline int64_t block_elems(int64_t type) {
     case Q4_K: case Q6_K: return QK_K;
     case Q5_0: case Q5_1: case IQ4_NL: return QK;
     case Q2_K: case Q3_K: case Q5_K: case IQ4_XS: return QK_K;
+    case F16: case BF16: return QK;
   }
   return 0;
 }
@@ -814,6 +889,7 @@ inline int64_t block_bytes(int64_t type) {
     case Q3_K: return sizeof(BlockQ3_K);
     case Q5_K: return sizeof(BlockQ5_K);
     case IQ4_XS: return sizeof(BlockIQ4_XS);
+    case F16: case BF16: return FLOAT_BLOCK_BYTES;
   }
   return 0;
 }
@@ -953,6 +1029,8 @@ void dot_rows(int type, const uint8_t* w, int64_t K, const Act* a, float* out) {
     case Q3_K: rows_kx<KQ3_K, MT>(w, (int)(K / QK_K), a, out); break;
     case Q5_K: rows_kx<KQ5_K, MT>(w, (int)(K / QK_K), a, out); break;
     case IQ4_XS: rows_kx<KIQ4_XS, MT>(w, (int)(K / QK_K), a, out); break;
+    case F16: rows_float<F16, MT>(w, (int)(K / QK), a, out); break;
+    case BF16: rows_float<BF16, MT>(w, (int)(K / QK), a, out); break;
   }
 }
 
@@ -1162,6 +1240,8 @@ void dequant_row(int type, const uint8_t* w, int64_t K, float* out) {
     case Q3_K: dequant_kx<KQ3_K>(w, K, out); break;
     case Q5_K: dequant_kx<KQ5_K>(w, K, out); break;
     case IQ4_XS: dequant_kx<KIQ4_XS>(w, K, out); break;
+    case F16: dequant_float<F16>(w, K, out); break;
+    case BF16: dequant_float<BF16>(w, K, out); break;
   }
 }
 

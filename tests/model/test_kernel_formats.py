@@ -1,7 +1,7 @@
 """The GGUF formats the kernels multiply as stored beyond Q4_0/Q4_1/Q8_0/Q4_K/Q6_K: Q5_0, Q5_1,
-IQ4_NL, Q2_K, Q3_K, Q5_K, IQ4_XS. Random block bytes (every bit pattern of the packed weights and
-sub-scales, finite fp16 scales) against gguf-py's dequantization, on the native, AVX2 (haswell)
-and portable (x86-64) builds, and a small GGUF of these types loaded as stored."""
+IQ4_NL, Q2_K, Q3_K, Q5_K, IQ4_XS, F16, BF16. Random block bytes (every bit pattern of the packed
+weights and sub-scales, finite fp16 scales) against gguf-py's dequantization, on the native, AVX2
+(haswell) and portable (x86-64) builds, and a small GGUF of these types loaded as stored."""
 
 from __future__ import annotations
 
@@ -20,13 +20,26 @@ from ft.model import kernels
 from ft.model.attention import SeqSpan, build_metadata
 from ft.model.gguf_loader import load_gguf
 from ft.model.llama import build_model
-from ft.model.quant import IQ4_NL, IQ4_XS, KERNEL_TYPES, Q2_K, Q3_K, Q5_0, Q5_1, Q5_K, Q8_0, QuantTensor
+from ft.model.quant import (
+    BF16,
+    F16,
+    IQ4_NL,
+    IQ4_XS,
+    KERNEL_TYPES,
+    Q2_K,
+    Q3_K,
+    Q5_0,
+    Q5_1,
+    Q5_K,
+    Q8_0,
+    QuantTensor,
+)
 from ft.model.quantized_llama import QuantizedLlama, StepIndex
 from tests.support.gguf_files import LAYER_TYPES, write_tiny_gguf
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="no C++ compiler for the kernels")
 
-FORMATS = (Q5_0, Q5_1, IQ4_NL, Q2_K, Q3_K, Q5_K, IQ4_XS)
+FORMATS = (Q5_0, Q5_1, IQ4_NL, Q2_K, Q3_K, Q5_K, IQ4_XS, F16, BF16)
 # fp16 fields (byte offsets in a block): the scales (and mins) of each format
 SCALES = {Q5_0: (0,), Q5_1: (0, 2), IQ4_NL: (0,), Q2_K: (80, 82), Q3_K: (108,), Q5_K: (0, 2), IQ4_XS: (0,)}
 FORMAT_NAMES = [KERNEL_TYPES[t] for t in FORMATS]
@@ -36,6 +49,8 @@ def random_weight(qtype: int, rows: int, cols: int, seed: int = 0, any_scale: bo
     """Random blocks of `qtype`; the fp16 fields are small positive scales, or with `any_scale`
     any finite fp16 (negative, subnormal, huge)."""
     rng = np.random.default_rng(seed)
+    if qtype in (F16, BF16):
+        return float_weight(qtype, rows, cols, rng, any_scale)
     block, size = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)]
     nb = rows * cols // block
     raw = rng.integers(0, 256, size=(nb, size), dtype=np.uint8)
@@ -47,6 +62,19 @@ def random_weight(qtype: int, rows: int, cols: int, seed: int = 0, any_scale: bo
             bits = rng.uniform(0.0005, 0.004, size=nb).astype(np.float16).view(np.uint16)
         raw[:, at : at + 2] = bits.view(np.uint8).reshape(nb, 2)
     return QuantTensor(torch.from_numpy(raw.reshape(rows, -1).copy()), qtype, cols)
+
+
+def float_weight(qtype: int, rows: int, cols: int, rng: np.random.Generator, any_value: bool) -> QuantTensor:
+    """F16 or BF16 weights: small normal values, or with `any_value` any finite bit pattern."""
+    if any_value:
+        bits = rng.integers(0, 1 << 16, size=(rows, cols), dtype=np.uint16)
+        exponent = 0x7C00 if qtype == F16 else 0x7F80
+        bits[(bits & exponent) == exponent] &= 0xBFFF  # no Inf/NaN exponent
+    else:
+        values = (rng.standard_normal((rows, cols)) * 0.05).astype(np.float32)
+        bits = values.astype(np.float16).view(np.uint16) if qtype == F16 else (values.view(np.uint32) >> 16)
+    data = np.ascontiguousarray(bits.astype(np.uint16)).view(np.uint8).reshape(rows, 2 * cols)
+    return QuantTensor(torch.from_numpy(data.copy()), qtype, cols)
 
 
 def reference(w: QuantTensor) -> torch.Tensor:
@@ -139,27 +167,34 @@ FORMAT_LAYERS = {
     "ffn_up": GGMLQuantizationType.Q2_K,
     "ffn_down": GGMLQuantizationType.IQ4_NL,
 }
-assert FORMAT_LAYERS.keys() == LAYER_TYPES.keys() and {int(t) for t in FORMAT_LAYERS.values()} == set(FORMATS)
+# ... and float weights (F16, BF16) among quantized ones, the embedding in F16.
+FLOAT_LAYERS = LAYER_TYPES | {"attn_q": GGMLQuantizationType.BF16, "ffn_up": GGMLQuantizationType.F16}
+LOADER_CASES = {
+    "quants": (FORMAT_LAYERS, GGMLQuantizationType.IQ4_NL),
+    "floats": (FLOAT_LAYERS, GGMLQuantizationType.F16),
+}
+assert FORMAT_LAYERS.keys() == LAYER_TYPES.keys() == FLOAT_LAYERS.keys()
+assert {int(t) for layers, _ in LOADER_CASES.values() for t in layers.values()} >= set(FORMATS)
 
 
+@pytest.mark.parametrize("case", sorted(LOADER_CASES))
 def test_a_gguf_of_the_new_formats_loads_as_stored_and_matches_the_float_model(
-    tmp_path: pathlib.Path, caplog: pytest.LogCaptureFixture
+    tmp_path: pathlib.Path, caplog: pytest.LogCaptureFixture, case: str
 ) -> None:
     """Every weight stays in its file's format (no Q8_0 copy, no requantization logged), and the
     packed model's logits are the float model's over the same dequantized weights within the
     int8 rounding of the activations."""
-    path = write_tiny_gguf(
-        tmp_path / "formats.gguf", layer_types=FORMAT_LAYERS, embedding_type=GGMLQuantizationType.IQ4_NL
-    )
+    layers, embedding = LOADER_CASES[case]
+    path = write_tiny_gguf(tmp_path / "formats.gguf", layer_types=layers, embedding_type=embedding)
     with caplog.at_level(logging.WARNING, logger="ft.model"):
         config, sd_packed, _, _ = load_gguf(path, torch.float32, quantized=True)
     assert not [r for r in caplog.records if "requantized" in r.getMessage()]
-    for part, qtype in FORMAT_LAYERS.items():
+    for part, qtype in layers.items():
         for name, w in sd_packed.items():
             if name.endswith(f"{_HF[part]}.weight"):
                 assert isinstance(w, QuantTensor) and w.qtype == int(qtype), (name, w)
     embed = sd_packed["model.embed_tokens.weight"]
-    assert isinstance(embed, QuantTensor) and embed.qtype == IQ4_NL
+    assert isinstance(embed, QuantTensor) and embed.qtype == int(embedding)
     config_f, sd_float, _, _ = load_gguf(path, torch.float32)
     assert config_f == config
 
@@ -194,10 +229,17 @@ _HF = {
 def test_a_type_without_a_kernel_is_requantized_and_logged(
     tmp_path: pathlib.Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """The tiny model's F16 ffn_up has no kernel: it becomes Q8_0, and the load says so."""
-    path = write_tiny_gguf(tmp_path / "f16.gguf")
+    """IQ2_XXS has no kernel: such a weight becomes Q8_0 (within its rounding of the stored
+    values), and the load says which type and how many tensors."""
+    layers = LAYER_TYPES | {"ffn_up": GGMLQuantizationType.IQ2_XXS}
+    path = write_tiny_gguf(tmp_path / "iq2.gguf", layer_types=layers)
     with caplog.at_level(logging.WARNING, logger="ft.model"):
         _, sd, _, _ = load_gguf(path, torch.float32, quantized=True)
+        _, sd_float, _, _ = load_gguf(path, torch.float32)
     up = sd["model.layers.0.mlp.up_proj.weight"]
     assert isinstance(up, QuantTensor) and up.qtype == Q8_0
-    assert any("requantized to Q8_0" in r.getMessage() and "F16" in r.getMessage() for r in caplog.records)
+    ref = sd_float["model.layers.0.mlp.up_proj.weight"]
+    assert isinstance(ref, torch.Tensor)
+    assert ((up.dequantize() - ref).norm() / ref.norm()).item() < 0.01
+    messages = [r.getMessage() for r in caplog.records if "requantized to Q8_0" in r.getMessage()]
+    assert len(messages) == 1 and "2 tensors of IQ2_XXS" in messages[0], messages

@@ -43,8 +43,9 @@ def packed_weight(qtype: int, rows: int, cols: int, seed: int = 0) -> QuantTenso
         for at in SCALE_FIELDS[qtype]:
             raw[..., at : at + 2] = scales.view(np.uint8).reshape(rows, cols // block, 2)
         data = raw.reshape(rows, -1)
-    else:
+    else:  # (F16 and BF16 come as 2-byte values: their bytes)
         data = quantize(rng.standard_normal((rows, cols)).astype(np.float32) * 0.05, t)
+        data = np.ascontiguousarray(data).view(np.uint8).reshape(rows, -1)
     return QuantTensor(torch.from_numpy(np.ascontiguousarray(data)), qtype, cols)
 
 
