@@ -18,6 +18,7 @@ from gguf.quants import dequantize
 
 from ft.model import kernels
 from ft.model.attention import SeqSpan, build_metadata
+from ft.model.gguf_file import ModelFileError
 from ft.model.gguf_loader import load_gguf
 from ft.model.llama import build_model
 from ft.model.quant import (
@@ -35,7 +36,7 @@ from ft.model.quant import (
     QuantTensor,
 )
 from ft.model.quantized_llama import QuantizedLlama, StepIndex
-from tests.support.gguf_files import LAYER_TYPES, write_tiny_gguf
+from tests.support.gguf_files import LAYER_TYPES, RawGGUF, write_tiny_gguf
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="no C++ compiler for the kernels")
 
@@ -243,3 +244,23 @@ def test_a_type_without_a_kernel_is_requantized_and_logged(
     assert ((up.dequantize() - ref).norm() / ref.norm()).item() < 0.01
     messages = [r.getMessage() for r in caplog.records if "requantized to Q8_0" in r.getMessage()]
     assert len(messages) == 1 and "2 tensors of IQ2_XXS" in messages[0], messages
+
+
+@pytest.mark.parametrize("bits", [0x7E00, 0x7C00, 0xFC00], ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize(
+    ("part", "at"), [(part, at) for part, t in FORMAT_LAYERS.items() for at in SCALES[int(t)]]
+)
+def test_a_non_finite_scale_in_a_new_format_is_a_named_error(
+    tmp_path: pathlib.Path, part: str, at: int, bits: int
+) -> None:
+    """NaN or Inf in any fp16 scale (or min) of a block of these formats is refused at load,
+    naming the tensor, before any kernel multiplies it."""
+    path = write_tiny_gguf(tmp_path / "nan.gguf", layer_types=FORMAT_LAYERS)
+    raw = RawGGUF.read(path)
+    name = f"blk.1.{part}.weight"
+    _, size = GGML_QUANT_SIZES[FORMAT_LAYERS[part]]
+    with path.open("r+b") as f:
+        f.seek(raw.header()[1].data + raw.tensor(name).offset + 3 * size + at)  # the fourth block
+        f.write(bits.to_bytes(2, "little"))
+    with pytest.raises(ModelFileError, match=name):
+        load_gguf(path, torch.float32, quantized=True)
