@@ -242,6 +242,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         default=_S.metrics_require_key,
         help="/metrics needs the API key too; off, it is open like /health (default: off)",
     )
+    http.add_argument(
+        "--web-ui",
+        action=argparse.BooleanOptionalAction,
+        default=_S.web_ui,
+        help="serve the chat page at / (its files need no key; its API calls do) (default: on)",
+    )
 
     ops = parser.add_argument_group("operations")
     ops.add_argument(
@@ -308,6 +314,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerSet
         log_format=args.log_format,
         log_prompts=args.log_prompts,
         metrics_require_key=args.metrics_require_key,
+        web_ui=args.web_ui,
         strict_model_names=args.strict_model_names,
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,

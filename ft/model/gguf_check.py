@@ -71,6 +71,7 @@ def check_tensors(reader: GGUFFile, config: LlamaConfig, *, packed: bool) -> Non
         if packed and len(shape) == 2 and shape[1] % QK:
             raise ModelFileError(f"tensor {name}: rows of {shape[1]} are not whole blocks of {QK}")
         _check_finite(tensor)
+        reader.release(tensor)
     for name in found.keys() - expected.keys():
         m = _BLOCK.match(name)
         if m and int(m.group(1)) >= config.num_layers:

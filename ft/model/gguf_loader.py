@@ -234,6 +234,7 @@ def gguf_tensors(
             if int(tensor.tensor_type) not in KERNEL_TYPES:
                 requantized[tensor.tensor_type.name] += 1
             sd[_hf_name(tensor.name)] = repacked(_unpermuted(as_stored(tensor), tensor.name, config, arch))
+            reader.release(tensor)
             continue
         w = torch.from_numpy(_dequantized(tensor))
         if tensor.name == "rope_freqs.weight":
@@ -254,6 +255,7 @@ def gguf_tensors(
         else:
             raise ValueError(f"unexpected GGUF tensor {tensor.name}")
         sd[name] = w.to(dtype)
+        reader.release(tensor)
     if requantized:
         log.warning(
             "requantized to Q8_0 at load (no kernel multiplies them as stored): %s",
