@@ -22,6 +22,7 @@ QK = 32  # the packed kernels quantize activations in blocks of 32
 FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
 # fp16 scale fields (byte offsets in a block) of the types the kernels multiply as stored
 _SCALE_FIELDS = {2: (0,), 3: (0, 2), 8: (0,), 12: (0, 2), 14: (208,)}
+_SCALE_FIELDS |= {6: (0,), 7: (0, 2), 10: (80, 82), 11: (108,), 13: (0, 2), 20: (0,), 23: (0,)}
 _BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 
