@@ -326,3 +326,17 @@ async def test_pooling_routes_need_the_api_key(path: str, body: dict[str, Any]) 
         assert (await c.post(path, json=body)).status_code == 401
         r = await c.post(path, json=body, headers={"authorization": "Bearer sesame"})
         assert r.status_code == 200
+
+
+@pytest.mark.parametrize("pooling", ["last", "mean", "cls"])
+async def test_a_repeated_input_uses_the_prefix_cache_only_under_last_pooling(pooling: str) -> None:
+    """The second embedding of a 100-token text reuses its cached pages under last pooling
+    (usage says how many) and recomputes them under mean and cls; the vector is the same."""
+    async with fake_server(pooling=pooling) as s, httpx.AsyncClient(base_url=s.base_url) as c:
+        text = "cache me " * 11 + "!"
+        first = await c.post("/v1/embeddings", json={"input": text})
+        second = await c.post("/v1/embeddings", json={"input": text})
+        cached = second.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert cached == (96 if pooling == "last" else 0)  # the full 16-token pages before the last
+        assert second.json()["data"] == first.json()["data"]
+        assert first.json()["data"][0]["embedding"] == pytest.approx(pooled_by_hand(text, pooling), abs=1e-12)
