@@ -400,7 +400,9 @@ inline int64_t block_bytes(int64_t type) {
   return 0;
 }
 
-inline bool repackable(int64_t type) { return type == Q4_0 || type == Q4_1 || type == Q8_0; }
+inline bool repackable(int64_t type) {
+  return type == Q4_0 || type == Q4_1 || type == Q8_0 || type == Q4_K || type == Q6_K;
+}
 
 // ---- Repacked Q4_0 / Q4_1 / Q8_0: RC output columns interleaved per block ----
 // For a group of RC weight rows (output columns) and one block of 32, vector j holds 4 bytes of
@@ -409,17 +411,26 @@ inline bool repackable(int64_t type) { return type == Q4_0 || type == Q4_1 || ty
 // and a block's scales for all RC columns are one fp16 vector. Same bytes as the GGUF blocks.
 // Q4_x: 4 vectors (low nibbles: elements 4j.., high: 16 + 4j..), then d[RC] (and m[RC]) fp16.
 // Q8_0: 8 vectors of q + 128, then d[RC] fp16.
+// Q4_K, per super-block of 256 (148 * RC bytes: the 12 bytes of 6-bit scales and mins unpacked
+// to 16 bytes, 2.8% more than the GGUF blocks): 32 vectors qs (pair p of sub-blocks, vector v:
+// bytes qs[32p + 4v ..]; low nibbles are sub-block 2p, high 2p + 1), then sc[8][RC] and
+// m[8][RC] bytes, d[RC] and dmin[RC] fp16.
+// Q6_K, per super-block (210 * RC bytes, as many as the GGUF blocks): 32 vectors ql (half h,
+// chunk c, vector v: bytes ql[64h + 32c + 4v ..]), 16 vectors qh (half h, vector v: bytes
+// qh[32h + 4v ..]), then the int8 scales sc[16][RC] (one per 16 elements) and d[RC] fp16.
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
 constexpr int RC = 16;
 #else
 constexpr int RC = 0;
 #endif
 
-inline int64_t repacked_bytes(int type) {  // one block of RC columns
+inline int64_t repacked_bytes(int64_t type) {  // one block (super-block for K-quants) of RC columns
   switch (type) {
     case Q4_0: return RC * 18;
     case Q4_1: return RC * 20;
     case Q8_0: return RC * 34;
+    case Q4_K: return RC * 148;
+    case Q6_K: return RC * 210;
   }
   return 0;
 }
@@ -474,12 +485,110 @@ void group_rows(const uint8_t* wg, int64_t nb, const Act* a, float* y, int64_t l
   for (int r = 0; r < MT; r++) _mm512_storeu_ps(y + r * ldy, facc[r]);
 }
 
+// Q4_K: MT activation rows against RC columns over nbk super-blocks. Per sub-block of 32, the
+// integer dot of each column (eight vpdpbusd in two chains), then w = d*sc*q - dmin*m in floats.
+template <int MT>
+void group_q4_k(const uint8_t* wg, int64_t nbk, const Act* a, float* y, int64_t ldy) {
+  const __m512i lo = _mm512_set1_epi8(0x0F);
+  __m512 facc[MT];
+  for (int r = 0; r < MT; r++) facc[r] = _mm512_setzero_ps();
+  for (int64_t bk = 0; bk < nbk; bk++) {
+    const uint8_t* gb = wg + bk * (148 * RC);
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(gb + 144 * RC)));
+    const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(gb + 146 * RC)));
+    for (int j = 0; j < 8; j++) {
+      const uint8_t* q = gb + (j / 2) * 8 * 4 * RC;
+      __m512i wv[8];
+      for (int v = 0; v < 8; v++) {
+        const __m512i t = _mm512_loadu_si512(q + 4 * RC * v);
+        wv[v] = _mm512_and_si512(j & 1 ? _mm512_srli_epi16(t, 4) : t, lo);
+      }
+      const __m512 dsc = _mm512_mul_ps(
+          d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(gb + 128 * RC + RC * j)))));
+      const __m512 dm = _mm512_mul_ps(
+          dmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(gb + 136 * RC + RC * j)))));
+      const int64_t b = bk * 8 + j;
+      for (int r = 0; r < MT; r++) {
+        const int8_t* x = a[r].qs + b * QK;
+        __m512i acc0 = _mm512_setzero_si512(), acc1 = _mm512_setzero_si512();
+        for (int v = 0; v < 8; v += 2) {
+          acc0 = _mm512_dpbusd_epi32(acc0, wv[v], bcast4(x + 4 * v));
+          acc1 = _mm512_dpbusd_epi32(acc1, wv[v + 1], bcast4(x + 4 * v + 4));
+        }
+        const __m512 isum = _mm512_cvtepi32_ps(_mm512_add_epi32(acc0, acc1));
+        facc[r] = _mm512_fmadd_ps(isum, _mm512_mul_ps(dsc, _mm512_set1_ps(a[r].d[b])), facc[r]);
+        facc[r] = _mm512_fnmadd_ps(dm, _mm512_set1_ps(a[r].s[b]), facc[r]);
+      }
+    }
+  }
+  for (int r = 0; r < MT; r++) _mm512_storeu_ps(y + r * ldy, facc[r]);
+}
+
+// The sums of x over each 16 of a super-block's 256 elements (Q6_K's scales are per 16).
+inline void sums16(const int8_t* x, int32_t* out) {
+  for (int t = 0; t < 4; t++) {
+    // |x| as x + 128 unsigned: sad gives 8-byte sums (+ 1024), adjacent pairs make the 16s
+    const __m512i u = _mm512_xor_si512(_mm512_loadu_si512(x + 64 * t), _mm512_set1_epi8((char)0x80));
+    __m512i s = _mm512_sad_epu8(u, _mm512_setzero_si512());
+    s = _mm512_add_epi64(s, _mm512_shuffle_epi32(s, (_MM_PERM_ENUM)0x4E));
+    alignas(64) int64_t tmp[8];
+    _mm512_store_si512(tmp, s);
+    for (int k = 0; k < 4; k++) out[4 * t + k] = (int32_t)tmp[2 * k] - 2048;
+  }
+}
+
+// Q6_K: q = ql nibble | qh 2 bits << 4 as unsigned 0..63, w = d*sc*(q - 32): per 16 elements
+// the integer dot minus 32 * sum(x) (one accumulator per scale), then the two scales in floats.
+template <int MT>
+void group_q6_k(const uint8_t* wg, int64_t nbk, const Act* a, float* y, int64_t ldy) {
+  const __m512i lo = _mm512_set1_epi8(0x0F), hi = _mm512_set1_epi8(0x30);
+  __m512 facc[MT];
+  for (int r = 0; r < MT; r++) facc[r] = _mm512_setzero_ps();
+  for (int64_t bk = 0; bk < nbk; bk++) {
+    const uint8_t* gb = wg + bk * (210 * RC);
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(gb + 208 * RC)));
+    int32_t x16[MT][16];
+    for (int r = 0; r < MT; r++) sums16(a[r].qs + bk * QK_K, x16[r]);
+    for (int j = 0; j < 8; j++) {  // sub-block j = 4 * half + g
+      const int h = j / 4, g = j % 4;
+      const uint8_t* ql = gb + (h * 2 + (g & 1)) * 8 * 4 * RC;
+      const uint8_t* qh = gb + 128 * RC + h * 8 * 4 * RC;
+      __m512i wv[8];
+      for (int v = 0; v < 8; v++) {
+        const __m512i l = _mm512_loadu_si512(ql + 4 * RC * v), hb = _mm512_loadu_si512(qh + 4 * RC * v);
+        const __m512i l4 = _mm512_and_si512(g < 2 ? l : _mm512_srli_epi16(l, 4), lo);
+        const __m512i h2 = g == 0 ? _mm512_slli_epi16(hb, 4) : g == 1 ? _mm512_slli_epi16(hb, 2)
+                         : g == 2 ? hb : _mm512_srli_epi16(hb, 2);
+        wv[v] = _mm512_or_si512(l4, _mm512_and_si512(h2, hi));
+      }
+      const __m128i* sc = (const __m128i*)(gb + 192 * RC + 2 * j * RC);
+      const __m512 s0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(sc))));
+      const __m512 s1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(sc + 1))));
+      const int64_t b = bk * 8 + j;
+      for (int r = 0; r < MT; r++) {
+        const int8_t* x = a[r].qs + b * QK;
+        __m512i acc0 = _mm512_set1_epi32(-32 * x16[r][2 * j]), acc1 = _mm512_set1_epi32(-32 * x16[r][2 * j + 1]);
+        for (int v = 0; v < 4; v++) {
+          acc0 = _mm512_dpbusd_epi32(acc0, wv[v], bcast4(x + 4 * v));
+          acc1 = _mm512_dpbusd_epi32(acc1, wv[4 + v], bcast4(x + 16 + 4 * v));
+        }
+        const __m512 t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc0), s0, _mm512_mul_ps(_mm512_cvtepi32_ps(acc1), s1));
+        facc[r] = _mm512_fmadd_ps(t, _mm512_set1_ps(a[r].d[b]), facc[r]);
+      }
+    }
+  }
+  for (int r = 0; r < MT; r++) _mm512_storeu_ps(y + r * ldy, facc[r]);
+}
+
+// `nb`: the weight's blocks per row (super-blocks for the K-quants).
 template <int MT>
 void group_dispatch(int type, const uint8_t* wg, int64_t nb, const Act* a, float* y, int64_t ldy) {
   switch (type) {
     case Q4_0: group_rows<Q4_0, MT>(wg, nb, a, y, ldy); break;
     case Q4_1: group_rows<Q4_1, MT>(wg, nb, a, y, ldy); break;
     case Q8_0: group_rows<Q8_0, MT>(wg, nb, a, y, ldy); break;
+    case Q4_K: group_q4_k<MT>(wg, nb, a, y, ldy); break;
+    case Q6_K: group_q6_k<MT>(wg, nb, a, y, ldy); break;
   }
 }
 #else
@@ -487,8 +596,22 @@ template <int MT>
 void group_dispatch(int, const uint8_t*, int64_t, const Act*, float*, int64_t) {}
 #endif
 
-// Element k of column c (of a group) in repacked block `gb`, as float.
+// Element k of column c (of a group) in repacked block `gb`, as float (the GGUF block's value).
 inline float repacked_at(int type, const uint8_t* gb, int c, int k) {
+  if (type == Q4_K) {
+    const int j = k / 32, e = k % 32;
+    const uint8_t byte = gb[((j / 2) * 8 + e / 4) * 4 * RC + 4 * c + e % 4];
+    const int q = j & 1 ? byte >> 4 : byte & 0xF;
+    const int sc = gb[128 * RC + j * RC + c], m = gb[136 * RC + j * RC + c];
+    return rd16(gb + 144 * RC + 2 * c) * sc * q - rd16(gb + 146 * RC + 2 * c) * m;
+  }
+  if (type == Q6_K) {
+    const int h = k / 128, g = (k % 128) / 32, i = k % 32;
+    const uint8_t l = gb[((h * 2 + (g & 1)) * 8 + i / 4) * 4 * RC + 4 * c + i % 4];
+    const uint8_t hb = gb[128 * RC + (h * 8 + i / 4) * 4 * RC + 4 * c + i % 4];
+    const int q = ((g < 2 ? l & 0xF : l >> 4) | (((hb >> (2 * g)) & 3) << 4)) - 32;
+    return rd16(gb + 208 * RC + 2 * c) * (int8_t)gb[192 * RC + (k / 16) * RC + c] * q;
+  }
   if (type == Q8_0) {
     const int v = (int)gb[(k / 4) * 4 * RC + 4 * c + k % 4] - 128;
     uint16_t h;
@@ -513,11 +636,13 @@ void check_weight(const char* what, int64_t type, int64_t rows, int64_t row_byte
   FT_REQUIRE(K > 0 && K <= MAX_K && K % be == 0 && K % QK == 0,
              "%s: %lld columns are not whole blocks of %lld", what, (long long)K, (long long)be);
   FT_REQUIRE(rows >= 0, "%s: %lld rows", what, (long long)rows);
-  FT_REQUIRE(row_bytes == K / be * block_bytes(type), "%s: rows of %lld bytes, expected %lld for %lld columns",
-             what, (long long)row_bytes, (long long)(K / be * block_bytes(type)), (long long)K);
   FT_REQUIRE(columns == 0 || (columns == RC && repackable(type) && rows % columns == 0),
              "%s: repacked in groups of %lld (of %lld rows), this build multiplies groups of %d", what,
              (long long)columns, (long long)rows, RC);
+  // a repacked row's share of its groups' bytes (Q4_K's unpacked scales make it larger)
+  const int64_t expected = K / be * (columns ? repacked_bytes(type) / RC : block_bytes(type));
+  FT_REQUIRE(row_bytes == expected, "%s: rows of %lld bytes, expected %lld for %lld columns", what,
+             (long long)row_bytes, (long long)expected, (long long)K);
 }
 
 template <int MT>
@@ -585,7 +710,7 @@ void gemm_row(int type, const uint8_t* wrow, const ActRows& a, int64_t M, float*
 // y[m * ldy + c] for c < RC: one repacked group of RC columns against M rows, four at a time.
 void gemm_group(int type, const uint8_t* wg, const ActRows& a, int64_t M, float* y, int64_t ldy) {
   Act rows[8];
-  const int64_t nb = a.K / QK;
+  const int64_t nb = a.K / block_elems(type);
   int64_t m = 0;
   for (; m + 8 <= M; m += 8) {
     for (int r = 0; r < 8; r++) rows[r] = a.row(m + r);
@@ -632,7 +757,7 @@ int ft_gemm(int type, const uint8_t* w, int64_t N, int64_t K, int64_t row_bytes,
     FT_REQUIRE(threads >= 1, "%d threads", threads);
     const ActRows a{qs, d, s, sx, K};
     if (columns) {
-      const int64_t group_bytes = K / QK * repacked_bytes(type);
+      const int64_t group_bytes = K / block_elems(type) * repacked_bytes(type);
 #pragma omp parallel for num_threads(threads) schedule(static)
       for (int64_t g = 0; g < N / columns; g++) gemm_group(type, w + g * group_bytes, a, M, y + g * columns, ldy);
       return;
@@ -645,30 +770,53 @@ int ft_gemm(int type, const uint8_t* w, int64_t N, int64_t K, int64_t row_bytes,
 // Columns per repacked group on this build (0: no repacked kernels here).
 int ft_repack_columns() { return RC; }
 
-// src: N rows of GGUF blocks (Q4_0, Q4_1 or Q8_0), N % RC == 0 -> dst in the repacked layout
-// (the same number of bytes).
+// Bytes per row of a `type` weight of K columns once repacked on this build (0: it is not).
+int64_t ft_repacked_row_bytes(int type, int64_t K) {
+  const int64_t be = block_elems(type);
+  if (!RC || !repackable(type) || K <= 0 || K % be) return 0;
+  return K / be * repacked_bytes(type) / RC;
+}
+
+// src: N rows of GGUF blocks (Q4_0, Q4_1, Q8_0, Q4_K or Q6_K), N % RC == 0 -> dst in the
+// repacked layout (N * ft_repacked_row_bytes(type, K) bytes).
 int ft_repack(int type, const uint8_t* src, int64_t N, int64_t K, int64_t row_bytes, uint8_t* dst) {
   return guarded("ft_repack", [&] {
     FT_REQUIRE(RC && repackable(type), "type %d cannot be repacked on this build", type);
     check_weight("weight", type, N, row_bytes, 0, K);
     constexpr int64_t group = RC ? RC : 1;  // (no division by a zero RC where it compiles away)
     FT_REQUIRE(N % group == 0, "%lld rows are not whole groups of %d", (long long)N, RC);
-    const int64_t nb = K / QK, gbytes = repacked_bytes(type);
-    const int bytes = type == Q4_0 ? 18 : type == Q4_1 ? 20 : 34;
-    const int qs_at = type == Q4_1 ? 4 : 2;
+    const int64_t nb = K / block_elems(type), gbytes = repacked_bytes(type), bytes = block_bytes(type);
     for (int64_t g = 0; g < N / group; g++)
       for (int64_t b = 0; b < nb; b++) {
         uint8_t* out = dst + (g * nb + b) * gbytes;
         for (int c = 0; c < RC; c++) {
           const uint8_t* blk = src + (g * RC + c) * row_bytes + b * bytes;
-          const int nvec = type == Q8_0 ? 8 : 4;
-          for (int j = 0; j < nvec; j++)
-            for (int i = 0; i < 4; i++) {
-              const uint8_t v = blk[qs_at + 4 * j + i];
-              out[j * 4 * RC + 4 * c + i] = type == Q8_0 ? (uint8_t)(v ^ 0x80) : v;
+          // 4 bytes of column c in each vector j: out[j * 4 * RC + 4c ..] = from[4j ..]
+          auto interleave = [&](uint8_t* to, const uint8_t* from, int nvec, uint8_t flip) {
+            for (int j = 0; j < nvec; j++)
+              for (int i = 0; i < 4; i++) to[j * 4 * RC + 4 * c + i] = from[4 * j + i] ^ flip;
+          };
+          if (type == Q4_K) {
+            interleave(out, blk + 16, 32, 0);
+            for (int j = 0; j < 8; j++) {
+              int sc, m;
+              scale_min_k4(j, blk + 4, &sc, &m);
+              out[128 * RC + j * RC + c] = (uint8_t)sc;
+              out[136 * RC + j * RC + c] = (uint8_t)m;
             }
-          memcpy(out + nvec * 4 * RC + 2 * c, blk, 2);                                 // d
-          if (type == Q4_1) memcpy(out + nvec * 4 * RC + 2 * RC + 2 * c, blk + 2, 2);  // m
+            memcpy(out + 144 * RC + 2 * c, blk, 2);      // d
+            memcpy(out + 146 * RC + 2 * c, blk + 2, 2);  // dmin
+          } else if (type == Q6_K) {
+            interleave(out, blk, 32, 0);                     // ql
+            interleave(out + 128 * RC, blk + 128, 16, 0);    // qh
+            for (int k = 0; k < 16; k++) out[192 * RC + k * RC + c] = blk[192 + k];
+            memcpy(out + 208 * RC + 2 * c, blk + 208, 2);  // d
+          } else {
+            const int nvec = type == Q8_0 ? 8 : 4;
+            interleave(out, blk + (type == Q4_1 ? 4 : 2), nvec, type == Q8_0 ? 0x80 : 0);
+            memcpy(out + nvec * 4 * RC + 2 * c, blk, 2);                                 // d
+            if (type == Q4_1) memcpy(out + nvec * 4 * RC + 2 * RC + 2 * c, blk + 2, 2);  // m
+          }
         }
       }
   });
@@ -765,7 +913,7 @@ struct QAct {
 void gemm_team(const Weight& w, const QAct& a, float* y, int64_t ldy) {
   const ActRows rows = a.rows();
   if (w.columns) {
-    const int64_t nb = a.K / QK, group_bytes = nb * repacked_bytes((int)w.type);
+    const int64_t group_bytes = a.K / block_elems(w.type) * repacked_bytes(w.type);
 #pragma omp for schedule(static)
     for (int64_t g = 0; g < w.rows / w.columns; g++)
       gemm_group((int)w.type, w.data + g * group_bytes, rows, a.M, y + g * w.columns, ldy);
@@ -1059,11 +1207,11 @@ int ft_dequantize_rows(int type, const uint8_t* w, int64_t rows, int64_t row_byt
         dequant_row(type, w + ids[t] * row_bytes, K, out + t * K);
         continue;
       }
-      const int64_t nb = K / QK, g = ids[t] / columns;
+      const int64_t be = block_elems(type), nb = K / be, g = ids[t] / columns;
       const int c = (int)(ids[t] % columns);
       for (int64_t b = 0; b < nb; b++) {
         const uint8_t* gb = w + (g * nb + b) * repacked_bytes(type);
-        for (int k = 0; k < QK; k++) out[t * K + b * QK + k] = repacked_at(type, gb, c, k);
+        for (int k = 0; k < be; k++) out[t * K + b * be + k] = repacked_at(type, gb, c, k);
       }
     }
   });

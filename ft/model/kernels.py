@@ -25,7 +25,7 @@ import threading
 
 import torch
 
-from ft.model.quant import Q4_0, Q4_1, Q8_0, QuantTensor
+from ft.model.quant import Q4_0, Q4_1, Q4_K, Q6_K, Q8_0, QuantTensor
 
 SOURCE = pathlib.Path(__file__).with_name("kernels.cpp")
 QK = 32  # elements per activation block
@@ -110,6 +110,8 @@ def build_library(march: str = "native", sanitize: bool = False) -> ctypes.CDLL:
     lib.ft_dequantize_rows.argtypes = [i32, ptr, i64, i64, i64, i64, ptr, i64, ptr]
     lib.ft_repack_columns.argtypes = []
     lib.ft_repack.argtypes = [i32, ptr, i64, i64, i64, ptr]
+    lib.ft_repacked_row_bytes.argtypes = [i32, i64]
+    lib.ft_repacked_row_bytes.restype = i64
     lib.ft_rms_norm.argtypes = [ptr, i64, i64, i64, ptr, i64, ctypes.c_float, ptr]
     lib.ft_decoder_layer.argtypes = [
         ptr, i64, i64, ptr, i64, ptr, i64, ctypes.c_float, ptr, ptr, i64, ptr, ptr, i64, ptr, ptr, i64, i64,
@@ -257,19 +259,20 @@ def gemm_into(
     ))  # fmt: skip
 
 
-REPACKABLE = (Q4_0, Q4_1, Q8_0)
+REPACKABLE = (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K)
 KV_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # KV cache element types
 
 
 def repacked(weight: QuantTensor) -> QuantTensor:
     """`weight` in the interleaved layout of the column kernels when this CPU has them (AVX-512
-    VNNI) and its type and row count allow; otherwise unchanged. Same bytes, reordered."""
-    columns = library().ft_repack_columns()
+    VNNI) and its type and row count allow; otherwise unchanged. The same bytes reordered, but
+    for Q4_K, whose 6-bit scales and mins are unpacked to bytes (148 bytes per 256, not 144)."""
+    lib = library()
+    columns = lib.ft_repack_columns()
     if weight.columns or not columns or weight.qtype not in REPACKABLE or weight.rows % columns:
         return weight
     src = weight.data.contiguous()
-    dst = torch.empty_like(src)
-    lib = library()
+    dst = torch.empty(weight.rows, lib.ft_repacked_row_bytes(weight.qtype, weight.cols), dtype=torch.uint8)
     check(
         lib,
         lib.ft_repack(weight.qtype, src.data_ptr(), weight.rows, weight.cols, src.shape[1], dst.data_ptr()),
