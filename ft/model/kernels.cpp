@@ -300,44 +300,68 @@ inline void scale_min_k4(int j, const uint8_t* q, int* sc, int* m) {
 }
 
 // ---- Q4_K: {fp16 d; fp16 dmin; u8 scales[12]; u8 qs[128]} per 256; w = d*sc*q - dmin*m ----
+// Row kernels (the column kernels below take repacked weights on AVX-512 VNNI): with AVX2, each
+// row keeps 8-lane float sums across sub-blocks (one horizontal sum per row), the scales of a
+// sub-block folded into one broadcast factor; the min terms of a super-block's 8 sub-blocks are
+// one 8-wide multiply-add per row.
 template <int MT>
 void rows_q4_k(const uint8_t* w, int nbk, const Act* a, float* out) {
-  float acc[MT];
-  for (int r = 0; r < MT; r++) acc[r] = 0;
+  float acc1[MT];
+  for (int r = 0; r < MT; r++) acc1[r] = 0;
+#if defined(__AVX2__)
+  __m256 acc[MT], accm[MT];
+  for (int r = 0; r < MT; r++) acc[r] = accm[r] = _mm256_setzero_ps();
+  for (int bk = 0; bk < nbk; bk++, w += 144) {
+    const float d = rd16(w), dmin = rd16(w + 2);
+    int sc[8], m[8];
+    for (int j = 0; j < 8; j++) scale_min_k4(j, w + 4, &sc[j], &m[j]);
+    const __m256 dm = _mm256_mul_ps(_mm256_set1_ps(dmin), _mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i*)m)));
+    for (int j = 0; j < 8; j++) {  // sub-block j: qs[32*(j/2)..] low (even j) or high (odd j) nibbles
+      const int b = bk * 8 + j;
+      const __m256i q = _mm256_and_si256(_mm256_srli_epi16(load32(w + 16 + 32 * (j / 2)), (j & 1) * 4),
+                                         _mm256_set1_epi8(0x0F));
+      const float dsc = d * sc[j];
+      for (int r = 0; r < MT; r++)
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_us8(q, load32(a[r].qs + b * QK))),
+                                 _mm256_set1_ps(dsc * a[r].d[b]), acc[r]);
+    }
+    for (int r = 0; r < MT; r++) accm[r] = _mm256_fmadd_ps(dm, _mm256_loadu_ps(a[r].s + bk * 8), accm[r]);
+  }
+  for (int r = 0; r < MT; r++) acc1[r] = hsum(acc[r]) - hsum(accm[r]);
+#else
   for (int bk = 0; bk < nbk; bk++, w += 144) {
     const float d = rd16(w), dmin = rd16(w + 2);
     const uint8_t* scales = w + 4;
     const uint8_t* qs = w + 16;
-    for (int j = 0; j < 8; j++) {  // sub-block j: qs[32*(j/2)..] low (even j) or high (odd j) nibbles
+    for (int j = 0; j < 8; j++) {
       int sc, m;
       scale_min_k4(j, scales, &sc, &m);
       const int b = bk * 8 + j;
       const uint8_t* q = qs + 32 * (j / 2);
       const int shift = (j & 1) * 4;
-#if defined(__AVX2__)
-      const __m256i qv = _mm256_and_si256(_mm256_srli_epi16(load32(q), shift), _mm256_set1_epi8(0x0F));
-      for (int r = 0; r < MT; r++) {
-        const int isum = hsum_i32(dot_us8(qv, load32(a[r].qs + b * QK)));
-        acc[r] += d * sc * a[r].d[b] * isum - dmin * m * a[r].s[b];
-      }
-#else
       for (int r = 0; r < MT; r++) {
         const int8_t* x = a[r].qs + b * QK;
         int isum = 0;
         for (int l = 0; l < 32; l++) isum += ((q[l] >> shift) & 0xF) * x[l];
-        acc[r] += d * sc * a[r].d[b] * isum - dmin * m * a[r].s[b];
+        acc1[r] += d * sc * a[r].d[b] * isum - dmin * m * a[r].s[b];
       }
-#endif
     }
   }
-  for (int r = 0; r < MT; r++) out[r] = acc[r];
+#endif
+  for (int r = 0; r < MT; r++) out[r] = acc1[r];
 }
 
 // ---- Q6_K: {u8 ql[128]; u8 qh[64]; i8 scales[16]; fp16 d} per 256; w = d*sc*(q - 32) ----
+// With AVX2: q - 32 signed (the sign trick), each 4-lane half of a sub-block's integer sums
+// scaled by its own 16-element scale in floats, 8-lane float sums kept across the row.
 template <int MT>
 void rows_q6_k(const uint8_t* w, int nbk, const Act* a, float* out) {
-  float acc[MT];
-  for (int r = 0; r < MT; r++) acc[r] = 0;
+  float acc1[MT];
+  for (int r = 0; r < MT; r++) acc1[r] = 0;
+#if defined(__AVX2__)
+  __m256 acc[MT];
+  for (int r = 0; r < MT; r++) acc[r] = _mm256_setzero_ps();
+#endif
   for (int bk = 0; bk < nbk; bk++, w += 210) {
     const uint8_t* ql = w;
     const uint8_t* qh = w + 128;
@@ -354,11 +378,11 @@ void rows_q6_k(const uint8_t* w, int nbk, const Act* a, float* out) {
         const __m256i q4 = _mm256_and_si256(g < 2 ? lo : _mm256_srli_epi16(lo, 4), _mm256_set1_epi8(0x0F));
         const __m256i q2 = _mm256_and_si256(_mm256_srli_epi16(load32(h), 2 * g), _mm256_set1_epi8(3));
         const __m256i q = _mm256_sub_epi8(_mm256_or_si256(q4, _mm256_slli_epi16(q2, 4)), _mm256_set1_epi8(32));
-        const __m256i scv = _mm256_setr_epi32(s[2 * g], s[2 * g], s[2 * g], s[2 * g], s[2 * g + 1],
-                                              s[2 * g + 1], s[2 * g + 1], s[2 * g + 1]);
+        const __m256 scv = _mm256_mul_ps(
+            _mm256_set1_ps(d), _mm256_set_m128(_mm_set1_ps(s[2 * g + 1]), _mm_set1_ps(s[2 * g])));
         for (int r = 0; r < MT; r++) {
-          const __m256i p = _mm256_mullo_epi32(dot_ss8(q, load32(a[r].qs + b * QK)), scv);
-          acc[r] += d * a[r].d[b] * hsum_i32(p);
+          const __m256 p = _mm256_cvtepi32_ps(dot_ss8(q, load32(a[r].qs + b * QK)));
+          acc[r] = _mm256_fmadd_ps(p, _mm256_mul_ps(scv, _mm256_set1_ps(a[r].d[b])), acc[r]);
         }
 #else
         for (int r = 0; r < MT; r++) {
@@ -369,13 +393,16 @@ void rows_q6_k(const uint8_t* w, int nbk, const Act* a, float* out) {
             const int q = (lo4 | (((h[i] >> (2 * g)) & 3) << 4)) - 32;
             isum += q * x[i] * s[2 * g + (i >= 16)];
           }
-          acc[r] += d * a[r].d[b] * isum;
+          acc1[r] += d * a[r].d[b] * isum;
         }
 #endif
       }
     }
   }
-  for (int r = 0; r < MT; r++) out[r] = acc[r];
+#if defined(__AVX2__)
+  for (int r = 0; r < MT; r++) acc1[r] = hsum(acc[r]);
+#endif
+  for (int r = 0; r < MT; r++) out[r] = acc1[r];
 }
 
 enum : int { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q6_K = 14 };
