@@ -427,10 +427,6 @@ inline int64_t block_bytes(int64_t type) {
   return 0;
 }
 
-inline bool repackable(int64_t type) {
-  return type == Q4_0 || type == Q4_1 || type == Q8_0 || type == Q4_K || type == Q6_K;
-}
-
 // ---- Repacked Q4_0 / Q4_1 / Q8_0: RC output columns interleaved per block ----
 // For a group of RC weight rows (output columns) and one block of 32, vector j holds 4 bytes of
 // each column: bytes qs[4j .. 4j + 4) of column c at [4c, 4c + 4). One vector times the
@@ -446,10 +442,18 @@ inline bool repackable(int64_t type) {
 // chunk c, vector v: bytes ql[64h + 32c + 4v ..]), 16 vectors qh (half h, vector v: bytes
 // qh[32h + 4v ..]), then the int8 scales sc[16][RC] (one per 16 elements) and d[RC] fp16.
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
-constexpr int RC = 16;
+#define FT_RC 16
+#elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+#define FT_RC 8  // AVX2: 8 columns per 256-bit vector
 #else
-constexpr int RC = 0;
+#define FT_RC 0
 #endif
+constexpr int RC = FT_RC;
+
+// (Q8_0's q + 128 would saturate the 16-bit pair sums of AVX2 without VNNI: rows there.)
+inline bool repackable(int64_t type) {
+  return type == Q4_0 || type == Q4_1 || (type == Q8_0 && (RC == 16 || FT_VNNI)) || type == Q4_K || type == Q6_K;
+}
 
 inline int64_t repacked_bytes(int64_t type) {  // one block (super-block for K-quants) of RC columns
   switch (type) {
@@ -618,6 +622,172 @@ void group_dispatch(int type, const uint8_t* wg, int64_t nb, const Act* a, float
     case Q6_K: group_q6_k<MT>(wg, nb, a, y, ldy); break;
   }
 }
+#elif FT_RC == 8
+// AVX2 (8 columns per 256-bit vector): the kernels above with half the columns. Without VNNI
+// the 4-byte dot goes through 16-bit saturating pair sums, safe for weights up to 128 against
+// |x| <= 127: every format here but Q8_0 (q + 128), which stays on the row kernels.
+inline __m256i bcast4(const int8_t* p) {
+  int32_t v;
+  memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+// acc + the sum of 4 products (u8 weight by s8 activation) in each 32-bit lane.
+inline __m256i dp4(__m256i acc, __m256i w, __m256i x) {
+#if FT_VNNI
+  return _mm256_dpbusd_epi32(acc, w, x);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
+#endif
+}
+
+inline __m256 halves8(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
+inline __m256 u8x8(const uint8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+}
+inline __m256 i8x8(const uint8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+}
+
+template <int Type, int MT>
+void group_rows(const uint8_t* wg, int64_t nb, const Act* a, float* y, int64_t ldy) {
+  constexpr int64_t gbytes = Type == Q4_0 ? RC * 18 : Type == Q4_1 ? RC * 20 : RC * 34;
+  constexpr int nvec = Type == Q8_0 ? 8 : 4;
+  constexpr int offset = Type == Q4_0 ? 8 : Type == Q8_0 ? 128 : 0;
+  __m256 facc[MT];
+  for (int r = 0; r < MT; r++) facc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; b++) {
+    const uint8_t* gb = wg + b * gbytes;
+    __m256i wv[8];
+    if (Type == Q8_0) {
+      for (int j = 0; j < 8; j++) wv[j] = load32(gb + 4 * RC * j);
+    } else {
+      const __m256i lo = _mm256_set1_epi8(0x0F);
+      for (int j = 0; j < 4; j++) {
+        const __m256i v = load32(gb + 4 * RC * j);
+        wv[j] = _mm256_and_si256(v, lo);
+        wv[4 + j] = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo);
+      }
+    }
+    const __m256 dvec = halves8(gb + 4 * RC * nvec);
+    const __m256 mvec = Type == Q4_1 ? halves8(gb + 4 * RC * nvec + 2 * RC) : _mm256_setzero_ps();
+    for (int r = 0; r < MT; r++) {
+      const int8_t* x = a[r].qs + b * QK;
+      __m256i acc0 = _mm256_setzero_si256(), acc1 = _mm256_setzero_si256();
+      if (Type == Q8_0) {
+        for (int j = 0; j < 8; j += 2) {
+          acc0 = dp4(acc0, wv[j], bcast4(x + 4 * j));
+          acc1 = dp4(acc1, wv[j + 1], bcast4(x + 4 * j + 4));
+        }
+      } else {
+        for (int j = 0; j < 4; j++) {
+          acc0 = dp4(acc0, wv[j], bcast4(x + 4 * j));
+          acc1 = dp4(acc1, wv[4 + j], bcast4(x + 16 + 4 * j));
+        }
+      }
+      __m256i acc = _mm256_add_epi32(acc0, acc1);
+      if (offset) acc = _mm256_sub_epi32(acc, _mm256_set1_epi32(offset * a[r].sx[b]));
+      facc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), _mm256_mul_ps(dvec, _mm256_set1_ps(a[r].d[b])), facc[r]);
+      if (Type == Q4_1) facc[r] = _mm256_fmadd_ps(mvec, _mm256_set1_ps(a[r].s[b]), facc[r]);
+    }
+  }
+  for (int r = 0; r < MT; r++) _mm256_storeu_ps(y + r * ldy, facc[r]);
+}
+
+template <int MT>
+void group_q4_k(const uint8_t* wg, int64_t nbk, const Act* a, float* y, int64_t ldy) {
+  const __m256i lo = _mm256_set1_epi8(0x0F);
+  __m256 facc[MT];
+  for (int r = 0; r < MT; r++) facc[r] = _mm256_setzero_ps();
+  for (int64_t bk = 0; bk < nbk; bk++) {
+    const uint8_t* gb = wg + bk * (148 * RC);
+    const __m256 d = halves8(gb + 144 * RC), dmin = halves8(gb + 146 * RC);
+    for (int j = 0; j < 8; j++) {
+      const uint8_t* q = gb + (j / 2) * 8 * 4 * RC;
+      __m256i wv[8];
+      for (int v = 0; v < 8; v++) {
+        const __m256i t = load32(q + 4 * RC * v);
+        wv[v] = _mm256_and_si256(j & 1 ? _mm256_srli_epi16(t, 4) : t, lo);
+      }
+      const __m256 dsc = _mm256_mul_ps(d, u8x8(gb + 128 * RC + RC * j));
+      const __m256 dm = _mm256_mul_ps(dmin, u8x8(gb + 136 * RC + RC * j));
+      const int64_t b = bk * 8 + j;
+      for (int r = 0; r < MT; r++) {
+        const int8_t* x = a[r].qs + b * QK;
+        __m256i acc0 = _mm256_setzero_si256(), acc1 = _mm256_setzero_si256();
+        for (int v = 0; v < 8; v += 2) {
+          acc0 = dp4(acc0, wv[v], bcast4(x + 4 * v));
+          acc1 = dp4(acc1, wv[v + 1], bcast4(x + 4 * v + 4));
+        }
+        const __m256 isum = _mm256_cvtepi32_ps(_mm256_add_epi32(acc0, acc1));
+        facc[r] = _mm256_fmadd_ps(isum, _mm256_mul_ps(dsc, _mm256_set1_ps(a[r].d[b])), facc[r]);
+        facc[r] = _mm256_fnmadd_ps(dm, _mm256_set1_ps(a[r].s[b]), facc[r]);
+      }
+    }
+  }
+  for (int r = 0; r < MT; r++) _mm256_storeu_ps(y + r * ldy, facc[r]);
+}
+
+inline void sums16(const int8_t* x, int32_t* out) {
+  for (int t = 0; t < 8; t++) {
+    const __m256i u = _mm256_xor_si256(load32(x + 32 * t), _mm256_set1_epi8((char)0x80));
+    __m256i s = _mm256_sad_epu8(u, _mm256_setzero_si256());
+    s = _mm256_add_epi64(s, _mm256_shuffle_epi32(s, 0x4E));
+    out[2 * t] = (int32_t)_mm256_extract_epi64(s, 0) - 2048;
+    out[2 * t + 1] = (int32_t)_mm256_extract_epi64(s, 2) - 2048;
+  }
+}
+
+template <int MT>
+void group_q6_k(const uint8_t* wg, int64_t nbk, const Act* a, float* y, int64_t ldy) {
+  const __m256i lo = _mm256_set1_epi8(0x0F), hi = _mm256_set1_epi8(0x30);
+  __m256 facc[MT];
+  for (int r = 0; r < MT; r++) facc[r] = _mm256_setzero_ps();
+  for (int64_t bk = 0; bk < nbk; bk++) {
+    const uint8_t* gb = wg + bk * (210 * RC);
+    const __m256 d = halves8(gb + 208 * RC);
+    int32_t x16[MT][16];
+    for (int r = 0; r < MT; r++) sums16(a[r].qs + bk * QK_K, x16[r]);
+    for (int j = 0; j < 8; j++) {
+      const int h = j / 4, g = j % 4;
+      const uint8_t* ql = gb + (h * 2 + (g & 1)) * 8 * 4 * RC;
+      const uint8_t* qh = gb + 128 * RC + h * 8 * 4 * RC;
+      __m256i wv[8];
+      for (int v = 0; v < 8; v++) {
+        const __m256i l = load32(ql + 4 * RC * v), hb = load32(qh + 4 * RC * v);
+        const __m256i l4 = _mm256_and_si256(g < 2 ? l : _mm256_srli_epi16(l, 4), lo);
+        const __m256i h2 = g == 0 ? _mm256_slli_epi16(hb, 4) : g == 1 ? _mm256_slli_epi16(hb, 2)
+                         : g == 2 ? hb : _mm256_srli_epi16(hb, 2);
+        wv[v] = _mm256_or_si256(l4, _mm256_and_si256(h2, hi));
+      }
+      const __m256 s0 = _mm256_mul_ps(d, i8x8(gb + 192 * RC + 2 * j * RC));
+      const __m256 s1 = _mm256_mul_ps(d, i8x8(gb + 192 * RC + (2 * j + 1) * RC));
+      const int64_t b = bk * 8 + j;
+      for (int r = 0; r < MT; r++) {
+        const int8_t* x = a[r].qs + b * QK;
+        __m256i acc0 = _mm256_set1_epi32(-32 * x16[r][2 * j]), acc1 = _mm256_set1_epi32(-32 * x16[r][2 * j + 1]);
+        for (int v = 0; v < 4; v++) {
+          acc0 = dp4(acc0, wv[v], bcast4(x + 4 * v));
+          acc1 = dp4(acc1, wv[4 + v], bcast4(x + 16 + 4 * v));
+        }
+        const __m256 t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc0), s0, _mm256_mul_ps(_mm256_cvtepi32_ps(acc1), s1));
+        facc[r] = _mm256_fmadd_ps(t, _mm256_set1_ps(a[r].d[b]), facc[r]);
+      }
+    }
+  }
+  for (int r = 0; r < MT; r++) _mm256_storeu_ps(y + r * ldy, facc[r]);
+}
+
+template <int MT>
+void group_dispatch(int type, const uint8_t* wg, int64_t nb, const Act* a, float* y, int64_t ldy) {
+  switch (type) {
+    case Q4_0: group_rows<Q4_0, MT>(wg, nb, a, y, ldy); break;
+    case Q4_1: group_rows<Q4_1, MT>(wg, nb, a, y, ldy); break;
+    case Q8_0: group_rows<Q8_0, MT>(wg, nb, a, y, ldy); break;  // (with VNNI only: repackable)
+    case Q4_K: group_q4_k<MT>(wg, nb, a, y, ldy); break;
+    case Q6_K: group_q6_k<MT>(wg, nb, a, y, ldy); break;
+  }
+}
 #else
 template <int MT>
 void group_dispatch(int, const uint8_t*, int64_t, const Act*, float*, int64_t) {}
@@ -739,7 +909,8 @@ void gemm_group(int type, const uint8_t* wg, const ActRows& a, int64_t M, float*
   Act rows[8];
   const int64_t nb = a.K / block_elems(type);
   int64_t m = 0;
-  for (; m + 8 <= M; m += 8) {
+  // tiles of 8 rows with 32 vector registers (AVX-512); with 16 (AVX2), 4 keep them in registers
+  for (; RC == 16 && m + 8 <= M; m += 8) {
     for (int r = 0; r < 8; r++) rows[r] = a.row(m + r);
     group_dispatch<8>(type, wg, nb, rows, y + m * ldy, ldy);
   }

@@ -259,20 +259,24 @@ def gemm_into(
     ))  # fmt: skip
 
 
-REPACKABLE = (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K)
+REPACKABLE = (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K)  # with column kernels (Q8_0 not on AVX2 without VNNI)
 KV_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # KV cache element types
 
 
-def repacked(weight: QuantTensor) -> QuantTensor:
-    """`weight` in the interleaved layout of the column kernels when this CPU has them (AVX-512
-    VNNI) and its type and row count allow; otherwise unchanged. The same bytes reordered, but
-    for Q4_K, whose 6-bit scales and mins are unpacked to bytes (148 bytes per 256, not 144)."""
-    lib = library()
+def repacked(weight: QuantTensor, lib: ctypes.CDLL | None = None) -> QuantTensor:
+    """`weight` in the interleaved layout of the column kernels of this build (16 columns with
+    AVX-512 VNNI, 8 with AVX2) when its type and row count allow; otherwise unchanged. The same
+    bytes reordered, but for Q4_K, whose 6-bit scales and mins are unpacked to bytes (148 bytes
+    per 256, not 144)."""
+    lib = lib or library()
     columns = lib.ft_repack_columns()
     if weight.columns or not columns or weight.qtype not in REPACKABLE or weight.rows % columns:
         return weight
+    row_bytes = lib.ft_repacked_row_bytes(weight.qtype, weight.cols)
+    if not row_bytes:  # not on this build (Q8_0 on AVX2 without VNNI)
+        return weight
     src = weight.data.contiguous()
-    dst = torch.empty(weight.rows, lib.ft_repacked_row_bytes(weight.qtype, weight.cols), dtype=torch.uint8)
+    dst = torch.empty(weight.rows, row_bytes, dtype=torch.uint8)
     check(
         lib,
         lib.ft_repack(weight.qtype, src.data_ptr(), weight.rows, weight.cols, src.shape[1], dst.data_ptr()),
@@ -280,11 +284,11 @@ def repacked(weight: QuantTensor) -> QuantTensor:
     return QuantTensor(dst, weight.qtype, weight.cols, columns)
 
 
-def dequantize_rows(weight: QuantTensor, ids: torch.Tensor) -> torch.Tensor:
+def dequantize_rows(weight: QuantTensor, ids: torch.Tensor, lib: ctypes.CDLL | None = None) -> torch.Tensor:
     """Rows `ids` `[T]` of `weight` as float32 `[T, cols]`."""
     ids = ids.to(torch.int64).contiguous()
     out = torch.empty(ids.shape[0], weight.cols)
-    lib = library()
+    lib = lib or library()
     check(lib, lib.ft_dequantize_rows(
         weight.qtype, weight.data.data_ptr(), weight.rows, weight.data.shape[1], weight.columns, weight.cols,
         ids.data_ptr(), ids.shape[0], out.data_ptr(),

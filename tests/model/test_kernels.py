@@ -70,7 +70,7 @@ def test_product_is_exact_when_activations_are_representable(qtype: int, rows: i
 
 needs_columns = pytest.mark.skipif(
     not kernels.available() or kernels.library().ft_repack_columns() == 0,
-    reason="no column kernels on this CPU (they need AVX-512 VNNI)",
+    reason="no column kernels on this CPU (they need AVX2 or AVX-512 VNNI)",
 )
 
 
@@ -81,6 +81,8 @@ def test_repacked_weights_give_the_same_products_and_rows(qtype: int, rows: int)
     """The column kernels over repacked bytes give the row kernels' sums, and dequantizing a
     repacked weight gives the GGUF values back exactly. The same bytes, but for Q4_K's scales
     and mins unpacked to a byte each (148 bytes per 256 elements instead of 144)."""
+    if not kernels.library().ft_repacked_row_bytes(qtype, 512):
+        pytest.skip("no column kernels for this type on this build (Q8_0 on AVX2 without VNNI)")
     cols = 512 if qtype in BLOCK_BYTES else 224
     w = packed_weight(qtype, 48, cols, seed=4)
     r = kernels.repacked(w)
@@ -106,7 +108,7 @@ def test_k_quant_products_are_exact_in_every_tile_and_rows_stay_alone(qtype: int
     every M (tiles of 8, 4 and 1 rows and their tails), and every row's result is bitwise the
     one it gets alone: it does not depend on M or on its neighbours."""
     if layout == "columns" and not kernels.library().ft_repack_columns():
-        pytest.skip("no column kernels on this CPU (they need AVX-512 VNNI)")
+        pytest.skip("no column kernels on this CPU (they need AVX2 or AVX-512 VNNI)")
     w = packed_weight(qtype, 40 if layout == "rows" else 48, 768, seed=5)
     if layout == "columns":
         w = kernels.repacked(w)
@@ -121,21 +123,51 @@ def test_k_quant_products_are_exact_in_every_tile_and_rows_stay_alone(qtype: int
         assert torch.equal(out, alone[:m]), m
 
 
-@pytest.mark.parametrize("qtype", sorted(BLOCK_BYTES))
-@pytest.mark.parametrize("march", ["native", "x86-64", "haswell"])
-def test_k_quant_products_of_every_build_are_within_int8_rounding(qtype: int, march: str) -> None:
-    """Float activations on the portable build, the AVX2 build and the native one (its row and
-    column kernels): each within the int8 rounding of the activations of the float product of
-    the dequantized weight, the reference every CPU shares."""
+def _cpu_has(flag: str) -> bool:
+    try:
+        return flag in pathlib.Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return False
+
+
+BUILDS = [
+    "native",
+    "x86-64",  # plain C++: no column kernels
+    "haswell",  # AVX2 without VNNI: columns of 8 through 16-bit pair sums
+    pytest.param("alderlake", marks=pytest.mark.skipif(not _cpu_has("avx_vnni"), reason="no AVX-VNNI here")),
+]
+
+
+@pytest.mark.parametrize("qtype", sorted(kernels.REPACKABLE))
+@pytest.mark.parametrize("march", BUILDS)
+def test_products_of_every_build_and_layout_are_within_int8_rounding(qtype: int, march: str) -> None:
+    """On every build, its row kernels and its column kernels (16 columns on AVX-512 VNNI, 8 on
+    AVX2): representable activations give dequantize-then-matmul up to float rounding, float
+    ones stay within the int8 rounding of the float product (the reference every CPU shares),
+    repacked rows dequantize to the GGUF values, and a row's result never depends on M."""
     lib = kernels.library() if march == "native" else kernels.build_library(march)
-    w = packed_weight(qtype, 48, 512, seed=6)
-    forms = [w, kernels.repacked(w)] if march == "native" and lib.ft_repack_columns() else [w]
-    x = torch.randn(9, 512)
-    ref = x @ w.dequantize().T
-    for form in forms:
-        out = torch.empty(9, 48)
-        kernels.gemm_into(out, form, kernels.QuantizedActivations(x, lib), lib)
-        assert ((out - ref).norm() / ref.norm()).item() < 0.02, form.columns
+    cols = 512
+    w = packed_weight(qtype, 48, cols, seed=6)
+    r = kernels.repacked(w, lib)
+    if lib.ft_repacked_row_bytes(qtype, cols):
+        assert r.columns == lib.ft_repack_columns() > 0
+        assert torch.equal(kernels.dequantize_rows(r, torch.arange(48), lib), w.dequantize())
+    wd = w.dequantize()
+    xi = torch.randint(-127, 128, (17, cols)).float()
+    xi[:, ::32] = 127
+    for form in (w, r) if r.columns else (w,):
+        def run(x: torch.Tensor, form: QuantTensor = form) -> torch.Tensor:
+            out = torch.empty(x.shape[0], 48)
+            kernels.gemm_into(out, form, kernels.QuantizedActivations(x, lib), lib)
+            return out
+
+        ref = xi @ wd.T
+        out = run(xi)
+        assert torch.allclose(out, ref, rtol=1e-5, atol=1e-4 * ref.abs().max().item()), form.columns
+        assert torch.equal(run(xi[:9]), out[:9]) and torch.equal(run(xi[16:]), out[16:]), form.columns
+        x = torch.randn(9, cols)
+        ref = x @ wd.T
+        assert ((run(x) - ref).norm() / ref.norm()).item() < 0.02, form.columns
 
 
 @needs_columns
@@ -157,10 +189,10 @@ def test_repacked_k_quants_refuse_sizes_that_disagree(qtype: int) -> None:
                 qtype, w.data.data_ptr(), 32, cols, row_bytes, w.columns, x.qs.data_ptr(), x.d.data_ptr(),
                 x.s.data_ptr(), x.sx.data_ptr(), 1, out.data_ptr(), 32, 1,
             ))  # fmt: skip
-    src = packed_weight(qtype, 24, 512).data
-    dst = torch.empty(24, lib.ft_repacked_row_bytes(qtype, 512), dtype=torch.uint8)
+    src = packed_weight(qtype, 20, 512).data  # not whole groups of 8 or 16
+    dst = torch.empty(20, lib.ft_repacked_row_bytes(qtype, 512), dtype=torch.uint8)
     with pytest.raises(kernels.KernelError, match="whole groups"):
-        kernels.check(lib, lib.ft_repack(qtype, src.data_ptr(), 24, 512, src.shape[1], dst.data_ptr()))
+        kernels.check(lib, lib.ft_repack(qtype, src.data_ptr(), 20, 512, src.shape[1], dst.data_ptr()))
     assert lib.ft_repacked_row_bytes(qtype, 500) == 0
 
 
