@@ -408,3 +408,30 @@ def test_only_quantized_gguf_files_run_packed(
     writer.write_tensors_to_file()
     writer.close()
     assert is_quantized_gguf(path) is expected
+
+
+def test_a_gguf_of_k_quants_loads_repacked_and_matches_its_float_load(tmp_path: pathlib.Path) -> None:
+    """The loader keeps Q4_K and Q6_K layers as stored and repacks them for the column kernels
+    of this build (whole groups of rows), and the packed model's hidden states stay within the
+    int8 rounding of the activations of the same file loaded as float32."""
+    from tests.support.gguf_files import write_tiny_gguf
+
+    path = write_tiny_gguf(tmp_path / "tiny.gguf")
+    packed = load_model(path, torch.float32, quantized=True)
+    dense = load_model(path, torch.float32)
+    columns = kernels.library().ft_repack_columns()
+    for name in ("self_attn.q_proj", "self_attn.o_proj", "mlp.down_proj"):  # Q4_K, Q6_K, Q4_K
+        w = packed.state_dict[f"model.layers.1.{name}.weight"]
+        assert isinstance(w, QuantTensor) and w.qtype in (Q4_K, Q6_K) and w.columns == columns, name
+    config = packed.config
+    page, shape = 4, (config.num_layers, 32, config.num_kv_heads, config.head_dim)
+    step = [(0, (5, 7, 9, 11, 13, 15), 0, (0, 1)), (1, (2, 4, 6), 0, (2, 3, 4))]
+    ids = torch.tensor([t for _, toks, _, _ in step for t in toks])
+    index = step_index(step, page)
+    spans = [SeqSpan(s, len(toks), p) for _, toks, s, p in step]
+    with torch.inference_mode():
+        ref = build_model(config, dense.state_dict, torch.float32)(
+            ids, index.positions, torch.zeros(shape), torch.zeros(shape), build_metadata(spans, page)
+        )
+        out = QuantizedLlama(config, packed.state_dict).forward(ids, index, torch.zeros(shape), torch.zeros(shape), page)
+    assert ((out - ref).norm() / ref.norm()).item() < 0.03
