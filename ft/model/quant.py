@@ -21,8 +21,9 @@ KERNEL_TYPES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0", Q4_K: "Q4_K", Q6_K: "Q
 class QuantTensor:
     """A `[rows, cols]` weight stored as `data` `[rows, row_bytes]` uint8 blocks of `qtype`.
 
-    `columns` > 0: the same bytes reordered into groups of `columns` interleaved rows for the
-    column kernels (`kernels.repacked`).
+    `columns` > 0: the bytes reordered into groups of `columns` interleaved rows for the
+    column kernels (`kernels.repacked`); `row_bytes` is then a row's share of its group
+    (Q4_K's scales unpacked: 148 bytes per 256 elements instead of 144).
     """
 
     data: torch.Tensor

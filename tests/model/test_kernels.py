@@ -3,6 +3,7 @@ matches the torch one on a tiny random model (mixed prefill chunks and decode ro
 
 from __future__ import annotations
 
+import ctypes
 import pathlib
 import subprocess
 import sys
@@ -48,9 +49,9 @@ def packed_weight(
     return QuantTensor(torch.from_numpy(np.ascontiguousarray(data)), qtype, cols)
 
 
-def product(w: QuantTensor, x: torch.Tensor) -> torch.Tensor:
+def product(w: QuantTensor, x: torch.Tensor, lib: ctypes.CDLL | None = None) -> torch.Tensor:
     out = torch.empty(x.shape[0], w.rows)
-    kernels.gemm_into(out, w, kernels.QuantizedActivations(x))
+    kernels.gemm_into(out, w, kernels.QuantizedActivations(x, lib), lib)
     return out
 
 
@@ -156,18 +157,14 @@ def test_products_of_every_build_and_layout_are_within_int8_rounding(qtype: int,
     xi = torch.randint(-127, 128, (17, cols)).float()
     xi[:, ::32] = 127
     for form in (w, r) if r.columns else (w,):
-        def run(x: torch.Tensor, form: QuantTensor = form) -> torch.Tensor:
-            out = torch.empty(x.shape[0], 48)
-            kernels.gemm_into(out, form, kernels.QuantizedActivations(x, lib), lib)
-            return out
-
         ref = xi @ wd.T
-        out = run(xi)
+        out = product(form, xi, lib)
         assert torch.allclose(out, ref, rtol=1e-5, atol=1e-4 * ref.abs().max().item()), form.columns
-        assert torch.equal(run(xi[:9]), out[:9]) and torch.equal(run(xi[16:]), out[16:]), form.columns
+        assert torch.equal(product(form, xi[:9], lib), out[:9]), form.columns
+        assert torch.equal(product(form, xi[16:], lib), out[16:]), form.columns
         x = torch.randn(9, cols)
         ref = x @ wd.T
-        assert ((run(x) - ref).norm() / ref.norm()).item() < 0.02, form.columns
+        assert ((product(form, x, lib) - ref).norm() / ref.norm()).item() < 0.02, form.columns
 
 
 @needs_columns
@@ -433,5 +430,7 @@ def test_a_gguf_of_k_quants_loads_repacked_and_matches_its_float_load(tmp_path: 
         ref = build_model(config, dense.state_dict, torch.float32)(
             ids, index.positions, torch.zeros(shape), torch.zeros(shape), build_metadata(spans, page)
         )
-        out = QuantizedLlama(config, packed.state_dict).forward(ids, index, torch.zeros(shape), torch.zeros(shape), page)
+        out = QuantizedLlama(config, packed.state_dict).forward(
+            ids, index, torch.zeros(shape), torch.zeros(shape), page
+        )
     assert ((out - ref).norm() / ref.norm()).item() < 0.03
