@@ -300,7 +300,7 @@ inline void scale_min_k4(int j, const uint8_t* q, int* sc, int* m) {
 }
 
 // ---- Q4_K: {fp16 d; fp16 dmin; u8 scales[12]; u8 qs[128]} per 256; w = d*sc*q - dmin*m ----
-// Row kernels (the column kernels below take repacked weights on AVX-512 VNNI): with AVX2, each
+// Row kernels (the column kernels below take repacked weights, AVX2 and up): with AVX2, each
 // row keeps 8-lane float sums across sub-blocks (one horizontal sum per row), the scales of a
 // sub-block folded into one broadcast factor; the min terms of a super-block's 8 sub-blocks are
 // one 8-wide multiply-add per row.
@@ -450,9 +450,8 @@ inline int64_t block_bytes(int64_t type) {
 #endif
 constexpr int RC = FT_RC;
 
-// (Q8_0's q + 128 would saturate the 16-bit pair sums of AVX2 without VNNI: rows there.)
 inline bool repackable(int64_t type) {
-  return type == Q4_0 || type == Q4_1 || (type == Q8_0 && (RC == 16 || FT_VNNI)) || type == Q4_K || type == Q6_K;
+  return type == Q4_0 || type == Q4_1 || type == Q8_0 || type == Q4_K || type == Q6_K;
 }
 
 inline int64_t repacked_bytes(int64_t type) {  // one block (super-block for K-quants) of RC columns
@@ -625,7 +624,8 @@ void group_dispatch(int type, const uint8_t* wg, int64_t nb, const Act* a, float
 #elif FT_RC == 8
 // AVX2 (8 columns per 256-bit vector): the kernels above with half the columns. Without VNNI
 // the 4-byte dot goes through 16-bit saturating pair sums, safe for weights up to 128 against
-// |x| <= 127: every format here but Q8_0 (q + 128), which stays on the row kernels.
+// |x| <= 127: every format here but Q8_0's q + 128, multiplied signed there (|q| by x with the
+// sign of q, no offset).
 inline __m256i bcast4(const int8_t* p) {
   int32_t v;
   memcpy(&v, p, 4);
@@ -653,14 +653,17 @@ template <int Type, int MT>
 void group_rows(const uint8_t* wg, int64_t nb, const Act* a, float* y, int64_t ldy) {
   constexpr int64_t gbytes = Type == Q4_0 ? RC * 18 : Type == Q4_1 ? RC * 20 : RC * 34;
   constexpr int nvec = Type == Q8_0 ? 8 : 4;
-  constexpr int offset = Type == Q4_0 ? 8 : Type == Q8_0 ? 128 : 0;
+  constexpr bool q8_signed = Type == Q8_0 && !FT_VNNI;
+  constexpr int offset = Type == Q4_0 ? 8 : Type == Q8_0 && !q8_signed ? 128 : 0;
+  const __m256i flip = _mm256_set1_epi8((char)0x80);
   __m256 facc[MT];
   for (int r = 0; r < MT; r++) facc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; b++) {
     const uint8_t* gb = wg + b * gbytes;
     __m256i wv[8];
-    if (Type == Q8_0) {
-      for (int j = 0; j < 8; j++) wv[j] = load32(gb + 4 * RC * j);
+    if (Type == Q8_0) {  // q + 128, or |q| (its sign goes onto x per row)
+      for (int j = 0; j < 8; j++)
+        wv[j] = q8_signed ? _mm256_abs_epi8(_mm256_xor_si256(load32(gb + 4 * RC * j), flip)) : load32(gb + 4 * RC * j);
     } else {
       const __m256i lo = _mm256_set1_epi8(0x0F);
       for (int j = 0; j < 4; j++) {
@@ -674,7 +677,14 @@ void group_rows(const uint8_t* wg, int64_t nb, const Act* a, float* y, int64_t l
     for (int r = 0; r < MT; r++) {
       const int8_t* x = a[r].qs + b * QK;
       __m256i acc0 = _mm256_setzero_si256(), acc1 = _mm256_setzero_si256();
-      if (Type == Q8_0) {
+      if (q8_signed) {
+        for (int j = 0; j < 8; j += 2) {
+          const __m256i q0 = _mm256_xor_si256(load32(gb + 4 * RC * j), flip);
+          const __m256i q1 = _mm256_xor_si256(load32(gb + 4 * RC * (j + 1)), flip);
+          acc0 = dp4(acc0, wv[j], _mm256_sign_epi8(bcast4(x + 4 * j), q0));
+          acc1 = dp4(acc1, wv[j + 1], _mm256_sign_epi8(bcast4(x + 4 * j + 4), q1));
+        }
+      } else if (Type == Q8_0) {
         for (int j = 0; j < 8; j += 2) {
           acc0 = dp4(acc0, wv[j], bcast4(x + 4 * j));
           acc1 = dp4(acc1, wv[j + 1], bcast4(x + 4 * j + 4));
@@ -783,7 +793,7 @@ void group_dispatch(int type, const uint8_t* wg, int64_t nb, const Act* a, float
   switch (type) {
     case Q4_0: group_rows<Q4_0, MT>(wg, nb, a, y, ldy); break;
     case Q4_1: group_rows<Q4_1, MT>(wg, nb, a, y, ldy); break;
-    case Q8_0: group_rows<Q8_0, MT>(wg, nb, a, y, ldy); break;  // (with VNNI only: repackable)
+    case Q8_0: group_rows<Q8_0, MT>(wg, nb, a, y, ldy); break;
     case Q4_K: group_q4_k<MT>(wg, nb, a, y, ldy); break;
     case Q6_K: group_q6_k<MT>(wg, nb, a, y, ldy); break;
   }

@@ -259,7 +259,7 @@ def gemm_into(
     ))  # fmt: skip
 
 
-REPACKABLE = (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K)  # with column kernels (Q8_0 not on AVX2 without VNNI)
+REPACKABLE = (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K)  # the types with column kernels
 KV_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # KV cache element types
 
 
@@ -273,7 +273,7 @@ def repacked(weight: QuantTensor, lib: ctypes.CDLL | None = None) -> QuantTensor
     if weight.columns or not columns or weight.qtype not in REPACKABLE or weight.rows % columns:
         return weight
     row_bytes = lib.ft_repacked_row_bytes(weight.qtype, weight.cols)
-    if not row_bytes:  # not on this build (Q8_0 on AVX2 without VNNI)
+    if not row_bytes:  # no column kernels for this type on this build
         return weight
     src = weight.data.contiguous()
     dst = torch.empty(weight.rows, row_bytes, dtype=torch.uint8)
