@@ -427,11 +427,13 @@ inline int64_t block_bytes(int64_t type) {
   return 0;
 }
 
-// ---- Repacked Q4_0 / Q4_1 / Q8_0: RC output columns interleaved per block ----
+// ---- Repacked Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K: RC output columns interleaved per block ----
 // For a group of RC weight rows (output columns) and one block of 32, vector j holds 4 bytes of
 // each column: bytes qs[4j .. 4j + 4) of column c at [4c, 4c + 4). One vector times the
 // broadcast 4 activation bytes then adds into RC column sums at once (no horizontal sums),
-// and a block's scales for all RC columns are one fp16 vector. Same bytes as the GGUF blocks.
+// and a block's scales for all RC columns are one vector. RC = 16 (AVX-512 VNNI: 64-byte
+// vectors) or 8 (AVX2: 32-byte vectors); a row's result never depends on the other rows of
+// its tile. Same bytes as the GGUF blocks, but for Q4_K's unpacked scales.
 // Q4_x: 4 vectors (low nibbles: elements 4j.., high: 16 + 4j..), then d[RC] (and m[RC]) fp16.
 // Q8_0: 8 vectors of q + 128, then d[RC] fp16.
 // Q4_K, per super-block of 256 (148 * RC bytes: the 12 bytes of 6-bit scales and mins unpacked
