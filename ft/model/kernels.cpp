@@ -116,12 +116,14 @@ inline float rd16(const uint8_t* p) {
 #endif
 }
 
-// One quantized activation row: qs[K], and per block of 32: d, s = d * sum(qs) and sx = sum(qs).
+// One quantized activation row: qs[K], and per block of 32: d, s = d * sum(qs) and sx = sum(qs);
+// x16: sum(qs) per 16 (Q6_K's column kernels need it; null where no such weight is multiplied).
 struct Act {
   const int8_t* qs;
   const float* d;
   const float* s;
   const int32_t* sx;
+  const int32_t* x16;
 };
 
 #if defined(__AVX2__)
@@ -556,19 +558,6 @@ void group_q4_k(const uint8_t* wg, int64_t nbk, const Act* a, float* y, int64_t 
   for (int r = 0; r < MT; r++) _mm512_storeu_ps(y + r * ldy, facc[r]);
 }
 
-// The sums of x over each 16 of a super-block's 256 elements (Q6_K's scales are per 16).
-inline void sums16(const int8_t* x, int32_t* out) {
-  for (int t = 0; t < 4; t++) {
-    // |x| as x + 128 unsigned: sad gives 8-byte sums (+ 1024), adjacent pairs make the 16s
-    const __m512i u = _mm512_xor_si512(_mm512_loadu_si512(x + 64 * t), _mm512_set1_epi8((char)0x80));
-    __m512i s = _mm512_sad_epu8(u, _mm512_setzero_si512());
-    s = _mm512_add_epi64(s, _mm512_shuffle_epi32(s, (_MM_PERM_ENUM)0x4E));
-    alignas(64) int64_t tmp[8];
-    _mm512_store_si512(tmp, s);
-    for (int k = 0; k < 4; k++) out[4 * t + k] = (int32_t)tmp[2 * k] - 2048;
-  }
-}
-
 // Q6_K: q = ql nibble | qh 2 bits << 4 as unsigned 0..63, w = d*sc*(q - 32): per 16 elements
 // the integer dot minus 32 * sum(x) (one accumulator per scale), then the two scales in floats.
 template <int MT>
@@ -579,8 +568,6 @@ void group_q6_k(const uint8_t* wg, int64_t nbk, const Act* a, float* y, int64_t 
   for (int64_t bk = 0; bk < nbk; bk++) {
     const uint8_t* gb = wg + bk * (210 * RC);
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(gb + 208 * RC)));
-    int32_t x16[MT][16];
-    for (int r = 0; r < MT; r++) sums16(a[r].qs + bk * QK_K, x16[r]);
     for (int j = 0; j < 8; j++) {  // sub-block j = 4 * half + g
       const int h = j / 4, g = j % 4;
       const uint8_t* ql = gb + (h * 2 + (g & 1)) * 8 * 4 * RC;
@@ -599,7 +586,8 @@ void group_q6_k(const uint8_t* wg, int64_t nbk, const Act* a, float* y, int64_t 
       const int64_t b = bk * 8 + j;
       for (int r = 0; r < MT; r++) {
         const int8_t* x = a[r].qs + b * QK;
-        __m512i acc0 = _mm512_set1_epi32(-32 * x16[r][2 * j]), acc1 = _mm512_set1_epi32(-32 * x16[r][2 * j + 1]);
+        const int32_t* x16 = a[r].x16 + bk * 16 + 2 * j;
+        __m512i acc0 = _mm512_set1_epi32(-32 * x16[0]), acc1 = _mm512_set1_epi32(-32 * x16[1]);
         for (int v = 0; v < 4; v++) {
           acc0 = _mm512_dpbusd_epi32(acc0, wv[v], bcast4(x + 4 * v));
           acc1 = _mm512_dpbusd_epi32(acc1, wv[4 + v], bcast4(x + 16 + 4 * v));
@@ -740,16 +728,6 @@ void group_q4_k(const uint8_t* wg, int64_t nbk, const Act* a, float* y, int64_t 
   for (int r = 0; r < MT; r++) _mm256_storeu_ps(y + r * ldy, facc[r]);
 }
 
-inline void sums16(const int8_t* x, int32_t* out) {
-  for (int t = 0; t < 8; t++) {
-    const __m256i u = _mm256_xor_si256(load32(x + 32 * t), _mm256_set1_epi8((char)0x80));
-    __m256i s = _mm256_sad_epu8(u, _mm256_setzero_si256());
-    s = _mm256_add_epi64(s, _mm256_shuffle_epi32(s, 0x4E));
-    out[2 * t] = (int32_t)_mm256_extract_epi64(s, 0) - 2048;
-    out[2 * t + 1] = (int32_t)_mm256_extract_epi64(s, 2) - 2048;
-  }
-}
-
 template <int MT>
 void group_q6_k(const uint8_t* wg, int64_t nbk, const Act* a, float* y, int64_t ldy) {
   const __m256i lo = _mm256_set1_epi8(0x0F), hi = _mm256_set1_epi8(0x30);
@@ -758,8 +736,6 @@ void group_q6_k(const uint8_t* wg, int64_t nbk, const Act* a, float* y, int64_t 
   for (int64_t bk = 0; bk < nbk; bk++) {
     const uint8_t* gb = wg + bk * (210 * RC);
     const __m256 d = halves8(gb + 208 * RC);
-    int32_t x16[MT][16];
-    for (int r = 0; r < MT; r++) sums16(a[r].qs + bk * QK_K, x16[r]);
     for (int j = 0; j < 8; j++) {
       const int h = j / 4, g = j % 4;
       const uint8_t* ql = gb + (h * 2 + (g & 1)) * 8 * 4 * RC;
@@ -777,7 +753,8 @@ void group_q6_k(const uint8_t* wg, int64_t nbk, const Act* a, float* y, int64_t 
       const int64_t b = bk * 8 + j;
       for (int r = 0; r < MT; r++) {
         const int8_t* x = a[r].qs + b * QK;
-        __m256i acc0 = _mm256_set1_epi32(-32 * x16[r][2 * j]), acc1 = _mm256_set1_epi32(-32 * x16[r][2 * j + 1]);
+        const int32_t* x16 = a[r].x16 + bk * 16 + 2 * j;
+        __m256i acc0 = _mm256_set1_epi32(-32 * x16[0]), acc1 = _mm256_set1_epi32(-32 * x16[1]);
         for (int v = 0; v < 4; v++) {
           acc0 = dp4(acc0, wv[v], bcast4(x + 4 * v));
           acc1 = dp4(acc1, wv[4 + v], bcast4(x + 16 + 4 * v));
@@ -886,6 +863,15 @@ void quantize_row(const float* x, int64_t K, int8_t* qs, float* d, float* s, int
   }
 }
 
+// The sums of each 16 of a row's K elements (K % 16 == 0).
+void sums16_row(const int8_t* qs, int64_t K, int32_t* x16) {
+  for (int64_t i = 0; i < K / 16; i++) {
+    int sum = 0;
+    for (int j = 0; j < 16; j++) sum += qs[16 * i + j];
+    x16[i] = sum;
+  }
+}
+
 // M quantized activation rows of K elements.
 struct ActRows {
   const int8_t* qs;
@@ -893,9 +879,10 @@ struct ActRows {
   const float* s;
   const int32_t* sx;
   int64_t K;
+  const int32_t* x16 = nullptr;  // [M, K / 16], or null
   Act row(int64_t m) const {
     const int64_t nb = K / QK;
-    return {qs + m * K, d + m * nb, s + m * nb, sx + m * nb};
+    return {qs + m * K, d + m * nb, s + m * nb, sx + m * nb, x16 ? x16 + m * (K / 16) : nullptr};
   }
 };
 
@@ -965,7 +952,10 @@ int ft_gemm(int type, const uint8_t* w, int64_t N, int64_t K, int64_t row_bytes,
     FT_REQUIRE(M >= 0 && (M <= 1 || ldy >= N), "%lld rows of stride %lld for %lld outputs", (long long)M,
                (long long)ldy, (long long)N);
     FT_REQUIRE(threads >= 1, "%d threads", threads);
-    const ActRows a{qs, d, s, sx, K};
+    std::vector<int32_t> x16(columns && type == Q6_K ? M * (K / 16) : 0);
+#pragma omp parallel for num_threads(threads) schedule(static) if (M * K > 65536)
+    for (int64_t m = 0; m < (int64_t)x16.size() / (K / 16); m++) sums16_row(qs + m * K, K, &x16[m * (K / 16)]);
+    const ActRows a{qs, d, s, sx, K, x16.empty() ? nullptr : x16.data()};
     if (columns) {
       const int64_t group_bytes = K / block_elems(type) * repacked_bytes(type);
 #pragma omp parallel for num_threads(threads) schedule(static)
@@ -1105,18 +1095,21 @@ struct Weight {  // one projection: rows of GGUF blocks, or groups of `columns` 
 struct QAct {
   std::vector<int8_t> qs;
   std::vector<float> d, s;
-  std::vector<int32_t> sx;
+  std::vector<int32_t> sx, x16;
   int64_t M = 0, K = 0;
   // Room for m rows of up to k_max elements (before the parallel region: set() never allocates).
-  QAct(int64_t m, int64_t k_max) : qs(m * k_max), d(m * k_max / QK), s(m * k_max / QK), sx(m * k_max / QK) {}
+  QAct(int64_t m, int64_t k_max)
+      : qs(m * k_max), d(m * k_max / QK), s(m * k_max / QK), sx(m * k_max / QK), x16(m * k_max / 16) {}
   void set(const float* x, int64_t m, int64_t k, int64_t ldx) {
     M = m;
     K = k;
     // NOTE: called inside a parallel region's single thread; rows are few or the work is small.
-    for (int64_t r = 0; r < m; r++)
+    for (int64_t r = 0; r < m; r++) {
       quantize_row(x + r * ldx, k, &qs[r * k], &d[r * k / QK], &s[r * k / QK], &sx[r * k / QK]);
+      sums16_row(&qs[r * k], k, &x16[r * k / 16]);
+    }
   }
-  ActRows rows() const { return {qs.data(), d.data(), s.data(), sx.data(), K}; }
+  ActRows rows() const { return {qs.data(), d.data(), s.data(), sx.data(), K, x16.data()}; }
 };
 
 // y[:, 0:N] = act @ W.T, rows of W split across the team (call from inside a parallel region).
