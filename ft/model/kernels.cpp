@@ -116,12 +116,14 @@ inline float rd16(const uint8_t* p) {
 #endif
 }
 
-// One quantized activation row: qs[K], and per block of 32: d, s = d * sum(qs) and sx = sum(qs).
+// One quantized activation row: qs[K], and per block of 32: d, s = d * sum(qs) and sx = sum(qs);
+// x16: sum(qs) per 16 (Q6_K's column kernels need it; null where no such weight is multiplied).
 struct Act {
   const int8_t* qs;
   const float* d;
   const float* s;
   const int32_t* sx;
+  const int32_t* x16;
 };
 
 #if defined(__AVX2__)
@@ -300,44 +302,68 @@ inline void scale_min_k4(int j, const uint8_t* q, int* sc, int* m) {
 }
 
 // ---- Q4_K: {fp16 d; fp16 dmin; u8 scales[12]; u8 qs[128]} per 256; w = d*sc*q - dmin*m ----
+// Row kernels (the column kernels below take repacked weights, AVX2 and up): with AVX2, each
+// row keeps 8-lane float sums across sub-blocks (one horizontal sum per row), the scales of a
+// sub-block folded into one broadcast factor; the min terms of a super-block's 8 sub-blocks are
+// one 8-wide multiply-add per row.
 template <int MT>
 void rows_q4_k(const uint8_t* w, int nbk, const Act* a, float* out) {
-  float acc[MT];
-  for (int r = 0; r < MT; r++) acc[r] = 0;
+  float acc1[MT];
+  for (int r = 0; r < MT; r++) acc1[r] = 0;
+#if defined(__AVX2__)
+  __m256 acc[MT], accm[MT];
+  for (int r = 0; r < MT; r++) acc[r] = accm[r] = _mm256_setzero_ps();
+  for (int bk = 0; bk < nbk; bk++, w += 144) {
+    const float d = rd16(w), dmin = rd16(w + 2);
+    int sc[8], m[8];
+    for (int j = 0; j < 8; j++) scale_min_k4(j, w + 4, &sc[j], &m[j]);
+    const __m256 dm = _mm256_mul_ps(_mm256_set1_ps(dmin), _mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i*)m)));
+    for (int j = 0; j < 8; j++) {  // sub-block j: qs[32*(j/2)..] low (even j) or high (odd j) nibbles
+      const int b = bk * 8 + j;
+      const __m256i q = _mm256_and_si256(_mm256_srli_epi16(load32(w + 16 + 32 * (j / 2)), (j & 1) * 4),
+                                         _mm256_set1_epi8(0x0F));
+      const float dsc = d * sc[j];
+      for (int r = 0; r < MT; r++)
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_us8(q, load32(a[r].qs + b * QK))),
+                                 _mm256_set1_ps(dsc * a[r].d[b]), acc[r]);
+    }
+    for (int r = 0; r < MT; r++) accm[r] = _mm256_fmadd_ps(dm, _mm256_loadu_ps(a[r].s + bk * 8), accm[r]);
+  }
+  for (int r = 0; r < MT; r++) acc1[r] = hsum(acc[r]) - hsum(accm[r]);
+#else
   for (int bk = 0; bk < nbk; bk++, w += 144) {
     const float d = rd16(w), dmin = rd16(w + 2);
     const uint8_t* scales = w + 4;
     const uint8_t* qs = w + 16;
-    for (int j = 0; j < 8; j++) {  // sub-block j: qs[32*(j/2)..] low (even j) or high (odd j) nibbles
+    for (int j = 0; j < 8; j++) {
       int sc, m;
       scale_min_k4(j, scales, &sc, &m);
       const int b = bk * 8 + j;
       const uint8_t* q = qs + 32 * (j / 2);
       const int shift = (j & 1) * 4;
-#if defined(__AVX2__)
-      const __m256i qv = _mm256_and_si256(_mm256_srli_epi16(load32(q), shift), _mm256_set1_epi8(0x0F));
-      for (int r = 0; r < MT; r++) {
-        const int isum = hsum_i32(dot_us8(qv, load32(a[r].qs + b * QK)));
-        acc[r] += d * sc * a[r].d[b] * isum - dmin * m * a[r].s[b];
-      }
-#else
       for (int r = 0; r < MT; r++) {
         const int8_t* x = a[r].qs + b * QK;
         int isum = 0;
         for (int l = 0; l < 32; l++) isum += ((q[l] >> shift) & 0xF) * x[l];
-        acc[r] += d * sc * a[r].d[b] * isum - dmin * m * a[r].s[b];
+        acc1[r] += d * sc * a[r].d[b] * isum - dmin * m * a[r].s[b];
       }
-#endif
     }
   }
-  for (int r = 0; r < MT; r++) out[r] = acc[r];
+#endif
+  for (int r = 0; r < MT; r++) out[r] = acc1[r];
 }
 
 // ---- Q6_K: {u8 ql[128]; u8 qh[64]; i8 scales[16]; fp16 d} per 256; w = d*sc*(q - 32) ----
+// With AVX2: q - 32 signed (the sign trick), each 4-lane half of a sub-block's integer sums
+// scaled by its own 16-element scale in floats, 8-lane float sums kept across the row.
 template <int MT>
 void rows_q6_k(const uint8_t* w, int nbk, const Act* a, float* out) {
-  float acc[MT];
-  for (int r = 0; r < MT; r++) acc[r] = 0;
+  float acc1[MT];
+  for (int r = 0; r < MT; r++) acc1[r] = 0;
+#if defined(__AVX2__)
+  __m256 acc[MT];
+  for (int r = 0; r < MT; r++) acc[r] = _mm256_setzero_ps();
+#endif
   for (int bk = 0; bk < nbk; bk++, w += 210) {
     const uint8_t* ql = w;
     const uint8_t* qh = w + 128;
@@ -354,11 +380,11 @@ void rows_q6_k(const uint8_t* w, int nbk, const Act* a, float* out) {
         const __m256i q4 = _mm256_and_si256(g < 2 ? lo : _mm256_srli_epi16(lo, 4), _mm256_set1_epi8(0x0F));
         const __m256i q2 = _mm256_and_si256(_mm256_srli_epi16(load32(h), 2 * g), _mm256_set1_epi8(3));
         const __m256i q = _mm256_sub_epi8(_mm256_or_si256(q4, _mm256_slli_epi16(q2, 4)), _mm256_set1_epi8(32));
-        const __m256i scv = _mm256_setr_epi32(s[2 * g], s[2 * g], s[2 * g], s[2 * g], s[2 * g + 1],
-                                              s[2 * g + 1], s[2 * g + 1], s[2 * g + 1]);
+        const __m256 scv = _mm256_mul_ps(
+            _mm256_set1_ps(d), _mm256_set_m128(_mm_set1_ps(s[2 * g + 1]), _mm_set1_ps(s[2 * g])));
         for (int r = 0; r < MT; r++) {
-          const __m256i p = _mm256_mullo_epi32(dot_ss8(q, load32(a[r].qs + b * QK)), scv);
-          acc[r] += d * a[r].d[b] * hsum_i32(p);
+          const __m256 p = _mm256_cvtepi32_ps(dot_ss8(q, load32(a[r].qs + b * QK)));
+          acc[r] = _mm256_fmadd_ps(p, _mm256_mul_ps(scv, _mm256_set1_ps(a[r].d[b])), acc[r]);
         }
 #else
         for (int r = 0; r < MT; r++) {
@@ -369,13 +395,16 @@ void rows_q6_k(const uint8_t* w, int nbk, const Act* a, float* out) {
             const int q = (lo4 | (((h[i] >> (2 * g)) & 3) << 4)) - 32;
             isum += q * x[i] * s[2 * g + (i >= 16)];
           }
-          acc[r] += d * a[r].d[b] * isum;
+          acc1[r] += d * a[r].d[b] * isum;
         }
 #endif
       }
     }
   }
-  for (int r = 0; r < MT; r++) out[r] = acc[r];
+#if defined(__AVX2__)
+  for (int r = 0; r < MT; r++) acc1[r] = hsum(acc[r]);
+#endif
+  for (int r = 0; r < MT; r++) out[r] = acc1[r];
 }
 
 enum : int { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q6_K = 14 };
@@ -902,26 +931,42 @@ inline int64_t block_bytes(int64_t type) {
   return 0;
 }
 
-inline bool repackable(int64_t type) { return type == Q4_0 || type == Q4_1 || type == Q8_0; }
-
-// ---- Repacked Q4_0 / Q4_1 / Q8_0: RC output columns interleaved per block ----
+// ---- Repacked Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K: RC output columns interleaved per block ----
 // For a group of RC weight rows (output columns) and one block of 32, vector j holds 4 bytes of
 // each column: bytes qs[4j .. 4j + 4) of column c at [4c, 4c + 4). One vector times the
 // broadcast 4 activation bytes then adds into RC column sums at once (no horizontal sums),
-// and a block's scales for all RC columns are one fp16 vector. Same bytes as the GGUF blocks.
+// and a block's scales for all RC columns are one vector. RC = 16 (AVX-512 VNNI: 64-byte
+// vectors) or 8 (AVX2: 32-byte vectors); a row's result never depends on the other rows of
+// its tile. Same bytes as the GGUF blocks, but for Q4_K's unpacked scales.
 // Q4_x: 4 vectors (low nibbles: elements 4j.., high: 16 + 4j..), then d[RC] (and m[RC]) fp16.
 // Q8_0: 8 vectors of q + 128, then d[RC] fp16.
+// Q4_K, per super-block of 256 (148 * RC bytes: the 12 bytes of 6-bit scales and mins unpacked
+// to 16 bytes, 2.8% more than the GGUF blocks): 32 vectors qs (pair p of sub-blocks, vector v:
+// bytes qs[32p + 4v ..]; low nibbles are sub-block 2p, high 2p + 1), then sc[8][RC] and
+// m[8][RC] bytes, d[RC] and dmin[RC] fp16.
+// Q6_K, per super-block (210 * RC bytes, as many as the GGUF blocks): 32 vectors ql (half h,
+// chunk c, vector v: bytes ql[64h + 32c + 4v ..]), 16 vectors qh (half h, vector v: bytes
+// qh[32h + 4v ..]), then the int8 scales sc[16][RC] (one per 16 elements) and d[RC] fp16.
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
-constexpr int RC = 16;
+#define FT_RC 16
+#elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+#define FT_RC 8  // AVX2: 8 columns per 256-bit vector
 #else
-constexpr int RC = 0;
+#define FT_RC 0
 #endif
+constexpr int RC = FT_RC;
 
-inline int64_t repacked_bytes(int type) {  // one block of RC columns
+inline bool repackable(int64_t type) {
+  return type == Q4_0 || type == Q4_1 || type == Q8_0 || type == Q4_K || type == Q6_K;
+}
+
+inline int64_t repacked_bytes(int64_t type) {  // one block (super-block for K-quants) of RC columns
   switch (type) {
     case Q4_0: return RC * 18;
     case Q4_1: return RC * 20;
     case Q8_0: return RC * 34;
+    case Q4_K: return RC * 148;
+    case Q6_K: return RC * 210;
   }
   return 0;
 }
@@ -976,12 +1021,262 @@ void group_rows(const uint8_t* wg, int64_t nb, const Act* a, float* y, int64_t l
   for (int r = 0; r < MT; r++) _mm512_storeu_ps(y + r * ldy, facc[r]);
 }
 
+// Q4_K: MT activation rows against RC columns over nbk super-blocks. Per sub-block of 32, the
+// integer dot of each column (eight vpdpbusd in two chains), then w = d*sc*q - dmin*m in floats.
+template <int MT>
+void group_q4_k(const uint8_t* wg, int64_t nbk, const Act* a, float* y, int64_t ldy) {
+  const __m512i lo = _mm512_set1_epi8(0x0F);
+  __m512 facc[MT];
+  for (int r = 0; r < MT; r++) facc[r] = _mm512_setzero_ps();
+  for (int64_t bk = 0; bk < nbk; bk++) {
+    const uint8_t* gb = wg + bk * (148 * RC);
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(gb + 144 * RC)));
+    const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(gb + 146 * RC)));
+    for (int j = 0; j < 8; j++) {
+      const uint8_t* q = gb + (j / 2) * 8 * 4 * RC;
+      __m512i wv[8];
+      for (int v = 0; v < 8; v++) {
+        const __m512i t = _mm512_loadu_si512(q + 4 * RC * v);
+        wv[v] = _mm512_and_si512(j & 1 ? _mm512_srli_epi16(t, 4) : t, lo);
+      }
+      const __m512 dsc = _mm512_mul_ps(
+          d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(gb + 128 * RC + RC * j)))));
+      const __m512 dm = _mm512_mul_ps(
+          dmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(gb + 136 * RC + RC * j)))));
+      const int64_t b = bk * 8 + j;
+      for (int r = 0; r < MT; r++) {
+        const int8_t* x = a[r].qs + b * QK;
+        __m512i acc0 = _mm512_setzero_si512(), acc1 = _mm512_setzero_si512();
+        for (int v = 0; v < 8; v += 2) {
+          acc0 = _mm512_dpbusd_epi32(acc0, wv[v], bcast4(x + 4 * v));
+          acc1 = _mm512_dpbusd_epi32(acc1, wv[v + 1], bcast4(x + 4 * v + 4));
+        }
+        const __m512 isum = _mm512_cvtepi32_ps(_mm512_add_epi32(acc0, acc1));
+        facc[r] = _mm512_fmadd_ps(isum, _mm512_mul_ps(dsc, _mm512_set1_ps(a[r].d[b])), facc[r]);
+        facc[r] = _mm512_fnmadd_ps(dm, _mm512_set1_ps(a[r].s[b]), facc[r]);
+      }
+    }
+  }
+  for (int r = 0; r < MT; r++) _mm512_storeu_ps(y + r * ldy, facc[r]);
+}
+
+// Q6_K: q = ql nibble | qh 2 bits << 4 as unsigned 0..63, w = d*sc*(q - 32): per 16 elements
+// the integer dot minus 32 * sum(x) (one accumulator per scale), then the two scales in floats.
+template <int MT>
+void group_q6_k(const uint8_t* wg, int64_t nbk, const Act* a, float* y, int64_t ldy) {
+  const __m512i lo = _mm512_set1_epi8(0x0F), hi = _mm512_set1_epi8(0x30);
+  __m512 facc[MT];
+  for (int r = 0; r < MT; r++) facc[r] = _mm512_setzero_ps();
+  for (int64_t bk = 0; bk < nbk; bk++) {
+    const uint8_t* gb = wg + bk * (210 * RC);
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(gb + 208 * RC)));
+    for (int j = 0; j < 8; j++) {  // sub-block j = 4 * half + g
+      const int h = j / 4, g = j % 4;
+      const uint8_t* ql = gb + (h * 2 + (g & 1)) * 8 * 4 * RC;
+      const uint8_t* qh = gb + 128 * RC + h * 8 * 4 * RC;
+      __m512i wv[8];
+      for (int v = 0; v < 8; v++) {
+        const __m512i l = _mm512_loadu_si512(ql + 4 * RC * v), hb = _mm512_loadu_si512(qh + 4 * RC * v);
+        const __m512i l4 = _mm512_and_si512(g < 2 ? l : _mm512_srli_epi16(l, 4), lo);
+        const __m512i h2 = g == 0 ? _mm512_slli_epi16(hb, 4) : g == 1 ? _mm512_slli_epi16(hb, 2)
+                         : g == 2 ? hb : _mm512_srli_epi16(hb, 2);
+        wv[v] = _mm512_or_si512(l4, _mm512_and_si512(h2, hi));
+      }
+      const __m128i* sc = (const __m128i*)(gb + 192 * RC + 2 * j * RC);
+      const __m512 s0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(sc))));
+      const __m512 s1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(sc + 1))));
+      const int64_t b = bk * 8 + j;
+      for (int r = 0; r < MT; r++) {
+        const int8_t* x = a[r].qs + b * QK;
+        const int32_t* x16 = a[r].x16 + bk * 16 + 2 * j;
+        __m512i acc0 = _mm512_set1_epi32(-32 * x16[0]), acc1 = _mm512_set1_epi32(-32 * x16[1]);
+        for (int v = 0; v < 4; v++) {
+          acc0 = _mm512_dpbusd_epi32(acc0, wv[v], bcast4(x + 4 * v));
+          acc1 = _mm512_dpbusd_epi32(acc1, wv[4 + v], bcast4(x + 16 + 4 * v));
+        }
+        const __m512 t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc0), s0, _mm512_mul_ps(_mm512_cvtepi32_ps(acc1), s1));
+        facc[r] = _mm512_fmadd_ps(t, _mm512_set1_ps(a[r].d[b]), facc[r]);
+      }
+    }
+  }
+  for (int r = 0; r < MT; r++) _mm512_storeu_ps(y + r * ldy, facc[r]);
+}
+
+// `nb`: the weight's blocks per row (super-blocks for the K-quants).
 template <int MT>
 void group_dispatch(int type, const uint8_t* wg, int64_t nb, const Act* a, float* y, int64_t ldy) {
   switch (type) {
     case Q4_0: group_rows<Q4_0, MT>(wg, nb, a, y, ldy); break;
     case Q4_1: group_rows<Q4_1, MT>(wg, nb, a, y, ldy); break;
     case Q8_0: group_rows<Q8_0, MT>(wg, nb, a, y, ldy); break;
+    case Q4_K: group_q4_k<MT>(wg, nb, a, y, ldy); break;
+    case Q6_K: group_q6_k<MT>(wg, nb, a, y, ldy); break;
+  }
+}
+#elif FT_RC == 8
+// AVX2 (8 columns per 256-bit vector): the kernels above with half the columns. Without VNNI
+// the 4-byte dot goes through 16-bit saturating pair sums, safe for weights up to 128 against
+// |x| <= 127: every format here but Q8_0's q + 128, multiplied signed there (|q| by x with the
+// sign of q, no offset).
+inline __m256i bcast4(const int8_t* p) {
+  int32_t v;
+  memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+// acc + the sum of 4 products (u8 weight by s8 activation) in each 32-bit lane.
+inline __m256i dp4(__m256i acc, __m256i w, __m256i x) {
+#if FT_VNNI
+  return _mm256_dpbusd_epi32(acc, w, x);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
+#endif
+}
+
+inline __m256 halves8(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
+inline __m256 u8x8(const uint8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+}
+inline __m256 i8x8(const uint8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+}
+
+template <int Type, int MT>
+void group_rows(const uint8_t* wg, int64_t nb, const Act* a, float* y, int64_t ldy) {
+  constexpr int64_t gbytes = Type == Q4_0 ? RC * 18 : Type == Q4_1 ? RC * 20 : RC * 34;
+  constexpr int nvec = Type == Q8_0 ? 8 : 4;
+  constexpr bool q8_signed = Type == Q8_0 && !FT_VNNI;
+  constexpr int offset = Type == Q4_0 ? 8 : Type == Q8_0 && !q8_signed ? 128 : 0;
+  const __m256i flip = _mm256_set1_epi8((char)0x80);
+  __m256 facc[MT];
+  for (int r = 0; r < MT; r++) facc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; b++) {
+    const uint8_t* gb = wg + b * gbytes;
+    __m256i wv[8];
+    if (Type == Q8_0) {  // q + 128, or |q| (its sign goes onto x per row)
+      for (int j = 0; j < 8; j++)
+        wv[j] = q8_signed ? _mm256_abs_epi8(_mm256_xor_si256(load32(gb + 4 * RC * j), flip)) : load32(gb + 4 * RC * j);
+    } else {
+      const __m256i lo = _mm256_set1_epi8(0x0F);
+      for (int j = 0; j < 4; j++) {
+        const __m256i v = load32(gb + 4 * RC * j);
+        wv[j] = _mm256_and_si256(v, lo);
+        wv[4 + j] = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo);
+      }
+    }
+    const __m256 dvec = halves8(gb + 4 * RC * nvec);
+    const __m256 mvec = Type == Q4_1 ? halves8(gb + 4 * RC * nvec + 2 * RC) : _mm256_setzero_ps();
+    for (int r = 0; r < MT; r++) {
+      const int8_t* x = a[r].qs + b * QK;
+      __m256i acc0 = _mm256_setzero_si256(), acc1 = _mm256_setzero_si256();
+      if (q8_signed) {
+        for (int j = 0; j < 8; j += 2) {
+          const __m256i q0 = _mm256_xor_si256(load32(gb + 4 * RC * j), flip);
+          const __m256i q1 = _mm256_xor_si256(load32(gb + 4 * RC * (j + 1)), flip);
+          acc0 = dp4(acc0, wv[j], _mm256_sign_epi8(bcast4(x + 4 * j), q0));
+          acc1 = dp4(acc1, wv[j + 1], _mm256_sign_epi8(bcast4(x + 4 * j + 4), q1));
+        }
+      } else if (Type == Q8_0) {
+        for (int j = 0; j < 8; j += 2) {
+          acc0 = dp4(acc0, wv[j], bcast4(x + 4 * j));
+          acc1 = dp4(acc1, wv[j + 1], bcast4(x + 4 * j + 4));
+        }
+      } else {
+        for (int j = 0; j < 4; j++) {
+          acc0 = dp4(acc0, wv[j], bcast4(x + 4 * j));
+          acc1 = dp4(acc1, wv[4 + j], bcast4(x + 16 + 4 * j));
+        }
+      }
+      __m256i acc = _mm256_add_epi32(acc0, acc1);
+      if (offset) acc = _mm256_sub_epi32(acc, _mm256_set1_epi32(offset * a[r].sx[b]));
+      facc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), _mm256_mul_ps(dvec, _mm256_set1_ps(a[r].d[b])), facc[r]);
+      if (Type == Q4_1) facc[r] = _mm256_fmadd_ps(mvec, _mm256_set1_ps(a[r].s[b]), facc[r]);
+    }
+  }
+  for (int r = 0; r < MT; r++) _mm256_storeu_ps(y + r * ldy, facc[r]);
+}
+
+template <int MT>
+void group_q4_k(const uint8_t* wg, int64_t nbk, const Act* a, float* y, int64_t ldy) {
+  const __m256i lo = _mm256_set1_epi8(0x0F);
+  __m256 facc[MT];
+  for (int r = 0; r < MT; r++) facc[r] = _mm256_setzero_ps();
+  for (int64_t bk = 0; bk < nbk; bk++) {
+    const uint8_t* gb = wg + bk * (148 * RC);
+    const __m256 d = halves8(gb + 144 * RC), dmin = halves8(gb + 146 * RC);
+    for (int j = 0; j < 8; j++) {
+      const uint8_t* q = gb + (j / 2) * 8 * 4 * RC;
+      __m256i wv[8];
+      for (int v = 0; v < 8; v++) {
+        const __m256i t = load32(q + 4 * RC * v);
+        wv[v] = _mm256_and_si256(j & 1 ? _mm256_srli_epi16(t, 4) : t, lo);
+      }
+      const __m256 dsc = _mm256_mul_ps(d, u8x8(gb + 128 * RC + RC * j));
+      const __m256 dm = _mm256_mul_ps(dmin, u8x8(gb + 136 * RC + RC * j));
+      const int64_t b = bk * 8 + j;
+      for (int r = 0; r < MT; r++) {
+        const int8_t* x = a[r].qs + b * QK;
+        __m256i acc0 = _mm256_setzero_si256(), acc1 = _mm256_setzero_si256();
+        for (int v = 0; v < 8; v += 2) {
+          acc0 = dp4(acc0, wv[v], bcast4(x + 4 * v));
+          acc1 = dp4(acc1, wv[v + 1], bcast4(x + 4 * v + 4));
+        }
+        const __m256 isum = _mm256_cvtepi32_ps(_mm256_add_epi32(acc0, acc1));
+        facc[r] = _mm256_fmadd_ps(isum, _mm256_mul_ps(dsc, _mm256_set1_ps(a[r].d[b])), facc[r]);
+        facc[r] = _mm256_fnmadd_ps(dm, _mm256_set1_ps(a[r].s[b]), facc[r]);
+      }
+    }
+  }
+  for (int r = 0; r < MT; r++) _mm256_storeu_ps(y + r * ldy, facc[r]);
+}
+
+template <int MT>
+void group_q6_k(const uint8_t* wg, int64_t nbk, const Act* a, float* y, int64_t ldy) {
+  const __m256i lo = _mm256_set1_epi8(0x0F), hi = _mm256_set1_epi8(0x30);
+  __m256 facc[MT];
+  for (int r = 0; r < MT; r++) facc[r] = _mm256_setzero_ps();
+  for (int64_t bk = 0; bk < nbk; bk++) {
+    const uint8_t* gb = wg + bk * (210 * RC);
+    const __m256 d = halves8(gb + 208 * RC);
+    for (int j = 0; j < 8; j++) {
+      const int h = j / 4, g = j % 4;
+      const uint8_t* ql = gb + (h * 2 + (g & 1)) * 8 * 4 * RC;
+      const uint8_t* qh = gb + 128 * RC + h * 8 * 4 * RC;
+      __m256i wv[8];
+      for (int v = 0; v < 8; v++) {
+        const __m256i l = load32(ql + 4 * RC * v), hb = load32(qh + 4 * RC * v);
+        const __m256i l4 = _mm256_and_si256(g < 2 ? l : _mm256_srli_epi16(l, 4), lo);
+        const __m256i h2 = g == 0 ? _mm256_slli_epi16(hb, 4) : g == 1 ? _mm256_slli_epi16(hb, 2)
+                         : g == 2 ? hb : _mm256_srli_epi16(hb, 2);
+        wv[v] = _mm256_or_si256(l4, _mm256_and_si256(h2, hi));
+      }
+      const __m256 s0 = _mm256_mul_ps(d, i8x8(gb + 192 * RC + 2 * j * RC));
+      const __m256 s1 = _mm256_mul_ps(d, i8x8(gb + 192 * RC + (2 * j + 1) * RC));
+      const int64_t b = bk * 8 + j;
+      for (int r = 0; r < MT; r++) {
+        const int8_t* x = a[r].qs + b * QK;
+        const int32_t* x16 = a[r].x16 + bk * 16 + 2 * j;
+        __m256i acc0 = _mm256_set1_epi32(-32 * x16[0]), acc1 = _mm256_set1_epi32(-32 * x16[1]);
+        for (int v = 0; v < 4; v++) {
+          acc0 = dp4(acc0, wv[v], bcast4(x + 4 * v));
+          acc1 = dp4(acc1, wv[4 + v], bcast4(x + 16 + 4 * v));
+        }
+        const __m256 t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc0), s0, _mm256_mul_ps(_mm256_cvtepi32_ps(acc1), s1));
+        facc[r] = _mm256_fmadd_ps(t, _mm256_set1_ps(a[r].d[b]), facc[r]);
+      }
+    }
+  }
+  for (int r = 0; r < MT; r++) _mm256_storeu_ps(y + r * ldy, facc[r]);
+}
+
+template <int MT>
+void group_dispatch(int type, const uint8_t* wg, int64_t nb, const Act* a, float* y, int64_t ldy) {
+  switch (type) {
+    case Q4_0: group_rows<Q4_0, MT>(wg, nb, a, y, ldy); break;
+    case Q4_1: group_rows<Q4_1, MT>(wg, nb, a, y, ldy); break;
+    case Q8_0: group_rows<Q8_0, MT>(wg, nb, a, y, ldy); break;
+    case Q4_K: group_q4_k<MT>(wg, nb, a, y, ldy); break;
+    case Q6_K: group_q6_k<MT>(wg, nb, a, y, ldy); break;
   }
 }
 #else
@@ -989,8 +1284,22 @@ template <int MT>
 void group_dispatch(int, const uint8_t*, int64_t, const Act*, float*, int64_t) {}
 #endif
 
-// Element k of column c (of a group) in repacked block `gb`, as float.
+// Element k of column c (of a group) in repacked block `gb`, as float (the GGUF block's value).
 inline float repacked_at(int type, const uint8_t* gb, int c, int k) {
+  if (type == Q4_K) {
+    const int j = k / 32, e = k % 32;
+    const uint8_t byte = gb[((j / 2) * 8 + e / 4) * 4 * RC + 4 * c + e % 4];
+    const int q = j & 1 ? byte >> 4 : byte & 0xF;
+    const int sc = gb[128 * RC + j * RC + c], m = gb[136 * RC + j * RC + c];
+    return rd16(gb + 144 * RC + 2 * c) * sc * q - rd16(gb + 146 * RC + 2 * c) * m;
+  }
+  if (type == Q6_K) {
+    const int h = k / 128, g = (k % 128) / 32, i = k % 32;
+    const uint8_t l = gb[((h * 2 + (g & 1)) * 8 + i / 4) * 4 * RC + 4 * c + i % 4];
+    const uint8_t hb = gb[128 * RC + (h * 8 + i / 4) * 4 * RC + 4 * c + i % 4];
+    const int q = ((g < 2 ? l & 0xF : l >> 4) | (((hb >> (2 * g)) & 3) << 4)) - 32;
+    return rd16(gb + 208 * RC + 2 * c) * (int8_t)gb[192 * RC + (k / 16) * RC + c] * q;
+  }
   if (type == Q8_0) {
     const int v = (int)gb[(k / 4) * 4 * RC + 4 * c + k % 4] - 128;
     uint16_t h;
@@ -1015,11 +1324,13 @@ void check_weight(const char* what, int64_t type, int64_t rows, int64_t row_byte
   FT_REQUIRE(K > 0 && K <= MAX_K && K % be == 0 && K % QK == 0,
              "%s: %lld columns are not whole blocks of %lld", what, (long long)K, (long long)be);
   FT_REQUIRE(rows >= 0, "%s: %lld rows", what, (long long)rows);
-  FT_REQUIRE(row_bytes == K / be * block_bytes(type), "%s: rows of %lld bytes, expected %lld for %lld columns",
-             what, (long long)row_bytes, (long long)(K / be * block_bytes(type)), (long long)K);
   FT_REQUIRE(columns == 0 || (columns == RC && repackable(type) && rows % columns == 0),
              "%s: repacked in groups of %lld (of %lld rows), this build multiplies groups of %d", what,
              (long long)columns, (long long)rows, RC);
+  // a repacked row's share of its groups' bytes (Q4_K's unpacked scales make it larger)
+  const int64_t expected = K / be * (columns ? repacked_bytes(type) / RC : block_bytes(type));
+  FT_REQUIRE(row_bytes == expected, "%s: rows of %lld bytes, expected %lld for %lld columns", what,
+             (long long)row_bytes, (long long)expected, (long long)K);
 }
 
 template <int MT>
@@ -1063,6 +1374,15 @@ void quantize_row(const float* x, int64_t K, int8_t* qs, float* d, float* s, int
   }
 }
 
+// The sums of each 16 of a row's K elements (K % 16 == 0).
+void sums16_row(const int8_t* qs, int64_t K, int32_t* x16) {
+  for (int64_t i = 0; i < K / 16; i++) {
+    int sum = 0;
+    for (int j = 0; j < 16; j++) sum += qs[16 * i + j];
+    x16[i] = sum;
+  }
+}
+
 // M quantized activation rows of K elements.
 struct ActRows {
   const int8_t* qs;
@@ -1070,9 +1390,10 @@ struct ActRows {
   const float* s;
   const int32_t* sx;
   int64_t K;
+  const int32_t* x16 = nullptr;  // [M, K / 16], or null
   Act row(int64_t m) const {
     const int64_t nb = K / QK;
-    return {qs + m * K, d + m * nb, s + m * nb, sx + m * nb};
+    return {qs + m * K, d + m * nb, s + m * nb, sx + m * nb, x16 ? x16 + m * (K / 16) : nullptr};
   }
 };
 
@@ -1096,9 +1417,10 @@ void gemm_row(int type, const uint8_t* wrow, const ActRows& a, int64_t M, float*
 // y[m * ldy + c] for c < RC: one repacked group of RC columns against M rows, four at a time.
 void gemm_group(int type, const uint8_t* wg, const ActRows& a, int64_t M, float* y, int64_t ldy) {
   Act rows[8];
-  const int64_t nb = a.K / QK;
+  const int64_t nb = a.K / block_elems(type);
   int64_t m = 0;
-  for (; m + 8 <= M; m += 8) {
+  // tiles of 8 rows with 32 vector registers (AVX-512); with 16 (AVX2), 4 keep them in registers
+  for (; RC == 16 && m + 8 <= M; m += 8) {
     for (int r = 0; r < 8; r++) rows[r] = a.row(m + r);
     group_dispatch<8>(type, wg, nb, rows, y + m * ldy, ldy);
   }
@@ -1141,9 +1463,12 @@ int ft_gemm(int type, const uint8_t* w, int64_t N, int64_t K, int64_t row_bytes,
     FT_REQUIRE(M >= 0 && (M <= 1 || ldy >= N), "%lld rows of stride %lld for %lld outputs", (long long)M,
                (long long)ldy, (long long)N);
     FT_REQUIRE(threads >= 1, "%d threads", threads);
-    const ActRows a{qs, d, s, sx, K};
+    std::vector<int32_t> x16(columns && type == Q6_K ? M * (K / 16) : 0);
+#pragma omp parallel for num_threads(threads) schedule(static) if (M * K > 65536)
+    for (int64_t m = 0; m < (int64_t)x16.size() / (K / 16); m++) sums16_row(qs + m * K, K, &x16[m * (K / 16)]);
+    const ActRows a{qs, d, s, sx, K, x16.empty() ? nullptr : x16.data()};
     if (columns) {
-      const int64_t group_bytes = K / QK * repacked_bytes(type);
+      const int64_t group_bytes = K / block_elems(type) * repacked_bytes(type);
 #pragma omp parallel for num_threads(threads) schedule(static)
       for (int64_t g = 0; g < N / columns; g++) gemm_group(type, w + g * group_bytes, a, M, y + g * columns, ldy);
       return;
@@ -1156,30 +1481,53 @@ int ft_gemm(int type, const uint8_t* w, int64_t N, int64_t K, int64_t row_bytes,
 // Columns per repacked group on this build (0: no repacked kernels here).
 int ft_repack_columns() { return RC; }
 
-// src: N rows of GGUF blocks (Q4_0, Q4_1 or Q8_0), N % RC == 0 -> dst in the repacked layout
-// (the same number of bytes).
+// Bytes per row of a `type` weight of K columns once repacked on this build (0: it is not).
+int64_t ft_repacked_row_bytes(int type, int64_t K) {
+  const int64_t be = block_elems(type);
+  if (!RC || !repackable(type) || K <= 0 || K % be) return 0;
+  return K / be * repacked_bytes(type) / RC;
+}
+
+// src: N rows of GGUF blocks (Q4_0, Q4_1, Q8_0, Q4_K or Q6_K), N % RC == 0 -> dst in the
+// repacked layout (N * ft_repacked_row_bytes(type, K) bytes).
 int ft_repack(int type, const uint8_t* src, int64_t N, int64_t K, int64_t row_bytes, uint8_t* dst) {
   return guarded("ft_repack", [&] {
     FT_REQUIRE(RC && repackable(type), "type %d cannot be repacked on this build", type);
     check_weight("weight", type, N, row_bytes, 0, K);
     constexpr int64_t group = RC ? RC : 1;  // (no division by a zero RC where it compiles away)
     FT_REQUIRE(N % group == 0, "%lld rows are not whole groups of %d", (long long)N, RC);
-    const int64_t nb = K / QK, gbytes = repacked_bytes(type);
-    const int bytes = type == Q4_0 ? 18 : type == Q4_1 ? 20 : 34;
-    const int qs_at = type == Q4_1 ? 4 : 2;
+    const int64_t nb = K / block_elems(type), gbytes = repacked_bytes(type), bytes = block_bytes(type);
     for (int64_t g = 0; g < N / group; g++)
       for (int64_t b = 0; b < nb; b++) {
         uint8_t* out = dst + (g * nb + b) * gbytes;
         for (int c = 0; c < RC; c++) {
           const uint8_t* blk = src + (g * RC + c) * row_bytes + b * bytes;
-          const int nvec = type == Q8_0 ? 8 : 4;
-          for (int j = 0; j < nvec; j++)
-            for (int i = 0; i < 4; i++) {
-              const uint8_t v = blk[qs_at + 4 * j + i];
-              out[j * 4 * RC + 4 * c + i] = type == Q8_0 ? (uint8_t)(v ^ 0x80) : v;
+          // 4 bytes of column c in each vector j: out[j * 4 * RC + 4c ..] = from[4j ..]
+          auto interleave = [&](uint8_t* to, const uint8_t* from, int nvec, uint8_t flip) {
+            for (int j = 0; j < nvec; j++)
+              for (int i = 0; i < 4; i++) to[j * 4 * RC + 4 * c + i] = from[4 * j + i] ^ flip;
+          };
+          if (type == Q4_K) {
+            interleave(out, blk + 16, 32, 0);
+            for (int j = 0; j < 8; j++) {
+              int sc, m;
+              scale_min_k4(j, blk + 4, &sc, &m);
+              out[128 * RC + j * RC + c] = (uint8_t)sc;
+              out[136 * RC + j * RC + c] = (uint8_t)m;
             }
-          memcpy(out + nvec * 4 * RC + 2 * c, blk, 2);                                 // d
-          if (type == Q4_1) memcpy(out + nvec * 4 * RC + 2 * RC + 2 * c, blk + 2, 2);  // m
+            memcpy(out + 144 * RC + 2 * c, blk, 2);      // d
+            memcpy(out + 146 * RC + 2 * c, blk + 2, 2);  // dmin
+          } else if (type == Q6_K) {
+            interleave(out, blk, 32, 0);                     // ql
+            interleave(out + 128 * RC, blk + 128, 16, 0);    // qh
+            for (int k = 0; k < 16; k++) out[192 * RC + k * RC + c] = blk[192 + k];
+            memcpy(out + 208 * RC + 2 * c, blk + 208, 2);  // d
+          } else {
+            const int nvec = type == Q8_0 ? 8 : 4;
+            interleave(out, blk + (type == Q4_1 ? 4 : 2), nvec, type == Q8_0 ? 0x80 : 0);
+            memcpy(out + nvec * 4 * RC + 2 * c, blk, 2);                                 // d
+            if (type == Q4_1) memcpy(out + nvec * 4 * RC + 2 * RC + 2 * c, blk + 2, 2);  // m
+          }
         }
       }
   });
@@ -1265,25 +1613,28 @@ struct Weight {  // one projection: rows of GGUF blocks, or groups of `columns` 
 struct QAct {
   std::vector<int8_t> qs;
   std::vector<float> d, s;
-  std::vector<int32_t> sx;
+  std::vector<int32_t> sx, x16;
   int64_t M = 0, K = 0;
   // Room for m rows of up to k_max elements (before the parallel region: set() never allocates).
-  QAct(int64_t m, int64_t k_max) : qs(m * k_max), d(m * k_max / QK), s(m * k_max / QK), sx(m * k_max / QK) {}
+  QAct(int64_t m, int64_t k_max)
+      : qs(m * k_max), d(m * k_max / QK), s(m * k_max / QK), sx(m * k_max / QK), x16(m * k_max / 16) {}
   void set(const float* x, int64_t m, int64_t k, int64_t ldx) {
     M = m;
     K = k;
     // NOTE: called inside a parallel region's single thread; rows are few or the work is small.
-    for (int64_t r = 0; r < m; r++)
+    for (int64_t r = 0; r < m; r++) {
       quantize_row(x + r * ldx, k, &qs[r * k], &d[r * k / QK], &s[r * k / QK], &sx[r * k / QK]);
+      sums16_row(&qs[r * k], k, &x16[r * k / 16]);
+    }
   }
-  ActRows rows() const { return {qs.data(), d.data(), s.data(), sx.data(), K}; }
+  ActRows rows() const { return {qs.data(), d.data(), s.data(), sx.data(), K, x16.data()}; }
 };
 
 // y[:, 0:N] = act @ W.T, rows of W split across the team (call from inside a parallel region).
 void gemm_team(const Weight& w, const QAct& a, float* y, int64_t ldy) {
   const ActRows rows = a.rows();
   if (w.columns) {
-    const int64_t nb = a.K / QK, group_bytes = nb * repacked_bytes((int)w.type);
+    const int64_t group_bytes = a.K / block_elems(w.type) * repacked_bytes(w.type);
 #pragma omp for schedule(static)
     for (int64_t g = 0; g < w.rows / w.columns; g++)
       gemm_group((int)w.type, w.data + g * group_bytes, rows, a.M, y + g * w.columns, ldy);
@@ -1645,11 +1996,11 @@ int ft_dequantize_rows(int type, const uint8_t* w, int64_t rows, int64_t row_byt
         dequant_row(type, w + ids[t] * row_bytes, K, out + t * K);
         continue;
       }
-      const int64_t nb = K / QK, g = ids[t] / columns;
+      const int64_t be = block_elems(type), nb = K / be, g = ids[t] / columns;
       const int c = (int)(ids[t] % columns);
       for (int64_t b = 0; b < nb; b++) {
         const uint8_t* gb = w + (g * nb + b) * repacked_bytes(type);
-        for (int k = 0; k < QK; k++) out[t * K + b * QK + k] = repacked_at(type, gb, c, k);
+        for (int k = 0; k < be; k++) out[t * K + b * be + k] = repacked_at(type, gb, c, k);
       }
     }
   });

@@ -25,7 +25,7 @@ import threading
 
 import torch
 
-from ft.model.quant import Q4_0, Q4_1, Q8_0, QuantTensor
+from ft.model.quant import Q4_0, Q4_1, Q4_K, Q6_K, Q8_0, QuantTensor
 
 SOURCE = pathlib.Path(__file__).with_name("kernels.cpp")
 QK = 32  # elements per activation block
@@ -110,6 +110,8 @@ def build_library(march: str = "native", sanitize: bool = False) -> ctypes.CDLL:
     lib.ft_dequantize_rows.argtypes = [i32, ptr, i64, i64, i64, i64, ptr, i64, ptr]
     lib.ft_repack_columns.argtypes = []
     lib.ft_repack.argtypes = [i32, ptr, i64, i64, i64, ptr]
+    lib.ft_repacked_row_bytes.argtypes = [i32, i64]
+    lib.ft_repacked_row_bytes.restype = i64
     lib.ft_rms_norm.argtypes = [ptr, i64, i64, i64, ptr, i64, ctypes.c_float, ptr]
     lib.ft_decoder_layer.argtypes = [
         ptr, i64, i64, ptr, i64, ptr, i64, ctypes.c_float, ptr, ptr, i64, ptr, ptr, i64, ptr, ptr, i64, i64,
@@ -242,7 +244,7 @@ def gemm_into(
     ))  # fmt: skip
 
 
-REPACKABLE = (Q4_0, Q4_1, Q8_0)
+REPACKABLE = (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K)  # the types with column kernels
 KV_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # KV cache element types
 # --kv-cache-dtype q8_0 (packed path only): each head of a slot is head_dim / 32 blocks of GGUF's
 # Q8_0 layout, an IEEE half scale d then 32 int8 values (element = value * d), 34 bytes per 32
@@ -304,15 +306,20 @@ def dequantize_q8_0_kv(cache: torch.Tensor) -> torch.Tensor:
     return (qs * d).flatten(-2)
 
 
-def repacked(weight: QuantTensor) -> QuantTensor:
-    """`weight` in the interleaved layout of the column kernels when this CPU has them (AVX-512
-    VNNI) and its type and row count allow; otherwise unchanged. Same bytes, reordered."""
-    columns = library().ft_repack_columns()
+def repacked(weight: QuantTensor, lib: ctypes.CDLL | None = None) -> QuantTensor:
+    """`weight` in the interleaved layout of the column kernels of this build (16 columns with
+    AVX-512 VNNI, 8 with AVX2) when its type and row count allow; otherwise unchanged. The same
+    bytes reordered, but for Q4_K, whose 6-bit scales and mins are unpacked to bytes (148 bytes
+    per 256, not 144)."""
+    lib = lib or library()
+    columns = lib.ft_repack_columns()
     if weight.columns or not columns or weight.qtype not in REPACKABLE or weight.rows % columns:
         return weight
+    row_bytes = lib.ft_repacked_row_bytes(weight.qtype, weight.cols)
+    if not row_bytes:  # no column kernels for this type on this build
+        return weight
     src = weight.data.contiguous()
-    dst = torch.empty_like(src)
-    lib = library()
+    dst = torch.empty(weight.rows, row_bytes, dtype=torch.uint8)
     check(
         lib,
         lib.ft_repack(weight.qtype, src.data_ptr(), weight.rows, weight.cols, src.shape[1], dst.data_ptr()),
@@ -320,11 +327,11 @@ def repacked(weight: QuantTensor) -> QuantTensor:
     return QuantTensor(dst, weight.qtype, weight.cols, columns)
 
 
-def dequantize_rows(weight: QuantTensor, ids: torch.Tensor) -> torch.Tensor:
+def dequantize_rows(weight: QuantTensor, ids: torch.Tensor, lib: ctypes.CDLL | None = None) -> torch.Tensor:
     """Rows `ids` `[T]` of `weight` as float32 `[T, cols]`."""
     ids = ids.to(torch.int64).contiguous()
     out = torch.empty(ids.shape[0], weight.cols)
-    lib = library()
+    lib = lib or library()
     check(lib, lib.ft_dequantize_rows(
         weight.qtype, weight.data.data_ptr(), weight.rows, weight.data.shape[1], weight.columns, weight.cols,
         ids.data_ptr(), ids.shape[0], out.data_ptr(),

@@ -29,8 +29,9 @@ KERNEL_TYPES = {
 class QuantTensor:
     """A `[rows, cols]` weight stored as `data` `[rows, row_bytes]` uint8 blocks of `qtype`.
 
-    `columns` > 0: the same bytes reordered into groups of `columns` interleaved rows for the
-    column kernels (`kernels.repacked`).
+    `columns` > 0: the bytes reordered into groups of `columns` interleaved rows for the
+    column kernels (`kernels.repacked`); `row_bytes` is then a row's share of its group
+    (Q4_K's scales unpacked: 148 bytes per 256 elements instead of 144).
     """
 
     data: torch.Tensor

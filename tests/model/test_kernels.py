@@ -3,6 +3,7 @@ matches the torch one on a tiny random model (mixed prefill chunks and decode ro
 
 from __future__ import annotations
 
+import ctypes
 import pathlib
 import subprocess
 import sys
@@ -18,7 +19,7 @@ from ft.model import kernels
 from ft.model.attention import SeqSpan, build_metadata
 from ft.model.llama import build_model
 from ft.model.loader import LoadedModel, load_model
-from ft.model.quant import KERNEL_TYPES, QuantTensor, to_q8_0
+from ft.model.quant import KERNEL_TYPES, Q4_K, Q6_K, QuantTensor, to_q8_0
 from ft.model.quantized_llama import QuantizedLlama, StepIndex
 from ft.model.torch_runner import TorchRunner
 from ft.params import SamplingParams
@@ -32,15 +33,18 @@ BLOCK_BYTES |= {10: (256, 84), 11: (256, 110), 13: (256, 176), 20: (32, 18), 23:
 SCALE_FIELDS = {12: (0, 2), 14: (208,), 10: (80, 82), 11: (108,), 13: (0, 2), 20: (0,), 23: (0,)}
 
 
-def packed_weight(qtype: int, rows: int, cols: int, seed: int = 0) -> QuantTensor:
-    """Random weights of `qtype`: quantized floats, or random K-quant blocks with sane scales."""
+def packed_weight(
+    qtype: int, rows: int, cols: int, seed: int = 0, scale: tuple[float, float] = (0.001, 0.01)
+) -> QuantTensor:
+    """Random weights of `qtype`: quantized floats, or random K-quant blocks (every bit of the
+    quants and the 6-bit or int8 sub-block scales random) with fp16 scales drawn from `scale`."""
     rng = np.random.default_rng(seed)
     t = GGMLQuantizationType(qtype)
     if qtype in BLOCK_BYTES:
         block, size = BLOCK_BYTES[qtype]
         raw = rng.integers(0, 256, size=(rows, cols // block, size), dtype=np.uint8)
-        scales = rng.uniform(0.001, 0.01, size=(rows, cols // block)).astype(np.float16)
         for at in SCALE_FIELDS[qtype]:
+            scales = rng.uniform(*scale, size=(rows, cols // block)).astype(np.float16)
             raw[..., at : at + 2] = scales.view(np.uint8).reshape(rows, cols // block, 2)
         data = raw.reshape(rows, -1)
     else:  # (F16 and BF16 come as 2-byte values: their bytes)
@@ -49,14 +53,14 @@ def packed_weight(qtype: int, rows: int, cols: int, seed: int = 0) -> QuantTenso
     return QuantTensor(torch.from_numpy(np.ascontiguousarray(data)), qtype, cols)
 
 
-def product(w: QuantTensor, x: torch.Tensor) -> torch.Tensor:
+def product(w: QuantTensor, x: torch.Tensor, lib: ctypes.CDLL | None = None) -> torch.Tensor:
     out = torch.empty(x.shape[0], w.rows)
-    kernels.gemm_into(out, w, kernels.QuantizedActivations(x))
+    kernels.gemm_into(out, w, kernels.QuantizedActivations(x, lib), lib)
     return out
 
 
 @pytest.mark.parametrize("qtype", sorted(KERNEL_TYPES))
-@pytest.mark.parametrize("rows", [1, 3, 4, 9])
+@pytest.mark.parametrize("rows", [1, 3, 4, 8, 9, 17])
 @pytest.mark.parametrize("cols", [32, 224, 512])
 def test_product_is_exact_when_activations_are_representable(qtype: int, rows: int, cols: int) -> None:
     """Integer activations with a 127 in every block quantize exactly, so only rounding of the
@@ -71,7 +75,7 @@ def test_product_is_exact_when_activations_are_representable(qtype: int, rows: i
 
 needs_columns = pytest.mark.skipif(
     not kernels.available() or kernels.library().ft_repack_columns() == 0,
-    reason="no column kernels on this CPU (they need AVX-512 VNNI)",
+    reason="no column kernels on this CPU (they need AVX2 or AVX-512 VNNI)",
 )
 
 
@@ -80,18 +84,117 @@ needs_columns = pytest.mark.skipif(
 @pytest.mark.parametrize("rows", [1, 4, 7])
 def test_repacked_weights_give_the_same_products_and_rows(qtype: int, rows: int) -> None:
     """The column kernels over repacked bytes give the row kernels' sums, and dequantizing a
-    repacked weight gives the GGUF values back exactly."""
-    w = packed_weight(qtype, 48, 224, seed=4)
+    repacked weight gives the GGUF values back exactly. The same bytes, but for Q4_K's scales
+    and mins unpacked to a byte each (148 bytes per 256 elements instead of 144)."""
+    if not kernels.library().ft_repacked_row_bytes(qtype, 512):
+        pytest.skip("no column kernels for this type on this build")
+    cols = 512 if qtype in BLOCK_BYTES else 224
+    w = packed_weight(qtype, 48, cols, seed=4)
     r = kernels.repacked(w)
-    assert r.columns > 0 and r.data.shape == w.data.shape
-    x = torch.randint(-127, 128, (rows, 224)).float()
+    row_bytes = w.data.shape[1] // 144 * 148 if qtype == Q4_K else w.data.shape[1]
+    assert r.columns > 0 and r.data.shape == (48, row_bytes)
+    x = torch.randint(-127, 128, (rows, cols)).float()
     x[:, ::32] = 127
     assert torch.allclose(
         product(r, x), product(w, x), rtol=1e-5, atol=1e-3 * product(w, x).abs().max().item()
     )
     assert torch.equal(r.dequantize(), w.dequantize())
-    y = torch.randn(rows, 224)
+    ids = torch.tensor([47, 0, 17, 17, 31])  # embedding lookups: single rows of groups
+    assert torch.equal(kernels.dequantize_rows(r, ids), w.dequantize()[ids])
+    y = torch.randn(rows, cols)
     assert ((product(r, y) - product(w, y)).norm() / product(w, y).norm()).item() < 1e-5
+
+
+@pytest.mark.parametrize("qtype", [Q4_K, Q6_K])
+@pytest.mark.parametrize("layout", ["rows", "columns"])
+def test_k_quant_products_are_exact_in_every_tile_and_rows_stay_alone(qtype: int, layout: str) -> None:
+    """Q4_K and Q6_K on the row kernels (40 rows: not whole groups of 16) and on repacked
+    columns: for representable activations, dequantize-then-matmul up to float rounding at
+    every M (tiles of 8, 4 and 1 rows and their tails), and every row's result is bitwise the
+    one it gets alone: it does not depend on M or on its neighbours."""
+    if layout == "columns" and not kernels.library().ft_repack_columns():
+        pytest.skip("no column kernels on this CPU (they need AVX2 or AVX-512 VNNI)")
+    w = packed_weight(qtype, 40 if layout == "rows" else 48, 768, seed=5)
+    if layout == "columns":
+        w = kernels.repacked(w)
+        assert w.columns
+    x = torch.randint(-127, 128, (17, 768)).float()
+    x[:, ::32] = 127
+    ref = x @ w.dequantize().T
+    alone = torch.cat([product(w, x[m : m + 1]) for m in range(17)])
+    for m in (1, 3, 4, 8, 9, 17):
+        out = product(w, x[:m])
+        assert torch.allclose(out, ref[:m], rtol=1e-5, atol=1e-4 * ref.abs().max().item()), m
+        assert torch.equal(out, alone[:m]), m
+
+
+def _cpu_has(flag: str) -> bool:
+    try:
+        return flag in pathlib.Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return False
+
+
+BUILDS = [
+    "native",
+    "x86-64",  # plain C++: no column kernels
+    "haswell",  # AVX2 without VNNI: columns of 8 through 16-bit pair sums
+    pytest.param("alderlake", marks=pytest.mark.skipif(not _cpu_has("avx_vnni"), reason="no AVX-VNNI here")),
+]
+
+
+@pytest.mark.parametrize("qtype", sorted(kernels.REPACKABLE))
+@pytest.mark.parametrize("march", BUILDS)
+def test_products_of_every_build_and_layout_are_within_int8_rounding(qtype: int, march: str) -> None:
+    """On every build, its row kernels and its column kernels (16 columns on AVX-512 VNNI, 8 on
+    AVX2): representable activations give dequantize-then-matmul up to float rounding, float
+    ones stay within the int8 rounding of the float product (the reference every CPU shares),
+    repacked rows dequantize to the GGUF values, and a row's result never depends on M."""
+    lib = kernels.library() if march == "native" else kernels.build_library(march)
+    cols = 512
+    w = packed_weight(qtype, 48, cols, seed=6)
+    r = kernels.repacked(w, lib)
+    if lib.ft_repacked_row_bytes(qtype, cols):
+        assert r.columns == lib.ft_repack_columns() > 0
+        assert torch.equal(kernels.dequantize_rows(r, torch.arange(48), lib), w.dequantize())
+    wd = w.dequantize()
+    xi = torch.randint(-127, 128, (17, cols)).float()
+    xi[:, ::32] = 127
+    for form in (w, r) if r.columns else (w,):
+        ref = xi @ wd.T
+        out = product(form, xi, lib)
+        assert torch.allclose(out, ref, rtol=1e-5, atol=1e-4 * ref.abs().max().item()), form.columns
+        assert torch.equal(product(form, xi[:9], lib), out[:9]), form.columns
+        assert torch.equal(product(form, xi[16:], lib), out[16:]), form.columns
+        x = torch.randn(9, cols)
+        ref = x @ wd.T
+        assert ((product(form, x, lib) - ref).norm() / ref.norm()).item() < 0.02, form.columns
+
+
+@needs_columns
+@pytest.mark.parametrize("qtype", [Q4_K, Q6_K])
+def test_repacked_k_quants_refuse_sizes_that_disagree(qtype: int) -> None:
+    """A repacked weight described with the GGUF row bytes or another width, and a repack of
+    rows that are not whole groups, are refused before any memory is read."""
+    w = kernels.repacked(packed_weight(qtype, 32, 512))
+    x = kernels.QuantizedActivations(torch.ones(1, 512))
+    lib = kernels.library()
+    gguf_bytes = 512 // 256 * BLOCK_BYTES[qtype][1]
+    lies = [(w.data.shape[1] - 1, 512), (w.data.shape[1], 256), (w.data.shape[1], 1024)]
+    if gguf_bytes != w.data.shape[1]:
+        lies.append((gguf_bytes, 512))
+    out = torch.empty(1, 32)
+    for row_bytes, cols in lies:
+        with pytest.raises(kernels.KernelError, match="bytes|blocks"):
+            kernels.check(lib, lib.ft_gemm(
+                qtype, w.data.data_ptr(), 32, cols, row_bytes, w.columns, x.qs.data_ptr(), x.d.data_ptr(),
+                x.s.data_ptr(), x.sx.data_ptr(), 1, out.data_ptr(), 32, 1,
+            ))  # fmt: skip
+    src = packed_weight(qtype, 20, 512).data  # not whole groups of 8 or 16
+    dst = torch.empty(20, lib.ft_repacked_row_bytes(qtype, 512), dtype=torch.uint8)
+    with pytest.raises(kernels.KernelError, match="whole groups"):
+        kernels.check(lib, lib.ft_repack(qtype, src.data_ptr(), 20, 512, src.shape[1], dst.data_ptr()))
+    assert lib.ft_repacked_row_bytes(qtype, 500) == 0
 
 
 @pytest.mark.parametrize("qtype", sorted(KERNEL_TYPES))
@@ -128,11 +231,15 @@ def test_dequantized_rows_match_gguf(qtype: int) -> None:
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_packed_decoder_matches_torch_decoder(tiny_packed: tuple, kv_dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("model", ["tiny_packed", "tiny_k_quants"])
+def test_packed_decoder_matches_torch_decoder(
+    request: pytest.FixtureRequest, model: str, kv_dtype: torch.dtype
+) -> None:
     """Prefill chunks on top of cached positions and decode rows in one step give the hidden
     states of the float torch model over the same (dequantized) weights, within the int8
-    rounding of the activations (and of a 16-bit KV cache)."""
-    config, sd_packed, sd_float = tiny_packed
+    rounding of the activations (and of a 16-bit KV cache): Q8_0 weights, and a Q4_K_M-like
+    mix of Q4_K and Q6_K (repacked where this CPU has the column kernels)."""
+    config, sd_packed, sd_float = request.getfixturevalue(model)
     page, pages = 4, 32
     shape = (config.num_layers, pages * page, config.num_kv_heads, config.head_dim)
     ref_model = build_model(config, sd_float, torch.float32)
@@ -173,6 +280,26 @@ def tiny_packed() -> tuple:
     packed: dict[str, torch.Tensor | QuantTensor] = {
         k: kernels.repacked(to_q8_0(v.numpy())) if v.dim() == 2 else v for k, v in sd.items()
     }
+    dense = {k: v.dequantize() if isinstance(v, QuantTensor) else v for k, v in packed.items()}
+    return config, packed, dense
+
+
+@pytest.fixture
+def tiny_k_quants() -> tuple:
+    """Random Q4_K weights, with Q6_K for v_proj, down_proj and the (tied) embedding, as a
+    Q4_K_M file has them; 128 kv rows (whole groups of 16) and 256 wide rows (whole blocks).
+    Small scales (fp16 subnormals among them): larger random weights make this model's
+    attention so sharp that the int8 activations of any format flip it in the second step."""
+    config = tiny_config(hidden_size=256, intermediate_size=512, vocab_size=64, tie_word_embeddings=True)
+    sd = random_hf_state_dict(config)
+    packed: dict[str, torch.Tensor | QuantTensor] = {}
+    for i, (k, v) in enumerate(sorted(sd.items())):
+        if v.dim() != 2:
+            packed[k] = v
+            continue
+        qtype = Q6_K if any(n in k for n in ("v_proj", "down_proj", "embed_tokens")) else Q4_K
+        w = packed_weight(qtype, v.shape[0], v.shape[1], seed=i, scale=(2e-5, 5e-5))
+        packed[k] = kernels.repacked(w)
     dense = {k: v.dequantize() if isinstance(v, QuantTensor) else v for k, v in packed.items()}
     return config, packed, dense
 
@@ -282,3 +409,32 @@ def test_only_quantized_gguf_files_run_packed(
     writer.write_tensors_to_file()
     writer.close()
     assert is_quantized_gguf(path) is expected
+
+
+def test_a_gguf_of_k_quants_loads_repacked_and_matches_its_float_load(tmp_path: pathlib.Path) -> None:
+    """The loader keeps Q4_K and Q6_K layers as stored and repacks them for the column kernels
+    of this build (whole groups of rows), and the packed model's hidden states stay within the
+    int8 rounding of the activations of the same file loaded as float32."""
+    from tests.support.gguf_files import write_tiny_gguf
+
+    path = write_tiny_gguf(tmp_path / "tiny.gguf")
+    packed = load_model(path, torch.float32, quantized=True)
+    dense = load_model(path, torch.float32)
+    columns = kernels.library().ft_repack_columns()
+    for name in ("self_attn.q_proj", "self_attn.o_proj", "mlp.down_proj"):  # Q4_K, Q6_K, Q4_K
+        w = packed.state_dict[f"model.layers.1.{name}.weight"]
+        assert isinstance(w, QuantTensor) and w.qtype in (Q4_K, Q6_K) and w.columns == columns, name
+    config = packed.config
+    page, shape = 4, (config.num_layers, 32, config.num_kv_heads, config.head_dim)
+    step = [(0, (5, 7, 9, 11, 13, 15), 0, (0, 1)), (1, (2, 4, 6), 0, (2, 3, 4))]
+    ids = torch.tensor([t for _, toks, _, _ in step for t in toks])
+    index = step_index(step, page)
+    spans = [SeqSpan(s, len(toks), p) for _, toks, s, p in step]
+    with torch.inference_mode():
+        ref = build_model(config, dense.state_dict, torch.float32)(
+            ids, index.positions, torch.zeros(shape), torch.zeros(shape), build_metadata(spans, page)
+        )
+        out = QuantizedLlama(config, packed.state_dict).forward(
+            ids, index, torch.zeros(shape), torch.zeros(shape), page
+        )
+    assert ((out - ref).norm() / ref.norm()).item() < 0.03
