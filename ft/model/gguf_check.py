@@ -42,6 +42,8 @@ def expected_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
         }  # fmt: skip
         if c.attention_bias:
             shapes |= {p + "attn_q.bias": (q,), p + "attn_k.bias": (kv,), p + "attn_v.bias": (kv,)}
+        if c.qk_norm:
+            shapes |= {p + "attn_q_norm.weight": (c.head_dim,), p + "attn_k_norm.weight": (c.head_dim,)}
     return shapes
 
 

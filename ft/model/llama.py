@@ -1,4 +1,5 @@
-"""The Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2 with qkv bias) over a paged KV cache."""
+"""The Llama-family decoder over a paged KV cache: Llama 2/3, SmolLM2, Mistral, Qwen2 (qkv bias)
+and Qwen3 (per-head q/k RMSNorm); which blocks a family uses is its `architectures` entry."""
 
 from __future__ import annotations
 
@@ -41,6 +42,7 @@ class LlamaConfig:
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     attention_bias: bool = False
+    qk_norm: bool = False  # RMSNorm over each head of q and k before the rotary embedding (Qwen3)
     architecture: str = "llama"
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -72,8 +74,18 @@ class LlamaConfig:
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> LlamaConfig:
-        """Build from a Hugging Face `config.json` dict (Llama, Mistral, Qwen2)."""
-        model_type = cfg.get("model_type", "llama")
+        """Build from a Hugging Face `config.json` dict (any family of `ft.model.architectures`).
+
+        Raises:
+            ValueError: the family is not supported, or a value is inconsistent.
+        """
+        from ft.model.architectures import by_hf
+
+        arch = by_hf(cfg)
+        if cfg.get("use_sliding_window"):
+            raise ValueError(
+                f"{arch.name} with use_sliding_window is not supported (sliding-window attention)"
+            )
         num_heads = int(cfg["num_attention_heads"])
         rope_scaling = cfg.get("rope_scaling") or None
         rope_theta = cfg.get("rope_theta")
@@ -95,8 +107,9 @@ class LlamaConfig:
             rope_scaling=rope_scaling,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
-            architecture=model_type,
+            attention_bias=bool(cfg.get("attention_bias", arch.qkv_bias)),
+            qk_norm=arch.qk_norm,
+            architecture=arch.name,
         )
 
 
@@ -172,6 +185,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         qkv_out = config.q_size + 2 * config.kv_size
         self.qkv_proj = nn.Linear(config.hidden_size, qkv_out, bias=config.attention_bias)
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.o_proj = nn.Linear(config.q_size, config.hidden_size, bias=False)
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
@@ -189,8 +204,12 @@ class DecoderLayer(nn.Module):
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(self.input_layernorm(x))  # [T, q_size + 2 * kv_size]
         q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
-        q = apply_rope(q.view(num_tokens, c.num_heads, c.head_dim), cos, sin)  # [T, heads, hd]
-        k = apply_rope(k.view(num_tokens, c.num_kv_heads, c.head_dim), cos, sin)  # [T, kvh, hd]
+        q = q.view(num_tokens, c.num_heads, c.head_dim)  # [T, heads, hd]
+        k = k.view(num_tokens, c.num_kv_heads, c.head_dim)  # [T, kvh, hd]
+        if self.q_norm is not None and self.k_norm is not None:  # per head, before the rotary
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q, cos, sin)
+        k = apply_rope(k, cos, sin)
         v = v.view(num_tokens, c.num_kv_heads, c.head_dim)  # [T, kvh, hd]
         write_kv(k_cache, v_cache, k, v, meta)
         attn = paged_attention(q, k_cache, v_cache, meta)  # [T, heads * hd]
@@ -265,6 +284,9 @@ def fuse_hf_state_dict(config: LlamaConfig, sd: dict[str, torch.Tensor]) -> dict
             out[o + "qkv_proj.bias"] = torch.cat(
                 [sd[attn + "q_proj.bias"], sd[attn + "k_proj.bias"], sd[attn + "v_proj.bias"]]
             )
+        if config.qk_norm:
+            out[o + "q_norm.weight"] = sd[attn + "q_norm.weight"]
+            out[o + "k_norm.weight"] = sd[attn + "k_norm.weight"]
         out[o + "o_proj.weight"] = sd[attn + "o_proj.weight"]
         out[o + "gate_up_proj.weight"] = torch.cat([sd[mlp + "gate_proj.weight"], sd[mlp + "up_proj.weight"]])
         out[o + "down_proj.weight"] = sd[mlp + "down_proj.weight"]

@@ -1,7 +1,7 @@
 """The Llama decoder over weights as GGUF stores them: one native call per layer (`kernels.cpp`).
 
-Each layer (norms, q/k/v/o and gate/up/down products on packed blocks, rotary, the KV write and
-paged attention) runs in one call with torch's OpenMP threads; Python only prepares the step's
+Each layer (norms, q/k/v/o and gate/up/down products on packed blocks, Qwen3's q/k head norms,
+rotary, the KV write and paged attention) runs in one call with torch's OpenMP threads; Python only prepares the step's
 index arrays. Activations are float32; the products quantize activations to
 int8 blocks of 32, as llama.cpp does; the KV cache is float32, float16 or bfloat16.
 
@@ -53,7 +53,7 @@ class StepIndex:
 
 
 class _Layer:
-    __slots__ = ("norm1", "norm2", "bias", "weights", "keep")
+    __slots__ = ("norm1", "norm2", "bias", "q_norm", "k_norm", "weights", "keep")
 
     def __init__(self, sd: dict[str, torch.Tensor | QuantTensor], prefix: str) -> None:
         self.norm1 = _float(sd[prefix + "input_layernorm.weight"])
@@ -65,11 +65,18 @@ class _Layer:
         )
         biases = [sd.get(prefix + f"self_attn.{p}_proj.bias") for p in "qkv"]
         self.bias = torch.cat([_float(b) for b in biases]) if all(b is not None for b in biases) else None
+        q_norm, k_norm = sd.get(prefix + "self_attn.q_norm.weight"), sd.get(prefix + "self_attn.k_norm.weight")
+        self.q_norm = _float(q_norm) if q_norm is not None else None
+        self.k_norm = _float(k_norm) if k_norm is not None else None
 
 
 def _float(t: torch.Tensor | QuantTensor | None) -> torch.Tensor:
     assert isinstance(t, torch.Tensor), type(t)
     return t.float().contiguous()
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return t.data_ptr() if t is not None else None
 
 
 def _quant(t: torch.Tensor | QuantTensor) -> QuantTensor:
@@ -120,7 +127,8 @@ class QuantizedLlama:
                 x.data_ptr(), num_tokens, hidden, layer.norm1.data_ptr(), layer.norm1.numel(),
                 layer.norm2.data_ptr(), layer.norm2.numel(), c.rms_norm_eps, layer.weights,
                 layer.bias.data_ptr() if layer.bias is not None else None,
-                layer.bias.numel() if layer.bias is not None else 0, cos.data_ptr(), sin.data_ptr(),
+                layer.bias.numel() if layer.bias is not None else 0, _ptr(layer.q_norm), _ptr(layer.k_norm),
+                layer.q_norm.numel() if layer.q_norm is not None else 0, cos.data_ptr(), sin.data_ptr(),
                 cos.shape[1], k_caches[i].data_ptr(), v_caches[i].data_ptr(), num_slots, kv_width, kv_type,
                 index.slot_of.data_ptr(), index.seq.data_ptr(), tables.shape[0], index.positions.data_ptr(),
                 tables.data_ptr(), tables.shape[1], page_size, c.num_heads, c.num_kv_heads, c.head_dim,
