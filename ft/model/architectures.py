@@ -4,7 +4,7 @@ Every choice that depends on the family is read from its entry, never from a nam
 a loader or a runner: which Hugging Face `model_type`/`architectures` and GGUF
 `general.architecture` names it answers to, how its `config.json` maps onto `LlamaConfig`, the
 blocks it uses (qkv bias, per-head q/k norm), its GGUF tensor names and whether llama.cpp's
-converter permuted its q/k rows, and the output formats its chat template produces.
+converter permuted its q/k rows.
 `docs/structure.md` says how to add a family.
 """
 
@@ -34,7 +34,10 @@ GGUF_GLOBAL_NAMES = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-QK_NORM_NAMES = {"attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight"}
+QK_NORM_NAMES = {
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,8 +58,6 @@ class Architecture:
     qk_norm: bool = False
     gguf_permuted_qk: tuple[str, ...] = ()
     gguf_layer_extra: dict[str, str] = field(default_factory=dict)
-    reasoning_parser: str | None = None  # the `<think>` format its template produces, if any
-    tool_call_parser: str | None = None  # the tool-call format its template asks for
 
     @property
     def gguf_layer_names(self) -> dict[str, str]:
@@ -84,7 +85,6 @@ QWEN2 = Architecture(
     hf_architectures=("Qwen2ForCausalLM",),
     gguf_names=("qwen2",),
     qkv_bias=True,
-    tool_call_parser="hermes",
 )
 QWEN3 = Architecture(
     name="qwen3",
@@ -93,8 +93,6 @@ QWEN3 = Architecture(
     gguf_names=("qwen3",),
     qk_norm=True,
     gguf_layer_extra=QK_NORM_NAMES,
-    reasoning_parser="think",
-    tool_call_parser="hermes",
 )
 
 ARCHITECTURES: tuple[Architecture, ...] = (LLAMA, MISTRAL, QWEN2, QWEN3)

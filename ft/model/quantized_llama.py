@@ -1,8 +1,8 @@
 """The Llama decoder over weights as GGUF stores them: one native call per layer (`kernels.cpp`).
 
 Each layer (norms, q/k/v/o and gate/up/down products on packed blocks, Qwen3's q/k head norms,
-rotary, the KV write and paged attention) runs in one call with torch's OpenMP threads; Python only prepares the step's
-index arrays. Activations are float32; the products quantize activations to
+rotary, the KV write and paged attention) runs in one call with torch's OpenMP threads; Python
+only prepares the step's index arrays. Activations are float32; the products quantize activations to
 int8 blocks of 32, as llama.cpp does; the KV cache is float32, float16 or bfloat16.
 
 Every row is computed the same way whatever else is in the step (the kernels never mix rows),
@@ -65,9 +65,8 @@ class _Layer:
         )
         biases = [sd.get(prefix + f"self_attn.{p}_proj.bias") for p in "qkv"]
         self.bias = torch.cat([_float(b) for b in biases]) if all(b is not None for b in biases) else None
-        q_norm, k_norm = sd.get(prefix + "self_attn.q_norm.weight"), sd.get(prefix + "self_attn.k_norm.weight")
-        self.q_norm = _float(q_norm) if q_norm is not None else None
-        self.k_norm = _float(k_norm) if k_norm is not None else None
+        norms = [sd.get(prefix + f"self_attn.{p}_norm.weight") for p in "qk"]  # Qwen3's head norms
+        self.q_norm, self.k_norm = (_float(n) if n is not None else None for n in norms)
 
 
 def _float(t: torch.Tensor | QuantTensor | None) -> torch.Tensor:

@@ -65,7 +65,9 @@ def generate(runner: TorchRunner, prompt: tuple[int, ...], n: int) -> tuple[list
     return out, logits[0]
 
 
-def test_config_maps_head_size_and_qk_norm_from_hf_and_gguf(qwen3_dir: pathlib.Path, qwen3_gguf: pathlib.Path) -> None:
+def test_config_maps_head_size_and_qk_norm_from_hf_and_gguf(
+    qwen3_dir: pathlib.Path, qwen3_gguf: pathlib.Path
+) -> None:
     hf = load_model(qwen3_dir, torch.float32).config
     gguf = load_model(qwen3_gguf, torch.float32).config
     for config in (hf, gguf):
@@ -78,7 +80,9 @@ def test_config_maps_head_size_and_qk_norm_from_hf_and_gguf(qwen3_dir: pathlib.P
 def test_float32_logits_and_greedy_tokens_match_transformers(hf_model: Any, qwen3_dir: pathlib.Path) -> None:
     with torch.inference_mode():
         expected = hf_model(torch.tensor([PROMPT])).logits[0, -1]  # [vocab]
-        ref = hf_model.generate(torch.tensor([PROMPT]), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
+        ref = hf_model.generate(
+            torch.tensor([PROMPT]), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0
+        )
     tokens, logits = generate(runner_of(load_model(qwen3_dir, torch.float32)), PROMPT, NEW_TOKENS)
     assert (logits - expected).abs().max().item() < 1e-4
     expected_tokens = ref[0, len(PROMPT) :].tolist()  # transformers stops after EOS
@@ -157,7 +161,9 @@ def test_packed_layer_refuses_head_norms_of_the_wrong_size(qwen3_gguf: pathlib.P
         runner.forward([SeqWork(0, PROMPT[:4], 0, PAGES, True, GREEDY, 0)])
 
 
-def test_gguf_without_a_head_norm_is_refused_naming_it(qwen3_gguf: pathlib.Path, tmp_path: pathlib.Path) -> None:
+def test_gguf_without_a_head_norm_is_refused_naming_it(
+    qwen3_gguf: pathlib.Path, tmp_path: pathlib.Path
+) -> None:
     raw = RawGGUF.read(qwen3_gguf)
     old = "blk.1.attn_k_norm.weight"
     raw.tensors = [replace(t, name="blk.1.attn_kk_norm.weight") if t.name == old else t for t in raw.tensors]
@@ -168,7 +174,9 @@ def test_gguf_without_a_head_norm_is_refused_naming_it(qwen3_gguf: pathlib.Path,
 
 def test_sliding_window_qwen3_is_refused(qwen3_dir: pathlib.Path, tmp_path: pathlib.Path) -> None:
     cfg = json.loads((qwen3_dir / "config.json").read_text())
-    (tmp_path / "config.json").write_text(json.dumps(cfg | {"use_sliding_window": True, "sliding_window": 64}))
+    (tmp_path / "config.json").write_text(
+        json.dumps(cfg | {"use_sliding_window": True, "sliding_window": 64})
+    )
     with pytest.raises(ValueError, match="sliding"):
         load_model(tmp_path, torch.float32)
 
@@ -195,3 +203,26 @@ def test_unsupported_gguf_architecture_is_named_with_the_supported_list(
     raw.set("general.architecture", STRING, string("gemma3")).write(tmp_path / "gemma.gguf")
     with pytest.raises(ModelFileError, match=r"'gemma3' is not supported \(supported: .*qwen3"):
         load_model(tmp_path / "gemma.gguf", torch.float32)
+
+
+def test_two_tensor_parallel_ranks_give_the_tokens_and_logits_of_one(qwen3_dir: pathlib.Path) -> None:
+    """The head norms are one head's weights: each rank applies them to its own heads."""
+    from tests.support.parallel import tensor_parallel_runner
+
+    one_tokens, one_logits = generate(runner_of(load_model(qwen3_dir, torch.float32)), PROMPT, NEW_TOKENS)
+    with tensor_parallel_runner(str(qwen3_dir), 2, num_pages=32, page_size=4) as runner:
+        tokens, logits = generate(runner, PROMPT, NEW_TOKENS)
+    assert tokens == one_tokens
+    assert (logits - one_logits).abs().max().item() < 1e-4
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="torch sees no CUDA device")
+def test_cuda_graphed_qwen3_gives_the_cpu_tokens(qwen3_dir: pathlib.Path) -> None:
+    """float32 on the GPU (SDPA, decode graphs with the head norms inside) against the CPU."""
+    loaded = load_model(qwen3_dir, torch.float32)
+    gpu = TorchRunner(loaded, num_pages=32, page_size=4, dtype=torch.float32, device=torch.device("cuda"))
+    tokens_gpu, logits_gpu = generate(gpu, PROMPT, NEW_TOKENS)
+    tokens_cpu, logits_cpu = generate(runner_of(loaded), PROMPT, NEW_TOKENS)
+    assert gpu._graphs is not None and gpu._graphs.num_captured >= 1
+    assert tokens_gpu == tokens_cpu
+    assert (logits_gpu.cpu() - logits_cpu).abs().max().item() < 1e-3

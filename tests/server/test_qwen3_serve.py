@@ -1,0 +1,93 @@
+"""A tiny random Qwen3 served end to end: its GGUF (packed path) and its safetensors (float32).
+
+The answer is the runner's own greedy continuation of the prompt Qwen3's template renders from
+GGUF metadata, `enable_thinking` reaching the template through `chat_template_kwargs`.
+"""
+
+from __future__ import annotations
+
+import pathlib
+from dataclasses import replace
+from typing import Any
+
+import httpx
+import pytest
+import torch
+
+from ft.config import EngineConfig
+from ft.core.batch import SeqWork
+from ft.model.loader import load_model
+from ft.model.torch_runner import TorchRunner
+from ft.params import SamplingParams
+from ft.tokenizer.template import render_chat
+from tests.support.server import TEST_SETTINGS, running_server
+from tests.support.tiny_qwen3 import qwen3_model, save_qwen3_dir, write_qwen3_gguf
+
+pytest.importorskip("transformers")
+
+MESSAGES = [{"role": "user", "content": "Hello there"}]
+MAX_TOKENS = 6
+
+
+@pytest.fixture(scope="module")
+def hf_model() -> Any:
+    return qwen3_model()
+
+
+def expected_answer(model: pathlib.Path, *, quantized: bool, enable_thinking: bool) -> tuple[int, str]:
+    """Prompt length and greedy text of `MAX_TOKENS` tokens, computed on the runner directly."""
+    loaded = load_model(model, torch.float32, quantized=quantized)
+    spec = loaded.tokenizer
+    text = render_chat(spec.chat_template, MESSAGES, extra={"enable_thinking": enable_thinking})
+    tok = spec.build()
+    prompt = tuple(tok.encode(text, add_special_tokens=False).ids)
+    runner = TorchRunner(loaded, num_pages=64, page_size=16, dtype=torch.float32)
+    greedy = SamplingParams(temperature=0.0)
+    pages = tuple(range(4))
+    logits = runner.forward([SeqWork(0, prompt, 0, pages, True, greedy, 0)])
+    assert logits is not None
+    out = [int(logits[0].argmax())]
+    while len(out) < MAX_TOKENS and out[-1] not in spec.eos_token_ids:
+        step = runner.step(
+            [SeqWork(0, (out[-1],), len(prompt) + len(out) - 1, pages, True, greedy, len(out))]
+        )
+        out.append(step[0].token_id)
+    return len(prompt), tok.decode([t for t in out if t not in spec.eos_token_ids])
+
+
+@pytest.mark.parametrize("source", ["gguf", "safetensors"])
+async def test_qwen3_answers_with_its_greedy_continuation(
+    hf_model: Any, tmp_path: pathlib.Path, source: str
+) -> None:
+    if source == "gguf":
+        model = write_qwen3_gguf(tmp_path / "tiny-qwen3.Q8_0.gguf", hf_model)
+        config = EngineConfig(model=str(model), num_pages=64)  # dtype auto: Q8_0 runs as stored
+    else:
+        model = save_qwen3_dir(tmp_path / "tiny-qwen3", hf_model)
+        config = EngineConfig(model=str(model), dtype="float32", num_pages=64)
+    quantized = source == "gguf"
+    settings = replace(TEST_SETTINGS, reasoning_parser="think")
+    prompt_lengths = []
+    async with (
+        running_server(config, settings=settings) as s,
+        httpx.AsyncClient(base_url=s.base_url, timeout=60) as c,
+    ):
+        for thinking in (False, True):
+            r = await c.post(
+                "/v1/chat/completions",
+                json={
+                    "messages": MESSAGES, "max_tokens": MAX_TOKENS, "temperature": 0,
+                    "chat_template_kwargs": {"enable_thinking": thinking},
+                },
+            )  # fmt: skip
+            assert r.status_code == 200, r.text
+            body = r.json()
+            prompt_len, text = expected_answer(model, quantized=quantized, enable_thinking=thinking)
+            assert body["usage"]["prompt_tokens"] == prompt_len
+            prompt_lengths.append(prompt_len)
+            message = body["choices"][0]["message"]
+            if thinking:  # no `<think>` was written: a model that opens none answers as content
+                assert (message.get("reasoning_content") or "") + (message["content"] or "") == text
+            else:
+                assert message["content"] == text and not message.get("reasoning_content")
+    assert prompt_lengths[0] > prompt_lengths[1]  # enable_thinking false wrote an empty think block
