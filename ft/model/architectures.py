@@ -46,7 +46,8 @@ class Architecture:
 
     `qkv_bias` is the default when `config.json` has no `attention_bias` (a GGUF says it by its
     tensors); `qk_norm` is Qwen3's RMSNorm over each head of q and k before the rotary
-    embedding; `gguf_permuted_qk` names the GGUF architectures whose q/k rows llama.cpp's
+    embedding; `moe` replaces every layer's MLP by routed experts (`ft.model.moe`);
+    `gguf_permuted_qk` names the GGUF architectures whose q/k rows llama.cpp's
     converter interleaved by rotary pairs (undone at load).
     """
 
@@ -56,6 +57,7 @@ class Architecture:
     gguf_names: tuple[str, ...]
     qkv_bias: bool = False
     qk_norm: bool = False
+    moe: bool = False
     gguf_permuted_qk: tuple[str, ...] = ()
     gguf_layer_extra: dict[str, str] = field(default_factory=dict)
 
@@ -95,7 +97,16 @@ QWEN3 = Architecture(
     gguf_layer_extra=QK_NORM_NAMES,
 )
 
-ARCHITECTURES: tuple[Architecture, ...] = (LLAMA, MISTRAL, QWEN2, QWEN3)
+QWEN3_MOE = Architecture(
+    name="qwen3_moe",
+    hf_model_types=("qwen3_moe",),
+    hf_architectures=("Qwen3MoeForCausalLM",),
+    gguf_names=(),  # llama.cpp's "qwen3moe" stores experts as 3-D tensors: not read yet
+    qk_norm=True,
+    moe=True,
+)
+
+ARCHITECTURES: tuple[Architecture, ...] = (LLAMA, MISTRAL, QWEN2, QWEN3, QWEN3_MOE)
 
 
 def by_name(name: str) -> Architecture:

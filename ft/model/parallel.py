@@ -54,6 +54,11 @@ def check_shardable(config: LlamaConfig, world: int) -> None:
     """Raise `ValueError` unless every rank gets at least one kv head and one MLP column."""
     if world < 1:
         raise ValueError(f"tensor_parallel_size must be positive, got {world}")
+    if world > 1 and config.num_experts:
+        raise ValueError(
+            f"tensor parallelism does not split mixture-of-experts layers yet ({config.architecture}): "
+            "run it with --tensor-parallel-size 1"
+        )
     if config.num_kv_heads < world:
         raise ValueError(
             f"tensor_parallel_size {world} is more than the model's {config.num_kv_heads} kv heads"

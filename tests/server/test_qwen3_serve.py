@@ -1,4 +1,5 @@
-"""A tiny random Qwen3 served end to end: its GGUF (packed path) and its safetensors (float32).
+"""A tiny random Qwen3 served end to end: its GGUF (packed path), its safetensors (float32) and
+a Qwen3-MoE's safetensors (float32).
 
 The answer is the runner's own greedy continuation of the prompt Qwen3's template renders from
 GGUF metadata, `enable_thinking` reaching the template through `chat_template_kwargs`.
@@ -21,7 +22,7 @@ from ft.model.torch_runner import TorchRunner
 from ft.params import SamplingParams
 from ft.tokenizer.template import render_chat
 from tests.support.server import TEST_SETTINGS, running_server
-from tests.support.tiny_qwen3 import qwen3_model, save_qwen3_dir, write_qwen3_gguf
+from tests.support.tiny_qwen3 import qwen3_model, qwen3_moe_model, save_qwen3_dir, write_qwen3_gguf
 
 pytest.importorskip("transformers")
 
@@ -55,7 +56,7 @@ def expected_answer(model: pathlib.Path, *, quantized: bool, enable_thinking: bo
     return len(prompt), tok.decode([t for t in out if t not in spec.eos_token_ids])
 
 
-@pytest.mark.parametrize("source", ["gguf", "safetensors"])
+@pytest.mark.parametrize("source", ["gguf", "safetensors", "moe-safetensors"])
 async def test_qwen3_answers_with_its_greedy_continuation(
     hf_model: Any, tmp_path: pathlib.Path, source: str
 ) -> None:
@@ -63,7 +64,8 @@ async def test_qwen3_answers_with_its_greedy_continuation(
         model = write_qwen3_gguf(tmp_path / "tiny-qwen3.Q8_0.gguf", hf_model)
         config = EngineConfig(model=str(model), num_pages=64)  # dtype auto: Q8_0 runs as stored
     else:
-        model = save_qwen3_dir(tmp_path / "tiny-qwen3", hf_model)
+        weights = qwen3_moe_model() if source == "moe-safetensors" else hf_model
+        model = save_qwen3_dir(tmp_path / "tiny-qwen3", weights)
         config = EngineConfig(model=str(model), dtype="float32", num_pages=64)
     quantized = source == "gguf"
     settings = replace(TEST_SETTINGS, reasoning_parser="think")

@@ -121,3 +121,27 @@ def write_qwen3_gguf(path: pathlib.Path, model: Any) -> pathlib.Path:
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def qwen3_moe_model(seed: int = 0, **overrides: Any) -> Any:
+    """A random-weight `Qwen3MoeForCausalLM`: 8 experts of 32, 2 per token, every layer routed."""
+    import transformers
+
+    tokens, _, _ = tiny_tokens()
+    fields: dict[str, Any] = dict(
+        vocab_size=len(tokens), hidden_size=HIDDEN, intermediate_size=FFN, moe_intermediate_size=32,
+        num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
+        max_position_embeddings=512, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
+        tie_word_embeddings=False, eos_token_id=tokens.index(EOS),
+    )  # fmt: skip
+    fields.update(overrides)
+    torch.manual_seed(seed)
+    model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**fields))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, 0.08 if not name.endswith("gate.weight") else 0.5)  # routers: clear choices
+    return model.eval()
