@@ -34,6 +34,14 @@ GGUF_GLOBAL_NAMES = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
+# llama.cpp's expert tensors: the router [experts, hidden] and each projection of every expert
+# stacked, [experts, rows, columns]
+MOE_NAMES = {
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+    "ffn_gate_exps.weight": "mlp.experts.gate_proj",
+    "ffn_up_exps.weight": "mlp.experts.up_proj",
+    "ffn_down_exps.weight": "mlp.experts.down_proj",
+}
 QK_NORM_NAMES = {
     "attn_q_norm.weight": "self_attn.q_norm.weight",
     "attn_k_norm.weight": "self_attn.k_norm.weight",
@@ -46,7 +54,8 @@ class Architecture:
 
     `qkv_bias` is the default when `config.json` has no `attention_bias` (a GGUF says it by its
     tensors); `qk_norm` is Qwen3's RMSNorm over each head of q and k before the rotary
-    embedding; `moe` replaces every layer's MLP by routed experts (`ft.model.moe`);
+    embedding; `moe` replaces every layer's MLP by routed experts (`ft.model.moe`); `packed`
+    says the packed GGUF kernels run its layers (otherwise its GGUFs load as floats);
     `gguf_permuted_qk` names the GGUF architectures whose q/k rows llama.cpp's
     converter interleaved by rotary pairs (undone at load).
     """
@@ -58,6 +67,7 @@ class Architecture:
     qkv_bias: bool = False
     qk_norm: bool = False
     moe: bool = False
+    packed: bool = True  # a quantized GGUF of it runs as stored (`quantized_llama`)
     gguf_permuted_qk: tuple[str, ...] = ()
     gguf_layer_extra: dict[str, str] = field(default_factory=dict)
 
@@ -101,9 +111,11 @@ QWEN3_MOE = Architecture(
     name="qwen3_moe",
     hf_model_types=("qwen3_moe",),
     hf_architectures=("Qwen3MoeForCausalLM",),
-    gguf_names=(),  # llama.cpp's "qwen3moe" stores experts as 3-D tensors: not read yet
+    gguf_names=("qwen3moe",),
     qk_norm=True,
     moe=True,
+    packed=False,
+    gguf_layer_extra=QK_NORM_NAMES | MOE_NAMES,
 )
 
 ARCHITECTURES: tuple[Architecture, ...] = (LLAMA, MISTRAL, QWEN2, QWEN3, QWEN3_MOE)

@@ -33,6 +33,7 @@ MAX_WIDTH = 1 << 20  # hidden size, ffn length
 MAX_HEADS = 1 << 12
 MAX_HEAD_DIM = 1 << 12
 MAX_LAYERS = 1 << 12
+MAX_EXPERTS = 1 << 12
 MAX_VOCAB = 1 << 24
 MAX_CONTEXT = 1 << 24
 
@@ -63,6 +64,15 @@ def gguf_config(meta: GGUFFile, tensor_names: set[str], vocab_size: int) -> Llam
             f"{num_heads} heads of '{arch}.attention.head_count'"
         )
     head_dim = _head_dim(meta, arch, hidden, num_heads)
+    moe: dict[str, Any] = {}
+    if family.moe:
+        num_experts = meta.integer(f"{arch}.expert_count", 1, MAX_EXPERTS)
+        moe = dict(
+            num_experts=num_experts,
+            num_experts_per_tok=meta.integer(f"{arch}.expert_used_count", 1, num_experts),
+            moe_intermediate_size=meta.integer(f"{arch}.expert_feed_forward_length", 1, MAX_WIDTH),
+            norm_topk_prob=True,  # llama.cpp renormalizes qwen3moe's top-k, as Qwen3-MoE's configs ask
+        )
     rope_scaling: dict[str, Any] | None = None
     scaling_type = meta.text(f"{arch}.rope.scaling.type")
     if scaling_type not in (None, "none"):
@@ -76,7 +86,14 @@ def gguf_config(meta: GGUFFile, tensor_names: set[str], vocab_size: int) -> Llam
         return LlamaConfig(
             vocab_size=meta.integer(f"{arch}.vocab_size", 1, MAX_VOCAB, default=vocab_size or 1),
             hidden_size=hidden,
-            intermediate_size=_per_layer(meta, f"{arch}.feed_forward_length", 1, MAX_WIDTH, num_layers),
+            intermediate_size=_per_layer(
+                meta,
+                f"{arch}.feed_forward_length",
+                1,
+                MAX_WIDTH,
+                num_layers,
+                default=moe.get("moe_intermediate_size"),
+            ),  # fmt: skip
             num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=num_kv_heads,
@@ -89,6 +106,7 @@ def gguf_config(meta: GGUFFile, tensor_names: set[str], vocab_size: int) -> Llam
             attention_bias="blk.0.attn_q.bias" in tensor_names,
             qk_norm=family.qk_norm,
             architecture=family.name,
+            **moe,
         )
     except ModelFileError:
         raise

@@ -72,11 +72,16 @@ class SparseMoE(nn.Module):
 
 def fuse_experts(sd: dict[str, torch.Tensor], prefix: str, num_experts: int) -> dict[str, torch.Tensor]:
     """The `SparseMoE` weights (`router`, `gate_up`, `down`) of the MLP at `prefix` (`...mlp.`),
-    from a checkpoint's per-expert `experts.N.{gate,up,down}_proj.weight` or fused 3-D
-    `experts.gate_up_proj` / `experts.down_proj`."""
+    from a checkpoint's per-expert `experts.N.{gate,up,down}_proj.weight`, transformers' fused
+    3-D `experts.gate_up_proj` / `experts.down_proj`, or a GGUF's stacked 3-D
+    `experts.{gate,up,down}_proj` (`architectures.MOE_NAMES`)."""
     out = {"router": sd[prefix + "gate.weight"]}
     if prefix + "experts.gate_up_proj" in sd:
         out["gate_up"], out["down"] = sd[prefix + "experts.gate_up_proj"], sd[prefix + "experts.down_proj"]
+        return out
+    if prefix + "experts.gate_proj" in sd:  # [experts, inter, hidden] each
+        gate_up = [sd[prefix + "experts.gate_proj"], sd[prefix + "experts.up_proj"]]
+        out["gate_up"], out["down"] = torch.cat(gate_up, dim=1), sd[prefix + "experts.down_proj"]
         return out
     experts = [f"{prefix}experts.{e}." for e in range(num_experts)]
     out["gate_up"] = torch.stack(

@@ -87,6 +87,10 @@ class QuantizedLlama:
     """Embedding, decoder stack, final norm and lm_head over GGUF blocks."""
 
     def __init__(self, config: LlamaConfig, sd: dict[str, torch.Tensor | QuantTensor]) -> None:
+        if config.num_experts:
+            raise ValueError(
+                f"the packed kernels do not run {config.architecture}'s experts; load it as floats"
+            )
         self.config = config
         self.lib = kernels.library()
         self.embed = _quant(sd["model.embed_tokens.weight"])

@@ -15,12 +15,14 @@ import pytest
 import torch
 
 from ft.core.batch import SeqWork
-from ft.model.loader import load_model
+from ft.model.gguf_file import ModelFileError
+from ft.model.loader import is_quantized_gguf, load_model
 from ft.model.moe import SparseMoE
 from ft.model.parallel import check_shardable
 from ft.model.torch_runner import TorchRunner
 from ft.params import SamplingParams
-from tests.support.tiny_qwen3 import qwen3_moe_model, save_qwen3_dir
+from tests.support.gguf_files import RawGGUF, dims
+from tests.support.tiny_qwen3 import qwen3_moe_model, save_qwen3_dir, write_qwen3_gguf
 
 transformers = pytest.importorskip("transformers")
 
@@ -38,6 +40,11 @@ def hf_model(request: pytest.FixtureRequest) -> Any:
 @pytest.fixture(scope="module")
 def moe_dir(hf_model: Any, tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
     return save_qwen3_dir(tmp_path_factory.mktemp("qwen3-moe") / "tiny-qwen3-moe", hf_model)
+
+
+@pytest.fixture(scope="module")
+def moe_gguf(hf_model: Any, tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    return write_qwen3_gguf(tmp_path_factory.mktemp("qwen3-moe-gguf") / "tiny-qwen3-moe.Q8_0.gguf", hf_model)
 
 
 def generate(runner: TorchRunner, prompt: tuple[int, ...], n: int) -> tuple[list[int], torch.Tensor]:
@@ -129,3 +136,41 @@ def test_configs_ft_cannot_run_exactly_are_refused(
     (tmp_path / "config.json").write_text(json.dumps(cfg | change))
     with pytest.raises(ValueError, match="dense layers|experts per token"):
         load_model(tmp_path, torch.float32)
+
+
+def test_gguf_loads_as_floats_and_matches_transformers_on_its_dequantized_weights(
+    hf_model: Any, moe_gguf: pathlib.Path
+) -> None:
+    """A `qwen3moe` GGUF (Q8_0 experts, stacked per projection) runs on the float path: the
+    packed kernels do not run experts, so "auto" does not pick them."""
+    if not hf_model.config.norm_topk_prob:
+        pytest.skip("llama.cpp's qwen3moe always renormalizes the top-k weights")
+    assert not is_quantized_gguf(moe_gguf)
+    loaded = load_model(moe_gguf, torch.float32)
+    sd = dict(loaded.state_dict)
+    for i in range(hf_model.config.num_hidden_layers):
+        p = f"model.layers.{i}.mlp.experts."
+        sd[p + "gate_up_proj"] = torch.cat([sd.pop(p + "gate_proj"), sd.pop(p + "up_proj")], dim=1)
+    dequantized = qwen3_moe_model(norm_topk_prob=True)
+    dequantized.load_state_dict(sd, strict=True)
+    with torch.inference_mode():
+        expected = dequantized(torch.tensor([PROMPT])).logits[0, -1]
+    runner = TorchRunner(loaded, num_pages=32, page_size=4, dtype=torch.float32)
+    _, logits = generate(runner, PROMPT, 1)
+    assert (logits - expected).abs().max().item() < 1e-4
+
+
+def test_the_packed_path_refuses_experts(moe_gguf: pathlib.Path) -> None:
+    loaded = load_model(moe_gguf, torch.float32, quantized=True)
+    with pytest.raises(ValueError, match="packed kernels do not run qwen3_moe's experts"):
+        TorchRunner(loaded, num_pages=32, page_size=4, dtype=torch.float32)
+
+
+def test_an_expert_tensor_of_the_wrong_shape_is_refused_naming_it(
+    moe_gguf: pathlib.Path, tmp_path: pathlib.Path
+) -> None:
+    raw = RawGGUF.read(moe_gguf)
+    edit = dims("blk.0.ffn_down_exps.weight", 32, 64, 4)  # 4 experts where the metadata says 8
+    edit(raw).write(tmp_path / "bad.gguf")
+    with pytest.raises(ModelFileError, match=r"blk\.0\.ffn_down_exps\.weight: expected shape \[8, 64, 32\]"):
+        load_model(tmp_path / "bad.gguf", torch.float32)

@@ -1,5 +1,5 @@
 """A tiny random Qwen3 served end to end: its GGUF (packed path), its safetensors (float32) and
-a Qwen3-MoE's safetensors (float32).
+a Qwen3-MoE's safetensors (float32) and GGUF (dequantized: the packed kernels run no experts).
 
 The answer is the runner's own greedy continuation of the prompt Qwen3's template renders from
 GGUF metadata, `enable_thinking` reaching the template through `chat_template_kwargs`.
@@ -56,15 +56,16 @@ def expected_answer(model: pathlib.Path, *, quantized: bool, enable_thinking: bo
     return len(prompt), tok.decode([t for t in out if t not in spec.eos_token_ids])
 
 
-@pytest.mark.parametrize("source", ["gguf", "safetensors", "moe-safetensors"])
+@pytest.mark.parametrize("source", ["gguf", "safetensors", "moe-safetensors", "moe-gguf"])
 async def test_qwen3_answers_with_its_greedy_continuation(
     hf_model: Any, tmp_path: pathlib.Path, source: str
 ) -> None:
-    if source == "gguf":
-        model = write_qwen3_gguf(tmp_path / "tiny-qwen3.Q8_0.gguf", hf_model)
-        config = EngineConfig(model=str(model), num_pages=64)  # dtype auto: Q8_0 runs as stored
+    weights = qwen3_moe_model() if source.startswith("moe") else hf_model
+    if source.endswith("gguf"):
+        model = write_qwen3_gguf(tmp_path / "tiny-qwen3.Q8_0.gguf", weights)
+        # dtype auto runs Q8_0 as stored; a MoE loads as floats (float32 here: "auto" may pick bf16)
+        config = EngineConfig(model=str(model), num_pages=64, dtype="auto" if source == "gguf" else "float32")
     else:
-        weights = qwen3_moe_model() if source == "moe-safetensors" else hf_model
         model = save_qwen3_dir(tmp_path / "tiny-qwen3", weights)
         config = EngineConfig(model=str(model), dtype="float32", num_pages=64)
     quantized = source == "gguf"

@@ -80,11 +80,38 @@ def save_qwen3_dir(directory: pathlib.Path, model: Any) -> pathlib.Path:
     return directory
 
 
+def _gguf_tensors(model: Any) -> dict[str, np.ndarray]:
+    """`model`'s weights under llama.cpp's names (a MoE's experts stacked per projection)."""
+    out = {}
+    for name, tensor in model.state_dict().items():
+        data = tensor.detach().float().numpy()
+        if not name.startswith("model.layers."):
+            out[_GLOBAL_NAMES[name]] = data
+            continue
+        layer, _, rest = name.removeprefix("model.layers.").partition(".")
+        p = f"blk.{layer}."
+        if rest == "mlp.experts.gate_up_proj":  # [experts, 2 * inter, hidden]
+            out[p + "ffn_gate_exps.weight"], out[p + "ffn_up_exps.weight"] = np.split(data, 2, axis=1)
+        elif rest == "mlp.experts.down_proj":
+            out[p + "ffn_down_exps.weight"] = data
+        elif rest == "mlp.gate.weight":
+            out[p + "ffn_gate_inp.weight"] = data
+        else:
+            out[p + _LAYER_NAMES[rest]] = data
+    return out
+
+
 def write_qwen3_gguf(path: pathlib.Path, model: Any) -> pathlib.Path:
-    """`model`'s weights as a `qwen3` GGUF: projections and embedding Q8_0, norms F32."""
+    """`model`'s weights as a `qwen3` (or, for a MoE, `qwen3moe`) GGUF: the projections, experts
+    and embedding Q8_0 (the router F32, as llama.cpp keeps small tensors), norms F32."""
     c = model.config
     tokens, merges, types = tiny_tokens()
-    w = GGUFWriter(str(path), "qwen3")
+    is_moe = hasattr(c, "num_experts_per_tok")
+    w = GGUFWriter(str(path), "qwen3moe" if is_moe else "qwen3")
+    if is_moe:
+        w.add_expert_count(c.num_experts)
+        w.add_expert_used_count(c.num_experts_per_tok)
+        w.add_expert_feed_forward_length(c.moe_intermediate_size)
     w.add_name("tiny-qwen3")
     w.add_block_count(c.num_hidden_layers)
     w.add_context_length(c.max_position_embeddings)
@@ -104,14 +131,8 @@ def write_qwen3_gguf(path: pathlib.Path, model: Any) -> pathlib.Path:
     w.add_eos_token_id(tokens.index(EOS))
     w.add_add_bos_token(False)
     w.add_chat_template(TEMPLATES["qwen-3"])
-    for name, tensor in model.state_dict().items():
-        data = tensor.detach().float().numpy()
-        if name.startswith("model.layers."):
-            layer, _, rest = name.removeprefix("model.layers.").partition(".")
-            gguf_name = f"blk.{layer}.{_LAYER_NAMES[rest]}"
-        else:
-            gguf_name = _GLOBAL_NAMES[name]
-        if data.ndim == 2:
+    for gguf_name, data in _gguf_tensors(model).items():
+        if data.ndim >= 2 and not gguf_name.endswith("ffn_gate_inp.weight"):
             w.add_tensor(gguf_name, np.asarray(quantize(data, GGMLQuantizationType.Q8_0)),
                          raw_dtype=GGMLQuantizationType.Q8_0)  # fmt: skip
         else:
