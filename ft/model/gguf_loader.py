@@ -71,8 +71,8 @@ def gguf_config(meta: GGUFFile, tensor_names: set[str], vocab_size: int) -> Llam
             num_experts=num_experts,
             num_experts_per_tok=meta.integer(f"{arch}.expert_used_count", 1, num_experts),
             moe_intermediate_size=meta.integer(f"{arch}.expert_feed_forward_length", 1, MAX_WIDTH),
-            norm_topk_prob=True,  # llama.cpp renormalizes qwen3moe's top-k, as Qwen3-MoE's configs ask
-        )
+            norm_topk_prob=_flag(meta, f"{arch}.expert_weights_norm", default=True),
+        )  # llama.cpp renormalizes qwen3moe's top-k unless the file says otherwise
     rope_scaling: dict[str, Any] | None = None
     scaling_type = meta.text(f"{arch}.rope.scaling.type")
     if scaling_type not in (None, "none"):
@@ -112,6 +112,14 @@ def gguf_config(meta: GGUFFile, tensor_names: set[str], vocab_size: int) -> Llam
         raise
     except ValueError as e:  # LlamaConfig's own checks (rope scaling type)
         raise ModelFileError(f"metadata of architecture {arch!r}: {e}") from None
+
+
+def _flag(meta: GGUFFile, key: str, *, default: bool) -> bool:
+    """A boolean metadata value, or `default` when absent."""
+    value = meta.get(key, default)
+    if not isinstance(value, bool):
+        raise ModelFileError(f"metadata key {key!r}: expected a boolean, found {type(value).__name__}")
+    return value
 
 
 def _per_layer(

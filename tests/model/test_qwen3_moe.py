@@ -174,3 +174,16 @@ def test_an_expert_tensor_of_the_wrong_shape_is_refused_naming_it(
     edit(raw).write(tmp_path / "bad.gguf")
     with pytest.raises(ModelFileError, match=r"blk\.0\.ffn_down_exps\.weight: expected shape \[8, 64, 32\]"):
         load_model(tmp_path / "bad.gguf", torch.float32)
+
+
+def test_a_gguf_that_says_not_to_renormalize_is_read_so(
+    moe_gguf: pathlib.Path, tmp_path: pathlib.Path
+) -> None:
+    from tests.support.gguf_files import BOOL, U8, scalar
+
+    raw = RawGGUF.read(moe_gguf)
+    raw.set("qwen3moe.expert_weights_norm", BOOL, scalar(BOOL, False)).write(tmp_path / "raw.gguf")
+    assert not load_model(tmp_path / "raw.gguf", torch.float32).config.norm_topk_prob
+    raw.set("qwen3moe.expert_weights_norm", U8, scalar(U8, 1)).write(tmp_path / "bad.gguf")
+    with pytest.raises(ModelFileError, match="expert_weights_norm.*expected a boolean"):
+        load_model(tmp_path / "bad.gguf", torch.float32)
