@@ -120,10 +120,22 @@ def test_the_grouped_experts_equal_a_loop_over_tokens(moe_dir: pathlib.Path) -> 
         assert moe(x[:0]).shape == (0, x.shape[1])  # an empty step routes nothing
 
 
-def test_tensor_parallelism_is_refused_for_experts(moe_dir: pathlib.Path) -> None:
+def test_two_tensor_parallel_ranks_give_the_tokens_and_logits_of_one(moe_dir: pathlib.Path) -> None:
+    """Each rank holds every expert's share of columns; both route alike (replicated router)."""
+    from tests.support.parallel import tensor_parallel_runner
+
+    one = TorchRunner(load_model(moe_dir, torch.float32), num_pages=32, page_size=4, dtype=torch.float32)
+    one_tokens, one_logits = generate(one, PROMPT, NEW_TOKENS)
+    with tensor_parallel_runner(str(moe_dir), 2, num_pages=32, page_size=4) as runner:
+        tokens, logits = generate(runner, PROMPT, NEW_TOKENS)
+    assert tokens == one_tokens
+    assert (logits - one_logits).abs().max().item() < 1e-4
+
+
+def test_more_ranks_than_expert_columns_are_refused(moe_dir: pathlib.Path) -> None:
     config = load_model(moe_dir, torch.float32).config
-    with pytest.raises(ValueError, match="mixture-of-experts.*--tensor-parallel-size 1"):
-        check_shardable(config, 2)
+    with pytest.raises(ValueError, match="more than the model's expert MLP columns"):
+        check_shardable(config, config.moe_intermediate_size + 1)
 
 
 @pytest.mark.parametrize(
