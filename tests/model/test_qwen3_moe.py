@@ -199,3 +199,17 @@ def test_a_gguf_that_says_not_to_renormalize_is_read_so(
     raw.set("qwen3moe.expert_weights_norm", U8, scalar(U8, 1)).write(tmp_path / "bad.gguf")
     with pytest.raises(ModelFileError, match="expert_weights_norm.*expected a boolean"):
         load_model(tmp_path / "bad.gguf", torch.float32)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="torch sees no CUDA device")
+def test_cuda_runs_the_experts_eagerly_with_the_cpu_tokens(moe_dir: pathlib.Path) -> None:
+    """On the GPU the expert layers run eagerly (no decode graphs: their sizes come from routing)."""
+    loaded = load_model(moe_dir, torch.float32)
+    gpu = TorchRunner(loaded, num_pages=32, page_size=4, dtype=torch.float32, device=torch.device("cuda"))
+    assert gpu._graphs is None
+    tokens_gpu, logits_gpu = generate(gpu, PROMPT, NEW_TOKENS)
+    tokens_cpu, logits_cpu = generate(
+        TorchRunner(loaded, num_pages=32, page_size=4, dtype=torch.float32), PROMPT, NEW_TOKENS
+    )
+    assert tokens_gpu == tokens_cpu
+    assert (logits_gpu.cpu() - logits_cpu).abs().max().item() < 1e-3
