@@ -1,6 +1,6 @@
 """Output tokens/s through the embedded API (no HTTP) at several concurrency levels.
 
-    ft bench [--concurrency 1 4 16] [--max-tokens 128] [--model PATH] [--structured]
+    ft bench [--concurrency 1 4 16] [--max-tokens 128] [--model PATH] [--structured] [--prefill 512]
     python tools/bench_engine.py ...        (the same)
 
 Prints one JSON line: for each concurrency, output tokens/s, mean TTFT and wall time, plus the
@@ -10,6 +10,9 @@ ratios are comparable even on a noisy machine.
 `--structured` runs each level twice more, alternating free and grammar-constrained requests
 (`BENCH_SCHEMA`: JSON that never ends before `--max-tokens`, so both write as many tokens),
 and reports the constrained throughput as a fraction of the free one.
+
+`--prefill N` also times one N-token prompt (fresh token ids, so no prefix-cache hit) to its
+first token: prompt tokens/s, the figure `llama-bench -p N` reports.
 """
 
 from __future__ import annotations
@@ -99,6 +102,7 @@ async def main(args: argparse.Namespace) -> None:
     async with open_engine(config) as engine:
         await run_level(engine, 1, 8)  # warm-up
         levels = [await run_level(engine, c, args.max_tokens) for c in args.concurrency]
+        prefill = await run_prefill(engine, args.prefill) if args.prefill else None
         structured = (
             [await compare_structured(engine, c, args.max_tokens) for c in args.concurrency]
             if args.structured
@@ -112,9 +116,31 @@ async def main(args: argparse.Namespace) -> None:
         "levels": levels,
         "speedup_vs_first": {str(x["concurrency"]): round(x["tokens_per_s"] / base, 2) for x in levels},
     }
+    if prefill is not None:
+        result["prefill"] = prefill
     if structured:
         result["structured"] = structured
     print(json.dumps(result))
+
+
+async def run_prefill(engine: Engine, num_tokens: int) -> dict[str, float]:
+    """One prompt of `num_tokens` token ids to its first token, best of three (fresh ids each
+    time: a prefix-cache hit would time nothing)."""
+    vocab = engine.vocab_size
+    best = float("inf")
+    for run in range(3):
+        ids = [(7919 * (i + 1) + 104729 * run) % vocab for i in range(num_tokens)]
+        params = SamplingParams(max_tokens=1, temperature=0.0)
+        start = time.perf_counter()
+        async with engine.open_request(PromptSpec(token_ids=ids), params=params) as stream:
+            async for _ in stream:
+                break
+        best = min(best, time.perf_counter() - start)
+    return {
+        "prompt_tokens": num_tokens,
+        "seconds": round(best, 3),
+        "prompt_tokens_per_s": round(num_tokens / best, 1),
+    }
 
 
 async def compare_structured(engine: Engine, concurrency: int, max_tokens: int) -> dict[str, float]:
@@ -139,6 +165,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--max-tokens", type=int, default=128)
     add_model_arguments(parser)  # `--compute-threads` among them, as for `ft serve`
+    parser.add_argument("--prefill", type=int, default=0, metavar="N", help="also time one N-token prompt")
     # NOTE: the old spelling, kept so recorded bench commands still run.
     parser.add_argument("--threads", type=int, dest="compute_threads", help=argparse.SUPPRESS)
     parser.add_argument(

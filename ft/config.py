@@ -8,7 +8,12 @@ from dataclasses import dataclass
 from typing import Any
 
 DTYPES = ("auto", "float32", "bfloat16")
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")  # auto: the model's dtype
+# auto: the model's dtype; q8_0 (int8 blocks of 32 with a half scale) on the packed path only
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "q8_0")
+Q8_0_KV_PATH = (
+    "--kv-cache-dtype q8_0 runs only on the packed CPU path: a quantized GGUF run as stored "
+    "(--dtype auto, no --quantize), on the CPU, in one process; use float16 or bfloat16 here"
+)
 ADMISSIONS = ("need", "reserve")
 QUANTIZATIONS = ("int8",)
 DEVICE_PATTERN = r"auto|cpu|cuda(:\d+)?"  # auto: CUDA when torch sees one, else the CPU
@@ -83,6 +88,13 @@ class EngineConfig:
             raise ValueError(
                 f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}"
             )
+        if self.kv_cache_dtype == "q8_0" and (
+            self.dtype != "auto"
+            or self.quantize is not None
+            or self.tensor_parallel_size > 1
+            or self.device.startswith("cuda")
+        ):
+            raise ValueError(Q8_0_KV_PATH)
         if self.admission not in ADMISSIONS:
             raise ValueError(f"admission must be one of {', '.join(ADMISSIONS)}, got {self.admission!r}")
         if not 1 <= self.page_size <= 1024:

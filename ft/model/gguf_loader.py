@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import logging
 import pathlib
 import re
+from collections import Counter
 from typing import Any
 
 import numpy as np
@@ -25,6 +27,7 @@ from ft.tokenizer.spec import (
 )
 
 _BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
+log = logging.getLogger("ft.model")
 
 
 # Bounds on the metadata's numbers: far above any real model, low enough that no size derived
@@ -184,11 +187,13 @@ def unpermute_rotary(w: torch.Tensor, n_head: int) -> torch.Tensor:
 
 
 def as_stored(tensor: GGUFTensor) -> QuantTensor:
-    """A 2-D GGUF weight as packed blocks: kept as stored when the kernels multiply its type,
-    otherwise requantized to Q8_0 once."""
+    """A 2-D GGUF weight as packed blocks: kept as stored when the kernels multiply its type
+    (`KERNEL_TYPES`), otherwise (F32 weights, IQ1/IQ2/IQ3, TQ, MXFP4, ...) requantized to Q8_0
+    once (`gguf_tensors` logs which)."""
     cols = tensor.shape[-1]
-    if int(tensor.tensor_type) in KERNEL_TYPES:
-        data = torch.from_numpy(np.array(tensor.data, dtype=np.uint8, copy=True))
+    if int(tensor.tensor_type) in KERNEL_TYPES:  # (F16 comes as float16 values: their bytes)
+        raw = np.ascontiguousarray(tensor.data).view(np.uint8).reshape(tensor.data.shape[0], -1)
+        data = torch.from_numpy(np.array(raw, copy=True))
         return QuantTensor(data, int(tensor.tensor_type), cols)
     return to_q8_0(_dequantized(tensor).reshape(-1, cols))
 
@@ -229,15 +234,19 @@ def gguf_tensors(
     permuted = arch in family.gguf_permuted_qk
     sd: dict[str, torch.Tensor | QuantTensor] = {}
     freq_factors: tuple[float, ...] | None = None
+    requantized: Counter[str] = Counter()
     for i, tensor in enumerate(reader.tensors):
         if progress is not None:
             progress(i / len(reader.tensors))
         heads = _permuted_heads(tensor.name, config) if permuted else None
         if quantized and tensor.data.ndim == 2 and tensor.name != "rope_freqs.weight":
+            if int(tensor.tensor_type) not in KERNEL_TYPES:
+                requantized[tensor.tensor_type.name] += 1
             packed = as_stored(tensor)
             if heads is not None:  # each row is whole blocks: permute the rows
                 packed = packed.permute_rows(unpermute_rotary(torch.arange(packed.rows), heads))
             sd[_hf_name(tensor.name, family)] = repacked(packed)
+            reader.release(tensor)
             continue
         w = torch.from_numpy(_dequantized(tensor))
         if tensor.name == "rope_freqs.weight":
@@ -246,6 +255,12 @@ def gguf_tensors(
         if heads is not None:
             w = unpermute_rotary(w, heads)
         sd[_hf_name(tensor.name, family)] = w.to(dtype)
+        reader.release(tensor)
+    if requantized:
+        log.warning(
+            "requantized to Q8_0 at load (no kernel multiplies them as stored): %s",
+            ", ".join(f"{n} tensors of {t}" for t, n in sorted(requantized.items())),
+        )
     return sd, freq_factors
 
 

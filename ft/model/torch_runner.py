@@ -11,7 +11,7 @@ import numpy as np
 import torch
 import torch.utils.mkldnn
 
-from ft.config import QUANTIZATIONS
+from ft.config import Q8_0_KV_PATH, QUANTIZATIONS
 from ft.core.batch import RowsFailed, Sampled, Scored, SeqWork
 from ft.model import kernels
 from ft.model.attention import SeqSpan, build_metadata
@@ -105,7 +105,7 @@ class TorchRunner:
         dtype: torch.dtype,
         threads: int | None = None,
         quantize: str | None = None,
-        kv_dtype: torch.dtype | None = None,
+        kv_dtype: kernels.KVDtype | None = None,
         device: torch.device | None = None,
         ranks: RankGroup | None = None,
         cuda_graphs: bool = True,
@@ -126,13 +126,18 @@ class TorchRunner:
         c = loaded.config
         world = ranks.world if ranks is not None else 1
         local = local_config(c, ranks.shard if ranks is not None else Shard(0, 1))
-        shape = (c.num_layers, num_pages * page_size, local.num_kv_heads, c.head_dim)
-        self.kv_dtype = kv_dtype or dtype
+        self.kv_dtype: kernels.KVDtype = kv_dtype or dtype
+        is_packed = any(isinstance(v, QuantTensor) for v in loaded.state_dict.values())
+        if self.kv_dtype == kernels.Q8_0_KV and not is_packed:
+            raise ValueError(Q8_0_KV_PATH)
+        last, storage = kernels.kv_cache_layout(self.kv_dtype, c.head_dim)  # raises for q8_0 on odd heads
+        shape = (c.num_layers, num_pages * page_size, local.num_kv_heads, last)
         self.packed: QuantizedLlama | None = None
         on_cpu = self.device.type == "cpu"
-        if any(isinstance(v, QuantTensor) for v in loaded.state_dict.values()):
-            if quantize is not None or dtype != torch.float32 or self.kv_dtype not in kernels.KV_TYPES:
+        if is_packed:
+            if quantize is not None or dtype != torch.float32:
                 raise ValueError("weights kept as stored need float32 activations and no --quantize")
+            kernels.kv_code(self.kv_dtype)  # raises for a type the kernels cannot store
             if ranks is not None or not on_cpu:
                 raise ValueError("weights kept as stored run on the CPU in one process; load them as floats")
             self.packed = QuantizedLlama(c, loaded.state_dict)
@@ -160,13 +165,13 @@ class TorchRunner:
             self._lm_head = head if world == 1 else self._gathered(head)
         self._graphs: DecodeGraphs | None = None
         if on_cpu:
-            self.k_cache = lazy_zeros(shape, self.kv_dtype)
-            self.v_cache = lazy_zeros(shape, self.kv_dtype)
+            self.k_cache = lazy_zeros(shape, storage)
+            self.v_cache = lazy_zeros(shape, storage)
         else:
             # One more page than the scheduler hands out: the decode graphs' padding rows use it.
             shape = (shape[0], (num_pages + 1) * page_size, *shape[2:])
-            self.k_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
-            self.v_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+            self.k_cache = torch.zeros(shape, dtype=storage, device=self.device)
+            self.v_cache = torch.zeros(shape, dtype=storage, device=self.device)
             # NOTE: tensor-parallel steps stay eager: their all_reduce calls are not captured.
             # NOTE: expert layers size their work from the routing (a host sync): not capturable.
             if cuda_graphs and world == 1 and quantize is None and not c.num_experts:
@@ -192,12 +197,12 @@ class TorchRunner:
         return run
 
     @staticmethod
-    def bytes_per_page(config: LlamaConfig, page_size: int, dtype: torch.dtype, world: int = 1) -> int:
+    def bytes_per_page(config: LlamaConfig, page_size: int, dtype: kernels.KVDtype, world: int = 1) -> int:
         """KV bytes one page takes across all layers (keys and values) on the busiest of `world`
-        ranks (the first ranks take one more kv head when the heads do not divide evenly)."""
-        itemsize = torch.empty(0, dtype=dtype).element_size()
+        ranks (the first ranks take one more kv head when the heads do not divide evenly); a
+        q8_0 head takes 34 bytes per 32 elements (float16: 64)."""
         kv_heads = -(-config.num_kv_heads // world)
-        return 2 * config.num_layers * page_size * kv_heads * config.head_dim * itemsize
+        return 2 * config.num_layers * page_size * kv_heads * kernels.kv_head_bytes(dtype, config.head_dim)
 
     @property
     def page_size(self) -> int:

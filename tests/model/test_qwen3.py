@@ -115,15 +115,21 @@ def forced_logits(runner: TorchRunner, prompt: tuple[int, ...], forced: list[int
     return out
 
 
-def test_packed_path_agrees_with_the_float_path(qwen3_gguf: pathlib.Path) -> None:
-    """Fed the float path's greedy tokens, the packed path's logits stay within int8 tolerance
-    at every step, and its greedy choice is the float path's wherever that one leads by more
-    than the tolerance (random weights leave near-ties)."""
+@pytest.mark.parametrize(
+    "kv_dtype", [torch.float32, torch.float16, kernels.Q8_0_KV], ids=["f32", "f16", "q8_0"]
+)
+def test_packed_path_agrees_with_the_float_path(qwen3_gguf: pathlib.Path, kv_dtype: torch.dtype) -> None:
+    """Fed the float path's greedy tokens, the packed path's logits (over each KV cache type)
+    stay within int8 tolerance at every step, and its greedy choice is the float path's
+    wherever that one leads by more than the tolerance (random weights leave near-ties)."""
     if not kernels.available():
         pytest.skip("no C++ compiler for the packed kernels")
     float_runner = runner_of(load_model(qwen3_gguf, torch.float32))
     float_tokens, _ = generate(float_runner, PROMPT, NEW_TOKENS)
-    packed = runner_of(load_model(qwen3_gguf, torch.float32, quantized=True))
+    packed = TorchRunner(
+        load_model(qwen3_gguf, torch.float32, quantized=True),
+        num_pages=32, page_size=4, dtype=torch.float32, kv_dtype=kv_dtype,
+    )  # fmt: skip
     assert packed.packed is not None
     steps = zip(
         forced_logits(runner_of(load_model(qwen3_gguf, torch.float32)), PROMPT, float_tokens),
