@@ -140,10 +140,8 @@ def by_hf(cfg: dict[str, Any]) -> Architecture:
     if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
         raise ValueError(f"config.json 'architectures' must be a list of names, found {archs!r:.80}")
     for arch in ARCHITECTURES:
-        if any(a in arch.hf_architectures for a in archs):
-            return arch
-    for arch in ARCHITECTURES:
-        if not archs and model_type in arch.hf_model_types:
+        named_here = any(a in arch.hf_architectures for a in archs)
+        if named_here or (not archs and model_type in arch.hf_model_types):
             return arch
     if not archs and model_type is None:
         return LLAMA  # an old config.json with neither key

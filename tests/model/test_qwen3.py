@@ -232,3 +232,25 @@ def test_cuda_graphed_qwen3_gives_the_cpu_tokens(qwen3_dir: pathlib.Path) -> Non
     assert gpu._graphs is not None and gpu._graphs.num_captured >= 1
     assert tokens_gpu == tokens_cpu
     assert (logits_gpu.cpu() - logits_cpu).abs().max().item() < 1e-3
+
+
+@pytest.mark.parametrize(
+    ("config", "family"),
+    [
+        ({"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"}, "qwen3"),
+        ({"model_type": "qwen3"}, "qwen3"),  # no architectures: the model type decides
+        ({"model_type": "qwen2"}, "qwen2"),
+        ({}, "llama"),  # an old config.json with neither
+    ],
+)
+def test_the_registry_finds_the_family_of_a_config(config: dict[str, Any], family: str) -> None:
+    from ft.model.architectures import by_hf
+
+    assert by_hf(config).name == family
+
+
+def test_a_config_whose_architectures_is_not_a_list_of_names_is_refused() -> None:
+    from ft.model.architectures import by_hf
+
+    with pytest.raises(ValueError, match="must be a list of names"):
+        by_hf({"architectures": "Qwen3ForCausalLM"})
