@@ -203,6 +203,7 @@ async def _start(engine: Engine, nursery: trio.Nursery) -> None:
         engine.kv_cache_dtype = str(kv_dtype).removeprefix("torch.")
     engine.vocab_size = parts.vocab_size
     engine.generation_defaults = parts.generation_defaults
+    engine.reasoning_parser = parts.reasoning_parser
     spec_path = os.path.join(engine._tmpdir.name, "tokenizer.cbor")
     with open(spec_path, "wb") as f:
         cbor2.dump(asdict(spec), f)

@@ -4,7 +4,7 @@ Every choice that depends on the family is read from its entry, never from a nam
 a loader or a runner: which Hugging Face `model_type`/`architectures` and GGUF
 `general.architecture` names it answers to, how its `config.json` maps onto `LlamaConfig`, the
 blocks it uses (qkv bias, per-head q/k norm), its GGUF tensor names and whether llama.cpp's
-converter permuted its q/k rows.
+converter permuted its q/k rows, and the `<think>` format its chat template asks for.
 `docs/structure.md` says how to add a family.
 """
 
@@ -56,6 +56,7 @@ class Architecture:
     tensors); `qk_norm` is Qwen3's RMSNorm over each head of q and k before the rotary
     embedding; `moe` replaces every layer's MLP by routed experts (`ft.model.moe`); `packed`
     says the packed GGUF kernels run its layers (otherwise its GGUFs load as floats);
+    `reasoning_parser` is the server's reasoning format for it when none is configured;
     `gguf_permuted_qk` names the GGUF architectures whose q/k rows llama.cpp's
     converter interleaved by rotary pairs (undone at load).
     """
@@ -68,6 +69,7 @@ class Architecture:
     qk_norm: bool = False
     moe: bool = False
     packed: bool = True  # a quantized GGUF of it runs as stored (`quantized_llama`)
+    reasoning_parser: str | None = None  # the `<think>` format its template asks the model for
     gguf_permuted_qk: tuple[str, ...] = ()
     gguf_layer_extra: dict[str, str] = field(default_factory=dict)
 
@@ -105,6 +107,7 @@ QWEN3 = Architecture(
     gguf_names=("qwen3",),
     qk_norm=True,
     gguf_layer_extra=QK_NORM_NAMES,
+    reasoning_parser="think",
 )
 
 QWEN3_MOE = Architecture(
@@ -116,6 +119,7 @@ QWEN3_MOE = Architecture(
     moe=True,
     packed=False,
     gguf_layer_extra=QK_NORM_NAMES | MOE_NAMES,
+    reasoning_parser="think",
 )
 
 ARCHITECTURES: tuple[Architecture, ...] = (LLAMA, MISTRAL, QWEN2, QWEN3, QWEN3_MOE)

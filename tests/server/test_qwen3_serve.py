@@ -2,12 +2,14 @@
 a Qwen3-MoE's safetensors (float32) and GGUF (dequantized: the packed kernels run no experts).
 
 The answer is the runner's own greedy continuation of the prompt Qwen3's template renders from
-GGUF metadata, `enable_thinking` reaching the template through `chat_template_kwargs`.
+GGUF metadata, `enable_thinking` reaching the template through `chat_template_kwargs`. The
+family's reasoning format (`think`) is the server's when none is configured.
 """
 
 from __future__ import annotations
 
 import pathlib
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -17,10 +19,14 @@ import torch
 
 from ft.config import EngineConfig
 from ft.core.batch import SeqWork
+from ft.engine.fake import FakeRunner
+from ft.engine.loading import ModelParts
 from ft.model.loader import load_model
 from ft.model.torch_runner import TorchRunner
 from ft.params import SamplingParams
 from ft.tokenizer.template import render_chat
+from tests.support.engine import fake_hooks, fake_parts
+from tests.support.scripts import text_script
 from tests.support.server import TEST_SETTINGS, running_server
 from tests.support.tiny_qwen3 import qwen3_model, qwen3_moe_model, save_qwen3_dir, write_qwen3_gguf
 
@@ -69,12 +75,13 @@ async def test_qwen3_answers_with_its_greedy_continuation(
         model = save_qwen3_dir(tmp_path / "tiny-qwen3", weights)
         config = EngineConfig(model=str(model), dtype="float32", num_pages=64)
     quantized = source == "gguf"
-    settings = replace(TEST_SETTINGS, reasoning_parser="think")
     prompt_lengths = []
     async with (
-        running_server(config, settings=settings) as s,
+        running_server(config) as s,  # no --reasoning-parser: the family's, think
         httpx.AsyncClient(base_url=s.base_url, timeout=60) as c,
     ):
+        (listed,) = (await c.get("/v1/models")).json()["data"]
+        assert listed["capabilities"]["reasoning"] is True
         for thinking in (False, True):
             r = await c.post(
                 "/v1/chat/completions",
@@ -94,3 +101,35 @@ async def test_qwen3_answers_with_its_greedy_continuation(
             else:
                 assert message["content"] == text and not message.get("reasoning_content")
     assert prompt_lengths[0] > prompt_lengths[1]  # enable_thinking false wrote an empty think block
+
+
+def _parts_with_reasoning(runner: FakeRunner, parser: str | None) -> Callable[[EngineConfig], ModelParts]:
+    """The fake model's parts, as a family whose reasoning format is `parser` loads them."""
+    load = fake_parts(runner)
+    return lambda config: replace(load(config), reasoning_parser=parser)
+
+
+@pytest.mark.parametrize(
+    ("family", "configured", "reasoning", "content"),
+    [
+        ("think", None, "Ponder.", "Done."),  # Qwen3 with no --reasoning-parser
+        (None, None, None, "<think>Ponder.</think>Done."),  # a family without one: text left alone
+        (None, "think", "Ponder.", "Done."),  # the operator's parser, whatever the family
+    ],
+)
+async def test_the_model_familys_reasoning_format_is_the_default(
+    family: str | None, configured: str | None, reasoning: str | None, content: str
+) -> None:
+    runner = FakeRunner(script=text_script("<think>Ponder.</think>Done."))
+    hooks = fake_hooks(load_model=_parts_with_reasoning(runner, family))
+    settings = replace(TEST_SETTINGS, reasoning_parser=configured)
+    config = EngineConfig(num_pages=256, served_model_name="fake")
+    async with (
+        running_server(config, hooks=hooks, settings=settings) as s,
+        httpx.AsyncClient(base_url=s.base_url, timeout=10) as c,
+    ):
+        r = await c.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 64})
+        message = r.json()["choices"][0]["message"]
+        assert (message["content"], message.get("reasoning_content")) == (content, reasoning)
+        (listed,) = (await c.get("/v1/models")).json()["data"]
+        assert listed["capabilities"]["reasoning"] is (reasoning is not None)
