@@ -14,6 +14,7 @@ from ft.config import (
     ADMISSIONS,
     ENGINE_DEFAULTS,
     KV_CACHE_DTYPES,
+    POOLING_CHOICES,
     EngineConfig,
     add_model_arguments,
     model_config_fields,
@@ -162,6 +163,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="processes that render chat templates and tokenize prompts (default: %(default)s)",
     )
     engine.add_argument(
+        "--pooling",
+        choices=POOLING_CHOICES,
+        default=_E.pooling,
+        help="how /v1/embeddings, /v1/rerank and /v1/score pool an input's hidden states: their "
+        "mean, the first token's or the last token's; auto is the GGUF's pooling_type, else last "
+        "(default: %(default)s)",
+    )
+    engine.add_argument(
         "--step-timeout",
         metavar="S",
         type=float,
@@ -299,6 +308,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerSet
         enable_prefix_caching=args.enable_prefix_caching,
         tokenizer_workers=args.tokenizer_workers,
         step_timeout_s=args.step_timeout,
+        pooling=args.pooling,
         template_timeout_s=args.template_timeout,
     )
     settings = ServerSettings(

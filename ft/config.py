@@ -14,6 +14,7 @@ Q8_0_KV_PATH = (
     "--kv-cache-dtype q8_0 runs only on the packed CPU path: a quantized GGUF run as stored "
     "(--dtype auto, no --quantize), on the CPU, in one process; use float16 or bfloat16 here"
 )
+POOLING_CHOICES = ("auto", "mean", "cls", "last")  # auto: the model file's, else last
 ADMISSIONS = ("need", "reserve")
 QUANTIZATIONS = ("int8",)
 DEVICE_PATTERN = r"auto|cpu|cuda(:\d+)?"  # auto: CUDA when torch sees one, else the CPU
@@ -70,6 +71,7 @@ class EngineConfig:
     # Seconds work may wait with no step completing (a hung step, rank or scheduler) before the
     # watchdog fails the engine; every configuration (ft/engine/watchdog.py).
     step_timeout_s: float = DEFAULT_STEP_TIMEOUT_S
+    pooling: str = "auto"  # how embeddings pool the prompt's hidden states (see `resolve_pooling`)
 
     def __post_init__(self) -> None:
         for name in self.served_names:
@@ -127,6 +129,8 @@ class EngineConfig:
             )
         if self.max_queue_wait_s is not None and not 0.1 <= self.max_queue_wait_s <= 86400:
             raise ValueError(f"max_queue_wait_s must be in 0.1..86400, got {self.max_queue_wait_s}")
+        if self.pooling not in POOLING_CHOICES:
+            raise ValueError(f"pooling must be one of {', '.join(POOLING_CHOICES)}, got {self.pooling!r}")
         if not 1.0 <= self.step_timeout_s <= 3600.0:
             raise ValueError(f"step_timeout_s must be in 1..3600, got {self.step_timeout_s}")
 
@@ -138,6 +142,19 @@ class EngineConfig:
         if isinstance(self.served_model_name, str):
             return (self.served_model_name,)
         return self.served_model_name
+
+
+def resolve_pooling(configured: str, from_model: str | None) -> str:
+    """The pooling embedding requests use: the configured one, else the model file's, else last.
+
+    NOTE: last-token pooling for a causal LM that does not say: with causal attention only the
+    last token's hidden state has seen the whole input (a mean over-weights its beginning), it
+    is what decoder embedders trained that way use (Qwen3-Embedding, e5-mistral, gte-Qwen2) and
+    what vLLM defaults to for a generative model, and it keeps the prefix cache's hits.
+    """
+    if configured != "auto":
+        return configured
+    return from_model or "last"
 
 
 # The defaults every command's options show and use: read from the record, written once.

@@ -18,6 +18,9 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_LEN = 256
 MAX_LOGIT_BIAS = 1024
 MIN_TEMPERATURE = 1e-5
+# How a pooling request (an embedding) turns its prompt's hidden states into one vector: their
+# mean, the first token's (cls) or the last token's.
+POOLINGS = ("mean", "cls", "last")
 
 
 def mix_seed(seed: int, k: int) -> int:
@@ -96,6 +99,9 @@ class SamplingParams:
     n: int = 1
     skip_special_tokens: bool = True
     grammar: GrammarSpec | None = None  # structured output: what the text must follow
+    # A pooling request (one of `POOLINGS`): prompt only, nothing sampled; its stream gives the
+    # pooled hidden state (after the final norm) instead of tokens.
+    pooling: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None:
@@ -136,6 +142,15 @@ class SamplingParams:
         _integer("n", self.n, 1, MAX_N)
         if self.grammar is not None and not isinstance(self.grammar, GrammarSpec):
             raise InvalidRequest("grammar must be a GrammarSpec", param="grammar")
+        if self.pooling is not None:
+            self._check_pooling()
+
+    def _check_pooling(self) -> None:
+        if self.pooling not in POOLINGS:
+            raise InvalidRequest(f"pooling must be one of {', '.join(POOLINGS)}", param="pooling")
+        sampled = self.n != 1 or self.logprobs or self.prompt_logprobs is not None or self.grammar is not None
+        if sampled:
+            raise InvalidRequest("a pooling request samples nothing: n, logprobs and grammars do not apply")
 
     @property
     def is_greedy(self) -> bool:

@@ -31,6 +31,8 @@ class ModelParts:
     bytes_per_page: Callable[[int], int]  # page_size -> bytes
     vocab_size: int
     generation_defaults: dict[str, float | int]
+    hidden_size: int = 0  # the width of a pooled embedding
+    pooling: str | None = None  # how the model's file says to pool embeddings (None: unsaid)
     # Releases what the model holds outside this process (the other ranks); synchronous,
     # called once when the engine stops. `failed`: the ranks are broken, do not talk to them.
     close: Callable[[bool], None] | None = None
@@ -177,6 +179,8 @@ def load_torch_model(
         bytes_per_page=lambda ps: TorchRunner.bytes_per_page(loaded.config, ps, kv_dtype, world),
         vocab_size=loaded.config.vocab_size,
         generation_defaults=loaded.generation_defaults,
+        hidden_size=loaded.config.hidden_size,
+        pooling=loaded.config.pooling,
         close=close,
         failure=procs.failure if procs is not None else None,
         reasoning_parser=by_name(loaded.config.architecture).reasoning_parser,

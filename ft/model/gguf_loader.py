@@ -35,6 +35,8 @@ log = logging.getLogger("ft.model")
 MAX_WIDTH = 1 << 20  # hidden size, ffn length
 MAX_HEADS = 1 << 12
 MAX_HEAD_DIM = 1 << 12
+# llama.cpp's `llama_pooling_type` values (0 none, 4 rank: a classification head, not served).
+GGUF_POOLINGS = {1: "mean", 2: "cls", 3: "last"}
 MAX_LAYERS = 1 << 12
 MAX_EXPERTS = 1 << 12
 MAX_VOCAB = 1 << 24
@@ -109,6 +111,7 @@ def gguf_config(meta: GGUFFile, tensor_names: set[str], vocab_size: int) -> Llam
             attention_bias="blk.0.attn_q.bias" in tensor_names,
             qk_norm=family.qk_norm,
             architecture=family.name,
+            pooling=GGUF_POOLINGS.get(meta.integer(f"{arch}.pooling_type", 0, 1 << 16, default=0)),
             **moe,
         )
     except ModelFileError:

@@ -52,6 +52,7 @@ class LlamaConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
     architecture: str = "llama"
+    pooling: str | None = None  # how the file says to pool embeddings (GGUF `{arch}.pooling_type`)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

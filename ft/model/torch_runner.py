@@ -12,7 +12,7 @@ import torch
 import torch.utils.mkldnn
 
 from ft.config import Q8_0_KV_PATH, QUANTIZATIONS
-from ft.core.batch import RowsFailed, Sampled, Scored, SeqWork
+from ft.core.batch import PoolSum, RowsFailed, Scored, SeqWork, StepOutput
 from ft.model import kernels
 from ft.model.attention import SeqSpan, build_metadata
 from ft.model.cuda_graphs import DecodeGraphs
@@ -237,15 +237,15 @@ class TorchRunner:
         if bad is not None:
             raise ValueError(f"seq {work.seq_id}: token id {bad} outside the vocabulary")
 
-    def step(self, works: list[SeqWork]) -> list[Sampled | Scored]:
+    def step(self, works: list[SeqWork]) -> list[StepOutput]:
         """Run one forward pass; return one `Sampled` per work with `sample=True`, in order,
-        then one `Scored` per work with `score_ids`."""
+        then one `Scored` per work with `score_ids` and one `PoolSum` per pooling work."""
         with self._threads.timed(sum(len(w.token_ids) for w in works)) as threads:
             if threads != torch.get_num_threads():
                 torch.set_num_threads(threads)
             return self._step(works)
 
-    def _step(self, works: list[SeqWork]) -> list[Sampled | Scored]:
+    def _step(self, works: list[SeqWork]) -> list[StepOutput]:
         rows = [w for w in works if w.sample]
         masks = StepMasks.start(rows, self.vocab_size)  # computed while the model runs
         try:
@@ -271,8 +271,9 @@ class TorchRunner:
         """Feed every work's tokens (writing their KV); logits `[R, vocab]` of the sampling rows."""
         return self._forward_locked(works)[0]
 
-    def _forward_locked(self, works: list[SeqWork]) -> tuple[torch.Tensor | None, list[Scored]]:
-        """`forward`, and the `Scored` of the works with `score_ids`."""
+    def _forward_locked(self, works: list[SeqWork]) -> tuple[torch.Tensor | None, list[Scored | PoolSum]]:
+        """`forward`, and the `Scored` of the works with `score_ids`, the `PoolSum` of the
+        pooling works."""
         if not works:
             return None, []
         for work in works:
@@ -322,7 +323,7 @@ class TorchRunner:
         finally:
             self._lock.release()
 
-    def _forward(self, works: list[SeqWork]) -> tuple[torch.Tensor | None, list[Scored]]:
+    def _forward(self, works: list[SeqWork]) -> tuple[torch.Tensor | None, list[Scored | PoolSum]]:
         if self.device.type != "cuda":
             return self._forward_on_device(works)
         # NOTE: steps run in whichever thread trio lends; streams, events and graphs follow the
@@ -330,7 +331,7 @@ class TorchRunner:
         with torch.cuda.device(self.device):
             return self._forward_on_device(works)
 
-    def _forward_on_device(self, works: list[SeqWork]) -> tuple[torch.Tensor | None, list[Scored]]:
+    def _forward_on_device(self, works: list[SeqWork]) -> tuple[torch.Tensor | None, list[Scored | PoolSum]]:
         token_ids: list[int] = []
         positions: list[int] = []
         sample_rows: list[int] = []
@@ -357,7 +358,25 @@ class TorchRunner:
             if sample_rows:
                 rows = hidden if len(sample_rows) == len(token_ids) else hidden[sample_rows]  # [R, hidden]
                 logits = self._lm_head(rows)  # [R, vocab]
-            return logits, self._score(works, hidden)
+            return logits, [*self._score(works, hidden), *self._pool(works, hidden)]
+
+    @staticmethod
+    def _pool(works: list[SeqWork], hidden: torch.Tensor) -> list[PoolSum]:
+        """The pooling works' rows of `hidden` `[T, hidden]` (after the final norm), summed.
+
+        In float64, so a prompt's mean does not depend on how it was chunked beyond the last
+        bits; the scheduler adds a sequence's chunks and divides.
+        """
+        out: list[PoolSum] = []
+        base = 0
+        for work in works:
+            if work.num_pool_rows:
+                first = base + work.pool_offset
+                rows = hidden[first : first + work.num_pool_rows]  # [P, hidden]
+                total = rows.double().sum(dim=0)  # [hidden]
+                out.append(PoolSum(work.seq_id, tuple(total.cpu().tolist())))
+            base += len(work.token_ids)
+        return out
 
     def _score(self, works: list[SeqWork], hidden: torch.Tensor) -> list[Scored]:
         """Prompt logprobs of the works with `score_ids`, from their rows of `hidden` `[T, hidden]`.

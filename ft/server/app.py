@@ -33,6 +33,7 @@ from ft.server.edge.slow_clients import SendDeadlines
 from ft.server.edge.tracing import Tracing
 from ft.server.generation.context import ServerContext, error_response
 from ft.server.openai import routes as openai_routes
+from ft.server.pooling import routes as pooling_routes
 from ft.server.responses import routes as responses_routes
 from ft.server.settings import ServerSettings
 
@@ -79,7 +80,7 @@ def create_app(
     ctx = ServerContext(engine=engine, settings=settings)
     app.extensions["ft"] = ctx
     _install_edge(app, ctx)
-    for module in (openai_routes, anthropic_routes, responses_routes, control, web):
+    for module in (openai_routes, pooling_routes, anthropic_routes, responses_routes, control, web):
         module.register(app, ctx)
     for register in extra_routes:
         register(app, ctx)

@@ -89,9 +89,11 @@ def write_tiny_gguf(
     tied: bool = False,
     layer_types: dict[str, GGMLQuantizationType] | None = None,
     embedding_type: GGMLQuantizationType = GGMLQuantizationType.Q8_0,
+    pooling_type: int | None = None,
 ) -> pathlib.Path:
     """A tiny random-weight Llama GGUF (2 layers, hidden 256, GQA 4/2) at `path`; its layer
-    weights of `layer_types` (default `LAYER_TYPES`), its embedding of `embedding_type`."""
+    weights of `layer_types` (default `LAYER_TYPES`), its embedding of `embedding_type`; with
+    `pooling_type`, its `llama.pooling_type` (llama.cpp's numbering: 1 mean, 2 cls, 3 last)."""
     layer_types = layer_types or LAYER_TYPES
     rng = np.random.default_rng(seed)
     tokens, merges, types = tiny_tokens()
@@ -117,6 +119,8 @@ def write_tiny_gguf(
     w.add_eos_token_id(2)
     w.add_add_bos_token(False)
     w.add_chat_template(TEMPLATE)
+    if pooling_type is not None:
+        w.add_uint32("llama.pooling_type", pooling_type)
 
     def norm(n: int) -> np.ndarray:
         return (1 + 0.1 * rng.standard_normal(n)).astype(np.float32)
