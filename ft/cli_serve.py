@@ -86,7 +86,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--reasoning-parser",
         choices=REASONING_PARSERS,
         default=_S.reasoning_parser,
-        help="split reasoning out of chat output with this parser (default: none)",
+        help="split reasoning out of chat output with this parser (default: the model family's: "
+        "think for Qwen3, else none)",
     )
 
     engine = parser.add_argument_group("engine")

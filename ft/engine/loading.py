@@ -39,6 +39,9 @@ class ModelParts:
     # Why the model can run no more steps (a spawned rank process exited), None while it can;
     # non-blocking, polled by the engine's watchdog from the event loop.
     failure: Callable[[], str | None] | None = None
+    # The reasoning format the model's family writes (`architectures`; Qwen3: "think"), which the
+    # server parses when it was configured with none.
+    reasoning_parser: str | None = None
 
 
 @dataclass(frozen=True)
@@ -71,6 +74,7 @@ def load_torch_model(
 
     from ft.engine import ranks as rank_launch
     from ft.model import kernels
+    from ft.model.architectures import by_name
     from ft.model.dtypes import resolve_dtype
     from ft.model.loader import is_quantized_gguf, load_model
     from ft.model.torch_runner import TorchRunner
@@ -179,6 +183,7 @@ def load_torch_model(
         pooling=loaded.config.pooling,
         close=close,
         failure=procs.failure if procs is not None else None,
+        reasoning_parser=by_name(loaded.config.architecture).reasoning_parser,
     )
 
 

@@ -43,6 +43,16 @@ def expected_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
         }  # fmt: skip
         if c.attention_bias:
             shapes |= {p + "attn_q.bias": (q,), p + "attn_k.bias": (kv,), p + "attn_v.bias": (kv,)}
+        if c.num_experts:  # the experts replace the dense MLP
+            e, moe = c.num_experts, c.moe_intermediate_size
+            for part in ("ffn_gate", "ffn_up", "ffn_down"):
+                del shapes[p + part + ".weight"]
+            shapes |= {
+                p + "ffn_gate_inp.weight": (e, h), p + "ffn_gate_exps.weight": (e, moe, h),
+                p + "ffn_up_exps.weight": (e, moe, h), p + "ffn_down_exps.weight": (e, h, moe),
+            }  # fmt: skip
+        if c.qk_norm:
+            shapes |= {p + "attn_q_norm.weight": (c.head_dim,), p + "attn_k_norm.weight": (c.head_dim,)}
     return shapes
 
 

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 from gguf.quants import dequantize
 
+from ft.model.architectures import GGUF_GLOBAL_NAMES, Architecture, by_gguf, by_name
 from ft.model.gguf_check import check_tensors, check_vocabulary
 from ft.model.gguf_file import GGUFFile, GGUFTensor, ModelFileError
 from ft.model.kernels import repacked
@@ -25,27 +26,6 @@ from ft.tokenizer.spec import (
     tokenizer_json_of,
 )
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral")
-
-_LAYER_NAMES = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_q.bias": "self_attn.q_proj.bias",
-    "attn_k.bias": "self_attn.k_proj.bias",
-    "attn_v.bias": "self_attn.v_proj.bias",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-}
-_GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
 _BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
 log = logging.getLogger("ft.model")
 
@@ -58,6 +38,7 @@ MAX_HEAD_DIM = 1 << 12
 # llama.cpp's `llama_pooling_type` values (0 none, 4 rank: a classification head, not served).
 GGUF_POOLINGS = {1: "mean", 2: "cls", 3: "last"}
 MAX_LAYERS = 1 << 12
+MAX_EXPERTS = 1 << 12
 MAX_VOCAB = 1 << 24
 MAX_CONTEXT = 1 << 24
 
@@ -72,11 +53,10 @@ def gguf_config(meta: GGUFFile, tensor_names: set[str], vocab_size: int) -> Llam
     arch = meta.text("general.architecture")
     if arch is None:
         raise ModelFileError("GGUF file lacks required metadata key 'general.architecture'")
-    name = str(meta.text("general.name", "") or "").lower()
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ModelFileError(
-            f"GGUF architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
-        )
+    try:
+        family = by_gguf(arch, str(meta.text("general.name", "") or ""))
+    except ValueError as e:
+        raise ModelFileError(str(e)) from None
     num_layers = meta.integer(f"{arch}.block_count", 1, MAX_LAYERS)
     num_heads = _per_layer(meta, f"{arch}.attention.head_count", 1, MAX_HEADS, num_layers)
     hidden = meta.integer(f"{arch}.embedding_length", 1, MAX_WIDTH)
@@ -89,6 +69,15 @@ def gguf_config(meta: GGUFFile, tensor_names: set[str], vocab_size: int) -> Llam
             f"{num_heads} heads of '{arch}.attention.head_count'"
         )
     head_dim = _head_dim(meta, arch, hidden, num_heads)
+    moe: dict[str, Any] = {}
+    if family.moe:
+        num_experts = meta.integer(f"{arch}.expert_count", 1, MAX_EXPERTS)
+        moe = dict(
+            num_experts=num_experts,
+            num_experts_per_tok=meta.integer(f"{arch}.expert_used_count", 1, num_experts),
+            moe_intermediate_size=meta.integer(f"{arch}.expert_feed_forward_length", 1, MAX_WIDTH),
+            norm_topk_prob=_flag(meta, f"{arch}.expert_weights_norm", default=True),
+        )  # llama.cpp renormalizes qwen3moe's top-k unless the file says otherwise
     rope_scaling: dict[str, Any] | None = None
     scaling_type = meta.text(f"{arch}.rope.scaling.type")
     if scaling_type not in (None, "none"):
@@ -102,7 +91,14 @@ def gguf_config(meta: GGUFFile, tensor_names: set[str], vocab_size: int) -> Llam
         return LlamaConfig(
             vocab_size=meta.integer(f"{arch}.vocab_size", 1, MAX_VOCAB, default=vocab_size or 1),
             hidden_size=hidden,
-            intermediate_size=_per_layer(meta, f"{arch}.feed_forward_length", 1, MAX_WIDTH, num_layers),
+            intermediate_size=_per_layer(
+                meta,
+                f"{arch}.feed_forward_length",
+                1,
+                MAX_WIDTH,
+                num_layers,
+                default=moe.get("moe_intermediate_size"),
+            ),  # fmt: skip
             num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=num_kv_heads,
@@ -113,13 +109,23 @@ def gguf_config(meta: GGUFFile, tensor_names: set[str], vocab_size: int) -> Llam
             max_position_embeddings=meta.integer(f"{arch}.context_length", 1, MAX_CONTEXT, default=2048),
             tie_word_embeddings="output.weight" not in tensor_names,
             attention_bias="blk.0.attn_q.bias" in tensor_names,
-            architecture="mistral" if arch == "llama" and "mistral" in name else arch,
+            qk_norm=family.qk_norm,
+            architecture=family.name,
             pooling=GGUF_POOLINGS.get(meta.integer(f"{arch}.pooling_type", 0, 1 << 16, default=0)),
+            **moe,
         )
     except ModelFileError:
         raise
     except ValueError as e:  # LlamaConfig's own checks (rope scaling type)
         raise ModelFileError(f"metadata of architecture {arch!r}: {e}") from None
+
+
+def _flag(meta: GGUFFile, key: str, *, default: bool) -> bool:
+    """A boolean metadata value, or `default` when absent."""
+    value = meta.get(key, default)
+    if not isinstance(value, bool):
+        raise ModelFileError(f"metadata key {key!r}: expected a boolean, found {type(value).__name__}")
+    return value
 
 
 def _per_layer(
@@ -227,37 +233,31 @@ def gguf_tensors(
     With `quantized`, 2-D weights stay packed (`QuantTensor`); otherwise every tensor is
     dequantized to `dtype`.
     """
+    family = by_name(config.architecture)
+    permuted = arch in family.gguf_permuted_qk
     sd: dict[str, torch.Tensor | QuantTensor] = {}
     freq_factors: tuple[float, ...] | None = None
     requantized: Counter[str] = Counter()
     for i, tensor in enumerate(reader.tensors):
         if progress is not None:
             progress(i / len(reader.tensors))
+        heads = _permuted_heads(tensor.name, config) if permuted else None
         if quantized and tensor.data.ndim == 2 and tensor.name != "rope_freqs.weight":
             if int(tensor.tensor_type) not in KERNEL_TYPES:
                 requantized[tensor.tensor_type.name] += 1
-            sd[_hf_name(tensor.name)] = repacked(_unpermuted(as_stored(tensor), tensor.name, config, arch))
+            packed = as_stored(tensor)
+            if heads is not None:  # each row is whole blocks: permute the rows
+                packed = packed.permute_rows(unpermute_rotary(torch.arange(packed.rows), heads))
+            sd[_hf_name(tensor.name, family)] = repacked(packed)
             reader.release(tensor)
             continue
         w = torch.from_numpy(_dequantized(tensor))
         if tensor.name == "rope_freqs.weight":
             freq_factors = tuple(float(x) for x in w.flatten().tolist())
             continue
-        m = _BLOCK.match(tensor.name)
-        if m:
-            suffix = _LAYER_NAMES.get(m.group(2))
-            if suffix is None:
-                raise ValueError(f"unexpected GGUF tensor {tensor.name}")
-            if arch == "llama" and m.group(2).startswith("attn_q."):
-                w = unpermute_rotary(w, config.num_heads)
-            elif arch == "llama" and m.group(2).startswith("attn_k."):
-                w = unpermute_rotary(w, config.num_kv_heads)
-            name = f"model.layers.{m.group(1)}.{suffix}"
-        elif tensor.name in _GLOBAL_NAMES:
-            name = _GLOBAL_NAMES[tensor.name]
-        else:
-            raise ValueError(f"unexpected GGUF tensor {tensor.name}")
-        sd[name] = w.to(dtype)
+        if heads is not None:
+            w = unpermute_rotary(w, heads)
+        sd[_hf_name(tensor.name, family)] = w.to(dtype)
         reader.release(tensor)
     if requantized:
         log.warning(
@@ -267,25 +267,25 @@ def gguf_tensors(
     return sd, freq_factors
 
 
-def _hf_name(name: str) -> str:
+def _hf_name(name: str, family: Architecture) -> str:
+    """The Hugging Face name of GGUF tensor `name` in `family`."""
     m = _BLOCK.match(name)
     if m:
-        suffix = _LAYER_NAMES.get(m.group(2))
+        suffix = family.gguf_layer_names.get(m.group(2))
         if suffix is None:
             raise ValueError(f"unexpected GGUF tensor {name}")
         return f"model.layers.{m.group(1)}.{suffix}"
-    if name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[name]
+    if name in GGUF_GLOBAL_NAMES:
+        return GGUF_GLOBAL_NAMES[name]
     raise ValueError(f"unexpected GGUF tensor {name}")
 
 
-def _unpermuted(w: QuantTensor, name: str, config: LlamaConfig, arch: str) -> QuantTensor:
-    """Undo llama.cpp's q/k row permutation on packed rows (each row is whole blocks)."""
+def _permuted_heads(name: str, config: LlamaConfig) -> int | None:
+    """The head count to undo llama.cpp's q/k row permutation with, for a q or k projection."""
     m = _BLOCK.match(name)
-    if arch != "llama" or m is None or not m.group(2).startswith(("attn_q.", "attn_k.")):
-        return w
-    heads = config.num_heads if m.group(2).startswith("attn_q.") else config.num_kv_heads
-    return w.permute_rows(unpermute_rotary(torch.arange(w.rows), heads))
+    if m is None or not m.group(2).startswith(("attn_q.", "attn_k.")):
+        return None
+    return config.num_heads if m.group(2).startswith("attn_q.") else config.num_kv_heads
 
 
 def gguf_tokenizer(meta: GGUFFile, context_length: int) -> TokenizerSpec:

@@ -13,7 +13,6 @@ from tokenizers import Tokenizer
 from ft.model.llama import LlamaConfig, Progress
 from ft.tokenizer.spec import TokenizerSpec, tokenizer_json_of
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 GENERATION_KEYS = ("temperature", "top_p", "top_k", "repetition_penalty")
 
 
@@ -28,15 +27,14 @@ def _read_json(path: pathlib.Path) -> dict[str, Any]:
 
 
 def hf_config(directory: pathlib.Path) -> LlamaConfig:
-    """A `LlamaConfig` from `config.json`."""
+    """A `LlamaConfig` from `config.json` (its family looked up in `ft.model.architectures`).
+
+    Raises:
+        ValueError: no config.json, or a family ft does not run (naming the supported ones).
+    """
     cfg = _read_json(directory / "config.json")
     if not cfg:
         raise ValueError(f"{directory} has no config.json")
-    archs = cfg.get("architectures") or ["LlamaForCausalLM"]
-    if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
-        raise ValueError(
-            f"architecture {archs} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
-        )
     return LlamaConfig.from_hf(cfg)
 
 

@@ -2026,10 +2026,12 @@ namespace {
 // then it attends every position 0..pos[t] of its sequence, found through
 // block_tables[seq[t] * max_pages + p / page_size] * page_size + p % page_size. So decode rows
 // and causal prefill chunks are the same loop. w: q, k, v, o, gate, up, down. bias: q|k|v or null.
-// cos, sin: [T, hd / 2]. Caches: this layer's num_slots slots of kvh * hd elements of KT.
+// q_norm, k_norm: hd weights each of an RMSNorm over every q and k head before the rotary (Qwen3),
+// or null. cos, sin: [T, hd / 2]. Caches: this layer's num_slots slots of kvh * hd elements of KT.
 template <class KT>
 void decoder_layer(float* x, int64_t T, int64_t H, const float* norm1, const float* norm2, float eps,
-                   const Weight* w, const float* bias, const float* cos, const float* sin, KT* k_cache, KT* v_cache,
+                   const Weight* w, const float* bias, const float* q_norm, const float* k_norm, const float* cos,
+                   const float* sin, KT* k_cache, KT* v_cache,
                    const int64_t* slot_of, const int64_t* seq, const int64_t* pos, const int32_t* block_tables,
                    int64_t max_pages, int64_t page_size, int64_t nh, int64_t nkvh, int64_t hd, int64_t inter,
                    int threads) {
@@ -2053,6 +2055,10 @@ void decoder_layer(float* x, int64_t T, int64_t H, const float* norm1, const flo
       float* row = qkv.data() + t * qkv_w;
       if (bias)
         for (int64_t i = 0; i < qkv_w; i++) row[i] += bias[i];
+      if (q_norm) {
+        for (int64_t j = 0; j < nh; j++) rms_norm_row(row + j * hd, q_norm, eps, hd, row + j * hd);
+        for (int64_t j = 0; j < nkvh; j++) rms_norm_row(row + qsz + j * hd, k_norm, eps, hd, row + qsz + j * hd);
+      }
       rope(row, nh, hd, cos + t * (hd / 2), sin + t * (hd / 2));
       rope(row + qsz, nkvh, hd, cos + t * (hd / 2), sin + t * (hd / 2));
       kv_store(row + qsz, kvsz, k_cache + slot_of[t] * kvsz / kv_per<KT>);
@@ -2167,12 +2173,14 @@ int ft_attention(const float* q, int64_t T, const void* k_cache, const void* v_c
 
 // decoder_layer over a KV cache of `kv_type` (KV_F32, KV_F16, KV_BF16, KV_Q8_0); caches are this
 // layer's num_slots slots of kv_slot_bytes (kvh * hd elements of that type) each; cos, sin [T, rope_width == hd / 2]. Every size is an argument and checked against the others:
-// the norms hold H floats, the bias (or null) q + 2 kv, and w[] (q, k, v, o, gate, up, down) have
+// the norms hold H floats, the bias (or null) q + 2 kv, the q and k head norms (both null, or both
+// qk_norm_len == hd floats) one head, and w[] (q, k, v, o, gate, up, down) have
 // the rows and row bytes of [nh * hd, H], [nkvh * hd, H] twice, [H, nh * hd], [inter, H] twice
 // and [H, inter].
 int ft_decoder_layer(float* x, int64_t T, int64_t H, const float* norm1, int64_t norm1_len, const float* norm2,
                      int64_t norm2_len, float eps, const Weight* w, const float* bias, int64_t bias_len,
-                     const float* cos, const float* sin, int64_t rope_width, void* k_cache, void* v_cache,
+                     const float* q_norm, const float* k_norm, int64_t qk_norm_len, const float* cos,
+                     const float* sin, int64_t rope_width, void* k_cache, void* v_cache,
                      int64_t num_slots, int64_t kv_slot_bytes, int kv_type,
                      const int64_t* slot_of, const int64_t* seq, int64_t num_seqs, const int64_t* pos,
                      const int32_t* block_tables, int64_t max_pages, int64_t page_size, int64_t nh, int64_t nkvh,
@@ -2186,6 +2194,8 @@ int ft_decoder_layer(float* x, int64_t T, int64_t H, const float* norm1, int64_t
     const int64_t qsz = nh * hd, kvsz = nkvh * hd;
     FT_REQUIRE(!bias || bias_len == qsz + 2 * kvsz, "a q|k|v bias of %lld, expected %lld", (long long)bias_len,
                (long long)(qsz + 2 * kvsz));
+    FT_REQUIRE(!q_norm == !k_norm && (!q_norm || qk_norm_len == hd), "q/k head norms of %lld for heads of %lld",
+               (long long)qk_norm_len, (long long)hd);
     static const char* names[7] = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"};
     const int64_t rows[7] = {qsz, kvsz, kvsz, H, inter, inter, H};
     const int64_t cols[7] = {H, H, H, qsz, H, H, inter};
@@ -2201,20 +2211,24 @@ int ft_decoder_layer(float* x, int64_t T, int64_t H, const float* norm1, int64_t
     check_step(T, slot_of, seq, pos, num_seqs, block_tables, max_pages, page_size, num_slots);
     switch (kv_type) {
       case KV_F32:
-        decoder_layer(x, T, H, norm1, norm2, eps, w, bias, cos, sin, (float*)k_cache, (float*)v_cache, slot_of,
-                      seq, pos, block_tables, max_pages, page_size, nh, nkvh, hd, inter, threads);
+        decoder_layer(x, T, H, norm1, norm2, eps, w, bias, q_norm, k_norm, cos, sin, (float*)k_cache,
+                      (float*)v_cache, slot_of, seq, pos, block_tables, max_pages, page_size, nh, nkvh, hd, inter,
+                      threads);
         break;
       case KV_F16:
-        decoder_layer(x, T, H, norm1, norm2, eps, w, bias, cos, sin, (half_t*)k_cache, (half_t*)v_cache, slot_of,
-                      seq, pos, block_tables, max_pages, page_size, nh, nkvh, hd, inter, threads);
+        decoder_layer(x, T, H, norm1, norm2, eps, w, bias, q_norm, k_norm, cos, sin, (half_t*)k_cache,
+                      (half_t*)v_cache, slot_of, seq, pos, block_tables, max_pages, page_size, nh, nkvh, hd, inter,
+                      threads);
         break;
       case KV_BF16:
-        decoder_layer(x, T, H, norm1, norm2, eps, w, bias, cos, sin, (bfloat_t*)k_cache, (bfloat_t*)v_cache,
-                      slot_of, seq, pos, block_tables, max_pages, page_size, nh, nkvh, hd, inter, threads);
+        decoder_layer(x, T, H, norm1, norm2, eps, w, bias, q_norm, k_norm, cos, sin, (bfloat_t*)k_cache,
+                      (bfloat_t*)v_cache, slot_of, seq, pos, block_tables, max_pages, page_size, nh, nkvh, hd, inter,
+                      threads);
         break;
       case KV_Q8_0:
-        decoder_layer(x, T, H, norm1, norm2, eps, w, bias, cos, sin, (kv_q8_t*)k_cache, (kv_q8_t*)v_cache,
-                      slot_of, seq, pos, block_tables, max_pages, page_size, nh, nkvh, hd, inter, threads);
+        decoder_layer(x, T, H, norm1, norm2, eps, w, bias, q_norm, k_norm, cos, sin, (kv_q8_t*)k_cache,
+                      (kv_q8_t*)v_cache, slot_of, seq, pos, block_tables, max_pages, page_size, nh, nkvh, hd, inter,
+                      threads);
         break;
     }
   });

@@ -114,8 +114,8 @@ def build_library(march: str = "native", sanitize: bool = False) -> ctypes.CDLL:
     lib.ft_repacked_row_bytes.restype = i64
     lib.ft_rms_norm.argtypes = [ptr, i64, i64, i64, ptr, i64, ctypes.c_float, ptr]
     lib.ft_decoder_layer.argtypes = [
-        ptr, i64, i64, ptr, i64, ptr, i64, ctypes.c_float, ptr, ptr, i64, ptr, ptr, i64, ptr, ptr, i64, i64,
-        i32, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, i64, i32,
+        ptr, i64, i64, ptr, i64, ptr, i64, ctypes.c_float, ptr, ptr, i64, ptr, ptr, i64, ptr, ptr, i64,
+        ptr, ptr, i64, i64, i32, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, i64, i32,
     ]  # fmt: skip
     lib.ft_attention.argtypes = [
         ptr, i64, ptr, ptr, i64, i64, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, ptr, i32,

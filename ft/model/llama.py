@@ -1,4 +1,6 @@
-"""The Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2 with qkv bias) over a paged KV cache."""
+"""The Llama-family decoder over a paged KV cache: Llama 2/3, SmolLM2, Mistral, Qwen2 (qkv bias),
+Qwen3 (per-head q/k RMSNorm) and Qwen3-MoE (experts from `moe.py`); which blocks a family uses
+is its `architectures` entry."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ft.model.attention import AttentionMetadata, paged_attention, write_kv
+from ft.model.moe import SparseMoE, fuse_experts
 
 if TYPE_CHECKING:
     from ft.model.parallel import Shard
@@ -41,6 +44,13 @@ class LlamaConfig:
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     attention_bias: bool = False
+    qk_norm: bool = False  # RMSNorm over each head of q and k before the rotary embedding (Qwen3)
+    # mixture of experts (Qwen3-MoE): every layer's MLP is `num_experts` experts of
+    # `moe_intermediate_size`, `num_experts_per_tok` of them per token; 0 experts: dense
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
     architecture: str = "llama"
     pooling: str | None = None  # how the file says to pool embeddings (GGUF `{arch}.pooling_type`)
     extra: dict[str, Any] = field(default_factory=dict)
@@ -51,6 +61,13 @@ class LlamaConfig:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
+            )
+        if self.num_experts and not (
+            1 <= self.num_experts_per_tok <= self.num_experts and self.moe_intermediate_size >= 1
+        ):
+            raise ValueError(
+                f"{self.num_experts_per_tok} experts per token of {self.num_experts} experts of "
+                f"{self.moe_intermediate_size}: expected 1 to {self.num_experts} per token, positive sizes"
             )
         if self.rope_scaling is not None:
             kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
@@ -73,8 +90,34 @@ class LlamaConfig:
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> LlamaConfig:
-        """Build from a Hugging Face `config.json` dict (Llama, Mistral, Qwen2)."""
-        model_type = cfg.get("model_type", "llama")
+        """Build from a Hugging Face `config.json` dict (any family of `ft.model.architectures`).
+
+        Raises:
+            ValueError: the family is not supported, or a value is inconsistent.
+        """
+        from ft.model.architectures import by_hf
+
+        arch = by_hf(cfg)
+        if cfg.get("use_sliding_window"):
+            raise ValueError(
+                f"{arch.name} with use_sliding_window is not supported (sliding-window attention)"
+            )
+        moe: dict[str, Any] = {}
+        if arch.moe:
+            if cfg.get("decoder_sparse_step", 1) != 1 or cfg.get("mlp_only_layers"):
+                raise ValueError(
+                    f"{arch.name} with dense layers among the expert layers (decoder_sparse_step, "
+                    "mlp_only_layers) is not supported"
+                )
+            experts = cfg.get("num_experts", cfg.get("num_local_experts"))  # transformers 5 writes the latter
+            if not isinstance(experts, int) or experts < 1:
+                raise ValueError(f"{arch.name}: config.json lacks a positive num_experts, found {experts!r}")
+            moe = dict(
+                num_experts=experts,
+                num_experts_per_tok=int(cfg["num_experts_per_tok"]),
+                moe_intermediate_size=int(cfg["moe_intermediate_size"]),
+                norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+            )
         num_heads = int(cfg["num_attention_heads"])
         rope_scaling = cfg.get("rope_scaling") or None
         rope_theta = cfg.get("rope_theta")
@@ -96,8 +139,10 @@ class LlamaConfig:
             rope_scaling=rope_scaling,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
-            architecture=model_type,
+            attention_bias=bool(cfg.get("attention_bias", arch.qkv_bias)),
+            qk_norm=arch.qk_norm,
+            architecture=arch.name,
+            **moe,
         )
 
 
@@ -173,9 +218,13 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         qkv_out = config.q_size + 2 * config.kv_size
         self.qkv_proj = nn.Linear(config.hidden_size, qkv_out, bias=config.attention_bias)
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.o_proj = nn.Linear(config.q_size, config.hidden_size, bias=False)
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.moe = SparseMoE(config) if config.num_experts else None
+        if self.moe is None:
+            self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+            self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(
         self,
@@ -190,15 +239,23 @@ class DecoderLayer(nn.Module):
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(self.input_layernorm(x))  # [T, q_size + 2 * kv_size]
         q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
-        q = apply_rope(q.view(num_tokens, c.num_heads, c.head_dim), cos, sin)  # [T, heads, hd]
-        k = apply_rope(k.view(num_tokens, c.num_kv_heads, c.head_dim), cos, sin)  # [T, kvh, hd]
+        q = q.view(num_tokens, c.num_heads, c.head_dim)  # [T, heads, hd]
+        k = k.view(num_tokens, c.num_kv_heads, c.head_dim)  # [T, kvh, hd]
+        if self.q_norm is not None and self.k_norm is not None:  # per head, before the rotary
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q, cos, sin)
+        k = apply_rope(k, cos, sin)
         v = v.view(num_tokens, c.num_kv_heads, c.head_dim)  # [T, kvh, hd]
         write_kv(k_cache, v_cache, k, v, meta)
         attn = paged_attention(q, k_cache, v_cache, meta)  # [T, heads * hd]
         o = self.o_proj(attn)  # [T, hidden] (this rank's heads' share under TP)
         h = x + (o if self.reduce is None else self.reduce(o))
-        gate, up = self.gate_up_proj(self.post_attention_layernorm(h)).chunk(2, dim=-1)
-        d = self.down_proj(F.silu(gate) * up)  # [T, hidden]
+        normed = self.post_attention_layernorm(h)
+        if self.moe is not None:
+            d = self.moe(normed)  # [T, hidden]
+        else:
+            gate, up = self.gate_up_proj(normed).chunk(2, dim=-1)
+            d = self.down_proj(F.silu(gate) * up)  # [T, hidden]
         out: torch.Tensor = h + (d if self.reduce is None else self.reduce(d))
         return out
 
@@ -266,7 +323,13 @@ def fuse_hf_state_dict(config: LlamaConfig, sd: dict[str, torch.Tensor]) -> dict
             out[o + "qkv_proj.bias"] = torch.cat(
                 [sd[attn + "q_proj.bias"], sd[attn + "k_proj.bias"], sd[attn + "v_proj.bias"]]
             )
+        if config.qk_norm:
+            out[o + "q_norm.weight"] = sd[attn + "q_norm.weight"]
+            out[o + "k_norm.weight"] = sd[attn + "k_norm.weight"]
         out[o + "o_proj.weight"] = sd[attn + "o_proj.weight"]
+        if config.num_experts:
+            out |= {o + "moe." + k: w for k, w in fuse_experts(sd, mlp, config.num_experts).items()}
+            continue
         out[o + "gate_up_proj.weight"] = torch.cat([sd[mlp + "gate_proj.weight"], sd[mlp + "up_proj.weight"]])
         out[o + "down_proj.weight"] = sd[mlp + "down_proj.weight"]
     return out

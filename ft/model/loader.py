@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ft.model import gguf_loader, hf_loader
+from ft.model.architectures import by_gguf
 from ft.model.llama import LlamaConfig, Progress
 from ft.model.quant import QuantTensor
 from ft.tokenizer.spec import TokenizerSpec
@@ -73,18 +74,22 @@ def is_gguf(path: str | pathlib.Path | None) -> bool:
 
 def is_quantized_gguf(path: str | pathlib.Path | None) -> bool:
     """Whether `path` (None: the default model) is a GGUF whose 2-D weights are mostly of a
-    quantized type (not F32/F16/BF16): those run as stored; float files stay float."""
+    quantized type (not F32/F16/BF16), of a family the packed kernels run: those run as stored;
+    float files, and families the kernels do not run (mixture of experts), load as floats."""
     if not is_gguf(path):
         return False
     if path is None:
         from ft.model.pull import default_model_path
 
         path = default_model_path()
-    weights = [
-        t.tensor_type
-        for t in gguf_loader.open_gguf(pathlib.Path(path).expanduser()).tensors
-        if len(t.shape) == 2
-    ]
+    reader = gguf_loader.open_gguf(pathlib.Path(path).expanduser())
+    try:
+        family = by_gguf(str(reader.text("general.architecture")), str(reader.text("general.name", "") or ""))
+    except ValueError:
+        family = None  # unsupported: `load_model` names it
+    if family is not None and not family.packed:
+        return False
+    weights = [t.tensor_type for t in reader.tensors if len(t.shape) == 2]
     quantized = [t for t in weights if int(t) not in (0, 1, 30)]  # F32, F16, BF16
     return bool(weights) and 2 * len(quantized) >= len(weights)
 

@@ -5,7 +5,9 @@ rows (a rank holds a share of the kv heads with their query heads, and a share o
 columns), `o_proj` and `down_proj` by input columns, and their partial outputs are summed with
 `all_reduce`. Shares are as even as can be, not necessarily equal: the default model's 3 kv
 heads run on 2 ranks as 2 + 1 (every rank needs at least one kv head). The embedding is
-replicated; the lm_head is split by vocabulary rows and its logits gathered. Each rank's KV
+replicated; the lm_head is split by vocabulary rows and its logits gathered. Experts are split
+the same way, every expert by its MLP columns: the router is replicated, so every rank routes
+the (all-reduced, identical) activations to the same experts and sums its columns' share. Each rank's KV
 cache holds its own kv heads with the same page layout, so page ids mean the same on every rank
 and the scheduler does not change.
 
@@ -54,6 +56,8 @@ def check_shardable(config: LlamaConfig, world: int) -> None:
     """Raise `ValueError` unless every rank gets at least one kv head and one MLP column."""
     if world < 1:
         raise ValueError(f"tensor_parallel_size must be positive, got {world}")
+    if config.num_experts and config.moe_intermediate_size < world:
+        raise ValueError(f"tensor_parallel_size {world} is more than the model's expert MLP columns")
     if config.num_kv_heads < world:
         raise ValueError(
             f"tensor_parallel_size {world} is more than the model's {config.num_kv_heads} kv heads"
@@ -79,6 +83,7 @@ def local_config(config: LlamaConfig, shard: Shard) -> LlamaConfig:
         num_heads=kv_heads * group,
         num_kv_heads=kv_heads,
         intermediate_size=split(config.intermediate_size, shard)[1],
+        moe_intermediate_size=split(config.moe_intermediate_size, shard)[1] if config.num_experts else 0,
         head_dim=config.head_dim,  # explicit: the default would be hidden_size // local heads
     )
 
@@ -98,6 +103,7 @@ def shard_fused(config: LlamaConfig, fused: dict[str, torch.Tensor], shard: Shar
     q0, q_rows = kv_start * group * hd, kv_heads * group * hd  # query heads follow their kv head
     kv0, kv_rows = kv_start * hd, kv_heads * hd
     i0, inter = split(config.intermediate_size, shard)
+    e0, expert_inter = split(config.moe_intermediate_size, shard) if config.num_experts else (0, 0)
 
     def qkv(w: torch.Tensor) -> torch.Tensor:
         q, k, v = w.split([config.q_size, config.kv_size, config.kv_size], dim=0)
@@ -113,6 +119,11 @@ def shard_fused(config: LlamaConfig, fused: dict[str, torch.Tensor], shard: Shar
         elif name.endswith("gate_up_proj.weight"):
             gate, up = w.chunk(2, dim=0)
             out[name] = torch.cat([gate.narrow(0, i0, inter), up.narrow(0, i0, inter)])
+        elif name.endswith("moe.gate_up"):  # every expert's columns: [experts, 2 * inter, hidden]
+            gate, up = w.chunk(2, dim=1)
+            out[name] = torch.cat([gate.narrow(1, e0, expert_inter), up.narrow(1, e0, expert_inter)], dim=1)
+        elif name.endswith("moe.down"):
+            out[name] = w.narrow(2, e0, expert_inter)  # [experts, hidden, this rank's inter]
         elif name.endswith("down_proj.weight"):
             out[name] = w.narrow(1, i0, inter)  # [hidden, this rank's intermediate]
         elif name == "lm_head.weight":

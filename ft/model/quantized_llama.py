@@ -1,10 +1,11 @@
 """The Llama decoder over weights as GGUF stores them: one native call per layer (`kernels.cpp`).
 
-Each layer (norms, q/k/v/o and gate/up/down products on packed blocks, rotary, the KV write and
-paged attention) runs in one call with torch's OpenMP threads; Python only prepares the step's
-index arrays. Activations are float32; the products quantize activations to
-int8 blocks of 32, as llama.cpp does; the KV cache is float32, float16, bfloat16 or q8_0 blocks
-(`kernels.Q8_0_KV`: written quantized by the layer, read in place by its attention).
+Each layer (norms, q/k/v/o and gate/up/down products on packed blocks, Qwen3's q/k head norms,
+rotary, the KV write and paged attention) runs in one call with torch's OpenMP threads; Python
+only prepares the step's index arrays. Activations are float32; the products quantize
+activations to int8 blocks of 32, as llama.cpp does; the KV cache is float32, float16, bfloat16
+or q8_0 blocks (`kernels.Q8_0_KV`: written quantized by the layer, read in place by its
+attention).
 
 Every row is computed the same way whatever else is in the step (the kernels never mix rows),
 so a request's tokens do not depend on its batch, on prefix-cache hits, on how its prompt was
@@ -54,7 +55,7 @@ class StepIndex:
 
 
 class _Layer:
-    __slots__ = ("norm1", "norm2", "bias", "weights", "keep")
+    __slots__ = ("norm1", "norm2", "bias", "q_norm", "k_norm", "weights", "keep")
 
     def __init__(self, sd: dict[str, torch.Tensor | QuantTensor], prefix: str) -> None:
         self.norm1 = _float(sd[prefix + "input_layernorm.weight"])
@@ -66,11 +67,17 @@ class _Layer:
         )
         biases = [sd.get(prefix + f"self_attn.{p}_proj.bias") for p in "qkv"]
         self.bias = torch.cat([_float(b) for b in biases]) if all(b is not None for b in biases) else None
+        norms = [sd.get(prefix + f"self_attn.{p}_norm.weight") for p in "qk"]  # Qwen3's head norms
+        self.q_norm, self.k_norm = (_float(n) if n is not None else None for n in norms)
 
 
 def _float(t: torch.Tensor | QuantTensor | None) -> torch.Tensor:
     assert isinstance(t, torch.Tensor), type(t)
     return t.float().contiguous()
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return t.data_ptr() if t is not None else None
 
 
 def _quant(t: torch.Tensor | QuantTensor) -> QuantTensor:
@@ -82,6 +89,10 @@ class QuantizedLlama:
     """Embedding, decoder stack, final norm and lm_head over GGUF blocks."""
 
     def __init__(self, config: LlamaConfig, sd: dict[str, torch.Tensor | QuantTensor]) -> None:
+        if config.num_experts:
+            raise ValueError(
+                f"the packed kernels do not run {config.architecture}'s experts; load it as floats"
+            )
         self.config = config
         self.lib = kernels.library()
         self.embed = _quant(sd["model.embed_tokens.weight"])
@@ -121,7 +132,8 @@ class QuantizedLlama:
                 x.data_ptr(), num_tokens, hidden, layer.norm1.data_ptr(), layer.norm1.numel(),
                 layer.norm2.data_ptr(), layer.norm2.numel(), c.rms_norm_eps, layer.weights,
                 layer.bias.data_ptr() if layer.bias is not None else None,
-                layer.bias.numel() if layer.bias is not None else 0, cos.data_ptr(), sin.data_ptr(),
+                layer.bias.numel() if layer.bias is not None else 0, _ptr(layer.q_norm), _ptr(layer.k_norm),
+                layer.q_norm.numel() if layer.q_norm is not None else 0, cos.data_ptr(), sin.data_ptr(),
                 cos.shape[1], k_caches[i].data_ptr(), v_caches[i].data_ptr(), num_slots, slot_bytes, kv_type,
                 index.slot_of.data_ptr(), index.seq.data_ptr(), tables.shape[0], index.positions.data_ptr(),
                 tables.data_ptr(), tables.shape[1], page_size, c.num_heads, c.num_kv_heads, c.head_dim,

@@ -173,7 +173,8 @@ class TorchRunner:
             self.k_cache = torch.zeros(shape, dtype=storage, device=self.device)
             self.v_cache = torch.zeros(shape, dtype=storage, device=self.device)
             # NOTE: tensor-parallel steps stay eager: their all_reduce calls are not captured.
-            if cuda_graphs and world == 1 and quantize is None:
+            # NOTE: expert layers size their work from the routing (a host sync): not capturable.
+            if cuda_graphs and world == 1 and quantize is None and not c.num_experts:
                 self._graphs = DecodeGraphs(
                     self.model,
                     self.k_cache,

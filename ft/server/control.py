@@ -149,7 +149,7 @@ def model_entry(ctx: ServerContext, name: str) -> dict[str, Any]:
         "max_model_len": engine.max_model_len,
         "capabilities": {
             "tools": True,  # every model: its template's format, or Hermes calls in the system prompt
-            "reasoning": ctx.settings.reasoning_parser is not None,
+            "reasoning": (ctx.settings.reasoning_parser or ctx.engine.reasoning_parser) is not None,
             "vision": False,  # text only: image, audio and file parts are refused
             "embeddings": True,  # /v1/embeddings, /v1/rerank and /v1/score pool its hidden states
         },

@@ -23,7 +23,8 @@ class ServerSettings:
     a name of the served model (`ft.model_names`); off, any name is served by the one model,
     as llama-server does, and responses name the model that answered. `tool_call_parser` and
     `reasoning_parser` name the output formats parsed out of chat output (None: tool calls in
-    the Hermes format when a request has tools, no reasoning split). `port` 0 binds a free port
+    the Hermes format when a request has tools; the reasoning format of the model's family —
+    `think` for Qwen3 — else no reasoning split). `port` 0 binds a free port
     (tests). `http2` enables cleartext HTTP/2 (h2c), which hypercorn buffers without
     back-pressure; off, only HTTP/1.x is served.
     `drain_timeout_s` bounds the drain on SIGINT/SIGTERM (then the aborted requests get

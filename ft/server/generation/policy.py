@@ -79,5 +79,7 @@ def output_policy(
         prompt=prompt,
         grammar=grammar,
         tool_call_parser=parser,
-        reasoning_parser=reasoning_parser_name(config.reasoning_parser, grammar),
+        reasoning_parser=reasoning_parser_name(
+            config.reasoning_parser or ctx.engine.reasoning_parser, grammar
+        ),
     )
