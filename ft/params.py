@@ -96,6 +96,9 @@ class SamplingParams:
     n: int = 1
     skip_special_tokens: bool = True
     grammar: GrammarSpec | None = None  # structured output: what the text must follow
+    # Speculative decoding may draft this request's tokens (when the engine enables it); the
+    # output is the same either way, so this only turns the extra verify rows off.
+    speculative: bool = True
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None:
@@ -136,6 +139,8 @@ class SamplingParams:
         _integer("n", self.n, 1, MAX_N)
         if self.grammar is not None and not isinstance(self.grammar, GrammarSpec):
             raise InvalidRequest("grammar must be a GrammarSpec", param="grammar")
+        if not isinstance(self.speculative, bool):
+            raise InvalidRequest("speculative must be true or false", param="speculative")
 
     @property
     def is_greedy(self) -> bool:
@@ -145,6 +150,12 @@ class SamplingParams:
         gives inf and NaN, and the "sample" would be token 0.
         """
         return self.temperature < MIN_TEMPERATURE or self.top_k == 1
+
+    @property
+    def can_speculate(self) -> bool:
+        """True when drafted tokens can be verified for this request: asked for, and no state
+        that changes per drafted position (a grammar, penalties over the history)."""
+        return self.speculative and self.grammar is None and not self.uses_penalties
 
     @property
     def uses_penalties(self) -> bool:

@@ -29,6 +29,9 @@ class SeqWork:
     works of a constrained request only) is the sequence's grammar state: the runner masks the
     logits with it and advances it by the sampled token.
 
+    `num_draft` (speculative decoding): the last `num_draft` fed tokens are drafts to verify;
+    the runner returns one `Sampled` per accepted draft plus the one after them, in order.
+
     `score_ids` (prompt logprobs): the fed tokens from index `score_offset` on are scored, the
     logits at fed token `score_offset + i` giving the logprob of `score_ids[i]` (the prompt
     token after it), with `params.prompt_logprobs` alternatives; the runner returns one `Scored`.
@@ -46,6 +49,7 @@ class SeqWork:
     matcher: Matcher | None = None
     score_offset: int = 0
     score_ids: tuple[int, ...] = ()
+    num_draft: int = 0
 
 
 class ConstraintError(Exception):
@@ -111,8 +115,9 @@ class Runner(Protocol):
     def vocab_size(self) -> int: ...
 
     def step(self, works: list[SeqWork]) -> list[Sampled | Scored]:
-        """Run one forward pass; return one `Sampled` per work with `sample=True`, in order,
-        and one `Scored` per work with `score_ids` (anywhere in the list).
+        """Run one forward pass; return one `Sampled` per work with `sample=True`, in order
+        (a work with drafts: one per accepted draft and one after them, consecutive), and one
+        `Scored` per work with `score_ids` (anywhere in the list).
 
         Raises `RunnerFailure` when no further step can run; anything else fails the step.
         """
