@@ -13,8 +13,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-# Longest and shortest suffix looked up. 1-grams were measured (edit prompts, default model) to
-# add drafts the model mostly refused; 3 down to 2 keeps the accepted ones.
+# Longest and shortest suffix looked up. Measured on `ft bench`'s edit prompts (default model,
+# greedy, 397 tokens, 4 drafted at most): down to 1-grams, 364 drafted and 181 accepted (50%);
+# down to 2-grams, 296 drafted and 166 accepted (56%): the 1-grams' extra drafts were 78%
+# refused, rows verified for little.
 MAX_NGRAM = 3
 MIN_NGRAM = 2
 

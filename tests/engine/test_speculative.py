@@ -198,3 +198,27 @@ async def test_a_tiny_model_gives_the_same_tokens_and_logprobs_with_speculation(
     with_spec, accepted = await run(**SPEC)
     assert with_spec == without
     assert accepted > 0
+
+
+@pytest.mark.slow  # the real default model
+async def test_the_default_model_edits_the_same_with_speculation() -> None:
+    """Edit prompts on the default model: greedy tokens identical, with drafts accepted."""
+    from ft.bench import EDIT_PROMPTS
+
+    async def run(**config: Any) -> tuple[list[list[int]], int]:
+        params = SamplingParams(max_tokens=96, temperature=0.0)
+        with trio.fail_after(300):
+            async with open_engine(EngineConfig(compute_threads=1, **config)) as engine:
+                out = []
+                for prompt in EDIT_PROMPTS[:2]:
+                    messages = [{"role": "user", "content": prompt}]
+                    async with engine.open_request(PromptSpec(messages=messages), params=params) as stream:
+                        (choice,) = await stream.collect()
+                    out.append(choice.token_ids)
+                await assert_nothing_held(engine)
+                return out, engine.snapshot().speculative.accepted_tokens
+
+    without, _ = await run()
+    with_spec, accepted = await run(**SPEC)
+    assert with_spec == without
+    assert accepted > 20
