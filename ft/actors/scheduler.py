@@ -10,6 +10,7 @@ import trio
 
 from ft.actors.registry import Registry
 from ft.core.scheduler import Scheduler
+from ft.core.sequence import SeqStatus, Sequence
 from ft.errors import FtError, Overloaded
 from ft.messages import (
     Abort,
@@ -62,12 +63,21 @@ class SchedulerActor:
                         else:
                             log.debug("uid %d: queued, %d tokens", uid, len(ids), extra=entry.log_extra)
                 case Abort(uid=uid):
-                    self.core.abort(uid)
+                    live = [s for s in self.core.running.values() if s.uid == uid]
+                    if self.core.abort(uid):
+                        for aborted in live:
+                            self._log_speculation(aborted)
                 case FinishSeq(seq_id=seq_id):
-                    self.core.finish_seq(seq_id)
+                    stopped = self.core.running.get(seq_id)
+                    if self.core.finish_seq(seq_id) and stopped is not None:
+                        self._log_speculation(stopped)
                 case StepDone():
                     assert self.in_flight is not None and self.in_flight.step == msg.step
+                    sampling = [self.core.running.get(w.seq_id) for w in self.in_flight.works if w.sample]
                     outs = self.core.on_step_done(self.in_flight, msg)
+                    for sampled in sampling:
+                        if sampled is not None and sampled.status is SeqStatus.FINISHED:
+                            self._log_speculation(sampled)
                     self.in_flight = None
                     if self.on_step is not None:
                         self.on_step(msg)
@@ -83,6 +93,23 @@ class SchedulerActor:
                     self.in_flight = batch
                     self.runner.send_nowait(batch)
                     self._mark_scheduled(batch)
+
+    def _log_speculation(self, seq: Sequence) -> None:
+        """DEBUG: what speculation gave a sequence that ended (drafted, accepted)."""
+        if not seq.num_drafted:
+            return
+        # NOTE: the request's scope may have closed already (its last choice ended by a stop
+        # string, the client gone): the line is logged without its request id then.
+        entry = self.registry.get(seq.uid)
+        log.debug(
+            "uid %d: choice %d speculative: %d drafted, %d accepted (%.0f%%)",
+            seq.uid,
+            seq.index,
+            seq.num_drafted,
+            seq.num_accepted,
+            100 * seq.num_accepted / seq.num_drafted,
+            extra=entry.log_extra if entry is not None else None,
+        )
 
     def _refuse_stale(self, max_wait_s: float) -> None:
         """Refuse (503) the queued requests that have waited `max_wait_s` for their first step.

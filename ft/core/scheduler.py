@@ -461,6 +461,8 @@ class Scheduler:
                 self.num_verifications += 1
                 self.num_draft_tokens += work.num_draft
                 self.num_accepted_tokens += num_accepted
+                seq.num_drafted += work.num_draft
+                seq.num_accepted += num_accepted
                 assert seq.draft_length is not None
                 seq.draft_length.update(work.num_draft, num_accepted)
             self._register_full_pages(seq)

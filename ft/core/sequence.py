@@ -46,6 +46,8 @@ class Sequence:
     # Speculative decoding (made at its first drafted step): its n-gram index and draft length.
     drafter: NgramIndex | None = None
     draft_length: DraftLength | None = None
+    num_drafted: int = 0  # tokens drafted for it, and those the model accepted
+    num_accepted: int = 0
 
     @property
     def wants_prompt_scores(self) -> bool:

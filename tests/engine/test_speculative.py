@@ -3,6 +3,7 @@ token ids, finish reasons, usage), the limits land where they would, and every e
 
 from __future__ import annotations
 
+import logging
 import pathlib
 from typing import Any
 
@@ -50,6 +51,20 @@ async def test_the_answer_is_the_answer_without_speculation(autojump_clock: trio
     spec = engine.snapshot().speculative
     assert spec.method == "ngram" and spec.accepted_tokens > 20  # the copy was drafted
     assert spec.draft_tokens >= spec.accepted_tokens and spec.mean_accepted_length > 1
+
+
+@pytest.mark.parametrize("stop", [(), ("print",)], ids=["eos", "stop-string"])
+async def test_each_choice_logs_what_speculation_gave_it(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture, stop: tuple[str, ...]
+) -> None:
+    caplog.set_level(logging.DEBUG, logger="ft.scheduler")
+    async with fake_engine(FakeRunner(text_script(ANSWER)), **SPEC) as engine:
+        await answer(engine, SamplingParams(max_tokens=200, n=2, stop=stop))
+        spec = engine.snapshot().speculative
+    lines = [r.getMessage() for r in caplog.records if "speculative:" in r.getMessage()]
+    assert sorted(line.split(":")[1] for line in lines) == [" choice 0 speculative", " choice 1 speculative"]
+    drafted = sum(int(line.split("speculative: ")[1].split()[0]) for line in lines)
+    assert drafted == spec.draft_tokens
 
 
 async def test_speculation_takes_fewer_steps(autojump_clock: trio.testing.MockClock) -> None:

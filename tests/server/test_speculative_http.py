@@ -32,7 +32,10 @@ def text_of(route: str, body: dict[str, Any]) -> str:
     if route == "messages":
         return "".join(block["text"] for block in body["content"] if block["type"] == "text")
     return "".join(
-        part["text"] for item in body["output"] for part in item.get("content", []) if part["type"] == "output_text"
+        part["text"]
+        for item in body["output"]
+        for part in item.get("content", [])
+        if part["type"] == "output_text"
     )
 
 
