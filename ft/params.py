@@ -153,9 +153,9 @@ class SamplingParams:
 
     @property
     def can_speculate(self) -> bool:
-        """True when drafted tokens can be verified for this request: asked for, and no state
-        that changes per drafted position (a grammar, penalties over the history)."""
-        return self.speculative and self.grammar is None and not self.uses_penalties
+        """True when drafted tokens can be verified for this request: asked for, and no
+        grammar (its matcher would have to follow each drafted position and roll back)."""
+        return self.speculative and self.grammar is None
 
     @property
     def uses_penalties(self) -> bool:

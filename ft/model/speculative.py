@@ -16,11 +16,20 @@ request gives the same tokens again.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from ft.core.batch import Sampled, SeqWork
 from ft.model.masks import StepMasks
-from ft.model.sampler import apply_logit_bias, filter_logits, row_generator, sample, sampled_token
+from ft.model.sampler import (
+    apply_logit_bias,
+    apply_penalties,
+    filter_logits,
+    row_generator,
+    sample,
+    sampled_token,
+)
 
 
 def accept_draft(probs: torch.Tensor, draft: int, generator: torch.Generator | None) -> tuple[int, bool]:
@@ -54,14 +63,16 @@ def verify(logits: torch.Tensor, work: SeqWork) -> list[Sampled]:
     k = work.num_draft
     drafts = work.token_ids[len(work.token_ids) - k :]
     rows = logits.float()
-    if p.logit_bias:
-        rows = rows.clone()
-        for j in range(k + 1):
-            apply_logit_bias(rows[j], p.logit_bias)
     out: list[Sampled] = []
     for j in range(k + 1):
         x = rows[j]  # [vocab]
         draft = drafts[j] if j < k else None
+        if p.logit_bias or p.uses_penalties:
+            # As `sample` does, with the drafts before this row counted as output (they are,
+            # when this row is reached).
+            x = x.clone()
+            apply_logit_bias(x, p.logit_bias)
+            apply_penalties(x, replace(work, history=work.history + drafts[:j]) if j else work)
         if p.is_greedy:
             token = int(x.argmax())
         else:

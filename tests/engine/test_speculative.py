@@ -215,6 +215,51 @@ async def test_a_tiny_model_gives_the_same_tokens_and_logprobs_with_speculation(
     assert accepted > 0
 
 
+@pytest.mark.parametrize(
+    "knobs",
+    [
+        {"repetition_penalty": 1.3},
+        {"presence_penalty": 0.8, "frequency_penalty": 0.4},
+        {"logit_bias": {40: 3.0, 41: -5.0}},
+    ],
+    ids=["repetition", "presence-frequency", "logit-bias"],
+)
+async def test_penalties_and_bias_apply_per_drafted_position(
+    tiny_gguf: pathlib.Path, knobs: dict[str, Any]
+) -> None:
+    """Greedy with penalties (counting the drafts before each row) or a bias: the same tokens."""
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, **knobs)
+
+    async def run(**config: Any) -> tuple[list[int], int]:
+        cfg = EngineConfig(model=str(tiny_gguf), compute_threads=1, num_pages=64, **config)
+        with trio.fail_after(120):
+            async with open_engine(cfg) as engine:
+                async with engine.open_request(
+                    PromptSpec(text="the the the hello hello the"), params=params
+                ) as s:
+                    (choice,) = await s.collect()
+                return choice.token_ids, engine.snapshot().speculative.draft_tokens
+
+    without, _ = await run()
+    with_spec, drafted = await run(**SPEC)
+    assert with_spec == without and drafted > 0
+
+
+async def test_a_seeded_sampled_request_repeats_itself_with_speculation(tiny_gguf: pathlib.Path) -> None:
+    params = SamplingParams(max_tokens=40, temperature=0.8, seed=7, ignore_eos=True)
+    cfg = EngineConfig(model=str(tiny_gguf), compute_threads=1, num_pages=64, **SPEC)
+    with trio.fail_after(120):
+        async with open_engine(cfg) as engine:
+            runs = []
+            for _ in range(2):
+                async with engine.open_request(
+                    PromptSpec(text="the the the hello hello the"), params=params
+                ) as s:
+                    runs.append((await s.collect())[0].token_ids)
+            assert engine.snapshot().speculative.accepted_tokens > 0
+    assert runs[0] == runs[1] and len(runs[0]) == 40
+
+
 @pytest.mark.slow  # the real default model
 async def test_the_default_model_edits_the_same_with_speculation() -> None:
     """Edit prompts on the default model: greedy tokens identical, with drafts accepted."""

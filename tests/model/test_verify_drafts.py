@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ft.core.batch import Sampled, SeqWork
-from ft.model.sampler import filter_logits, row_generator
+from ft.model.sampler import filter_logits, row_generator, sample
 from ft.model.speculative import accept_draft, verify
 from ft.model.torch_runner import TorchRunner
 from ft.params import SamplingParams
@@ -188,3 +188,37 @@ def test_a_verify_row_shares_its_step_with_other_rows(tiny_dir: pathlib.Path) ->
         *((1, t) for t in plain_a[1:5]),
         (2, plain_b[0]),
     ]
+
+
+@pytest.mark.parametrize(
+    "knobs",
+    [{"presence_penalty": 2.0}, {"frequency_penalty": 1.5}, {"repetition_penalty": 3.0}],
+    ids=["presence", "frequency", "repetition"],
+)
+def test_penalties_count_the_drafts_before_each_row(knobs: dict[str, float]) -> None:
+    """Each row is penalized as plain decoding would penalize it: with the drafts before it
+    counted as output. The same logits at every row: 3 is best until it has been produced."""
+    row = torch.tensor([0.0, 0.1, 0.2, 2.0, 0.3, 1.5, 0.4, 0.5])
+    logits = row.repeat(4, 1)  # [k + 1, vocab]
+    params = SamplingParams(temperature=0.0, logprobs=True, **knobs)
+    prompt = (1, 2)
+    drafts = (3, 5, 3)
+
+    # Plain decoding: one position at a time, the history growing by each token.
+    plain: list[Sampled] = []
+    history = list(prompt)
+    for j in range(4):
+        work = SeqWork(
+            0, (history[-1],), len(history) - 1, (0,), True, params, j, tuple(history), len(prompt)
+        )
+        (s,) = sample(row[None].clone(), [work])
+        plain.append(s)
+        history.append(s.token_id)
+    assert [s.token_id for s in plain][:2] == [3, 5]  # the penalty moved the second token
+
+    work = SeqWork(0, (2, *drafts), 1, (0,), True, params, 0, prompt, len(prompt), num_draft=3)
+    got = verify(logits, work)
+    n = len(got)
+    assert [s.token_id for s in got] == [s.token_id for s in plain[:n]]
+    assert [s.logprob for s in got] == pytest.approx([s.logprob for s in plain[:n]])
+    assert n >= 2  # 3 and 5 were right
