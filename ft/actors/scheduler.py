@@ -19,7 +19,9 @@ from ft.messages import (
     Enqueue,
     FinishSeq,
     SchedulerIn,
+    SeqFailed,
     StepDone,
+    TokenOut,
 )
 
 log = logging.getLogger("ft.scheduler")
@@ -63,21 +65,12 @@ class SchedulerActor:
                         else:
                             log.debug("uid %d: queued, %d tokens", uid, len(ids), extra=entry.log_extra)
                 case Abort(uid=uid):
-                    live = [s for s in self.core.running.values() if s.uid == uid]
-                    if self.core.abort(uid):
-                        for aborted in live:
-                            self._log_speculation(aborted)
+                    self._abort(uid)
                 case FinishSeq(seq_id=seq_id):
-                    stopped = self.core.running.get(seq_id)
-                    if self.core.finish_seq(seq_id) and stopped is not None:
-                        self._log_speculation(stopped)
+                    self._finish_seq(seq_id)
                 case StepDone():
                     assert self.in_flight is not None and self.in_flight.step == msg.step
-                    sampling = [self.core.running.get(w.seq_id) for w in self.in_flight.works if w.sample]
-                    outs = self.core.on_step_done(self.in_flight, msg)
-                    for sampled in sampling:
-                        if sampled is not None and sampled.status is SeqStatus.FINISHED:
-                            self._log_speculation(sampled)
+                    outs = self._step_done(self.in_flight, msg)
                     self.in_flight = None
                     if self.on_step is not None:
                         self.on_step(msg)
@@ -93,6 +86,28 @@ class SchedulerActor:
                     self.in_flight = batch
                     self.runner.send_nowait(batch)
                     self._mark_scheduled(batch)
+
+    # NOTE: these hold sequences only in their own frames: a local of `run` would keep a
+    # finished request's sequences (and grammar matchers) alive until the next message.
+
+    def _abort(self, uid: int) -> None:
+        live = [seq for seq in self.core.running.values() if seq.uid == uid]
+        if self.core.abort(uid):
+            for seq in live:
+                self._log_speculation(seq)
+
+    def _finish_seq(self, seq_id: int) -> None:
+        seq = self.core.running.get(seq_id)
+        if self.core.finish_seq(seq_id) and seq is not None:
+            self._log_speculation(seq)
+
+    def _step_done(self, batch: Batch, done: StepDone) -> list[TokenOut | SeqFailed]:
+        sampling = [self.core.running.get(w.seq_id) for w in batch.works if w.sample]
+        outs = self.core.on_step_done(batch, done)
+        for seq in sampling:
+            if seq is not None and seq.status is SeqStatus.FINISHED:
+                self._log_speculation(seq)
+        return outs
 
     def _log_speculation(self, seq: Sequence) -> None:
         """DEBUG: what speculation gave a sequence that ended (drafted, accepted)."""
