@@ -12,9 +12,10 @@ ratios are comparable even on a noisy machine.
 (`BENCH_SCHEMA`: JSON that never ends before `--max-tokens`, so both write as many tokens),
 and reports the constrained throughput as a fraction of the free one.
 
-`--prompts edit` runs `EDIT_PROMPTS` instead: a passage and an instruction whose answer copies
-most of it (rename a variable, fix a typo, reformat), greedy and ended by the model, where
-prompt-lookup drafts are accepted; the JSON line then carries the speculative counters.
+`--prompts edit` runs `EDIT_PROMPTS` instead, each of them at every level (`concurrency` at a
+time): a passage and an instruction whose answer copies most of it (rename a variable, fix a
+typo, reformat), greedy and ended by the model, where prompt-lookup drafts are accepted; the
+JSON line then carries the speculative counters.
 """
 
 from __future__ import annotations
@@ -108,7 +109,15 @@ async def run_level(
     ttfts: list[float] = []
     tokens = 0
 
+    # Every edit prompt runs at each level (`concurrency` at a time): one alone says little.
+    num_requests = max(concurrency, len(texts)) if edit else concurrency
+    slots = trio.Semaphore(concurrency)
+
     async def one(i: int) -> None:
+        async with slots:
+            await request(i)
+
+    async def request(i: int) -> None:
         nonlocal tokens
         start = time.perf_counter()
         first = None
@@ -130,11 +139,12 @@ async def run_level(
 
     start = time.perf_counter()
     async with trio.open_nursery() as nursery:
-        for i in range(concurrency):
+        for i in range(num_requests):
             nursery.start_soon(one, i)
     wall = time.perf_counter() - start
     return {
         "concurrency": concurrency,
+        "requests": num_requests,
         "output_tokens": tokens,
         "wall_s": round(wall, 3),
         "tokens_per_s": round(tokens / wall, 2),

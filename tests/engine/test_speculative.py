@@ -282,3 +282,14 @@ async def test_the_default_model_edits_the_same_with_speculation() -> None:
     with_spec, accepted = await run(**SPEC)
     assert with_spec == without
     assert accepted > 20
+
+
+async def test_the_edit_bench_runs_every_prompt_at_each_level(autojump_clock: trio.testing.MockClock) -> None:
+    from ft.bench import EDIT_PROMPTS, run_level
+
+    runner = FakeRunner(text_script(ANSWER), record=True)
+    async with fake_engine(runner, **SPEC) as engine:
+        level = await run_level(engine, 2, 40, prompts="edit")
+        await assert_nothing_held(engine)
+    assert level["requests"] == len(EDIT_PROMPTS) and level["output_tokens"] == len(EDIT_PROMPTS) * 40
+    assert max(sum(w.sample for w in step) for step in runner.steps) <= 2  # two at a time
