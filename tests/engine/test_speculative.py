@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import pathlib
+import re
 from typing import Any
 
 import pytest
@@ -16,6 +17,7 @@ from ft.config import EngineConfig
 from ft.core.batch import SeqWork
 from ft.engine.engine import Engine, open_engine
 from ft.engine.fake import FakeRunner, text_script
+from ft.engine.loading import EngineHooks
 from ft.params import SamplingParams
 from ft.prompt import PromptSpec
 from tests.support.engine import fake_engine
@@ -293,3 +295,47 @@ async def test_the_edit_bench_runs_every_prompt_at_each_level(autojump_clock: tr
         await assert_nothing_held(engine)
     assert level["requests"] == len(EDIT_PROMPTS) and level["output_tokens"] == len(EDIT_PROMPTS) * 40
     assert max(sum(w.sample for w in step) for step in runner.steps) <= 2  # two at a time
+
+
+async def test_a_grammar_row_beside_drafted_rows_keeps_its_mask(tiny_gguf: pathlib.Path) -> None:
+    """A constrained request (never drafted for) shares steps with a drafted one: each gives
+    what it gives without speculation, the constrained one within its grammar."""
+    from ft.grammar import spec
+
+    prompt = "the the the hello hello the"
+    pattern = "(hello|the| ){60}"  # it cannot end early: the steps overlap the other request's
+    plain = SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True)
+    constrained = SamplingParams(max_tokens=100, temperature=0.0, grammar=spec.regex(pattern, "x"))
+    shared: list[int] = []
+
+    def note(works: list[SeqWork]) -> None:
+        if any(w.num_draft for w in works) and any(w.matcher is not None for w in works):
+            shared.append(len(works))
+
+    async def run(**config: Any) -> tuple[list[Any], int]:
+        cfg = EngineConfig(model=str(tiny_gguf), compute_threads=1, num_pages=64, **config)
+        out: dict[str, Any] = {}
+        with trio.fail_after(120):
+            async with open_engine(cfg, hooks=EngineHooks(before_step=note)) as engine:
+
+                async def free() -> None:
+                    async with engine.open_request(PromptSpec(text=prompt), params=plain) as s:
+                        (choice,) = await s.collect()
+                    out["free"] = choice.token_ids
+
+                async with trio.open_nursery() as nursery:
+                    async with engine.open_request(PromptSpec(text=prompt), params=constrained) as s:
+                        text, ids = "", []
+                        async for delta in s:
+                            if not ids:  # generating: start the other one beside it
+                                nursery.start_soon(free)
+                            text += delta.text
+                            ids += delta.token_ids
+                    out["constrained"] = (ids, text)
+                return [out["free"], out["constrained"]], engine.snapshot().speculative.draft_tokens
+
+    without, _ = await run()
+    with_spec, drafted = await run(**SPEC)
+    assert with_spec == without and drafted > 0
+    assert shared  # steps with both a drafted and a constrained row
+    assert re.fullmatch(pattern, with_spec[1][1])
