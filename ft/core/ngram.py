@@ -56,16 +56,33 @@ class NgramIndex:
         return []
 
 
+MAX_PAUSE_STEPS = 64  # the longest a sequence whose drafts keep failing waits to draft again
+
+
 @dataclass(eq=False, slots=True)
 class DraftLength:
     """A sequence's draft length: doubled (to `max_tokens`) when every draft was accepted, else
-    one past what was accepted, so a sequence whose drafts fail costs one extra row a step."""
+    one past what was accepted, so a sequence whose drafts fail costs one extra row a step.
+
+    After two verifications in a row that kept nothing, the sequence stops drafting for 2 steps,
+    then 4, 8, ... up to `MAX_PAUSE_STEPS` while they keep failing: text that repeats its
+    n-grams without repeating what followed them stops paying for verify rows.
+    """
 
     max_tokens: int
     current: int = 0
+    num_misses: int = 0  # verifications in a row that accepted nothing
+    pause: int = 0  # steps left without drafting
 
     def __post_init__(self) -> None:
         self.current = self.current or self.max_tokens
+
+    def take_turn(self) -> bool:
+        """Whether to draft this step (a paused sequence counts the step down)."""
+        if self.pause > 0:
+            self.pause -= 1
+            return False
+        return True
 
     def update(self, num_drafted: int, num_accepted: int) -> None:
         """Fold in one verification's result."""
@@ -75,3 +92,6 @@ class DraftLength:
             self.current = min(self.max_tokens, 2 * self.current)
         else:
             self.current = max(1, num_accepted + 1)
+        self.num_misses = self.num_misses + 1 if num_accepted == 0 else 0
+        if self.num_misses >= 2:
+            self.pause = min(MAX_PAUSE_STEPS, 1 << (self.num_misses - 1))

@@ -333,3 +333,20 @@ def test_a_penalized_request_speculates_with_its_history_sent() -> None:
     assert drafted
     for w in drafted:  # prompt + output: the runner appends the drafts per row itself
         assert len(w.history) == w.start_pos + 1 and w.history[-1] == w.token_ids[0]
+
+
+def test_drafts_that_keep_failing_pause_drafting_for_longer_and_longer() -> None:
+    length = DraftLength(4)
+    length.update(4, 0)
+    assert length.take_turn()  # one miss: no pause yet
+    pauses = []
+    for _ in range(9):
+        length.update(1, 0)
+        skipped = 0
+        while not length.take_turn():
+            skipped += 1
+        pauses.append(skipped)
+    assert pauses == [2, 4, 8, 16, 32, 64, 64, 64, 64]
+    length.update(1, 1)  # an accepted draft ends the pauses
+    length.update(2, 0)
+    assert length.take_turn() and length.pause == 0
