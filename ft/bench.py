@@ -1,6 +1,6 @@
 """Output tokens/s through the embedded API (no HTTP) at several concurrency levels.
 
-    ft bench [--concurrency 1 4 16] [--max-tokens 128] [--model PATH] [--structured]
+    ft bench [--concurrency 1 4 16] [--max-tokens 128] [--model PATH] [--structured] [--prefill 512]
              [--prompts short|edit] [--speculative-method ngram]
     python tools/bench_engine.py ...        (the same)
 
@@ -16,6 +16,9 @@ and reports the constrained throughput as a fraction of the free one.
 time): a passage and an instruction whose answer copies most of it (rename a variable, fix a
 typo, reformat), greedy and ended by the model, where prompt-lookup drafts are accepted; the
 JSON line then carries the speculative counters.
+
+`--prefill N` also times one N-token prompt (fresh token ids, so no prefix-cache hit) to its
+first token: prompt tokens/s, the figure `llama-bench -p N` reports.
 """
 
 from __future__ import annotations
@@ -161,6 +164,7 @@ async def main(args: argparse.Namespace) -> None:
         await run_level(engine, 1, 8)  # warm-up
         levels = [await run_level(engine, c, args.max_tokens, prompts=args.prompts) for c in args.concurrency]
         speculative = engine.snapshot().speculative
+        prefill = await run_prefill(engine, args.prefill) if args.prefill else None
         structured = (
             [await compare_structured(engine, c, args.max_tokens) for c in args.concurrency]
             if args.structured
@@ -175,11 +179,33 @@ async def main(args: argparse.Namespace) -> None:
         "levels": levels,
         "speedup_vs_first": {str(x["concurrency"]): round(x["tokens_per_s"] / base, 2) for x in levels},
     }
+    if prefill is not None:
+        result["prefill"] = prefill
     if structured:
         result["structured"] = structured
     if speculative.method is not None:
         result["speculative"] = asdict(speculative)
     print(json.dumps(result))
+
+
+async def run_prefill(engine: Engine, num_tokens: int) -> dict[str, float]:
+    """One prompt of `num_tokens` token ids to its first token, best of three (fresh ids each
+    time: a prefix-cache hit would time nothing)."""
+    vocab = engine.vocab_size
+    best = float("inf")
+    for run in range(3):
+        ids = [(7919 * (i + 1) + 104729 * run) % vocab for i in range(num_tokens)]
+        params = SamplingParams(max_tokens=1, temperature=0.0)
+        start = time.perf_counter()
+        async with engine.open_request(PromptSpec(token_ids=ids), params=params) as stream:
+            async for _ in stream:
+                break
+        best = min(best, time.perf_counter() - start)
+    return {
+        "prompt_tokens": num_tokens,
+        "seconds": round(best, 3),
+        "prompt_tokens_per_s": round(num_tokens / best, 1),
+    }
 
 
 async def compare_structured(engine: Engine, concurrency: int, max_tokens: int) -> dict[str, float]:
@@ -211,6 +237,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         "whose answer copies it, greedy (default: %(default)s)",
     )
     add_model_arguments(parser)  # `--compute-threads` among them, as for `ft serve`
+    parser.add_argument("--prefill", type=int, default=0, metavar="N", help="also time one N-token prompt")
     # NOTE: the old spelling, kept so recorded bench commands still run.
     parser.add_argument("--threads", type=int, dest="compute_threads", help=argparse.SUPPRESS)
     parser.add_argument(

@@ -14,6 +14,7 @@ from ft.config import (
     ADMISSIONS,
     ENGINE_DEFAULTS,
     KV_CACHE_DTYPES,
+    POOLING_CHOICES,
     EngineConfig,
     add_model_arguments,
     model_config_fields,
@@ -143,7 +144,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--kv-cache-dtype",
         choices=KV_CACHE_DTYPES,
         default=_E.kv_cache_dtype,
-        help="KV cache element type; float16/bfloat16 hold 2x the tokens of float32; auto is float16 "
+        help="KV cache element type; float16/bfloat16 hold 2x the tokens of float32; q8_0 (int8 blocks "
+        "of 32 with a scale, packed GGUF path on the CPU only) 1.88x those of float16; auto is float16 "
         "for packed GGUF weights, else the compute dtype (default: %(default)s)",
     )
     engine.add_argument(
@@ -158,6 +160,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=_E.tokenizer_workers,
         help="processes that render chat templates and tokenize prompts (default: %(default)s)",
+    )
+    engine.add_argument(
+        "--pooling",
+        choices=POOLING_CHOICES,
+        default=_E.pooling,
+        help="how /v1/embeddings, /v1/rerank and /v1/score pool an input's hidden states: their "
+        "mean, the first token's or the last token's; auto is the GGUF's pooling_type, else last "
+        "(default: %(default)s)",
     )
     engine.add_argument(
         "--step-timeout",
@@ -242,6 +252,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         default=_S.metrics_require_key,
         help="/metrics needs the API key too; off, it is open like /health (default: off)",
     )
+    http.add_argument(
+        "--web-ui",
+        action=argparse.BooleanOptionalAction,
+        default=_S.web_ui,
+        help="serve the chat page at / (its files need no key; its API calls do) (default: on)",
+    )
 
     ops = parser.add_argument_group("operations")
     ops.add_argument(
@@ -291,6 +307,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerSet
         enable_prefix_caching=args.enable_prefix_caching,
         tokenizer_workers=args.tokenizer_workers,
         step_timeout_s=args.step_timeout,
+        pooling=args.pooling,
         template_timeout_s=args.template_timeout,
     )
     settings = ServerSettings(
@@ -308,6 +325,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerSet
         log_format=args.log_format,
         log_prompts=args.log_prompts,
         metrics_require_key=args.metrics_require_key,
+        web_ui=args.web_ui,
         strict_model_names=args.strict_model_names,
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,

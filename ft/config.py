@@ -8,7 +8,13 @@ from dataclasses import dataclass
 from typing import Any
 
 DTYPES = ("auto", "float32", "bfloat16")
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")  # auto: the model's dtype
+# auto: the model's dtype; q8_0 (int8 blocks of 32 with a half scale) on the packed path only
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "q8_0")
+Q8_0_KV_PATH = (
+    "--kv-cache-dtype q8_0 runs only on the packed CPU path: a quantized GGUF run as stored "
+    "(--dtype auto, no --quantize), on the CPU, in one process; use float16 or bfloat16 here"
+)
+POOLING_CHOICES = ("auto", "mean", "cls", "last")  # auto: the model file's, else last
 ADMISSIONS = ("need", "reserve")
 QUANTIZATIONS = ("int8",)
 SPECULATIVE_METHODS = ("ngram",)
@@ -73,6 +79,7 @@ class EngineConfig:
     speculative_method: str | None = None
     speculative_tokens: int = 4
     speculative_max_batch: int = 4
+    pooling: str = "auto"  # how embeddings pool the prompt's hidden states (see `resolve_pooling`)
 
     def __post_init__(self) -> None:
         for name in self.served_names:
@@ -91,6 +98,13 @@ class EngineConfig:
             raise ValueError(
                 f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}"
             )
+        if self.kv_cache_dtype == "q8_0" and (
+            self.dtype != "auto"
+            or self.quantize is not None
+            or self.tensor_parallel_size > 1
+            or self.device.startswith("cuda")
+        ):
+            raise ValueError(Q8_0_KV_PATH)
         if self.admission not in ADMISSIONS:
             raise ValueError(f"admission must be one of {', '.join(ADMISSIONS)}, got {self.admission!r}")
         if not 1 <= self.page_size <= 1024:
@@ -123,6 +137,8 @@ class EngineConfig:
             )
         if self.max_queue_wait_s is not None and not 0.1 <= self.max_queue_wait_s <= 86400:
             raise ValueError(f"max_queue_wait_s must be in 0.1..86400, got {self.max_queue_wait_s}")
+        if self.pooling not in POOLING_CHOICES:
+            raise ValueError(f"pooling must be one of {', '.join(POOLING_CHOICES)}, got {self.pooling!r}")
         if not 1.0 <= self.step_timeout_s <= 3600.0:
             raise ValueError(f"step_timeout_s must be in 1..3600, got {self.step_timeout_s}")
         if self.speculative_method is not None and self.speculative_method not in SPECULATIVE_METHODS:
@@ -143,6 +159,19 @@ class EngineConfig:
         if isinstance(self.served_model_name, str):
             return (self.served_model_name,)
         return self.served_model_name
+
+
+def resolve_pooling(configured: str, from_model: str | None) -> str:
+    """The pooling embedding requests use: the configured one, else the model file's, else last.
+
+    NOTE: last-token pooling for a causal LM that does not say: with causal attention only the
+    last token's hidden state has seen the whole input (a mean over-weights its beginning), it
+    is what decoder embedders trained that way use (Qwen3-Embedding, e5-mistral, gte-Qwen2) and
+    what vLLM defaults to for a generative model, and it keeps the prefix cache's hits.
+    """
+    if configured != "auto":
+        return configured
+    return from_model or "last"
 
 
 # The defaults every command's options show and use: read from the record, written once.

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ft.core.batch import Batch, SeqFailed, StepDone, TokenOut, TokenScore
+from ft.core.batch import Batch, EmbeddingOut, SeqFailed, StepDone, TokenOut, TokenScore
 from ft.errors import FtError
 from ft.params import SamplingParams
 from ft.prompt import PromptSpec
@@ -24,6 +24,8 @@ __all__ = [
     "Batch",
     "Delta",
     "DetokenizerIn",
+    "Embedded",
+    "EmbeddingOut",
     "Enqueue",
     "Failed",
     "FinishSeq",
@@ -85,7 +87,7 @@ SchedulerIn = Enqueue | Abort | FinishSeq | StepDone
 # --- scheduler -> detokenizer --------------------------------------------------------------
 
 
-DetokenizerIn = tuple[TokenOut | SeqFailed, ...]
+DetokenizerIn = tuple[TokenOut | EmbeddingOut | SeqFailed, ...]
 
 
 # --- events on a request stream ------------------------------------------------------------
@@ -138,10 +140,18 @@ class PromptReady:
 
 
 @dataclass(frozen=True, slots=True)
+class Embedded:
+    """A pooling request's result: the pooled hidden state of its prompt (not normalized)."""
+
+    vector: tuple[float, ...]
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache supplied
+
+
+@dataclass(frozen=True, slots=True)
 class Failed:
     """The request failed; the stream raises `error`."""
 
     error: FtError
 
 
-RequestEvent = PromptReady | Delta | Failed
+RequestEvent = PromptReady | Delta | Embedded | Failed

@@ -18,6 +18,9 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_LEN = 256
 MAX_LOGIT_BIAS = 1024
 MIN_TEMPERATURE = 1e-5
+# How a pooling request (an embedding) turns its prompt's hidden states into one vector: their
+# mean, the first token's (cls) or the last token's.
+POOLINGS = ("mean", "cls", "last")
 
 
 def mix_seed(seed: int, k: int) -> int:
@@ -99,6 +102,9 @@ class SamplingParams:
     # Speculative decoding may draft this request's tokens (when the engine enables it); the
     # output is the same either way, so this only turns the extra verify rows off.
     speculative: bool = True
+    # A pooling request (one of `POOLINGS`): prompt only, nothing sampled; its stream gives the
+    # pooled hidden state (after the final norm) instead of tokens.
+    pooling: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None:
@@ -141,6 +147,15 @@ class SamplingParams:
             raise InvalidRequest("grammar must be a GrammarSpec", param="grammar")
         if not isinstance(self.speculative, bool):
             raise InvalidRequest("speculative must be true or false", param="speculative")
+        if self.pooling is not None:
+            self._check_pooling()
+
+    def _check_pooling(self) -> None:
+        if self.pooling not in POOLINGS:
+            raise InvalidRequest(f"pooling must be one of {', '.join(POOLINGS)}", param="pooling")
+        sampled = self.n != 1 or self.logprobs or self.prompt_logprobs is not None or self.grammar is not None
+        if sampled:
+            raise InvalidRequest("a pooling request samples nothing: n, logprobs and grammars do not apply")
 
     @property
     def is_greedy(self) -> bool:
@@ -153,9 +168,10 @@ class SamplingParams:
 
     @property
     def can_speculate(self) -> bool:
-        """True when drafted tokens can be verified for this request: asked for, and no
-        grammar (its matcher would have to follow each drafted position and roll back)."""
-        return self.speculative and self.grammar is None
+        """True when drafted tokens can be verified for this request: asked for, it samples
+        (no pooling), and no grammar (its matcher would have to follow each drafted position
+        and roll back)."""
+        return self.speculative and self.grammar is None and self.pooling is None
 
     @property
     def uses_penalties(self) -> bool:

@@ -13,6 +13,8 @@ from ft.core.detok import SeqDetokenizer
 from ft.messages import (
     Delta,
     DetokenizerIn,
+    Embedded,
+    EmbeddingOut,
     FinishSeq,
     SchedulerIn,
     SeqFailed,
@@ -56,6 +58,11 @@ class DetokenizerActor:
                         entry = self._route(out)
                         if entry is not None:
                             routed[entry.uid] = entry
+                    case EmbeddingOut(uid=uid, vector=vector, num_cached_tokens=cached):
+                        entry = self.registry.get(uid)
+                        if entry is not None:
+                            self.registry.note_finished(entry)
+                            self.registry.send_nowait(uid, Embedded(vector, cached))
                     case SeqFailed(uid=uid, error=error):
                         self.registry.fail(uid, error)
                     case _:

@@ -7,7 +7,17 @@ from collections.abc import Callable
 
 import trio
 
-from ft.core.batch import ConstraintError, RowsFailed, Runner, RunnerFailure, Sampled, Scored, SeqWork
+from ft.core.batch import (
+    ConstraintError,
+    PoolSum,
+    RowsFailed,
+    Runner,
+    RunnerFailure,
+    Sampled,
+    Scored,
+    SeqWork,
+    StepOutput,
+)
 from ft.errors import FtError, InvalidRequest, RequestFailed
 from ft.messages import Batch, SchedulerIn, StepDone
 
@@ -57,7 +67,7 @@ class RunnerActor:
         started = time.perf_counter()
         works = list(batch.works)
         failed: list[tuple[int, FtError]] = []
-        sampled: list[Sampled | Scored] = []
+        sampled: list[StepOutput] = []
         if self.fatal is None:
             self.step_started_at = trio.current_time()
             try:
@@ -82,6 +92,7 @@ class RunnerActor:
             sampled=tokens,
             failed=tuple(failed),
             scored=tuple(x for x in sampled if isinstance(x, Scored)),
+            pooled=tuple(x for x in sampled if isinstance(x, PoolSum)),
             duration_s=time.perf_counter() - started,
             num_prefill_tokens=sum(len(w.token_ids) for w in works if w.seq_id not in decode_ids),
             num_decode_tokens=sum(1 for x in tokens if x.seq_id in decode_ids),
@@ -89,7 +100,7 @@ class RunnerActor:
 
     async def _run_isolated(
         self, works: list[SeqWork], failed: list[tuple[int, FtError]]
-    ) -> list[Sampled | Scored]:
+    ) -> list[StepOutput]:
         try:
             return await self._run(works)
         except RunnerFailure:
@@ -100,7 +111,7 @@ class RunnerActor:
         except Exception:
             # One bad sequence must not fail its neighbours: rerun each alone. Reruns
             # rewrite the same KV slots with the same values, so this is safe.
-            sampled: list[Sampled | Scored] = []
+            sampled: list[StepOutput] = []
             for work in works:
                 try:
                     sampled += await self._run([work])
@@ -127,19 +138,19 @@ class RunnerActor:
             if self.on_fatal is not None:
                 self.on_fatal(reason)
 
-    async def _run(self, works: list[SeqWork]) -> list[Sampled | Scored]:
+    async def _run(self, works: list[SeqWork]) -> list[StepOutput]:
         astep = getattr(self.runner, "astep", None)
         if astep is not None:  # an async runner (the fake one) computes on the event loop
             if self.before_step is not None:
                 self.before_step(works)
-            result: list[Sampled | Scored] = await astep(works)
+            result: list[StepOutput] = await astep(works)
             return result
         # NOTE: a thread cannot be interrupted: a step that never returns (a hung kernel, a
         # collective on a hung rank) is abandoned when halted or when the engine stops, so
         # neither waits for it; the process exits with the thread still blocked.
         return await trio.to_thread.run_sync(self._step, works, abandon_on_cancel=True)
 
-    def _step(self, works: list[SeqWork]) -> list[Sampled | Scored]:
+    def _step(self, works: list[SeqWork]) -> list[StepOutput]:
         if self.before_step is not None:
             self.before_step(works)
         return self.runner.step(works)

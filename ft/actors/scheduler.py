@@ -16,6 +16,7 @@ from ft.messages import (
     Abort,
     Batch,
     DetokenizerIn,
+    EmbeddingOut,
     Enqueue,
     FinishSeq,
     SchedulerIn,
@@ -101,7 +102,7 @@ class SchedulerActor:
         if self.core.finish_seq(seq_id) and seq is not None:
             self._log_speculation(seq)
 
-    def _step_done(self, batch: Batch, done: StepDone) -> list[TokenOut | SeqFailed]:
+    def _step_done(self, batch: Batch, done: StepDone) -> list[TokenOut | EmbeddingOut | SeqFailed]:
         sampling = [self.core.running.get(w.seq_id) for w in batch.works if w.sample]
         outs = self.core.on_step_done(batch, done)
         for seq in sampling:

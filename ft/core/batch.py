@@ -35,6 +35,10 @@ class SeqWork:
     `score_ids` (prompt logprobs): the fed tokens from index `score_offset` on are scored, the
     logits at fed token `score_offset + i` giving the logprob of `score_ids[i]` (the prompt
     token after it), with `params.prompt_logprobs` alternatives; the runner returns one `Scored`.
+
+    `num_pool_rows` (pooling requests): the hidden states (after the final norm) of the fed
+    tokens `pool_offset .. pool_offset + num_pool_rows - 1` are summed; the runner returns one
+    `PoolSum`. A pooling work never samples.
     """
 
     seq_id: int
@@ -49,6 +53,8 @@ class SeqWork:
     matcher: Matcher | None = None
     score_offset: int = 0
     score_ids: tuple[int, ...] = ()
+    pool_offset: int = 0
+    num_pool_rows: int = 0
     num_draft: int = 0
 
 
@@ -60,9 +66,9 @@ class RowsFailed(ConstraintError):
     """A step ran, but some rows' grammars failed (over their budget, in error): `failed` holds
     (seq id, why) for those, `sampled` the other rows' tokens, so nothing is rerun."""
 
-    def __init__(self, sampled: Sequence[Sampled | Scored], failed: list[tuple[int, str]]) -> None:
+    def __init__(self, sampled: Sequence[StepOutput], failed: list[tuple[int, str]]) -> None:
         super().__init__("; ".join(why for _, why in failed))
-        self.sampled: list[Sampled | Scored] = list(sampled)
+        self.sampled: list[StepOutput] = list(sampled)
         self.failed = failed
 
 
@@ -102,6 +108,17 @@ class Scored:
     scores: tuple[TokenScore, ...]
 
 
+@dataclass(frozen=True, slots=True)
+class PoolSum:
+    """The sum (float64) of one work's pooled rows of hidden states, `[hidden]`."""
+
+    seq_id: int
+    values: tuple[float, ...]
+
+
+StepOutput = Sampled | Scored | PoolSum  # what a runner's step returns, per work
+
+
 class Runner(Protocol):
     """Runs model steps over a paged KV cache. `step` is synchronous and runs in a thread."""
 
@@ -114,10 +131,11 @@ class Runner(Protocol):
     @property
     def vocab_size(self) -> int: ...
 
-    def step(self, works: list[SeqWork]) -> list[Sampled | Scored]:
+    def step(self, works: list[SeqWork]) -> list[StepOutput]:
         """Run one forward pass; return one `Sampled` per work with `sample=True`, in order
-        (a work with drafts: one per accepted draft and one after them, consecutive), and one
-        `Scored` per work with `score_ids` (anywhere in the list).
+        (a work with drafts: one per accepted draft and one after them, consecutive), one
+        `Scored` per work with `score_ids` and one `PoolSum` per work with `num_pool_rows`
+        (those two anywhere in the list).
 
         Raises `RunnerFailure` when no further step can run; anything else fails the step.
         """
@@ -140,6 +158,7 @@ class StepDone:
     sampled: tuple[Sampled, ...]
     failed: tuple[tuple[int, FtError], ...] = ()
     scored: tuple[Scored, ...] = ()
+    pooled: tuple[PoolSum, ...] = ()
     duration_s: float = 0.0
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
@@ -165,6 +184,16 @@ class TokenOut:
     # On a sequence's first token, when its request asked: the scores of prompt tokens 1.. (the
     # first prompt token has no context to be scored in).
     prompt_logprobs: tuple[TokenScore, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class EmbeddingOut:
+    """A pooling request's result: its prompt's pooled hidden state (not normalized)."""
+
+    uid: int
+    seq_id: int
+    vector: tuple[float, ...]
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache supplied
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,7 +30,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from ft.core.batch import Batch, SeqFailed, SeqWork, StepDone, TokenOut
+from ft.core.batch import Batch, EmbeddingOut, PoolSum, SeqFailed, SeqWork, StepDone, TokenOut
 from ft.core.kv import PagePool, page_hash
 from ft.core.ngram import DraftLength, NgramIndex
 from ft.core.sequence import SeqStatus, Sequence
@@ -118,6 +118,8 @@ class Scheduler:
         """
         if num_prompt_tokens == 0:
             raise InvalidRequest("the prompt is empty", param="prompt")
+        if params.pooling is not None:
+            return self._check_pooling_fits(num_prompt_tokens)
         if params.n > self.max_running:
             raise InvalidRequest(f"n={params.n} exceeds max_running_requests={self.max_running}", param="n")
         room = self.max_model_len - num_prompt_tokens
@@ -139,6 +141,22 @@ class Scheduler:
         if params.max_tokens is not None:
             max_tokens = min(max_tokens, params.max_tokens)
         return max_tokens
+
+    def _check_pooling_fits(self, num_prompt_tokens: int) -> int:
+        """A pooling request feeds its prompt and nothing after it: the whole context is its."""
+        if num_prompt_tokens > self.max_model_len:
+            raise ContextLengthExceeded(
+                f"the input has {num_prompt_tokens} tokens; this model's maximum context "
+                f"length is {self.max_model_len} tokens",
+                param="input",
+            )
+        if pages_for(num_prompt_tokens, self.pool.page_size) > self.pool.num_pages:
+            raise ContextLengthExceeded(
+                f"the input has {num_prompt_tokens} tokens; the KV pool holds "
+                f"{self.pool.num_pages * self.pool.page_size} tokens",
+                param="input",
+            )
+        return 1  # `max_tokens` resolved to one, though nothing is sampled
 
     def add(
         self, uid: int, prompt_ids: list[int], params: SamplingParams, grammar: Grammar | None = None
@@ -209,12 +227,18 @@ class Scheduler:
             keep = len(seq.prompt_scores) // self.pool.page_size
             self.pool.release(matched[keep:])
             matched = matched[:keep]
+        if seq.is_pooling:  # a cached page has no hidden states to pool either
+            keep = seq.num_reusable_pooled // self.pool.page_size
+            self.pool.release(matched[keep:])
+            matched = matched[:keep]
         return matched
 
     def _admission_tokens(self, seq: Sequence) -> int:
         """Tokens whose pages admission allocates: its whole budget, or what it needs now."""
-        if self.reserve_full_budget:
+        if self.reserve_full_budget and not seq.is_pooling:
             return seq.max_total_tokens
+        if seq.is_pooling:
+            return seq.num_tokens  # its prompt, no decode token after it
         # Everything to (re)compute plus the first decode token after it.
         return min(seq.num_tokens + 1, seq.max_total_tokens)
 
@@ -382,7 +406,7 @@ class Scheduler:
         A draft never runs past `max_tokens` or the context: the step then gives at most the
         tokens the sequence may still produce.
         """
-        if not seq.params.can_speculate or seq.matcher is not None:
+        if not seq.params.can_speculate or seq.matcher is not None or seq.is_pooling:
             return []
         if seq.drafter is None or seq.draft_length is None:
             seq.drafter = NgramIndex()
@@ -410,6 +434,8 @@ class Scheduler:
         self, seq: Sequence, tokens: list[int], start: int, *, sample: bool, num_draft: int = 0
     ) -> SeqWork:
         score_offset, score_ids = self._score_span(seq, start, start + len(tokens))
+        pool_offset, num_pool_rows = self._pool_span(seq, start, start + len(tokens))
+        sample = sample and not seq.is_pooling
         history: tuple[int, ...] = ()
         if sample and seq.params.uses_penalties:
             history = tuple(seq.prompt_ids) + tuple(seq.output_ids)
@@ -427,6 +453,8 @@ class Scheduler:
             score_offset=score_offset,
             score_ids=score_ids,
             num_draft=num_draft,
+            pool_offset=pool_offset,
+            num_pool_rows=num_pool_rows,
         )
 
     @staticmethod
@@ -444,13 +472,50 @@ class Scheduler:
             return 0, ()
         return first - start, tuple(seq.prompt_ids[first + 1 : last + 1])
 
-    def on_step_done(self, batch: Batch, done: StepDone) -> list[TokenOut | SeqFailed]:
-        """Fold a finished step back in; return the tokens and failures to route out."""
-        outs: list[TokenOut | SeqFailed] = []
+    @staticmethod
+    def _pool_span(seq: Sequence, start: int, stop: int) -> tuple[int, int]:
+        """(`pool_offset`, `num_pool_rows`) of a work feeding positions [start, stop) of `seq`.
+
+        Mean pools every prompt position not summed yet (a recompute after a preemption skips
+        what is summed), cls position 0, last the prompt's last position.
+        """
+        match seq.params.pooling:
+            case "mean":
+                first = max(start, seq.num_pooled)
+                return (first - start, stop - first) if first < stop else (0, 0)
+            case "cls":
+                return (0, 1) if start == 0 and seq.num_pooled == 0 else (0, 0)
+            case "last":
+                return (stop - 1 - start, 1) if stop == len(seq.prompt_ids) else (0, 0)
+            case _:
+                return 0, 0
+
+    def _fold_pooled(self, seq: Sequence, work: SeqWork, pooled: PoolSum | None) -> EmbeddingOut | None:
+        """Add a pooling work's sum to its sequence; once its prompt is computed, release it
+        and return its pooled vector (mean: the sum over the prompt's length)."""
+        if work.num_pool_rows:
+            assert pooled is not None, "the runner returns a PoolSum for each pooling work"
+            if seq.pool_sum:
+                seq.pool_sum = [a + b for a, b in zip(seq.pool_sum, pooled.values, strict=True)]
+            else:
+                seq.pool_sum = list(pooled.values)
+            seq.num_pooled = work.start_pos + work.pool_offset + work.num_pool_rows
+        if seq.num_computed < seq.num_tokens:
+            return None
+        count = len(seq.prompt_ids) if seq.params.pooling == "mean" else 1
+        self._release(seq)
+        return EmbeddingOut(
+            seq.uid, seq.seq_id, tuple(v / count for v in seq.pool_sum), seq.num_cached_prompt
+        )
+
+    def on_step_done(self, batch: Batch, done: StepDone) -> list[TokenOut | EmbeddingOut | SeqFailed]:
+        """Fold a finished step back in; return the tokens, embeddings and failures to route out."""
+        outs: list[TokenOut | EmbeddingOut | SeqFailed] = []
         failed = dict(done.failed)
         num_sampled: dict[int, int] = {}
         for sampled in done.sampled:
             num_sampled[sampled.seq_id] = num_sampled.get(sampled.seq_id, 0) + 1
+        pooled = {p.seq_id: p for p in done.pooled}
         for work in batch.works:
             seq = self.running.get(work.seq_id)
             if seq is None or work.seq_id in failed:
@@ -468,6 +533,10 @@ class Scheduler:
                 assert seq.draft_length is not None
                 seq.draft_length.update(work.num_draft, num_accepted)
             self._register_full_pages(seq)
+            if seq.is_pooling:
+                embedded = self._fold_pooled(seq, work, pooled.get(work.seq_id))
+                if embedded is not None:
+                    outs.append(embedded)
         for seq_id, error in failed.items():
             seq = self.running.get(seq_id)
             if seq is not None:

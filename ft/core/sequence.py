@@ -48,6 +48,31 @@ class Sequence:
     draft_length: DraftLength | None = None
     num_drafted: int = 0  # tokens drafted for it, and those the model accepted
     num_accepted: int = 0
+    # A pooling request: the sum of the hidden states pooled so far, and the positions before
+    # `num_pooled` it holds (mean: every one summed; cls: position 0; last: set when done).
+    pool_sum: list[float] = field(default_factory=list)
+    num_pooled: int = 0
+
+    @property
+    def is_pooling(self) -> bool:
+        """True for a pooling request's sequence (prompt only, nothing sampled)."""
+        return self.params.pooling is not None
+
+    @property
+    def num_reusable_pooled(self) -> int:
+        """Leading prompt tokens whose hidden states this pooling sequence no longer needs.
+
+        A prefix-cache hit skips computing those tokens, so only these may come from the
+        cache: mean pooling needs every position it has not summed yet, cls position 0; last
+        pooling only its last token, which is always computed.
+        """
+        match self.params.pooling:
+            case "mean":
+                return self.num_pooled
+            case "cls":
+                return self.num_tokens if self.num_pooled else 0
+            case _:
+                return self.num_tokens
 
     @property
     def wants_prompt_scores(self) -> bool:

@@ -62,6 +62,8 @@ class Engine:
         self.vocab_size = 0
         self.kv_cache_dtype = config.kv_cache_dtype  # resolved to a real dtype once loaded
         self.generation_defaults: dict[str, float | int] = {}
+        self.hidden_size = 0  # the width of a pooled embedding, once loaded
+        self.pooling = "last"  # how embedding requests pool (`config.pooling` resolved at load)
         self.admissions = Admissions(config, self.registry)
         self._drain = Drain(self)
         self.jobs = WorkerJobs()  # jobs in the tokenizer worker processes (`lifetime.run` opens them)
@@ -259,6 +261,13 @@ class Engine:
         """Complete `prompt` (no chat template); return the first choice's text."""
         async with self.open_request(PromptSpec(text=prompt), params=params) as stream:
             return (await stream.collect())[0].text
+
+    async def embed(self, prompt: str, pooling: str | None = None) -> tuple[float, ...]:
+        """Pool `prompt`'s hidden states (`pooling`, else the engine's); return the vector, not
+        normalized. A pooling request: batched and scheduled like any, nothing sampled."""
+        params = SamplingParams(pooling=pooling or self.pooling)
+        async with self.open_request(PromptSpec(text=prompt), params=params) as stream:
+            return await stream.wait_embedding()
 
     async def tokenize(
         self,

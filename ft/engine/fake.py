@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 import trio
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-from ft.core.batch import Sampled, Scored, SeqWork, TokenScore
+from ft.core.batch import PoolSum, Sampled, Scored, SeqWork, StepOutput, TokenScore
 from ft.tokenizer.spec import TokenizerSpec, bytes_to_unicode
 
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -65,6 +65,13 @@ def delayed_inline(delay_s: float) -> Callable[[Callable[[bytes], bytes], bytes]
 
 
 Script = Callable[[SeqWork], int]
+FAKE_HIDDEN = 8  # the fake model's hidden size
+
+
+def fake_hidden(token_id: int, position: int) -> tuple[float, ...]:
+    """The fake model's hidden state for `token_id` at `position`: small integers, so sums
+    are exact and any pooling can be computed by hand in a test."""
+    return tuple(float((token_id * (j + 3) + position * (j + 1)) % 7 - 3) for j in range(FAKE_HIDDEN))
 
 
 def text_script(text: str) -> Script:
@@ -91,18 +98,19 @@ class FakeRunner:
     record: bool = False
     hangs: bool = False  # set: steps never return (a hung kernel or rank), for the watchdog
 
-    async def astep(self, works: list[SeqWork]) -> list[Sampled | Scored]:
+    async def astep(self, works: list[SeqWork]) -> list[StepOutput]:
         """One fake step: check page coverage, wait `step_s`, emit scripted tokens."""
         await trio.sleep(self.step_s)
         if self.hangs:
             await trio.sleep_forever()
         return self.step(works)
 
-    def step(self, works: list[SeqWork]) -> list[Sampled | Scored]:
-        """Synchronous step (no delay); prompt tokens score -1.0 each."""
+    def step(self, works: list[SeqWork]) -> list[StepOutput]:
+        """Synchronous step (no delay); prompt tokens score -1.0 each; a token's hidden state
+        is `fake_hidden(token, position)`."""
         if self.record:
             self.steps.append(works)
-        out: list[Sampled | Scored] = []
+        out: list[StepOutput] = []
         for w in works:
             end = w.start_pos + len(w.token_ids)
             assert len(w.page_ids) * self.page_size >= end, "pages do not cover the work"
@@ -122,4 +130,11 @@ class FakeRunner:
                 n = w.params.prompt_logprobs or 0
                 scores = tuple(TokenScore(t, -1.0, ((t, -1.0),) * min(1, n)) for t in w.score_ids)
                 out.append(Scored(w.seq_id, scores))
+            if w.num_pool_rows:
+                first = w.start_pos + w.pool_offset
+                rows = [
+                    fake_hidden(w.token_ids[p - w.start_pos], p)
+                    for p in range(first, first + w.num_pool_rows)
+                ]
+                out.append(PoolSum(w.seq_id, tuple(float(sum(col)) for col in zip(*rows, strict=True))))
         return out

@@ -22,6 +22,7 @@ from ft.actors.detokenizer import DetokenizerActor
 from ft.actors.runner import RunnerActor
 from ft.actors.scheduler import SchedulerActor
 from ft.actors.tokenizer import TokenizerActor
+from ft.config import resolve_pooling
 from ft.core.kv import PagePool
 from ft.core.scheduler import Scheduler
 from ft.engine.grammars import Grammars
@@ -203,6 +204,8 @@ async def _start(engine: Engine, nursery: trio.Nursery) -> None:
         engine.kv_cache_dtype = str(kv_dtype).removeprefix("torch.")
     engine.vocab_size = parts.vocab_size
     engine.generation_defaults = parts.generation_defaults
+    engine.hidden_size = parts.hidden_size
+    engine.pooling = resolve_pooling(cfg.pooling, parts.pooling)
     spec_path = os.path.join(engine._tmpdir.name, "tokenizer.cbor")
     with open(spec_path, "wb") as f:
         cbor2.dump(asdict(spec), f)

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ft.config import EngineConfig
+from ft.config import Q8_0_KV_PATH, EngineConfig
 from ft.core.batch import Runner, SeqWork
 from ft.tokenizer.job import Executor
 from ft.tokenizer.spec import TokenizerSpec
@@ -31,6 +31,8 @@ class ModelParts:
     bytes_per_page: Callable[[int], int]  # page_size -> bytes
     vocab_size: int
     generation_defaults: dict[str, float | int]
+    hidden_size: int = 0  # the width of a pooled embedding
+    pooling: str | None = None  # how the model's file says to pool embeddings (None: unsaid)
     # Releases what the model holds outside this process (the other ranks); synchronous,
     # called once when the engine stops. `failed`: the ranks are broken, do not talk to them.
     close: Callable[[bool], None] | None = None
@@ -91,6 +93,8 @@ def load_torch_model(
         if packed and not kernels.available():
             log.warning("running the GGUF's weights dequantized to floats: %s", kernels.build_error())
             packed = False
+        if config.kv_cache_dtype == kernels.Q8_0_KV:
+            _check_q8_0_kv(config, packed)  # before loading a weight
         loaded = load_model(config.model, torch.float32, progress, quantized=packed)  # the runner casts
         if world > 1:
             from ft.model.parallel import check_shardable
@@ -114,7 +118,11 @@ def load_torch_model(
     # NOTE: packed weights keep float16 KV by default: half the memory and half the bytes that
     # decode attention reads, for 0.014 of max logit change against transformers (float32 5e-5).
     auto_kv = torch.float16 if packed else dtype
-    kv_dtype = auto_kv if config.kv_cache_dtype == "auto" else getattr(torch, config.kv_cache_dtype)
+    kv_dtype: kernels.KVDtype = auto_kv
+    if config.kv_cache_dtype == kernels.Q8_0_KV:
+        kv_dtype = kernels.Q8_0_KV
+    elif config.kv_cache_dtype != "auto":
+        kv_dtype = getattr(torch, config.kv_cache_dtype)
     threads = config.compute_threads
     if threads is None and world > 1 and device.type == "cpu":
         # Ranks on one machine share its cores (torchrun says how many ranks run on this node).
@@ -167,6 +175,29 @@ def load_torch_model(
         bytes_per_page=lambda ps: TorchRunner.bytes_per_page(loaded.config, ps, kv_dtype, world),
         vocab_size=loaded.config.vocab_size,
         generation_defaults=loaded.generation_defaults,
+        hidden_size=loaded.config.hidden_size,
+        pooling=loaded.config.pooling,
         close=close,
         failure=procs.failure if procs is not None else None,
     )
+
+
+def _check_q8_0_kv(config: EngineConfig, packed: bool) -> None:
+    """Refuse `--kv-cache-dtype q8_0` where it cannot run: off the packed path, or on heads that
+    are not whole blocks of 32 (read from the GGUF's header).
+
+    Raises:
+        ValueError: the message names the packed path, or the model's head size.
+    """
+    from ft.model import kernels
+    from ft.model.loader import gguf_head_dim, is_quantized_gguf
+
+    if not packed:
+        if not is_quantized_gguf(config.model):
+            why = "the model is not a quantized GGUF"
+        elif not kernels.available():
+            why = f"the packed kernels cannot be built here ({kernels.build_error()})"
+        else:
+            why = "this run is not on the CPU in one process"
+        raise ValueError(f"{Q8_0_KV_PATH} ({why})")
+    kernels.kv_head_bytes(kernels.Q8_0_KV, gguf_head_dim(config.model))

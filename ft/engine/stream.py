@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import trio
 
 from ft.errors import RequestAborted
-from ft.messages import Delta, Failed, PromptReady, RequestEvent, TokenLogprob, TokenScore
+from ft.messages import Delta, Embedded, Failed, PromptReady, RequestEvent, TokenLogprob, TokenScore
 from ft.params import SamplingParams
 
 
@@ -37,7 +37,8 @@ class RequestStream:
     """Deltas for one request until each of its `n` choices has finished.
 
     Iteration raises the request's error (`FtError`) if it fails. Cancelling an iteration is
-    safe: no event is lost.
+    safe: no event is lost. A pooling request gives no deltas: `wait_embedding` gives its
+    vector (iterating it ends when the vector arrives).
     """
 
     def __init__(
@@ -51,6 +52,7 @@ class RequestStream:
         self._recv = recv
         self.finish_reasons: dict[int, str] = {}  # by choice index, once it has finished
         self._pending: Delta | None = None
+        self.embedding: tuple[float, ...] | None = None  # a pooling request's, once it arrived
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -69,6 +71,8 @@ class RequestStream:
         if self.is_finished:
             raise StopAsyncIteration
         delta = await self._next_delta()
+        if delta is None:
+            raise StopAsyncIteration
         self.num_completion_tokens += len(delta.token_ids)
         self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
         if delta.finish_reason is not None:
@@ -77,12 +81,21 @@ class RequestStream:
 
     async def wait_prompt(self) -> tuple[int, ...]:
         """Wait until the prompt is tokenized (or the request fails); return its ids."""
-        while not self.prompt_ids and self._pending is None:
+        while not self.prompt_ids and self._pending is None and self.embedding is None:
             self._pending = await self._next_delta()
         return self.prompt_ids
 
-    async def _next_delta(self) -> Delta:
+    async def wait_embedding(self) -> tuple[float, ...]:
+        """Wait for a pooling request's vector (its prompt's hidden states pooled, not
+        normalized); raise the request's error if it fails."""
+        while self.embedding is None:
+            if await self._next_delta() is not None:
+                raise RuntimeError("wait_embedding on a request that generates tokens")
+        return self.embedding
+
+    async def _next_delta(self) -> Delta | None:
         # Absorbs PromptReady, raises Failed; a Delta read early by wait_prompt comes first.
+        # None: a pooling request's vector arrived (it gives no deltas).
         if self._pending is not None:
             delta, self._pending = self._pending, None
             return delta
@@ -98,6 +111,10 @@ class RequestStream:
                     raise error
                 case Delta():
                     return event
+                case Embedded(vector=vector, num_cached_tokens=cached):
+                    self.embedding, self.num_cached_tokens = vector, cached
+                    self.finish_reasons[0] = "stop"
+                    return None
 
     async def collect(self) -> list[Choice]:
         """Consume the stream; return each choice's whole output."""

@@ -22,6 +22,7 @@ QK = 32  # the packed kernels quantize activations in blocks of 32
 FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
 # fp16 scale fields (byte offsets in a block) of the types the kernels multiply as stored
 _SCALE_FIELDS = {2: (0,), 3: (0, 2), 8: (0,), 12: (0, 2), 14: (208,)}
+_SCALE_FIELDS |= {6: (0,), 7: (0, 2), 10: (80, 82), 11: (108,), 13: (0, 2), 20: (0,), 23: (0,)}
 _BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 
@@ -70,6 +71,7 @@ def check_tensors(reader: GGUFFile, config: LlamaConfig, *, packed: bool) -> Non
         if packed and len(shape) == 2 and shape[1] % QK:
             raise ModelFileError(f"tensor {name}: rows of {shape[1]} are not whole blocks of {QK}")
         _check_finite(tensor)
+        reader.release(tensor)
     for name in found.keys() - expected.keys():
         m = _BLOCK.match(name)
         if m and int(m.group(1)) >= config.num_layers:

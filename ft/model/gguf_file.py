@@ -11,6 +11,7 @@ bounded by its length, and a malformed one raises `ModelFileError` naming the ke
 from __future__ import annotations
 
 import math
+import mmap
 import pathlib
 import struct
 from dataclasses import dataclass
@@ -96,7 +97,10 @@ class GGUFFile:
         size = path.stat().st_size
         if size < 24:
             raise ModelFileError(f"the file has {size} bytes, too few for a GGUF header (truncated?)")
-        self.buf = np.memmap(path, dtype=np.uint8, mode="r")
+        with path.open("rb") as f:
+            self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        self.buf = np.frombuffer(self._map, dtype=np.uint8)
+        self._spans: dict[str, tuple[int, int]] = {}
         self.pos = 0
         if bytes(self.buf[:4]) != b"GGUF":
             raise ModelFileError("bad magic (not a GGUF file)")
@@ -141,7 +145,21 @@ class GGUFFile:
                     f"of the file ({len(self.buf)} bytes; truncated download?)"
                 )
             raw = self.buf[start + info.offset : start + info.offset + info.nbytes]
+            self._spans[info.name] = (start + info.offset, info.nbytes)
             self.tensors.append(GGUFTensor(info.name, info.tensor_type, info.shape, _shaped(raw, info)))
+
+    def release(self, tensor: GGUFTensor) -> None:
+        """Drop `tensor`'s pages from this process's resident memory once it has been read or
+        converted: a load then holds each weight once (its converted copy) instead of the copy
+        plus the mapped file. The pages stay in the page cache and fault back in if read again,
+        so releasing early is never wrong, only slower."""
+        if not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        start, nbytes = self._spans[tensor.name]
+        lo = start // mmap.PAGESIZE * mmap.PAGESIZE
+        hi = min(len(self.buf), -(-(start + nbytes) // mmap.PAGESIZE) * mmap.PAGESIZE)
+        if hi > lo:
+            self._map.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
 
     def _info(self, i: int) -> _Info:
         name = self._string(f"tensor {i}'s name", MAX_KEY_BYTES)

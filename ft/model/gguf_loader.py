@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import logging
 import pathlib
 import re
+from collections import Counter
 from typing import Any
 
 import numpy as np
@@ -45,6 +47,7 @@ _GLOBAL_NAMES = {
     "output.weight": "lm_head.weight",
 }
 _BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
+log = logging.getLogger("ft.model")
 
 
 # Bounds on the metadata's numbers: far above any real model, low enough that no size derived
@@ -52,6 +55,8 @@ _BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
 MAX_WIDTH = 1 << 20  # hidden size, ffn length
 MAX_HEADS = 1 << 12
 MAX_HEAD_DIM = 1 << 12
+# llama.cpp's `llama_pooling_type` values (0 none, 4 rank: a classification head, not served).
+GGUF_POOLINGS = {1: "mean", 2: "cls", 3: "last"}
 MAX_LAYERS = 1 << 12
 MAX_VOCAB = 1 << 24
 MAX_CONTEXT = 1 << 24
@@ -109,6 +114,7 @@ def gguf_config(meta: GGUFFile, tensor_names: set[str], vocab_size: int) -> Llam
             tie_word_embeddings="output.weight" not in tensor_names,
             attention_bias="blk.0.attn_q.bias" in tensor_names,
             architecture="mistral" if arch == "llama" and "mistral" in name else arch,
+            pooling=GGUF_POOLINGS.get(meta.integer(f"{arch}.pooling_type", 0, 1 << 16, default=0)),
         )
     except ModelFileError:
         raise
@@ -178,11 +184,13 @@ def unpermute_rotary(w: torch.Tensor, n_head: int) -> torch.Tensor:
 
 
 def as_stored(tensor: GGUFTensor) -> QuantTensor:
-    """A 2-D GGUF weight as packed blocks: kept as stored when the kernels multiply its type,
-    otherwise requantized to Q8_0 once."""
+    """A 2-D GGUF weight as packed blocks: kept as stored when the kernels multiply its type
+    (`KERNEL_TYPES`), otherwise (F32 weights, IQ1/IQ2/IQ3, TQ, MXFP4, ...) requantized to Q8_0
+    once (`gguf_tensors` logs which)."""
     cols = tensor.shape[-1]
-    if int(tensor.tensor_type) in KERNEL_TYPES:
-        data = torch.from_numpy(np.array(tensor.data, dtype=np.uint8, copy=True))
+    if int(tensor.tensor_type) in KERNEL_TYPES:  # (F16 comes as float16 values: their bytes)
+        raw = np.ascontiguousarray(tensor.data).view(np.uint8).reshape(tensor.data.shape[0], -1)
+        data = torch.from_numpy(np.array(raw, copy=True))
         return QuantTensor(data, int(tensor.tensor_type), cols)
     return to_q8_0(_dequantized(tensor).reshape(-1, cols))
 
@@ -221,11 +229,15 @@ def gguf_tensors(
     """
     sd: dict[str, torch.Tensor | QuantTensor] = {}
     freq_factors: tuple[float, ...] | None = None
+    requantized: Counter[str] = Counter()
     for i, tensor in enumerate(reader.tensors):
         if progress is not None:
             progress(i / len(reader.tensors))
         if quantized and tensor.data.ndim == 2 and tensor.name != "rope_freqs.weight":
+            if int(tensor.tensor_type) not in KERNEL_TYPES:
+                requantized[tensor.tensor_type.name] += 1
             sd[_hf_name(tensor.name)] = repacked(_unpermuted(as_stored(tensor), tensor.name, config, arch))
+            reader.release(tensor)
             continue
         w = torch.from_numpy(_dequantized(tensor))
         if tensor.name == "rope_freqs.weight":
@@ -246,6 +258,12 @@ def gguf_tensors(
         else:
             raise ValueError(f"unexpected GGUF tensor {tensor.name}")
         sd[name] = w.to(dtype)
+        reader.release(tensor)
+    if requantized:
+        log.warning(
+            "requantized to Q8_0 at load (no kernel multiplies them as stored): %s",
+            ", ".join(f"{n} tensors of {t}" for t, n in sorted(requantized.items())),
+        )
     return sd, freq_factors
 
 

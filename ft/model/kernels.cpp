@@ -259,7 +259,7 @@ void rows_legacy(const uint8_t* w, int nb, const Act* a, float* out) {
       __m256i isum = hsum8(p);
       if (Fmt::offset)
         isum = _mm256_sub_epi32(isum, _mm256_slli_epi32(_mm256_loadu_si256((const __m256i*)(a[r].sx + b)),
-                                                        Fmt::offset == 8 ? 3 : 7));
+                                                        Fmt::offset == 8 ? 3 : Fmt::offset == 16 ? 4 : 7));
       acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_loadu_ps(a[r].d + b)), _mm256_cvtepi32_ps(isum), acc[r]);
       if (Fmt::has_min) acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(mw_), _mm256_loadu_ps(a[r].s + b), acc[r]);
     }
@@ -380,11 +380,505 @@ void rows_q6_k(const uint8_t* w, int nbk, const Act* a, float* out) {
 
 enum : int { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q6_K = 14 };
 
+// ==== More GGUF formats as stored: Q5_0, Q5_1, IQ4_NL (blocks of 32); Q2_K, Q3_K, Q5_K, IQ4_XS
+// (super-blocks of 256). Layouts as ggml-common.h declares them; fp16 fields are read with rd16
+// (the block bytes need no alignment beyond 2). ====
+enum : int { Q5_0 = 6, Q5_1 = 7, Q2_K = 10, Q3_K = 11, Q5_K = 13, IQ4_NL = 20, IQ4_XS = 23 };
+
+struct BlockQ5_0 {  // w = d * (q - 16), q = low nibble | bit of qh << 4
+  uint16_t d;
+  uint8_t qh[4];  // bit j: the fifth bit of element j
+  uint8_t qs[16];  // element j in the low nibble, j + 16 in the high
+};
+struct BlockQ5_1 {  // w = d * q + m
+  uint16_t d, m;
+  uint8_t qh[4];
+  uint8_t qs[16];
+};
+struct BlockIQ4_NL {  // w = d * kvalues_iq4nl[nibble]
+  uint16_t d;
+  uint8_t qs[16];
+};
+struct BlockQ5_K {  // sub-block j of 32: w = d * sc_j * q - dmin * m_j (6-bit sc, m as Q4_K's)
+  uint16_t d, dmin;
+  uint8_t scales[12];
+  uint8_t qh[32];   // bit j of byte l: the fifth bit of element l of sub-block j
+  uint8_t qs[128];  // sub-blocks 2i, 2i + 1: low, high nibbles of qs[32i .. 32i + 32)
+};
+struct BlockQ3_K {  // 16 sub-blocks of 16: w = d * (sc - 32) * (q - (hmask bit ? 0 : 4))
+  uint8_t hmask[32];  // bit k of byte l: element 32k + l
+  uint8_t qs[64];     // element 128n + 32j + l: bits 2j..2j+1 of qs[32n + l]
+  uint8_t scales[12];  // 16 6-bit scales
+  uint16_t d;
+};
+struct BlockQ2_K {  // 16 sub-blocks of 16: w = d * (sc & 15) * q - dmin * (sc >> 4)
+  uint8_t scales[16];
+  uint8_t qs[64];  // element 128n + 32j + l: bits 2j..2j+1 of qs[32n + l]
+  uint16_t d, dmin;
+};
+struct BlockIQ4_XS {  // sub-block j of 32: w = d * (ls_j - 32) * kvalues_iq4nl[nibble]
+  uint16_t d;
+  uint16_t scales_h;   // bits 2j..2j+1: the high two bits of ls_j
+  uint8_t scales_l[4];  // nibble j of these bytes: the low four bits of ls_j
+  uint8_t qs[128];     // sub-block j: qs[16j .. 16j + 16), low nibbles then high
+};
+static_assert(sizeof(BlockQ5_0) == 22 && sizeof(BlockQ5_1) == 24 && sizeof(BlockIQ4_NL) == 18, "32-blocks");
+static_assert(sizeof(BlockQ5_K) == 176 && sizeof(BlockQ3_K) == 110 && sizeof(BlockQ2_K) == 84 &&
+                  sizeof(BlockIQ4_XS) == 136,
+              "256-blocks");
+
+constexpr int8_t kvalues_iq4nl[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
+inline uint32_t rd32(const uint8_t* p) {
+  uint32_t v;
+  memcpy(&v, p, 4);
+  return v;
+}
+
+#if defined(__AVX2__)
+// The 32 bits at p -> 32 bytes: byte j is 0x10 where bit j is set, else 0.
+inline __m256i bits32_x16(const uint8_t* p) {
+  const __m256i shuf = _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202, 0x0303030303030303);
+  const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+  const __m256i v = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32((int)rd32(p)), shuf), bit);
+  return _mm256_and_si256(_mm256_cmpeq_epi8(v, bit), _mm256_set1_epi8(0x10));
+}
+
+// Nibbles -> the signed IQ4 values (one table lookup per byte).
+inline __m256i iq4_values(__m256i nib) {
+  const __m128i t = _mm_loadu_si128((const __m128i*)kvalues_iq4nl);
+  return _mm256_shuffle_epi8(_mm256_set_m128i(t, t), nib);
+}
+#endif
+
+struct FmtQ5_0 {
+  static constexpr int bytes = 22, offset = 16;
+  static constexpr bool has_min = false;
+  static float scale(const uint8_t* w) { return rd16(w); }
+  static float min(const uint8_t*) { return 0; }
+#if defined(__AVX2__)
+  static __m256i weights(const uint8_t* w) { return _mm256_or_si256(nibbles32(w + 6), bits32_x16(w + 2)); }
+  static __m256i mul(__m256i q, __m256i x) { return dot_us8(q, x); }
+#endif
+  FT_SCALAR static int scalar(const uint8_t* w, const int8_t* x) {
+    const uint32_t qh = rd32(w + 2);
+    int s = 0;
+    for (int j = 0; j < 16; j++)
+      s += ((w[6 + j] & 0xF) | ((qh >> j) & 1) << 4) * x[j] + ((w[6 + j] >> 4) | ((qh >> (j + 16)) & 1) << 4) * x[j + 16];
+    return s;
+  }
+};
+
+struct FmtQ5_1 {
+  static constexpr int bytes = 24, offset = 0;
+  static constexpr bool has_min = true;
+  static float scale(const uint8_t* w) { return rd16(w); }
+  static float min(const uint8_t* w) { return rd16(w + 2); }
+#if defined(__AVX2__)
+  static __m256i weights(const uint8_t* w) { return _mm256_or_si256(nibbles32(w + 8), bits32_x16(w + 4)); }
+  static __m256i mul(__m256i q, __m256i x) { return dot_us8(q, x); }
+#endif
+  FT_SCALAR static int scalar(const uint8_t* w, const int8_t* x) {
+    const uint32_t qh = rd32(w + 4);
+    int s = 0;
+    for (int j = 0; j < 16; j++)
+      s += ((w[8 + j] & 0xF) | ((qh >> j) & 1) << 4) * x[j] + ((w[8 + j] >> 4) | ((qh >> (j + 16)) & 1) << 4) * x[j + 16];
+    return s;
+  }
+};
+
+struct FmtIQ4_NL {  // signed weights: the sign trick (|w| <= 127, so no 16-bit pair saturates)
+  static constexpr int bytes = 18, offset = 0;
+  static constexpr bool has_min = false;
+  static float scale(const uint8_t* w) { return rd16(w); }
+  static float min(const uint8_t*) { return 0; }
+#if defined(__AVX2__)
+  static __m256i weights(const uint8_t* w) { return iq4_values(nibbles32(w + 2)); }
+  static __m256i mul(__m256i q, __m256i x) { return dot_ss8(q, x); }
+#endif
+  FT_SCALAR static int scalar(const uint8_t* w, const int8_t* x) {
+    int s = 0;
+    for (int j = 0; j < 16; j++) s += kvalues_iq4nl[w[2 + j] & 0xF] * x[j] + kvalues_iq4nl[w[2 + j] >> 4] * x[j + 16];
+    return s;
+  }
+};
+
+// A super-block of 256 unpacked into integers: weight q (signed), an integer scale per 16
+// weights (1 where the format's scale is a float per 32), an integer min per 16 (Q2_K), and per
+// block of 32 the float factor dv of its integer sum and mv of its min. Then
+//   w[32b + l] = dv[b] * sc[2b + l/16] * q[32b + l] - (MIN32: mv[b]; MIN16: mv[b] * mn[2b + l/16]).
+// The portable products and the dequantization both go through it.
+enum KMin : int { NO_MIN = 0, MIN32 = 1, MIN16 = 2 };
+struct KUnpacked {
+  int8_t q[256];
+  int16_t sc[16], mn[16];
+  float dv[8], mv[8];
+};
+
+// The 16 6-bit scales, minus 32: scale i has its low four bits in nibble i / 8 of byte i % 8
+// and its high two in bits 2 * (i / 4) of byte 8 + i % 4 (four at a time in 32-bit words).
+inline void q3_k_scales(const uint8_t* s, int16_t out[16]) {
+  uint32_t aux[3], v[4];
+  memcpy(aux, s, 12);
+  const uint32_t m4 = 0x0F0F0F0F, m2 = 0x03030303;
+  v[0] = (aux[0] & m4) | ((aux[2] & m2) << 4);
+  v[1] = (aux[1] & m4) | (((aux[2] >> 2) & m2) << 4);
+  v[2] = ((aux[0] >> 4) & m4) | (((aux[2] >> 4) & m2) << 4);
+  v[3] = ((aux[1] >> 4) & m4) | (((aux[2] >> 6) & m2) << 4);
+  uint8_t b[16];
+  memcpy(b, v, 16);
+  for (int i = 0; i < 16; i++) out[i] = (int16_t)(b[i] - 32);
+}
+
+inline int iq4_xs_scale(const BlockIQ4_XS* b, int j) {
+  const int lo = (b->scales_l[j / 2] >> (4 * (j % 2))) & 0xF;
+  uint16_t h;
+  memcpy(&h, &b->scales_h, 2);
+  return (lo | ((h >> (2 * j)) & 3) << 4) - 32;
+}
+
+struct KQ5_K {
+  static constexpr int bytes = 176, mins = MIN32;
+  static constexpr bool is_signed = false, per16 = false;
+  static void unpack(const uint8_t* w, KUnpacked& u) {
+    const BlockQ5_K* b = (const BlockQ5_K*)w;
+    const float d = rd16(w), dmin = rd16(w + 2);
+    for (int j = 0; j < 8; j++) {
+      int sc, m;
+      scale_min_k4(j, b->scales, &sc, &m);
+      u.dv[j] = d * sc;
+      u.mv[j] = dmin * m;
+      for (int l = 0; l < 32; l++)
+        u.q[32 * j + l] = (int8_t)(((b->qs[32 * (j / 2) + l] >> (4 * (j & 1))) & 0xF) | ((b->qh[l] >> j) & 1) << 4);
+    }
+    for (int i = 0; i < 16; i++) u.sc[i] = 1;
+  }
+#if defined(__AVX2__)
+  static void unpack(const uint8_t* w, __m256i q[8], __m256i[8], __m256i[8], float dv[8], float mv[8]) {
+    const BlockQ5_K* b = (const BlockQ5_K*)w;
+    const float d = rd16(w), dmin = rd16(w + 2);
+    for (int j = 0; j < 8; j++) {
+      int sc, m;
+      scale_min_k4(j, b->scales, &sc, &m);
+      dv[j] = d * sc;
+      mv[j] = dmin * m;
+    }
+    const __m256i lo4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
+    const __m256i qh = load32(b->qh);
+    for (int i = 0; i < 4; i++) {
+      const __m256i v = load32(b->qs + 32 * i);
+      const __m256i h0 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * i), one), 4);
+      const __m256i h1 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * i + 1), one), 4);
+      q[2 * i] = _mm256_or_si256(_mm256_and_si256(v, lo4), h0);
+      q[2 * i + 1] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), lo4), h1);
+    }
+  }
+#endif
+};
+
+struct KIQ4_XS {
+  static constexpr int bytes = 136, mins = NO_MIN;
+  static constexpr bool is_signed = true, per16 = false;
+  static void unpack(const uint8_t* w, KUnpacked& u) {
+    const BlockIQ4_XS* b = (const BlockIQ4_XS*)w;
+    const float d = rd16(w);
+    for (int j = 0; j < 8; j++) {
+      u.dv[j] = d * iq4_xs_scale(b, j);
+      u.mv[j] = 0;
+      for (int l = 0; l < 16; l++) {
+        u.q[32 * j + l] = kvalues_iq4nl[b->qs[16 * j + l] & 0xF];
+        u.q[32 * j + 16 + l] = kvalues_iq4nl[b->qs[16 * j + l] >> 4];
+      }
+    }
+    for (int i = 0; i < 16; i++) u.sc[i] = 1;
+  }
+#if defined(__AVX2__)
+  static void unpack(const uint8_t* w, __m256i q[8], __m256i[8], __m256i[8], float dv[8], float mv[8]) {
+    const BlockIQ4_XS* b = (const BlockIQ4_XS*)w;
+    const float d = rd16(w);
+    for (int j = 0; j < 8; j++) {
+      dv[j] = d * iq4_xs_scale(b, j);
+      mv[j] = 0;
+      q[j] = iq4_values(nibbles32(b->qs + 16 * j));
+    }
+  }
+#endif
+};
+
+#if defined(__AVX2__)
+// Two 16-bit scales: lanes of elements 0..15 get a, lanes of 16..31 get b.
+inline __m256i scales16(int a, int b) { return _mm256_set_m128i(_mm_set1_epi16((short)b), _mm_set1_epi16((short)a)); }
+#endif
+
+struct KQ3_K {
+  static constexpr int bytes = 110, mins = NO_MIN;
+  static constexpr bool is_signed = true, per16 = true;
+  static void unpack(const uint8_t* w, KUnpacked& u) {
+    const BlockQ3_K* b = (const BlockQ3_K*)w;
+    const float d = rd16((const uint8_t*)&b->d);
+    q3_k_scales(b->scales, u.sc);
+    for (int k = 0; k < 8; k++) {  // block k = 4n + j
+      u.dv[k] = d;
+      u.mv[k] = 0;
+      const int n = k / 4, j = k % 4;
+      for (int l = 0; l < 32; l++)
+        u.q[32 * k + l] = (int8_t)(((b->qs[32 * n + l] >> (2 * j)) & 3) - ((b->hmask[l] >> k) & 1 ? 0 : 4));
+    }
+  }
+#if defined(__AVX2__)
+  static void unpack(const uint8_t* w, __m256i q[8], __m256i sc[8], __m256i[8], float dv[8], float mv[8]) {
+    const BlockQ3_K* b = (const BlockQ3_K*)w;
+    const float d = rd16((const uint8_t*)&b->d);
+    int16_t s[16];
+    q3_k_scales(b->scales, s);
+    const __m256i three = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1), four = _mm256_set1_epi8(4);
+    const __m256i hm = load32(b->hmask);
+    for (int k = 0; k < 8; k++) {
+      dv[k] = d;
+      mv[k] = 0;
+      sc[k] = scales16(s[2 * k], s[2 * k + 1]);
+      const __m256i q2 = _mm256_and_si256(_mm256_srli_epi16(load32(b->qs + 32 * (k / 4)), 2 * (k % 4)), three);
+      const __m256i h = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hm, k), one), 2);
+      q[k] = _mm256_sub_epi8(_mm256_or_si256(q2, h), four);
+    }
+  }
+#endif
+};
+
+struct KQ2_K {
+  static constexpr int bytes = 84, mins = MIN16;
+  static constexpr bool is_signed = false, per16 = true;
+  static void unpack(const uint8_t* w, KUnpacked& u) {
+    const BlockQ2_K* b = (const BlockQ2_K*)w;
+    const float d = rd16((const uint8_t*)&b->d), dmin = rd16((const uint8_t*)&b->dmin);
+    for (int i = 0; i < 16; i++) {
+      u.sc[i] = b->scales[i] & 0xF;
+      u.mn[i] = b->scales[i] >> 4;
+    }
+    for (int k = 0; k < 8; k++) {
+      u.dv[k] = d;
+      u.mv[k] = dmin;
+      for (int l = 0; l < 32; l++) u.q[32 * k + l] = (int8_t)((b->qs[32 * (k / 4) + l] >> (2 * (k % 4))) & 3);
+    }
+  }
+#if defined(__AVX2__)
+  static void unpack(const uint8_t* w, __m256i q[8], __m256i sc[8], __m256i mn[8], float dv[8], float mv[8]) {
+    const BlockQ2_K* b = (const BlockQ2_K*)w;
+    const float d = rd16((const uint8_t*)&b->d), dmin = rd16((const uint8_t*)&b->dmin);
+    const __m256i three = _mm256_set1_epi8(3);
+    for (int k = 0; k < 8; k++) {
+      dv[k] = d;
+      mv[k] = dmin;
+      const int s0 = b->scales[2 * k], s1 = b->scales[2 * k + 1];
+      sc[k] = scales16(s0 & 0xF, s1 & 0xF);
+      mn[k] = scales16(s0 >> 4, s1 >> 4);
+      q[k] = _mm256_and_si256(_mm256_srli_epi16(load32(b->qs + 32 * (k / 4)), 2 * (k % 4)), three);
+    }
+  }
+#endif
+};
+
+// The portable product of one unpacked super-block against activation block row x (256 values)
+// for its eight blocks: isum[b] = sum q * sc * x, msum[b] = sum mn * x (signed by signed: scalar).
+FT_SCALAR inline void k_sums(const KUnpacked& u, const int8_t* x, int isum[8], int msum[8]) {
+  for (int b = 0; b < 8; b++) {
+    int s = 0, m = 0;
+    for (int h = 0; h < 2; h++) {
+      const int8_t* q = u.q + 32 * b + 16 * h;
+      const int8_t* xx = x + 32 * b + 16 * h;
+      int p = 0, px = 0;
+      for (int l = 0; l < 16; l++) {
+        p += q[l] * xx[l];
+        px += xx[l];
+      }
+      s += p * u.sc[2 * b + h];
+      m += px * u.mn[2 * b + h];
+    }
+    isum[b] = s;
+    msum[b] = m;
+  }
+}
+
+// MT activation rows against one weight row of super-blocks of format K: each super-block is
+// unpacked once for all MT rows; its eight blocks' integer sums are reduced into one vector, so
+// the per-block factors are one 8-wide multiply-add per row (one horizontal sum per row at the end).
+template <class K, int MT>
+void rows_kx(const uint8_t* w, int nbk, const Act* a, float* out) {
+#if defined(__AVX2__)
+  __m256 acc[MT];
+  for (int r = 0; r < MT; r++) acc[r] = _mm256_setzero_ps();
+  const __m256i ones = _mm256_set1_epi8(1);
+  for (int bk = 0; bk < nbk; bk++, w += K::bytes) {
+    __m256i q[8], sc[8], mn[8], aq[8];
+    float dv_[8], mv_[8];
+    K::unpack(w, q, sc, mn, dv_, mv_);
+    if (K::is_signed && K::per16)
+      for (int j = 0; j < 8; j++) aq[j] = _mm256_sign_epi8(q[j], q[j]);
+    const __m256 dv = _mm256_loadu_ps(dv_), mv = _mm256_loadu_ps(mv_);
+    for (int r = 0; r < MT; r++) {
+      const int8_t* x = a[r].qs + bk * QK_K;
+      const __m256 dx = _mm256_loadu_ps(a[r].d + bk * 8);
+      __m256i p[8];
+      for (int j = 0; j < 8; j++) {
+        const __m256i xv = load32(x + 32 * j);
+        if (K::per16)  // the 16-bit pair sums cannot saturate: |q| <= 31 against |x| <= 127
+          p[j] = _mm256_madd_epi16(
+              K::is_signed ? _mm256_maddubs_epi16(aq[j], _mm256_sign_epi8(xv, q[j])) : _mm256_maddubs_epi16(q[j], xv),
+              sc[j]);
+        else
+          p[j] = K::is_signed ? dot_ss8(q[j], xv) : dot_us8(q[j], xv);
+      }
+      acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(dv, dx), _mm256_cvtepi32_ps(hsum8(p)), acc[r]);
+      if (K::mins == MIN32) acc[r] = _mm256_fnmadd_ps(mv, _mm256_loadu_ps(a[r].s + bk * 8), acc[r]);
+      if (K::mins == MIN16) {
+        for (int j = 0; j < 8; j++) p[j] = _mm256_madd_epi16(_mm256_maddubs_epi16(ones, load32(x + 32 * j)), mn[j]);
+        acc[r] = _mm256_fnmadd_ps(_mm256_mul_ps(mv, dx), _mm256_cvtepi32_ps(hsum8(p)), acc[r]);
+      }
+    }
+  }
+  for (int r = 0; r < MT; r++) out[r] = hsum(acc[r]);
+#else
+  float acc[MT];
+  for (int r = 0; r < MT; r++) acc[r] = 0;
+  KUnpacked u{};  // (mn stays 0 for the formats without a min per 16)
+  for (int bk = 0; bk < nbk; bk++, w += K::bytes) {
+    K::unpack(w, u);
+    for (int r = 0; r < MT; r++) {
+      int isum[8], msum[8];
+      k_sums(u, a[r].qs + bk * QK_K, isum, msum);
+      for (int b = 0; b < 8; b++) {
+        const float dx = a[r].d[bk * 8 + b];
+        acc[r] += u.dv[b] * dx * isum[b];
+        if (K::mins == MIN32) acc[r] -= u.mv[b] * a[r].s[bk * 8 + b];
+        if (K::mins == MIN16) acc[r] -= u.mv[b] * dx * msum[b];
+      }
+    }
+  }
+  for (int r = 0; r < MT; r++) out[r] = acc[r];
+#endif
+}
+
+template <class K>
+void dequant_kx(const uint8_t* w, int64_t K_, float* out) {
+  KUnpacked u{};
+  for (int64_t bk = 0; bk < K_ / QK_K; bk++, w += K::bytes, out += QK_K) {
+    K::unpack(w, u);
+    for (int i = 0; i < QK_K; i++) {
+      const int b = i / 32, h = i / 16;
+      const float v = u.dv[b] * u.sc[h] * u.q[i];
+      out[i] = K::mins == MIN32 ? v - u.mv[b] : K::mins == MIN16 ? v - u.mv[b] * u.mn[h] : v;
+    }
+  }
+}
+
+// Blocks of 32 of Q5_0, Q5_1, IQ4_NL as floats.
+void dequant_formats32(int type, const uint8_t* w, int64_t K, float* out) {
+  for (int64_t b = 0; b < K / QK; b++, out += QK) {
+    if (type == IQ4_NL) {
+      const BlockIQ4_NL* blk = (const BlockIQ4_NL*)(w + b * 18);
+      const float d = rd16(w + b * 18);
+      for (int j = 0; j < 16; j++) {
+        out[j] = d * kvalues_iq4nl[blk->qs[j] & 0xF];
+        out[j + 16] = d * kvalues_iq4nl[blk->qs[j] >> 4];
+      }
+      continue;
+    }
+    const int bytes = type == Q5_0 ? 22 : 24, at = type == Q5_0 ? 2 : 4;
+    const uint8_t* blk = w + b * bytes;
+    const float d = rd16(blk), m = type == Q5_1 ? rd16(blk + 2) : 0.0f;
+    const uint32_t qh = rd32(blk + at);
+    for (int j = 0; j < 16; j++) {
+      const int lo = (blk[at + 4 + j] & 0xF) | ((qh >> j) & 1) << 4;
+      const int hi = (blk[at + 4 + j] >> 4) | ((qh >> (j + 16)) & 1) << 4;
+      out[j] = type == Q5_0 ? d * (lo - 16) : d * lo + m;
+      out[j + 16] = type == Q5_0 ? d * (hi - 16) : d * hi + m;
+    }
+  }
+}
+
+// ==== F16 / BF16 weights as stored: float weights times the activation blocks as floats (d * q,
+// the same int8 activations every format multiplies), F16C or shifted BF16 conversion and FMA.
+// Counted in "blocks" of 32 elements (64 bytes) so the row checks are the quantized formats'. ====
+enum : int { F16 = 1, BF16 = 30 };
+constexpr int FLOAT_BLOCK_BYTES = 2 * QK;
+
+inline float bf16_to_float(const uint8_t* p) {
+  uint16_t h;
+  memcpy(&h, p, 2);
+  const uint32_t bits = (uint32_t)h << 16;
+  float f;
+  memcpy(&f, &bits, 4);
+  return f;
+}
+
+template <int Type>
+inline float float_at(const uint8_t* p) {
+  return Type == F16 ? rd16(p) : bf16_to_float(p);
+}
+
+#if defined(__AVX2__) && defined(__F16C__)
+template <int Type>
+inline __m256 float8(const uint8_t* p) {  // eight weights
+  const __m128i h = _mm_loadu_si128((const __m128i*)p);
+  return Type == F16 ? _mm256_cvtph_ps(h) : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+inline __m256 int8x8_ps(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)); }  // low 8 bytes
+#endif
+
+template <int Type, int MT>
+void rows_float(const uint8_t* w, int nb, const Act* a, float* out) {
+#if defined(__AVX2__) && defined(__F16C__)
+  __m256 acc[MT];
+  for (int r = 0; r < MT; r++) acc[r] = _mm256_setzero_ps();
+  for (int b = 0; b < nb; b++) {
+    const uint8_t* wb = w + b * FLOAT_BLOCK_BYTES;
+    const __m256 w0 = float8<Type>(wb), w1 = float8<Type>(wb + 16), w2 = float8<Type>(wb + 32),
+                 w3 = float8<Type>(wb + 48);
+    for (int r = 0; r < MT; r++) {
+      const int8_t* x = a[r].qs + b * QK;
+      const __m128i lo = _mm_loadu_si128((const __m128i*)x), hi = _mm_loadu_si128((const __m128i*)(x + 16));
+      __m256 s = _mm256_mul_ps(w0, int8x8_ps(lo));
+      s = _mm256_fmadd_ps(w1, int8x8_ps(_mm_srli_si128(lo, 8)), s);
+      s = _mm256_fmadd_ps(w2, int8x8_ps(hi), s);
+      s = _mm256_fmadd_ps(w3, int8x8_ps(_mm_srli_si128(hi, 8)), s);
+      acc[r] = _mm256_fmadd_ps(s, _mm256_set1_ps(a[r].d[b]), acc[r]);
+    }
+  }
+  for (int r = 0; r < MT; r++) out[r] = hsum(acc[r]);
+#else
+  float acc[MT];
+  for (int r = 0; r < MT; r++) acc[r] = 0;
+  for (int b = 0; b < nb; b++) {
+    const uint8_t* wb = w + b * FLOAT_BLOCK_BYTES;
+    float wf[QK];
+    for (int j = 0; j < QK; j++) wf[j] = float_at<Type>(wb + 2 * j);
+    for (int r = 0; r < MT; r++) {
+      const int8_t* x = a[r].qs + b * QK;
+      float s = 0;
+      for (int j = 0; j < QK; j++) s += wf[j] * x[j];
+      acc[r] += s * a[r].d[b];
+    }
+  }
+  for (int r = 0; r < MT; r++) out[r] = acc[r];
+#endif
+}
+
+template <int Type>
+void dequant_float(const uint8_t* w, int64_t K, float* out) {
+  for (int64_t i = 0; i < K; i++) out[i] = float_at<Type>(w + 2 * i);
+}
+
+
+
 // Elements and bytes per block of each type the kernels multiply (0: not one of them).
 inline int64_t block_elems(int64_t type) {
   switch (type) {
     case Q4_0: case Q4_1: case Q8_0: return QK;
     case Q4_K: case Q6_K: return QK_K;
+    case Q5_0: case Q5_1: case IQ4_NL: return QK;
+    case Q2_K: case Q3_K: case Q5_K: case IQ4_XS: return QK_K;
+    case F16: case BF16: return QK;
   }
   return 0;
 }
@@ -396,6 +890,14 @@ inline int64_t block_bytes(int64_t type) {
     case Q8_0: return 34;
     case Q4_K: return 144;
     case Q6_K: return 210;
+    case Q5_0: return sizeof(BlockQ5_0);
+    case Q5_1: return sizeof(BlockQ5_1);
+    case IQ4_NL: return sizeof(BlockIQ4_NL);
+    case Q2_K: return sizeof(BlockQ2_K);
+    case Q3_K: return sizeof(BlockQ3_K);
+    case Q5_K: return sizeof(BlockQ5_K);
+    case IQ4_XS: return sizeof(BlockIQ4_XS);
+    case F16: case BF16: return FLOAT_BLOCK_BYTES;
   }
   return 0;
 }
@@ -528,6 +1030,15 @@ void dot_rows(int type, const uint8_t* w, int64_t K, const Act* a, float* out) {
     case Q8_0: rows_legacy<FmtQ8_0, MT>(w, (int)(K / QK), a, out); break;
     case Q4_K: rows_q4_k<MT>(w, (int)(K / QK_K), a, out); break;
     case Q6_K: rows_q6_k<MT>(w, (int)(K / QK_K), a, out); break;
+    case Q5_0: rows_legacy<FmtQ5_0, MT>(w, (int)(K / QK), a, out); break;
+    case Q5_1: rows_legacy<FmtQ5_1, MT>(w, (int)(K / QK), a, out); break;
+    case IQ4_NL: rows_legacy<FmtIQ4_NL, MT>(w, (int)(K / QK), a, out); break;
+    case Q2_K: rows_kx<KQ2_K, MT>(w, (int)(K / QK_K), a, out); break;
+    case Q3_K: rows_kx<KQ3_K, MT>(w, (int)(K / QK_K), a, out); break;
+    case Q5_K: rows_kx<KQ5_K, MT>(w, (int)(K / QK_K), a, out); break;
+    case IQ4_XS: rows_kx<KIQ4_XS, MT>(w, (int)(K / QK_K), a, out); break;
+    case F16: rows_float<F16, MT>(w, (int)(K / QK), a, out); break;
+    case BF16: rows_float<BF16, MT>(w, (int)(K / QK), a, out); break;
   }
 }
 
@@ -732,6 +1243,13 @@ void dequant_row(int type, const uint8_t* w, int64_t K, float* out) {
         }
       }
       break;
+    case Q5_0: case Q5_1: case IQ4_NL: dequant_formats32(type, w, K, out); break;
+    case Q2_K: dequant_kx<KQ2_K>(w, K, out); break;
+    case Q3_K: dequant_kx<KQ3_K>(w, K, out); break;
+    case Q5_K: dequant_kx<KQ5_K>(w, K, out); break;
+    case IQ4_XS: dequant_kx<KIQ4_XS>(w, K, out); break;
+    case F16: dequant_float<F16>(w, K, out); break;
+    case BF16: dequant_float<BF16>(w, K, out); break;
   }
 }
 
@@ -775,8 +1293,8 @@ void gemm_team(const Weight& w, const QAct& a, float* y, int64_t ldy) {
   }
 }
 
-// KV cache element types: float32, IEEE half, bfloat16.
-enum : int { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2 };
+// KV cache element types: float32, IEEE half, bfloat16, and q8_0 blocks of 32.
+enum : int { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2, KV_Q8_0 = 3 };
 struct half_t {
   uint16_t bits;
 };
@@ -820,11 +1338,79 @@ inline void from_float(float x, bfloat_t* out) {  // round to nearest even, as t
   out->bits = (uint16_t)((b + 0x7FFF + ((b >> 16) & 1)) >> 16);
 }
 
+// A q8_0 KV block, as GGUF's Q8_0: 32 int8 values and their scale d (IEEE half); element i is
+// qs[i] * d. A head of hd (a multiple of 32) elements is hd / 32 consecutive blocks.
+struct kv_q8_t {
+  uint16_t d;
+  int8_t qs[QK];
+};
+static_assert(sizeof(kv_q8_t) == 34, "a q8_0 KV block is 34 bytes");
+
+// Elements per unit of a KV cache of T: one, or a block's 32.
+template <class T>
+constexpr int64_t kv_per = 1;
+template <>
+constexpr int64_t kv_per<kv_q8_t> = QK;
+
+// Element i of a head (or slot) starting at p, as float.
+template <class T>
+inline float kv_at(const T* p, int64_t i) {
+  return to_float(p[i]);
+}
+inline float kv_at(const kv_q8_t* p, int64_t i) {
+  const kv_q8_t& b = p[i / QK];
+  return (float)b.qs[i % QK] * rd16((const uint8_t*)&b.d);
+}
+
+// The IEEE half nearest a scale d >= 0, saturated at the largest half (subnormals kept: the
+// portable from_float flushes them, which would zero a block of small values).
+inline uint16_t kv_scale_bits(float d) {
+  d = d < 65504.0f ? d : 65504.0f;
+#if defined(__F16C__)
+  return _cvtss_sh(d, _MM_FROUND_TO_NEAREST_INT);
+#else
+  if (d < 6.103515625e-05f) return (uint16_t)lrintf(d * 16777216.0f);  // 2^-24 steps
+  half_t h;
+  from_float(d, &h);
+  return h.bits;
+#endif
+}
+
+// n elements of x written from `out` on (the KV write of one slot).
+template <class T>
+inline void kv_store(const float* x, int64_t n, T* out) {
+  for (int64_t i = 0; i < n; i++) from_float(x[i], out + i);
+}
+// q8_0: per block of 32, d = max|x| / 127 rounded to half, qs = round(x / d) (n % 32 == 0).
+inline void kv_store(const float* x, int64_t n, kv_q8_t* out) {
+  for (int64_t b = 0; b < n / QK; b++) {
+    const float* xb = x + b * QK;
+    float amax = 0;
+    for (int i = 0; i < QK; i++) amax = fabsf(xb[i]) > amax ? fabsf(xb[i]) : amax;
+    out[b].d = kv_scale_bits(amax / 127.0f);
+    const float d = rd16((const uint8_t*)&out[b].d), id = d > 0 ? 1.0f / d : 0.0f;
+    for (int i = 0; i < QK; i++) {
+      const float v = xb[i] * id;  // NOTE: NaN stores 0; the clamps keep the cast defined
+      out[b].qs[i] = (int8_t)(v == v ? roundf(v < -127.0f ? -127.0f : v > 127.0f ? 127.0f : v) : 0.0f);
+    }
+  }
+}
+
 #if defined(__AVX2__)
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const half_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
 inline __m256 load8(const bfloat_t* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+// Elements i..i+7 of a head starting at p (i % 8 == 0), as float: exactly kv_at's values.
+template <class T>
+inline __m256 kv_load8(const T* p, int64_t i) {
+  return load8(p + i);
+}
+inline __m256 kv_load8(const kv_q8_t* p, int64_t i) {
+  const kv_q8_t& b = p[i / QK];
+  const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(b.qs + i % QK))));
+  return _mm256_mul_ps(q, _mm256_set1_ps(rd16((const uint8_t*)&b.d)));
 }
 #endif
 
@@ -835,10 +1421,10 @@ inline float dot_kv(const float* q, const T* k, int64_t hd) {
   float sum = 0;
 #if defined(__AVX2__)
   __m256 acc = _mm256_setzero_ps();
-  for (; i + 8 <= hd; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), load8(k + i), acc);
+  for (; i + 8 <= hd; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), kv_load8(k, i), acc);
   sum = hsum(acc);
 #endif
-  for (; i < hd; i++) sum += q[i] * to_float(k[i]);
+  for (; i < hd; i++) sum += q[i] * kv_at(k, i);
   return sum;
 }
 
@@ -848,9 +1434,9 @@ inline void axpy_kv(float c, const T* v, float* o, int64_t hd) {
   int64_t i = 0;
 #if defined(__AVX2__)
   const __m256 cv = _mm256_set1_ps(c);
-  for (; i + 8 <= hd; i += 8) _mm256_storeu_ps(o + i, _mm256_fmadd_ps(cv, load8(v + i), _mm256_loadu_ps(o + i)));
+  for (; i + 8 <= hd; i += 8) _mm256_storeu_ps(o + i, _mm256_fmadd_ps(cv, kv_load8(v, i), _mm256_loadu_ps(o + i)));
 #endif
-  for (; i < hd; i++) o[i] += c * to_float(v[i]);
+  for (; i < hd; i++) o[i] += c * kv_at(v, i);
 }
 
 #if defined(__AVX2__)
@@ -951,7 +1537,7 @@ void attend_team(const float* qbase, int64_t ldq, const T* k_cache, const T* v_c
       // Positions past the tile's last are clamped to it: computed, then never used.
       auto at = [&](const T* cache, int64_t p) {
         p = p < len_max ? p : len_max - 1;
-        return cache + ((int64_t)table[p / page_size] * page_size + p % page_size) * kvsz + kh * hd;
+        return cache + (((int64_t)table[p / page_size] * page_size + p % page_size) * kvsz + kh * hd) / kv_per<T>;
       };
       float* sc = scratch.scores.get() + omp_get_thread_num() * scratch.per_thread;  // [row][head][position]
 #if defined(__AVX2__)
@@ -960,7 +1546,7 @@ void attend_team(const float* qbase, int64_t ldq, const T* k_cache, const T* v_c
         for (int64_t p0 = 0; p0 < len_max; p0 += 8) {
           for (int j = 0; j < 8; j++) {
             const T* k = at(k_cache, p0 + j);
-            for (int64_t i = 0; i < hd; i += 8) _mm256_store_ps(buf + j * hd + i, load8(k + i));
+            for (int64_t i = 0; i < hd; i += 8) _mm256_store_ps(buf + j * hd + i, kv_load8(k, i));
           }
           for (int64_t r = 0; r < rows; r++) {
             if (p0 > pos[t0 + r]) continue;
@@ -983,7 +1569,7 @@ void attend_team(const float* qbase, int64_t ldq, const T* k_cache, const T* v_c
         for (int64_t p0 = 0; p0 < len_max; p0 += 8) {
           for (int j = 0; j < 8; j++) {
             const T* v = at(v_cache, p0 + j);
-            for (int64_t i = 0; i < hd; i += 8) _mm256_store_ps(buf + j * hd + i, load8(v + i));
+            for (int64_t i = 0; i < hd; i += 8) _mm256_store_ps(buf + j * hd + i, kv_load8(v, i));
           }
           for (int64_t r = 0; r < rows; r++) {
             const int64_t n = pos[t0 + r] + 1 - p0 < 8 ? pos[t0 + r] + 1 - p0 : 8;
@@ -1089,7 +1675,7 @@ namespace {
 // then it attends every position 0..pos[t] of its sequence, found through
 // block_tables[seq[t] * max_pages + p / page_size] * page_size + p % page_size. So decode rows
 // and causal prefill chunks are the same loop. w: q, k, v, o, gate, up, down. bias: q|k|v or null.
-// cos, sin: [T, hd / 2]. Caches: this layer's [num_slots, kvh, hd] float32.
+// cos, sin: [T, hd / 2]. Caches: this layer's num_slots slots of kvh * hd elements of KT.
 template <class KT>
 void decoder_layer(float* x, int64_t T, int64_t H, const float* norm1, const float* norm2, float eps,
                    const Weight* w, const float* bias, const float* cos, const float* sin, KT* k_cache, KT* v_cache,
@@ -1118,10 +1704,8 @@ void decoder_layer(float* x, int64_t T, int64_t H, const float* norm1, const flo
         for (int64_t i = 0; i < qkv_w; i++) row[i] += bias[i];
       rope(row, nh, hd, cos + t * (hd / 2), sin + t * (hd / 2));
       rope(row + qsz, nkvh, hd, cos + t * (hd / 2), sin + t * (hd / 2));
-      for (int64_t i = 0; i < kvsz; i++) {
-        from_float(row[qsz + i], k_cache + slot_of[t] * kvsz + i);
-        from_float(row[qsz + kvsz + i], v_cache + slot_of[t] * kvsz + i);
-      }
+      kv_store(row + qsz, kvsz, k_cache + slot_of[t] * kvsz / kv_per<KT>);
+      kv_store(row + qsz + kvsz, kvsz, v_cache + slot_of[t] * kvsz / kv_per<KT>);
     }
     attend_team(qkv.data(), qkv_w, k_cache, v_cache, T, seq, pos, block_tables, max_pages, page_size, nh, nkvh,
                 hd, attn.data(), qsz, scratch);
@@ -1177,6 +1761,19 @@ void check_step(int64_t T, const int64_t* slot_of, const int64_t* seq, const int
     }
 }
 
+// The KV type, and the bytes of one slot of the caches (kvsz elements of it) against those of
+// the buffers passed: q8_0 needs heads of a multiple of 32 (blocks never straddle two heads).
+void check_kv(int kv_type, int64_t kvsz, int64_t hd, int64_t slot_bytes) {
+  FT_REQUIRE(kv_type >= KV_F32 && kv_type <= KV_Q8_0, "KV type %d", kv_type);
+  FT_REQUIRE(kv_type != KV_Q8_0 || hd % QK == 0, "q8_0 KV needs heads of a multiple of %d, not %lld", QK,
+             (long long)hd);
+  const int64_t expected = kv_type == KV_Q8_0 ? kvsz / QK * (int64_t)sizeof(kv_q8_t)
+                           : kv_type == KV_F32 ? kvsz * 4
+                                               : kvsz * 2;
+  FT_REQUIRE(slot_bytes == expected, "KV slots of %lld bytes for %lld elements of type %d (%lld bytes)",
+             (long long)slot_bytes, (long long)kvsz, kv_type, (long long)expected);
+}
+
 // The heads: nh query heads in groups over nkvh kv heads of hd (even: rotary pairs).
 void check_heads(int64_t nh, int64_t nkvh, int64_t hd) {
   FT_REQUIRE(nh >= 1 && nkvh >= 1 && nh % nkvh == 0, "%lld heads over %lld kv heads", (long long)nh,
@@ -1189,34 +1786,43 @@ void check_heads(int64_t nh, int64_t nkvh, int64_t hd) {
 extern "C" {
 
 // Paged attention alone (the tests check it against torch): q [T, nh * hd] -> out [T, nh * hd]
-// over float32 caches [num_slots, nkvh, hd]; indices as for ft_decoder_layer.
-int ft_attention(const float* q, int64_t T, const float* k_cache, const float* v_cache, int64_t num_slots,
-                 int64_t kv_width,
+// over caches of `kv_type` of num_slots slots of slot_bytes (nkvh * hd elements) each;
+// indices as for ft_decoder_layer.
+int ft_attention(const float* q, int64_t T, const void* k_cache, const void* v_cache, int64_t num_slots,
+                 int64_t slot_bytes,
                  const int64_t* seq, int64_t num_seqs, const int64_t* pos, const int32_t* block_tables,
-                 int64_t max_pages, int64_t page_size, int64_t nh, int64_t nkvh, int64_t hd, float* out) {
+                 int64_t max_pages, int64_t page_size, int64_t nh, int64_t nkvh, int64_t hd, float* out,
+                 int kv_type) {
   return guarded("ft_attention", [&] {
     check_heads(nh, nkvh, hd);
-    FT_REQUIRE(kv_width == nkvh * hd, "KV slots of %lld elements for %lld kv heads of %lld", (long long)kv_width,
-               (long long)nkvh, (long long)hd);
+    check_kv(kv_type, nkvh * hd, hd, slot_bytes);
     check_step(T, nullptr, seq, pos, num_seqs, block_tables, max_pages, page_size, num_slots);
     AttendScratch scratch(T, seq, pos, nh / nkvh, 1);
+    auto run = [&](auto* kc, auto* vc) {
 #pragma omp parallel num_threads(1)
-    {
-      attend_team(q, nh * hd, k_cache, v_cache, T, seq, pos, block_tables, max_pages, page_size, nh, nkvh, hd, out,
-                  nh * hd, scratch);
+      {
+        attend_team(q, nh * hd, kc, vc, T, seq, pos, block_tables, max_pages, page_size, nh, nkvh, hd, out, nh * hd,
+                    scratch);
+      }
+    };
+    switch (kv_type) {
+      case KV_F32: run((const float*)k_cache, (const float*)v_cache); break;
+      case KV_F16: run((const half_t*)k_cache, (const half_t*)v_cache); break;
+      case KV_BF16: run((const bfloat_t*)k_cache, (const bfloat_t*)v_cache); break;
+      case KV_Q8_0: run((const kv_q8_t*)k_cache, (const kv_q8_t*)v_cache); break;
     }
   });
 }
 
-// decoder_layer over a KV cache of `kv_type` (KV_F32, KV_F16, KV_BF16); caches are this layer's
-// [num_slots, kv_width == kvh * hd] of that type; cos, sin [T, rope_width == hd / 2]. Every size is an argument and checked against the others:
+// decoder_layer over a KV cache of `kv_type` (KV_F32, KV_F16, KV_BF16, KV_Q8_0); caches are this
+// layer's num_slots slots of kv_slot_bytes (kvh * hd elements of that type) each; cos, sin [T, rope_width == hd / 2]. Every size is an argument and checked against the others:
 // the norms hold H floats, the bias (or null) q + 2 kv, and w[] (q, k, v, o, gate, up, down) have
 // the rows and row bytes of [nh * hd, H], [nkvh * hd, H] twice, [H, nh * hd], [inter, H] twice
 // and [H, inter].
 int ft_decoder_layer(float* x, int64_t T, int64_t H, const float* norm1, int64_t norm1_len, const float* norm2,
                      int64_t norm2_len, float eps, const Weight* w, const float* bias, int64_t bias_len,
                      const float* cos, const float* sin, int64_t rope_width, void* k_cache, void* v_cache,
-                     int64_t num_slots, int64_t kv_width, int kv_type,
+                     int64_t num_slots, int64_t kv_slot_bytes, int kv_type,
                      const int64_t* slot_of, const int64_t* seq, int64_t num_seqs, const int64_t* pos,
                      const int32_t* block_tables, int64_t max_pages, int64_t page_size, int64_t nh, int64_t nkvh,
                      int64_t hd, int64_t inter, int threads) {
@@ -1239,9 +1845,7 @@ int ft_decoder_layer(float* x, int64_t T, int64_t H, const float* norm1, int64_t
     }
     FT_REQUIRE(rope_width == hd / 2, "rotary tables of %lld for heads of %lld", (long long)rope_width,
                (long long)hd);
-    FT_REQUIRE(kv_width == kvsz, "KV slots of %lld elements for %lld kv heads of %lld", (long long)kv_width,
-               (long long)nkvh, (long long)hd);
-    FT_REQUIRE(kv_type == KV_F32 || kv_type == KV_F16 || kv_type == KV_BF16, "KV type %d", kv_type);
+    check_kv(kv_type, kvsz, hd, kv_slot_bytes);
     FT_REQUIRE(threads >= 1, "%d threads", threads);
     check_step(T, slot_of, seq, pos, num_seqs, block_tables, max_pages, page_size, num_slots);
     switch (kv_type) {
@@ -1255,6 +1859,10 @@ int ft_decoder_layer(float* x, int64_t T, int64_t H, const float* norm1, int64_t
         break;
       case KV_BF16:
         decoder_layer(x, T, H, norm1, norm2, eps, w, bias, cos, sin, (bfloat_t*)k_cache, (bfloat_t*)v_cache,
+                      slot_of, seq, pos, block_tables, max_pages, page_size, nh, nkvh, hd, inter, threads);
+        break;
+      case KV_Q8_0:
+        decoder_layer(x, T, H, norm1, norm2, eps, w, bias, cos, sin, (kv_q8_t*)k_cache, (kv_q8_t*)v_cache,
                       slot_of, seq, pos, block_tables, max_pages, page_size, nh, nkvh, hd, inter, threads);
         break;
     }

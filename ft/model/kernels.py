@@ -116,23 +116,8 @@ def build_library(march: str = "native", sanitize: bool = False) -> ctypes.CDLL:
         i32, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, i64, i32,
     ]  # fmt: skip
     lib.ft_attention.argtypes = [
-        ptr,
-        i64,
-        ptr,
-        ptr,
-        i64,
-        i64,
-        ptr,
-        i64,
-        ptr,
-        ptr,
-        i64,
-        i64,
-        i64,
-        i64,
-        i64,
-        ptr,
-    ]
+        ptr, i64, ptr, ptr, i64, i64, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, ptr, i32,
+    ]  # fmt: skip
     for name in ("ft_quantize_q8", "ft_gemm", "ft_dequantize_rows", "ft_repack_columns", "ft_repack",
                  "ft_rms_norm", "ft_decoder_layer", "ft_attention"):  # fmt: skip
         getattr(lib, name).restype = i32
@@ -259,6 +244,64 @@ def gemm_into(
 
 REPACKABLE = (Q4_0, Q4_1, Q8_0)
 KV_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # KV cache element types
+# --kv-cache-dtype q8_0 (packed path only): each head of a slot is head_dim / 32 blocks of GGUF's
+# Q8_0 layout, an IEEE half scale d then 32 int8 values (element = value * d), 34 bytes per 32
+# elements; the caches are uint8 `[layers, num_slots, kv_heads, head_dim // 32 * 34]`.
+Q8_0_KV = "q8_0"  # ft.config.Q8_0_KV_PATH says where it runs
+Q8_0_KV_CODE = 3
+Q8_0_KV_BLOCK_BYTES = 34
+KVDtype = torch.dtype | str  # a torch dtype, or Q8_0_KV
+
+
+def kv_code(kv_dtype: KVDtype) -> int:
+    """The kernels' KV type of `kv_dtype`.
+
+    Raises:
+        ValueError: the packed kernels cannot store it.
+    """
+    if kv_dtype == Q8_0_KV:
+        return Q8_0_KV_CODE
+    if isinstance(kv_dtype, torch.dtype) and kv_dtype in KV_TYPES:
+        return KV_TYPES[kv_dtype]
+    raise ValueError(f"the packed kernels store no KV cache of {kv_dtype}")
+
+
+def kv_head_bytes(kv_dtype: KVDtype, head_dim: int) -> int:
+    """Bytes one head of one slot takes in a KV cache of `kv_dtype`.
+
+    Raises:
+        ValueError: q8_0 with a head_dim that is not a multiple of 32.
+    """
+    if kv_dtype == Q8_0_KV:
+        if head_dim % QK:
+            raise ValueError(
+                f"--kv-cache-dtype q8_0 stores blocks of {QK}; this model's heads of {head_dim} are "
+                f"not a multiple of {QK} (use float16)"
+            )
+        return head_dim // QK * Q8_0_KV_BLOCK_BYTES
+    assert isinstance(kv_dtype, torch.dtype), kv_dtype
+    return head_dim * torch.empty(0, dtype=kv_dtype).element_size()
+
+
+def kv_cache_layout(kv_dtype: KVDtype, head_dim: int) -> tuple[int, torch.dtype]:
+    """The last dimension and element dtype of a cache `[..., kv_heads, last]` of `kv_dtype`."""
+    if kv_dtype == Q8_0_KV:
+        return kv_head_bytes(kv_dtype, head_dim), torch.uint8
+    assert isinstance(kv_dtype, torch.dtype), kv_dtype
+    return head_dim, kv_dtype
+
+
+def kv_code_of(cache: torch.Tensor) -> int:
+    """The kernels' KV type of a cache tensor (uint8: q8_0 blocks)."""
+    return Q8_0_KV_CODE if cache.dtype == torch.uint8 else kv_code(cache.dtype)
+
+
+def dequantize_q8_0_kv(cache: torch.Tensor) -> torch.Tensor:
+    """A q8_0 cache `[..., B * 34]` uint8 as float32 `[..., B * 32]` (tests, measurements)."""
+    blocks = cache.contiguous().view(*cache.shape[:-1], -1, Q8_0_KV_BLOCK_BYTES)  # [..., B, 34]
+    d = blocks[..., :2].contiguous().view(torch.float16).float()  # [..., B, 1]
+    qs = blocks[..., 2:].contiguous().view(torch.int8).float()  # [..., B, 32]
+    return (qs * d).flatten(-2)
 
 
 def repacked(weight: QuantTensor) -> QuantTensor:
@@ -291,7 +334,7 @@ def dequantize_rows(weight: QuantTensor, ids: torch.Tensor) -> torch.Tensor:
 
 def attention(
     q: torch.Tensor,  # [T, nh * hd] float32
-    k_cache: torch.Tensor,  # [num_slots, nkvh, hd] float32
+    k_cache: torch.Tensor,  # [num_slots, nkvh, hd] float32/float16/bfloat16; q8_0: uint8 [.., hd // 32 * 34]
     v_cache: torch.Tensor,
     seq: torch.Tensor,  # [T] int64: the row's sequence (a row of block_tables)
     pos: torch.Tensor,  # [T] int64
@@ -300,18 +343,19 @@ def attention(
     num_heads: int,
 ) -> torch.Tensor:
     """Paged attention of each row over positions 0..pos of its sequence → `[T, nh * hd]`."""
-    assert q.dtype == k_cache.dtype == v_cache.dtype == torch.float32 and k_cache.shape == v_cache.shape
+    assert q.dtype == torch.float32 and k_cache.dtype == v_cache.dtype and k_cache.shape == v_cache.shape
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and q.dim() == 2
     q, seq, pos, tables = q.contiguous(), seq.contiguous(), pos.contiguous(), block_tables.contiguous()
-    num_slots, kv_heads, head_dim = k_cache.shape
+    kv_type = kv_code_of(k_cache)
+    num_slots, kv_heads, last = k_cache.shape
+    head_dim = last // Q8_0_KV_BLOCK_BYTES * QK if kv_type == Q8_0_KV_CODE else last
     if q.shape[1] != num_heads * head_dim:
         raise KernelError(f"queries of {q.shape[1]} for {num_heads} heads of {head_dim}")
     out = torch.empty_like(q)
     lib = library()
     check(lib, lib.ft_attention(
-        q.data_ptr(), q.shape[0], k_cache.data_ptr(), v_cache.data_ptr(), num_slots, kv_heads * head_dim,
-        seq.data_ptr(),
-        tables.shape[0], pos.data_ptr(), tables.data_ptr(), tables.shape[1], page_size, num_heads, kv_heads,
-        head_dim, out.data_ptr(),
+        q.data_ptr(), q.shape[0], k_cache.data_ptr(), v_cache.data_ptr(), num_slots,
+        k_cache[0].numel() * k_cache.element_size(), seq.data_ptr(), tables.shape[0], pos.data_ptr(),
+        tables.data_ptr(), tables.shape[1], page_size, num_heads, kv_heads, head_dim, out.data_ptr(), kv_type,
     ))  # fmt: skip
     return out

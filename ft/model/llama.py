@@ -42,6 +42,7 @@ class LlamaConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     architecture: str = "llama"
+    pooling: str | None = None  # how the file says to pool embeddings (GGUF `{arch}.pooling_type`)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

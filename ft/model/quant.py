@@ -1,9 +1,11 @@
 """Weights kept as GGUF stores them: blocks of packed integers with their scales.
 
 A `QuantTensor` is a 2-D weight `[rows, cols]` whose rows are `row_bytes` bytes of blocks of one
-GGML type. The kernels in `kernels.cpp` multiply Q4_0, Q4_1, Q8_0, Q4_K and Q6_K directly; a
-weight of any other type (or a float weight in a quantized model) is requantized to Q8_0 once at
-load, which keeps it within about 0.5% of its float value.
+GGML type (F16 and BF16 as rows of 2-byte floats). The kernels in `kernels.cpp` multiply the
+`KERNEL_TYPES` directly (F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K,
+IQ4_NL, IQ4_XS); a weight of any other type (IQ1/IQ2/IQ3, TQ, MXFP4, or an F32 weight in a
+quantized model) is requantized to Q8_0 once at load, which keeps it within about 0.5% of its
+float value (the loader logs which types it requantized).
 """
 
 from __future__ import annotations
@@ -14,7 +16,13 @@ import numpy as np
 import torch
 
 Q4_0, Q4_1, Q8_0, Q4_K, Q6_K = 2, 3, 8, 12, 14
-KERNEL_TYPES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0", Q4_K: "Q4_K", Q6_K: "Q6_K"}
+Q5_0, Q5_1, Q2_K, Q3_K, Q5_K, IQ4_NL, IQ4_XS = 6, 7, 10, 11, 13, 20, 23
+F16, BF16 = 1, 30
+KERNEL_TYPES = {
+    F16: "F16", BF16: "BF16",
+    Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0", Q4_K: "Q4_K", Q6_K: "Q6_K",
+    Q5_0: "Q5_0", Q5_1: "Q5_1", Q2_K: "Q2_K", Q3_K: "Q3_K", Q5_K: "Q5_K", IQ4_NL: "IQ4_NL", IQ4_XS: "IQ4_XS",
+}  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,7 +3,8 @@
 Each layer (norms, q/k/v/o and gate/up/down products on packed blocks, rotary, the KV write and
 paged attention) runs in one call with torch's OpenMP threads; Python only prepares the step's
 index arrays. Activations are float32; the products quantize activations to
-int8 blocks of 32, as llama.cpp does; the KV cache is float32, float16 or bfloat16.
+int8 blocks of 32, as llama.cpp does; the KV cache is float32, float16, bfloat16 or q8_0 blocks
+(`kernels.Q8_0_KV`: written quantized by the layer, read in place by its attention).
 
 Every row is computed the same way whatever else is in the step (the kernels never mix rows),
 so a request's tokens do not depend on its batch, on prefix-cache hits, on how its prompt was
@@ -99,12 +100,12 @@ class QuantizedLlama:
         self,
         input_ids: torch.Tensor,  # [T]
         index: StepIndex,
-        k_caches: torch.Tensor,  # [layers, num_slots, kv_heads, head_dim] float32/float16/bfloat16
-        v_caches: torch.Tensor,
+        k_caches: torch.Tensor,  # [layers, num_slots, kv_heads, head_dim] float32/float16/bfloat16,
+        v_caches: torch.Tensor,  # or q8_0 blocks: uint8 [layers, num_slots, kv_heads, head_dim // 32 * 34]
         page_size: int,
     ) -> torch.Tensor:
         """Hidden states after the final norm, `[T, hidden]`; writes the tokens' KV."""
-        kv_type = kernels.KV_TYPES[k_caches.dtype]
+        kv_type = kernels.kv_code_of(k_caches)
         c = self.config
         x = kernels.dequantize_rows(self.embed, input_ids)  # [T, hidden]
         num_tokens, hidden = x.shape
@@ -114,14 +115,14 @@ class QuantizedLlama:
         tables = index.block_tables
         # NOTE: every size passed is the buffer's own; the kernel checks them against each other
         # and against each weight's rows and row bytes.
-        num_slots, kv_width = k_caches.shape[1], k_caches[0][0].numel()
+        num_slots, slot_bytes = k_caches.shape[1], k_caches[0][0].numel() * k_caches.element_size()
         for i, layer in enumerate(self.layers):
             kernels.check(self.lib, self.lib.ft_decoder_layer(
                 x.data_ptr(), num_tokens, hidden, layer.norm1.data_ptr(), layer.norm1.numel(),
                 layer.norm2.data_ptr(), layer.norm2.numel(), c.rms_norm_eps, layer.weights,
                 layer.bias.data_ptr() if layer.bias is not None else None,
                 layer.bias.numel() if layer.bias is not None else 0, cos.data_ptr(), sin.data_ptr(),
-                cos.shape[1], k_caches[i].data_ptr(), v_caches[i].data_ptr(), num_slots, kv_width, kv_type,
+                cos.shape[1], k_caches[i].data_ptr(), v_caches[i].data_ptr(), num_slots, slot_bytes, kv_type,
                 index.slot_of.data_ptr(), index.seq.data_ptr(), tables.shape[0], index.positions.data_ptr(),
                 tables.data_ptr(), tables.shape[1], page_size, c.num_heads, c.num_kv_heads, c.head_dim,
                 c.intermediate_size, threads,

@@ -11,8 +11,8 @@ import numpy as np
 import torch
 import torch.utils.mkldnn
 
-from ft.config import QUANTIZATIONS
-from ft.core.batch import RowsFailed, Sampled, Scored, SeqWork
+from ft.config import Q8_0_KV_PATH, QUANTIZATIONS
+from ft.core.batch import PoolSum, RowsFailed, Scored, SeqWork, StepOutput
 from ft.model import kernels
 from ft.model.attention import SeqSpan, build_metadata
 from ft.model.cuda_graphs import DecodeGraphs
@@ -106,7 +106,7 @@ class TorchRunner:
         dtype: torch.dtype,
         threads: int | None = None,
         quantize: str | None = None,
-        kv_dtype: torch.dtype | None = None,
+        kv_dtype: kernels.KVDtype | None = None,
         device: torch.device | None = None,
         ranks: RankGroup | None = None,
         cuda_graphs: bool = True,
@@ -127,13 +127,18 @@ class TorchRunner:
         c = loaded.config
         world = ranks.world if ranks is not None else 1
         local = local_config(c, ranks.shard if ranks is not None else Shard(0, 1))
-        shape = (c.num_layers, num_pages * page_size, local.num_kv_heads, c.head_dim)
-        self.kv_dtype = kv_dtype or dtype
+        self.kv_dtype: kernels.KVDtype = kv_dtype or dtype
+        is_packed = any(isinstance(v, QuantTensor) for v in loaded.state_dict.values())
+        if self.kv_dtype == kernels.Q8_0_KV and not is_packed:
+            raise ValueError(Q8_0_KV_PATH)
+        last, storage = kernels.kv_cache_layout(self.kv_dtype, c.head_dim)  # raises for q8_0 on odd heads
+        shape = (c.num_layers, num_pages * page_size, local.num_kv_heads, last)
         self.packed: QuantizedLlama | None = None
         on_cpu = self.device.type == "cpu"
-        if any(isinstance(v, QuantTensor) for v in loaded.state_dict.values()):
-            if quantize is not None or dtype != torch.float32 or self.kv_dtype not in kernels.KV_TYPES:
+        if is_packed:
+            if quantize is not None or dtype != torch.float32:
                 raise ValueError("weights kept as stored need float32 activations and no --quantize")
+            kernels.kv_code(self.kv_dtype)  # raises for a type the kernels cannot store
             if ranks is not None or not on_cpu:
                 raise ValueError("weights kept as stored run on the CPU in one process; load them as floats")
             self.packed = QuantizedLlama(c, loaded.state_dict)
@@ -161,13 +166,13 @@ class TorchRunner:
             self._lm_head = head if world == 1 else self._gathered(head)
         self._graphs: DecodeGraphs | None = None
         if on_cpu:
-            self.k_cache = lazy_zeros(shape, self.kv_dtype)
-            self.v_cache = lazy_zeros(shape, self.kv_dtype)
+            self.k_cache = lazy_zeros(shape, storage)
+            self.v_cache = lazy_zeros(shape, storage)
         else:
             # One more page than the scheduler hands out: the decode graphs' padding rows use it.
             shape = (shape[0], (num_pages + 1) * page_size, *shape[2:])
-            self.k_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
-            self.v_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+            self.k_cache = torch.zeros(shape, dtype=storage, device=self.device)
+            self.v_cache = torch.zeros(shape, dtype=storage, device=self.device)
             # NOTE: tensor-parallel steps stay eager: their all_reduce calls are not captured.
             if cuda_graphs and world == 1 and quantize is None:
                 self._graphs = DecodeGraphs(
@@ -192,12 +197,12 @@ class TorchRunner:
         return run
 
     @staticmethod
-    def bytes_per_page(config: LlamaConfig, page_size: int, dtype: torch.dtype, world: int = 1) -> int:
+    def bytes_per_page(config: LlamaConfig, page_size: int, dtype: kernels.KVDtype, world: int = 1) -> int:
         """KV bytes one page takes across all layers (keys and values) on the busiest of `world`
-        ranks (the first ranks take one more kv head when the heads do not divide evenly)."""
-        itemsize = torch.empty(0, dtype=dtype).element_size()
+        ranks (the first ranks take one more kv head when the heads do not divide evenly); a
+        q8_0 head takes 34 bytes per 32 elements (float16: 64)."""
         kv_heads = -(-config.num_kv_heads // world)
-        return 2 * config.num_layers * page_size * kv_heads * config.head_dim * itemsize
+        return 2 * config.num_layers * page_size * kv_heads * kernels.kv_head_bytes(dtype, config.head_dim)
 
     @property
     def page_size(self) -> int:
@@ -232,15 +237,15 @@ class TorchRunner:
         if bad is not None:
             raise ValueError(f"seq {work.seq_id}: token id {bad} outside the vocabulary")
 
-    def step(self, works: list[SeqWork]) -> list[Sampled | Scored]:
+    def step(self, works: list[SeqWork]) -> list[StepOutput]:
         """Run one forward pass; return one `Sampled` per work with `sample=True`, in order,
-        then one `Scored` per work with `score_ids`."""
+        then one `Scored` per work with `score_ids` and one `PoolSum` per pooling work."""
         with self._threads.timed(sum(len(w.token_ids) for w in works)) as threads:
             if threads != torch.get_num_threads():
                 torch.set_num_threads(threads)
             return self._step(works)
 
-    def _step(self, works: list[SeqWork]) -> list[Sampled | Scored]:
+    def _step(self, works: list[SeqWork]) -> list[StepOutput]:
         rows = [w for w in works if w.sample]
         masks = StepMasks.start(rows, self.vocab_size)  # computed while the model runs
         try:
@@ -273,8 +278,9 @@ class TorchRunner:
         (a work with drafts has one per draft and one for the token before them)."""
         return self._forward_locked(works)[0]
 
-    def _forward_locked(self, works: list[SeqWork]) -> tuple[torch.Tensor | None, list[Scored]]:
-        """`forward`, and the `Scored` of the works with `score_ids`."""
+    def _forward_locked(self, works: list[SeqWork]) -> tuple[torch.Tensor | None, list[Scored | PoolSum]]:
+        """`forward`, and the `Scored` of the works with `score_ids`, the `PoolSum` of the
+        pooling works."""
         if not works:
             return None, []
         for work in works:
@@ -324,7 +330,7 @@ class TorchRunner:
         finally:
             self._lock.release()
 
-    def _forward(self, works: list[SeqWork]) -> tuple[torch.Tensor | None, list[Scored]]:
+    def _forward(self, works: list[SeqWork]) -> tuple[torch.Tensor | None, list[Scored | PoolSum]]:
         if self.device.type != "cuda":
             return self._forward_on_device(works)
         # NOTE: steps run in whichever thread trio lends; streams, events and graphs follow the
@@ -332,7 +338,7 @@ class TorchRunner:
         with torch.cuda.device(self.device):
             return self._forward_on_device(works)
 
-    def _forward_on_device(self, works: list[SeqWork]) -> tuple[torch.Tensor | None, list[Scored]]:
+    def _forward_on_device(self, works: list[SeqWork]) -> tuple[torch.Tensor | None, list[Scored | PoolSum]]:
         token_ids: list[int] = []
         positions: list[int] = []
         sample_rows: list[int] = []
@@ -359,7 +365,25 @@ class TorchRunner:
             if sample_rows:
                 rows = hidden if len(sample_rows) == len(token_ids) else hidden[sample_rows]  # [R, hidden]
                 logits = self._lm_head(rows)  # [R, vocab]
-            return logits, self._score(works, hidden)
+            return logits, [*self._score(works, hidden), *self._pool(works, hidden)]
+
+    @staticmethod
+    def _pool(works: list[SeqWork], hidden: torch.Tensor) -> list[PoolSum]:
+        """The pooling works' rows of `hidden` `[T, hidden]` (after the final norm), summed.
+
+        In float64, so a prompt's mean does not depend on how it was chunked beyond the last
+        bits; the scheduler adds a sequence's chunks and divides.
+        """
+        out: list[PoolSum] = []
+        base = 0
+        for work in works:
+            if work.num_pool_rows:
+                first = base + work.pool_offset
+                rows = hidden[first : first + work.num_pool_rows]  # [P, hidden]
+                total = rows.double().sum(dim=0)  # [hidden]
+                out.append(PoolSum(work.seq_id, tuple(total.cpu().tolist())))
+            base += len(work.token_ids)
+        return out
 
     def _score(self, works: list[SeqWork], hidden: torch.Tensor) -> list[Scored]:
         """Prompt logprobs of the works with `score_ids`, from their rows of `hidden` `[T, hidden]`.

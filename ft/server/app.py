@@ -23,7 +23,7 @@ from ft.config import DEFAULT_ABORT_TIMEOUT_S, EngineConfig
 from ft.engine.engine import Engine, open_engine
 from ft.engine.loading import EngineHooks
 from ft.errors import FtError
-from ft.server import control
+from ft.server import control, web
 from ft.server.anthropic import routes as anthropic_routes
 from ft.server.edge import protocol, slow_clients
 from ft.server.edge.auth import authorize
@@ -33,6 +33,7 @@ from ft.server.edge.slow_clients import SendDeadlines
 from ft.server.edge.tracing import Tracing
 from ft.server.generation.context import ServerContext, error_response
 from ft.server.openai import routes as openai_routes
+from ft.server.pooling import routes as pooling_routes
 from ft.server.responses import routes as responses_routes
 from ft.server.settings import ServerSettings
 
@@ -62,7 +63,8 @@ def create_app(
     *,
     extra_routes: tuple[RouteRegistrar, ...] = (),
 ) -> QuartTrio:
-    """The app serving `engine`: the OpenAI, Anthropic and Responses routes, the control plane.
+    """The app serving `engine`: the OpenAI, Anthropic and Responses routes, the control plane,
+    the chat page.
 
     `extra_routes` are called as `register(app, ctx)` after the built-in ones.
     """
@@ -78,7 +80,7 @@ def create_app(
     ctx = ServerContext(engine=engine, settings=settings)
     app.extensions["ft"] = ctx
     _install_edge(app, ctx)
-    for module in (openai_routes, anthropic_routes, responses_routes, control):
+    for module in (openai_routes, pooling_routes, anthropic_routes, responses_routes, control, web):
         module.register(app, ctx)
     for register in extra_routes:
         register(app, ctx)

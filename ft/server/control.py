@@ -1,4 +1,4 @@
-"""Control plane: the root (`GET`/`HEAD /`), health and probes, models, stats, Prometheus
+"""Control plane: the root (`GET`/`HEAD /` with `--no-web-ui`), health and probes, models, stats, Prometheus
 metrics, tokenize/detokenize, prepare-stop.
 
 None of these open a request scope; they read the engine's derived state, so they answer at
@@ -33,11 +33,13 @@ def register(app: QuartTrio, ctx: ServerContext) -> None:
     """Add the control-plane routes to `app`."""
     engine = ctx.engine
 
-    @app.get("/")
-    async def root() -> Response:
-        # Clients probe the base URL before their first request (Claude Code sends `HEAD /`;
-        # quart answers HEAD with the GET route's headers and no body).
-        return json_response({"status": "ok", "model": engine.model_id})
+    if not ctx.settings.web_ui:  # else `/` is the chat page (`ft.server.web`)
+
+        @app.get("/")
+        async def root() -> Response:
+            # Clients probe the base URL before their first request (Claude Code sends `HEAD /`;
+            # quart answers HEAD with the GET route's headers and no body).
+            return json_response({"status": "ok", "model": engine.model_id})
 
     @app.get("/health")
     async def health() -> Response:
@@ -149,7 +151,7 @@ def model_entry(ctx: ServerContext, name: str) -> dict[str, Any]:
             "tools": True,  # every model: its template's format, or Hermes calls in the system prompt
             "reasoning": ctx.settings.reasoning_parser is not None,
             "vision": False,  # text only: image, audio and file parts are refused
-            "embeddings": False,  # no /v1/embeddings
+            "embeddings": True,  # /v1/embeddings, /v1/rerank and /v1/score pool its hidden states
         },
     }
 

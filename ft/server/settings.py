@@ -33,6 +33,7 @@ class ServerSettings:
     `send_timeout_s`: a connection whose client accepts no bytes for that long is closed (a
     client that stops reading is a client that left: its request is aborted).
     `metrics_require_key` puts `/metrics` behind `api_key` (open by default, like `/health`).
+    `web_ui` serves the chat page at `/` (`ft.server.web`); off, `/` answers the JSON status.
     """
 
     host: str = "127.0.0.1"
@@ -53,6 +54,7 @@ class ServerSettings:
     send_timeout_s: float = DEFAULT_SEND_TIMEOUT_S
     admin_key: str | None = None
     http2: bool = False
+    web_ui: bool = True
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

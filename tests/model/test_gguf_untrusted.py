@@ -239,7 +239,8 @@ def test_native_entry_points_refuse_sizes_that_disagree(
     prober: Prober, tiny: RawGGUF, tmp_path: pathlib.Path
 ) -> None:
     """With the loader's checks bypassed, the kernels refuse every lying size with KernelError
-    (heads, kv heads, head size, ffn, slots, pages, sequences, positions, row ids, row bytes)."""
+    (heads, kv heads, head size, ffn, slots, pages, sequences, positions, q8_0 slot bytes, row ids,
+    row bytes)."""
     tiny.write(tmp_path / "tiny.gguf")
     outcome = prober.ask(f"lies {tmp_path / 'tiny.gguf'}")
     assert outcome.kind == "refused", outcome.detail

@@ -27,6 +27,9 @@ from tests.support.tiny_model import random_hf_state_dict, tiny_config
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="no C++ compiler for the kernels")
 
 BLOCK_BYTES = {12: (256, 144), 14: (256, 210)}
+# the formats gguf-py cannot quantize: random blocks (elements, bytes) and their fp16 fields
+BLOCK_BYTES |= {10: (256, 84), 11: (256, 110), 13: (256, 176), 20: (32, 18), 23: (256, 136)}
+SCALE_FIELDS = {12: (0, 2), 14: (208,), 10: (80, 82), 11: (108,), 13: (0, 2), 20: (0,), 23: (0,)}
 
 
 def packed_weight(qtype: int, rows: int, cols: int, seed: int = 0) -> QuantTensor:
@@ -37,11 +40,12 @@ def packed_weight(qtype: int, rows: int, cols: int, seed: int = 0) -> QuantTenso
         block, size = BLOCK_BYTES[qtype]
         raw = rng.integers(0, 256, size=(rows, cols // block, size), dtype=np.uint8)
         scales = rng.uniform(0.001, 0.01, size=(rows, cols // block)).astype(np.float16)
-        for at in (0, 2) if qtype == 12 else (208,):
+        for at in SCALE_FIELDS[qtype]:
             raw[..., at : at + 2] = scales.view(np.uint8).reshape(rows, cols // block, 2)
         data = raw.reshape(rows, -1)
-    else:
+    else:  # (F16 and BF16 come as 2-byte values: their bytes)
         data = quantize(rng.standard_normal((rows, cols)).astype(np.float32) * 0.05, t)
+        data = np.ascontiguousarray(data).view(np.uint8).reshape(rows, -1)
     return QuantTensor(torch.from_numpy(np.ascontiguousarray(data)), qtype, cols)
 
 

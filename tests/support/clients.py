@@ -43,18 +43,25 @@ class Logged:
 
 
 class FtServe:
-    """`ft serve --port 0` with the default model, its log in `log_path` (JSON lines)."""
+    """`ft serve --port 0` with the default model, its log in `log_path` (JSON lines); with
+    `api_key`, served with `--api-key` and every call of its own sends the key (`headers`)."""
 
-    def __init__(self, log_path: Path, *args: str) -> None:
+    def __init__(self, log_path: Path, *args: str, api_key: str | None = None) -> None:
         self.log_path = log_path
         self._sentinels = 0
         self._log = log_path.open("wb")
+        self.headers = {"Authorization": f"Bearer {api_key}".encode()} if api_key else {}
+        key_args = ["--api-key", api_key] if api_key else []
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "ft.cli_serve", "--port", "0", "--log-format", "json", *args],
+            [sys.executable, "-m", "ft.cli_serve", "--port", "0", "--log-format", "json", *key_args, *args],
             stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT,
         )  # fmt: skip
-        self.base_url = self._wait_listening(timeout_s=120)
-        self.model = self._wait_ready(timeout_s=180)
+        try:
+            self.base_url = self._wait_listening(timeout_s=120)
+            self.model = self._wait_ready(timeout_s=180)
+        except BaseException:
+            self.close()  # the caller gets no object to close: do not leave the server running
+            raise
 
     def _wait_listening(self, timeout_s: float) -> str:
         deadline = time.monotonic() + timeout_s
@@ -68,7 +75,7 @@ class FtServe:
 
     def _wait_ready(self, timeout_s: float) -> str:
         deadline = time.monotonic() + timeout_s
-        with httpx.Client(base_url=self.base_url, timeout=10) as client:
+        with httpx.Client(base_url=self.base_url, timeout=10, headers=self.headers) as client:
             while time.monotonic() < deadline:
                 if client.get("/health/ready").status_code == 200:
                     return str(client.get("/v1/models").json()["data"][0]["id"])
@@ -107,7 +114,7 @@ class FtServe:
         that ended before it has logged its own."""
         self._sentinels += 1
         sentinel = f"sentinel-{self._sentinels}"
-        with httpx.Client(base_url=self.base_url, timeout=10) as client:
+        with httpx.Client(base_url=self.base_url, timeout=10, headers=self.headers) as client:
             deadline = time.monotonic() + 30
             while client.get("/v1/stats").json()["requests"]["active"] > 0:
                 if time.monotonic() > deadline:

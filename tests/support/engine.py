@@ -10,7 +10,7 @@ from typing import Any
 from ft.config import EngineConfig
 from ft.core.batch import SeqWork
 from ft.engine.engine import Engine, open_engine
-from ft.engine.fake import FakeRunner, byte_tokenizer_spec, run_inline
+from ft.engine.fake import FAKE_HIDDEN, FakeRunner, byte_tokenizer_spec, run_inline
 from ft.engine.loading import EngineHooks, ModelParts
 from ft.tokenizer.job import Executor
 
@@ -29,6 +29,7 @@ def fake_parts(runner: FakeRunner, context_length: int = 2048) -> Callable[[Engi
             bytes_per_page=lambda ps: 1024 * ps,
             vocab_size=runner.vocab_size,
             generation_defaults={},
+            hidden_size=FAKE_HIDDEN,
         )
 
     return load

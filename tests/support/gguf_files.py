@@ -1,10 +1,10 @@
 """GGUF files for the untrusted-input tests: a tiny valid model, and byte-level edits of any GGUF.
 
-`write_tiny_gguf` builds a 2-layer Llama with `gguf.GGUFWriter`, its weights in every type the
-packed kernels multiply (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K) plus one F16 weight that is requantized at
-load. `RawGGUF` reads any GGUF's header into editable records (typed metadata payloads, tensor
-infos) and writes it back with the tensor bytes copied verbatim, so one edit changes one field
-and nothing else, as an attacker's would.
+`write_tiny_gguf` builds a 2-layer Llama with `gguf.GGUFWriter`, its weights by default in
+Q4_0, Q4_1, Q8_0, Q4_K, Q6_K and F16 (any other types with `layer_types`). `RawGGUF` reads any
+GGUF's header into editable records (typed metadata payloads, tensor infos) and writes it back
+with the tensor bytes copied verbatim, so one edit changes one field and nothing else, as an
+attacker's would.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
-# Layer weight types: every packed kernel type, and F16 (requantized to Q8_0 at load).
+# Default layer weight types: the first packed kernel types, and F16.
 LAYER_TYPES = {
     "attn_q": GGMLQuantizationType.Q4_K,
     "attn_k": GGMLQuantizationType.Q4_0,
@@ -48,12 +48,20 @@ LAYER_TYPES = {
     "ffn_down": GGMLQuantizationType.Q4_K,
 }
 _K_SCALES = {GGMLQuantizationType.Q4_K: (0, 2), GGMLQuantizationType.Q6_K: (208,)}
+# fp16 scale fields (byte offsets in a block) of the other types gguf-py cannot quantize
+_K_SCALES |= {
+    GGMLQuantizationType.Q2_K: (80, 82), GGMLQuantizationType.Q3_K: (108,), GGMLQuantizationType.Q5_K: (0, 2),
+    GGMLQuantizationType.IQ4_XS: (0,), GGMLQuantizationType.IQ4_NL: (0,), GGMLQuantizationType.IQ2_XXS: (0,),
+}  # fmt: skip
 
 
 def _packed(qtype: GGMLQuantizationType, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
     """Random weights `[rows, cols]` as GGUF blocks of `qtype` (uint8 `[rows, row_bytes]`)."""
     if qtype == GGMLQuantizationType.F16:
         return (rng.standard_normal((rows, cols)) * 0.05).astype(np.float16)
+    if qtype == GGMLQuantizationType.BF16:
+        values = (rng.standard_normal((rows, cols)) * 0.05).astype(np.float32)
+        return np.ascontiguousarray((values.view(np.uint32) >> 16).astype(np.uint16)).view(np.uint8)
     if qtype in _K_SCALES:  # gguf-py cannot quantize K-quants: random blocks with sane scales
         block, size = GGML_QUANT_SIZES[qtype]
         raw = rng.integers(0, 256, size=(rows, cols // block, size), dtype=np.uint8)
@@ -74,8 +82,19 @@ def tiny_tokens() -> tuple[list[str], list[str], list[int]]:
     return tokens, merges, types
 
 
-def write_tiny_gguf(path: pathlib.Path, *, seed: int = 0, tied: bool = False) -> pathlib.Path:
-    """A tiny random-weight Llama GGUF (2 layers, hidden 256, GQA 4/2) at `path`."""
+def write_tiny_gguf(
+    path: pathlib.Path,
+    *,
+    seed: int = 0,
+    tied: bool = False,
+    layer_types: dict[str, GGMLQuantizationType] | None = None,
+    embedding_type: GGMLQuantizationType = GGMLQuantizationType.Q8_0,
+    pooling_type: int | None = None,
+) -> pathlib.Path:
+    """A tiny random-weight Llama GGUF (2 layers, hidden 256, GQA 4/2) at `path`; its layer
+    weights of `layer_types` (default `LAYER_TYPES`), its embedding of `embedding_type`; with
+    `pooling_type`, its `llama.pooling_type` (llama.cpp's numbering: 1 mean, 2 cls, 3 last)."""
+    layer_types = layer_types or LAYER_TYPES
     rng = np.random.default_rng(seed)
     tokens, merges, types = tiny_tokens()
     vocab = len(tokens)
@@ -100,6 +119,8 @@ def write_tiny_gguf(path: pathlib.Path, *, seed: int = 0, tied: bool = False) ->
     w.add_eos_token_id(2)
     w.add_add_bos_token(False)
     w.add_chat_template(TEMPLATE)
+    if pooling_type is not None:
+        w.add_uint32("llama.pooling_type", pooling_type)
 
     def norm(n: int) -> np.ndarray:
         return (1 + 0.1 * rng.standard_normal(n)).astype(np.float32)
@@ -109,7 +130,7 @@ def write_tiny_gguf(path: pathlib.Path, *, seed: int = 0, tied: bool = False) ->
         raw_dtype = None if qtype == GGMLQuantizationType.F16 else qtype
         w.add_tensor(name, data, raw_dtype=raw_dtype)
 
-    add("token_embd.weight", GGMLQuantizationType.Q8_0, vocab, TINY_HIDDEN)
+    add("token_embd.weight", embedding_type, vocab, TINY_HIDDEN)
     q, kv = TINY_HEADS * TINY_HEAD_DIM, TINY_KV_HEADS * TINY_HEAD_DIM
     shapes = {
         "attn_q": (q, TINY_HIDDEN), "attn_k": (kv, TINY_HIDDEN), "attn_v": (kv, TINY_HIDDEN),
@@ -120,7 +141,7 @@ def write_tiny_gguf(path: pathlib.Path, *, seed: int = 0, tied: bool = False) ->
         w.add_tensor(f"blk.{i}.attn_norm.weight", norm(TINY_HIDDEN))
         w.add_tensor(f"blk.{i}.ffn_norm.weight", norm(TINY_HIDDEN))
         for part, (rows, cols) in shapes.items():
-            add(f"blk.{i}.{part}.weight", LAYER_TYPES[part], rows, cols)
+            add(f"blk.{i}.{part}.weight", layer_types[part], rows, cols)
     w.add_tensor("output_norm.weight", norm(TINY_HIDDEN))
     if not tied:
         add("output.weight", GGMLQuantizationType.Q6_K, vocab, TINY_HIDDEN)

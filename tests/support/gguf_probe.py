@@ -99,6 +99,14 @@ def native_lies(path: str) -> dict[str, object]:
             QuantizedLlama(config, loaded.state_dict).forward(ids, index, k_cache, v_cache, 16)
         except kernels.KernelError as e:
             messages[name] = str(e)
+    # q8_0 KV: a step over whole blocks runs; slots one byte short of their blocks are refused.
+    blocks = torch.zeros(c.num_layers, 64, c.num_kv_heads, c.head_dim // 32 * 34, dtype=torch.uint8)
+    QuantizedLlama(c, loaded.state_dict).forward(ids, good, blocks, blocks.clone(), 16)
+    try:
+        short = blocks[..., :-1].contiguous()
+        QuantizedLlama(c, loaded.state_dict).forward(ids, good, short, short.clone(), 16)
+    except kernels.KernelError as e:
+        messages["q8_0 slots"] = str(e)
     embed = loaded.state_dict["model.embed_tokens.weight"]
     assert isinstance(embed, QuantTensor)
     try:
@@ -111,7 +119,7 @@ def native_lies(path: str) -> dict[str, object]:
         kernels.gemm_into(torch.empty(1, embed.rows), wide, x)
     except kernels.KernelError as e:
         messages["row bytes"] = str(e)
-    missing = sorted({*lies, "row id", "row bytes"} - messages.keys())
+    missing = sorted({*lies, "q8_0 slots", "row id", "row bytes"} - messages.keys())
     if missing:
         return {"outcome": "raised", "error": "NoKernelError", "message": f"accepted: {missing}"}
     return {"outcome": "refused", "error": "KernelError", "message": json.dumps(messages)}

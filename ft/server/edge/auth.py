@@ -1,7 +1,8 @@
 """Who may call what: the API key, and the admin routes' stricter rules (see docs/security.md).
 
-Every route but the probes (and `/metrics`, unless `--metrics-require-key`) needs `--api-key`
-when one is set. Admin routes (`/v1/admin/...`)
+Every route but the probes, the chat page's static files (`ft.server.web.WEB_PATHS`, unless
+`--no-web-ui`; the calls the page makes need the key) and `/metrics` (unless
+`--metrics-require-key`) needs `--api-key` when one is set. Admin routes (`/v1/admin/...`)
 change the server's state, so they also refuse what a web page or a proxied client could send:
 
 - any request carrying an `Origin` not listed in `--cors-origins` (a `*` there does not count);
@@ -23,6 +24,7 @@ from quart import Request
 
 from ft.server.edge.http_errors import HttpError
 from ft.server.settings import ServerSettings
+from ft.server.web import WEB_PATHS
 
 # Paths that never need the API key: probes, and the scraper's unless --metrics-require-key.
 PROBE_PATHS = frozenset({"/health", "/health/live", "/health/ready"})
@@ -38,6 +40,8 @@ def authorize(request: Request, settings: ServerSettings) -> None:
         return
     if request.path == METRICS_PATH and not settings.metrics_require_key:
         return
+    if settings.web_ui and request.method in ("GET", "HEAD") and request.path in WEB_PATHS:
+        return  # static files that hold no data; the page asks for the key for its API calls
     if request.path.startswith(ADMIN_PREFIX):
         authorize_admin(request, settings)
     elif settings.api_key is not None and not key_matches(presented_key(request), settings.api_key):

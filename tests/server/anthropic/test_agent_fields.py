@@ -339,12 +339,13 @@ async def test_thinking_sets_the_templates_enable_thinking() -> None:
 
 
 async def test_get_and_head_on_the_root_answer_200(server: RunningServer) -> None:
-    """Clients probe the base URL first (Claude Code: `HEAD /`)."""
+    """Clients probe the base URL first (Claude Code: `HEAD /`); it is the chat page (with
+    `--no-web-ui` the JSON status: tests/server/web/test_web_page.py)."""
     async with httpx.AsyncClient(base_url=server.base_url, timeout=10) as c:
         head = await c.head("/")
         assert head.status_code == 200 and head.content == b""
         got = await c.get("/")
-        assert got.status_code == 200 and got.json()["model"] == server.engine.model_id
+        assert got.status_code == 200 and got.headers["content-type"].startswith("text/html")
 
 
 # --- hostile variants --------------------------------------------------------------------------

@@ -1,0 +1,7 @@
+"""`python -m ft`: the `ft` command."""
+
+import sys
+
+from ft.cli import main
+
+sys.exit(main())
