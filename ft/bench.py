@@ -1,6 +1,7 @@
 """Output tokens/s through the embedded API (no HTTP) at several concurrency levels.
 
     ft bench [--concurrency 1 4 16] [--max-tokens 128] [--model PATH] [--structured] [--prefill 512]
+             [--prompts short|edit] [--speculative-method ngram]
     python tools/bench_engine.py ...        (the same)
 
 Prints one JSON line: for each concurrency, output tokens/s, mean TTFT and wall time, plus the
@@ -11,6 +12,11 @@ ratios are comparable even on a noisy machine.
 (`BENCH_SCHEMA`: JSON that never ends before `--max-tokens`, so both write as many tokens),
 and reports the constrained throughput as a fraction of the free one.
 
+`--prompts edit` runs `EDIT_PROMPTS` instead, each of them at every level (`concurrency` at a
+time): a passage and an instruction whose answer copies most of it (rename a variable, fix a
+typo, reformat), greedy and ended by the model, where prompt-lookup drafts are accepted; the
+JSON line then carries the speculative counters.
+
 `--prefill N` also times one N-token prompt (fresh token ids, so no prefix-cache hit) to its
 first token: prompt tokens/s, the figure `llama-bench -p N` reports.
 """
@@ -20,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from dataclasses import asdict
 
 import trio
 
@@ -36,6 +43,42 @@ PROMPTS = [
     "List some facts about the moon.",
     "Describe your ideal weekend.",
 ]
+
+
+_CODE = """def total_price(items, tax_rate):
+    subtotal = 0
+    for item in items:
+        subtotal += item.price * item.quantity
+    tax = subtotal * tax_rate
+    return subtotal + tax
+
+
+def average_price(items):
+    if not items:
+        return 0
+    subtotal = 0
+    for item in items:
+        subtotal += item.price
+    return subtotal / len(items)
+"""
+
+_PROSE = (
+    "The lighthouse stood at the edge of the cliff for more then a hundred years. Every night "
+    "its keeper climbed the the spiral stairs, lit the great lamp and watched the ships pass "
+    "safely by. In winter the storms were fierce, but the light never went out."
+)
+
+_CONFIG = "name: web\nport: 8080\nworkers: 4\ndebug: false\nhosts: [alpha, beta, gamma]\ntimeout: 30\n"
+
+# Edits whose answers copy most of the passage: prompt lookup's best case (issue 24).
+EDIT_PROMPTS = [
+    f"Rename the variable subtotal to base_total in this code. Reply with the whole code only.\n\n{_CODE}",
+    f"Fix the typos in this paragraph. Reply with the corrected paragraph only.\n\n{_PROSE}",
+    f"Add type hints to this code. Reply with the whole code only.\n\n{_CODE}",
+    f"Rewrite this configuration as JSON. Reply with the JSON only.\n\n{_CONFIG}",
+]
+
+PROMPT_SETS = {"short": PROMPTS, "edit": EDIT_PROMPTS}
 
 
 # Objects with a few bounded fields, at least 1000 of them: output a model cannot end early.
@@ -56,23 +99,40 @@ BENCH_SCHEMA = {
 
 
 async def run_level(
-    engine: Engine, concurrency: int, max_tokens: int, grammar: GrammarSpec | None = None
+    engine: Engine,
+    concurrency: int,
+    max_tokens: int,
+    grammar: GrammarSpec | None = None,
+    prompts: str = "short",
 ) -> dict[str, float]:
-    """Run `concurrency` requests at once (following `grammar` when given); return tokens/s and
-    latency figures."""
+    """Run `concurrency` requests at once (following `grammar` when given) over the prompt set
+    `prompts`; return tokens/s and latency figures."""
+    edit = prompts == "edit"
+    texts = PROMPT_SETS[prompts]
     ttfts: list[float] = []
     tokens = 0
 
+    # Every edit prompt runs at each level (`concurrency` at a time): one alone says little.
+    num_requests = max(concurrency, len(texts)) if edit else concurrency
+    slots = trio.Semaphore(concurrency)
+
     async def one(i: int) -> None:
+        async with slots:
+            await request(i)
+
+    async def request(i: int) -> None:
         nonlocal tokens
         start = time.perf_counter()
         first = None
         params = SamplingParams(
-            max_tokens=max_tokens, temperature=0.8, seed=i, ignore_eos=grammar is None, grammar=grammar
+            max_tokens=max_tokens,
+            temperature=0.0 if edit else 0.8,
+            seed=i,
+            ignore_eos=grammar is None and not edit,  # an edit's answer ends with its copy
+            grammar=grammar,
         )
-        messages: list[dict[str, object]] = [
-            {"role": "user", "content": PROMPTS[i % len(PROMPTS)] + f" ({i})"}
-        ]
+        content = texts[i % len(texts)] if edit else texts[i % len(texts)] + f" ({i})"
+        messages: list[dict[str, object]] = [{"role": "user", "content": content}]
         async with engine.open_request(PromptSpec(messages=messages), params=params) as stream:
             async for _ in stream:
                 if first is None:
@@ -82,11 +142,12 @@ async def run_level(
 
     start = time.perf_counter()
     async with trio.open_nursery() as nursery:
-        for i in range(concurrency):
+        for i in range(num_requests):
             nursery.start_soon(one, i)
     wall = time.perf_counter() - start
     return {
         "concurrency": concurrency,
+        "requests": num_requests,
         "output_tokens": tokens,
         "wall_s": round(wall, 3),
         "tokens_per_s": round(tokens / wall, 2),
@@ -101,7 +162,8 @@ async def main(args: argparse.Namespace) -> None:
     )
     async with open_engine(config) as engine:
         await run_level(engine, 1, 8)  # warm-up
-        levels = [await run_level(engine, c, args.max_tokens) for c in args.concurrency]
+        levels = [await run_level(engine, c, args.max_tokens, prompts=args.prompts) for c in args.concurrency]
+        speculative = engine.snapshot().speculative
         prefill = await run_prefill(engine, args.prefill) if args.prefill else None
         structured = (
             [await compare_structured(engine, c, args.max_tokens) for c in args.concurrency]
@@ -113,6 +175,7 @@ async def main(args: argparse.Namespace) -> None:
         "bench": "engine",
         "model": engine.model_id,
         "max_tokens": args.max_tokens,
+        "prompts": args.prompts,
         "levels": levels,
         "speedup_vs_first": {str(x["concurrency"]): round(x["tokens_per_s"] / base, 2) for x in levels},
     }
@@ -120,6 +183,8 @@ async def main(args: argparse.Namespace) -> None:
         result["prefill"] = prefill
     if structured:
         result["structured"] = structured
+    if speculative.method is not None:
+        result["speculative"] = asdict(speculative)
     print(json.dumps(result))
 
 
@@ -164,6 +229,13 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of `ft bench`."""
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument(
+        "--prompts",
+        choices=sorted(PROMPT_SETS),
+        default="short",
+        help="short: open questions, sampled, run to --max-tokens; edit: a passage and an edit "
+        "whose answer copies it, greedy (default: %(default)s)",
+    )
     add_model_arguments(parser)  # `--compute-threads` among them, as for `ft serve`
     parser.add_argument("--prefill", type=int, default=0, metavar="N", help="also time one N-token prompt")
     # NOTE: the old spelling, kept so recorded bench commands still run.

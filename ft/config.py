@@ -17,6 +17,7 @@ Q8_0_KV_PATH = (
 POOLING_CHOICES = ("auto", "mean", "cls", "last")  # auto: the model file's, else last
 ADMISSIONS = ("need", "reserve")
 QUANTIZATIONS = ("int8",)
+SPECULATIVE_METHODS = ("ngram",)
 DEVICE_PATTERN = r"auto|cpu|cuda(:\d+)?"  # auto: CUDA when torch sees one, else the CPU
 DEFAULT_STEP_TIMEOUT_S = 60.0  # far above any step, a grammar's bounded masks included
 # A chat template renders in milliseconds; one that runs for seconds loops without end.
@@ -71,6 +72,13 @@ class EngineConfig:
     # Seconds work may wait with no step completing (a hung step, rank or scheduler) before the
     # watchdog fails the engine; every configuration (ft/engine/watchdog.py).
     step_timeout_s: float = DEFAULT_STEP_TIMEOUT_S
+    # Speculative decoding: "ngram" drafts from each request's own prompt and output (prompt
+    # lookup) and verifies the drafts in the step; None: off. At most `speculative_tokens`
+    # drafted per sequence and step, and only while a step decodes at most
+    # `speculative_max_batch` sequences (larger batches are compute-bound already).
+    speculative_method: str | None = None
+    speculative_tokens: int = 4
+    speculative_max_batch: int = 4
     pooling: str = "auto"  # how embeddings pool the prompt's hidden states (see `resolve_pooling`)
 
     def __post_init__(self) -> None:
@@ -133,6 +141,15 @@ class EngineConfig:
             raise ValueError(f"pooling must be one of {', '.join(POOLING_CHOICES)}, got {self.pooling!r}")
         if not 1.0 <= self.step_timeout_s <= 3600.0:
             raise ValueError(f"step_timeout_s must be in 1..3600, got {self.step_timeout_s}")
+        if self.speculative_method is not None and self.speculative_method not in SPECULATIVE_METHODS:
+            raise ValueError(
+                f"speculative_method must be one of {', '.join(SPECULATIVE_METHODS)}, "
+                f"got {self.speculative_method!r}"
+            )
+        if not 1 <= self.speculative_tokens <= 32:
+            raise ValueError(f"speculative_tokens must be in 1..32, got {self.speculative_tokens}")
+        if not 1 <= self.speculative_max_batch <= 1024:
+            raise ValueError(f"speculative_max_batch must be in 1..1024, got {self.speculative_max_batch}")
 
     @property
     def served_names(self) -> tuple[str, ...]:
@@ -164,7 +181,8 @@ ENGINE_DEFAULTS = EngineConfig()
 def add_model_arguments(parser: argparse.ArgumentParser | Any) -> None:
     """Add the model options every command takes (`--model`, `--dtype`, `--quantize`,
     `--max-model-len`, `--device`, `--enforce-eager`, `--tensor-parallel-size`,
-    `--compute-threads`) to `parser` or an argument group of it; defaults from `EngineConfig`."""
+    `--compute-threads`, `--speculative-*`) to `parser` or an argument group of it; defaults
+    from `EngineConfig`."""
     d = ENGINE_DEFAULTS
     parser.add_argument(
         "--model",
@@ -213,6 +231,28 @@ def add_model_arguments(parser: argparse.ArgumentParser | Any) -> None:
         default=d.compute_threads,
         help="CPU threads a step computes with, fixed (default: measured, the faster count per batch size)",
     )
+    parser.add_argument(
+        "--speculative-method",
+        choices=SPECULATIVE_METHODS,
+        default=d.speculative_method,
+        help="speculative decoding: ngram drafts from each request's prompt and output (prompt "
+        "lookup); the output is unchanged (default: off)",
+    )
+    parser.add_argument(
+        "--speculative-tokens",
+        metavar="N",
+        type=int,
+        default=d.speculative_tokens,
+        help="the most tokens drafted per request and step; each request adapts below it to what "
+        "it accepts (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--speculative-max-batch",
+        metavar="N",
+        type=int,
+        default=d.speculative_max_batch,
+        help="draft only in steps decoding at most N requests (default: %(default)s)",
+    )
 
 
 def model_config_fields(args: argparse.Namespace) -> dict[str, Any]:
@@ -226,4 +266,7 @@ def model_config_fields(args: argparse.Namespace) -> dict[str, Any]:
         "tensor_parallel_size": args.tensor_parallel_size,
         "cuda_graphs": not args.enforce_eager,
         "compute_threads": args.compute_threads,
+        "speculative_method": args.speculative_method,
+        "speculative_tokens": args.speculative_tokens,
+        "speculative_max_batch": args.speculative_max_batch,
     }

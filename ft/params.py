@@ -99,6 +99,9 @@ class SamplingParams:
     n: int = 1
     skip_special_tokens: bool = True
     grammar: GrammarSpec | None = None  # structured output: what the text must follow
+    # Speculative decoding may draft this request's tokens (when the engine enables it); the
+    # output is the same either way, so this only turns the extra verify rows off.
+    speculative: bool = True
     # A pooling request (one of `POOLINGS`): prompt only, nothing sampled; its stream gives the
     # pooled hidden state (after the final norm) instead of tokens.
     pooling: str | None = None
@@ -142,6 +145,8 @@ class SamplingParams:
         _integer("n", self.n, 1, MAX_N)
         if self.grammar is not None and not isinstance(self.grammar, GrammarSpec):
             raise InvalidRequest("grammar must be a GrammarSpec", param="grammar")
+        if not isinstance(self.speculative, bool):
+            raise InvalidRequest("speculative must be true or false", param="speculative")
         if self.pooling is not None:
             self._check_pooling()
 
@@ -160,6 +165,13 @@ class SamplingParams:
         gives inf and NaN, and the "sample" would be token 0.
         """
         return self.temperature < MIN_TEMPERATURE or self.top_k == 1
+
+    @property
+    def can_speculate(self) -> bool:
+        """True when drafted tokens can be verified for this request: asked for, it samples
+        (no pooling), and no grammar (its matcher would have to follow each drafted position
+        and roll back)."""
+        return self.speculative and self.grammar is None and self.pooling is None
 
     @property
     def uses_penalties(self) -> bool:

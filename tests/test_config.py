@@ -25,6 +25,10 @@ from ft.server.settings import ServerSettings
         ({"kv_cache_memory": 10}, "kv_cache_memory"),
         ({"kv_cache_dtype": "int4"}, "kv_cache_dtype"),
         ({"admission": "greedy"}, "admission"),
+        ({"speculative_method": "eagle"}, "speculative_method"),
+        ({"speculative_tokens": 0}, "speculative_tokens"),
+        ({"speculative_tokens": 33}, "speculative_tokens"),
+        ({"speculative_max_batch": 0}, "speculative_max_batch"),
     ],
 )
 def test_bad_values_are_refused_naming_the_field(fields: dict[str, object], message: str) -> None:
@@ -92,6 +96,24 @@ def test_ft_bench_takes_compute_threads_as_ft_serve_does(argv: list[str]) -> Non
     add_bench_arguments(parser)
     assert parser.parse_args(argv).compute_threads == 3
     assert "--threads" not in parser.format_help()
+
+
+def test_the_speculative_options_reach_the_config_of_serve_and_bench() -> None:
+    config = configs_from_args(
+        serve_args(
+            "--speculative-method", "ngram", "--speculative-tokens", "6", "--speculative-max-batch", "2"
+        )
+    )[0]
+    assert (config.speculative_method, config.speculative_tokens, config.speculative_max_batch) == (
+        "ngram",
+        6,
+        2,
+    )
+    assert configs_from_args(serve_args())[0].speculative_method is None  # off by default
+    parser = argparse.ArgumentParser(prog="ft bench")
+    add_bench_arguments(parser)
+    args = parser.parse_args(["--speculative-method", "ngram", "--prompts", "edit"])
+    assert args.speculative_method == "ngram" and args.prompts == "edit"
 
 
 @pytest.mark.parametrize(

@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ft.errors import InvalidRequest
-from ft.params import check_token_ids, first_outside_vocab
+from ft.params import SamplingParams, check_token_ids, first_outside_vocab
 
 
 @given(st.lists(st.integers(-3, 12)), st.integers(1, 10))
@@ -23,3 +23,19 @@ def test_check_token_ids_names_the_id_the_range_and_the_param() -> None:
     with pytest.raises(InvalidRequest, match=r"token id 10 is outside the vocabulary \(0\.\.9\)") as e:
         check_token_ids([3, 10, -1], 10, param="logit_bias")
     assert e.value.param == "logit_bias"
+
+
+@pytest.mark.parametrize("value", ["yes", 1, None])
+def test_speculative_must_be_a_bool(value: object) -> None:
+    with pytest.raises(InvalidRequest) as info:
+        SamplingParams(speculative=value)  # type: ignore[arg-type]
+    assert info.value.param == "speculative"
+
+
+def test_only_grammar_requests_and_the_switch_keep_speculation_off() -> None:
+    from ft.grammar import spec
+
+    assert SamplingParams().can_speculate
+    assert SamplingParams(presence_penalty=1.0, logit_bias={1: 2.0}, temperature=0.5).can_speculate
+    assert not SamplingParams(speculative=False).can_speculate
+    assert not SamplingParams(grammar=spec.regex("a+", "guided_regex")).can_speculate

@@ -80,17 +80,22 @@ class RunnerActor:
         if self.fatal is not None:  # failed, or halted mid-step
             sampled, failed = [], [(w.seq_id, RequestFailed(self.fatal)) for w in works]
         # A recompute after preemption feeds generated tokens in chunks: only single-token
-        # works past the prompt are decodes.
-        decodes = [w for w in works if len(w.token_ids) == 1 and w.start_pos >= w.num_prompt_tokens]
+        # works past the prompt (and their drafts) are decodes; a decode's tokens are those it
+        # gave (several when drafts were accepted).
+        decodes = [
+            w for w in works if len(w.token_ids) - w.num_draft == 1 and w.start_pos >= w.num_prompt_tokens
+        ]
+        tokens = tuple(x for x in sampled if isinstance(x, Sampled))
+        decode_ids = {w.seq_id for w in decodes}
         return StepDone(
             step=batch.step,
-            sampled=tuple(x for x in sampled if isinstance(x, Sampled)),
+            sampled=tokens,
             failed=tuple(failed),
             scored=tuple(x for x in sampled if isinstance(x, Scored)),
             pooled=tuple(x for x in sampled if isinstance(x, PoolSum)),
             duration_s=time.perf_counter() - started,
-            num_prefill_tokens=sum(len(w.token_ids) for w in works) - len(decodes),
-            num_decode_tokens=len(decodes),
+            num_prefill_tokens=sum(len(w.token_ids) for w in works if w.seq_id not in decode_ids),
+            num_decode_tokens=sum(1 for x in tokens if x.seq_id in decode_ids),
         )
 
     async def _run_isolated(

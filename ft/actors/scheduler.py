@@ -10,15 +10,19 @@ import trio
 
 from ft.actors.registry import Registry
 from ft.core.scheduler import Scheduler
+from ft.core.sequence import SeqStatus, Sequence
 from ft.errors import FtError, Overloaded
 from ft.messages import (
     Abort,
     Batch,
     DetokenizerIn,
+    EmbeddingOut,
     Enqueue,
     FinishSeq,
     SchedulerIn,
+    SeqFailed,
     StepDone,
+    TokenOut,
 )
 
 log = logging.getLogger("ft.scheduler")
@@ -62,12 +66,12 @@ class SchedulerActor:
                         else:
                             log.debug("uid %d: queued, %d tokens", uid, len(ids), extra=entry.log_extra)
                 case Abort(uid=uid):
-                    self.core.abort(uid)
+                    self._abort(uid)
                 case FinishSeq(seq_id=seq_id):
-                    self.core.finish_seq(seq_id)
+                    self._finish_seq(seq_id)
                 case StepDone():
                     assert self.in_flight is not None and self.in_flight.step == msg.step
-                    outs = self.core.on_step_done(self.in_flight, msg)
+                    outs = self._step_done(self.in_flight, msg)
                     self.in_flight = None
                     if self.on_step is not None:
                         self.on_step(msg)
@@ -83,6 +87,45 @@ class SchedulerActor:
                     self.in_flight = batch
                     self.runner.send_nowait(batch)
                     self._mark_scheduled(batch)
+
+    # NOTE: these hold sequences only in their own frames: a local of `run` would keep a
+    # finished request's sequences (and grammar matchers) alive until the next message.
+
+    def _abort(self, uid: int) -> None:
+        live = [seq for seq in self.core.running.values() if seq.uid == uid]
+        if self.core.abort(uid):
+            for seq in live:
+                self._log_speculation(seq)
+
+    def _finish_seq(self, seq_id: int) -> None:
+        seq = self.core.running.get(seq_id)
+        if self.core.finish_seq(seq_id) and seq is not None:
+            self._log_speculation(seq)
+
+    def _step_done(self, batch: Batch, done: StepDone) -> list[TokenOut | EmbeddingOut | SeqFailed]:
+        sampling = [self.core.running.get(w.seq_id) for w in batch.works if w.sample]
+        outs = self.core.on_step_done(batch, done)
+        for seq in sampling:
+            if seq is not None and seq.status is SeqStatus.FINISHED:
+                self._log_speculation(seq)
+        return outs
+
+    def _log_speculation(self, seq: Sequence) -> None:
+        """DEBUG: what speculation gave a sequence that ended (drafted, accepted)."""
+        if not seq.num_drafted:
+            return
+        # NOTE: the request's scope may have closed already (its last choice ended by a stop
+        # string, the client gone): the line is logged without its request id then.
+        entry = self.registry.get(seq.uid)
+        log.debug(
+            "uid %d: choice %d speculative: %d drafted, %d accepted (%.0f%%)",
+            seq.uid,
+            seq.index,
+            seq.num_drafted,
+            seq.num_accepted,
+            100 * seq.num_accepted / seq.num_drafted,
+            extra=entry.log_extra if entry is not None else None,
+        )
 
     def _refuse_stale(self, max_wait_s: float) -> None:
         """Refuse (503) the queued requests that have waited `max_wait_s` for their first step.

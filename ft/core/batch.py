@@ -29,6 +29,9 @@ class SeqWork:
     works of a constrained request only) is the sequence's grammar state: the runner masks the
     logits with it and advances it by the sampled token.
 
+    `num_draft` (speculative decoding): the last `num_draft` fed tokens are drafts to verify;
+    the runner returns one `Sampled` per accepted draft plus the one after them, in order.
+
     `score_ids` (prompt logprobs): the fed tokens from index `score_offset` on are scored, the
     logits at fed token `score_offset + i` giving the logprob of `score_ids[i]` (the prompt
     token after it), with `params.prompt_logprobs` alternatives; the runner returns one `Scored`.
@@ -52,6 +55,7 @@ class SeqWork:
     score_ids: tuple[int, ...] = ()
     pool_offset: int = 0
     num_pool_rows: int = 0
+    num_draft: int = 0
 
 
 class ConstraintError(Exception):
@@ -128,9 +132,10 @@ class Runner(Protocol):
     def vocab_size(self) -> int: ...
 
     def step(self, works: list[SeqWork]) -> list[StepOutput]:
-        """Run one forward pass; return one `Sampled` per work with `sample=True`, in order,
-        one `Scored` per work with `score_ids` and one `PoolSum` per work with
-        `num_pool_rows` (those two anywhere in the list).
+        """Run one forward pass; return one `Sampled` per work with `sample=True`, in order
+        (a work with drafts: one per accepted draft and one after them, consecutive), one
+        `Scored` per work with `score_ids` and one `PoolSum` per work with `num_pool_rows`
+        (those two anywhere in the list).
 
         Raises `RunnerFailure` when no further step can run; anything else fails the step.
         """

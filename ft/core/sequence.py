@@ -10,6 +10,7 @@ from ft.params import SamplingParams
 
 if TYPE_CHECKING:
     from ft.core.batch import TokenScore
+    from ft.core.ngram import DraftLength, NgramIndex
     from ft.grammar.compiled import Matcher
 
 
@@ -42,6 +43,11 @@ class Sequence:
     status: SeqStatus = SeqStatus.WAITING
     matcher: Matcher | None = None  # its grammar's state (structured output), advanced by the runner
     prompt_scores: list[TokenScore] = field(default_factory=list)  # prompt tokens 1.., scored so far
+    # Speculative decoding (made at its first drafted step): its n-gram index and draft length.
+    drafter: NgramIndex | None = None
+    draft_length: DraftLength | None = None
+    num_drafted: int = 0  # tokens drafted for it, and those the model accepted
+    num_accepted: int = 0
     # A pooling request: the sum of the hidden states pooled so far, and the positions before
     # `num_pooled` it holds (mean: every one summed; cls: position 0; last: set when done).
     pool_sum: list[float] = field(default_factory=list)
@@ -107,4 +113,6 @@ class Sequence:
         n = len(self.prompt_ids)
         if stop <= n:
             return self.prompt_ids[start:stop]
-        return (self.prompt_ids + self.output_ids)[start:stop]
+        if start >= n:  # a decode's tokens: no copy of the prompt
+            return self.output_ids[start - n : stop - n]
+        return self.prompt_ids[start:] + self.output_ids[: stop - n]

@@ -7,7 +7,7 @@ The runner is async (it "computes" with `trio.sleep`), so whole-engine tests run
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import trio
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -116,10 +116,16 @@ class FakeRunner:
             assert len(w.page_ids) * self.page_size >= end, "pages do not cover the work"
             assert all(0 <= p < self.num_pages for p in w.page_ids)
             if w.sample:
-                token = self.script(w)
-                lp = -0.5 if w.params.logprobs else None
-                top = tuple((token, -0.5) for _ in range(min(1, w.params.top_logprobs)))
-                out.append(Sampled(w.seq_id, token, lp, top))
+                # Drafts are verified as a greedy model would: each one accepted while it is
+                # the scripted token, then the scripted token after the last accepted one.
+                drafts = w.token_ids[len(w.token_ids) - w.num_draft :]
+                for j in range(w.num_draft + 1):
+                    token = self.script(replace(w, num_generated=w.num_generated + j) if j else w)
+                    lp = -0.5 if w.params.logprobs else None
+                    top = tuple((token, -0.5) for _ in range(min(1, w.params.top_logprobs)))
+                    out.append(Sampled(w.seq_id, token, lp, top))
+                    if j == w.num_draft or token != drafts[j]:
+                        break
             if w.score_ids:
                 n = w.params.prompt_logprobs or 0
                 scores = tuple(TokenScore(t, -1.0, ((t, -1.0),) * min(1, n)) for t in w.score_ids)

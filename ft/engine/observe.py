@@ -14,6 +14,7 @@ from ft.actors.registry import RequestEntry
 from ft.engine.stats import Throughput
 
 if TYPE_CHECKING:
+    from ft.core.scheduler import Scheduler
     from ft.engine.engine import Engine
     from ft.engine.lifetime import EngineState
 
@@ -57,6 +58,37 @@ class SchedulerStats:
 
 
 @dataclass(frozen=True, slots=True)
+class SpeculativeStats:
+    """Speculative decoding since the start: drafted and accepted tokens over the decode works
+    that verified drafts. `acceptance_rate` is accepted / drafted; `mean_accepted_length` the
+    tokens a verification gave (its accepted drafts and the one after them), as vLLM reports."""
+
+    method: str | None  # None: off
+    max_tokens: int
+    draft_tokens: int
+    accepted_tokens: int
+    verifications: int
+    acceptance_rate: float
+    mean_accepted_length: float
+
+    @classmethod
+    def of(cls, method: str | None, max_tokens: int, core: Scheduler | None) -> SpeculativeStats:
+        """The counters of `core` (zeros before it exists)."""
+        drafted = core.num_draft_tokens if core else 0
+        accepted = core.num_accepted_tokens if core else 0
+        verifications = core.num_verifications if core else 0
+        return cls(
+            method=method,
+            max_tokens=max_tokens if method else 0,
+            draft_tokens=drafted,
+            accepted_tokens=accepted,
+            verifications=verifications,
+            acceptance_rate=round(accepted / drafted, 4) if drafted else 0.0,
+            mean_accepted_length=round(1 + accepted / verifications, 3) if verifications else 0.0,
+        )
+
+
+@dataclass(frozen=True, slots=True)
 class RequestStats:
     """Request gauges (derived from the registry now) and totals since the start."""
 
@@ -93,6 +125,7 @@ class EngineSnapshot:
     uptime_s: float
     kv: KvStats
     scheduler: SchedulerStats
+    speculative: SpeculativeStats
     throughput: Throughput
     requests: RequestStats
     process: ProcessStats
@@ -136,6 +169,9 @@ def snapshot(engine: Engine) -> EngineSnapshot:
             recomputed_tokens=core.num_recomputed_tokens if core else 0,
             prefix_hit_tokens=core.num_prefix_hit_tokens if core else 0,
             prefix_query_tokens=core.num_prefix_query_tokens if core else 0,
+        ),
+        speculative=SpeculativeStats.of(
+            engine.config.speculative_method, engine.config.speculative_tokens, core
         ),
         throughput=stats.throughput(trio.current_time()),
         requests=RequestStats(

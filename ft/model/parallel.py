@@ -144,7 +144,15 @@ def encode_works(works: list[SeqWork]) -> bytes:
     """The fields a forward pass needs, as CBOR (sampling happens on rank 0 only; the scored
     rows are sent because every rank runs their vocabulary projection, a collective)."""
     rows = [
-        [list(w.token_ids), w.start_pos, list(w.page_ids), w.sample, w.score_offset, list(w.score_ids)]
+        [
+            list(w.token_ids),
+            w.start_pos,
+            list(w.page_ids),
+            w.sample,
+            w.score_offset,
+            list(w.score_ids),
+            w.num_draft,
+        ]
         for w in works
     ]
     return cbor2.dumps({"op": "step", "works": rows})
@@ -163,8 +171,9 @@ def decode_works(rows: list[Any]) -> list[SeqWork]:
             0,
             score_offset=int(score_offset),
             score_ids=tuple(score_ids),
+            num_draft=int(num_draft),
         )
-        for i, (tokens, start, pages, sample, score_offset, score_ids) in enumerate(rows)
+        for i, (tokens, start, pages, sample, score_offset, score_ids, num_draft) in enumerate(rows)
     ]
 
 

@@ -130,16 +130,21 @@ def sample(logits: torch.Tensor, works: list[SeqWork]) -> list[Sampled]:
             token = int(x.argmax())
         else:
             token = sample_token(x, p, row_generator(p.seed, work.num_generated))
-        if not p.logprobs:
-            out.append(Sampled(work.seq_id, token))
-            continue
-        logprobs = x.log_softmax(-1)
-        top: tuple[tuple[int, float], ...] = ()
-        if p.top_logprobs:
-            best = torch.topk(logprobs, p.top_logprobs)
-            top = tuple(zip(best.indices.tolist(), best.values.tolist(), strict=True))
-        out.append(Sampled(work.seq_id, token, float(logprobs[token]), top))
+        out.append(sampled_token(work.seq_id, token, x, p))
     return out
+
+
+def sampled_token(seq_id: int, token: int, x: torch.Tensor, p: SamplingParams) -> Sampled:
+    """The `Sampled` of `token` drawn from the processed logits `x` `[vocab]` (float32), with
+    its logprob and top alternatives when `p` asks for them."""
+    if not p.logprobs:
+        return Sampled(seq_id, token)
+    logprobs = x.log_softmax(-1)
+    top: tuple[tuple[int, float], ...] = ()
+    if p.top_logprobs:
+        best = torch.topk(logprobs, p.top_logprobs)
+        top = tuple(zip(best.indices.tolist(), best.values.tolist(), strict=True))
+    return Sampled(seq_id, token, float(logprobs[token]), top)
 
 
 def score_tokens(logits: torch.Tensor, targets: list[int], top: int) -> list[TokenScore]:

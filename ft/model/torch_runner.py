@@ -23,6 +23,7 @@ from ft.model.parallel import RankFailure, RankGroup, Shard, decode_works, local
 from ft.model.quant import QuantTensor
 from ft.model.quantized_llama import QuantizedLlama, StepIndex
 from ft.model.sampler import sample, score_tokens
+from ft.model.speculative import sample_with_drafts
 from ft.model.threads import ThreadChooser, thread_choices
 from ft.params import first_outside_vocab
 
@@ -253,22 +254,29 @@ class TorchRunner:
             if logits is None:
                 return list(scored)
             with torch.inference_mode():
-                if masks is not None:
-                    masks.apply(logits)
-                sampled = sample(logits, rows)
+                if any(w.num_draft for w in rows):
+                    groups = sample_with_drafts(logits, rows, masks)
+                else:
+                    if masks is not None:
+                        masks.apply(logits)
+                    groups = [[s] for s in sample(logits, rows)]
         finally:
             if masks is not None:
                 masks.wait()  # a failed step leaves no mask computation behind (but late ones)
+        sampled = [s for group in groups for s in group]
         if masks is None:
             return [*sampled, *scored]
         try:  # raises `RowsFailed` when a row's grammar failed or ran over its budget
-            return [*masks.accept(sampled), *scored]
+            masks.accept([group[0] for group in groups])  # only works without drafts have one
         except RowsFailed as e:
-            e.sampled.extend(scored)
+            dropped = {seq_id for seq_id, _ in e.failed}
+            e.sampled = [*(s for s in sampled if s.seq_id not in dropped), *scored]
             raise
+        return [*sampled, *scored]
 
     def forward(self, works: list[SeqWork]) -> torch.Tensor | None:
-        """Feed every work's tokens (writing their KV); logits `[R, vocab]` of the sampling rows."""
+        """Feed every work's tokens (writing their KV); logits `[R, vocab]` of the sampling rows
+        (a work with drafts has one per draft and one for the token before them)."""
         return self._forward_locked(works)[0]
 
     def _forward_locked(self, works: list[SeqWork]) -> tuple[torch.Tensor | None, list[Scored | PoolSum]]:
@@ -338,8 +346,8 @@ class TorchRunner:
         for work in works:
             token_ids.extend(work.token_ids)
             positions.extend(range(work.start_pos, work.start_pos + len(work.token_ids)))
-            if work.sample:
-                sample_rows.append(len(token_ids) - 1)
+            if work.sample:  # the last fed token's row, and each draft's before it
+                sample_rows.extend(range(len(token_ids) - 1 - work.num_draft, len(token_ids)))
         with torch.inference_mode():
             if self.packed is not None:
                 ids = torch.tensor(token_ids, dtype=torch.long)  # the packed path is CPU-only

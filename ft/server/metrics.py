@@ -76,7 +76,7 @@ class EngineCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         snap = self.engine.snapshot()
         model = snap.model.id
-        req, kv, sched = snap.requests, snap.kv, snap.scheduler
+        req, kv, sched, spec = snap.requests, snap.kv, snap.scheduler, snap.speculative
 
         def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
             family = GaugeMetricFamily(name, doc, labels=["model"])
@@ -122,6 +122,27 @@ class EngineCollector(Collector):
         yield counter("ft_prefix_cache_hits", "Tokens the prefix cache supplied.", sched.prefix_hit_tokens)
         yield counter("ft_preemptions", "Requests preempted to free KV pages.", sched.preemptions)
         yield counter("ft_recomputed_tokens", "Tokens recomputed after preemptions.", sched.recomputed_tokens)
+        yield counter(
+            "ft_spec_decode_draft_tokens", "Tokens drafted for speculative decoding.", spec.draft_tokens
+        )
+        yield counter(
+            "ft_spec_decode_accepted_tokens", "Drafted tokens the model accepted.", spec.accepted_tokens
+        )
+        yield counter(
+            "ft_spec_decode_verifications",
+            "Decode steps of a sequence that verified drafts.",
+            spec.verifications,
+        )
+        yield gauge(
+            "ft_spec_decode_acceptance_ratio",
+            "Accepted over drafted tokens since the start.",
+            spec.acceptance_rate,
+        )
+        yield gauge(
+            "ft_spec_decode_mean_accepted_length",
+            "Tokens one verification gave on average (accepted drafts + 1).",
+            spec.mean_accepted_length,
+        )
 
 
 class ServerMetrics:

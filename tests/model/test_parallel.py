@@ -75,12 +75,15 @@ def test_one_shard_of_one_is_the_model() -> None:
 
 
 def test_step_description_round_trips() -> None:
-    works = [SeqWork(7, (1, 2, 3), 4, (9, 8), True, GREEDY, 2), SeqWork(8, (5,), 0, (1,), False, GREEDY, 0)]
+    works = [
+        SeqWork(7, (1, 2, 3), 4, (9, 8), True, GREEDY, 2, num_draft=2),  # drafts: 3 logits rows
+        SeqWork(8, (5,), 0, (1,), False, GREEDY, 0),
+    ]
     import cbor2
 
     again = decode_works(cbor2.loads(encode_works(works))["works"])
-    assert [(w.token_ids, w.start_pos, w.page_ids, w.sample) for w in again] == [
-        (w.token_ids, w.start_pos, w.page_ids, w.sample) for w in works
+    assert [(w.token_ids, w.start_pos, w.page_ids, w.sample, w.num_draft) for w in again] == [
+        (w.token_ids, w.start_pos, w.page_ids, w.sample, w.num_draft) for w in works
     ]
 
 
@@ -177,3 +180,17 @@ def test_a_failed_collective_tells_clients_what_failed_not_where() -> None:
     failure = collective_failed("broadcast", gloo)
     assert "10.0.0.7" not in str(failure) and "pair.cc" not in str(failure)
     assert "broadcast failed (RuntimeError)" in str(failure)
+
+
+def test_drafts_verified_on_two_ranks_give_the_tokens_of_one(tiny_dir: pathlib.Path) -> None:
+    """A work with drafts (right ones and a wrong one) on 2 ranks: every rank projects the same
+    rows, and the accepted tokens are one process's greedy tokens."""
+    pages = tuple(range(8))
+    solo, _ = generate(make_runner(tiny_dir), PROMPT_A, pages, 8)
+    with tensor_parallel_runner(str(tiny_dir), 2, num_pages=32, page_size=4) as runner:
+        (first,) = runner.step([SeqWork(0, PROMPT_A, 0, pages, True, GREEDY, 0)])
+        drafts = (*solo[1:3], (solo[3] + 1) % 96)  # two right, then a wrong one
+        got = runner.step([SeqWork(0, (first.token_id, *drafts), len(PROMPT_A), pages, True, GREEDY, 1,
+                                   num_draft=3)])  # fmt: skip
+        (after,) = runner.step([SeqWork(0, (got[-1].token_id,), len(PROMPT_A) + 3, pages, True, GREEDY, 4)])
+    assert [first.token_id, *(s.token_id for s in got), after.token_id] == solo[:5]

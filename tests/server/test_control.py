@@ -61,6 +61,15 @@ STATS_KEYS = {
         "prefix_hit_tokens",
         "prefix_query_tokens",
     ],
+    "speculative": [
+        "method",
+        "max_tokens",
+        "draft_tokens",
+        "accepted_tokens",
+        "verifications",
+        "acceptance_rate",
+        "mean_accepted_length",
+    ],
     "throughput": ["decode_tps", "prefill_tps"],
     "requests": [
         "active",

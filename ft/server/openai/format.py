@@ -66,6 +66,7 @@ def sampling_params(
         n=req.n,
         skip_special_tokens=req.skip_special_tokens,
         grammar=grammar,
+        speculative=req.speculative,
     )
 
 

@@ -204,6 +204,8 @@ class SamplingFields(StrictModel):
     stop_token_ids: Annotated[list[TokenId], Field(max_length=64)] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    # ft's own: false turns speculative decoding off for this request (the output is the same).
+    speculative: bool = True
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: Annotated[str, Field(max_length=MAX_NAME_LEN)] | None = None
