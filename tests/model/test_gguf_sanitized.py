@@ -85,6 +85,13 @@ def test_every_kernel_type_multiplies_within_its_buffers(sanitized: Prober) -> N
     assert set(outcome.detail.split()) == set(KERNEL_TYPES.values()), outcome.detail
 
 
+def test_non_finite_activations_quantize_without_undefined_casts(sanitized: Prober) -> None:
+    """NaN and infinite activations become defined int8 blocks (UBSan's float-cast-overflow
+    check is on in this build)."""
+    outcome = sanitized.ask("nonfinite", TIMEOUT_S)
+    assert outcome.kind == "loaded", outcome.detail
+
+
 @pytest.mark.parametrize("case", sorted(LOADER_CASES))
 @pytest.mark.parametrize("kv", ["auto", "q8_0"])
 def test_a_gguf_of_the_newer_formats_decodes_clean(

@@ -156,6 +156,25 @@ def formats() -> dict[str, object]:
     return {"outcome": "loaded", "message": " ".join(done)}
 
 
+def nonfinite() -> dict[str, object]:
+    """Activations holding NaN, +Inf and -Inf (a file's huge finite scales can overflow the
+    hidden states) quantized and multiplied: defined integer blocks, no float cast out of range."""
+    import math
+
+    import torch
+
+    from ft.model import kernels
+    from ft.model.quant import to_q8_0
+
+    x = torch.randn(3, 96)
+    x[0, 5], x[1, 40], x[2, 70], x[2, 71] = math.nan, math.inf, -math.inf, math.nan
+    acts = kernels.QuantizedActivations(x)
+    w = to_q8_0(torch.randn(4, 96).numpy())
+    out = torch.empty(3, 4)
+    kernels.gemm_into(out, w, acts)
+    return {"outcome": "loaded", "message": f"{acts.qs.abs().max().item()}"}
+
+
 def overflow() -> dict[str, object]:
     """An rms norm told of two rows over a buffer of one: only a sanitizer can see it."""
     import torch
@@ -177,6 +196,8 @@ def _serve() -> None:
                 answer = native_lies(args[0])
             elif command == "formats":
                 answer = formats()
+            elif command == "nonfinite":
+                answer = nonfinite()
             elif command == "overflow":
                 answer = overflow()
             else:
