@@ -1364,7 +1364,10 @@ void quantize_row(const float* x, int64_t K, int8_t* qs, float* d, float* s, int
     const float scale = amax / 127.0f, inv = amax > 0 ? 127.0f / amax : 0.0f;
     int sum = 0;
     for (int j = 0; j < QK; j++) {
-      const int v = (int)nearbyintf(xb[j] * inv);
+      // NOTE: a NaN (or an infinity, where inv is 0) stores 0: no float cast out of range; a
+      // block with an infinity keeps d = inf, so its products stay non-finite.
+      const float r = xb[j] * inv;
+      const int v = r == r ? (int)nearbyintf(r) : 0;
       qs[b * QK + j] = (int8_t)v;
       sum += v;
     }

@@ -37,7 +37,7 @@ SANITIZE_FLAGS = [
     "-O1",
     "-g",
     "-fno-omit-frame-pointer",
-    "-fsanitize=address,undefined",
+    "-fsanitize=address,undefined,float-cast-overflow",  # (the last: a NaN or huge float cast to int)
     "-fno-sanitize-recover=all",
 ]
 

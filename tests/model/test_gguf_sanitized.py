@@ -15,7 +15,9 @@ from collections.abc import Iterator
 import pytest
 
 from ft.model import kernels
-from tests.support.gguf_files import DEFAULT_CASES, TINY_CASES, RawGGUF
+from ft.model.quant import KERNEL_TYPES
+from tests.model.test_kernel_formats import LOADER_CASES
+from tests.support.gguf_files import DEFAULT_CASES, TINY_CASES, RawGGUF, write_tiny_gguf
 from tests.support.gguf_probe import Prober, assert_clean, assert_refused
 
 RUNTIME = kernels.sanitizer_runtime()
@@ -73,6 +75,38 @@ def test_corrupt_files_and_lying_sizes_run_clean(
     tiny.write(tmp_path / "tiny.gguf")
     outcome = sanitized.ask(f"lies {tmp_path / 'tiny.gguf'}", TIMEOUT_S)
     assert outcome.kind == "refused", outcome.detail
+
+
+def test_every_kernel_type_multiplies_within_its_buffers(sanitized: Prober) -> None:
+    """Products of every type the kernels multiply as stored (tiles of 1 to 9 rows, K of one
+    super-block and more) and their row lookups run without a report."""
+    outcome = sanitized.ask("formats", TIMEOUT_S)
+    assert outcome.kind == "loaded", outcome.detail
+    assert set(outcome.detail.split()) == set(KERNEL_TYPES.values()), outcome.detail
+
+
+def test_non_finite_activations_quantize_without_undefined_casts(sanitized: Prober) -> None:
+    """NaN and infinite activations become defined int8 blocks (UBSan's float-cast-overflow
+    check is on in this build)."""
+    outcome = sanitized.ask("nonfinite", TIMEOUT_S)
+    assert outcome.kind == "loaded", outcome.detail
+
+
+@pytest.mark.parametrize("case", sorted(LOADER_CASES))
+@pytest.mark.parametrize("kv", ["auto", "q8_0"])
+def test_a_gguf_of_the_newer_formats_decodes_clean(
+    sanitized: Prober, tmp_path: pathlib.Path, case: str, kv: str
+) -> None:
+    """Tiny GGUFs of Q5_0, Q5_1, IQ4_NL, Q2_K, Q3_K, Q5_K, IQ4_XS (or F16 and BF16 among older
+    types) load and decode over float16 and q8_0 KV, and refuse lying sizes, without a report."""
+    layers, embedding = LOADER_CASES[case]
+    path = write_tiny_gguf(tmp_path / "formats.gguf", layer_types=layers, embedding_type=embedding)
+    outcome = sanitized.run(path, timeout_s=TIMEOUT_S, kv=kv)
+    assert outcome.kind == "loaded", outcome.detail
+    assert_clean(outcome)
+    if kv == "auto":
+        outcome = sanitized.ask(f"lies {path}", TIMEOUT_S)
+        assert outcome.kind == "refused", outcome.detail
 
 
 @pytest.mark.slow

@@ -264,3 +264,21 @@ def test_a_non_finite_scale_in_a_new_format_is_a_named_error(
         f.write(bits.to_bytes(2, "little"))
     with pytest.raises(ModelFileError, match=name):
         load_gguf(path, torch.float32, quantized=True)
+
+
+@pytest.mark.parametrize("quantized", [True, False], ids=["packed", "floats"])
+def test_a_type_gguf_py_cannot_dequantize_is_a_named_error(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, quantized: bool
+) -> None:
+    """Q8_1 has no kernel and no gguf-py dequantization: the load names the tensor and its type
+    (never a crash, never a silent requantization)."""
+    from tests.support import gguf_files
+
+    monkeypatch.setitem(gguf_files._K_SCALES, GGMLQuantizationType.Q8_1, (0, 2))  # random blocks
+    path = write_tiny_gguf(
+        tmp_path / "q8_1.gguf", layer_types=LAYER_TYPES | {"ffn_up": GGMLQuantizationType.Q8_1}
+    )
+    with pytest.raises(
+        ModelFileError, match="blk.0.ffn_up.weight has type Q8_1, which cannot be dequantized"
+    ):
+        load_gguf(path, torch.float32, quantized=quantized)

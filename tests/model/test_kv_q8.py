@@ -5,6 +5,7 @@ refuses it before loading."""
 
 from __future__ import annotations
 
+import math
 import pathlib
 
 import pytest
@@ -14,7 +15,7 @@ from ft.config import Q8_0_KV_PATH, EngineConfig
 from ft.core.batch import SeqWork
 from ft.model import kernels
 from ft.model.loader import LoadedModel, load_model
-from ft.model.quant import to_q8_0
+from ft.model.quant import QuantTensor, to_q8_0
 from ft.model.quantized_llama import QuantizedLlama, StepIndex
 from ft.model.torch_runner import TorchRunner
 from ft.params import SamplingParams
@@ -289,3 +290,36 @@ def test_q8_0_is_refused_before_loading_a_gguf_it_cannot_run(
     monkeypatch.setattr(loader, "load_model", no_load)
     with pytest.raises(ValueError, match=expected):
         loading.load_torch_model(EngineConfig(model=str(tmp_path / "edited.gguf"), kv_cache_dtype="q8_0"))
+
+
+@pytest.mark.parametrize("march", ["native", "x86-64"])
+def test_non_finite_keys_and_values_are_stored_as_defined_blocks(tiny_packed32: tuple, march: str) -> None:
+    """A NaN, +Inf or -Inf key or value (through the q|k|v bias) is written as a defined block,
+    never a float-to-int cast out of range: NaN stores 0 and leaves its block's scale to the
+    finite values, an infinity saturates the scale at the largest half and itself at +-127."""
+    config, sd = tiny_packed32
+    if march != "native":  # rows as GGUF stores them: the portable build multiplies no groups
+        sd = {k: to_q8_0(v.dequantize().numpy()) if isinstance(v, QuantTensor) else v for k, v in sd.items()}
+    model, page = QuantizedLlama(config, sd), 4
+    model.lib = kernels.build_library(march) if march != "native" else kernels.library()
+    qsz, kvsz = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    bias = torch.zeros(qsz + 2 * kvsz)
+    for at, value in ((3, math.nan), (32 + 8, math.inf), (32 + 20, -math.inf)):
+        bias[qsz + at] = bias[qsz + kvsz + at] = value  # keys (then rotated) and values
+    model.layers[0].bias = bias
+    step = [((5, 7, 9), 0, (0,))]
+    k, v = caches(config, Q8, 8)
+    with torch.inference_mode():
+        model.forward(torch.tensor([5, 7, 9]), index_of(step, page), k, v, page)
+    for cache in (k, v):
+        raw = cache[0, :3].reshape(3, -1, 34)  # [rows, blocks, 34]
+        d = raw[..., :2].contiguous().view(torch.float16).float()
+        qs = raw[..., 2:].contiguous().view(torch.int8)
+        assert torch.isfinite(d).all() and (d > 0).all() and (qs.abs() <= 127).all()
+    # Values are not rotated: the NaN's block keeps its finite scale, the infinities' saturates.
+    raw = v[0, :3].reshape(3, -1, 34)
+    d = raw[..., :2].contiguous().view(torch.float16).float()
+    qs = raw[..., 2:].contiguous().view(torch.int8)
+    assert (qs[:, 0, 3] == 0).all() and (d[:, 0] < 1).all() and (qs[:, 0].abs().amax(-1) == 127).all()
+    assert (d[:, 1] == 65504).all() and (qs[:, 1, 8] == 127).all() and (qs[:, 1, 20] == -127).all()
+    assert (qs[:, 1].abs() <= 1).sum() == 3 * 30

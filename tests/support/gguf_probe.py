@@ -1,7 +1,7 @@
 """Load a GGUF as `ft` does and generate a few greedy tokens, in a process of its own.
 
 `python -m tests.support.gguf_probe` reads one request per line on stdin and answers each with
-one JSON line. `load PATH DTYPE STEPS`: `{"outcome": "loaded", "tokens": [...]}`, `{"outcome":
+one JSON line. `load PATH DTYPE STEPS [KV]`: `{"outcome": "loaded", "tokens": [...]}`, `{"outcome":
 "refused", "error": ..., "message": ...}` for a `ValueError` (the loader's named errors), or
 `{"outcome": "raised", ...}` for any other exception. `lies PATH`: the packed model of `PATH`
 driven through the kernels with sizes that disagree (`native_lies`): "refused" when every call
@@ -34,9 +34,9 @@ PROMPT = "Hello there"
 MEMORY_LIMIT = 6 << 30
 
 
-def probe(path: str, dtype: str, steps: int) -> dict[str, object]:
-    """Load `path` with `dtype` ("auto": packed weights when the file is quantized) and
-    generate `steps` greedy tokens after `PROMPT`."""
+def probe(path: str, dtype: str, steps: int, kv_cache_dtype: str = "auto") -> dict[str, object]:
+    """Load `path` with `dtype` ("auto": packed weights when the file is quantized) and KV cache
+    `kv_cache_dtype`, and generate `steps` greedy tokens after `PROMPT`."""
     from ft.config import EngineConfig
     from ft.core.batch import SeqWork
     from ft.engine.loading import load_torch_model
@@ -44,7 +44,8 @@ def probe(path: str, dtype: str, steps: int) -> dict[str, object]:
     from ft.tokenizer.spec import build_tokenizer
 
     try:
-        parts = load_torch_model(EngineConfig(model=path, dtype=dtype, compute_threads=1))
+        config = EngineConfig(model=path, dtype=dtype, kv_cache_dtype=kv_cache_dtype, compute_threads=1)
+        parts = load_torch_model(config)
     except ValueError as e:
         return {"outcome": "refused", "error": type(e).__name__, "message": str(e)}
     runner = parts.make_runner(8, 16)
@@ -125,6 +126,55 @@ def native_lies(path: str) -> dict[str, object]:
     return {"outcome": "refused", "error": "KernelError", "message": json.dumps(messages)}
 
 
+def formats() -> dict[str, object]:
+    """Every type the kernels multiply, products and row lookups over buffers of exactly their
+    sizes (random bytes, finite scales): tiles of 1 to 9 rows, K of one super-block and more, so
+    that a sanitizer sees any read past a row or a block."""
+    import numpy as np
+    import torch
+    from gguf import GGMLQuantizationType
+    from gguf.constants import GGML_QUANT_SIZES
+
+    from ft.model import kernels
+    from ft.model.quant import KERNEL_TYPES, QuantTensor
+
+    rng = np.random.default_rng(0)
+    done = []
+    for qtype, name in KERNEL_TYPES.items():
+        block, size = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)]
+        for k in (256, 768, 2304):
+            raw = rng.integers(0, 256, size=(5, k // block * size), dtype=np.uint8)
+            if qtype not in (1, 30):  # scales: finite small halves wherever an fp16 field may sit
+                raw.view(np.uint16)[...] &= 0x3BFF
+            w = QuantTensor(torch.from_numpy(raw), qtype, k)
+            for m in range(1, 10):
+                x = kernels.QuantizedActivations(torch.randn(m, k))
+                out = torch.empty(m, w.rows)
+                kernels.gemm_into(out, w, x)
+            kernels.dequantize_rows(w, torch.tensor([0, 4, 2]))
+        done.append(name)
+    return {"outcome": "loaded", "message": " ".join(done)}
+
+
+def nonfinite() -> dict[str, object]:
+    """Activations holding NaN, +Inf and -Inf (a file's huge finite scales can overflow the
+    hidden states) quantized and multiplied: defined integer blocks, no float cast out of range."""
+    import math
+
+    import torch
+
+    from ft.model import kernels
+    from ft.model.quant import to_q8_0
+
+    x = torch.randn(3, 96)
+    x[0, 5], x[1, 40], x[2, 70], x[2, 71] = math.nan, math.inf, -math.inf, math.nan
+    acts = kernels.QuantizedActivations(x)
+    w = to_q8_0(torch.randn(4, 96).numpy())
+    out = torch.empty(3, 4)
+    kernels.gemm_into(out, w, acts)
+    return {"outcome": "loaded", "message": f"{acts.qs.abs().max().item()}"}
+
+
 def overflow() -> dict[str, object]:
     """An rms norm told of two rows over a buffer of one: only a sanitizer can see it."""
     import torch
@@ -144,10 +194,14 @@ def _serve() -> None:
         try:
             if command == "lies":
                 answer = native_lies(args[0])
+            elif command == "formats":
+                answer = formats()
+            elif command == "nonfinite":
+                answer = nonfinite()
             elif command == "overflow":
                 answer = overflow()
             else:
-                answer = probe(args[0], args[1], int(args[2]))
+                answer = probe(args[0], args[1], int(args[2]), *args[3:])
         except Exception as e:  # reported to the test, which fails on it
             answer = {"outcome": "raised", "error": type(e).__name__, "message": traceback.format_exc()}
         print(json.dumps(answer), flush=True)
@@ -209,9 +263,11 @@ class Prober:
                 preexec_fn=None if self.sanitized else _limit_memory,
             )
 
-    def run(self, path: pathlib.Path, dtype: str = "auto", steps: int = 3, timeout_s: float = 60) -> Outcome:
-        """Load `path` and generate `steps` tokens (see `probe`)."""
-        return self.ask(f"load {path} {dtype} {steps}", timeout_s)
+    def run(
+        self, path: pathlib.Path, dtype: str = "auto", steps: int = 3, timeout_s: float = 60, kv: str = "auto"
+    ) -> Outcome:
+        """Load `path` and generate `steps` tokens over a KV cache of `kv` (see `probe`)."""
+        return self.ask(f"load {path} {dtype} {steps} {kv}", timeout_s)
 
     def ask(self, request: str, timeout_s: float = 60) -> Outcome:
         """Send one request line; a process that dies or outlives `timeout_s` is reported, then
