@@ -231,3 +231,29 @@ def test_reasoning_opened_while_it_streams_stays_open(chromium: Browser, server:
         "const d = document.querySelector('.assistant details'); return {open: d.open, text: d.textContent};"
     )
     assert details["open"] is True and "More thought." in details["text"], details
+
+
+def test_a_reader_scrolled_up_in_a_long_answer_is_not_pulled_down(chromium: Browser, server: ScriptedServer) -> None:
+    """Each chunk scrolls to the end only for a reader who is at the end: one who scrolled up
+    to read the start of a long answer stays there."""
+    scrolled = threading.Event()
+
+    def long_answer(write: Write) -> None:
+        write(delta(content="".join(f"Line {n}.\n\n" for n in range(200))))
+        assert scrolled.wait(20)
+        for n in range(5):
+            write(delta(content=f"More {n}.\n\n"))
+        write(finish())
+        write(sse("[DONE]"))
+
+    open_page(chromium, server, Script(chat=long_answer))
+    chromium.wait_for(lambda: ready(chromium), 20, "the page to be ready")
+    chromium.type("#prompt", "A long one\ue007")
+    at_end = "const m = document.getElementById('messages'); return m.scrollHeight - m.scrollTop - m.clientHeight < 2;"
+    chromium.wait_for(lambda: "Line 199." in chromium.run(LAST_ANSWER)["text"], 20, "the first lines")
+    assert chromium.run(at_end) is True  # followed to the end
+    chromium.run("document.getElementById('messages').scrollTop = 0;")
+    scrolled.set()
+    chromium.wait_for(lambda: (a := chromium.run(LAST_ANSWER)) and a["state"] == "done", 20, "the answer")
+    assert "More 4." in chromium.run(LAST_ANSWER)["text"]
+    assert chromium.run("return document.getElementById('messages').scrollTop") == 0

@@ -169,8 +169,11 @@ class MessageView {
       this.details.append(summary, this.thought);
     }
     if (this.details) this.thought.textContent = this.reasoning;
+    // Follow the answer only for a reader at the end; one who scrolled up to read stays there.
+    const view = ui.messages;
+    const following = view.scrollHeight - view.scrollTop - view.clientHeight < 40;
     this.body.replaceChildren(...(this.details ? [this.details] : []), renderMarkdown(this.content));
-    ui.messages.scrollTop = ui.messages.scrollHeight;
+    if (following) view.scrollTop = view.scrollHeight;
   }
 
   finish(state, facts) {
@@ -218,6 +221,7 @@ async function send() {
   new MessageView("user", text);
   const view = new MessageView("assistant");
   view.element.dataset.state = "streaming";
+  ui.messages.scrollTop = ui.messages.scrollHeight; // a new question shows its answer
   const controller = new AbortController();
   chat.controller = controller;
   setBusy(true);
