@@ -34,11 +34,15 @@ def sse(payload: dict[str, Any] | str) -> bytes:
 
 
 def delta(**fields: str) -> bytes:
-    return sse({"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": fields, "finish_reason": None}]})
+    return sse(
+        {"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": fields, "finish_reason": None}]}
+    )
 
 
 def finish(reason: str = "stop") -> bytes:
-    return sse({"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {}, "finish_reason": reason}]})
+    return sse(
+        {"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {}, "finish_reason": reason}]}
+    )
 
 
 @dataclass
@@ -63,7 +67,9 @@ class Handler(BaseHTTPRequestHandler):
     def log_message(self, format: str, *args: Any) -> None:
         pass
 
-    def _send(self, status: int, body: bytes, content_type: str, headers: dict[str, str] | None = None) -> None:
+    def _send(
+        self, status: int, body: bytes, content_type: str, headers: dict[str, str] | None = None
+    ) -> None:
         self.send_response(status)
         self.send_header("Content-Type", content_type)
         for name, value in (headers or {}).items():
@@ -89,7 +95,9 @@ class Handler(BaseHTTPRequestHandler):
             self._send(404, b"{}", "application/json")
 
     def do_POST(self) -> None:
-        self.server.script.chat_bodies.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+        self.server.script.chat_bodies.append(
+            json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        )
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.end_headers()
@@ -148,8 +156,10 @@ def ask(b: Browser, text: str) -> dict[str, str]:
     return b.wait_for(ended, 20, "the answer to end")
 
 
-def test_a_failed_models_call_is_retried_until_the_server_answers(chromium: Browser, server: ScriptedServer) -> None:
-    """A proxy's 502 (its own HTML) while ft restarts: the page says so and tries again."""
+def test_a_failed_models_call_is_retried_until_the_server_answers(
+    chromium: Browser, server: ScriptedServer
+) -> None:
+    """A proxy's 502 (its own HTML page) while ft restarts: the page asks again."""
     script = Script(models=[(502, "<html>Bad Gateway</html>"), MODELS_OK])
     open_page(chromium, server, script)
     chromium.wait_for(lambda: ready(chromium), 20, "the page to retry /v1/models")
@@ -157,11 +167,21 @@ def test_a_failed_models_call_is_retried_until_the_server_answers(chromium: Brow
     assert status(chromium) == "ready"
 
 
-def test_a_failed_engine_shows_the_servers_message_not_loading(chromium: Browser, server: ScriptedServer) -> None:
+def test_a_failed_engine_shows_the_servers_message_not_loading(
+    chromium: Browser, server: ScriptedServer
+) -> None:
     """A 503 is not always a model still loading: the engine's failure is what the page shows."""
-    failed = {"error": {"message": "the engine failed: out of memory", "type": "server_error", "code": "engine_error"}}
+    failed = {
+        "error": {
+            "message": "the engine failed: out of memory",
+            "type": "server_error",
+            "code": "engine_error",
+        }
+    }
     open_page(chromium, server, Script(models=[(503, failed)]))
-    chromium.wait_for(lambda: "the engine failed: out of memory" in status(chromium), 10, "the engine's message")
+    chromium.wait_for(
+        lambda: "the engine failed: out of memory" in status(chromium), 10, "the engine's message"
+    )
     assert not ready(chromium)
 
 
@@ -173,9 +193,12 @@ def test_a_model_still_loading_is_waited_for(chromium: Browser, server: Scripted
     assert script.models_calls >= 3
 
 
-def test_a_stream_cut_before_its_end_is_an_error_not_an_answer(chromium: Browser, server: ScriptedServer) -> None:
+def test_a_stream_cut_before_its_end_is_an_error_not_an_answer(
+    chromium: Browser, server: ScriptedServer
+) -> None:
     """The connection closes cleanly after a few words (no finish, no `[DONE]`): the answer is
     marked cut, and the next request does not carry it as the assistant's turn."""
+
     def cut(write: Write) -> None:
         write(delta(role="assistant", content="The beginning of"))
 
@@ -222,7 +245,9 @@ def test_reasoning_opened_while_it_streams_stays_open(chromium: Browser, server:
     open_page(chromium, server, Script(chat=thinking))
     chromium.wait_for(lambda: ready(chromium), 20, "the page to be ready")
     chromium.type("#prompt", "Why?\ue007")
-    chromium.wait_for(lambda: chromium.run("return !!document.querySelector('.assistant details')"), 20, "reasoning")
+    chromium.wait_for(
+        lambda: chromium.run("return !!document.querySelector('.assistant details')"), 20, "reasoning"
+    )
     chromium.click(".assistant details summary")
     assert chromium.run("return document.querySelector('.assistant details').open") is True
     opened.set()
@@ -233,7 +258,9 @@ def test_reasoning_opened_while_it_streams_stays_open(chromium: Browser, server:
     assert details["open"] is True and "More thought." in details["text"], details
 
 
-def test_a_reader_scrolled_up_in_a_long_answer_is_not_pulled_down(chromium: Browser, server: ScriptedServer) -> None:
+def test_a_reader_scrolled_up_in_a_long_answer_is_not_pulled_down(
+    chromium: Browser, server: ScriptedServer
+) -> None:
     """Each chunk scrolls to the end only for a reader who is at the end: one who scrolled up
     to read the start of a long answer stays there."""
     scrolled = threading.Event()
@@ -249,7 +276,8 @@ def test_a_reader_scrolled_up_in_a_long_answer_is_not_pulled_down(chromium: Brow
     open_page(chromium, server, Script(chat=long_answer))
     chromium.wait_for(lambda: ready(chromium), 20, "the page to be ready")
     chromium.type("#prompt", "A long one\ue007")
-    at_end = "const m = document.getElementById('messages'); return m.scrollHeight - m.scrollTop - m.clientHeight < 2;"
+    at_end = "const m = document.getElementById('messages');"
+    at_end += " return m.scrollHeight - m.scrollTop - m.clientHeight < 2;"
     chromium.wait_for(lambda: "Line 199." in chromium.run(LAST_ANSWER)["text"], 20, "the first lines")
     assert chromium.run(at_end) is True  # followed to the end
     chromium.run("document.getElementById('messages').scrollTop = 0;")
