@@ -54,6 +54,7 @@ class Script:
     chat: Callable[[Write], None] = lambda write: None
     models_calls: int = 0
     chat_bodies: list[Any] = field(default_factory=list)
+    key: str | None = None  # when set, /v1/models answers 401 to any other key
 
 
 class ScriptedServer(ThreadingHTTPServer):
@@ -84,6 +85,16 @@ class Handler(BaseHTTPRequestHandler):
             self._send(200, read_static("index.html"), "text/html; charset=utf-8", SECURITY_HEADERS)
         elif name in ASSETS:
             self._send(200, read_static(name), ASSETS[name], SECURITY_HEADERS)
+        elif (
+            self.path == "/v1/models"
+            and script.key
+            and self.headers.get("Authorization") != f"Bearer {script.key}"
+        ):
+            self._send(
+                401,
+                b'{"error": {"message": "invalid API key", "code": "invalid_api_key"}}',
+                "application/json",
+            )
         elif self.path == "/v1/models":
             status, body = script.models[min(script.models_calls, len(script.models) - 1)]
             script.models_calls += 1
@@ -285,3 +296,39 @@ def test_a_reader_scrolled_up_in_a_long_answer_is_not_pulled_down(
     chromium.wait_for(lambda: (a := chromium.run(LAST_ANSWER)) and a["state"] == "done", 20, "the answer")
     assert "More 4." in chromium.run(LAST_ANSWER)["text"]
     assert chromium.run("return document.getElementById('messages').scrollTop") == 0
+
+
+def test_a_wrong_key_is_refused_and_a_right_one_replaces_it(
+    chromium: Browser, server: ScriptedServer
+) -> None:
+    open_page(chromium, server, Script(key="right"))
+    chromium.run("sessionStorage.setItem('ft.apiKey', 'wrong');")
+    chromium.get(f"http://127.0.0.1:{server.server_address[1]}/")
+    panel = "return !document.getElementById('key-panel').hidden"
+    panel += " && document.getElementById('key-reason').textContent"
+    assert "refused" in chromium.wait_for(lambda: chromium.run(panel), 20, "the key prompt")
+    chromium.type("#api-key", "right")
+    chromium.click("#save-key")
+    chromium.wait_for(lambda: ready(chromium), 20, "the page with the right key")
+    assert chromium.run("return sessionStorage.getItem('ft.apiKey')") == "right"
+
+
+def test_the_page_logs_no_script_error_or_policy_violation(chromium: Browser, server: ScriptedServer) -> None:
+    """All of the above ran under the page's CSP: the console holds no script error and no
+    violation (the "network" entries are the failures the tests scripted). A foreign image,
+    added last, shows the check sees violations."""
+    open_page(chromium, server, Script())
+    chromium.wait_for(lambda: ready(chromium), 20, "the page")
+    chromium.run(
+        "const i = document.createElement('img'); i.src = 'https://evil.example/x.png';"
+        " document.body.append(i);"
+    )
+    entries: list[dict[str, Any]] = []
+
+    def violation_seen() -> bool:
+        entries.extend(chromium.logs())
+        return any("evil.example" in str(e.get("message")) and e.get("source") == "security" for e in entries)
+
+    chromium.wait_for(violation_seen, 10, "the foreign image's violation in the console")
+    problems = [e for e in entries if e.get("level") == "SEVERE" and e.get("source") != "network"]
+    assert [e for e in problems if "evil.example" not in str(e.get("message"))] == [], problems
