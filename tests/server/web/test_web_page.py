@@ -86,6 +86,23 @@ async def test_with_an_api_key_the_page_is_served_but_its_api_calls_need_the_key
         assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]")
 
 
+async def test_no_spelling_of_a_page_path_opens_another_route_without_the_key() -> None:
+    """The exemption is the exact decoded path of a page file: case, slashes, encoded dots and
+    slashes, NUL or `;` reach nothing else without the key, by GET or HEAD."""
+    async with fake_server(api_key=KEY) as s, httpx.AsyncClient(base_url=s.base_url, timeout=10) as c:
+        for path in (
+            "/web/app.js/", "/WEB/app.js", "/web//app.js", "/web/..%2Fapp.js", "/web/%2e%2e/v1/models",
+            "/web/app.js%2F..%2F..%2Fv1%2Fmodels", "/web/app.js%00", "/web/app.js;x",
+            "/v1/models?/web/app.js",
+        ):  # fmt: skip
+            for method in ("GET", "HEAD"):
+                assert (await c.request(method, s.base_url + path)).status_code == 401, (method, path)
+        for path in ("/web/%61pp.js", "/web/app.js?x=1", "/?a=1"):  # the same files, spelled otherwise
+            assert (await c.get(path)).status_code == 200, path
+        for method in ("PUT", "DELETE", "PATCH"):
+            assert (await c.request(method, "/")).status_code == 401, method
+
+
 async def test_the_pages_origin_opens_no_admin_route() -> None:
     """A fetch from the page carries its own origin, which `--cors-origins` does not list: even
     script running in the page cannot stop the server."""

@@ -9,6 +9,7 @@
 import { renderMarkdown } from "./markdown.js";
 
 const KEY_NAME = "ft.apiKey";
+const RETRY_MS = 2000;
 const $ = (id) => document.getElementById(id);
 const ui = {
   model: $("model"), newChat: $("new-chat"), status: $("status"), system: $("system"),
@@ -17,7 +18,7 @@ const ui = {
   rememberKey: $("remember-key"), messages: $("messages"), composer: $("composer"),
   prompt: $("prompt"), send: $("send"), stop: $("stop"),
 };
-const chat = { history: [], controller: null, ready: false };
+const chat = { history: [], controller: null, ready: false, retry: null };
 
 class ApiError extends Error {
   constructor(status, message) {
@@ -39,12 +40,13 @@ function apiHeaders(json) {
   return headers;
 }
 
-async function errorMessage(response) {
+/** The server's `{error: {message, code}}`, or the bare status (a proxy's HTML page, say). */
+async function errorOf(response) {
   try {
-    const body = await response.json();
-    return body?.error?.message ?? `HTTP ${response.status}`;
+    const { error } = await response.json();
+    return { message: String(error?.message ?? `HTTP ${response.status}`), code: error?.code ?? null };
   } catch {
-    return `HTTP ${response.status}`;
+    return { message: `HTTP ${response.status}`, code: null };
   }
 }
 
@@ -68,32 +70,34 @@ function askForKey(reason) {
   setStatus("API key needed", "error");
 }
 
+/** Fills the model picker; until the server lists a model (it loads, it failed, a proxy in
+ * front answers for it while it restarts) the page says why and asks again. */
 async function loadModels() {
-  let response;
+  clearTimeout(chat.retry); // one polling loop, however often the key is changed
+  let models;
   try {
-    response = await fetch("/v1/models", { headers: apiHeaders(false) });
+    const response = await fetch("/v1/models", { headers: apiHeaders(false) });
+    if (response.status === 401) {
+      askForKey(storedKey() ? "The server refused this API key." : "This server needs an API key.");
+      return;
+    }
+    if (!response.ok) {
+      const { message, code } = await errorOf(response);
+      if (code === "model_loading") setStatus("the model is loading…");
+      else setStatus(`models: ${message}; retrying`, "error");
+      chat.retry = setTimeout(loadModels, code === "model_loading" ? 1000 : RETRY_MS);
+      return;
+    }
+    models = (await response.json()).data;
+    if (!Array.isArray(models) || !models.length) throw new Error("the server lists no model");
   } catch (e) {
-    setStatus(`cannot reach the server (${e.message}); retrying`, "error");
-    setTimeout(loadModels, 2000);
+    setStatus(`cannot list the models (${e.message}); retrying`, "error");
+    chat.retry = setTimeout(loadModels, RETRY_MS);
     return;
   }
-  if (response.status === 401) {
-    askForKey(storedKey() ? "The server refused this API key." : "This server needs an API key.");
-    return;
-  }
-  if (response.status === 503) {
-    setStatus("the model is loading…");
-    setTimeout(loadModels, 1000);
-    return;
-  }
-  if (!response.ok) {
-    setStatus(`models: ${await errorMessage(response)}`, "error");
-    return;
-  }
-  const { data } = await response.json();
   const previous = ui.model.value;
-  ui.model.replaceChildren(...data.map((m) => new Option(m.id, m.id)));
-  if (data.some((m) => m.id === previous)) ui.model.value = previous;
+  ui.model.replaceChildren(...models.map((m) => new Option(String(m.id), String(m.id))));
+  if (models.some((m) => m.id === previous)) ui.model.value = previous;
   ui.model.disabled = false;
   ui.forgetKey.hidden = !storedKey();
   chat.ready = true;
@@ -138,6 +142,8 @@ class MessageView {
     this.content = "";
     this.reasoning = "";
     this.pending = false;
+    this.details = null;
+    this.thought = null;
     if (role === "user") this.body.textContent = text;
     ui.messages.append(this.element);
   }
@@ -153,20 +159,21 @@ class MessageView {
 
   render() {
     this.pending = false;
-    const parts = [];
-    if (this.reasoning) {
-      const details = document.createElement("details");
+    // The reasoning's <details> is made once and kept: the reader may open it mid-stream.
+    if (this.reasoning && !this.details) {
+      this.details = document.createElement("details");
       const summary = document.createElement("summary");
       summary.textContent = "Reasoning";
-      const thought = document.createElement("div");
-      thought.className = "reasoning";
-      thought.textContent = this.reasoning;
-      details.append(summary, thought);
-      parts.push(details);
+      this.thought = document.createElement("div");
+      this.thought.className = "reasoning";
+      this.details.append(summary, this.thought);
     }
-    parts.push(renderMarkdown(this.content));
-    this.body.replaceChildren(...parts);
-    ui.messages.scrollTop = ui.messages.scrollHeight;
+    if (this.details) this.thought.textContent = this.reasoning;
+    // Follow the answer only for a reader at the end; one who scrolled up to read stays there.
+    const view = ui.messages;
+    const following = view.scrollHeight - view.scrollTop - view.clientHeight < 40;
+    this.body.replaceChildren(...(this.details ? [this.details] : []), renderMarkdown(this.content));
+    if (following) view.scrollTop = view.scrollHeight;
   }
 
   finish(state, facts) {
@@ -214,6 +221,7 @@ async function send() {
   new MessageView("user", text);
   const view = new MessageView("assistant");
   view.element.dataset.state = "streaming";
+  ui.messages.scrollTop = ui.messages.scrollHeight; // a new question shows its answer
   const controller = new AbortController();
   chat.controller = controller;
   setBusy(true);
@@ -226,9 +234,13 @@ async function send() {
     const response = await fetch("/v1/chat/completions", {
       method: "POST", headers: apiHeaders(true), body: JSON.stringify(requestBody(history)), signal: controller.signal,
     });
-    if (!response.ok) throw new ApiError(response.status, await errorMessage(response));
+    if (!response.ok) throw new ApiError(response.status, (await errorOf(response)).message);
+    let complete = false;
     for await (const data of sseData(response.body)) {
-      if (data === "[DONE]") break;
+      if (data === "[DONE]") {
+        complete = true;
+        break;
+      }
       const event = JSON.parse(data);
       if (event.error) throw new ApiError(0, event.error.message);
       if (event.usage) timing.usage = event.usage;
@@ -245,6 +257,8 @@ async function send() {
       }
       if (choice.finish_reason) timing.finish = choice.finish_reason;
     }
+    // A connection closed cleanly mid-answer (a proxy's timeout, a restart) is no answer.
+    if (!complete) throw new Error("the stream ended before the answer did");
   } catch (e) {
     if (controller.signal.aborted) {
       state = "stopped";
