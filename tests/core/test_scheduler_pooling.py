@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ft.core.batch import EmbeddingOut, PoolSum, Sampled, Scored, SeqFailed, StepDone, TokenOut
+from ft.core.batch import EmbeddingOut, PoolSum, Sampled, Scored, SeqFailed, SeqWork, StepDone, TokenOut
 from ft.core.kv import PagePool
 from ft.core.scheduler import Scheduler
 from ft.engine.fake import FakeRunner, fake_hidden
@@ -230,3 +230,117 @@ def test_any_mix_of_chunks_preemptions_and_cache_hits_pools_exactly(
             assert embedding(outs, uid).vector == pytest.approx(expected(prompt, kinds[uid]), abs=1e-9)
     assert not any(isinstance(o, SeqFailed) for o in outs)
     assert s.pool.num_used == 0
+
+
+def prefix_hidden(prefix: tuple[int, ...]) -> tuple[float, ...]:
+    """A hidden state that depends on the whole prefix (as a causal model's does)."""
+    h = hash(prefix)
+    return tuple(float((h >> (8 * j)) % 17 - 8) for j in range(4))
+
+
+class KVContentRunner:
+    """A runner whose KV slots hold the prefix each position saw: a work reads its context from
+    its pages (asserting each slot holds this sequence's prefix), so a page registered or reused
+    with the wrong content, or a cached page standing in for an uncomputed one, changes the
+    pooled vectors and the sampled tokens."""
+
+    def __init__(self, s: Scheduler) -> None:
+        self.s = s
+        self.kv: dict[tuple[int, int], tuple[int, ...]] = {}
+
+    def step(self, works: list[SeqWork]) -> list[Sampled | PoolSum]:
+        out: list[Sampled | PoolSum] = []
+        size = self.s.pool.page_size
+        for w in works:
+            seq = self.s.running[w.seq_id]
+            tokens = seq.prompt_ids + seq.output_ids
+            context: tuple[int, ...] = ()
+            for p in range(w.start_pos):
+                context = self.kv[(w.page_ids[p // size], p % size)]
+                assert context == tuple(tokens[: p + 1]), f"slot of position {p} holds another prefix"
+            rows = []
+            for p in range(w.start_pos, w.start_pos + len(w.token_ids)):
+                context = (*context, w.token_ids[p - w.start_pos])
+                self.kv[(w.page_ids[p // size], p % size)] = context
+                rows.append(prefix_hidden(context))
+            if w.sample:
+                out.append(Sampled(w.seq_id, 3 + hash(context) % 50, None, ()))
+            if w.num_pool_rows:
+                pooled = rows[w.pool_offset : w.pool_offset + w.num_pool_rows]
+                out.append(PoolSum(w.seq_id, tuple(float(sum(c)) for c in zip(*pooled, strict=True))))
+        return out
+
+
+def generated_alone(prompt: list[int], n: int) -> list[int]:
+    tokens, out = list(prompt), []
+    for _ in range(n):
+        out.append(3 + hash(tuple(tokens)) % 50)
+        tokens.append(out[-1])
+    return out
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    prompts=st.lists(st.lists(st.integers(3, 6), min_size=1, max_size=15), min_size=1, max_size=5),
+    kinds=st.lists(st.sampled_from(POOLINGS_AND_GENERATION), min_size=5, max_size=5),
+    page_size=st.sampled_from([1, 2, 4, 5]),
+    budget=st.integers(1, 24),
+    pool_tokens=st.integers(36, 80),
+    caching=st.booleans(),
+    events=st.lists(st.sampled_from(["step", "step", "step", "preempt", "abort"]), max_size=40),
+)
+def test_pooling_reads_and_registers_only_pages_of_its_own_content(
+    prompts: list[list[int]],
+    kinds: list[str],
+    page_size: int,
+    budget: int,
+    pool_tokens: int,
+    caching: bool,
+    events: list[str],
+) -> None:
+    """Prompts sharing prefixes, pooling and generation mixed, chunks, preemptions, aborts:
+    every context read from the KV pages is the sequence's own, each pooled vector is the
+    prompt's, each generation's tokens are what it samples alone, and the pool ends whole."""
+    prompts = [p if i % 2 else [*prompts[0], *p] for i, p in enumerate(prompts)]
+    num_pages = pool_tokens // page_size + 1
+    s = make(num_pages=num_pages, page_size=page_size, max_prefill_tokens=budget, max_running=3,
+             max_model_len=64, enable_prefix_caching=caching)  # fmt: skip
+    runner = KVContentRunner(s)
+    for uid, (prompt, kind) in enumerate(zip(prompts, kinds, strict=False), start=1):
+        params = (
+            SamplingParams(max_tokens=4, ignore_eos=True) if kind == "gen" else SamplingParams(pooling=kind)
+        )
+        s.add(uid, prompt, params)
+    outs: list[Out] = []
+    aborted: set[int] = set()
+    for event in [*events, *["step"] * 600]:
+        if not s.has_work:
+            break
+        if event == "preempt" and s.running:
+            s.preempt(next(reversed(s.running.values())).uid)
+        elif event == "abort" and s.running:
+            uid = next(iter(s.running.values())).uid
+            aborted.add(uid)
+            s.abort(uid)
+        elif (batch := s.schedule()) is not None:
+            results = runner.step(list(batch.works))
+            done = StepDone(
+                batch.step,
+                sampled=tuple(x for x in results if isinstance(x, Sampled)),
+                pooled=tuple(x for x in results if isinstance(x, PoolSum)),
+            )
+            outs += s.on_step_done(batch, done)
+    assert not s.has_work and s.pool.num_used == 0 and s.pool.num_allocatable == num_pages
+    for uid, (prompt, kind) in enumerate(zip(prompts, kinds, strict=False), start=1):
+        if uid in aborted:
+            continue
+        if kind == "gen":
+            assert [o.token_id for o in outs if isinstance(o, TokenOut) and o.uid == uid] == generated_alone(
+                prompt, 4
+            )
+            continue
+        rows = [prefix_hidden(tuple(prompt[: p + 1])) for p in range(len(prompt))]
+        want = {"cls": rows[0], "last": rows[-1]}.get(kind) or tuple(
+            sum(col) / len(rows) for col in zip(*rows, strict=True)
+        )
+        assert embedding(outs, uid).vector == pytest.approx(want, abs=1e-9)

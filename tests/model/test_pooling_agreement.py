@@ -50,9 +50,14 @@ def ft_pooled(
     """Each prompt pooled by the real scheduler and runner (all batched, prefill in chunks)."""
     opts = {"max_running": 8, "max_model_len": 512, "max_prefill_tokens": 16} | sched
     s = Scheduler(PagePool(runner.num_pages, runner.page_size), eos_token_ids=[], **opts)
+    return [unit(torch.tensor(o.vector, dtype=torch.float64)) for o in pool_on(s, runner, prompts, pooling)]
+
+
+def pool_on(s: Scheduler, runner: TorchRunner, prompts: list[list[int]], pooling: str) -> list[EmbeddingOut]:
+    """Each prompt pooled on scheduler `s` (its prefix cache kept between calls), in order."""
     for uid, prompt in enumerate(prompts):
         s.add(uid, prompt, SamplingParams(pooling=pooling))
-    vectors: dict[int, tuple[float, ...]] = {}
+    outs: dict[int, EmbeddingOut] = {}
     while s.has_work:
         batch = s.schedule()
         assert batch is not None
@@ -61,8 +66,8 @@ def ft_pooled(
         done = StepDone(batch.step, (), pooled=tuple(x for x in results if isinstance(x, PoolSum)))
         for out in s.on_step_done(batch, done):
             assert isinstance(out, EmbeddingOut)
-            vectors[out.uid] = out.vector
-    return [unit(torch.tensor(vectors[uid], dtype=torch.float64)) for uid in range(len(prompts))]
+            outs[out.uid] = out
+    return [outs[uid] for uid in range(len(prompts))]
 
 
 def hf_pooled(model: object, prompts: list[list[int]], pooling: str) -> list[torch.Tensor]:
@@ -128,6 +133,15 @@ def test_packed_rows_do_not_depend_on_chunking_batching_or_the_cache(tiny_gguf: 
         one = [ft_pooled(runner, [p], pooling, max_prefill_tokens=512)[0] for p in PROMPTS]
         many = ft_pooled(runner, PROMPTS, pooling, max_prefill_tokens=16)
         assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(one, many, strict=True))
+    # From the cache: a second pass on the same scheduler starts from the first's pages (each
+    # ft_pooled call has a fresh pool, so nothing above is a hit).
+    s = Scheduler(PagePool(runner.num_pages, runner.page_size), max_running=8, max_model_len=512,
+                  max_prefill_tokens=16, eos_token_ids=[])  # fmt: skip
+    pool_on(s, runner, PROMPTS, "last")
+    again = pool_on(s, runner, PROMPTS, "last")
+    assert again[0].num_cached_tokens == 48  # the 57-token prompt's three full pages of 16
+    for a, out in zip(alone, again, strict=True):
+        assert torch.allclose(a, unit(torch.tensor(out.vector, dtype=torch.float64)), atol=1e-6)
 
 
 @pytest.fixture(scope="module")
