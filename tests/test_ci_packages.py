@@ -35,10 +35,11 @@ def run(tmp_path: Path, *, tools: tuple[str, ...] = (), apt: bool = True, sudo: 
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
     log = tmp_path / "apt.log"
+    # HAPROXY: the script also looks off the PATH (/usr/sbin); point it where nothing is
+    env = {"PATH": str(bin_dir), "APT_LOG": str(log), "HAPROXY": str(tmp_path / "no-haproxy"), **env}
     done = subprocess.run(
-        [str(bin_dir / "bash"), str(SCRIPT)],
-        env={"PATH": str(bin_dir), "APT_LOG": str(log), **env}, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        [str(bin_dir / "bash"), str(SCRIPT)], env=env, capture_output=True, text=True, timeout=60
+    )
     calls = log.read_text().splitlines() if log.exists() else []
     return done, calls
 
