@@ -20,15 +20,21 @@ from ft.model import kernels
 from ft.model.gguf_file import ModelFileError
 from ft.model.loader import LoadedModel, load_model
 from ft.model.torch_runner import TorchRunner
-from ft.params import SamplingParams
 from tests.support.gguf_files import STRING, RawGGUF, string
-from tests.support.tiny_qwen3 import HEAD_DIM, HIDDEN, qwen3_model, save_qwen3_dir, write_qwen3_gguf
+from tests.support.tiny_qwen3 import (
+    GREEDY,
+    HEAD_DIM,
+    HIDDEN,
+    PAGES,
+    generate,
+    qwen3_model,
+    save_qwen3_dir,
+    write_qwen3_gguf,
+)
 
 transformers = pytest.importorskip("transformers")
 
-GREEDY = SamplingParams(temperature=0.0)
 PROMPT = (5, 17, 33, 2, 9, 60, 41, 7, 7, 12, 80, 3, 22, 19, 50, 4, 8, 71, 30, 200, 150, 99) * 2
-PAGES = tuple(range(16))
 NEW_TOKENS = 8
 # Q8_0 weights with int8 activations against the same weights dequantized: a share of the logits'
 # spread (max |diff| / spread measured 1.0-1.5% on this model, 9 steps)
@@ -52,17 +58,6 @@ def qwen3_gguf(hf_model: Any, tmp_path_factory: pytest.TempPathFactory) -> pathl
 
 def runner_of(loaded: LoadedModel) -> TorchRunner:
     return TorchRunner(loaded, num_pages=32, page_size=4, dtype=torch.float32)
-
-
-def generate(runner: TorchRunner, prompt: tuple[int, ...], n: int) -> tuple[list[int], torch.Tensor]:
-    """Greedy tokens and the first step's logits `[vocab]`."""
-    logits = runner.forward([SeqWork(0, prompt, 0, PAGES, True, GREEDY, 0)])
-    assert logits is not None
-    out = [int(logits[0].argmax())]
-    for i in range(1, n):
-        step = runner.step([SeqWork(0, (out[-1],), len(prompt) + i - 1, PAGES, True, GREEDY, i)])
-        out.append(step[0].token_id)
-    return out, logits[0]
 
 
 def test_config_maps_head_size_and_qk_norm_from_hf_and_gguf(

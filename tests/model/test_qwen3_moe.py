@@ -14,21 +14,22 @@ from typing import Any
 import pytest
 import torch
 
-from ft.core.batch import SeqWork
 from ft.model.gguf_file import ModelFileError
 from ft.model.loader import is_quantized_gguf, load_model
 from ft.model.moe import SparseMoE
 from ft.model.parallel import check_shardable
 from ft.model.torch_runner import TorchRunner
-from ft.params import SamplingParams
 from tests.support.gguf_files import RawGGUF, dims
-from tests.support.tiny_qwen3 import qwen3_moe_model, save_qwen3_dir, write_qwen3_gguf
+from tests.support.tiny_qwen3 import (
+    generate,
+    qwen3_moe_model,
+    save_qwen3_dir,
+    write_qwen3_gguf,
+)
 
 transformers = pytest.importorskip("transformers")
 
-GREEDY = SamplingParams(temperature=0.0)
 PROMPT = (5, 17, 33, 2, 9, 60, 41, 7, 7, 12, 80, 3, 22, 19, 50, 4, 8, 71, 30, 200, 150, 99) * 2
-PAGES = tuple(range(16))
 NEW_TOKENS = 8
 
 
@@ -45,17 +46,6 @@ def moe_dir(hf_model: Any, tmp_path_factory: pytest.TempPathFactory) -> pathlib.
 @pytest.fixture(scope="module")
 def moe_gguf(hf_model: Any, tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
     return write_qwen3_gguf(tmp_path_factory.mktemp("qwen3-moe-gguf") / "tiny-qwen3-moe.Q8_0.gguf", hf_model)
-
-
-def generate(runner: TorchRunner, prompt: tuple[int, ...], n: int) -> tuple[list[int], torch.Tensor]:
-    """Greedy tokens and the first step's logits `[vocab]`."""
-    logits = runner.forward([SeqWork(0, prompt, 0, PAGES, True, GREEDY, 0)])
-    assert logits is not None
-    out = [int(logits[0].argmax())]
-    for i in range(1, n):
-        step = runner.step([SeqWork(0, (out[-1],), len(prompt) + i - 1, PAGES, True, GREEDY, i)])
-        out.append(step[0].token_id)
-    return out, logits[0]
 
 
 def test_config_maps_the_experts(hf_model: Any, moe_dir: pathlib.Path) -> None:

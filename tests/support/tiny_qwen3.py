@@ -18,6 +18,9 @@ import torch
 from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.quants import quantize
 
+from ft.core.batch import SeqWork
+from ft.model.torch_runner import TorchRunner
+from ft.params import SamplingParams
 from ft.tokenizer.spec import byte_level_bpe_from_gguf
 from tests.support.chat_templates import TEMPLATES
 from tests.support.gguf_files import tiny_tokens
@@ -166,3 +169,18 @@ def qwen3_moe_model(seed: int = 0, **overrides: Any) -> Any:
             else:
                 p.normal_(0.0, 0.08 if not name.endswith("gate.weight") else 0.5)  # routers: clear choices
     return model.eval()
+
+
+GREEDY = SamplingParams(temperature=0.0)
+PAGES = tuple(range(16))  # the KV pages a runner test sequence holds
+
+
+def generate(runner: TorchRunner, prompt: tuple[int, ...], n: int) -> tuple[list[int], torch.Tensor]:
+    """Greedy tokens and the first step's logits `[vocab]`."""
+    logits = runner.forward([SeqWork(0, prompt, 0, PAGES, True, GREEDY, 0)])
+    assert logits is not None
+    out = [int(logits[0].argmax())]
+    for i in range(1, n):
+        step = runner.step([SeqWork(0, (out[-1],), len(prompt) + i - 1, PAGES, True, GREEDY, i)])
+        out.append(step[0].token_id)
+    return out, logits[0]
