@@ -477,7 +477,8 @@ class Scheduler:
         """(`pool_offset`, `num_pool_rows`) of a work feeding positions [start, stop) of `seq`.
 
         Mean pools every prompt position not summed yet (a recompute after a preemption skips
-        what is summed), cls position 0, last the prompt's last position.
+        what is summed), cls position 0, last and rank the prompt's last position (rank: the
+        runner applies the classification head to it).
         """
         match seq.params.pooling:
             case "mean":
@@ -485,7 +486,7 @@ class Scheduler:
                 return (first - start, stop - first) if first < stop else (0, 0)
             case "cls":
                 return (0, 1) if start == 0 and seq.num_pooled == 0 else (0, 0)
-            case "last":
+            case "last" | "rank":
                 return (stop - 1 - start, 1) if stop == len(seq.prompt_ids) else (0, 0)
             case _:
                 return 0, 0

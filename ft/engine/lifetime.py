@@ -206,7 +206,8 @@ async def _start(engine: Engine, nursery: trio.Nursery) -> None:
     engine.generation_defaults = parts.generation_defaults
     engine.reasoning_parser = parts.reasoning_parser
     engine.hidden_size = parts.hidden_size
-    engine.pooling = resolve_pooling(cfg.pooling, parts.pooling)
+    engine.pooling = resolve_pooling(cfg.pooling, parts.pooling, can_rank=parts.rank_format is not None)
+    engine.rank_format = parts.rank_format
     spec_path = os.path.join(engine._tmpdir.name, "tokenizer.cbor")
     with open(spec_path, "wb") as f:
         cbor2.dump(asdict(spec), f)

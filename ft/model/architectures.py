@@ -143,8 +143,11 @@ def by_hf(cfg: dict[str, Any]) -> Architecture:
     model_type = cfg.get("model_type")
     if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
         raise ValueError(f"config.json 'architectures' must be a list of names, found {archs!r:.80}")
+    # A sequence classifier (a reranker) is its family's decoder with a score head instead of
+    # the lm_head (`ft.model.classifier`).
+    causal = [a.removesuffix("ForSequenceClassification") + "ForCausalLM" for a in archs]
     for arch in ARCHITECTURES:
-        named_here = any(a in arch.hf_architectures for a in archs)
+        named_here = any(a in arch.hf_architectures for a in causal)
         if named_here or (not archs and model_type in arch.hf_model_types):
             return arch
     if not archs and model_type is None:

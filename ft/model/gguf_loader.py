@@ -13,11 +13,12 @@ import torch
 from gguf.quants import dequantize
 
 from ft.model.architectures import GGUF_GLOBAL_NAMES, Architecture, by_gguf, by_name
-from ft.model.gguf_check import check_tensors, check_vocabulary
+from ft.model.gguf_check import check_tensors, check_vocabulary, num_labels
 from ft.model.gguf_file import GGUFFile, GGUFTensor, ModelFileError
 from ft.model.kernels import repacked
 from ft.model.llama import LlamaConfig, Progress
 from ft.model.quant import KERNEL_TYPES, QuantTensor, to_q8_0
+from ft.model.rerank import RankFormat
 from ft.tokenizer.spec import (
     TokenizerSpec,
     byte_level_bpe_from_gguf,
@@ -35,8 +36,9 @@ log = logging.getLogger("ft.model")
 MAX_WIDTH = 1 << 20  # hidden size, ffn length
 MAX_HEADS = 1 << 12
 MAX_HEAD_DIM = 1 << 12
-# llama.cpp's `llama_pooling_type` values (0 none, 4 rank: a classification head, not served).
-GGUF_POOLINGS = {1: "mean", 2: "cls", 3: "last"}
+# llama.cpp's `llama_pooling_type` values (0 none; 4 rank: the last token through the file's
+# classification head, `cls.*`).
+GGUF_POOLINGS = {1: "mean", 2: "cls", 3: "last", 4: "rank"}
 MAX_LAYERS = 1 << 12
 MAX_EXPERTS = 1 << 12
 MAX_VOCAB = 1 << 24
@@ -242,6 +244,10 @@ def gguf_tensors(
         if progress is not None:
             progress(i / len(reader.tensors))
         heads = _permuted_heads(tensor.name, config) if permuted else None
+        if tensor.name.startswith("cls."):  # a reranker's head: float32, under its GGUF name
+            sd[tensor.name] = torch.from_numpy(_dequantized(tensor))
+            reader.release(tensor)
+            continue
         if quantized and tensor.data.ndim == 2 and tensor.name != "rope_freqs.weight":
             if int(tensor.tensor_type) not in KERNEL_TYPES:
                 requantized[tensor.tensor_type.name] += 1
@@ -407,6 +413,40 @@ def load_gguf(
     if freq_factors is not None:
         config = LlamaConfig(**{**_fields(config), "rope_freq_factors": freq_factors})
     return config, sd, spec, path.stem
+
+
+def gguf_rank_format(path: pathlib.Path, spec: TokenizerSpec, labels: int) -> RankFormat:
+    """A reranker GGUF's pair format (`ft.model.rerank`): its `tokenizer.chat_template.rerank`,
+    else the special tokens llama.cpp adds around the query and the document (BOS where the
+    tokenizer adds it; EOS and SEP only where `tokenizer.ggml.add_eos_token` /
+    `add_sep_token` say so, as for the byte-level and SentencePiece vocabularies ft reads).
+
+    Raises:
+        ModelFileError: a key has the wrong type, or the labels disagree with the head's rows.
+    """
+    meta = open_gguf(path)
+    arch = str(meta.text("general.architecture"))
+    if num_labels(meta, arch) != labels:
+        raise ModelFileError(f"the classification head has {labels} rows for {num_labels(meta, arch)} labels")
+    names = meta.get(f"{arch}.classifier.output_labels") or []
+    tokens = _list_of(meta, "tokenizer.ggml.tokens", str) or []
+
+    def token(key: str) -> int | None:
+        full = f"tokenizer.ggml.{key}"
+        return meta.integer(full, 0, len(tokens) - 1) if full in meta.fields else None
+
+    eos, sep = token("eos_token_id"), token("seperator_token_id")  # (gguf-py's spelling)
+    return RankFormat(
+        num_labels=labels,
+        labels=tuple(str(n) for n in names),
+        template=meta.text("tokenizer.chat_template.rerank"),
+        bos_id=token("bos_token_id"),
+        eos_id=eos if eos is not None else sep,
+        sep_id=sep,
+        add_bos=spec.add_bos_token,
+        add_eos=_flag(meta, "tokenizer.ggml.add_eos_token", default=False),
+        add_sep=_flag(meta, "tokenizer.ggml.add_sep_token", default=False),
+    )
 
 
 def _fields(config: LlamaConfig) -> dict[str, Any]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 from typing import Any
@@ -11,6 +12,7 @@ from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
 from ft.model.llama import LlamaConfig, Progress
+from ft.model.rerank import RankFormat
 from ft.tokenizer.spec import TokenizerSpec, tokenizer_json_of
 
 GENERATION_KEYS = ("temperature", "top_p", "top_k", "repetition_penalty")
@@ -35,7 +37,36 @@ def hf_config(directory: pathlib.Path) -> LlamaConfig:
     cfg = _read_json(directory / "config.json")
     if not cfg:
         raise ValueError(f"{directory} has no config.json")
-    return LlamaConfig.from_hf(cfg)
+    config = LlamaConfig.from_hf(cfg)
+    if is_sequence_classifier(cfg):
+        # NOTE: no lm_head in the checkpoint: the embedding stands in for it (never used to score).
+        config = dataclasses.replace(config, tie_word_embeddings=True, pooling="rank")
+    return config
+
+
+def is_sequence_classifier(cfg: dict[str, Any]) -> bool:
+    """Whether `config.json` names a `*ForSequenceClassification` (a reranker's checkpoint)."""
+    archs = cfg.get("architectures") or []
+    return isinstance(archs, list) and any(str(a).endswith("ForSequenceClassification") for a in archs)
+
+
+def hf_rank_format(directory: pathlib.Path, spec: TokenizerSpec, labels: int) -> RankFormat:
+    """A sequence classifier's pair format (`ft.model.rerank`): the special-token rule, with BOS
+    and EOS where `tokenizer_config.json` adds them (`add_bos_token`, `add_eos_token`)."""
+    tcfg = _read_json(directory / "tokenizer_config.json")
+    tok = Tokenizer.from_str(spec.tokenizer_json)
+    bos = tok.token_to_id(spec.bos_token) if spec.bos_token else None
+    eos = tok.token_to_id(spec.eos_token) if spec.eos_token else None
+    sep_text = _token_text(tcfg.get("sep_token"))
+    sep = tok.token_to_id(sep_text) if sep_text else None
+    return RankFormat(
+        num_labels=labels,
+        bos_id=bos,
+        eos_id=eos if eos is not None else sep,
+        sep_id=sep,
+        add_bos=spec.add_bos_token,
+        add_eos=bool(tcfg.get("add_eos_token", False)),
+    )
 
 
 def hf_state_dict(

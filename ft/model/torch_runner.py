@@ -124,6 +124,8 @@ class TorchRunner:
         self._lock = threading.Lock()  # one forward (one sequence of collectives) at a time
         self._page_size = page_size
         self._num_pages = num_pages
+        # A reranker's head, applied to rank-pooled rows (`_pool`); None: the model has none.
+        self.classifier = loaded.classifier.to(self.device) if loaded.classifier is not None else None
         c = loaded.config
         world = ranks.world if ranks is not None else 1
         local = local_config(c, ranks.shard if ranks is not None else Shard(0, 1))
@@ -368,12 +370,12 @@ class TorchRunner:
                 logits = self._lm_head(rows)  # [R, vocab]
             return logits, [*self._score(works, hidden), *self._pool(works, hidden)]
 
-    @staticmethod
-    def _pool(works: list[SeqWork], hidden: torch.Tensor) -> list[PoolSum]:
+    def _pool(self, works: list[SeqWork], hidden: torch.Tensor) -> list[PoolSum]:
         """The pooling works' rows of `hidden` `[T, hidden]` (after the final norm), summed.
 
         In float64, so a prompt's mean does not depend on how it was chunked beyond the last
-        bits; the scheduler adds a sequence's chunks and divides.
+        bits; the scheduler adds a sequence's chunks and divides. A rank work's one row (its
+        prompt's last) goes through the classification head: its "sum" is the head's outputs.
         """
         out: list[PoolSum] = []
         base = 0
@@ -382,6 +384,10 @@ class TorchRunner:
                 first = base + work.pool_offset
                 rows = hidden[first : first + work.num_pool_rows]  # [P, hidden]
                 total = rows.double().sum(dim=0)  # [hidden]
+                if work.params.pooling == "rank":
+                    if self.classifier is None:
+                        raise ValueError("rank pooling needs a classification head; this model has none")
+                    total = self.classifier(total[None])[0]  # [num_labels]
                 out.append(PoolSum(work.seq_id, tuple(total.cpu().tolist())))
             base += len(work.token_ids)
         return out
