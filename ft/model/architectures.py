@@ -10,6 +10,7 @@ converter permuted its q/k rows, and the `<think>` format its chat template asks
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -70,6 +71,9 @@ class Architecture:
     moe: bool = False
     packed: bool = True  # a quantized GGUF of it runs as stored (`quantized_llama`)
     reasoning_parser: str | None = None  # the `<think>` format its template asks the model for
+    # A GGUF reranker's head outputs are softmaxed (llama.cpp does for Qwen3: its converter writes
+    # Qwen3-Reranker's lm_head rows of "yes" and "no" as the two labels; the score is p(yes)).
+    rank_softmax: bool = False
     gguf_permuted_qk: tuple[str, ...] = ()
     gguf_layer_extra: dict[str, str] = field(default_factory=dict)
 
@@ -108,6 +112,7 @@ QWEN3 = Architecture(
     qk_norm=True,
     gguf_layer_extra=QK_NORM_NAMES,
     reasoning_parser="think",
+    rank_softmax=True,
 )
 
 QWEN3_MOE = Architecture(
@@ -145,7 +150,7 @@ def by_hf(cfg: dict[str, Any]) -> Architecture:
         raise ValueError(f"config.json 'architectures' must be a list of names, found {archs!r:.80}")
     # A sequence classifier (a reranker) is its family's decoder with a score head instead of
     # the lm_head (`ft.model.classifier`).
-    causal = [a.removesuffix("ForSequenceClassification") + "ForCausalLM" for a in archs]
+    causal = [re.sub(r"ForSequenceClassification$", "ForCausalLM", a) for a in archs]
     for arch in ARCHITECTURES:
         named_here = any(a in arch.hf_architectures for a in causal)
         if named_here or (not archs and model_type in arch.hf_model_types):

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ft.model import gguf_loader, hf_loader
-from ft.model.architectures import by_gguf
+from ft.model.architectures import by_gguf, by_name
 from ft.model.classifier import ClassifierHead, pop_head
 from ft.model.gguf_file import ModelFileError
 from ft.model.llama import LlamaConfig, Progress
@@ -80,7 +80,8 @@ def load_model(
         config, sd, spec, model_id = gguf_loader.load_gguf(p, dtype, progress, quantized)
         # (`load_gguf` checked the head's shapes against the metadata; its tensors are floats.)
         cls = {k: sd.pop(k) for k in list(sd) if k.startswith("cls.")}
-        head = pop_head(cls, config.hidden_size, softmax=config.architecture == "qwen3")  # type: ignore[arg-type]
+        softmax = by_name(config.architecture).rank_softmax
+        head = pop_head(cls, config.hidden_size, softmax=softmax)  # type: ignore[arg-type]
         if head is None:
             return LoadedModel(config, sd, spec, model_id, dtype, {})
         try:

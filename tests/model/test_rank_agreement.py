@@ -115,7 +115,10 @@ def test_rank_gguf_scores_as_transformers_on_the_packed_path(tmp_path: pathlib.P
         ({"head": np.zeros((2,), np.float32)}, r"cls\.output\.weight: expected shape"),
         ({"labels": ["relevant"]}, r"cls\.output\.weight: expected shape \[1, 64\]"),
         ({"extra": {"cls.bias": np.zeros(HIDDEN, np.float32)}}, r"cls\.bias without cls\.weight"),
-        ({"extra": {"cls.weight": np.zeros((HIDDEN, 3), np.float32)}}, r"cls\.weight: expected shape \[64, 64\]"),
+        (
+            {"extra": {"cls.weight": np.zeros((HIDDEN, 3), np.float32)}},
+            r"cls\.weight: expected shape \[64, 64\]",
+        ),
         ({"extra": {"cls.output.bias": np.zeros(5, np.float32)}}, r"cls\.output\.bias: expected shape \[2\]"),
         ({"head": np.full((2, HIDDEN), np.nan, np.float32)}, r"cls\.output\.weight holds NaN"),
     ],

@@ -20,12 +20,14 @@ import torch
 from gguf import GGMLQuantizationType, GGUFWriter, PoolingType
 from gguf.quants import quantize
 
+from ft.tokenizer.spec import byte_level_bpe_from_gguf
 from tests.support.gguf_files import tiny_tokens
 from tests.support.tiny_qwen3 import EOS, FFN, HEAD_DIM, HEADS, HIDDEN, KV_HEADS, LAYERS, _gguf_tensors
-from ft.tokenizer.spec import byte_level_bpe_from_gguf
 
 YES, NO = 100, 120  # the token ids whose lm_head rows the GGUF's head holds ("yes", "no")
-RERANK_TEMPLATE = "<|im_start|>user\n<Query>: {query}\n<Document>: {document}<|im_end|>\n<|im_start|>assistant\n"
+RERANK_TEMPLATE = (
+    "<|im_start|>user\n<Query>: {query}\n<Document>: {document}<|im_end|>\n<|im_start|>assistant\n"
+)
 
 
 def _randomized(model: Any, seed: int) -> Any:
