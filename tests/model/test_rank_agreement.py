@@ -12,6 +12,7 @@ load errors.
 from __future__ import annotations
 
 import pathlib
+from typing import Any
 
 import numpy as np
 import pytest
@@ -184,3 +185,28 @@ def test_the_pair_format_follows_llama_server() -> None:
     every = RankFormat(1, bos_id=1, eos_id=2, sep_id=3, add_bos=True, add_eos=True, add_sep=True)
     assert every.pair_ids([10, 11], [20]) == [1, 10, 11, 2, 3, 20, 2]
     assert RankFormat.score([0.25, 0.75]) == 0.25
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda sd: sd.pop("score.weight"), "a sequence classifier without its score.weight"),
+        (
+            lambda sd: sd.update({"score.weight": torch.zeros(1, HIDDEN + 2)}),
+            r"tensor score\.weight: expected shape",
+        ),
+        (lambda sd: sd.update({"score.bias": torch.zeros(3)}), r"tensor score\.bias: expected shape \[1\]"),
+    ],
+    ids=["missing", "width", "bias"],
+)
+def test_a_malformed_score_head_is_a_named_load_error(
+    tmp_path: pathlib.Path, edit: Any, message: str
+) -> None:
+    from safetensors.torch import load_file, save_file
+
+    directory = save_seq_cls_dir(tmp_path / "m", seq_cls_model("llama"))
+    sd = load_file(str(directory / "model.safetensors"))
+    edit(sd)
+    save_file(sd, str(directory / "model.safetensors"))
+    with pytest.raises(ValueError, match=message):
+        load_model(directory, torch.float32)

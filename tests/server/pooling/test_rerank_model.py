@@ -8,6 +8,7 @@ Each score is checked against transformers on the pair the reranker's format mak
 from __future__ import annotations
 
 import pathlib
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -17,6 +18,7 @@ import pytest
 import trio
 
 from ft.config import EngineConfig
+from ft.engine.loading import EngineHooks
 from ft.model import kernels
 from ft.tokenizer.spec import byte_level_bpe_from_gguf
 from tests.support.engine import fake_hooks
@@ -183,3 +185,18 @@ async def test_rank_pooling_on_a_model_without_a_head_fails_the_load() -> None:
     async with running_server(cfg, hooks=fake_hooks(), wait_ready=False) as s:
         with trio.fail_after(30), pytest.raises(RuntimeError, match="--pooling rank needs a reranker"):
             await s.engine.wait_ready()
+
+
+async def test_a_client_that_leaves_a_rerank_frees_its_pairs(rank_gguf: pathlib.Path) -> None:
+    """Steps slowed to 50 ms (in the runner's thread): the client leaves mid-rerank, every pair's
+    scope closes, its pages are freed and the engine is idle."""
+    cfg = EngineConfig(model=str(rank_gguf), num_pages=128, dtype="float32", max_prefill_tokens=16)
+    hooks = EngineHooks(before_step=lambda works: time.sleep(0.05))
+    async with running_server(cfg, hooks=hooks) as s, httpx.AsyncClient(base_url=s.base_url, timeout=30) as c:
+        with trio.move_on_after(0.3) as left:
+            await c.post("/v1/rerank", json={"query": QUERY, "documents": [d * 8 for d in DOCS] * 4})
+        assert left.cancelled_caught
+        stats = await wait_idle(c, timeout_s=10)
+        assert stats["requests"]["aborted"] >= 1
+        after = await post(c, "/v1/rerank", query=QUERY, documents=DOCS)  # still serves
+        assert len(after["results"]) == len(DOCS)
