@@ -200,3 +200,18 @@ async def test_a_client_that_leaves_a_rerank_frees_its_pairs(rank_gguf: pathlib.
         assert stats["requests"]["aborted"] >= 1
         after = await post(c, "/v1/rerank", query=QUERY, documents=DOCS)  # still serves
         assert len(after["results"]) == len(DOCS)
+
+
+async def test_special_tokens_go_where_the_tokenizer_adds_them(tmp_path: pathlib.Path) -> None:
+    """A tokenizer that adds BOS and EOS: `[BOS] query [EOS] document [EOS]` (llama-server's
+    rule), the texts' own tokens without a BOS each."""
+    hf = seq_cls_model("llama", seed=5)
+    bos, eos = tiny_tokens()[0].index("<|im_start|>"), tiny_tokens()[0].index("<|im_end|>")
+    directory = save_seq_cls_dir(tmp_path / "cls", hf, bos_token="<|im_start|>", add_bos_token=True,
+                                 add_eos_token=True)  # fmt: skip
+    pairs = [[bos, *tokens(QUERY), eos, *tokens(d), eos] for d in DOCS]
+    expected = hf_scores(hf, pairs)
+    async with serve(directory) as c:
+        body = await post(c, "/v1/score", text_1=QUERY, text_2=DOCS)
+        assert [d["score"] for d in body["data"]] == pytest.approx(expected, abs=FLOAT_TOLERANCE)
+        assert body["usage"]["prompt_tokens"] == sum(len(p) for p in pairs)
