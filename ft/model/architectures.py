@@ -46,6 +46,13 @@ QK_NORM_NAMES = {
     "attn_q_norm.weight": "self_attn.q_norm.weight",
     "attn_k_norm.weight": "self_attn.k_norm.weight",
 }
+# Gemma's four norms a layer (llama.cpp's `ffn_norm` is its pre-MLP norm, as in Llama; the
+# attention's and the MLP's outputs have norms of their own)
+GEMMA_NORM_NAMES = {
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +66,18 @@ class Architecture:
     `reasoning_parser` is the server's reasoning format for it when none is configured;
     `gguf_permuted_qk` names the GGUF architectures whose q/k rows llama.cpp's
     converter interleaved by rotary pairs (undone at load).
+
+    `gemma` is Gemma's blocks: the embedding scaled by sqrt(hidden), GeGLU, `(1 + weight)`
+    norms (llama.cpp's converter adds the 1 to the GGUF's norms), norms on the attention's and
+    the MLP's outputs, the softmax scaled by `query_pre_attn_scalar`. `windowed` says the
+    config's `sliding_window` applies; `sliding_period` is the layer pattern of a windowed
+    model whose config lists none (every `n`th layer attends everything, as llama.cpp's
+    `set_swa_pattern(n)`; 0: every layer is windowed); `local_rope_theta` the windowed layers'
+    rotary base when the config gives none (a GGUF never does: llama.cpp's value);
+    `gguf_softcaps` llama.cpp's attention and final soft-caps when the file has none;
+    `gguf_wide_query_scale_layers` the layer counts (the 27B models) whose query scale
+    llama.cpp takes as hidden / heads instead of the head size (a GGUF does not store
+    `query_pre_attn_scalar`).
     """
 
     name: str
@@ -72,6 +91,12 @@ class Architecture:
     reasoning_parser: str | None = None  # the `<think>` format its template asks the model for
     gguf_permuted_qk: tuple[str, ...] = ()
     gguf_layer_extra: dict[str, str] = field(default_factory=dict)
+    gemma: bool = False
+    windowed: bool = False
+    sliding_period: int = 0
+    local_rope_theta: float = 0.0
+    gguf_softcaps: tuple[float, float] = (0.0, 0.0)
+    gguf_wide_query_scale_layers: tuple[int, ...] = ()
 
     @property
     def gguf_layer_names(self) -> dict[str, str]:
@@ -92,6 +117,7 @@ MISTRAL = Architecture(
     hf_architectures=("MistralForCausalLM",),
     gguf_names=("mistral",),  # llama.cpp writes most Mistral files as "llama": see `by_gguf`
     gguf_permuted_qk=("llama",),
+    windowed=True,  # Mistral 7B v0.1's 4096 on every layer
 )
 QWEN2 = Architecture(
     name="qwen2",
@@ -122,7 +148,33 @@ QWEN3_MOE = Architecture(
     reasoning_parser="think",
 )
 
-ARCHITECTURES: tuple[Architecture, ...] = (LLAMA, MISTRAL, QWEN2, QWEN3, QWEN3_MOE)
+GEMMA2 = Architecture(
+    name="gemma2",
+    hf_model_types=("gemma2",),
+    hf_architectures=("Gemma2ForCausalLM",),
+    gguf_names=("gemma2",),
+    gemma=True,
+    windowed=True,
+    sliding_period=2,  # even layers windowed
+    gguf_layer_extra=GEMMA_NORM_NAMES,
+    gguf_softcaps=(50.0, 30.0),
+    gguf_wide_query_scale_layers=(46,),
+)
+GEMMA3 = Architecture(
+    name="gemma3",
+    hf_model_types=("gemma3_text",),
+    hf_architectures=("Gemma3ForCausalLM",),
+    gguf_names=("gemma3",),
+    qk_norm=True,
+    gemma=True,
+    windowed=True,
+    sliding_period=6,  # 5 windowed layers, then one global
+    gguf_layer_extra=GEMMA_NORM_NAMES | QK_NORM_NAMES,
+    local_rope_theta=10000.0,
+    gguf_wide_query_scale_layers=(62,),
+)
+
+ARCHITECTURES: tuple[Architecture, ...] = (LLAMA, MISTRAL, QWEN2, QWEN3, QWEN3_MOE, GEMMA2, GEMMA3)
 
 
 def by_name(name: str) -> Architecture:
