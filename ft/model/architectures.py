@@ -74,7 +74,9 @@ class Architecture:
     model whose config lists none (every `n`th layer attends everything, as llama.cpp's
     `set_swa_pattern(n)`; 0: every layer is windowed); `local_rope_theta` the windowed layers'
     rotary base when the config gives none (a GGUF never does: llama.cpp's value);
-    `gguf_softcaps` llama.cpp's attention and final soft-caps when the file has none;
+    `end_of_turn` the token the family's chat template closes a turn with, a stop token
+    beside the file's eos (llama.cpp's EOT); `gguf_window` the window of a GGUF without `{arch}.attention.sliding_window` (llama.cpp's
+    default; -1: the key is required); `gguf_softcaps` llama.cpp's attention and final soft-caps when the file has none;
     `gguf_wide_query_scale_layers` the layer counts (the 27B models) whose query scale
     llama.cpp takes as hidden / heads instead of the head size (a GGUF does not store
     `query_pre_attn_scalar`).
@@ -95,6 +97,8 @@ class Architecture:
     windowed: bool = False
     sliding_period: int = 0
     local_rope_theta: float = 0.0
+    end_of_turn: str | None = None
+    gguf_window: int = 0
     gguf_softcaps: tuple[float, float] = (0.0, 0.0)
     gguf_wide_query_scale_layers: tuple[int, ...] = ()
 
@@ -157,6 +161,8 @@ GEMMA2 = Architecture(
     windowed=True,
     sliding_period=2,  # even layers windowed
     gguf_layer_extra=GEMMA_NORM_NAMES,
+    end_of_turn="<end_of_turn>",
+    gguf_window=4096,
     gguf_softcaps=(50.0, 30.0),
     gguf_wide_query_scale_layers=(46,),
 )
@@ -171,6 +177,8 @@ GEMMA3 = Architecture(
     sliding_period=6,  # 5 windowed layers, then one global
     gguf_layer_extra=GEMMA_NORM_NAMES | QK_NORM_NAMES,
     local_rope_theta=10000.0,
+    end_of_turn="<end_of_turn>",
+    gguf_window=-1,
     gguf_wide_query_scale_layers=(62,),
 )
 
