@@ -75,8 +75,9 @@ class Architecture:
     `set_swa_pattern(n)`; 0: every layer is windowed); `local_rope_theta` the windowed layers'
     rotary base when the config gives none (a GGUF never does: llama.cpp's value);
     `end_of_turn` the token the family's chat template closes a turn with, a stop token
-    beside the file's eos (llama.cpp's EOT); `gguf_window` the window of a GGUF without `{arch}.attention.sliding_window` (llama.cpp's
-    default; -1: the key is required); `gguf_softcaps` llama.cpp's attention and final soft-caps when the file has none;
+    beside the file's eos (llama.cpp's EOT); `gguf_window` the window of a GGUF without
+    `{arch}.attention.sliding_window` (llama.cpp's default; -1: the key is required);
+    `gguf_softcaps` llama.cpp's attention and final soft-caps when the file has none;
     `gguf_wide_query_scale_layers` the layer counts (the 27B models) whose query scale
     llama.cpp takes as hidden / heads instead of the head size (a GGUF does not store
     `query_pre_attn_scalar`).

@@ -63,7 +63,10 @@ class AttentionMetadata:
             decode_is_all=self.decode_is_all,
             prefills=tuple(
                 PrefillChunk(
-                    c.row_start, c.row_end, move(c.slots), move(c.mask),
+                    c.row_start,
+                    c.row_end,
+                    move(c.slots),
+                    move(c.mask),
                     move(c.window_mask) if c.window_mask is not None else None,
                 )  # fmt: skip
                 for c in self.prefills
@@ -115,7 +118,9 @@ def build_metadata(spans: list[SeqSpan], page_size: int, window: int = 0) -> Att
         kv_pos = torch.arange(max_len)
         decode_slots = _slots(pages, kv_pos, page_size)  # [B, max_len]
         decode_mask = (kv_pos[None, :] < lens[:, None])[:, None, None, :]  # [B, 1, 1, max_len]
-        window_mask = decode_mask & (kv_pos[None, :] >= lens[:, None] - window)[:, None, None, :] if window else None
+        window_mask = (
+            decode_mask & (kv_pos[None, :] >= lens[:, None] - window)[:, None, None, :] if window else None
+        )
     else:
         decode_slots = torch.zeros(0, 1, dtype=torch.long)
         decode_mask = torch.zeros(0, 1, 1, 1, dtype=torch.bool)

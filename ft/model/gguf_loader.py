@@ -126,7 +126,13 @@ def gguf_config(meta: GGUFFile, tensor_names: set[str], vocab_size: int) -> Llam
 
 
 def _gemma_fields(
-    meta: GGUFFile, arch: str, family: Architecture, num_layers: int, hidden: int, num_heads: int, head_dim: int
+    meta: GGUFFile,
+    arch: str,
+    family: Architecture,
+    num_layers: int,
+    hidden: int,
+    num_heads: int,
+    head_dim: int,
 ) -> dict[str, Any]:
     """Gemma's blocks as llama.cpp reads them from a GGUF: its norms already hold the 1 of
     `(1 + w)` (the converter added it), the query scale is the head size's (hidden / heads for
@@ -168,7 +174,9 @@ def _window_fields(meta: GGUFFile, arch: str, family: Architecture, num_layers: 
         period = meta.integer(pattern_key, 1, MAX_LAYERS)
     if not period:
         return dict(sliding_window=window)
-    return dict(sliding_window=window, sliding_layers=tuple(i % period < period - 1 for i in range(num_layers)))
+    return dict(
+        sliding_window=window, sliding_layers=tuple(i % period < period - 1 for i in range(num_layers))
+    )
 
 
 def _flag(meta: GGUFFile, key: str, *, default: bool) -> bool:

@@ -83,7 +83,8 @@ class LlamaConfig:
             )
         if self.hidden_act not in HIDDEN_ACTS:
             raise ValueError(
-                f"hidden activation {self.hidden_act!r} is not supported (supported: {', '.join(HIDDEN_ACTS)})"
+                f"hidden activation {self.hidden_act!r} is not supported "
+                f"(supported: {', '.join(HIDDEN_ACTS)})"
             )
         if self.sliding_window < 0 or (self.sliding_layers and len(self.sliding_layers) != self.num_layers):
             raise ValueError(
@@ -203,7 +204,8 @@ class LlamaConfig:
             if types is not None:
                 if not isinstance(types, list) or len(types) != num_layers or not set(types) <= LAYER_TYPES:
                     raise ValueError(
-                        f"config.json 'layer_types': expected {num_layers} of {sorted(LAYER_TYPES)}, found {types!r:.120}"
+                        f"config.json 'layer_types': expected {num_layers} of {sorted(LAYER_TYPES)}, "
+                        f"found {types!r:.120}"
                     )
                 sliding = tuple(t == "sliding_attention" for t in types)
             else:
@@ -394,7 +396,13 @@ class DecoderLayer(nn.Module):
         v = v.view(num_tokens, c.num_kv_heads, c.head_dim)  # [T, kvh, hd]
         write_kv(k_cache, v_cache, k, v, meta)
         attn = paged_attention(
-            q, k_cache, v_cache, meta, windowed=self.window > 0, scale=c.query_scale or None, softcap=c.attn_softcap
+            q,
+            k_cache,
+            v_cache,
+            meta,
+            windowed=self.window > 0,
+            scale=c.query_scale or None,
+            softcap=c.attn_softcap,
         )  # [T, heads * hd]
         o = self.o_proj(attn)  # [T, hidden] (this rank's heads' share under TP)
         o = o if self.reduce is None else self.reduce(o)
@@ -460,6 +468,7 @@ class LlamaForCausalLM(nn.Module):
 
 def fuse_hf_state_dict(config: LlamaConfig, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Map Hugging Face parameter names onto this module's fused layout."""
+
     def norm(name: str) -> torch.Tensor:  # (1 + w) folded into the weight (Gemma's HF files)
         w = sd[name]
         return w + config.norm_offset if config.norm_offset else w
@@ -530,6 +539,6 @@ def build_model(
         {k: v.to(device=device, dtype=dtype).contiguous() for k, v in fused.items()}, assign=True, strict=True
     )
     model.inv_freq = rope_inv_freq(config).to(device)  # buffers made on meta are not in the state dict
-    local = rope_local_inv_freq(config)
-    model.local_inv_freq = local.to(device) if local is not None else None
+    local_freq = rope_local_inv_freq(config)
+    model.local_inv_freq = local_freq.to(device) if local_freq is not None else None
     return model.eval()

@@ -60,7 +60,9 @@ class _Layer:
         norm1 = norm("input_layernorm.weight")
         # Gemma's names: its pre-MLP norm is pre_feedforward_layernorm, and post_attention_layernorm
         # norms the attention's output
-        norm2 = norm("pre_feedforward_layernorm.weight" if config.post_norms else "post_attention_layernorm.weight")
+        norm2 = norm(
+            "pre_feedforward_layernorm.weight" if config.post_norms else "post_attention_layernorm.weight"
+        )
         out_norms = (
             (norm("post_attention_layernorm.weight"), norm("post_feedforward_layernorm.weight"))
             if config.post_norms
@@ -141,7 +143,9 @@ class QuantizedLlama:
         self.inv_freq = rope_inv_freq(config)
         self.local_inv_freq = rope_local_inv_freq(config)  # Gemma 3's windowed layers'
         # NOTE: transformers rounds the factor to the embedding's dtype; here float32
-        self.embed_scale = float(torch.tensor(config.hidden_size**0.5, dtype=torch.float32)) if config.embed_scale else 0.0
+        self.embed_scale = (
+            float(torch.tensor(config.hidden_size**0.5, dtype=torch.float32)) if config.embed_scale else 0.0
+        )
 
     def forward(
         self,

@@ -49,7 +49,9 @@ def prepacked_linear(linear: torch.nn.Linear) -> Callable[[torch.Tensor], torch.
     return run
 
 
-def softcapped(head: Callable[[torch.Tensor], torch.Tensor], cap: float) -> Callable[[torch.Tensor], torch.Tensor]:
+def softcapped(
+    head: Callable[[torch.Tensor], torch.Tensor], cap: float
+) -> Callable[[torch.Tensor], torch.Tensor]:
     """`head`'s logits as tanh(logits / cap) * cap (Gemma 2's final soft-capping)."""
 
     def run(rows: torch.Tensor) -> torch.Tensor:

@@ -70,7 +70,9 @@ def gguf_model(family: str) -> Any:
 
 @pytest.fixture(scope="module")
 def gemma_gguf(family: str, gguf_model: Any, tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
-    return write_gemma_gguf(tmp_path_factory.mktemp(f"{family}-gguf") / f"tiny-{family}.Q8_0.gguf", gguf_model)
+    return write_gemma_gguf(
+        tmp_path_factory.mktemp(f"{family}-gguf") / f"tiny-{family}.Q8_0.gguf", gguf_model
+    )
 
 
 def runner_of(loaded: LoadedModel, **kwargs: Any) -> TorchRunner:
@@ -81,7 +83,9 @@ def reference(model: Any, prompt: tuple[int, ...] = PROMPT) -> tuple[torch.Tenso
     """transformers' last logits `[vocab]` and greedy tokens for `prompt`."""
     with torch.inference_mode():
         logits = model(torch.tensor([prompt])).logits[0, -1]
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
+        out = model.generate(
+            torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0
+        )
     return logits, out[0, len(prompt) :].tolist()
 
 
@@ -147,7 +151,7 @@ def test_the_window_is_what_makes_them_agree(
 
 
 def test_a_prompt_inside_the_window_matches_too(hf_model: Any, gemma_dir: pathlib.Path) -> None:
-    short = PROMPT[:WINDOW - 2]
+    short = PROMPT[: WINDOW - 2]
     expected, _ = reference(hf_model, short)
     _, logits = generate(runner_of(load_model(gemma_dir, torch.float32)), short, 1)
     assert (logits - expected).abs().max().item() < 1e-4
