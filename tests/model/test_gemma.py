@@ -97,6 +97,7 @@ def test_config_maps_gemmas_blocks_from_hf_and_gguf(
     for c in (hf, gguf):
         assert c.architecture == family and c.embed_scale and c.post_norms and c.tie_word_embeddings
         assert c.hidden_act == "gelu_pytorch_tanh" and c.sliding_window == WINDOW
+        assert not c.is_all_windowed  # its global layers read every page: none is given back
     assert hf.norm_offset == 1.0 and gguf.norm_offset == 0.0  # the converter added the 1
     assert hf.query_scale == pytest.approx(24**-0.5) and gguf.query_scale == pytest.approx(32**-0.5)
     if family == "gemma2":

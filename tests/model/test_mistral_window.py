@@ -163,3 +163,48 @@ def test_a_llama_gguf_keeps_every_position(hf_model: Any, tmp_path: pathlib.Path
 
     RawGGUF.read(path).set("general.name", STRING, string("tiny llama")).write(tmp_path / "llama.gguf")
     assert load_model(tmp_path / "llama.gguf", torch.float32).config.sliding_window == 0
+
+
+def serve(
+    runner: TorchRunner, kv_window: int, prompts: list[list[int]], max_tokens: int
+) -> tuple[dict[int, list[int]], int, int]:
+    """Greedy tokens of each prompt served together through the scheduler core and `runner`,
+    the pages dropped and the most pages in use at once."""
+    from ft.core.batch import Sampled, StepDone, TokenOut
+    from ft.core.kv import PagePool
+    from ft.core.scheduler import Scheduler
+    from ft.params import SamplingParams
+
+    s = Scheduler(
+        PagePool(runner.num_pages, runner.page_size), max_running=4, max_model_len=512, max_prefill_tokens=16,
+        eos_token_ids=[], kv_window=kv_window,
+    )  # fmt: skip
+    for uid, prompt in enumerate(prompts):
+        s.add(uid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+    tokens: dict[int, list[int]] = {uid: [] for uid in range(len(prompts))}
+    peak = 0
+    while s.has_work:
+        batch = s.schedule()
+        assert batch is not None
+        peak = max(peak, s.pool.num_used)
+        sampled = tuple(o for o in runner.step(list(batch.works)) if isinstance(o, Sampled))
+        for out in s.on_step_done(batch, StepDone(batch.step, sampled)):
+            assert isinstance(out, TokenOut)
+            tokens[out.uid].append(out.token_id)
+    return tokens, s.num_dropped_pages, peak
+
+
+@pytest.mark.skipif(not kernels.available(), reason="no C++ compiler for the packed kernels")
+def test_pages_behind_the_window_return_to_the_pool_and_the_tokens_stay_the_same(
+    hf_model: Any, tmp_path: pathlib.Path
+) -> None:
+    """Two sequences decoding past the window on a small pool: the pages each passes go back
+    (and are handed to the other), and every greedy token is the one all pages held give."""
+    path = write_mistral_gguf(tmp_path / "mistral.q8_0.gguf", hf_model, GGMLQuantizationType.Q8_0)
+    prompts = [list(PROMPT[:30]), list(PROMPT[5:25])]
+    runner = TorchRunner(load_model(path, torch.float32, quantized=True), num_pages=24, page_size=4,
+                         dtype=torch.float32)  # fmt: skip
+    held, none_dropped, held_peak = serve(runner, 0, prompts, 40)
+    windowed, dropped, windowed_peak = serve(runner, WINDOW, prompts, 40)
+    assert none_dropped == 0 and dropped > 0 and windowed_peak < held_peak
+    assert windowed == held
