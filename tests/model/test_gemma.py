@@ -337,3 +337,62 @@ def test_a_bad_gemma_config_is_refused_naming_the_key(
     (tmp_path / "config.json").write_text(json.dumps(cfg | edit))
     with pytest.raises(ValueError, match=message):
         load_model(tmp_path, torch.float32)
+
+
+def _edited(gemma_gguf: pathlib.Path, tmp_path: pathlib.Path, edit: Any) -> pathlib.Path:
+    edit(RawGGUF.read(gemma_gguf)).write(tmp_path / "edited.gguf")
+    return tmp_path / "edited.gguf"
+
+
+def test_a_sliding_window_pattern_in_the_file_decides_the_layers(
+    family: str, gemma_gguf: pathlib.Path, tmp_path: pathlib.Path
+) -> None:
+    from tests.support.gguf_files import ARRAY, BOOL, U32, array, scalar
+
+    layers = len(load_model(gemma_gguf, torch.float32).config.sliding_layers)
+    key = f"{family}.attention.sliding_window_pattern"
+    period = _edited(gemma_gguf, tmp_path, lambda raw: raw.set(key, U32, scalar(U32, 3)))
+    assert load_model(period, torch.float32).config.sliding_layers == tuple(i % 3 < 2 for i in range(layers))
+    flags = [i == 1 for i in range(layers)]
+    listed = _edited(
+        gemma_gguf, tmp_path, lambda raw: raw.set(key, ARRAY, array(BOOL, [scalar(BOOL, f) for f in flags]))
+    )
+    assert load_model(listed, torch.float32).config.sliding_layers == tuple(flags)
+    short = _edited(gemma_gguf, tmp_path, lambda raw: raw.set(key, ARRAY, array(BOOL, [scalar(BOOL, True)])))
+    with pytest.raises(ModelFileError, match="sliding_window_pattern.*one per layer"):
+        load_model(short, torch.float32)
+    zero = _edited(gemma_gguf, tmp_path, lambda raw: raw.set(key, U32, scalar(U32, 0)))
+    with pytest.raises(ModelFileError, match="sliding_window_pattern"):
+        load_model(zero, torch.float32)
+
+
+def test_a_gguf_without_the_optional_keys_gets_llama_cpps_defaults(
+    family: str, gemma_gguf: pathlib.Path, tmp_path: pathlib.Path
+) -> None:
+    """Gemma 2: a window of 4096 and soft-caps of 50 / 30; Gemma 3 needs its window."""
+
+    def drop(raw: RawGGUF) -> RawGGUF:
+        for key in ("attention.sliding_window", "attn_logit_softcapping", "final_logit_softcapping"):
+            raw = raw.drop(f"{family}.{key}")
+        return raw
+
+    path = _edited(gemma_gguf, tmp_path, drop)
+    if family == "gemma3":
+        with pytest.raises(
+            ModelFileError, match="lacks required metadata key 'gemma3.attention.sliding_window'"
+        ):
+            load_model(path, torch.float32)
+        return
+    c = load_model(path, torch.float32).config
+    assert (c.sliding_window, c.attn_softcap, c.final_softcap) == (4096, 50.0, 30.0)
+
+
+def test_a_negative_soft_cap_in_the_file_is_refused(
+    family: str, gemma_gguf: pathlib.Path, tmp_path: pathlib.Path
+) -> None:
+    from tests.support.gguf_files import F32, scalar
+
+    key = f"{family}.final_logit_softcapping"
+    path = _edited(gemma_gguf, tmp_path, lambda raw: raw.set(key, F32, scalar(F32, -1.0)))
+    with pytest.raises(ModelFileError, match="final_logit_softcapping"):
+        load_model(path, torch.float32)
