@@ -80,7 +80,9 @@ class Architecture:
     `gguf_softcaps` llama.cpp's attention and final soft-caps when the file has none;
     `gguf_wide_query_scale_layers` the layer counts (the 27B models) whose query scale
     llama.cpp takes as hidden / heads instead of the head size (a GGUF does not store
-    `query_pre_attn_scalar`).
+    `query_pre_attn_scalar`). `hf_text_defaults` reads a multimodal checkpoint's text model: its
+    `text_config` over these defaults (transformers', which hub configs leave out), its weights
+    renamed by `hf_weight_prefixes` and every other weight (the vision tower) left out.
     """
 
     name: str
@@ -102,6 +104,8 @@ class Architecture:
     gguf_window: int = 0
     gguf_softcaps: tuple[float, float] = (0.0, 0.0)
     gguf_wide_query_scale_layers: tuple[int, ...] = ()
+    hf_text_defaults: dict[str, Any] = field(default_factory=dict)
+    hf_weight_prefixes: tuple[tuple[str, str], ...] = ()
 
     @property
     def gguf_layer_names(self) -> dict[str, str]:
@@ -167,10 +171,20 @@ GEMMA2 = Architecture(
     gguf_softcaps=(50.0, 30.0),
     gguf_wide_query_scale_layers=(46,),
 )
+# transformers' `Gemma3TextConfig` defaults, which the hub's multimodal configs (Gemma 3 4B and
+# up) leave out of their `text_config`
+GEMMA3_TEXT_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "max_position_embeddings": 131072, "rms_norm_eps": 1e-6, "rope_theta": 1_000_000.0,
+    "rope_local_base_freq": 10000.0, "query_pre_attn_scalar": 256, "sliding_window": 4096,
+    "sliding_window_pattern": 6, "tie_word_embeddings": True,
+}  # fmt: skip
 GEMMA3 = Architecture(
     name="gemma3",
     hf_model_types=("gemma3_text",),
-    hf_architectures=("Gemma3ForCausalLM",),
+    hf_architectures=("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"),
     gguf_names=("gemma3",),
     qk_norm=True,
     gemma=True,
@@ -181,6 +195,13 @@ GEMMA3 = Architecture(
     end_of_turn="<end_of_turn>",
     gguf_window=-1,
     gguf_wide_query_scale_layers=(62,),
+    hf_text_defaults=GEMMA3_TEXT_DEFAULTS,
+    hf_weight_prefixes=(
+        ("language_model.model.", "model."),  # as the hub's and transformers' checkpoints name them
+        ("model.language_model.", "model."),
+        ("language_model.lm_head.", "lm_head."),
+        ("lm_head.", "lm_head."),
+    ),
 )
 
 ARCHITECTURES: tuple[Architecture, ...] = (LLAMA, MISTRAL, QWEN2, QWEN3, QWEN3_MOE, GEMMA2, GEMMA3)

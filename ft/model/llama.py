@@ -192,6 +192,10 @@ class LlamaConfig:
         from ft.model.architectures import by_hf
 
         arch = by_hf(cfg)
+        text = cfg.get("text_config")
+        if arch.hf_text_defaults and isinstance(text, dict):  # a multimodal checkpoint's text model
+            cfg = {**arch.hf_text_defaults, **text, "architectures": []}
+            cfg.setdefault("model_type", arch.hf_model_types[0])
         if cfg.get("use_bidirectional_attention"):
             raise ValueError(f"{arch.name} with use_bidirectional_attention (an encoder) is not supported")
         num_heads = int(cfg["num_attention_heads"])

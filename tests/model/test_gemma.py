@@ -396,3 +396,37 @@ def test_a_negative_soft_cap_in_the_file_is_refused(
     path = _edited(gemma_gguf, tmp_path, lambda raw: raw.set(key, F32, scalar(F32, -1.0)))
     with pytest.raises(ModelFileError, match="final_logit_softcapping"):
         load_model(path, torch.float32)
+
+
+def test_a_multimodal_gemma3_checkpoint_serves_its_text_model(tmp_path: pathlib.Path) -> None:
+    """Gemma 3 4B and up are `Gemma3ForConditionalGeneration`: the text model's `text_config`
+    and `language_model.*` weights are read, the vision tower left out."""
+    from tests.support.tiny_gemma import gemma3_multimodal_model
+
+    model = gemma3_multimodal_model()
+    path = save_gemma_dir(tmp_path / "gemma3-mm", model)
+    loaded = load_model(path, torch.float32)
+    assert loaded.config.architecture == "gemma3" and loaded.config.num_layers == 7
+    assert not any("vision" in k or "projector" in k for k in loaded.state_dict)
+    expected, expected_tokens = reference(model)
+    tokens, logits = generate(runner_of(loaded), PROMPT, NEW_TOKENS)
+    assert (logits - expected).abs().max().item() < 1e-4
+    assert tokens[: len(expected_tokens)] == expected_tokens
+
+
+def test_a_hub_multimodal_config_without_the_default_keys_gets_transformers_defaults() -> None:
+    """The hub's gemma-3-4b-it `text_config` lists only what differs from the defaults."""
+    cfg = {
+        "architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+        "text_config": {
+            "hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
+            "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+            "sliding_window": 1024,
+        },
+        "vision_config": {"model_type": "siglip_vision_model"},
+    }  # fmt: skip
+    c = LlamaConfig.from_hf(cfg)
+    assert (c.num_heads, c.num_kv_heads, c.head_dim, c.vocab_size) == (8, 4, 256, 262208)
+    assert c.sliding_window == 1024 and c.sliding_layers == tuple((i + 1) % 6 != 0 for i in range(34))
+    assert c.rope_theta == 1e6 and c.rope_local_theta == 10000.0 and c.query_scale == 256**-0.5
+    assert c.rope_scaling is not None and c.rope_scaling["factor"] == 8.0 and c.tie_word_embeddings

@@ -126,7 +126,7 @@ def save_gemma_dir(directory: pathlib.Path, model: Any) -> pathlib.Path:
     vocab = {t: i for i, t in enumerate(tokens)}
     tok = transformers.GemmaTokenizer(vocab=vocab, merges=gemma_merges(tokens))
     tok.backend_tokenizer.save(str(directory / "tokenizer.json"))
-    template = TEMPLATES["gemma-3" if model.config.model_type == "gemma3_text" else "gemma-2"]
+    template = TEMPLATES["gemma-3" if model.config.model_type.startswith("gemma3") else "gemma-2"]
     (directory / "tokenizer_config.json").write_text(
         json.dumps({"eos_token": EOS, "bos_token": BOS, "add_bos_token": True, "chat_template": template})
     )
@@ -206,3 +206,21 @@ def write_gemma_gguf(
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def gemma3_multimodal_model(seed: int = 0) -> Any:
+    """A random-weight `Gemma3ForConditionalGeneration` (a one-layer vision tower beside the
+    text model of `gemma3_model`, the shape Gemma 3 4B and up are published in)."""
+    import transformers
+
+    text = gemma3_model(seed).config
+    vision = transformers.SiglipVisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=28,
+        patch_size=14,
+    )
+    config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4)
+    return _randomized(transformers.Gemma3ForConditionalGeneration(config), seed)
