@@ -32,7 +32,10 @@ class PrefillChunk:
     row_end: int
     slots: torch.Tensor  # [kv_len] long
     mask: torch.Tensor  # [q_len, kv_len] bool, True = attend
-    window_mask: torch.Tensor | None = None  # [q_len, kv_len] bool: the windowed layers' mask
+    # the windowed layers': the slots of the positions the chunk's window reaches, [window_len],
+    # and their mask [q_len, window_len]
+    window_slots: torch.Tensor | None = None
+    window_mask: torch.Tensor | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,7 +49,9 @@ class AttentionMetadata:
     decode_is_all: bool  # every row is a decode row, in order
     prefills: tuple[PrefillChunk, ...]
     num_tokens: int
-    # the windowed layers' decode mask (a model with `sliding_window`), [B, 1, 1, max_kv_len]
+    # the windowed layers' decode slots [B, window_len] (each row's last positions) and mask
+    # [B, 1, 1, window_len]; without the slots (the decode graphs), a mask over `decode_slots`
+    decode_window_slots: torch.Tensor | None = None
     decode_window_mask: torch.Tensor | None = None
 
     def to(self, device: torch.device) -> AttentionMetadata:
@@ -54,6 +59,9 @@ class AttentionMetadata:
 
         def move(t: torch.Tensor) -> torch.Tensor:
             return t.to(device, non_blocking=True)
+
+        def maybe(t: torch.Tensor | None) -> torch.Tensor | None:
+            return move(t) if t is not None else None
 
         return AttentionMetadata(
             slot_mapping=move(self.slot_mapping),
@@ -67,12 +75,14 @@ class AttentionMetadata:
                     c.row_end,
                     move(c.slots),
                     move(c.mask),
-                    move(c.window_mask) if c.window_mask is not None else None,
+                    maybe(c.window_slots),
+                    maybe(c.window_mask),
                 )  # fmt: skip
                 for c in self.prefills
             ),
             num_tokens=self.num_tokens,
-            decode_window_mask=move(self.decode_window_mask) if self.decode_window_mask is not None else None,
+            decode_window_slots=maybe(self.decode_window_slots),
+            decode_window_mask=maybe(self.decode_window_mask),
         )
 
 
@@ -104,8 +114,12 @@ def build_metadata(spans: list[SeqSpan], page_size: int, window: int = 0) -> Att
             kv_pos = torch.arange(end)
             slots = _slots(pages, kv_pos, page_size)  # [kv_len]
             mask = kv_pos[None, :] <= new_pos[:, None]  # [q_len, kv_len]
-            local = mask & (kv_pos[None, :] > new_pos[:, None] - window) if window else None
-            prefills.append(PrefillChunk(row, row + span.num_tokens, slots, mask, local))
+            local_slots = local = None
+            if window:  # only the positions the chunk's first row's window reaches on
+                lo = max(0, span.start_pos - window + 1)
+                local_slots = slots[lo:]  # [window_len]
+                local = mask[:, lo:] & (kv_pos[None, lo:] > new_pos[:, None] - window)  # [q_len, window_len]
+            prefills.append(PrefillChunk(row, row + span.num_tokens, slots, mask, local_slots, local))
         row += span.num_tokens
     if decode_spans:
         lens = torch.tensor([s.start_pos + 1 for s in decode_spans])  # [B]
@@ -118,12 +132,16 @@ def build_metadata(spans: list[SeqSpan], page_size: int, window: int = 0) -> Att
         kv_pos = torch.arange(max_len)
         decode_slots = _slots(pages, kv_pos, page_size)  # [B, max_len]
         decode_mask = (kv_pos[None, :] < lens[:, None])[:, None, None, :]  # [B, 1, 1, max_len]
-        window_mask = (
-            decode_mask & (kv_pos[None, :] >= lens[:, None] - window)[:, None, None, :] if window else None
-        )
+        window_slots = window_mask = None
+        if window:  # each row's last min(window, max_len) positions; before position 0 masked
+            width = min(window, max_len)
+            local_pos = lens[:, None] - width + torch.arange(width)[None, :]  # [B, width]
+            window_slots = decode_slots.gather(1, local_pos.clamp(min=0))  # [B, width]
+            window_mask = (local_pos >= 0)[:, None, None, :]  # [B, 1, 1, width]
     else:
         decode_slots = torch.zeros(0, 1, dtype=torch.long)
         decode_mask = torch.zeros(0, 1, 1, 1, dtype=torch.bool)
+        window_slots = decode_slots if window else None
         window_mask = decode_mask if window else None
     return AttentionMetadata(
         slot_mapping=torch.cat(slot_chunks) if slot_chunks else torch.zeros(0, dtype=torch.long),
@@ -133,6 +151,7 @@ def build_metadata(spans: list[SeqSpan], page_size: int, window: int = 0) -> Att
         decode_is_all=len(decode_rows) == row,
         prefills=tuple(prefills),
         num_tokens=row,
+        decode_window_slots=window_slots,
         decode_window_mask=window_mask,
     )
 
@@ -213,13 +232,16 @@ def paged_attention(
         qd = q if meta.decode_is_all else q[meta.decode_rows]  # [B, heads, hd]
         batch = qd.shape[0]
         qd = qd.view(batch, kv_heads, group, head_dim)  # [B, kvh, group, hd]
-        kv_len = meta.decode_slots.shape[1]
-        flat = meta.decode_slots.view(-1)  # [B * L]
+        decode_slots, decode_mask = meta.decode_slots, meta.decode_mask
+        if windowed:  # only the window's positions when the step gathered them apart
+            assert meta.decode_window_mask is not None, "a windowed layer needs the step's window masks"
+            decode_slots = meta.decode_window_slots if meta.decode_window_slots is not None else decode_slots
+            decode_mask = meta.decode_window_mask
+        kv_len = decode_slots.shape[1]
+        flat = decode_slots.reshape(-1)  # [B * L]
         # NOTE: `.to(q.dtype)` is a no-op unless --kv-cache-dtype stores k/v narrower than q.
         kd = k_cache.index_select(0, flat).to(q.dtype).view(batch, kv_len, kv_heads, head_dim).transpose(1, 2)
         vd = v_cache.index_select(0, flat).to(q.dtype).view(batch, kv_len, kv_heads, head_dim).transpose(1, 2)
-        decode_mask = meta.decode_window_mask if windowed else meta.decode_mask
-        assert decode_mask is not None, "a windowed layer needs the step's window masks"
         od = decode_attention(
             qd, kd, vd, decode_mask, fused=q.is_cuda, scale=scale, softcap=softcap
         )  # [B, kvh, group, hd]
@@ -233,10 +255,14 @@ def paged_attention(
         q_len = chunk.row_end - chunk.row_start
         qc = q[chunk.row_start : chunk.row_end].view(q_len, kv_heads, group, head_dim)
         qc = qc.permute(1, 2, 0, 3).reshape(kv_heads, group * q_len, head_dim)  # [kvh, group*q, hd]
-        kc = k_cache.index_select(0, chunk.slots).to(q.dtype).transpose(0, 1)  # [kvh, L, hd]
-        vc = v_cache.index_select(0, chunk.slots).to(q.dtype).transpose(0, 1)  # [kvh, L, hd]
-        chunk_mask = chunk.window_mask if windowed else chunk.mask
-        assert chunk_mask is not None, "a windowed layer needs the step's window masks"
+        chunk_slots, chunk_mask = chunk.slots, chunk.mask
+        if windowed:
+            assert chunk.window_slots is not None and chunk.window_mask is not None, (
+                "a windowed layer needs the step's window masks"
+            )
+            chunk_slots, chunk_mask = chunk.window_slots, chunk.window_mask
+        kc = k_cache.index_select(0, chunk_slots).to(q.dtype).transpose(0, 1)  # [kvh, L, hd]
+        vc = v_cache.index_select(0, chunk_slots).to(q.dtype).transpose(0, 1)  # [kvh, L, hd]
         mask = chunk_mask.repeat(group, 1)  # [group*q, L]
         if softcap:
             oc = explicit_attention(qc, kc, vc, mask, scale=scale, softcap=softcap)  # [kvh, group*q, hd]

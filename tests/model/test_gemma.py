@@ -430,3 +430,26 @@ def test_a_hub_multimodal_config_without_the_default_keys_gets_transformers_defa
     assert c.sliding_window == 1024 and c.sliding_layers == tuple((i + 1) % 6 != 0 for i in range(34))
     assert c.rope_theta == 1e6 and c.rope_local_theta == 10000.0 and c.query_scale == 256**-0.5
     assert c.rope_scaling is not None and c.rope_scaling["factor"] == 8.0 and c.tie_word_embeddings
+
+
+def test_float_path_in_chunks_and_batched_decodes_matches_transformers(
+    hf_model: Any, gemma_dir: pathlib.Path
+) -> None:
+    """Prefill chunks that start past the window, and decodes of two sequences of different
+    lengths in one step (each gathers its own window), still give transformers' logits."""
+    runner = runner_of(load_model(gemma_dir, torch.float32))
+    short = PROMPT[:11]
+    for start in range(0, len(PROMPT) - 1, 5):
+        chunk = PROMPT[start : min(start + 5, len(PROMPT) - 1)]
+        runner.forward([SeqWork(0, chunk, start, PAGES, False, GREEDY, 0)])
+    runner.forward([SeqWork(1, short[:-1], 0, tuple(range(16, 32)), False, GREEDY, 0)])
+    logits = runner.forward(
+        [
+            SeqWork(0, PROMPT[-1:], len(PROMPT) - 1, PAGES, True, GREEDY, 0),
+            SeqWork(1, short[-1:], len(short) - 1, tuple(range(16, 32)), True, GREEDY, 0),
+        ]
+    )
+    assert logits is not None
+    for row, prompt in enumerate((PROMPT, short)):
+        expected, _ = reference(hf_model, prompt)
+        assert (logits[row] - expected).abs().max().item() < 1e-4
