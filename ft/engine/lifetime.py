@@ -223,6 +223,7 @@ async def _start(engine: Engine, nursery: trio.Nursery) -> None:
         reserve_full_budget=cfg.admission == "reserve",
         speculative_tokens=cfg.speculative_tokens if cfg.speculative_method == "ngram" else 0,
         speculative_max_batch=cfg.speculative_max_batch,
+        kv_window=parts.kv_window,
     )
     # Unbounded inboxes, each bounded by what feeds it: every live request posts one
     # Tokenize and O(1) scheduler commands; one StepDone and one detokenizer tuple per step.

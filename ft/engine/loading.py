@@ -44,6 +44,9 @@ class ModelParts:
     # The reasoning format the model's family writes (`architectures`; Qwen3: "think"), which the
     # server parses when it was configured with none.
     reasoning_parser: str | None = None
+    # The positions every layer attends at most (a sliding window on all of them), 0 when some
+    # layer attends everything: the scheduler gives back the pages a sequence has passed.
+    kv_window: int = 0
 
 
 @dataclass(frozen=True)
@@ -187,6 +190,7 @@ def load_torch_model(
         close=close,
         failure=procs.failure if procs is not None else None,
         reasoning_parser=by_name(loaded.config.architecture).reasoning_parser,
+        kv_window=loaded.config.sliding_window if loaded.config.is_all_windowed else 0,
     )
 
 

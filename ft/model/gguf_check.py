@@ -53,6 +53,8 @@ def expected_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
             }  # fmt: skip
         if c.qk_norm:
             shapes |= {p + "attn_q_norm.weight": (c.head_dim,), p + "attn_k_norm.weight": (c.head_dim,)}
+        if c.post_norms:  # Gemma: the attention's and the MLP's outputs normed
+            shapes |= {p + "post_attention_norm.weight": (h,), p + "post_ffw_norm.weight": (h,)}
     return shapes
 
 

@@ -22,6 +22,7 @@ from ft.model.rerank import RankFormat
 from ft.tokenizer.spec import (
     TokenizerSpec,
     byte_level_bpe_from_gguf,
+    gemma_from_gguf,
     sentencepiece_bpe_from_gguf,
     special_token_text,
     tokenizer_json_of,
@@ -80,6 +81,8 @@ def gguf_config(meta: GGUFFile, tensor_names: set[str], vocab_size: int) -> Llam
             moe_intermediate_size=meta.integer(f"{arch}.expert_feed_forward_length", 1, MAX_WIDTH),
             norm_topk_prob=_flag(meta, f"{arch}.expert_weights_norm", default=True),
         )  # llama.cpp renormalizes qwen3moe's top-k unless the file says otherwise
+    gemma = _gemma_fields(meta, arch, family, num_layers, hidden, num_heads, head_dim) if family.gemma else {}
+    window = _window_fields(meta, arch, family, num_layers) if family.windowed else {}
     rope_scaling: dict[str, Any] | None = None
     scaling_type = meta.text(f"{arch}.rope.scaling.type")
     if scaling_type not in (None, "none"):
@@ -115,11 +118,67 @@ def gguf_config(meta: GGUFFile, tensor_names: set[str], vocab_size: int) -> Llam
             architecture=family.name,
             pooling=GGUF_POOLINGS.get(meta.integer(f"{arch}.pooling_type", 0, 1 << 16, default=0)),
             **moe,
+            **gemma,
+            **window,
         )
     except ModelFileError:
         raise
     except ValueError as e:  # LlamaConfig's own checks (rope scaling type)
         raise ModelFileError(f"metadata of architecture {arch!r}: {e}") from None
+
+
+def _gemma_fields(
+    meta: GGUFFile,
+    arch: str,
+    family: Architecture,
+    num_layers: int,
+    hidden: int,
+    num_heads: int,
+    head_dim: int,
+) -> dict[str, Any]:
+    """Gemma's blocks as llama.cpp reads them from a GGUF: its norms already hold the 1 of
+    `(1 + w)` (the converter added it), the query scale is the head size's (hidden / heads for
+    the 27B layer counts: the file has no `query_pre_attn_scalar`), soft-caps from the file or
+    llama.cpp's defaults, and llama.cpp's rotary base for the windowed layers."""
+    attn_cap, final_cap = family.gguf_softcaps
+    scale_width = hidden / num_heads if num_layers in family.gguf_wide_query_scale_layers else head_dim
+    return dict(
+        hidden_act="gelu_pytorch_tanh",
+        embed_scale=True,
+        post_norms=True,
+        query_scale=scale_width**-0.5,
+        attn_softcap=meta.number(f"{arch}.attn_logit_softcapping", 0.0, 1e6, attn_cap),
+        final_softcap=meta.number(f"{arch}.final_logit_softcapping", 0.0, 1e6, final_cap),
+        rope_local_theta=family.local_rope_theta,
+    )
+
+
+def _window_fields(meta: GGUFFile, arch: str, family: Architecture, num_layers: int) -> dict[str, Any]:
+    """The sliding window (`{arch}.attention.sliding_window`, else the family's `gguf_window`)
+    and which layers it applies to (`{arch}.attention.sliding_window_pattern`: a
+    period n — every nth layer global — or one boolean per layer; else the family's period)."""
+    key = f"{arch}.attention.sliding_window"
+    if family.gguf_window < 0:
+        meta.require(key)
+    window = meta.integer(key, 0, MAX_CONTEXT, default=max(family.gguf_window, 0))
+    if not window:
+        return {}
+    pattern_key = f"{arch}.attention.sliding_window_pattern"
+    pattern = meta.get(pattern_key)
+    period = family.sliding_period
+    if isinstance(pattern, list):
+        if len(pattern) != num_layers or not all(isinstance(v, bool) for v in pattern):
+            raise ModelFileError(
+                f"metadata key {pattern_key!r}: expected a period or {num_layers} booleans (one per layer)"
+            )
+        return dict(sliding_window=window, sliding_layers=tuple(pattern))
+    if pattern is not None:
+        period = meta.integer(pattern_key, 1, MAX_LAYERS)
+    if not period:
+        return dict(sliding_window=window)
+    return dict(
+        sliding_window=window, sliding_layers=tuple(i % period < period - 1 for i in range(num_layers))
+    )
 
 
 def _flag(meta: GGUFFile, key: str, *, default: bool) -> bool:
@@ -302,6 +361,12 @@ def gguf_tokenizer(meta: GGUFFile, context_length: int) -> TokenizerSpec:
             not in the vocabulary.
     """
     kind = meta.text("tokenizer.ggml.model")
+    try:
+        family: Architecture | None = by_gguf(
+            str(meta.text("general.architecture", "") or ""), str(meta.text("general.name", "") or "")
+        )
+    except ValueError:
+        family = None  # a tokenizer alone (the model's family was checked where it mattered)
     if kind is None:
         raise ModelFileError("GGUF file lacks required metadata key 'tokenizer.ggml.model'")
     tokens = _list_of(meta, "tokenizer.ggml.tokens", str)
@@ -321,6 +386,9 @@ def gguf_tokenizer(meta: GGUFFile, context_length: int) -> TokenizerSpec:
         if kind == "gpt2":
             tok = byte_level_bpe_from_gguf(tokens, merges or [], token_types, meta.text("tokenizer.ggml.pre"))
             add_bos_default = False
+        elif kind == "llama" and family is not None and family.gemma and not merges:
+            tok = gemma_from_gguf(tokens, token_types)  # no prefix space, merges in file order
+            add_bos_default = True
         elif kind == "llama":
             scores = _list_of(meta, "tokenizer.ggml.scores", float, len(tokens)) or [0.0] * len(tokens)
             tok = sentencepiece_bpe_from_gguf(tokens, scores, merges, token_types)
@@ -338,6 +406,8 @@ def gguf_tokenizer(meta: GGUFFile, context_length: int) -> TokenizerSpec:
     eos_id = special.get("eos_token_id")
     eos_ids = [eos_id] if eos_id is not None else []
     eot_id = special.get("eot_token_id")
+    if eot_id is None and family is not None and family.end_of_turn in tokens:
+        eot_id = tokens.index(family.end_of_turn)  # llama.cpp finds Gemma's EOT by its text too
     if eot_id is not None and eot_id not in eos_ids:
         eos_ids.append(eot_id)
     add_bos = meta.get("tokenizer.ggml.add_bos_token")

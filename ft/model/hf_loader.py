@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
+from ft.model.architectures import by_hf
 from ft.model.llama import LlamaConfig, Progress
 from ft.model.rerank import RankFormat
 from ft.tokenizer.spec import TokenizerSpec, tokenizer_json_of
@@ -80,13 +81,29 @@ def hf_state_dict(
         files = sorted(p.name for p in directory.glob("*.safetensors"))
     if not files:
         raise ValueError(f"{directory} has no *.safetensors files")
+    prefixes = by_hf(_read_json(directory / "config.json")).hf_weight_prefixes
     sd: dict[str, torch.Tensor] = {}
     for i, name in enumerate(files):
         if progress is not None:
             progress(i / len(files))
         for key, tensor in load_file(str(directory / name)).items():
-            sd[key] = tensor.to(dtype)
+            text_key = _text_weight(key, prefixes) if prefixes else key
+            if text_key is not None:
+                sd[text_key] = tensor.to(dtype)
     return sd
+
+
+def _text_weight(key: str, prefixes: tuple[tuple[str, str], ...]) -> str | None:
+    """A multimodal checkpoint's weight under its text model's name, or None (the vision tower,
+    the projector: not run). A checkpoint of the text model alone keeps its names."""
+    if key.startswith("model.") and not key.startswith(
+        ("model.language_model.", "model.vision", "model.multi_modal")
+    ):
+        return key  # Gemma3ForCausalLM's own
+    for old, new in prefixes:
+        if key.startswith(old):
+            return new + key.removeprefix(old)
+    return None
 
 
 def _token_text(value: Any) -> str | None:

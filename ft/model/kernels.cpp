@@ -1877,9 +1877,13 @@ template <class T>
 void attend_team(const float* qbase, int64_t ldq, const T* k_cache, const T* v_cache, int64_t T_,
                  const int64_t* seq, const int64_t* pos, const int32_t* block_tables, int64_t max_pages,
                  int64_t page_size, int64_t nh, int64_t nkvh, int64_t hd, float* obase, int64_t ldo,
-                 AttendScratch& scratch) {
+                 AttendScratch& scratch, float scale_in = 0, float softcap = 0, int64_t window = 0) {
+  // scale_in: the scores' scale (0: 1 / sqrt(hd)); softcap: scores as tanh(s / cap) * cap (0:
+  // none); window: row t attends positions pos[t] - window + 1 .. pos[t] only (0: all). A row's
+  // first block of eight keys is its window's, whatever its tile, so it never depends on them.
   const int64_t kvsz = nkvh * hd, group = nh / nkvh;
-  const float scale = 1.0f / sqrtf((float)hd);
+  const float scale = scale_in > 0 ? scale_in : 1.0f / sqrtf((float)hd);
+  auto first = [&](int64_t p) { return window && p - window + 1 > 0 ? p - window + 1 : (int64_t)0; };
   const std::vector<int64_t>& tiles = scratch.tiles;  // first row of each tile
   const int64_t ntiles = (int64_t)tiles.size();
 #pragma omp for schedule(dynamic, 1) collapse(2)
@@ -1897,13 +1901,14 @@ void attend_team(const float* qbase, int64_t ldq, const T* k_cache, const T* v_c
 #if defined(__AVX2__)
       if (hd % 8 == 0 && hd <= 256) {
         alignas(32) float buf[8 * 256];
-        for (int64_t p0 = 0; p0 < len_max; p0 += 8) {
+        const int64_t p_first = first(pos[t0]) / 8 * 8;  // the tile's earliest window (its first row's)
+        for (int64_t p0 = p_first; p0 < len_max; p0 += 8) {
           for (int j = 0; j < 8; j++) {
             const T* k = at(k_cache, p0 + j);
             for (int64_t i = 0; i < hd; i += 8) _mm256_store_ps(buf + j * hd + i, kv_load8(k, i));
           }
           for (int64_t r = 0; r < rows; r++) {
-            if (p0 > pos[t0 + r]) continue;
+            if (p0 > pos[t0 + r] || p0 + 8 <= first(pos[t0 + r])) continue;
             for (int64_t g = 0; g < group; g++) {
               const float* q = qbase + (t0 + r) * ldq + (kh * group + g) * hd;
               __m256 acc[8];
@@ -1912,27 +1917,34 @@ void attend_team(const float* qbase, int64_t ldq, const T* k_cache, const T* v_c
                 const __m256 qv = _mm256_loadu_ps(q + i);
                 for (int j = 0; j < 8; j++) acc[j] = _mm256_fmadd_ps(qv, _mm256_load_ps(buf + j * hd + i), acc[j]);
               }
-              _mm256_storeu_ps(&sc[(r * group + g) * stride + p0], _mm256_mul_ps(hsum8_ps(acc), _mm256_set1_ps(scale)));
+              float* s8 = &sc[(r * group + g) * stride + p0];
+              _mm256_storeu_ps(s8, _mm256_mul_ps(hsum8_ps(acc), _mm256_set1_ps(scale)));
+              if (softcap)
+                for (int j = 0; j < 8; j++) s8[j] = tanhf(s8[j] / softcap) * softcap;
+              for (int64_t j = 0; p0 + j < first(pos[t0 + r]); j++) s8[j] = -INFINITY;  // before its window
             }
           }
         }
-        for (int64_t r = 0; r < rows; r++)
-          for (int64_t g = 0; g < group; g++) softmax(&sc[(r * group + g) * stride], pos[t0 + r] + 1);
+        for (int64_t r = 0; r < rows; r++) {
+          const int64_t from = first(pos[t0 + r]) / 8 * 8;
+          for (int64_t g = 0; g < group; g++) softmax(&sc[(r * group + g) * stride + from], pos[t0 + r] + 1 - from);
+        }
         for (int64_t r = 0; r < rows; r++)
           for (int64_t i = 0; i < group * hd; i++) obase[(t0 + r) * ldo + kh * group * hd + i] = 0;
-        for (int64_t p0 = 0; p0 < len_max; p0 += 8) {
+        for (int64_t p0 = p_first; p0 < len_max; p0 += 8) {
           for (int j = 0; j < 8; j++) {
             const T* v = at(v_cache, p0 + j);
             for (int64_t i = 0; i < hd; i += 8) _mm256_store_ps(buf + j * hd + i, kv_load8(v, i));
           }
           for (int64_t r = 0; r < rows; r++) {
             const int64_t n = pos[t0 + r] + 1 - p0 < 8 ? pos[t0 + r] + 1 - p0 : 8;
-            for (int64_t g = 0; g < group && n > 0; g++) {
+            const int64_t j0 = first(pos[t0 + r]) - p0 > 0 ? first(pos[t0 + r]) - p0 : 0;
+            for (int64_t g = 0; g < group && n > j0; g++) {
               const float* c = &sc[(r * group + g) * stride + p0];
               float* o = obase + (t0 + r) * ldo + (kh * group + g) * hd;
               for (int64_t i = 0; i < hd; i += 8) {
                 __m256 acc = _mm256_loadu_ps(o + i);
-                for (int64_t j = 0; j < n; j++)
+                for (int64_t j = j0; j < n; j++)
                   acc = _mm256_fmadd_ps(_mm256_set1_ps(c[j]), _mm256_load_ps(buf + j * hd + i), acc);
                 _mm256_storeu_ps(o + i, acc);
               }
@@ -1943,15 +1955,18 @@ void attend_team(const float* qbase, int64_t ldq, const T* k_cache, const T* v_c
       }
 #endif
       for (int64_t r = 0; r < rows; r++) {
-        const int64_t len = pos[t0 + r] + 1;
+        const int64_t len = pos[t0 + r] + 1, from = first(pos[t0 + r]);
         for (int64_t g = 0; g < group; g++) {
           const float* q = qbase + (t0 + r) * ldq + (kh * group + g) * hd;
           float* s_ = &sc[(r * group + g) * stride];
-          for (int64_t p = 0; p < len; p++) s_[p] = dot_kv(q, at(k_cache, p), hd) * scale;
-          softmax(s_, len);
+          for (int64_t p = from; p < len; p++) {
+            s_[p] = dot_kv(q, at(k_cache, p), hd) * scale;
+            if (softcap) s_[p] = tanhf(s_[p] / softcap) * softcap;
+          }
+          softmax(s_ + from, len - from);
           float* o = obase + (t0 + r) * ldo + (kh * group + g) * hd;
           for (int64_t i = 0; i < hd; i++) o[i] = 0;
-          for (int64_t p = 0; p < len; p++) axpy_kv(s_[p], at(v_cache, p), o, hd);
+          for (int64_t p = from; p < len; p++) axpy_kv(s_[p], at(v_cache, p), o, hd);
         }
       }
     }
@@ -2039,6 +2054,14 @@ struct LayerArgs {
   const float* q_norm;  // [qk_norm_len == hd] RMSNorm over every q head before the rotary (Qwen3),
   const float* k_norm;  // and k's; both null or both set
   int64_t qk_norm_len;
+  // Gemma 2/3 and sliding windows (zero / null: as Llama)
+  const float* attn_out_norm;  // [post_norm_len == H] RMSNorm of the attention's output (Gemma),
+  const float* mlp_out_norm;   // and of the MLP's, before their residuals; both null or both set
+  int64_t post_norm_len;
+  int64_t gelu;         // 1: GeGLU (gelu, tanh approximation) instead of SwiGLU
+  float query_scale;    // the scores' scale; 0: 1 / sqrt(head_dim)
+  float attn_softcap;   // scores as tanh(s / cap) * cap before the softmax (Gemma 2); 0: none
+  int64_t window;       // a row attends its last `window` positions only (sliding window); 0: all
 };
 
 // One step's rows and where they go, the same for every layer of the step (`kernels.StepArgs`).
@@ -2104,12 +2127,13 @@ void decoder_layer(const LayerArgs& L, const StepArgs& S, float* x, const float*
       kv_store(row + qsz + kvsz, kvsz, v_cache + slot_of[t] * kvsz / kv_per<KT>);
     }
     attend_team(qkv.data(), qkv_w, k_cache, v_cache, T, seq, pos, block_tables, max_pages, page_size, nh, nkvh,
-                hd, attn.data(), qsz, scratch);
+                hd, attn.data(), qsz, scratch, L.query_scale, L.attn_softcap, L.window);
 #pragma omp single
     act.set(attn.data(), T, qsz, qsz);
     gemm_team(w[3], act, h.data(), H);  // h = o_proj(attn)
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < T; t++) {
+      if (L.attn_out_norm) rms_norm_row(h.data() + t * H, L.attn_out_norm, eps, H, h.data() + t * H);
       for (int64_t i = 0; i < H; i++) x[t * H + i] += h[t * H + i];
       rms_norm_row(x + t * H, norm2, eps, H, h.data() + t * H);
     }
@@ -2120,6 +2144,12 @@ void decoder_layer(const LayerArgs& L, const StepArgs& S, float* x, const float*
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < T; t++) {
       float* g = gu.data() + t * 2 * inter;
+      if (L.gelu) {  // GeGLU: gelu(g) with the tanh approximation, as torch's approximate="tanh"
+        for (int64_t i = 0; i < inter; i++)
+          g[i] = 0.5f * g[i] * (1.0f + tanhf(0.7978845608028654f * (g[i] + 0.044715f * g[i] * g[i] * g[i]))) *
+                 g[i + inter];
+        continue;
+      }
 #pragma omp simd
       for (int64_t i = 0; i < inter; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * g[i + inter];
     }
@@ -2127,8 +2157,10 @@ void decoder_layer(const LayerArgs& L, const StepArgs& S, float* x, const float*
     act.set(gu.data(), T, inter, 2 * inter);
     gemm_team(w[6], act, h.data(), H);
 #pragma omp for schedule(static)
-    for (int64_t t = 0; t < T; t++)
+    for (int64_t t = 0; t < T; t++) {
+      if (L.mlp_out_norm) rms_norm_row(h.data() + t * H, L.mlp_out_norm, eps, H, h.data() + t * H);
       for (int64_t i = 0; i < H; i++) x[t * H + i] += h[t * H + i];
+    }
   }
 }
 
@@ -2235,6 +2267,13 @@ int ft_decoder_layer(const LayerArgs* layer, const StepArgs* step, float* x, int
                (long long)L.bias_len, (long long)(qsz + 2 * kvsz));
     FT_REQUIRE(!L.q_norm == !L.k_norm && (!L.q_norm || L.qk_norm_len == hd),
                "q/k head norms of %lld for heads of %lld", (long long)L.qk_norm_len, (long long)hd);
+    FT_REQUIRE(!L.attn_out_norm == !L.mlp_out_norm && (!L.attn_out_norm || L.post_norm_len == H),
+               "output norms of %lld for hidden %lld (both or neither)", (long long)L.post_norm_len, (long long)H);
+    FT_REQUIRE(L.gelu == 0 || L.gelu == 1, "activation %lld (0 SwiGLU, 1 GeGLU)", (long long)L.gelu);
+    FT_REQUIRE(std::isfinite(L.query_scale) && L.query_scale >= 0 && std::isfinite(L.attn_softcap) &&
+                   L.attn_softcap >= 0 && L.window >= 0,
+               "query scale %g, soft-cap %g, window %lld", (double)L.query_scale, (double)L.attn_softcap,
+               (long long)L.window);
     static const char* names[7] = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"};
     const int64_t rows[7] = {qsz, kvsz, kvsz, H, inter, inter, H};
     const int64_t cols[7] = {H, H, H, qsz, H, H, inter};

@@ -93,6 +93,14 @@ class LayerArgs(ctypes.Structure):
         ("q_norm", ctypes.c_void_p),
         ("k_norm", ctypes.c_void_p),
         ("qk_norm_len", ctypes.c_int64),
+        # Gemma 2/3 and sliding windows
+        ("attn_out_norm", ctypes.c_void_p),
+        ("mlp_out_norm", ctypes.c_void_p),
+        ("post_norm_len", ctypes.c_int64),
+        ("gelu", ctypes.c_int64),
+        ("query_scale", ctypes.c_float),
+        ("attn_softcap", ctypes.c_float),
+        ("window", ctypes.c_int64),
     ]
 
 

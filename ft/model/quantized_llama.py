@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from ft.model import kernels
-from ft.model.llama import LlamaConfig, rope_inv_freq
+from ft.model.llama import LlamaConfig, rope_inv_freq, rope_local_inv_freq
 from ft.model.quant import QuantTensor
 
 _PROJECTIONS = (
@@ -48,17 +48,32 @@ class _Layer:
     """One layer's weights and its `kernels.LayerArgs`, which points into them (`keep` holds
     every tensor a pointer reads, for as long as the layer lives)."""
 
-    __slots__ = ("args", "keep")
+    __slots__ = ("args", "keep", "is_local_rope")
 
-    def __init__(self, config: LlamaConfig, sd: dict[str, torch.Tensor | QuantTensor], prefix: str) -> None:
-        norm1 = _float(sd[prefix + "input_layernorm.weight"])
-        norm2 = _float(sd[prefix + "post_attention_layernorm.weight"])
+    def __init__(
+        self, config: LlamaConfig, sd: dict[str, torch.Tensor | QuantTensor], prefix: str, index: int = 0
+    ) -> None:
+        def norm(name: str) -> torch.Tensor:  # (1 + w) folded in where the file does not hold it
+            w = _float(sd[prefix + name])
+            return w + config.norm_offset if config.norm_offset else w
+
+        norm1 = norm("input_layernorm.weight")
+        # Gemma's names: its pre-MLP norm is pre_feedforward_layernorm, and post_attention_layernorm
+        # norms the attention's output
+        norm2 = norm(
+            "pre_feedforward_layernorm.weight" if config.post_norms else "post_attention_layernorm.weight"
+        )
+        out_norms = (
+            (norm("post_attention_layernorm.weight"), norm("post_feedforward_layernorm.weight"))
+            if config.post_norms
+            else (None, None)
+        )
         quant = [_quant(sd[prefix + name + ".weight"]) for name in _PROJECTIONS]
         biases = [sd.get(prefix + f"self_attn.{p}_proj.bias") for p in "qkv"]
         bias = torch.cat([_float(b) for b in biases]) if all(b is not None for b in biases) else None
         norms = [sd.get(prefix + f"self_attn.{p}_norm.weight") for p in "qk"]  # Qwen3's head norms
-        q_norm, k_norm = (_float(n) if n is not None else None for n in norms)
-        self.keep = [norm1, norm2, bias, q_norm, k_norm, *quant]
+        q_norm, k_norm = (_float(n) + config.norm_offset if n is not None else None for n in norms)
+        self.keep = [norm1, norm2, bias, q_norm, k_norm, *out_norms, *quant]
         self.args = kernels.LayerArgs(
             hidden=config.hidden_size,
             heads=config.num_heads,
@@ -76,7 +91,15 @@ class _Layer:
             q_norm=_ptr(q_norm),
             k_norm=_ptr(k_norm),
             qk_norm_len=q_norm.numel() if q_norm is not None else 0,
+            attn_out_norm=_ptr(out_norms[0]),
+            mlp_out_norm=_ptr(out_norms[1]),
+            post_norm_len=out_norms[0].numel() if out_norms[0] is not None else 0,
+            gelu=int(config.hidden_act == "gelu_pytorch_tanh"),
+            query_scale=config.query_scale,
+            attn_softcap=config.attn_softcap,
+            window=config.layer_window(index),
         )
+        self.is_local_rope = bool(config.layer_window(index) and config.rope_local_theta)
 
 
 def _weight(q: QuantTensor) -> kernels.Weight:
@@ -116,8 +139,13 @@ class QuantizedLlama:
                 f"({self.embed.rows} rows) or lm_head ({self.lm_head.rows} rows)"
             )
         self.norm = _float(sd["model.norm.weight"])
-        self.layers = [_Layer(config, sd, f"model.layers.{i}.") for i in range(config.num_layers)]
+        self.layers = [_Layer(config, sd, f"model.layers.{i}.", i) for i in range(config.num_layers)]
         self.inv_freq = rope_inv_freq(config)
+        self.local_inv_freq = rope_local_inv_freq(config)  # Gemma 3's windowed layers'
+        # NOTE: transformers rounds the factor to the embedding's dtype; here float32
+        self.embed_scale = (
+            float(torch.tensor(config.hidden_size**0.5, dtype=torch.float32)) if config.embed_scale else 0.0
+        )
 
     def forward(
         self,
@@ -131,9 +159,15 @@ class QuantizedLlama:
         kv_type = kernels.kv_code_of(k_caches)
         c = self.config
         x = kernels.dequantize_rows(self.embed, input_ids)  # [T, hidden]
+        if self.embed_scale:
+            x.mul_(self.embed_scale)
         num_tokens, hidden = x.shape
         freqs = index.positions.float()[:, None] * self.inv_freq[None, :]  # [T, head_dim // 2]
         cos, sin = freqs.cos().contiguous(), freqs.sin().contiguous()
+        local_cos, local_sin = cos, sin
+        if self.local_inv_freq is not None:
+            local = index.positions.float()[:, None] * self.local_inv_freq[None, :]  # [T, head_dim // 2]
+            local_cos, local_sin = local.cos().contiguous(), local.sin().contiguous()
         threads = torch.get_num_threads()
         tables = index.block_tables
         # NOTE: every size passed is the buffer's own; the kernel checks them against each other
@@ -153,9 +187,10 @@ class QuantizedLlama:
             threads=threads,
         )
         for i, layer in enumerate(self.layers):
+            layer_cos, layer_sin = (local_cos, local_sin) if layer.is_local_rope else (cos, sin)
             kernels.check(self.lib, self.lib.ft_decoder_layer(
-                ctypes.byref(layer.args), ctypes.byref(step), x.data_ptr(), hidden, cos.data_ptr(),
-                sin.data_ptr(), cos.shape[1], k_caches[i].data_ptr(), v_caches[i].data_ptr(),
+                ctypes.byref(layer.args), ctypes.byref(step), x.data_ptr(), hidden, layer_cos.data_ptr(),
+                layer_sin.data_ptr(), layer_cos.shape[1], k_caches[i].data_ptr(), v_caches[i].data_ptr(),
             ))  # fmt: skip
         out = torch.empty_like(x)
         kernels.check(self.lib, self.lib.ft_rms_norm(

@@ -49,6 +49,17 @@ def prepacked_linear(linear: torch.nn.Linear) -> Callable[[torch.Tensor], torch.
     return run
 
 
+def softcapped(
+    head: Callable[[torch.Tensor], torch.Tensor], cap: float
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """`head`'s logits as tanh(logits / cap) * cap (Gemma 2's final soft-capping)."""
+
+    def run(rows: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(head(rows) / cap) * cap
+
+    return run
+
+
 def quantize_linears(model: torch.nn.Module) -> None:
     """Every `nn.Linear` as fbgemm's dynamic int8 linear: per-output-channel int8 weights,
     float32 activations quantized per call.
@@ -166,6 +177,8 @@ class TorchRunner:
                 else prepacked_linear(self.model.lm_head)
             )
             self._lm_head = head if world == 1 else self._gathered(head)
+        if c.final_softcap:  # Gemma 2: every path's logits soft-capped once, after the projection
+            self._lm_head = softcapped(self._lm_head, c.final_softcap)
         self._graphs: DecodeGraphs | None = None
         if on_cpu:
             self.k_cache = lazy_zeros(shape, storage)
@@ -436,7 +449,7 @@ class TorchRunner:
     def _forward_torch(
         self, token_ids: list[int], positions: list[int], spans: list[SeqSpan]
     ) -> torch.Tensor:
-        meta = build_metadata(spans, self._page_size)
+        meta = build_metadata(spans, self._page_size, self.config.sliding_window)
         if self.device.type != "cpu":
             meta = meta.to(self.device)
         hidden: torch.Tensor = self.model(

@@ -187,7 +187,7 @@ def test_sliding_window_qwen3_is_refused(qwen3_dir: pathlib.Path, tmp_path: path
 @pytest.mark.parametrize(
     ("config", "named"),
     [
-        ({"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text"}, "Gemma3ForCausalLM"),
+        ({"architectures": ["MambaForCausalLM"], "model_type": "mamba"}, "MambaForCausalLM"),
         ({"model_type": "phi3"}, "phi3"),
     ],
 )
@@ -203,9 +203,9 @@ def test_unsupported_gguf_architecture_is_named_with_the_supported_list(
     qwen3_gguf: pathlib.Path, tmp_path: pathlib.Path
 ) -> None:
     raw = RawGGUF.read(qwen3_gguf)
-    raw.set("general.architecture", STRING, string("gemma3")).write(tmp_path / "gemma.gguf")
-    with pytest.raises(ModelFileError, match=r"'gemma3' is not supported \(supported: .*qwen3"):
-        load_model(tmp_path / "gemma.gguf", torch.float32)
+    raw.set("general.architecture", STRING, string("mamba")).write(tmp_path / "mamba.gguf")
+    with pytest.raises(ModelFileError, match=r"'mamba' is not supported \(supported: .*qwen3"):
+        load_model(tmp_path / "mamba.gguf", torch.float32)
 
 
 def test_two_tensor_parallel_ranks_give_the_tokens_and_logits_of_one(qwen3_dir: pathlib.Path) -> None:
