@@ -54,7 +54,9 @@ def gguf_config(meta: GGUFFile, tensor_names: set[str], vocab_size: int) -> Llam
     if arch is None:
         raise ModelFileError("GGUF file lacks required metadata key 'general.architecture'")
     try:
-        family = by_gguf(arch, str(meta.text("general.name", "") or ""))
+        family = by_gguf(
+            arch, str(meta.text("general.name", "") or ""), f"{arch}.expert_count" in meta.fields
+        )
     except ValueError as e:
         raise ModelFileError(str(e)) from None
     num_layers = meta.integer(f"{arch}.block_count", 1, MAX_LAYERS)
@@ -72,12 +74,19 @@ def gguf_config(meta: GGUFFile, tensor_names: set[str], vocab_size: int) -> Llam
     moe: dict[str, Any] = {}
     if family.moe:
         num_experts = meta.integer(f"{arch}.expert_count", 1, MAX_EXPERTS)
+        # Mixtral's and OLMoE's experts are `feed_forward_length` wide (llama.cpp's n_ff)
+        expert_ffn = meta.integer(
+            f"{arch}.expert_feed_forward_length", 1, MAX_WIDTH, default=0
+        ) or _per_layer(meta, f"{arch}.feed_forward_length", 1, MAX_WIDTH, num_layers)
+        renormalize = family.router_renormalizes
         moe = dict(
             num_experts=num_experts,
             num_experts_per_tok=meta.integer(f"{arch}.expert_used_count", 1, num_experts),
-            moe_intermediate_size=meta.integer(f"{arch}.expert_feed_forward_length", 1, MAX_WIDTH),
-            norm_topk_prob=_flag(meta, f"{arch}.expert_weights_norm", default=True),
-        )  # llama.cpp renormalizes qwen3moe's top-k unless the file says otherwise
+            moe_intermediate_size=expert_ffn,
+            norm_topk_prob=_flag(meta, f"{arch}.expert_weights_norm", default=family.gguf_expert_weights_norm)
+            if renormalize is None
+            else renormalize,
+        )  # llama.cpp renormalizes qwen3moe's top-k unless the file says otherwise, olmoe's never
     rope_scaling: dict[str, Any] | None = None
     scaling_type = meta.text(f"{arch}.rope.scaling.type")
     if scaling_type not in (None, "none"):
@@ -110,6 +119,7 @@ def gguf_config(meta: GGUFFile, tensor_names: set[str], vocab_size: int) -> Llam
             tie_word_embeddings="output.weight" not in tensor_names,
             attention_bias="blk.0.attn_q.bias" in tensor_names,
             qk_norm=family.qk_norm,
+            qk_norm_whole=family.qk_norm_whole,
             architecture=family.name,
             pooling=GGUF_POOLINGS.get(meta.integer(f"{arch}.pooling_type", 0, 1 << 16, default=0)),
             **moe,
