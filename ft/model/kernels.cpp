@@ -2022,22 +2022,58 @@ int ft_rms_norm(const float* x, int64_t T, int64_t H, int64_t ldx, const float* 
 
 }  // extern "C"
 
-namespace {
-// One pre-norm Llama decoder layer over T new tokens, x [T, H] updated in place.
-//
+// One decoder layer's constant parts, built once per layer at load (`kernels.LayerArgs` mirrors
+// it field by field; `quantized_llama._Layer` fills it). ft_decoder_layer checks every size
+// against the others before it reads a pointer. A field added for a family goes at the end, its
+// zero / null value meaning "as Llama".
+struct LayerArgs {
+  int64_t hidden, heads, kv_heads, head_dim, inter;  // H, nh, nkvh, hd, ffn width
+  float eps;                                          // every RMSNorm's epsilon
+  const float* norm1;                                 // [norm1_len == H] before attention
+  int64_t norm1_len;
+  const float* norm2;  // [norm2_len == H] before the MLP
+  int64_t norm2_len;
+  Weight w[7];         // q, k, v, o, gate, up, down
+  const float* bias;   // [bias_len == q + 2 kv] q|k|v, or null
+  int64_t bias_len;
+  const float* q_norm;  // [qk_norm_len == hd] RMSNorm over every q head before the rotary (Qwen3),
+  const float* k_norm;  // and k's; both null or both set
+  int64_t qk_norm_len;
+};
+
+// One step's rows and where they go, the same for every layer of the step (`kernels.StepArgs`).
 // Row t is position pos[t] of sequence seq[t]; its keys and values are written at slot_of[t],
 // then it attends every position 0..pos[t] of its sequence, found through
 // block_tables[seq[t] * max_pages + p / page_size] * page_size + p % page_size. So decode rows
-// and causal prefill chunks are the same loop. w: q, k, v, o, gate, up, down. bias: q|k|v or null.
-// q_norm, k_norm: hd weights each of an RMSNorm over every q and k head before the rotary (Qwen3),
-// or null. cos, sin: [T, hd / 2]. Caches: this layer's num_slots slots of kvh * hd elements of KT.
+// and causal prefill chunks are the same loop. The caches passed with it hold num_slots slots
+// of kv_slot_bytes (kv_heads * head_dim elements of kv_type) each.
+struct StepArgs {
+  int64_t rows;  // T
+  const int64_t* slot_of;
+  const int64_t* seq;
+  int64_t num_seqs;
+  const int64_t* pos;
+  const int32_t* block_tables;  // [num_seqs, max_pages]
+  int64_t max_pages, page_size;
+  int64_t num_slots, kv_slot_bytes;
+  int64_t kv_type;  // KV_F32, KV_F16, KV_BF16, KV_Q8_0
+  int64_t threads;
+};
+
+namespace {
+// One pre-norm Llama decoder layer over the step's T new tokens, x [T, H] updated in place.
+// cos, sin: [T, hd / 2]. Caches: this layer's, of the step's KV type.
 template <class KT>
-void decoder_layer(float* x, int64_t T, int64_t H, const float* norm1, const float* norm2, float eps,
-                   const Weight* w, const float* bias, const float* q_norm, const float* k_norm, const float* cos,
-                   const float* sin, KT* k_cache, KT* v_cache,
-                   const int64_t* slot_of, const int64_t* seq, const int64_t* pos, const int32_t* block_tables,
-                   int64_t max_pages, int64_t page_size, int64_t nh, int64_t nkvh, int64_t hd, int64_t inter,
-                   int threads) {
+void decoder_layer(const LayerArgs& L, const StepArgs& S, float* x, const float* cos, const float* sin, KT* k_cache,
+                   KT* v_cache) {
+  const int64_t T = S.rows, H = L.hidden, nh = L.heads, nkvh = L.kv_heads, hd = L.head_dim, inter = L.inter;
+  const float eps = L.eps;
+  const float *norm1 = L.norm1, *norm2 = L.norm2, *bias = L.bias, *q_norm = L.q_norm, *k_norm = L.k_norm;
+  const Weight* w = L.w;
+  const int64_t *slot_of = S.slot_of, *seq = S.seq, *pos = S.pos;
+  const int32_t* block_tables = S.block_tables;
+  const int64_t max_pages = S.max_pages, page_size = S.page_size;
+  const int threads = S.threads;
   const int64_t qsz = nh * hd, kvsz = nkvh * hd, qkv_w = qsz + 2 * kvsz;
   std::vector<float> h(T * H), qkv(T * qkv_w), attn(T * qsz), gu(T * 2 * inter);
   const int64_t k_max = H > qsz ? (H > inter ? H : inter) : (qsz > inter ? qsz : inter);
@@ -2174,65 +2210,50 @@ int ft_attention(const float* q, int64_t T, const void* k_cache, const void* v_c
   });
 }
 
-// decoder_layer over a KV cache of `kv_type` (KV_F32, KV_F16, KV_BF16, KV_Q8_0); caches are this
-// layer's num_slots slots of kv_slot_bytes (kvh * hd elements of that type) each; cos, sin [T, rope_width == hd / 2]. Every size is an argument and checked against the others:
-// the norms hold H floats, the bias (or null) q + 2 kv, the q and k head norms (both null, or both
-// qk_norm_len == hd floats) one head, and w[] (q, k, v, o, gate, up, down) have
-// the rows and row bytes of [nh * hd, H], [nkvh * hd, H] twice, [H, nh * hd], [inter, H] twice
-// and [H, inter].
-int ft_decoder_layer(float* x, int64_t T, int64_t H, const float* norm1, int64_t norm1_len, const float* norm2,
-                     int64_t norm2_len, float eps, const Weight* w, const float* bias, int64_t bias_len,
-                     const float* q_norm, const float* k_norm, int64_t qk_norm_len, const float* cos,
-                     const float* sin, int64_t rope_width, void* k_cache, void* v_cache,
-                     int64_t num_slots, int64_t kv_slot_bytes, int kv_type,
-                     const int64_t* slot_of, const int64_t* seq, int64_t num_seqs, const int64_t* pos,
-                     const int32_t* block_tables, int64_t max_pages, int64_t page_size, int64_t nh, int64_t nkvh,
-                     int64_t hd, int64_t inter, int threads) {
+// decoder_layer of the layer `L` over the step `S`: x [S.rows, x_width == L.hidden], cos, sin
+// [S.rows, rope_width == head_dim / 2], and this layer's caches. Every size is an argument and
+// checked against the others: the norms hold H floats, the bias (or null) q + 2 kv, the q and k
+// head norms (both null, or both qk_norm_len == hd floats) one head, and w[] (q, k, v, o, gate,
+// up, down) have the rows and row bytes of [nh * hd, H], [nkvh * hd, H] twice, [H, nh * hd],
+// [inter, H] twice and [H, inter].
+int ft_decoder_layer(const LayerArgs* layer, const StepArgs* step, float* x, int64_t x_width, const float* cos,
+                     const float* sin, int64_t rope_width, void* k_cache, void* v_cache) {
   return guarded("ft_decoder_layer", [&] {
+    FT_REQUIRE(layer && step, "no layer or step arguments");
+    const LayerArgs& L = *layer;
+    const StepArgs& S = *step;
+    const int64_t H = L.hidden, nh = L.heads, nkvh = L.kv_heads, hd = L.head_dim, inter = L.inter;
     check_heads(nh, nkvh, hd);
     FT_REQUIRE(H >= 1 && H <= MAX_K && inter >= 1 && inter <= MAX_K, "hidden %lld, ffn %lld", (long long)H,
                (long long)inter);
-    FT_REQUIRE(norm1_len == H && norm2_len == H, "norms of %lld and %lld elements for hidden %lld",
-               (long long)norm1_len, (long long)norm2_len, (long long)H);
+    FT_REQUIRE(x_width == H, "rows of %lld for hidden %lld", (long long)x_width, (long long)H);
+    FT_REQUIRE(L.norm1 && L.norm2 && L.norm1_len == H && L.norm2_len == H,
+               "norms of %lld and %lld elements for hidden %lld", (long long)L.norm1_len, (long long)L.norm2_len,
+               (long long)H);
     const int64_t qsz = nh * hd, kvsz = nkvh * hd;
-    FT_REQUIRE(!bias || bias_len == qsz + 2 * kvsz, "a q|k|v bias of %lld, expected %lld", (long long)bias_len,
-               (long long)(qsz + 2 * kvsz));
-    FT_REQUIRE(!q_norm == !k_norm && (!q_norm || qk_norm_len == hd), "q/k head norms of %lld for heads of %lld",
-               (long long)qk_norm_len, (long long)hd);
+    FT_REQUIRE(!L.bias || L.bias_len == qsz + 2 * kvsz, "a q|k|v bias of %lld, expected %lld",
+               (long long)L.bias_len, (long long)(qsz + 2 * kvsz));
+    FT_REQUIRE(!L.q_norm == !L.k_norm && (!L.q_norm || L.qk_norm_len == hd),
+               "q/k head norms of %lld for heads of %lld", (long long)L.qk_norm_len, (long long)hd);
     static const char* names[7] = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"};
     const int64_t rows[7] = {qsz, kvsz, kvsz, H, inter, inter, H};
     const int64_t cols[7] = {H, H, H, qsz, H, H, inter};
     for (int i = 0; i < 7; i++) {
-      FT_REQUIRE(w[i].rows == rows[i], "%s: %lld rows, expected %lld", names[i], (long long)w[i].rows,
+      FT_REQUIRE(L.w[i].rows == rows[i], "%s: %lld rows, expected %lld", names[i], (long long)L.w[i].rows,
                  (long long)rows[i]);
-      check_weight(names[i], w[i].type, w[i].rows, w[i].row_bytes, w[i].columns, cols[i]);
+      check_weight(names[i], L.w[i].type, L.w[i].rows, L.w[i].row_bytes, L.w[i].columns, cols[i]);
     }
     FT_REQUIRE(rope_width == hd / 2, "rotary tables of %lld for heads of %lld", (long long)rope_width,
                (long long)hd);
-    check_kv(kv_type, kvsz, hd, kv_slot_bytes);
-    FT_REQUIRE(threads >= 1, "%d threads", threads);
-    check_step(T, slot_of, seq, pos, num_seqs, block_tables, max_pages, page_size, num_slots);
-    switch (kv_type) {
-      case KV_F32:
-        decoder_layer(x, T, H, norm1, norm2, eps, w, bias, q_norm, k_norm, cos, sin, (float*)k_cache,
-                      (float*)v_cache, slot_of, seq, pos, block_tables, max_pages, page_size, nh, nkvh, hd, inter,
-                      threads);
-        break;
-      case KV_F16:
-        decoder_layer(x, T, H, norm1, norm2, eps, w, bias, q_norm, k_norm, cos, sin, (half_t*)k_cache,
-                      (half_t*)v_cache, slot_of, seq, pos, block_tables, max_pages, page_size, nh, nkvh, hd, inter,
-                      threads);
-        break;
-      case KV_BF16:
-        decoder_layer(x, T, H, norm1, norm2, eps, w, bias, q_norm, k_norm, cos, sin, (bfloat_t*)k_cache,
-                      (bfloat_t*)v_cache, slot_of, seq, pos, block_tables, max_pages, page_size, nh, nkvh, hd, inter,
-                      threads);
-        break;
-      case KV_Q8_0:
-        decoder_layer(x, T, H, norm1, norm2, eps, w, bias, q_norm, k_norm, cos, sin, (kv_q8_t*)k_cache,
-                      (kv_q8_t*)v_cache, slot_of, seq, pos, block_tables, max_pages, page_size, nh, nkvh, hd, inter,
-                      threads);
-        break;
+    FT_REQUIRE(S.kv_type >= KV_F32 && S.kv_type <= KV_Q8_0, "KV type %lld", (long long)S.kv_type);
+    check_kv((int)S.kv_type, kvsz, hd, S.kv_slot_bytes);
+    FT_REQUIRE(S.threads >= 1 && S.threads <= 4096, "%lld threads", (long long)S.threads);
+    check_step(S.rows, S.slot_of, S.seq, S.pos, S.num_seqs, S.block_tables, S.max_pages, S.page_size, S.num_slots);
+    switch (S.kv_type) {
+      case KV_F32: decoder_layer(L, S, x, cos, sin, (float*)k_cache, (float*)v_cache); break;
+      case KV_F16: decoder_layer(L, S, x, cos, sin, (half_t*)k_cache, (half_t*)v_cache); break;
+      case KV_BF16: decoder_layer(L, S, x, cos, sin, (bfloat_t*)k_cache, (bfloat_t*)v_cache); break;
+      case KV_Q8_0: decoder_layer(L, S, x, cos, sin, (kv_q8_t*)k_cache, (kv_q8_t*)v_cache); break;
     }
   });
 }
