@@ -124,7 +124,6 @@ QWEN3_MOE = Architecture(
     gguf_names=("qwen3moe",),
     qk_norm=True,
     moe=True,
-    packed=False,
     gguf_layer_extra=QK_NORM_NAMES | MOE_NAMES,
     reasoning_parser="think",
 )
@@ -138,7 +137,6 @@ MIXTRAL = Architecture(
     gguf_names=(),
     moe=True,
     router_renormalizes=True,
-    packed=False,
     gguf_permuted_qk=("llama",),
     gguf_layer_extra=MOE_NAMES,
 )
@@ -153,7 +151,6 @@ OLMOE = Architecture(
     qk_norm_whole=True,
     moe=True,
     gguf_expert_weights_norm=False,
-    packed=False,
     gguf_layer_extra=QK_NORM_NAMES | MOE_NAMES,
 )
 

@@ -15,9 +15,9 @@ from gguf.quants import dequantize
 from ft.model.architectures import GGUF_GLOBAL_NAMES, Architecture, by_gguf, by_name
 from ft.model.gguf_check import check_tensors, check_vocabulary
 from ft.model.gguf_file import GGUFFile, GGUFTensor, ModelFileError
-from ft.model.kernels import repacked
+from ft.model.kernels import expert_views, repacked
 from ft.model.llama import LlamaConfig, Progress
-from ft.model.quant import KERNEL_TYPES, QuantTensor, to_q8_0
+from ft.model.quant import KERNEL_TYPES, Q8_0, QuantTensor, to_q8_0
 from ft.tokenizer.spec import (
     TokenizerSpec,
     byte_level_bpe_from_gguf,
@@ -252,7 +252,14 @@ def gguf_tensors(
         if progress is not None:
             progress(i / len(reader.tensors))
         heads = _permuted_heads(tensor.name, config) if permuted else None
-        if quantized and tensor.data.ndim == 2 and tensor.name != "rope_freqs.weight":
+        if quantized and len(tensor.shape) == 3:  # an expert stack: one packed view per expert
+            if int(tensor.tensor_type) not in KERNEL_TYPES:
+                requantized[tensor.tensor_type.name] += 1
+            sd |= _expert_views(tensor, _hf_name(tensor.name, family))
+            reader.release(tensor)
+            continue
+        is_router = tensor.name.endswith(".ffn_gate_inp.weight")  # floats: the router runs in torch
+        if quantized and tensor.data.ndim == 2 and tensor.name != "rope_freqs.weight" and not is_router:
             if int(tensor.tensor_type) not in KERNEL_TYPES:
                 requantized[tensor.tensor_type.name] += 1
             packed = as_stored(tensor)
@@ -275,6 +282,32 @@ def gguf_tensors(
             ", ".join(f"{n} tensors of {t}" for t, n in sorted(requantized.items())),
         )
     return sd, freq_factors
+
+
+def _expert_views(tensor: GGUFTensor, stacked_name: str) -> dict[str, QuantTensor]:
+    """A GGUF expert stack `[experts, rows, cols]` (`...mlp.experts.gate_proj`) as one packed
+    `QuantTensor` per expert under its per-expert name (`...mlp.experts.E.gate_proj.weight`),
+    views into one buffer; a type the kernels do not multiply is requantized to Q8_0 expert by
+    expert (never the whole stack in floats)."""
+    experts, rows, cols = tensor.shape
+    qtype = int(tensor.tensor_type)
+    if qtype in KERNEL_TYPES:  # (F16 comes as float16 values: their bytes)
+        stack = np.ascontiguousarray(tensor.data).view(np.uint8).reshape(experts, rows, -1)
+    else:
+        per_expert = [
+            to_q8_0(_dequantized_part(tensor, e).reshape(rows, cols)).data.numpy() for e in range(experts)
+        ]
+        stack, qtype = np.stack(per_expert), Q8_0
+    prefix, _, projection = stacked_name.rpartition(".")
+    return {
+        f"{prefix}.{e}.{projection}.weight": view for e, view in enumerate(expert_views(stack, qtype, cols))
+    }
+
+
+def _dequantized_part(tensor: GGUFTensor, expert: int) -> np.ndarray:
+    """Expert `expert` of a stack of a type the kernels do not multiply, as float32."""
+    part = GGUFTensor(tensor.name, tensor.tensor_type, tensor.shape[1:], tensor.data[expert])
+    return _dequantized(part)
 
 
 def _hf_name(name: str, family: Architecture) -> str:

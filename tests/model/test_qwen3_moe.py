@@ -176,11 +176,11 @@ def test_a_malformed_dense_layer_list_is_refused(
 def test_gguf_loads_as_floats_and_matches_transformers_on_its_dequantized_weights(
     hf_model: Any, moe_gguf: pathlib.Path
 ) -> None:
-    """A `qwen3moe` GGUF (Q8_0 experts, stacked per projection) runs on the float path: the
-    packed kernels do not run experts, so "auto" does not pick them."""
+    """A `qwen3moe` GGUF (Q8_0 experts, stacked per projection) on the float path is
+    transformers on its dequantized weights; "auto" runs it packed (`test_moe_packed`)."""
     if not hf_model.config.norm_topk_prob:
         pytest.skip("llama.cpp's qwen3moe always renormalizes the top-k weights")
-    assert not is_quantized_gguf(moe_gguf)
+    assert is_quantized_gguf(moe_gguf)
     loaded = load_model(moe_gguf, torch.float32)
     sd = dict(loaded.state_dict)
     for i in range(hf_model.config.num_hidden_layers):
@@ -193,12 +193,6 @@ def test_gguf_loads_as_floats_and_matches_transformers_on_its_dequantized_weight
     runner = TorchRunner(loaded, num_pages=32, page_size=4, dtype=torch.float32)
     _, logits = generate(runner, PROMPT, 1)
     assert (logits - expected).abs().max().item() < 1e-4
-
-
-def test_the_packed_path_refuses_experts(moe_gguf: pathlib.Path) -> None:
-    loaded = load_model(moe_gguf, torch.float32, quantized=True)
-    with pytest.raises(ValueError, match="packed kernels do not run qwen3_moe's experts"):
-        TorchRunner(loaded, num_pages=32, page_size=4, dtype=torch.float32)
 
 
 def test_an_expert_tensor_of_the_wrong_shape_is_refused_naming_it(
