@@ -73,10 +73,34 @@ def _llama_permuted(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def q4_k_blocks(data: np.ndarray) -> np.ndarray:
+    """`data` `[..., cols]` (cols a multiple of 256) as real Q4_K blocks, which gguf-py cannot
+    write: every sub-block's 6-bit scale and min 32, so a value is `32 * d * (q - 7.5)` with one
+    `d` per block of 256 (`dmin = 7.5 d`); coarser than llama.cpp's quantizer, the same format."""
+    *lead, cols = data.shape
+    x = data.reshape(-1, 256).astype(np.float32)  # [blocks, 256]
+    d = (np.abs(x).max(axis=1) / (32 * 7.5)).astype(np.float16)
+    d = np.where(d == 0, np.float16(1e-7), d)
+    dmin = (d.astype(np.float32) * 7.5).astype(np.float16)
+    step = 32 * d.astype(np.float32)[:, None]
+    q = np.clip(np.rint((x + 32 * dmin.astype(np.float32)[:, None]) / step), 0, 15).astype(np.uint8)
+    blocks = np.zeros((x.shape[0], 144), dtype=np.uint8)
+    blocks[:, 0:2] = d.view(np.uint8).reshape(-1, 2)
+    blocks[:, 2:4] = dmin.view(np.uint8).reshape(-1, 2)
+    blocks[:, 4:12] = 32 | (2 << 6)  # scales and mins of sub-blocks 0-3, high bits of 4-7
+    blocks[:, 12:16] = 0  # low bits of sub-blocks 4-7's scales and mins (32: all in the high bits)
+    chunks = q.reshape(-1, 4, 2, 32)  # 64 values per chunk: its two sub-blocks, low then high nibbles
+    blocks[:, 16:] = (chunks[:, :, 0] | (chunks[:, :, 1] << 4)).reshape(-1, 128)
+    return blocks.reshape(*lead, cols // 256 * 144)
+
+
 def _expert_blocks(name: str, data: np.ndarray, qtype: GGMLQuantizationType, seed: int) -> np.ndarray:
-    """An expert stack `[experts, rows, cols]` as blocks of `qtype`: quantized from `data`, or (a
-    K-quant gguf-py cannot write) random blocks with sane scales of the same shape."""
+    """An expert stack `[experts, rows, cols]` as blocks of `qtype`: quantized from `data` (Q4_K
+    by `q4_k_blocks`), or (another K-quant gguf-py cannot write) random blocks with sane scales
+    of the same shape."""
     experts, rows, cols = data.shape
+    if qtype == GGMLQuantizationType.Q4_K:
+        return q4_k_blocks(data)
     try:
         return np.asarray(quantize(data.reshape(-1, cols), qtype)).reshape(experts, rows, -1)
     except NotImplementedError:
