@@ -29,7 +29,7 @@ class Routing(NamedTuple):
     """Each token's chosen experts and their weights."""
 
     experts: torch.Tensor  # [T, top_k] int64
-    weights: torch.Tensor  # [T, top_k] float32
+    weights: torch.Tensor  # [T, top_k] float32 (`SparseMoE.route`: the activations' dtype)
 
 
 class ExpertGroups(NamedTuple):
