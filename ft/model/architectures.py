@@ -62,7 +62,11 @@ class Architecture:
 
     `qkv_bias` is the default when `config.json` has no `attention_bias` (a GGUF says it by its
     tensors); `qk_norm` is Qwen3's RMSNorm over each head of q and k before the rotary
-    embedding; `moe` replaces every layer's MLP by routed experts (`ft.model.moe`); `packed`
+    embedding (`qk_norm_whole`: OLMoE's, over the whole q and the whole k projection);
+    `moe` replaces every layer's MLP by routed experts (`ft.model.moe`; `router_renormalizes`
+    True: the family always renormalizes its top-k weights, as Mixtral does, None: its config
+    says, `norm_topk_prob`, or a GGUF's `expert_weights_norm`, else `gguf_expert_weights_norm`,
+    llama.cpp's default for the family); `packed`
     says the packed GGUF kernels run its layers (otherwise its GGUFs load as floats);
     `reasoning_parser` is the server's reasoning format for it when none is configured;
     `gguf_permuted_qk` names the GGUF architectures whose q/k rows llama.cpp's
@@ -93,6 +97,9 @@ class Architecture:
     qkv_bias: bool = False
     qk_norm: bool = False
     moe: bool = False
+    qk_norm_whole: bool = False
+    router_renormalizes: bool | None = None
+    gguf_expert_weights_norm: bool = True
     packed: bool = True  # a quantized GGUF of it runs as stored (`quantized_llama`)
     reasoning_parser: str | None = None  # the `<think>` format its template asks the model for
     # A GGUF reranker's head outputs are softmaxed (llama.cpp does for Qwen3: its converter writes
@@ -157,9 +164,34 @@ QWEN3_MOE = Architecture(
     gguf_names=("qwen3moe",),
     qk_norm=True,
     moe=True,
-    packed=False,
     gguf_layer_extra=QK_NORM_NAMES | MOE_NAMES,
     reasoning_parser="think",
+)
+# Mixtral: Mistral's attention, experts of `intermediate_size`, always renormalized top-k (the
+# softmax over the k chosen logits); llama.cpp writes it as a "llama" file with expert tensors
+# (see `by_gguf`).
+MIXTRAL = Architecture(
+    name="mixtral",
+    hf_model_types=("mixtral",),
+    hf_architectures=("MixtralForCausalLM",),
+    gguf_names=(),
+    moe=True,
+    router_renormalizes=True,
+    gguf_permuted_qk=("llama",),
+    gguf_layer_extra=MOE_NAMES,
+)
+# OLMoE: RMSNorm over the whole q and k projections, softmax over every expert then top-k,
+# not renormalized unless `norm_topk_prob` (llama.cpp never renormalizes it).
+OLMOE = Architecture(
+    name="olmoe",
+    hf_model_types=("olmoe",),
+    hf_architectures=("OlmoeForCausalLM",),
+    gguf_names=("olmoe",),
+    qk_norm=True,
+    qk_norm_whole=True,
+    moe=True,
+    gguf_expert_weights_norm=False,
+    gguf_layer_extra=QK_NORM_NAMES | MOE_NAMES,
 )
 
 GEMMA2 = Architecture(
@@ -209,7 +241,9 @@ GEMMA3 = Architecture(
     ),
 )
 
-ARCHITECTURES: tuple[Architecture, ...] = (LLAMA, MISTRAL, QWEN2, QWEN3, QWEN3_MOE, GEMMA2, GEMMA3)
+ARCHITECTURES: tuple[Architecture, ...] = (
+    LLAMA, MISTRAL, QWEN2, QWEN3, QWEN3_MOE, MIXTRAL, OLMOE, GEMMA2, GEMMA3,
+)  # fmt: skip
 
 
 def by_name(name: str) -> Architecture:
@@ -244,15 +278,18 @@ def by_hf(cfg: dict[str, Any]) -> Architecture:
     raise ValueError(f"architecture {named} is not supported (supported: {supported})")
 
 
-def by_gguf(gguf_arch: str, model_name: str = "") -> Architecture:
+def by_gguf(gguf_arch: str, model_name: str = "", has_experts: bool = False) -> Architecture:
     """The entry a GGUF's `general.architecture` names (a "llama" file whose `general.name`
-    says Mistral is Mistral, as llama.cpp's converter writes them).
+    says Mistral is Mistral, and one with `llama.expert_count` (`has_experts`) Mixtral, as
+    llama.cpp's converter writes them).
 
     Raises:
         ValueError: the name is not a supported family's.
     """
     for arch in ARCHITECTURES:
         if gguf_arch in arch.gguf_names:
+            if arch is LLAMA and has_experts:
+                return MIXTRAL
             if arch is LLAMA and "mistral" in model_name.lower():
                 return MISTRAL
             return arch

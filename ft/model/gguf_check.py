@@ -43,7 +43,7 @@ def expected_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
         }  # fmt: skip
         if c.attention_bias:
             shapes |= {p + "attn_q.bias": (q,), p + "attn_k.bias": (kv,), p + "attn_v.bias": (kv,)}
-        if c.num_experts:  # the experts replace the dense MLP
+        if c.is_moe_layer(i):  # the experts replace the dense MLP
             e, moe = c.num_experts, c.moe_intermediate_size
             for part in ("ffn_gate", "ffn_up", "ffn_down"):
                 del shapes[p + part + ".weight"]
@@ -52,7 +52,8 @@ def expected_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
                 p + "ffn_up_exps.weight": (e, moe, h), p + "ffn_down_exps.weight": (e, h, moe),
             }  # fmt: skip
         if c.qk_norm:
-            shapes |= {p + "attn_q_norm.weight": (c.head_dim,), p + "attn_k_norm.weight": (c.head_dim,)}
+            q_norm, k_norm = (q, kv) if c.qk_norm_whole else (c.head_dim, c.head_dim)  # OLMoE: whole q, k
+            shapes |= {p + "attn_q_norm.weight": (q_norm,), p + "attn_k_norm.weight": (k_norm,)}
         if c.post_norms:  # Gemma: the attention's and the MLP's outputs normed
             shapes |= {p + "post_attention_norm.weight": (h,), p + "post_ffw_norm.weight": (h,)}
     return shapes
@@ -83,8 +84,9 @@ def check_tensors(reader: GGUFFile, config: LlamaConfig, *, packed: bool) -> Non
                 f"tensor {name}: expected shape {list(shape)} from the metadata ({described}), "
                 f"found {list(tensor.shape)}"
             )
-        if packed and len(shape) == 2 and shape[1] % QK and name not in head:  # (the head loads as floats)
-            raise ModelFileError(f"tensor {name}: rows of {shape[1]} are not whole blocks of {QK}")
+        if packed and len(shape) >= 2 and shape[-1] % QK and name not in head:  # (experts: every expert's
+            # rows; the head loads as floats)
+            raise ModelFileError(f"tensor {name}: rows of {shape[-1]} are not whole blocks of {QK}")
         _check_finite(tensor)
         reader.release(tensor)
     for name in found.keys() - expected.keys():
@@ -146,6 +148,7 @@ def _summary(c: LlamaConfig) -> str:
     return (
         f"hidden {c.hidden_size}, {c.num_heads} heads / {c.num_kv_heads} kv heads of {c.head_dim}, "
         f"ffn {c.intermediate_size}, vocab {c.vocab_size}, {c.num_layers} layers"
+        + (f", {c.num_experts} experts of {c.moe_intermediate_size}" if c.num_experts else "")
     )
 
 

@@ -15,9 +15,9 @@ from gguf.quants import dequantize
 from ft.model.architectures import GGUF_GLOBAL_NAMES, Architecture, by_gguf, by_name
 from ft.model.gguf_check import check_tensors, check_vocabulary, num_labels
 from ft.model.gguf_file import GGUFFile, GGUFTensor, ModelFileError
-from ft.model.kernels import repacked
+from ft.model.kernels import expert_views, repacked
 from ft.model.llama import LlamaConfig, Progress
-from ft.model.quant import KERNEL_TYPES, QuantTensor, to_q8_0
+from ft.model.quant import KERNEL_TYPES, Q8_0, QuantTensor, to_q8_0
 from ft.model.rerank import RankFormat
 from ft.tokenizer.spec import (
     TokenizerSpec,
@@ -57,7 +57,9 @@ def gguf_config(meta: GGUFFile, tensor_names: set[str], vocab_size: int) -> Llam
     if arch is None:
         raise ModelFileError("GGUF file lacks required metadata key 'general.architecture'")
     try:
-        family = by_gguf(arch, str(meta.text("general.name", "") or ""))
+        family = by_gguf(
+            arch, str(meta.text("general.name", "") or ""), f"{arch}.expert_count" in meta.fields
+        )
     except ValueError as e:
         raise ModelFileError(str(e)) from None
     num_layers = meta.integer(f"{arch}.block_count", 1, MAX_LAYERS)
@@ -75,12 +77,19 @@ def gguf_config(meta: GGUFFile, tensor_names: set[str], vocab_size: int) -> Llam
     moe: dict[str, Any] = {}
     if family.moe:
         num_experts = meta.integer(f"{arch}.expert_count", 1, MAX_EXPERTS)
+        # Mixtral's and OLMoE's experts are `feed_forward_length` wide (llama.cpp's n_ff)
+        expert_ffn = meta.integer(
+            f"{arch}.expert_feed_forward_length", 1, MAX_WIDTH, default=0
+        ) or _per_layer(meta, f"{arch}.feed_forward_length", 1, MAX_WIDTH, num_layers)
+        renormalize = family.router_renormalizes
         moe = dict(
             num_experts=num_experts,
             num_experts_per_tok=meta.integer(f"{arch}.expert_used_count", 1, num_experts),
-            moe_intermediate_size=meta.integer(f"{arch}.expert_feed_forward_length", 1, MAX_WIDTH),
-            norm_topk_prob=_flag(meta, f"{arch}.expert_weights_norm", default=True),
-        )  # llama.cpp renormalizes qwen3moe's top-k unless the file says otherwise
+            moe_intermediate_size=expert_ffn,
+            norm_topk_prob=_flag(meta, f"{arch}.expert_weights_norm", default=family.gguf_expert_weights_norm)
+            if renormalize is None
+            else renormalize,
+        )  # llama.cpp renormalizes qwen3moe's top-k unless the file says otherwise, olmoe's never
     gemma = _gemma_fields(meta, arch, family, num_layers, hidden, num_heads, head_dim) if family.gemma else {}
     window = _window_fields(meta, arch, family, num_layers) if family.windowed else {}
     rope_scaling: dict[str, Any] | None = None
@@ -115,6 +124,7 @@ def gguf_config(meta: GGUFFile, tensor_names: set[str], vocab_size: int) -> Llam
             tie_word_embeddings="output.weight" not in tensor_names,
             attention_bias="blk.0.attn_q.bias" in tensor_names,
             qk_norm=family.qk_norm,
+            qk_norm_whole=family.qk_norm_whole,
             architecture=family.name,
             pooling=GGUF_POOLINGS.get(meta.integer(f"{arch}.pooling_type", 0, 1 << 16, default=0)),
             **moe,
@@ -307,7 +317,14 @@ def gguf_tensors(
             sd[tensor.name] = torch.from_numpy(_dequantized(tensor))
             reader.release(tensor)
             continue
-        if quantized and tensor.data.ndim == 2 and tensor.name != "rope_freqs.weight":
+        if quantized and len(tensor.shape) == 3:  # an expert stack: one packed view per expert
+            if int(tensor.tensor_type) not in KERNEL_TYPES:
+                requantized[tensor.tensor_type.name] += 1
+            sd |= _expert_views(tensor, _hf_name(tensor.name, family))
+            reader.release(tensor)
+            continue
+        is_router = tensor.name.endswith(".ffn_gate_inp.weight")  # floats: the router runs in torch
+        if quantized and tensor.data.ndim == 2 and tensor.name != "rope_freqs.weight" and not is_router:
             if int(tensor.tensor_type) not in KERNEL_TYPES:
                 requantized[tensor.tensor_type.name] += 1
             packed = as_stored(tensor)
@@ -330,6 +347,32 @@ def gguf_tensors(
             ", ".join(f"{n} tensors of {t}" for t, n in sorted(requantized.items())),
         )
     return sd, freq_factors
+
+
+def _expert_views(tensor: GGUFTensor, stacked_name: str) -> dict[str, QuantTensor]:
+    """A GGUF expert stack `[experts, rows, cols]` (`...mlp.experts.gate_proj`) as one packed
+    `QuantTensor` per expert under its per-expert name (`...mlp.experts.E.gate_proj.weight`),
+    views into one buffer; a type the kernels do not multiply is requantized to Q8_0 expert by
+    expert (never the whole stack in floats)."""
+    experts, rows, cols = tensor.shape
+    qtype = int(tensor.tensor_type)
+    if qtype in KERNEL_TYPES:  # (F16 comes as float16 values: their bytes)
+        stack = np.ascontiguousarray(tensor.data).view(np.uint8).reshape(experts, rows, -1)
+    else:
+        per_expert = [
+            to_q8_0(_dequantized_part(tensor, e).reshape(rows, cols)).data.numpy() for e in range(experts)
+        ]
+        stack, qtype = np.stack(per_expert), Q8_0
+    prefix, _, projection = stacked_name.rpartition(".")
+    return {
+        f"{prefix}.{e}.{projection}.weight": view for e, view in enumerate(expert_views(stack, qtype, cols))
+    }
+
+
+def _dequantized_part(tensor: GGUFTensor, expert: int) -> np.ndarray:
+    """Expert `expert` of a stack of a type the kernels do not multiply, as float32."""
+    part = GGUFTensor(tensor.name, tensor.tensor_type, tensor.shape[1:], tensor.data[expert])
+    return _dequantized(part)
 
 
 def _hf_name(name: str, family: Architecture) -> str:

@@ -2062,6 +2062,13 @@ struct LayerArgs {
   float query_scale;    // the scores' scale; 0: 1 / sqrt(head_dim)
   float attn_softcap;   // scores as tanh(s / cap) * cap before the softmax (Gemma 2); 0: none
   int64_t window;       // a row attends its last `window` positions only (sliding window); 0: all
+  // mixture of experts: nonzero stops the layer after the attention residual (x += o_proj(attn));
+  // the caller runs norm2 and the routed experts. w[4..6] and inter are then unused (0).
+  int64_t attention_only;
+  // OLMoE: nonzero makes q_norm one RMSNorm over the whole q projection (qk_norm_len == nh * hd)
+  // and k_norm one over the whole k (k_norm_len == nkvh * hd), not one per head.
+  int64_t qk_norm_whole;
+  int64_t k_norm_len;
 };
 
 // One step's rows and where they go, the same for every layer of the step (`kernels.StepArgs`).
@@ -2117,7 +2124,10 @@ void decoder_layer(const LayerArgs& L, const StepArgs& S, float* x, const float*
       float* row = qkv.data() + t * qkv_w;
       if (bias)
         for (int64_t i = 0; i < qkv_w; i++) row[i] += bias[i];
-      if (q_norm) {
+      if (q_norm && L.qk_norm_whole) {
+        rms_norm_row(row, q_norm, eps, qsz, row);
+        rms_norm_row(row + qsz, k_norm, eps, kvsz, row + qsz);
+      } else if (q_norm) {
         for (int64_t j = 0; j < nh; j++) rms_norm_row(row + j * hd, q_norm, eps, hd, row + j * hd);
         for (int64_t j = 0; j < nkvh; j++) rms_norm_row(row + qsz + j * hd, k_norm, eps, hd, row + qsz + j * hd);
       }
@@ -2135,8 +2145,9 @@ void decoder_layer(const LayerArgs& L, const StepArgs& S, float* x, const float*
     for (int64_t t = 0; t < T; t++) {
       if (L.attn_out_norm) rms_norm_row(h.data() + t * H, L.attn_out_norm, eps, H, h.data() + t * H);
       for (int64_t i = 0; i < H; i++) x[t * H + i] += h[t * H + i];
-      rms_norm_row(x + t * H, norm2, eps, H, h.data() + t * H);
+      if (!L.attention_only) rms_norm_row(x + t * H, norm2, eps, H, h.data() + t * H);
     }
+    if (!L.attention_only) {  // (every thread takes the same branch)
 #pragma omp single
     act.set(h.data(), T, H, H);
     gemm_team(w[4], act, gu.data(), 2 * inter);
@@ -2161,6 +2172,7 @@ void decoder_layer(const LayerArgs& L, const StepArgs& S, float* x, const float*
       if (L.mlp_out_norm) rms_norm_row(h.data() + t * H, L.mlp_out_norm, eps, H, h.data() + t * H);
       for (int64_t i = 0; i < H; i++) x[t * H + i] += h[t * H + i];
     }
+    }  // (not attention_only)
   }
 }
 
@@ -2256,8 +2268,9 @@ int ft_decoder_layer(const LayerArgs* layer, const StepArgs* step, float* x, int
     const StepArgs& S = *step;
     const int64_t H = L.hidden, nh = L.heads, nkvh = L.kv_heads, hd = L.head_dim, inter = L.inter;
     check_heads(nh, nkvh, hd);
-    FT_REQUIRE(H >= 1 && H <= MAX_K && inter >= 1 && inter <= MAX_K, "hidden %lld, ffn %lld", (long long)H,
-               (long long)inter);
+    FT_REQUIRE(H >= 1 && H <= MAX_K && (L.attention_only ? inter == 0 : inter >= 1 && inter <= MAX_K),
+               "hidden %lld, ffn %lld (attention only: %lld)", (long long)H, (long long)inter,
+               (long long)L.attention_only);
     FT_REQUIRE(x_width == H, "rows of %lld for hidden %lld", (long long)x_width, (long long)H);
     FT_REQUIRE(L.norm1 && L.norm2 && L.norm1_len == H && L.norm2_len == H,
                "norms of %lld and %lld elements for hidden %lld", (long long)L.norm1_len, (long long)L.norm2_len,
@@ -2265,7 +2278,7 @@ int ft_decoder_layer(const LayerArgs* layer, const StepArgs* step, float* x, int
     const int64_t qsz = nh * hd, kvsz = nkvh * hd;
     FT_REQUIRE(!L.bias || L.bias_len == qsz + 2 * kvsz, "a q|k|v bias of %lld, expected %lld",
                (long long)L.bias_len, (long long)(qsz + 2 * kvsz));
-    FT_REQUIRE(!L.q_norm == !L.k_norm && (!L.q_norm || L.qk_norm_len == hd),
+    FT_REQUIRE(!L.q_norm == !L.k_norm && (!L.q_norm || L.qk_norm_whole || L.qk_norm_len == hd),
                "q/k head norms of %lld for heads of %lld", (long long)L.qk_norm_len, (long long)hd);
     FT_REQUIRE(!L.attn_out_norm == !L.mlp_out_norm && (!L.attn_out_norm || L.post_norm_len == H),
                "output norms of %lld for hidden %lld (both or neither)", (long long)L.post_norm_len, (long long)H);
@@ -2274,10 +2287,13 @@ int ft_decoder_layer(const LayerArgs* layer, const StepArgs* step, float* x, int
                    L.attn_softcap >= 0 && L.window >= 0,
                "query scale %g, soft-cap %g, window %lld", (double)L.query_scale, (double)L.attn_softcap,
                (long long)L.window);
+    FT_REQUIRE(!L.qk_norm_whole || (L.q_norm && L.qk_norm_len == qsz && L.k_norm_len == kvsz),
+               "whole q/k norms of %lld and %lld for projections of %lld and %lld", (long long)L.qk_norm_len,
+               (long long)L.k_norm_len, (long long)qsz, (long long)kvsz);
     static const char* names[7] = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"};
     const int64_t rows[7] = {qsz, kvsz, kvsz, H, inter, inter, H};
     const int64_t cols[7] = {H, H, H, qsz, H, H, inter};
-    for (int i = 0; i < 7; i++) {
+    for (int i = 0; i < (L.attention_only ? 4 : 7); i++) {
       FT_REQUIRE(L.w[i].rows == rows[i], "%s: %lld rows, expected %lld", names[i], (long long)L.w[i].rows,
                  (long long)rows[i]);
       check_weight(names[i], L.w[i].type, L.w[i].rows, L.w[i].row_bytes, L.w[i].columns, cols[i]);

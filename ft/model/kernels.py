@@ -23,6 +23,7 @@ import subprocess
 import tempfile
 import threading
 
+import numpy as np
 import torch
 
 from ft.model.quant import Q4_0, Q4_1, Q4_K, Q6_K, Q8_0, QuantTensor
@@ -101,6 +102,11 @@ class LayerArgs(ctypes.Structure):
         ("query_scale", ctypes.c_float),
         ("attn_softcap", ctypes.c_float),
         ("window", ctypes.c_int64),
+        # mixture of experts: stop after the attention residual (w[4..6] and inter 0)
+        ("attention_only", ctypes.c_int64),
+        # OLMoE: q_norm / k_norm over the whole projections (qk_norm_len q's width, k_norm_len k's)
+        ("qk_norm_whole", ctypes.c_int64),
+        ("k_norm_len", ctypes.c_int64),
     ]
 
 
@@ -389,6 +395,27 @@ def repacked(weight: QuantTensor, lib: ctypes.CDLL | None = None) -> QuantTensor
         lib.ft_repack(weight.qtype, src.data_ptr(), weight.rows, weight.cols, src.shape[1], dst.data_ptr()),
     )
     return QuantTensor(dst, weight.qtype, weight.cols, columns)
+
+
+def expert_views(
+    stack: np.ndarray, qtype: int, cols: int, lib: ctypes.CDLL | None = None
+) -> list[QuantTensor]:
+    """Each expert of a GGUF expert stack (uint8 `[experts, rows, row_bytes]` blocks of `qtype`,
+    e.g. a view of the mapped file) as a `QuantTensor` view into one buffer: repacked for this
+    build's column kernels where `repacked` would repack one of them, else the bytes copied once."""
+    experts, rows, row_bytes = stack.shape
+    lib = lib or library()
+    columns = lib.ft_repack_columns()
+    repackable = columns and qtype in REPACKABLE and rows % columns == 0
+    repacked_bytes = lib.ft_repacked_row_bytes(qtype, cols) if repackable else 0
+    if not repacked_bytes:
+        data = torch.from_numpy(np.array(stack, dtype=np.uint8, copy=True))
+        return [QuantTensor(data[e], qtype, cols) for e in range(experts)]
+    src = np.ascontiguousarray(stack)
+    dst = torch.empty(experts, rows, repacked_bytes, dtype=torch.uint8)
+    for e in range(experts):
+        check(lib, lib.ft_repack(qtype, src[e].ctypes.data, rows, cols, row_bytes, dst[e].data_ptr()))
+    return [QuantTensor(dst[e], qtype, cols, columns) for e in range(experts)]
 
 
 def dequantize_rows(weight: QuantTensor, ids: torch.Tensor, lib: ctypes.CDLL | None = None) -> torch.Tensor:

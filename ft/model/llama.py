@@ -1,6 +1,6 @@
 """The Llama-family decoder over a paged KV cache: Llama 2/3, SmolLM2, Mistral, Qwen2 (qkv bias),
-Qwen3 (per-head q/k RMSNorm) and Qwen3-MoE (experts from `moe.py`); which blocks a family uses
-is its `architectures` entry."""
+Qwen3 (per-head q/k RMSNorm), and the mixtures of experts Qwen3-MoE, Mixtral and OLMoE (whole-q/k
+RMSNorm; experts from `moe.py`); which blocks a family uses is its `architectures` entry."""
 
 from __future__ import annotations
 
@@ -14,9 +14,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from ft.model.attention import AttentionMetadata, paged_attention, write_kv
-from ft.model.moe import SparseMoE, fuse_experts
+from ft.model.moe import SparseMoE, fuse_experts, moe_prefix
 
 if TYPE_CHECKING:
+    from ft.model.architectures import Architecture
     from ft.model.parallel import Shard
 
 ROPE_SCALING_TYPES = ("linear", "llama3")
@@ -46,12 +47,16 @@ class LlamaConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     qk_norm: bool = False  # RMSNorm over each head of q and k before the rotary embedding (Qwen3)
-    # mixture of experts (Qwen3-MoE): every layer's MLP is `num_experts` experts of
+    # mixture of experts (Qwen3-MoE, Mixtral, OLMoE): every layer's MLP is `num_experts` experts of
     # `moe_intermediate_size`, `num_experts_per_tok` of them per token; 0 experts: dense
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
+    # the layers whose MLP stays dense (of `intermediate_size`) in a mixture of experts (Qwen3-MoE's
+    # `mlp_only_layers` and `decoder_sparse_step`)
+    mlp_only_layers: tuple[int, ...] = ()
+    qk_norm_whole: bool = False  # OLMoE: q/k RMSNorm over the whole projections, not per head
     architecture: str = "llama"
     pooling: str | None = None  # how the file says to pool embeddings (GGUF `{arch}.pooling_type`)
     # Gemma 2/3 and sliding windows (Gemma, Mistral):
@@ -102,6 +107,10 @@ class LlamaConfig:
                     f"rope scaling {kind!r} is not supported (supported: {', '.join(ROPE_SCALING_TYPES)})"
                 )
 
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether layer `layer`'s MLP is the routed experts."""
+        return bool(self.num_experts) and layer not in self.mlp_only_layers
+
     @property
     def q_size(self) -> int:
         """Width of the query projection."""
@@ -139,22 +148,7 @@ class LlamaConfig:
             raise ValueError(
                 f"{arch.name} with use_sliding_window is not supported (sliding-window attention)"
             )
-        moe: dict[str, Any] = {}
-        if arch.moe:
-            if cfg.get("decoder_sparse_step", 1) != 1 or cfg.get("mlp_only_layers"):
-                raise ValueError(
-                    f"{arch.name} with dense layers among the expert layers (decoder_sparse_step, "
-                    "mlp_only_layers) is not supported"
-                )
-            experts = cfg.get("num_experts", cfg.get("num_local_experts"))  # transformers 5 writes the latter
-            if not isinstance(experts, int) or experts < 1:
-                raise ValueError(f"{arch.name}: config.json lacks a positive num_experts, found {experts!r}")
-            moe = dict(
-                num_experts=experts,
-                num_experts_per_tok=int(cfg["num_experts_per_tok"]),
-                moe_intermediate_size=int(cfg["moe_intermediate_size"]),
-                norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
-            )
+        moe = _hf_moe(arch, cfg) if arch.moe else {}
         num_heads = int(cfg["num_attention_heads"])
         rope_scaling = cfg.get("rope_scaling") or None
         rope_theta = cfg.get("rope_theta")
@@ -178,6 +172,7 @@ class LlamaConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", arch.qkv_bias)),
             qk_norm=arch.qk_norm,
+            qk_norm_whole=arch.qk_norm_whole,
             architecture=arch.name,
             hidden_act=str(cfg.get("hidden_act", "silu")),
             sliding_window=_window(cfg) if arch.windowed else 0,
@@ -280,6 +275,46 @@ def _window(cfg: dict[str, Any]) -> int:
     return window
 
 
+def _hf_moe(arch: Architecture, cfg: dict[str, Any]) -> dict[str, Any]:
+    """The mixture-of-experts fields of `config.json` (Qwen3-MoE, Mixtral, OLMoE spellings).
+
+    Raises:
+        ValueError: a value is missing or of a kind ft does not run (a sliding window on Mixtral,
+            OLMoE's `clip_qkv` or its o_proj bias).
+    """
+    experts = cfg.get("num_experts", cfg.get("num_local_experts"))  # transformers 5 writes the latter
+    if not isinstance(experts, int) or isinstance(experts, bool) or experts < 1:
+        raise ValueError(f"{arch.name}: config.json lacks a positive num_experts, found {experts!r}")
+    if cfg.get("clip_qkv") is not None:
+        raise ValueError(f"{arch.name} with clip_qkv {cfg['clip_qkv']!r} is not supported")
+    window = cfg.get("sliding_window")
+    if arch.name == "mixtral" and window is not None and window < int(cfg.get("max_position_embeddings", 0)):
+        raise ValueError(
+            f"{arch.name} with sliding_window {window!r} is not supported (sliding-window attention)"
+        )
+    if arch.qk_norm_whole and cfg.get("attention_bias"):
+        raise ValueError(f"{arch.name} with attention_bias (an o_proj bias) is not supported")
+    num_layers = int(cfg["num_hidden_layers"])
+    step = cfg.get("decoder_sparse_step", 1)
+    dense = cfg.get("mlp_only_layers") or []
+    if not isinstance(step, int) or isinstance(step, bool) or step < 1:
+        raise ValueError(f"{arch.name}: decoder_sparse_step must be a positive integer, found {step!r}")
+    if not isinstance(dense, list) or not all(isinstance(i, int) and 0 <= i < num_layers for i in dense):
+        raise ValueError(
+            f"{arch.name}: mlp_only_layers must list layers 0 to {num_layers - 1}, found {dense!r:.80}"
+        )
+    # transformers' rule (Qwen3-MoE): a layer is routed unless listed, and only every `step`-th
+    mlp_only = tuple(i for i in range(num_layers) if i in dense or (i + 1) % step)
+    renormalize = arch.router_renormalizes
+    return dict(
+        num_experts=experts,
+        num_experts_per_tok=int(cfg["num_experts_per_tok"]),
+        moe_intermediate_size=int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]),
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)) if renormalize is None else renormalize,
+        mlp_only_layers=mlp_only,
+    )
+
+
 def rope_inv_freq(config: LlamaConfig) -> torch.Tensor:
     """Inverse rotary frequencies `[head_dim // 2]` in float32, with the config's scaling applied."""
     dim = config.head_dim
@@ -350,11 +385,37 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(dtype)
 
 
+def whole_qk_norm(
+    q: torch.Tensor,  # [T, q_size]
+    k: torch.Tensor,  # [T, kv_size]
+    q_norm: RMSNorm,
+    k_norm: RMSNorm,
+    reduce: Reduce | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """OLMoE's RMSNorm over the whole q and the whole k projection (float32, as transformers).
+
+    Under tensor parallelism each rank holds some heads: the squares and widths are summed over
+    the ranks (one `reduce`), so every rank normalizes by the full projection's mean.
+    """
+    dtype = q.dtype
+    q32, k32 = q.float(), k.float()
+    ones = q32.new_ones(q32.shape[0])
+    stats = torch.stack(
+        [q32.pow(2).sum(-1), k32.pow(2).sum(-1), ones * q.shape[1], ones * k.shape[1]], dim=-1
+    )
+    if reduce is not None:
+        stats = reduce(stats)  # [T, 4]: summed over the ranks
+    q32 = q32 * torch.rsqrt(stats[:, :1] / stats[:, 2:3] + q_norm.eps)
+    k32 = k32 * torch.rsqrt(stats[:, 1:2] / stats[:, 3:4] + k_norm.eps)
+    return q_norm.weight * q32.to(dtype), k_norm.weight * k32.to(dtype)
+
+
 class DecoderLayer(nn.Module):
     """Pre-norm attention + SwiGLU MLP, with fused qkv and gate/up projections.
 
     Under tensor parallelism `config` holds this rank's heads and MLP columns, and `reduce`
-    sums the row-parallel `o_proj` and `down_proj` outputs over the ranks.
+    sums the row-parallel `o_proj` and `down_proj` outputs over the ranks (and OLMoE's whole-q/k
+    norm statistics). `index` is this layer's place in the stack (its MLP, its window).
     """
 
     def __init__(self, config: LlamaConfig, reduce: Reduce | None = None, index: int = 0) -> None:
@@ -370,10 +431,11 @@ class DecoderLayer(nn.Module):
         self.mlp_out_norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if config.post_norms else None
         qkv_out = config.q_size + 2 * config.kv_size
         self.qkv_proj = nn.Linear(config.hidden_size, qkv_out, bias=config.attention_bias)
-        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
-        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        q_width, k_width = (config.q_size, config.kv_size) if config.qk_norm_whole else (config.head_dim,) * 2
+        self.q_norm = RMSNorm(q_width, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(k_width, config.rms_norm_eps) if config.qk_norm else None
         self.o_proj = nn.Linear(config.q_size, config.hidden_size, bias=False)
-        self.moe = SparseMoE(config) if config.num_experts else None
+        self.moe = SparseMoE(config) if config.is_moe_layer(index) else None
         if self.moe is None:
             self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
             self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
@@ -391,10 +453,12 @@ class DecoderLayer(nn.Module):
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(self.input_layernorm(x))  # [T, q_size + 2 * kv_size]
         q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
-        q = q.view(num_tokens, c.num_heads, c.head_dim)  # [T, heads, hd]
-        k = k.view(num_tokens, c.num_kv_heads, c.head_dim)  # [T, kvh, hd]
-        if self.q_norm is not None and self.k_norm is not None:  # per head, before the rotary
-            q, k = self.q_norm(q), self.k_norm(k)
+        if c.qk_norm_whole and self.q_norm is not None and self.k_norm is not None:
+            q, k = whole_qk_norm(q, k, self.q_norm, self.k_norm, self.reduce)  # before the rotary
+        q = q.reshape(num_tokens, c.num_heads, c.head_dim)  # [T, heads, hd]
+        k = k.reshape(num_tokens, c.num_kv_heads, c.head_dim)  # [T, kvh, hd]
+        if not c.qk_norm_whole and self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)  # per head, before the rotary
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
         v = v.view(num_tokens, c.num_kv_heads, c.head_dim)  # [T, kvh, hd]
@@ -487,7 +551,7 @@ def fuse_hf_state_dict(config: LlamaConfig, sd: dict[str, torch.Tensor]) -> dict
     out["lm_head.weight"] = lm_head
     for i in range(config.num_layers):
         p = f"model.layers.{i}."
-        attn, mlp = p + "self_attn.", p + "mlp."
+        attn, mlp = p + "self_attn.", p + moe_prefix(sd, p)
         o = f"layers.{i}."
         out[o + "input_layernorm.weight"] = norm(p + "input_layernorm.weight")
         if config.post_norms:  # Gemma's names: the pre-MLP norm is pre_feedforward_layernorm
@@ -507,7 +571,7 @@ def fuse_hf_state_dict(config: LlamaConfig, sd: dict[str, torch.Tensor]) -> dict
             out[o + "q_norm.weight"] = norm(attn + "q_norm.weight")
             out[o + "k_norm.weight"] = norm(attn + "k_norm.weight")
         out[o + "o_proj.weight"] = sd[attn + "o_proj.weight"]
-        if config.num_experts:
+        if config.is_moe_layer(i):
             out |= {o + "moe." + k: w for k, w in fuse_experts(sd, mlp, config.num_experts).items()}
             continue
         out[o + "gate_up_proj.weight"] = torch.cat([sd[mlp + "gate_proj.weight"], sd[mlp + "up_proj.weight"]])

@@ -112,7 +112,10 @@ def is_quantized_gguf(path: str | pathlib.Path | None) -> bool:
         path = default_model_path()
     reader = gguf_loader.open_gguf(pathlib.Path(path).expanduser())
     try:
-        family = by_gguf(str(reader.text("general.architecture")), str(reader.text("general.name", "") or ""))
+        arch = str(reader.text("general.architecture"))
+        family = by_gguf(
+            arch, str(reader.text("general.name", "") or ""), f"{arch}.expert_count" in reader.fields
+        )
     except ValueError:
         family = None  # unsupported: `load_model` names it
     if family is not None and not family.packed:

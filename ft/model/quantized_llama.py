@@ -7,6 +7,10 @@ activations to int8 blocks of 32, as llama.cpp does; the KV cache is float32, fl
 or q8_0 blocks (`kernels.Q8_0_KV`: written quantized by the layer, read in place by its
 attention).
 
+A mixture-of-experts layer (Qwen3-MoE, Mixtral, OLMoE) runs its attention in that call, stopped
+after the attention residual (`LayerArgs.attention_only`), then its routed experts, still GGUF
+blocks, through `packed_moe.PackedExperts`.
+
 Every row is computed the same way whatever else is in the step (the kernels never mix rows),
 so a request's tokens do not depend on its batch, on prefix-cache hits, on how its prompt was
 chunked or on a preemption's recompute.
@@ -21,6 +25,7 @@ import torch
 
 from ft.model import kernels
 from ft.model.llama import LlamaConfig, rope_inv_freq, rope_local_inv_freq
+from ft.model.packed_moe import PackedExperts
 from ft.model.quant import QuantTensor
 
 _PROJECTIONS = (
@@ -51,7 +56,13 @@ class _Layer:
     __slots__ = ("args", "keep", "is_local_rope")
 
     def __init__(
-        self, config: LlamaConfig, sd: dict[str, torch.Tensor | QuantTensor], prefix: str, index: int = 0
+        self,
+        config: LlamaConfig,
+        sd: dict[str, torch.Tensor | QuantTensor],
+        prefix: str,
+        index: int,
+        *,
+        attention_only: bool,
     ) -> None:
         def norm(name: str) -> torch.Tensor:  # (1 + w) folded in where the file does not hold it
             w = _float(sd[prefix + name])
@@ -68,7 +79,9 @@ class _Layer:
             if config.post_norms
             else (None, None)
         )
-        quant = [_quant(sd[prefix + name + ".weight"]) for name in _PROJECTIONS]
+        # a layer of routed experts runs only its attention natively (`packed_moe` runs the rest)
+        projections = _PROJECTIONS[:4] if attention_only else _PROJECTIONS
+        quant = [_quant(sd[prefix + name + ".weight"]) for name in projections]
         biases = [sd.get(prefix + f"self_attn.{p}_proj.bias") for p in "qkv"]
         bias = torch.cat([_float(b) for b in biases]) if all(b is not None for b in biases) else None
         norms = [sd.get(prefix + f"self_attn.{p}_norm.weight") for p in "qk"]  # Qwen3's head norms
@@ -79,13 +92,13 @@ class _Layer:
             heads=config.num_heads,
             kv_heads=config.num_kv_heads,
             head_dim=config.head_dim,
-            inter=config.intermediate_size,
+            inter=0 if attention_only else config.intermediate_size,
             eps=config.rms_norm_eps,
             norm1=norm1.data_ptr(),
             norm1_len=norm1.numel(),
             norm2=norm2.data_ptr(),
             norm2_len=norm2.numel(),
-            w=(kernels.Weight * len(quant))(*(_weight(q) for q in quant)),
+            w=(kernels.Weight * len(_PROJECTIONS))(*(_weight(q) for q in quant)),  # (zeros past them)
             bias=_ptr(bias),
             bias_len=bias.numel() if bias is not None else 0,
             q_norm=_ptr(q_norm),
@@ -98,6 +111,9 @@ class _Layer:
             query_scale=config.query_scale,
             attn_softcap=config.attn_softcap,
             window=config.layer_window(index),
+            attention_only=int(attention_only),
+            qk_norm_whole=int(config.qk_norm_whole),
+            k_norm_len=k_norm.numel() if k_norm is not None else 0,
         )
         self.is_local_rope = bool(config.layer_window(index) and config.rope_local_theta)
 
@@ -124,10 +140,6 @@ class QuantizedLlama:
     """Embedding, decoder stack, final norm and lm_head over GGUF blocks."""
 
     def __init__(self, config: LlamaConfig, sd: dict[str, torch.Tensor | QuantTensor]) -> None:
-        if config.num_experts:
-            raise ValueError(
-                f"the packed kernels do not run {config.architecture}'s experts; load it as floats"
-            )
         self.config = config
         self.lib = kernels.library()
         self.embed = _quant(sd["model.embed_tokens.weight"])
@@ -139,7 +151,14 @@ class QuantizedLlama:
                 f"({self.embed.rows} rows) or lm_head ({self.lm_head.rows} rows)"
             )
         self.norm = _float(sd["model.norm.weight"])
-        self.layers = [_Layer(config, sd, f"model.layers.{i}.", i) for i in range(config.num_layers)]
+        prefixes = [f"model.layers.{i}." for i in range(config.num_layers)]
+        self.layers = [
+            _Layer(config, sd, p, i, attention_only=config.is_moe_layer(i)) for i, p in enumerate(prefixes)
+        ]
+        self.experts = [
+            PackedExperts(config, sd, p, self.lib) if config.is_moe_layer(i) else None
+            for i, p in enumerate(prefixes)
+        ]
         self.inv_freq = rope_inv_freq(config)
         self.local_inv_freq = rope_local_inv_freq(config)  # Gemma 3's windowed layers'
         # NOTE: transformers rounds the factor to the embedding's dtype; here float32
@@ -192,6 +211,9 @@ class QuantizedLlama:
                 ctypes.byref(layer.args), ctypes.byref(step), x.data_ptr(), hidden, layer_cos.data_ptr(),
                 layer_sin.data_ptr(), layer_cos.shape[1], k_caches[i].data_ptr(), v_caches[i].data_ptr(),
             ))  # fmt: skip
+            experts = self.experts[i]
+            if experts is not None:  # the layer stopped after attention: its routed MLP
+                experts.forward(x)
         out = torch.empty_like(x)
         kernels.check(self.lib, self.lib.ft_rms_norm(
             x.data_ptr(), num_tokens, hidden, hidden, self.norm.data_ptr(), self.norm.numel(), c.rms_norm_eps,
