@@ -46,6 +46,11 @@ QK_NORM_NAMES = {
     "attn_q_norm.weight": "self_attn.q_norm.weight",
     "attn_k_norm.weight": "self_attn.k_norm.weight",
 }
+# Phi-3: llama.cpp keeps the fused projections as stored (`ffn_up` holds gate | up)
+FUSED_NAMES = {
+    "attn_qkv.weight": "self_attn.qkv_proj.weight",
+    "ffn_up.weight": "mlp.gate_up_proj.weight",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,7 +63,10 @@ class Architecture:
     says the packed GGUF kernels run its layers (otherwise its GGUFs load as floats);
     `reasoning_parser` is the server's reasoning format for it when none is configured;
     `gguf_permuted_qk` names the GGUF architectures whose q/k rows llama.cpp's
-    converter interleaved by rotary pairs (undone at load).
+    converter interleaved by rotary pairs (undone at load); `gguf_fused` says its GGUFs hold
+    q|k|v as one `attn_qkv` and gate|up as one `ffn_up` (Phi-3), split by rows at load;
+    `gguf_no_rope_interval` n: every n-th layer has no rotary (SmolLM3: llama.cpp hard-codes
+    4, no GGUF key says it).
     """
 
     name: str
@@ -72,6 +80,8 @@ class Architecture:
     reasoning_parser: str | None = None  # the `<think>` format its template asks the model for
     gguf_permuted_qk: tuple[str, ...] = ()
     gguf_layer_extra: dict[str, str] = field(default_factory=dict)
+    gguf_fused: bool = False
+    gguf_no_rope_interval: int = 0
 
     @property
     def gguf_layer_names(self) -> dict[str, str]:
@@ -122,7 +132,35 @@ QWEN3_MOE = Architecture(
     reasoning_parser="think",
 )
 
-ARCHITECTURES: tuple[Architecture, ...] = (LLAMA, MISTRAL, QWEN2, QWEN3, QWEN3_MOE)
+# Phi-3 / Phi-4-mini: fused projections, partial rotary, longrope (`LlamaConfig.from_hf`)
+PHI3 = Architecture(
+    name="phi3",
+    hf_model_types=("phi3",),
+    hf_architectures=("Phi3ForCausalLM",),
+    gguf_names=("phi3",),
+    gguf_layer_extra=FUSED_NAMES,
+    gguf_fused=True,
+)
+# SmolLM3: every fourth layer without rotary; `<think>` reasoning (its template's /think, /no_think)
+SMOLLM3 = Architecture(
+    name="smollm3",
+    hf_model_types=("smollm3",),
+    hf_architectures=("SmolLM3ForCausalLM",),
+    gguf_names=("smollm3",),
+    gguf_permuted_qk=("smollm3",),
+    gguf_no_rope_interval=4,
+    reasoning_parser="think",
+)
+# Granite (3.x dense): embedding, residual, attention and logit multipliers
+GRANITE = Architecture(
+    name="granite",
+    hf_model_types=("granite",),
+    hf_architectures=("GraniteForCausalLM",),
+    gguf_names=("granite",),
+    gguf_permuted_qk=("granite",),
+)
+
+ARCHITECTURES: tuple[Architecture, ...] = (LLAMA, MISTRAL, QWEN2, QWEN3, QWEN3_MOE, PHI3, SMOLLM3, GRANITE)
 
 
 def by_name(name: str) -> Architecture:
