@@ -93,6 +93,11 @@ class LayerArgs(ctypes.Structure):
         ("q_norm", ctypes.c_void_p),
         ("k_norm", ctypes.c_void_p),
         ("qk_norm_len", ctypes.c_int64),
+        # Phi-3 / SmolLM3 / Granite
+        ("rotary_dim", ctypes.c_int64),  # 0: head_dim
+        ("no_rope", ctypes.c_int64),  # 1: the layer skips the rotary
+        ("residual_scale", ctypes.c_float),  # 0: 1
+        ("attn_scale", ctypes.c_float),  # 0: 1 / sqrt(head_dim)
     ]
 
 

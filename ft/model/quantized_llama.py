@@ -1,7 +1,8 @@
 """The Llama decoder over weights as GGUF stores them: one native call per layer (`kernels.cpp`).
 
 Each layer (norms, q/k/v/o and gate/up/down products on packed blocks, Qwen3's q/k head norms,
-rotary, the KV write and paged attention) runs in one call with torch's OpenMP threads; Python
+rotary (partial for Phi-3, none on SmolLM3's NoPE layers), Granite's residual and softmax
+scales, the KV write and paged attention) runs in one call with torch's OpenMP threads; Python
 only prepares the step's index arrays. Activations are float32; the products quantize
 activations to int8 blocks of 32, as llama.cpp does; the KV cache is float32, float16, bfloat16
 or q8_0 blocks (`kernels.Q8_0_KV`: written quantized by the layer, read in place by its
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from ft.model import kernels
-from ft.model.llama import LlamaConfig, rope_inv_freq
+from ft.model.llama import LlamaConfig, rope_attention_scale, rope_inv_freq
 from ft.model.quant import QuantTensor
 
 _PROJECTIONS = (
@@ -50,7 +51,9 @@ class _Layer:
 
     __slots__ = ("args", "keep")
 
-    def __init__(self, config: LlamaConfig, sd: dict[str, torch.Tensor | QuantTensor], prefix: str) -> None:
+    def __init__(
+        self, config: LlamaConfig, sd: dict[str, torch.Tensor | QuantTensor], prefix: str, index: int = 0
+    ) -> None:
         norm1 = _float(sd[prefix + "input_layernorm.weight"])
         norm2 = _float(sd[prefix + "post_attention_layernorm.weight"])
         quant = [_quant(sd[prefix + name + ".weight"]) for name in _PROJECTIONS]
@@ -76,6 +79,10 @@ class _Layer:
             q_norm=_ptr(q_norm),
             k_norm=_ptr(k_norm),
             qk_norm_len=q_norm.numel() if q_norm is not None else 0,
+            rotary_dim=config.rotary_dim,
+            no_rope=int(index in config.no_rope_layers),
+            residual_scale=config.residual_multiplier,
+            attn_scale=config.attention_multiplier,
         )
 
 
@@ -116,8 +123,9 @@ class QuantizedLlama:
                 f"({self.embed.rows} rows) or lm_head ({self.lm_head.rows} rows)"
             )
         self.norm = _float(sd["model.norm.weight"])
-        self.layers = [_Layer(config, sd, f"model.layers.{i}.") for i in range(config.num_layers)]
+        self.layers = [_Layer(config, sd, f"model.layers.{i}.", i) for i in range(config.num_layers)]
         self.inv_freq = rope_inv_freq(config)
+        self.rope_scale = rope_attention_scale(config)  # longrope's, on cos and sin
 
     def forward(
         self,
@@ -131,9 +139,14 @@ class QuantizedLlama:
         kv_type = kernels.kv_code_of(k_caches)
         c = self.config
         x = kernels.dequantize_rows(self.embed, input_ids)  # [T, hidden]
+        if c.embedding_multiplier != 1.0:  # Granite
+            x *= c.embedding_multiplier
         num_tokens, hidden = x.shape
-        freqs = index.positions.float()[:, None] * self.inv_freq[None, :]  # [T, head_dim // 2]
+        freqs = index.positions.float()[:, None] * self.inv_freq[None, :]  # [T, rotary_dim // 2]
         cos, sin = freqs.cos().contiguous(), freqs.sin().contiguous()
+        if self.rope_scale != 1.0:
+            cos *= self.rope_scale
+            sin *= self.rope_scale
         threads = torch.get_num_threads()
         tables = index.block_tables
         # NOTE: every size passed is the buffer's own; the kernel checks them against each other
@@ -169,4 +182,6 @@ class QuantizedLlama:
         rows = hidden.contiguous()
         out = torch.empty(rows.shape[0], self.lm_head.rows)
         kernels.gemm_into(out, self.lm_head, kernels.QuantizedActivations(rows))
+        if self.config.logits_scaling != 1.0:  # Granite's logits divided
+            out /= self.config.logits_scaling
         return out
