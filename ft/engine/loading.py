@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from collections.abc import Callable
@@ -100,6 +101,10 @@ def load_torch_model(
         if config.kv_cache_dtype == kernels.Q8_0_KV:
             _check_q8_0_kv(config, packed)  # before loading a weight
         loaded = load_model(config.model, torch.float32, progress, quantized=packed)  # the runner casts
+        if config.max_model_len is not None:
+            # NOTE: the context served picks longrope's factors (Phi-3), as llama.cpp's n_ctx does.
+            served = dataclasses.replace(loaded.config, rope_context=config.max_model_len)
+            loaded = dataclasses.replace(loaded, config=served)
         if world > 1:
             from ft.model.parallel import check_shardable
 

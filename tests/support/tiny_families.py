@@ -20,12 +20,17 @@ from typing import Any
 
 import numpy as np
 import torch
+import trio
 from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.quants import quantize
 
+from ft.core.batch import SeqWork
+from ft.model.loader import LoadedModel, load_model
+from ft.model.torch_runner import TorchRunner
 from ft.tokenizer.spec import byte_level_bpe_from_gguf
 from tests.support.chat_templates import TEMPLATES
 from tests.support.gguf_files import tiny_tokens
+from tests.support.tiny_qwen3 import GREEDY, PAGES, generate
 
 HIDDEN, HEADS, KV_HEADS, FFN, LAYERS = 128, 4, 2, 256, 4
 HEAD_DIM = HIDDEN // HEADS
@@ -221,3 +226,64 @@ def write_gguf(
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+# --- checks every family's tests share ------------------------------------------------------
+
+PROMPT = (5, 17, 33, 2, 9, 60, 41, 7, 7, 12, 80, 3, 22, 19, 50, 4, 8, 71, 30, 200, 150, 99) * 2
+NEW_TOKENS = 8
+# Q8_0 weights with int8 activations against the same weights dequantized: a share of the logits'
+# spread (max |diff| / spread measured 0.6-1.5% on these models, 9 steps)
+PACKED_RELATIVE_TOLERANCE = 0.04
+
+
+def runner_of(loaded: LoadedModel, **kwargs: Any) -> TorchRunner:
+    """A float32 runner of 32 pages of 4."""
+    return TorchRunner(loaded, num_pages=32, page_size=4, dtype=torch.float32, **kwargs)
+
+
+def forced_logits(runner: TorchRunner, prompt: tuple[int, ...], forced: list[int]) -> list[torch.Tensor]:
+    """Each step's logits `[vocab]` when the tokens after `prompt` are `forced`."""
+    out = []
+    logits = runner.forward([SeqWork(0, prompt, 0, PAGES, True, GREEDY, 0)])
+    for i, token in enumerate([*forced, None]):
+        assert logits is not None
+        out.append(logits[0])
+        if token is not None:
+            logits = runner.forward([SeqWork(0, (token,), len(prompt) + i, PAGES, True, GREEDY, i + 1)])
+    return out
+
+
+def packed_error(gguf: pathlib.Path, kv_dtype: Any, reference: LoadedModel | None = None) -> float:
+    """The packed path's largest logit error against the float path (fed the float path's
+    greedy tokens), as a share of each step's logit spread; asserts its greedy choice is never
+    more than twice the tolerance behind the float path's (random weights leave near-ties).
+    `reference`: the float model to compare with (default: the same GGUF dequantized)."""
+    reference = reference or load_model(gguf, torch.float32)
+    float_tokens, _ = generate(runner_of(reference), PROMPT, NEW_TOKENS)
+    packed = runner_of(load_model(gguf, torch.float32, quantized=True), kv_dtype=kv_dtype)
+    assert packed.packed is not None
+    worst = 0.0
+    steps = zip(forced_logits(runner_of(reference), PROMPT, float_tokens), forced_logits(packed, PROMPT, float_tokens), strict=True)
+    for step, (want, got) in enumerate(steps):
+        spread = (want.max() - want.min()).item()
+        worst = max(worst, (got - want).abs().max().item() / spread)
+        lead = (want.max() - want[int(got.argmax())]).item()
+        assert lead <= 2 * PACKED_RELATIVE_TOLERANCE * spread, f"step {step}: a token {lead:.3g} behind"
+    return worst
+
+
+async def engine_greedy(model: pathlib.Path, prompt: tuple[int, ...], n: int) -> list[int]:
+    """Greedy tokens of `model` served by a whole engine (`ft serve`'s loading and runner)."""
+    from ft.config import EngineConfig
+    from ft.engine.engine import open_engine
+    from ft.params import SamplingParams
+    from ft.prompt import PromptSpec
+
+    config = EngineConfig(model=str(model), compute_threads=1, kv_cache_memory=4 << 20)
+    params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    with trio.fail_after(300):
+        async with open_engine(config) as engine:
+            async with engine.open_request(PromptSpec(token_ids=prompt), params=params) as stream:
+                (choice,) = await stream.collect()
+    return list(choice.token_ids)
