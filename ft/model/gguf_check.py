@@ -73,10 +73,10 @@ def check_tensors(reader: GGUFFile, config: LlamaConfig, *, packed: bool) -> Non
     expected = expected_shapes(config)
     found = {t.name: t for t in reader.tensors}
     if "rope_freqs.weight" in found:  # llama3 rotary factors: one per rotary pair
-        expected["rope_freqs.weight"] = (config.rotary_dim // 2,)
+        expected["rope_freqs.weight"] = (config.rotary_width // 2,)
     for name in ("rope_factors_long.weight", "rope_factors_short.weight"):  # Phi-3's longrope
         if name in found:
-            expected[name] = (config.rotary_dim // 2,)
+            expected[name] = (config.rotary_width // 2,)
     for name, shape in expected.items():
         tensor = found.get(name)
         if tensor is None:

@@ -55,7 +55,7 @@ class LlamaConfig:
     architecture: str = "llama"
     pooling: str | None = None  # how the file says to pool embeddings (GGUF `{arch}.pooling_type`)
     # Phi-3 / SmolLM3 / Granite blocks; each default is "as Llama"
-    rotary_dim: int = 0  # leading dims of each head the rotary turns, the rest pass (0: head_dim)
+    rotary_dim: int = 0  # leading dims of each head the rotary turns, the rest pass (0: all of it)
     rope_context: int = 0  # longest sequence served (0: max_position_embeddings): picks longrope's factors
     no_rope_layers: tuple[int, ...] = ()  # layers without the rotary embedding (SmolLM3's NoPE layers)
     embedding_multiplier: float = 1.0  # the embedding scaled (Granite)
@@ -78,8 +78,8 @@ class LlamaConfig:
                 f"{self.num_experts_per_tok} experts per token of {self.num_experts} experts of "
                 f"{self.moe_intermediate_size}: expected 1 to {self.num_experts} per token, positive sizes"
             )
-        if self.rotary_dim == 0:
-            object.__setattr__(self, "rotary_dim", self.head_dim)
+        if self.rotary_dim == self.head_dim:
+            object.__setattr__(self, "rotary_dim", 0)  # one spelling of "the whole head"
         self._check_phi_smollm_granite()
         if self.rope_scaling is not None:
             kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
@@ -93,11 +93,11 @@ class LlamaConfig:
                     f"rope scaling {kind!r} is not supported (supported: {', '.join(ROPE_SCALING_TYPES)})"
                 )
             elif kind == "longrope":
-                _check_longrope(self.rope_scaling, self.rotary_dim)
+                _check_longrope(self.rope_scaling, self.rotary_width)
 
     def _check_phi_smollm_granite(self) -> None:
         """The partial rotary, the layers without it and the multipliers are in range."""
-        if not (2 <= self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0):
+        if self.rotary_dim and not (2 <= self.rotary_dim < self.head_dim and self.rotary_dim % 2 == 0):
             raise ValueError(
                 f"a rotary over {self.rotary_dim} dims of heads of {self.head_dim}: expected an even "
                 f"number from 2 to {self.head_dim}"
@@ -108,6 +108,11 @@ class LlamaConfig:
             value = getattr(self, name)
             if not (math.isfinite(value) and (value > 0 or (value == 0 and name == "attention_multiplier"))):
                 raise ValueError(f"{name} {value!r} is not a positive finite number")
+
+    @property
+    def rotary_width(self) -> int:
+        """The dims of each head the rotary turns (the leading ones)."""
+        return self.rotary_dim or self.head_dim
 
     @property
     def is_long_rope(self) -> bool:
@@ -272,7 +277,7 @@ def _check_longrope(scaling: dict[str, Any], rotary_dim: int) -> None:
 
 def rope_inv_freq(config: LlamaConfig) -> torch.Tensor:
     """Inverse rotary frequencies `[rotary_dim // 2]` in float32, with the config's scaling applied."""
-    dim = config.rotary_dim
+    dim = config.rotary_width
     scaling = config.rope_scaling
     kind = scaling.get("rope_type", scaling.get("type")) if scaling is not None else None
     if scaling is not None and kind == "longrope":  # Phi-3: one factor per pair, long or short
