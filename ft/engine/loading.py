@@ -43,6 +43,9 @@ class ModelParts:
     # The reasoning format the model's family writes (`architectures`; Qwen3: "think"), which the
     # server parses when it was configured with none.
     reasoning_parser: str | None = None
+    # The tool-call format the model family writes (Phi-4-mini: phi4_mini_json, Granite: granite),
+    # which the server parses when it was configured with none (else hermes).
+    tool_call_parser: str | None = None
 
 
 @dataclass(frozen=True)
@@ -189,6 +192,7 @@ def load_torch_model(
         close=close,
         failure=procs.failure if procs is not None else None,
         reasoning_parser=by_name(loaded.config.architecture).reasoning_parser,
+        tool_call_parser=by_name(loaded.config.architecture).tool_call_parser,
     )
 
 

@@ -61,7 +61,8 @@ class Architecture:
     tensors); `qk_norm` is Qwen3's RMSNorm over each head of q and k before the rotary
     embedding; `moe` replaces every layer's MLP by routed experts (`ft.model.moe`); `packed`
     says the packed GGUF kernels run its layers (otherwise its GGUFs load as floats);
-    `reasoning_parser` is the server's reasoning format for it when none is configured;
+    `reasoning_parser` is the server's reasoning format for it when none is configured, and
+    `tool_call_parser` its tool-call format (None: hermes);
     `gguf_permuted_qk` names the GGUF architectures whose q/k rows llama.cpp's
     converter interleaved by rotary pairs (undone at load); `gguf_fused` says its GGUFs hold
     q|k|v as one `attn_qkv` and gate|up as one `ffn_up` (Phi-3), split by rows at load;
@@ -82,6 +83,7 @@ class Architecture:
     gguf_layer_extra: dict[str, str] = field(default_factory=dict)
     gguf_fused: bool = False
     gguf_no_rope_interval: int = 0
+    tool_call_parser: str | None = None  # the tool-call format its template asks for (None: hermes)
 
     @property
     def gguf_layer_names(self) -> dict[str, str]:
@@ -140,6 +142,7 @@ PHI3 = Architecture(
     gguf_names=("phi3",),
     gguf_layer_extra=FUSED_NAMES,
     gguf_fused=True,
+    tool_call_parser="phi4_mini_json",
 )
 # SmolLM3: every fourth layer without rotary; `<think>` reasoning (its template's /think, /no_think)
 SMOLLM3 = Architecture(
@@ -158,6 +161,7 @@ GRANITE = Architecture(
     hf_architectures=("GraniteForCausalLM",),
     gguf_names=("granite",),
     gguf_permuted_qk=("granite",),
+    tool_call_parser="granite",
 )
 
 ARCHITECTURES: tuple[Architecture, ...] = (LLAMA, MISTRAL, QWEN2, QWEN3, QWEN3_MOE, PHI3, SMOLLM3, GRANITE)
