@@ -21,7 +21,6 @@ import re
 from collections.abc import Callable
 
 from ft.core.suffix import held_suffix_len
-from ft.core.toolcall_lists import GRANITE_MARKERS, PHI4_MINI_MARKERS, MarkedJsonParser
 from ft.core.toolcall_events import (
     CallEmitter,
     PassthroughParser,
@@ -34,6 +33,7 @@ from ft.core.toolcall_events import (
     call_from_json,
     new_tool_call_id,
 )
+from ft.core.toolcall_lists import GRANITE_MARKERS, PHI4_MINI_MARKERS, MarkedJsonParser
 
 
 class HermesParser:

@@ -6,7 +6,7 @@ import logging
 import pathlib
 import re
 from collections import Counter
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 import torch
@@ -27,7 +27,6 @@ from ft.tokenizer.spec import (
 )
 
 _BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
-_Split = TypeVar("_Split", torch.Tensor, QuantTensor)
 log = logging.getLogger("ft.model")
 
 
@@ -164,7 +163,8 @@ def _phi_smollm_granite(
             tensor = factors[name]
             if tensor.shape != (rotary_dim // 2,):
                 raise ModelFileError(
-                    f"tensor {name}: expected shape [{rotary_dim // 2}] (one per rotary pair), found {list(tensor.shape)}"
+                    f"tensor {name}: expected shape [{rotary_dim // 2}] (one per rotary pair), "
+                    f"found {list(tensor.shape)}"
                 )
             scaling[key] = [float(v) for v in _dequantized(tensor).flatten().tolist()]
         attn_factor_key = f"{arch}.rope.scaling.attn_factor"
@@ -319,6 +319,7 @@ def gguf_tensors(
             if heads is not None:  # each row is whole blocks: permute the rows
                 packed = packed.permute_rows(unpermute_rotary(torch.arange(packed.rows), heads))
             for name, part in split_fused(_hf_name(tensor.name, family), packed, config):
+                assert isinstance(part, QuantTensor)
                 sd[name] = repacked(part)
             reader.release(tensor)
             continue
@@ -329,6 +330,7 @@ def gguf_tensors(
         if heads is not None:
             w = unpermute_rotary(w, heads)
         for name, part in split_fused(_hf_name(tensor.name, family), w, config):
+            assert isinstance(part, torch.Tensor)
             sd[name] = part.to(dtype)
         reader.release(tensor)
     if requantized:
@@ -340,8 +342,8 @@ def gguf_tensors(
 
 
 def split_fused(
-    name: str, weight: _Split, config: LlamaConfig
-) -> list[tuple[str, _Split]]:
+    name: str, weight: torch.Tensor | QuantTensor, config: LlamaConfig
+) -> list[tuple[str, torch.Tensor | QuantTensor]]:
     """A fused projection (Phi-3's `qkv_proj` [q + 2 kv, hidden], `gate_up_proj` [2 ffn, hidden])
     as its parts under Llama's names, split by rows (each packed row is whole blocks); any other
     tensor as it is."""
@@ -353,7 +355,8 @@ def split_fused(
         sizes = {"gate_proj": config.intermediate_size, "up_proj": config.intermediate_size}
     else:
         return [(name, weight)]
-    parts, start = [], 0
+    parts: list[tuple[str, torch.Tensor | QuantTensor]] = []
+    start = 0
     for part, rows in sizes.items():
         piece = (
             QuantTensor(weight.data[start : start + rows].contiguous(), weight.qtype, weight.cols)

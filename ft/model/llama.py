@@ -103,7 +103,10 @@ class LlamaConfig:
                 f"number from 2 to {self.head_dim}"
             )
         if any(not 0 <= i < self.num_layers for i in self.no_rope_layers):
-            raise ValueError(f"layers without rotary {list(self.no_rope_layers)} are not all of the {self.num_layers} layers")
+            raise ValueError(
+                f"layers without rotary {list(self.no_rope_layers)} are not all among the "
+                f"{self.num_layers} layers"
+            )
         for name in ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling"):
             value = getattr(self, name)
             if not (math.isfinite(value) and (value > 0 or (value == 0 and name == "attention_multiplier"))):
@@ -176,7 +179,9 @@ class LlamaConfig:
         blocks = _phi_smollm_granite_from_hf(cfg, arch.name, head_dim, rope_params, rope_scaling)
         if blocks.pop("longrope", None) is not None:
             rope_scaling = dict(rope_scaling or {})
-            rope_scaling.setdefault("original_max_position_embeddings", cfg.get("original_max_position_embeddings"))
+            rope_scaling.setdefault(
+                "original_max_position_embeddings", cfg.get("original_max_position_embeddings")
+            )
         return cls(
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=int(cfg["hidden_size"]),
@@ -236,10 +241,14 @@ def _phi_smollm_granite_from_hf(
         out["rotary_dim"] = int(head_dim * partial)
     no_rope = cfg.get("no_rope_layers")  # SmolLM3: 1 = this layer rotates, 0 = it does not
     if no_rope is not None:
-        if not isinstance(no_rope, list) or not all(v in (0, 1) and not isinstance(v, float) for v in no_rope):
+        if not isinstance(no_rope, list) or not all(
+            v in (0, 1) and not isinstance(v, float) for v in no_rope
+        ):
             raise ValueError(f"no_rope_layers must be a list of 0 and 1, found {no_rope!r:.80}")
         if len(no_rope) != int(cfg["num_hidden_layers"]):
-            raise ValueError(f"no_rope_layers has {len(no_rope)} entries for {cfg['num_hidden_layers']} layers")
+            raise ValueError(
+                f"no_rope_layers has {len(no_rope)} entries for {cfg['num_hidden_layers']} layers"
+            )
         out["no_rope_layers"] = tuple(i for i, uses_rope in enumerate(no_rope) if not uses_rope)
     for key in ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling"):
         value = cfg.get(key)
@@ -248,7 +257,10 @@ def _phi_smollm_granite_from_hf(
         if not isinstance(value, (int, float)) or isinstance(value, bool):
             raise ValueError(f"{key} must be a number, found {value!r:.40}")
         out[key] = float(value)
-    if rope_scaling is not None and rope_scaling.get("rope_type", rope_scaling.get("type")) in ("longrope", "su"):
+    if rope_scaling is not None and rope_scaling.get("rope_type", rope_scaling.get("type")) in (
+        "longrope",
+        "su",
+    ):
         out["longrope"] = True
     return out
 
@@ -370,7 +382,9 @@ class DecoderLayer(nn.Module):
         self.reduce = reduce
         self.uses_rope = index not in config.no_rope_layers
         # Granite's softmax scale, as a scale of q (the attention divides by sqrt(head_dim))
-        self.q_scale = config.attention_multiplier * math.sqrt(config.head_dim) if config.attention_multiplier else 1.0
+        self.q_scale = (
+            config.attention_multiplier * math.sqrt(config.head_dim) if config.attention_multiplier else 1.0
+        )
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         qkv_out = config.q_size + 2 * config.kv_size
@@ -490,7 +504,9 @@ def fuse_hf_state_dict(config: LlamaConfig, sd: dict[str, torch.Tensor]) -> dict
         out[o + "qkv_proj.weight"] = (
             fused_qkv
             if fused_qkv is not None
-            else torch.cat([sd[attn + "q_proj.weight"], sd[attn + "k_proj.weight"], sd[attn + "v_proj.weight"]])
+            else torch.cat(
+                [sd[attn + "q_proj.weight"], sd[attn + "k_proj.weight"], sd[attn + "v_proj.weight"]]
+            )
         )
         if config.attention_bias:
             out[o + "qkv_proj.bias"] = torch.cat(

@@ -14,14 +14,26 @@ from tests.core.test_toolcalls import assert_split_invariant, cuts_strategy
 
 WEATHER = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
 CASES: dict[str, tuple[str, str, list[tuple[str, str]]]] = {
-    "phi4 one call": ("phi4_mini_json", f"<|tool_call|>[{WEATHER}]<|/tool_call|>", [("get_weather", '{"city": "Paris"}')]),
+    "phi4 one call": (
+        "phi4_mini_json",
+        f"<|tool_call|>[{WEATHER}]<|/tool_call|>",
+        [("get_weather", '{"city": "Paris"}')],
+    ),
     "phi4 two calls in one array": (
         "phi4_mini_json",
         '<|tool_call|>[{"name": "a", "arguments": {"x": 1}}, {"name": "b", "arguments": {}}]<|/tool_call|>',
         [("a", '{"x": 1}'), ("b", "{}")],
     ),
-    "phi4 one object, no array": ("phi4_mini_json", f"<|tool_call|>{WEATHER}<|/tool_call|>", [("get_weather", '{"city": "Paris"}')]),
-    "phi4 vLLM's functools form": ("phi4_mini_json", f"functools[{WEATHER}]", [("get_weather", '{"city": "Paris"}')]),
+    "phi4 one object, no array": (
+        "phi4_mini_json",
+        f"<|tool_call|>{WEATHER}<|/tool_call|>",
+        [("get_weather", '{"city": "Paris"}')],
+    ),
+    "phi4 vLLM's functools form": (
+        "phi4_mini_json",
+        f"functools[{WEATHER}]",
+        [("get_weather", '{"city": "Paris"}')],
+    ),
     "phi4 markers inside an argument": (
         "phi4_mini_json",
         '<|tool_call|>[{"name": "w", "arguments": {"q": "]<|/tool_call|> [{\\"x"}}]<|/tool_call|>',
@@ -33,7 +45,11 @@ CASES: dict[str, tuple[str, str, list[tuple[str, str]]]] = {
         '<|tool_call|>[{"name": "a", "parameters": {"k": null}}, {"name": "b", "arguments": "{\\"n\\": 2}"}]',
         [("a", '{"k": null}'), ("b", '{"n": 2}')],
     ),
-    "granite hermes-style tag": ("granite", f"<tool_call>[{WEATHER}]</tool_call>", [("get_weather", '{"city": "Paris"}')]),
+    "granite hermes-style tag": (
+        "granite",
+        f"<tool_call>[{WEATHER}]</tool_call>",
+        [("get_weather", '{"city": "Paris"}')],
+    ),
 }
 
 
@@ -80,7 +96,10 @@ def test_an_invalid_call_does_not_stop_the_next() -> None:
 
 
 def test_a_complete_call_missing_its_closing_marker_is_accepted() -> None:
-    assert parse_tool_calls(f"<|tool_call|>[{WEATHER}]\n", "phi4_mini_json") == ("", [("get_weather", '{"city": "Paris"}')])
+    assert parse_tool_calls(f"<|tool_call|>[{WEATHER}]\n", "phi4_mini_json") == (
+        "",
+        [("get_weather", '{"city": "Paris"}')],
+    )
 
 
 def test_an_unterminated_call_is_text_unless_cut() -> None:

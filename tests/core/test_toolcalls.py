@@ -410,7 +410,10 @@ CUT_FORMATS: dict[str, tuple[str, list[str], tuple[str, ...]]] = {
     ),
     "granite": (
         "",
-        ['<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris"}}]', '<|tool_call|>[{"name": "b", "arguments": {}}]'],
+        [
+            '<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris"}}]',
+            '<|tool_call|>[{"name": "b", "arguments": {}}]',
+        ],
         ("<|tool_call|>", '{"name"'),
     ),
 }

@@ -414,12 +414,18 @@ def test_tool_call_grammar_of_the_array_formats_allows_only_valid_calls(parser: 
     from ft.core.toolcalls import parse_tool_calls
 
     close = "]<|/tool_call|>" if parser == "phi4_mini_json" else "]"
-    weather, time_call = '{"name": "get_weather", "arguments": {"city": "Paris"}}', '{"name": "get_time", "arguments": {"zone": "utc"}}'
+    weather, time_call = (
+        '{"name": "get_weather", "arguments": {"city": "Paris"}}',
+        '{"name": "get_time", "arguments": {"zone": "utc"}}',
+    )
     any_tool = byte_matcher(spec.tool_calls(TOOLS, name=None, parallel=True, parser=parser))
     both = f"<|tool_call|>[{weather}, {time_call}{close}"
     assert accepts(any_tool, f"<|tool_call|>[{weather}{close}")
     assert accepts(any_tool, both)
-    assert parse_tool_calls(both, parser) == ("", [("get_weather", '{"city": "Paris"}'), ("get_time", '{"zone": "utc"}')])
+    assert parse_tool_calls(both, parser) == (
+        "",
+        [("get_weather", '{"city": "Paris"}'), ("get_time", '{"zone": "utc"}')],
+    )
     assert not accepts(any_tool, f"Sure! <|tool_call|>[{weather}{close}")
     assert not accepts(any_tool, f'<|tool_call|>[{{"name": "rm_rf", "arguments": {{}}}}{close}')
     one = byte_matcher(spec.tool_calls(TOOLS, name="get_time", parallel=False, parser=parser))

@@ -42,7 +42,12 @@ MULTIPLIERS = {
     "attention_multiplier": 0.015625,
     "logits_scaling": 8.0,
 }
-NEUTRAL = {"embedding_multiplier": 1.0, "residual_multiplier": 1.0, "attention_multiplier": 0.0, "logits_scaling": 1.0}
+NEUTRAL = {
+    "embedding_multiplier": 1.0,
+    "residual_multiplier": 1.0,
+    "attention_multiplier": 0.0,
+    "logits_scaling": 1.0,
+}
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +65,9 @@ def granite_gguf(hf_model: Any, tmp_path_factory: pytest.TempPathFactory) -> pat
     return write_gguf(tmp_path_factory.mktemp("granite-gguf") / "tiny-granite.Q8_0.gguf", hf_model)
 
 
-def test_config_maps_the_multipliers_from_hf_and_gguf(granite_dir: pathlib.Path, granite_gguf: pathlib.Path) -> None:
+def test_config_maps_the_multipliers_from_hf_and_gguf(
+    granite_dir: pathlib.Path, granite_gguf: pathlib.Path
+) -> None:
     hf = load_model(granite_dir, torch.float32).config
     gguf = load_model(granite_gguf, torch.float32).config
     for config in (hf, gguf):
@@ -72,10 +79,14 @@ def test_config_maps_the_multipliers_from_hf_and_gguf(granite_dir: pathlib.Path,
     )
 
 
-def test_float32_logits_and_greedy_tokens_match_transformers(hf_model: Any, granite_dir: pathlib.Path) -> None:
+def test_float32_logits_and_greedy_tokens_match_transformers(
+    hf_model: Any, granite_dir: pathlib.Path
+) -> None:
     with torch.inference_mode():
         expected = hf_model(torch.tensor([PROMPT])).logits[0, -1]
-        ref = hf_model.generate(torch.tensor([PROMPT]), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
+        ref = hf_model.generate(
+            torch.tensor([PROMPT]), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0
+        )
     tokens, logits = generate(runner_of(load_model(granite_dir, torch.float32)), PROMPT, NEW_TOKENS)
     assert (logits - expected).abs().max().item() < 1e-4
     expected_tokens = ref[0, len(PROMPT) :].tolist()
@@ -93,7 +104,9 @@ def test_each_multiplier_counts(hf_model: Any, granite_dir: pathlib.Path, name: 
     assert (logits - expected).abs().max().item() > 1e-2
 
 
-@pytest.mark.parametrize(("key", "value"), [("logits_scaling", 0), ("residual_multiplier", -1.0), ("embedding_multiplier", "12")])
+@pytest.mark.parametrize(
+    ("key", "value"), [("logits_scaling", 0), ("residual_multiplier", -1.0), ("embedding_multiplier", "12")]
+)
 def test_a_multiplier_out_of_range_is_refused(
     granite_dir: pathlib.Path, tmp_path: pathlib.Path, key: str, value: Any
 ) -> None:
@@ -125,7 +138,9 @@ def test_a_gguf_scale_out_of_range_is_refused_naming_its_key(
 
 
 @needs_kernels
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16, kernels.Q8_0_KV], ids=["f32", "f16", "q8_0"])
+@pytest.mark.parametrize(
+    "kv_dtype", [torch.float32, torch.float16, kernels.Q8_0_KV], ids=["f32", "f16", "q8_0"]
+)
 def test_packed_path_agrees_with_the_float_path(granite_gguf: pathlib.Path, kv_dtype: Any) -> None:
     assert packed_error(granite_gguf, kv_dtype) < PACKED_RELATIVE_TOLERANCE
 

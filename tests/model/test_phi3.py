@@ -71,7 +71,9 @@ def test_config_maps_partial_rotary_and_longrope_from_hf_and_gguf(
     assert gguf.rope_scaling is not None and hf.rope_scaling is not None
     for key in ("short_factor", "long_factor"):  # float32 in the GGUF
         np.testing.assert_allclose(gguf.rope_scaling[key], hf.rope_scaling[key], rtol=1e-6)
-    assert replace(hf, rms_norm_eps=0.0, rope_scaling=None) == replace(gguf, rms_norm_eps=0.0, rope_scaling=None)
+    assert replace(hf, rms_norm_eps=0.0, rope_scaling=None) == replace(
+        gguf, rms_norm_eps=0.0, rope_scaling=None
+    )
     assert not replace(hf, rope_context=PHI_ORIGINAL_CONTEXT).is_long_rope
 
 
@@ -82,14 +84,18 @@ def test_float32_logits_and_greedy_tokens_match_transformers_with_the_long_facto
     as ft does for a served context of 512."""
     with torch.inference_mode():
         expected = hf_model(torch.tensor([PROMPT])).logits[0, -1]
-        ref = hf_model.generate(torch.tensor([PROMPT]), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
+        ref = hf_model.generate(
+            torch.tensor([PROMPT]), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0
+        )
     tokens, logits = generate(runner_of(load_model(phi3_dir, torch.float32)), PROMPT, NEW_TOKENS)
     assert (logits - expected).abs().max().item() < 1e-4
     expected_tokens = ref[0, len(PROMPT) :].tolist()
     assert tokens[: len(expected_tokens)] == expected_tokens
 
 
-def test_a_context_within_the_trained_one_takes_the_short_factors(hf_model: Any, phi3_dir: pathlib.Path) -> None:
+def test_a_context_within_the_trained_one_takes_the_short_factors(
+    hf_model: Any, phi3_dir: pathlib.Path
+) -> None:
     """Served with a context of 32 (`--max-model-len`), ft rotates by the short factors: it
     matches transformers on a short prompt, and differs from the long factors' logits there."""
     loaded = load_model(phi3_dir, torch.float32)
@@ -123,7 +129,9 @@ def _fused(sd: dict[str, Any]) -> dict[str, torch.Tensor]:
             continue
         if name.endswith("q_proj.weight"):
             stem = name.removesuffix("q_proj.weight")
-            out[stem + "qkv_proj.weight"] = torch.cat([w, sd[stem + "k_proj.weight"], sd[stem + "v_proj.weight"]])
+            out[stem + "qkv_proj.weight"] = torch.cat(
+                [w, sd[stem + "k_proj.weight"], sd[stem + "v_proj.weight"]]
+            )
         elif name.endswith("gate_proj.weight"):
             stem = name.removesuffix("gate_proj.weight")
             out[stem + "gate_up_proj.weight"] = torch.cat([w, sd[stem + "up_proj.weight"]])
@@ -148,7 +156,9 @@ def test_gguf_float_path_matches_transformers_on_the_dequantized_weights(
 
 
 @needs_kernels
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16, kernels.Q8_0_KV], ids=["f32", "f16", "q8_0"])
+@pytest.mark.parametrize(
+    "kv_dtype", [torch.float32, torch.float16, kernels.Q8_0_KV], ids=["f32", "f16", "q8_0"]
+)
 def test_packed_path_agrees_with_the_float_path(phi3_gguf: pathlib.Path, kv_dtype: Any) -> None:
     assert packed_error(phi3_gguf, kv_dtype) < PACKED_RELATIVE_TOLERANCE
 
@@ -205,7 +215,9 @@ def test_an_unfused_gate_is_refused_naming_the_fused_tensor(hf_model: Any, tmp_p
         load_model(tmp_path / "split-gate.gguf", torch.float32)
 
 
-def test_one_longrope_tensor_without_the_other_is_refused(phi3_gguf: pathlib.Path, tmp_path: pathlib.Path) -> None:
+def test_one_longrope_tensor_without_the_other_is_refused(
+    phi3_gguf: pathlib.Path, tmp_path: pathlib.Path
+) -> None:
     raw = RawGGUF.read(phi3_gguf)
     raw.tensors = [t for t in raw.tensors if t.name != "rope_factors_short.weight"]
     raw.write(tmp_path / "one-factor.gguf")
@@ -213,7 +225,9 @@ def test_one_longrope_tensor_without_the_other_is_refused(phi3_gguf: pathlib.Pat
         load_model(tmp_path / "one-factor.gguf", torch.float32)
 
 
-def test_longrope_factors_of_the_wrong_length_are_refused(phi3_dir: pathlib.Path, tmp_path: pathlib.Path) -> None:
+def test_longrope_factors_of_the_wrong_length_are_refused(
+    phi3_dir: pathlib.Path, tmp_path: pathlib.Path
+) -> None:
     cfg = json.loads((phi3_dir / "config.json").read_text())
     cfg["rope_parameters"]["long_factor"] = cfg["rope_parameters"]["long_factor"][:-1]
     (tmp_path / "config.json").write_text(json.dumps(cfg))

@@ -64,10 +64,14 @@ def test_config_maps_the_layers_without_rotary_from_hf_and_gguf(
     assert replace(hf, rms_norm_eps=0.0) == replace(gguf, rms_norm_eps=0.0)
 
 
-def test_float32_logits_and_greedy_tokens_match_transformers(hf_model: Any, smollm3_dir: pathlib.Path) -> None:
+def test_float32_logits_and_greedy_tokens_match_transformers(
+    hf_model: Any, smollm3_dir: pathlib.Path
+) -> None:
     with torch.inference_mode():
         expected = hf_model(torch.tensor([PROMPT])).logits[0, -1]
-        ref = hf_model.generate(torch.tensor([PROMPT]), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
+        ref = hf_model.generate(
+            torch.tensor([PROMPT]), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0
+        )
     loaded = load_model(smollm3_dir, torch.float32)
     tokens, logits = generate(runner_of(loaded), PROMPT, NEW_TOKENS)
     assert (logits - expected).abs().max().item() < 1e-4
@@ -94,7 +98,9 @@ def test_a_config_of_its_own_layers_without_rotary_is_followed(
 
 
 @pytest.mark.parametrize("bad", [[1, 1, 1], [1, 1, 2, 0], "1110"])
-def test_malformed_no_rope_layers_are_refused(smollm3_dir: pathlib.Path, tmp_path: pathlib.Path, bad: Any) -> None:
+def test_malformed_no_rope_layers_are_refused(
+    smollm3_dir: pathlib.Path, tmp_path: pathlib.Path, bad: Any
+) -> None:
     cfg = json.loads((smollm3_dir / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps(cfg | {"no_rope_layers": bad}))
     with pytest.raises(ValueError, match="no_rope_layers"):
@@ -117,7 +123,9 @@ def test_gguf_float_path_matches_transformers_on_the_dequantized_weights(
 
 
 @needs_kernels
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16, kernels.Q8_0_KV], ids=["f32", "f16", "q8_0"])
+@pytest.mark.parametrize(
+    "kv_dtype", [torch.float32, torch.float16, kernels.Q8_0_KV], ids=["f32", "f16", "q8_0"]
+)
 def test_packed_path_agrees_with_the_float_path(smollm3_gguf: pathlib.Path, kv_dtype: Any) -> None:
     assert packed_error(smollm3_gguf, kv_dtype) < PACKED_RELATIVE_TOLERANCE
 

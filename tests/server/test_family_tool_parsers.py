@@ -53,7 +53,9 @@ async def test_the_familys_tool_call_format_is_the_default(
         running_server(config, hooks=hooks, settings=settings) as s,
         httpx.AsyncClient(base_url=s.base_url, timeout=10) as c,
     ):
-        r = await c.post("/v1/chat/completions", json={"messages": MESSAGES, "tools": TOOLS, "max_tokens": 128})
+        r = await c.post(
+            "/v1/chat/completions", json={"messages": MESSAGES, "tools": TOOLS, "max_tokens": 128}
+        )
         assert r.status_code == 200, r.text
         message = r.json()["choices"][0]["message"]
         if is_call:

@@ -193,12 +193,16 @@ def write_gguf(
     extra: dict[str, np.ndarray] = {}
     if arch == "phi3":
         original = rope["original_max_position_embeddings"]
-        w.add_rope_dimension_count(int(rope.get("partial_rotary_factor", 1.0) * c.hidden_size) // c.num_attention_heads)
+        w.add_rope_dimension_count(
+            int(rope.get("partial_rotary_factor", 1.0) * c.hidden_size) // c.num_attention_heads
+        )
         w.add_rope_scaling_orig_ctx_len(original)
         w.add_sliding_window(c.sliding_window or 0)
         if rope.get("rope_type") == "longrope":
             scale = c.max_position_embeddings / original
-            w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0)
+            w.add_rope_scaling_attn_factors(
+                math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0
+            )
             extra["rope_factors_long.weight"] = np.array(rope["long_factor"], dtype=np.float32)
             extra["rope_factors_short.weight"] = np.array(rope["short_factor"], dtype=np.float32)
     else:
@@ -264,7 +268,11 @@ def packed_error(gguf: pathlib.Path, kv_dtype: Any, reference: LoadedModel | Non
     packed = runner_of(load_model(gguf, torch.float32, quantized=True), kv_dtype=kv_dtype)
     assert packed.packed is not None
     worst = 0.0
-    steps = zip(forced_logits(runner_of(reference), PROMPT, float_tokens), forced_logits(packed, PROMPT, float_tokens), strict=True)
+    steps = zip(
+        forced_logits(runner_of(reference), PROMPT, float_tokens),
+        forced_logits(packed, PROMPT, float_tokens),
+        strict=True,
+    )
     for step, (want, got) in enumerate(steps):
         spread = (want.max() - want.min()).item()
         worst = max(worst, (got - want).abs().max().item() / spread)
