@@ -183,3 +183,10 @@ def test_two_tensor_parallel_ranks_give_the_tokens_and_logits_of_one(granite_dir
         tokens, logits = generate(runner, PROMPT, NEW_TOKENS)
     assert tokens == one_tokens
     assert (logits - one_logits).abs().max().item() < 1e-4
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="torch sees no CUDA device")
+def test_cuda_graphed_granite_gives_the_cpu_tokens(granite_dir: pathlib.Path) -> None:
+    from tests.support.tiny_families import assert_cuda_graphs_give_the_cpu_tokens
+
+    assert_cuda_graphs_give_the_cpu_tokens(granite_dir)

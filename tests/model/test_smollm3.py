@@ -190,3 +190,10 @@ def test_its_template_switches_reasoning(system: str | None, kwargs: dict[str, A
     text = render_chat(TEMPLATES["smollm3"], messages, extra=kwargs)
     assert ("Reasoning Mode: /think" in text) is thinks
     assert text.endswith("<|im_start|>assistant\n<think>\n\n</think>\n") is not thinks
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="torch sees no CUDA device")
+def test_cuda_graphed_smollm3_gives_the_cpu_tokens(smollm3_dir: pathlib.Path) -> None:
+    from tests.support.tiny_families import assert_cuda_graphs_give_the_cpu_tokens
+
+    assert_cuda_graphs_give_the_cpu_tokens(smollm3_dir)

@@ -295,3 +295,14 @@ async def engine_greedy(model: pathlib.Path, prompt: tuple[int, ...], n: int) ->
             async with engine.open_request(PromptSpec(token_ids=prompt), params=params) as stream:
                 (choice,) = await stream.collect()
     return list(choice.token_ids)
+
+
+def assert_cuda_graphs_give_the_cpu_tokens(directory: pathlib.Path) -> None:
+    """float32 on the GPU (SDPA, decode graphs with the family's blocks inside) against the CPU."""
+    loaded = load_model(directory, torch.float32)
+    gpu = runner_of(loaded, device=torch.device("cuda"))
+    tokens_gpu, logits_gpu = generate(gpu, PROMPT, NEW_TOKENS)
+    tokens_cpu, logits_cpu = generate(runner_of(loaded), PROMPT, NEW_TOKENS)
+    assert gpu._graphs is not None and gpu._graphs.num_captured >= 1
+    assert tokens_gpu == tokens_cpu
+    assert (logits_gpu.cpu() - logits_cpu).abs().max().item() < 1e-3
