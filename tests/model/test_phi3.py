@@ -278,3 +278,21 @@ def test_cuda_graphed_phi3_gives_the_cpu_tokens(phi3_dir: pathlib.Path) -> None:
     from tests.support.tiny_families import assert_cuda_graphs_give_the_cpu_tokens
 
     assert_cuda_graphs_give_the_cpu_tokens(phi3_dir)
+
+
+@pytest.mark.parametrize(
+    ("max_model_len", "is_long"), [(PHI_ORIGINAL_CONTEXT, False), (None, True), (64, True)]
+)
+def test_the_served_context_picks_the_factors(
+    phi3_dir: pathlib.Path, max_model_len: int | None, is_long: bool
+) -> None:
+    """`--max-model-len` within the trained context runs the short factors (llama.cpp's choice
+    by its context); the model's own 512, or any longer length, the long ones."""
+    from ft.config import EngineConfig
+    from ft.engine.loading import load_torch_model
+
+    config = EngineConfig(
+        model=str(phi3_dir), dtype="float32", max_model_len=max_model_len, compute_threads=1
+    )
+    runner = load_torch_model(config).make_runner(8, 16)
+    assert runner.config.is_long_rope is is_long  # type: ignore[attr-defined]
