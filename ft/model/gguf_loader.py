@@ -144,7 +144,7 @@ def _phi_smollm_granite(
         out["no_rope_layers"] = tuple(i for i in range(num_layers) if (i + 1) % step == 0)
     context = meta.integer(f"{arch}.context_length", 1, MAX_CONTEXT, default=2048)
     window = meta.integer(f"{arch}.attention.sliding_window", 0, MAX_CONTEXT, default=0)
-    if 0 < window < context:
+    if family.refuses_short_window and 0 < window < context:
         raise ModelFileError(
             f"metadata key '{arch}.attention.sliding_window': a window of {window} tokens, shorter than "
             f"the context of {context}: sliding-window attention is not supported yet"

@@ -18,6 +18,7 @@ from ft.model.attention import AttentionMetadata, paged_attention, write_kv
 from ft.model.moe import SparseMoE, fuse_experts
 
 if TYPE_CHECKING:
+    from ft.model.architectures import Architecture
     from ft.model.parallel import Shard
 
 ROPE_SCALING_TYPES = ("linear", "llama3", "longrope")
@@ -176,7 +177,7 @@ class LlamaConfig:
             if rope_params.get("rope_type", "default") != "default":
                 rope_scaling = dict(rope_params)
         head_dim = int(cfg.get("head_dim") or 0) or int(cfg["hidden_size"]) // num_heads
-        blocks = _phi_smollm_granite_from_hf(cfg, arch.name, head_dim, rope_params, rope_scaling)
+        blocks = _phi_smollm_granite_from_hf(cfg, arch, head_dim, rope_params, rope_scaling)
         if blocks.pop("longrope", None) is not None:
             rope_scaling = dict(rope_scaling or {})
             rope_scaling.setdefault(
@@ -205,7 +206,7 @@ class LlamaConfig:
 
 def _phi_smollm_granite_from_hf(
     cfg: dict[str, Any],
-    family: str,
+    arch: Architecture,
     head_dim: int,
     rope_params: Any,
     rope_scaling: dict[str, Any] | None,
@@ -220,13 +221,14 @@ def _phi_smollm_granite_from_hf(
             bias, an activation other than SiLU) or a value of the wrong type.
     """
     out: dict[str, Any] = {}
-    if cfg.get("hidden_act", "silu") not in ("silu", "swish") and family in ("phi3", "smollm3", "granite"):
+    family = arch.name
+    if cfg.get("hidden_act", "silu") not in ("silu", "swish"):  # the decoder's MLP is SwiGLU
         raise ValueError(f"{family} with hidden_act {cfg.get('hidden_act')!r} is not supported (SiLU only)")
     if cfg.get("mlp_bias"):
         raise ValueError(f"{family} with mlp_bias is not supported")
     window = cfg.get("sliding_window")
     max_len = int(cfg.get("max_position_embeddings", 2048))
-    if family == "phi3" and isinstance(window, int) and 0 < window < max_len:
+    if arch.refuses_short_window and isinstance(window, int) and 0 < window < max_len:
         # NOTE: Phi-3-mini-4k's 2047 of 4096; a window at least the context changes nothing.
         raise ValueError(
             f"{family} with a sliding window of {window} tokens (shorter than its context of {max_len}) "
