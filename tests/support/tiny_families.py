@@ -173,9 +173,11 @@ def write_gguf(
     *,
     tensors: dict[str, np.ndarray] | None = None,
     quant: GGMLQuantizationType = GGMLQuantizationType.Q8_0,
+    template: str | None = None,
 ) -> pathlib.Path:
     """`model` as llama.cpp's converter writes its family (`tensors` replaces the weights: a
-    test's malformed file). The 2-D weights are `quant`, everything else F32."""
+    test's malformed file; `template` names a chat template of `TEMPLATES`). The 2-D weights
+    are `quant`, everything else F32."""
     c = model.config
     arch = {"phi3": "phi3", "smollm3": "smollm3", "granite": "granite"}[c.model_type]
     tokens, merges, types = tiny_tokens()
@@ -219,6 +221,8 @@ def write_gguf(
     w.add_token_merges(merges)
     w.add_eos_token_id(tokens.index(EOS))
     w.add_add_bos_token(False)
+    if template is not None:
+        w.add_chat_template(TEMPLATES[template])
     weights = tensors if tensors is not None else gguf_tensors(model, permuted=arch != "phi3")
     for gguf_name, data in {**extra, **weights}.items():
         if data.ndim >= 2 and quant != GGMLQuantizationType.F32:
