@@ -79,8 +79,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--tool-call-parser",
         choices=TOOL_CALL_PARSERS,
         default=_S.tool_call_parser,
-        help="the format tool calls are parsed out of chat output in (default: hermes when a "
-        "request has tools)",
+        help="the format tool calls are parsed out of chat output in (default: the model "
+        "family's, else hermes, when a request has tools)",
     )
     model.add_argument(
         "--reasoning-parser",

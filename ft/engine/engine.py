@@ -64,6 +64,7 @@ class Engine:
         self.kv_cache_dtype = config.kv_cache_dtype  # resolved to a real dtype once loaded
         self.generation_defaults: dict[str, float | int] = {}
         self.reasoning_parser: str | None = None  # the model family's `<think>` format, once loaded
+        self.tool_call_parser: str | None = None  # the model family's tool-call format, once loaded
         self.hidden_size = 0  # the width of a pooled embedding, once loaded
         self.pooling = "last"  # how embedding requests pool (`config.pooling` resolved at load)
         self.rank_format: RankFormat | None = None  # a reranker's pair format and labels, once loaded

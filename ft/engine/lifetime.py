@@ -205,6 +205,7 @@ async def _start(engine: Engine, nursery: trio.Nursery) -> None:
     engine.vocab_size = parts.vocab_size
     engine.generation_defaults = parts.generation_defaults
     engine.reasoning_parser = parts.reasoning_parser
+    engine.tool_call_parser = parts.tool_call_parser
     engine.hidden_size = parts.hidden_size
     engine.pooling = resolve_pooling(cfg.pooling, parts.pooling, can_rank=parts.rank_format is not None)
     engine.rank_format = parts.rank_format

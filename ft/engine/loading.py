@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from collections.abc import Callable
@@ -47,6 +48,9 @@ class ModelParts:
     # The positions every layer attends at most (a sliding window on all of them), 0 when some
     # layer attends everything: the scheduler gives back the pages a sequence has passed.
     kv_window: int = 0
+    # The tool-call format the model family writes (Phi-4-mini: phi4_mini_json, Granite: granite),
+    # which the server parses when it was configured with none (else hermes).
+    tool_call_parser: str | None = None
 
 
 @dataclass(frozen=True)
@@ -105,6 +109,10 @@ def load_torch_model(
         if config.kv_cache_dtype == kernels.Q8_0_KV:
             _check_q8_0_kv(config, packed)  # before loading a weight
         loaded = load_model(config.model, torch.float32, progress, quantized=packed)  # the runner casts
+        if config.max_model_len is not None:
+            # NOTE: the context served picks longrope's factors (Phi-3), as llama.cpp's n_ctx does.
+            served = dataclasses.replace(loaded.config, rope_context=config.max_model_len)
+            loaded = dataclasses.replace(loaded, config=served)
         if world > 1:
             from ft.model.parallel import check_shardable
 
@@ -191,6 +199,7 @@ def load_torch_model(
         failure=procs.failure if procs is not None else None,
         reasoning_parser=by_name(loaded.config.architecture).reasoning_parser,
         kv_window=loaded.config.sliding_window if loaded.config.is_all_windowed else 0,
+        tool_call_parser=by_name(loaded.config.architecture).tool_call_parser,
     )
 
 

@@ -54,6 +54,11 @@ GEMMA_NORM_NAMES = {
     "post_attention_norm.weight": "post_attention_layernorm.weight",
     "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
 }
+# Phi-3: llama.cpp keeps the fused projections as stored (`ffn_up` holds gate | up)
+FUSED_NAMES = {
+    "attn_qkv.weight": "self_attn.qkv_proj.weight",
+    "ffn_up.weight": "mlp.gate_up_proj.weight",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,9 +73,13 @@ class Architecture:
     says, `norm_topk_prob`, or a GGUF's `expert_weights_norm`, else `gguf_expert_weights_norm`,
     llama.cpp's default for the family); `packed`
     says the packed GGUF kernels run its layers (otherwise its GGUFs load as floats);
-    `reasoning_parser` is the server's reasoning format for it when none is configured;
+    `reasoning_parser` is the server's reasoning format for it when none is configured, and
+    `tool_call_parser` its tool-call format (None: hermes);
     `gguf_permuted_qk` names the GGUF architectures whose q/k rows llama.cpp's
-    converter interleaved by rotary pairs (undone at load).
+    converter interleaved by rotary pairs (undone at load); `gguf_fused` says its GGUFs hold
+    q|k|v as one `attn_qkv` and gate|up as one `ffn_up` (Phi-3), split by rows at load;
+    `gguf_no_rope_interval` n: every n-th layer has no rotary (SmolLM3: llama.cpp hard-codes
+    4, no GGUF key says it).
 
     `gemma` is Gemma's blocks: the embedding scaled by sqrt(hidden), GeGLU, `(1 + weight)`
     norms (llama.cpp's converter adds the 1 to the GGUF's norms), norms on the attention's and
@@ -117,6 +126,12 @@ class Architecture:
     gguf_wide_query_scale_layers: tuple[int, ...] = ()
     hf_text_defaults: dict[str, Any] = field(default_factory=dict)
     hf_weight_prefixes: tuple[tuple[str, str], ...] = ()
+    gguf_fused: bool = False
+    gguf_no_rope_interval: int = 0
+    tool_call_parser: str | None = None  # the tool-call format its template asks for (None: hermes)
+    # its config's `sliding_window` shapes attention: refused while shorter than the context
+    # (ft has no sliding-window attention yet); other families' windows are ignored as before
+    refuses_short_window: bool = False
 
     @property
     def gguf_layer_names(self) -> dict[str, str]:
@@ -241,8 +256,39 @@ GEMMA3 = Architecture(
     ),
 )
 
+# Phi-3 / Phi-4-mini: fused projections, partial rotary, longrope (`LlamaConfig.from_hf`)
+PHI3 = Architecture(
+    name="phi3",
+    hf_model_types=("phi3",),
+    hf_architectures=("Phi3ForCausalLM",),
+    gguf_names=("phi3",),
+    gguf_layer_extra=FUSED_NAMES,
+    gguf_fused=True,
+    tool_call_parser="phi4_mini_json",
+    refuses_short_window=True,
+)
+# SmolLM3: every fourth layer without rotary; `<think>` reasoning (its template's /think, /no_think)
+SMOLLM3 = Architecture(
+    name="smollm3",
+    hf_model_types=("smollm3",),
+    hf_architectures=("SmolLM3ForCausalLM",),
+    gguf_names=("smollm3",),
+    gguf_permuted_qk=("smollm3",),
+    gguf_no_rope_interval=4,
+    reasoning_parser="think",
+)
+# Granite (3.x dense): embedding, residual, attention and logit multipliers
+GRANITE = Architecture(
+    name="granite",
+    hf_model_types=("granite",),
+    hf_architectures=("GraniteForCausalLM",),
+    gguf_names=("granite",),
+    gguf_permuted_qk=("granite",),
+    tool_call_parser="granite",
+)
+
 ARCHITECTURES: tuple[Architecture, ...] = (
-    LLAMA, MISTRAL, QWEN2, QWEN3, QWEN3_MOE, MIXTRAL, OLMOE, GEMMA2, GEMMA3,
+    LLAMA, MISTRAL, QWEN2, QWEN3, QWEN3_MOE, MIXTRAL, OLMOE, GEMMA2, GEMMA3, PHI3, SMOLLM3, GRANITE,
 )  # fmt: skip
 
 

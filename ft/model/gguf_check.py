@@ -14,6 +14,7 @@ import re
 import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from ft.model.architectures import by_name
 from ft.model.gguf_file import GGUFFile, GGUFTensor, ModelFileError
 from ft.model.llama import LlamaConfig
 from ft.model.quant import KERNEL_TYPES
@@ -56,6 +57,10 @@ def expected_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
             shapes |= {p + "attn_q_norm.weight": (q_norm,), p + "attn_k_norm.weight": (k_norm,)}
         if c.post_norms:  # Gemma: the attention's and the MLP's outputs normed
             shapes |= {p + "post_attention_norm.weight": (h,), p + "post_ffw_norm.weight": (h,)}
+        if by_name(c.architecture).gguf_fused:  # Phi-3: q|k|v and gate|up as stored
+            for part in ("attn_q", "attn_k", "attn_v", "ffn_gate"):
+                del shapes[p + part + ".weight"]
+            shapes |= {p + "attn_qkv.weight": (q + 2 * kv, h), p + "ffn_up.weight": (2 * ffn, h)}
     return shapes
 
 
@@ -71,7 +76,10 @@ def check_tensors(reader: GGUFFile, config: LlamaConfig, *, packed: bool) -> Non
     expected = expected_shapes(config)
     found = {t.name: t for t in reader.tensors}
     if "rope_freqs.weight" in found:  # llama3 rotary factors: one per rotary pair
-        expected["rope_freqs.weight"] = (config.head_dim // 2,)
+        expected["rope_freqs.weight"] = (config.rotary_width // 2,)
+    for name in ("rope_factors_long.weight", "rope_factors_short.weight"):  # Phi-3's longrope
+        if name in found:
+            expected[name] = (config.rotary_width // 2,)
     head = classifier_shapes(reader, config, set(found))
     expected |= head
     for name, shape in expected.items():

@@ -73,7 +73,8 @@ def gguf_config(meta: GGUFFile, tensor_names: set[str], vocab_size: int) -> Llam
             f"metadata key '{arch}.attention.head_count_kv': {num_kv_heads} does not divide the "
             f"{num_heads} heads of '{arch}.attention.head_count'"
         )
-    head_dim = _head_dim(meta, arch, hidden, num_heads)
+    half_split = arch not in family.gguf_permuted_qk  # partial rotary: the leading dims of each head
+    head_dim, rotary_dim = _head_dim(meta, arch, hidden, num_heads, partial_rotary=half_split)
     moe: dict[str, Any] = {}
     if family.moe:
         num_experts = meta.integer(f"{arch}.expert_count", 1, MAX_EXPERTS)
@@ -101,6 +102,9 @@ def gguf_config(meta: GGUFFile, tensor_names: set[str], vocab_size: int) -> Llam
         original_key = f"{arch}.rope.scaling.original_context_length"
         if original_key in meta.fields:
             rope_scaling["original_max_position_embeddings"] = meta.integer(original_key, 1, MAX_CONTEXT)
+    blocks = _phi_smollm_granite(meta, arch, family, num_layers, rotary_dim)
+    if "rope_scaling" in blocks:
+        rope_scaling = blocks.pop("rope_scaling")
     try:
         return LlamaConfig(
             vocab_size=meta.integer(f"{arch}.vocab_size", 1, MAX_VOCAB, default=vocab_size or 1),
@@ -130,6 +134,7 @@ def gguf_config(meta: GGUFFile, tensor_names: set[str], vocab_size: int) -> Llam
             **moe,
             **gemma,
             **window,
+            **blocks,
         )
     except ModelFileError:
         raise
@@ -191,6 +196,65 @@ def _window_fields(meta: GGUFFile, arch: str, family: Architecture, num_layers: 
     )
 
 
+LONGROPE_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
+
+
+def _phi_smollm_granite(
+    meta: GGUFFile, arch: str, family: Architecture, num_layers: int, rotary_dim: int
+) -> dict[str, Any]:
+    """`LlamaConfig` fields of Phi-3's rotary (its width, longrope from the `rope_factors_*`
+    tensors), SmolLM3's layers without rotary and Granite's multipliers, as llama.cpp reads them.
+
+    Raises:
+        ModelFileError: a value out of range, one longrope tensor without the other, or a
+            sliding window shorter than the context (not run yet).
+    """
+    out: dict[str, Any] = {"rotary_dim": rotary_dim}
+    if family.gguf_no_rope_interval:
+        step = family.gguf_no_rope_interval
+        out["no_rope_layers"] = tuple(i for i in range(num_layers) if (i + 1) % step == 0)
+    context = meta.integer(f"{arch}.context_length", 1, MAX_CONTEXT, default=2048)
+    window = meta.integer(f"{arch}.attention.sliding_window", 0, MAX_CONTEXT, default=0)
+    if family.refuses_short_window and 0 < window < context:
+        raise ModelFileError(
+            f"metadata key '{arch}.attention.sliding_window': a window of {window} tokens, shorter than "
+            f"the context of {context}: sliding-window attention is not supported yet"
+        )
+    factors = {t.name: t for t in meta.tensors if t.name in LONGROPE_TENSORS}
+    if factors:
+        if len(factors) != 2:
+            missing = next(n for n in LONGROPE_TENSORS if n not in factors)
+            raise ModelFileError(f"tensor {missing} is missing (longrope needs both factor tensors)")
+        original_key = f"{arch}.rope.scaling.original_context_length"
+        scaling: dict[str, Any] = {
+            "rope_type": "longrope",
+            "original_max_position_embeddings": meta.integer(original_key, 2, MAX_CONTEXT),
+        }
+        for name, key in zip(LONGROPE_TENSORS, ("long_factor", "short_factor"), strict=True):
+            tensor = factors[name]
+            if tensor.shape != (rotary_dim // 2,):
+                raise ModelFileError(
+                    f"tensor {name}: expected shape [{rotary_dim // 2}] (one per rotary pair), "
+                    f"found {list(tensor.shape)}"
+                )
+            scaling[key] = [float(v) for v in _dequantized(tensor).flatten().tolist()]
+        attn_factor_key = f"{arch}.rope.scaling.attn_factor"
+        if attn_factor_key in meta.fields:  # else computed from the context, as the converter does
+            scaling["attention_factor"] = meta.number(attn_factor_key, 1e-6, 1e6, 1.0)
+        out["rope_scaling"] = scaling
+    # Granite's multipliers; llama.cpp reads 0 (or no key) as "none"
+    for key, name in (
+        (f"{arch}.embedding_scale", "embedding_multiplier"),
+        (f"{arch}.residual_scale", "residual_multiplier"),
+        (f"{arch}.attention.scale", "attention_multiplier"),
+        (f"{arch}.logit_scale", "logits_scaling"),
+    ):
+        value = meta.number(key, 0.0, 1e6, 0.0)
+        if value != 0.0:
+            out[name] = value
+    return out
+
+
 def _flag(meta: GGUFFile, key: str, *, default: bool) -> bool:
     """A boolean metadata value, or `default` when absent."""
     value = meta.get(key, default)
@@ -223,10 +287,12 @@ def _per_layer(
     return int(value[0])
 
 
-def _head_dim(meta: GGUFFile, arch: str, hidden: int, num_heads: int) -> int:
-    """The head size, as llama.cpp reads it: `key_length`, else hidden / heads; the rotary
-    dimensions and `value_length`, where present, must equal it (the rotary embedding turns the
-    whole head)."""
+def _head_dim(
+    meta: GGUFFile, arch: str, hidden: int, num_heads: int, *, partial_rotary: bool = False
+) -> tuple[int, int]:
+    """The head size, as llama.cpp reads it (`key_length`, else hidden / heads), and the rotary
+    width: `value_length` must equal the head size, and so must the rotary dimensions unless
+    `partial_rotary` (a half-split family, Phi-3: the leading dims of each head turn)."""
     head_dim = meta.integer(f"{arch}.attention.key_length", 1, MAX_HEAD_DIM, default=0)
     source = f"'{arch}.attention.key_length'"
     if not head_dim:
@@ -238,7 +304,9 @@ def _head_dim(meta: GGUFFile, arch: str, hidden: int, num_heads: int) -> int:
         head_dim = hidden // num_heads
         source = f"'{arch}.embedding_length' {hidden} / '{arch}.attention.head_count' {num_heads}"
     rope_dims = meta.integer(f"{arch}.rope.dimension_count", 1, MAX_HEAD_DIM, default=head_dim)
-    if rope_dims != head_dim:
+    if partial_rotary and rope_dims < head_dim and rope_dims % 2 == 0:
+        pass  # checked as a `LlamaConfig` (even, at least 2)
+    elif rope_dims != head_dim:
         raise ModelFileError(
             f"metadata key '{arch}.rope.dimension_count': {rope_dims}, but the head size is {head_dim} "
             f"({source}); partial rotary embeddings are not supported"
@@ -250,7 +318,7 @@ def _head_dim(meta: GGUFFile, arch: str, hidden: int, num_heads: int) -> int:
         )
     if head_dim % 2:
         raise ModelFileError(f"the head size {head_dim} ({source}) is odd (the rotary embedding turns pairs)")
-    return head_dim
+    return head_dim, rope_dims
 
 
 def unpermute_rotary(w: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -312,6 +380,8 @@ def gguf_tensors(
     for i, tensor in enumerate(reader.tensors):
         if progress is not None:
             progress(i / len(reader.tensors))
+        if tensor.name in LONGROPE_TENSORS:  # read into the config (`gguf_config`)
+            continue
         heads = _permuted_heads(tensor.name, config) if permuted else None
         if tensor.name.startswith("cls."):  # a reranker's head: float32, under its GGUF name
             sd[tensor.name] = torch.from_numpy(_dequantized(tensor))
@@ -330,7 +400,9 @@ def gguf_tensors(
             packed = as_stored(tensor)
             if heads is not None:  # each row is whole blocks: permute the rows
                 packed = packed.permute_rows(unpermute_rotary(torch.arange(packed.rows), heads))
-            sd[_hf_name(tensor.name, family)] = repacked(packed)
+            for name, part in split_fused(_hf_name(tensor.name, family), packed, config):
+                assert isinstance(part, QuantTensor)
+                sd[name] = repacked(part)
             reader.release(tensor)
             continue
         w = torch.from_numpy(_dequantized(tensor))
@@ -339,7 +411,9 @@ def gguf_tensors(
             continue
         if heads is not None:
             w = unpermute_rotary(w, heads)
-        sd[_hf_name(tensor.name, family)] = w.to(dtype)
+        for name, part in split_fused(_hf_name(tensor.name, family), w, config):
+            assert isinstance(part, torch.Tensor)
+            sd[name] = part.to(dtype)
         reader.release(tensor)
     if requantized:
         log.warning(
@@ -373,6 +447,33 @@ def _dequantized_part(tensor: GGUFTensor, expert: int) -> np.ndarray:
     """Expert `expert` of a stack of a type the kernels do not multiply, as float32."""
     part = GGUFTensor(tensor.name, tensor.tensor_type, tensor.shape[1:], tensor.data[expert])
     return _dequantized(part)
+
+
+def split_fused(
+    name: str, weight: torch.Tensor | QuantTensor, config: LlamaConfig
+) -> list[tuple[str, torch.Tensor | QuantTensor]]:
+    """A fused projection (Phi-3's `qkv_proj` [q + 2 kv, hidden], `gate_up_proj` [2 ffn, hidden])
+    as its parts under Llama's names, split by rows (each packed row is whole blocks); any other
+    tensor as it is."""
+    if name.endswith("self_attn.qkv_proj.weight"):
+        stem = name.removesuffix("qkv_proj.weight")
+        sizes = {"q_proj": config.q_size, "k_proj": config.kv_size, "v_proj": config.kv_size}
+    elif name.endswith("mlp.gate_up_proj.weight"):
+        stem = name.removesuffix("gate_up_proj.weight")
+        sizes = {"gate_proj": config.intermediate_size, "up_proj": config.intermediate_size}
+    else:
+        return [(name, weight)]
+    parts: list[tuple[str, torch.Tensor | QuantTensor]] = []
+    start = 0
+    for part, rows in sizes.items():
+        piece = (
+            QuantTensor(weight.data[start : start + rows].contiguous(), weight.qtype, weight.cols)
+            if isinstance(weight, QuantTensor)
+            else weight[start : start + rows]
+        )
+        parts.append((f"{stem}{part}.weight", piece))
+        start += rows
+    return parts
 
 
 def _hf_name(name: str, family: Architecture) -> str:

@@ -1982,9 +1982,10 @@ void rms_norm_row(const float* x, const float* weight, float eps, int64_t H, flo
   for (int64_t i = 0; i < H; i++) out[i] = weight[i] * (x[i] * r);
 }
 
-// Half-split (Hugging Face) rotary embedding of `heads` heads of `hd` in place.
-void rope(float* v, int64_t heads, int64_t hd, const float* cos, const float* sin) {
-  const int64_t half = hd / 2;
+// Half-split (Hugging Face) rotary embedding of the leading `rot` dims of `heads` heads of `hd`
+// in place (rot < hd: partial rotary, the other dims pass); cos, sin [rot / 2].
+void rope(float* v, int64_t heads, int64_t hd, int64_t rot, const float* cos, const float* sin) {
+  const int64_t half = rot / 2;
   for (int64_t h = 0; h < heads; h++) {
     float* x = v + h * hd;
 #pragma omp simd
@@ -2069,6 +2070,11 @@ struct LayerArgs {
   // and k_norm one over the whole k (k_norm_len == nkvh * hd), not one per head.
   int64_t qk_norm_whole;
   int64_t k_norm_len;
+  // Phi-3 / SmolLM3 / Granite
+  int64_t rotary_dim;    // the leading dims of each head the rotary turns (0: head_dim), even
+  int64_t no_rope;       // 1: this layer skips the rotary (SmolLM3's NoPE layers)
+  float residual_scale;  // each branch times this before its residual add (0: 1)
+  float attn_scale;      // the softmax scale (0: 1 / sqrt(head_dim))
 };
 
 // One step's rows and where they go, the same for every layer of the step (`kernels.StepArgs`).
@@ -2092,7 +2098,7 @@ struct StepArgs {
 
 namespace {
 // One pre-norm Llama decoder layer over the step's T new tokens, x [T, H] updated in place.
-// cos, sin: [T, hd / 2]. Caches: this layer's, of the step's KV type.
+// cos, sin: [T, rotary_dim / 2]. Caches: this layer's, of the step's KV type.
 template <class KT>
 void decoder_layer(const LayerArgs& L, const StepArgs& S, float* x, const float* cos, const float* sin, KT* k_cache,
                    KT* v_cache) {
@@ -2105,6 +2111,9 @@ void decoder_layer(const LayerArgs& L, const StepArgs& S, float* x, const float*
   const int64_t max_pages = S.max_pages, page_size = S.page_size;
   const int threads = S.threads;
   const int64_t qsz = nh * hd, kvsz = nkvh * hd, qkv_w = qsz + 2 * kvsz;
+  const int64_t rot = L.rotary_dim ? L.rotary_dim : hd;
+  const float q_scale = L.attn_scale ? L.attn_scale * sqrtf((float)hd) : 1.0f;
+  const float res = L.residual_scale ? L.residual_scale : 1.0f;
   std::vector<float> h(T * H), qkv(T * qkv_w), attn(T * qsz), gu(T * 2 * inter);
   const int64_t k_max = H > qsz ? (H > inter ? H : inter) : (qsz > inter ? qsz : inter);
   QAct act(T, k_max);
@@ -2131,8 +2140,12 @@ void decoder_layer(const LayerArgs& L, const StepArgs& S, float* x, const float*
         for (int64_t j = 0; j < nh; j++) rms_norm_row(row + j * hd, q_norm, eps, hd, row + j * hd);
         for (int64_t j = 0; j < nkvh; j++) rms_norm_row(row + qsz + j * hd, k_norm, eps, hd, row + qsz + j * hd);
       }
-      rope(row, nh, hd, cos + t * (hd / 2), sin + t * (hd / 2));
-      rope(row + qsz, nkvh, hd, cos + t * (hd / 2), sin + t * (hd / 2));
+      if (!L.no_rope) {
+        rope(row, nh, hd, rot, cos + t * (rot / 2), sin + t * (rot / 2));
+        rope(row + qsz, nkvh, hd, rot, cos + t * (rot / 2), sin + t * (rot / 2));
+      }
+      if (q_scale != 1.0f)  // Granite's softmax scale, as a scale of q (attention divides by sqrt(hd))
+        for (int64_t i = 0; i < qsz; i++) row[i] *= q_scale;
       kv_store(row + qsz, kvsz, k_cache + slot_of[t] * kvsz / kv_per<KT>);
       kv_store(row + qsz + kvsz, kvsz, v_cache + slot_of[t] * kvsz / kv_per<KT>);
     }
@@ -2144,7 +2157,7 @@ void decoder_layer(const LayerArgs& L, const StepArgs& S, float* x, const float*
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < T; t++) {
       if (L.attn_out_norm) rms_norm_row(h.data() + t * H, L.attn_out_norm, eps, H, h.data() + t * H);
-      for (int64_t i = 0; i < H; i++) x[t * H + i] += h[t * H + i];
+      for (int64_t i = 0; i < H; i++) x[t * H + i] += res * h[t * H + i];
       if (!L.attention_only) rms_norm_row(x + t * H, norm2, eps, H, h.data() + t * H);
     }
     if (!L.attention_only) {  // (every thread takes the same branch)
@@ -2170,7 +2183,7 @@ void decoder_layer(const LayerArgs& L, const StepArgs& S, float* x, const float*
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < T; t++) {
       if (L.mlp_out_norm) rms_norm_row(h.data() + t * H, L.mlp_out_norm, eps, H, h.data() + t * H);
-      for (int64_t i = 0; i < H; i++) x[t * H + i] += h[t * H + i];
+      for (int64_t i = 0; i < H; i++) x[t * H + i] += res * h[t * H + i];
     }
     }  // (not attention_only)
   }
@@ -2255,7 +2268,7 @@ int ft_attention(const float* q, int64_t T, const void* k_cache, const void* v_c
 }
 
 // decoder_layer of the layer `L` over the step `S`: x [S.rows, x_width == L.hidden], cos, sin
-// [S.rows, rope_width == head_dim / 2], and this layer's caches. Every size is an argument and
+// [S.rows, rope_width == (rotary_dim or head_dim) / 2], and this layer's caches. Every size is an argument and
 // checked against the others: the norms hold H floats, the bias (or null) q + 2 kv, the q and k
 // head norms (both null, or both qk_norm_len == hd floats) one head, and w[] (q, k, v, o, gate,
 // up, down) have the rows and row bytes of [nh * hd, H], [nkvh * hd, H] twice, [H, nh * hd],
@@ -2298,8 +2311,15 @@ int ft_decoder_layer(const LayerArgs* layer, const StepArgs* step, float* x, int
                  (long long)rows[i]);
       check_weight(names[i], L.w[i].type, L.w[i].rows, L.w[i].row_bytes, L.w[i].columns, cols[i]);
     }
-    FT_REQUIRE(rope_width == hd / 2, "rotary tables of %lld for heads of %lld", (long long)rope_width,
-               (long long)hd);
+    FT_REQUIRE(L.rotary_dim >= 0 && L.rotary_dim <= hd && L.rotary_dim % 2 == 0,
+               "a rotary over %lld dims of heads of %lld", (long long)L.rotary_dim, (long long)hd);
+    const int64_t rot = L.rotary_dim ? L.rotary_dim : hd;
+    FT_REQUIRE(rope_width == rot / 2, "rotary tables of %lld for a rotary over %lld of heads of %lld",
+               (long long)rope_width, (long long)rot, (long long)hd);
+    FT_REQUIRE(L.no_rope == 0 || L.no_rope == 1, "no_rope %lld", (long long)L.no_rope);
+    FT_REQUIRE(isfinite(L.residual_scale) && L.residual_scale >= 0 && isfinite(L.attn_scale) &&
+                   L.attn_scale >= 0,
+               "residual scale %g, attention scale %g", (double)L.residual_scale, (double)L.attn_scale);
     FT_REQUIRE(S.kv_type >= KV_F32 && S.kv_type <= KV_Q8_0, "KV type %lld", (long long)S.kv_type);
     check_kv((int)S.kv_type, kvsz, hd, S.kv_slot_bytes);
     FT_REQUIRE(S.threads >= 1 && S.threads <= 4096, "%lld threads", (long long)S.threads);

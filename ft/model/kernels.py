@@ -107,6 +107,11 @@ class LayerArgs(ctypes.Structure):
         # OLMoE: q_norm / k_norm over the whole projections (qk_norm_len q's width, k_norm_len k's)
         ("qk_norm_whole", ctypes.c_int64),
         ("k_norm_len", ctypes.c_int64),
+        # Phi-3 / SmolLM3 / Granite
+        ("rotary_dim", ctypes.c_int64),  # 0: head_dim
+        ("no_rope", ctypes.c_int64),  # 1: the layer skips the rotary
+        ("residual_scale", ctypes.c_float),  # 0: 1
+        ("attn_scale", ctypes.c_float),  # 0: 1 / sqrt(head_dim)
     ]
 
 

@@ -1,6 +1,9 @@
 """The Llama-family decoder over a paged KV cache: Llama 2/3, SmolLM2, Mistral, Qwen2 (qkv bias),
-Qwen3 (per-head q/k RMSNorm), and the mixtures of experts Qwen3-MoE, Mixtral and OLMoE (whole-q/k
-RMSNorm; experts from `moe.py`); which blocks a family uses is its `architectures` entry."""
+Qwen3 (per-head q/k RMSNorm), the mixtures of experts Qwen3-MoE, Mixtral and OLMoE (whole-q/k
+RMSNorm; experts from `moe.py`), Gemma 2/3 (flags: GeGLU, post norms, soft-caps, windows),
+Phi-3/Phi-4-mini (partial rotary, longrope), SmolLM3 (layers without rotary) and Granite
+(embedding, residual, attention and logit multipliers); which blocks a family uses is its
+`architectures` entry."""
 
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ if TYPE_CHECKING:
     from ft.model.architectures import Architecture
     from ft.model.parallel import Shard
 
-ROPE_SCALING_TYPES = ("linear", "llama3")
+ROPE_SCALING_TYPES = ("linear", "llama3", "longrope")
 HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
 
 
@@ -70,6 +73,14 @@ class LlamaConfig:
     sliding_window: int = 0  # positions a windowed layer attends, its own included; 0: none
     sliding_layers: tuple[bool, ...] = ()  # which layers are windowed; empty: all of them
     rope_local_theta: float = 0.0  # rotary base of the windowed layers, unscaled (Gemma 3); 0: as the others
+    # Phi-3 / SmolLM3 / Granite blocks; each default is "as Llama"
+    rotary_dim: int = 0  # leading dims of each head the rotary turns, the rest pass (0: all of it)
+    rope_context: int = 0  # longest sequence served (0: max_position_embeddings): picks longrope's factors
+    no_rope_layers: tuple[int, ...] = ()  # layers without the rotary embedding (SmolLM3's NoPE layers)
+    embedding_multiplier: float = 1.0  # the embedding scaled (Granite)
+    residual_multiplier: float = 1.0  # each residual branch scaled before its add (Granite)
+    attention_multiplier: float = 0.0  # the softmax scale, 0: 1 / sqrt(head_dim) (Granite)
+    logits_scaling: float = 1.0  # the logits divided by it (Granite)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -98,14 +109,54 @@ class LlamaConfig:
             )
         if min(self.query_scale, self.attn_softcap, self.final_softcap, self.rope_local_theta) < 0:
             raise ValueError("query scale, soft-caps and the local rotary base must not be negative")
+        if self.rotary_dim == self.head_dim:
+            object.__setattr__(self, "rotary_dim", 0)  # one spelling of "the whole head"
+        self._check_phi_smollm_granite()
         if self.rope_scaling is not None:
             kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
+            if kind == "su":  # Phi-3's first name for longrope
+                kind = "longrope"
+                object.__setattr__(self, "rope_scaling", {**self.rope_scaling, "rope_type": kind})
             if kind == "default":
                 object.__setattr__(self, "rope_scaling", None)
             elif kind not in ROPE_SCALING_TYPES:
                 raise ValueError(
                     f"rope scaling {kind!r} is not supported (supported: {', '.join(ROPE_SCALING_TYPES)})"
                 )
+            elif kind == "longrope":
+                _check_longrope(self.rope_scaling, self.rotary_width)
+
+    def _check_phi_smollm_granite(self) -> None:
+        """The partial rotary, the layers without it and the multipliers are in range."""
+        if self.rotary_dim and not (2 <= self.rotary_dim < self.head_dim and self.rotary_dim % 2 == 0):
+            raise ValueError(
+                f"a rotary over {self.rotary_dim} dims of heads of {self.head_dim}: expected an even "
+                f"number from 2 to {self.head_dim}"
+            )
+        if any(not 0 <= i < self.num_layers for i in self.no_rope_layers):
+            raise ValueError(
+                f"layers without rotary {list(self.no_rope_layers)} are not all among the "
+                f"{self.num_layers} layers"
+            )
+        for name in ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and (value > 0 or (value == 0 and name == "attention_multiplier"))):
+                raise ValueError(f"{name} {value!r} is not a positive finite number")
+
+    @property
+    def rotary_width(self) -> int:
+        """The dims of each head the rotary turns (the leading ones)."""
+        return self.rotary_dim or self.head_dim
+
+    @property
+    def is_long_rope(self) -> bool:
+        """Whether longrope runs its long factors: the served context passes the trained one
+        (llama.cpp's choice; transformers picks per forward by the sequence's length)."""
+        scaling = self.rope_scaling
+        if scaling is None or scaling.get("rope_type", scaling.get("type")) != "longrope":
+            return False
+        context = self.rope_context or self.max_position_embeddings
+        return context > int(scaling["original_max_position_embeddings"])
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether layer `layer`'s MLP is the routed experts."""
@@ -157,6 +208,13 @@ class LlamaConfig:
             rope_theta = rope_params.get("rope_theta", rope_theta)
             if rope_params.get("rope_type", "default") != "default":
                 rope_scaling = dict(rope_params)
+        head_dim = int(cfg.get("head_dim") or 0) or int(cfg["hidden_size"]) // num_heads
+        blocks = _phi_smollm_granite_from_hf(cfg, arch, head_dim, rope_params, rope_scaling)
+        if blocks.pop("longrope", None) is not None:
+            rope_scaling = dict(rope_scaling or {})
+            rope_scaling.setdefault(
+                "original_max_position_embeddings", cfg.get("original_max_position_embeddings")
+            )
         return cls(
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=int(cfg["hidden_size"]),
@@ -174,9 +232,10 @@ class LlamaConfig:
             qk_norm=arch.qk_norm,
             qk_norm_whole=arch.qk_norm_whole,
             architecture=arch.name,
-            hidden_act=str(cfg.get("hidden_act", "silu")),
+            hidden_act="silu",  # (`_hf_blocks` refuses any other: "swish" is its other name)
             sliding_window=_window(cfg) if arch.windowed else 0,
             **moe,
+            **blocks,
         )
 
     @classmethod
@@ -315,16 +374,105 @@ def _hf_moe(arch: Architecture, cfg: dict[str, Any]) -> dict[str, Any]:
     )
 
 
+def _phi_smollm_granite_from_hf(
+    cfg: dict[str, Any],
+    arch: Architecture,
+    head_dim: int,
+    rope_params: Any,
+    rope_scaling: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """`LlamaConfig` fields of Phi-3's partial rotary, SmolLM3's layers without rotary and
+    Granite's multipliers, from `config.json` (absent keys: as Llama); "longrope" is set when
+    the rope scaling is Phi-3's longrope (its `original_max_position_embeddings` may sit at the
+    top level of older configs).
+
+    Raises:
+        ValueError: a block ft does not run (a sliding window shorter than the context, an MLP
+            bias, an activation other than SiLU) or a value of the wrong type.
+    """
+    out: dict[str, Any] = {}
+    family = arch.name
+    if cfg.get("hidden_act", "silu") not in ("silu", "swish"):  # the decoder's MLP is SwiGLU
+        raise ValueError(f"{family} with hidden_act {cfg.get('hidden_act')!r} is not supported (SiLU only)")
+    if cfg.get("mlp_bias"):
+        raise ValueError(f"{family} with mlp_bias is not supported")
+    window = cfg.get("sliding_window")
+    max_len = int(cfg.get("max_position_embeddings", 2048))
+    if arch.refuses_short_window and isinstance(window, int) and 0 < window < max_len:
+        # NOTE: Phi-3-mini-4k's 2047 of 4096; a window at least the context changes nothing.
+        raise ValueError(
+            f"{family} with a sliding window of {window} tokens (shorter than its context of {max_len}) "
+            "is not supported yet"
+        )
+    partial = cfg.get("partial_rotary_factor")
+    if isinstance(rope_params, dict) and "partial_rotary_factor" in rope_params:
+        partial = rope_params["partial_rotary_factor"]
+    if partial is not None:
+        if not isinstance(partial, (int, float)) or not 0 < partial <= 1:
+            raise ValueError(f"partial_rotary_factor {partial!r}: expected a number in (0, 1]")
+        out["rotary_dim"] = int(head_dim * partial)
+    no_rope = cfg.get("no_rope_layers")  # SmolLM3: 1 = this layer rotates, 0 = it does not
+    if no_rope is not None:
+        if not isinstance(no_rope, list) or not all(
+            v in (0, 1) and not isinstance(v, float) for v in no_rope
+        ):
+            raise ValueError(f"no_rope_layers must be a list of 0 and 1, found {no_rope!r:.80}")
+        if len(no_rope) != int(cfg["num_hidden_layers"]):
+            raise ValueError(
+                f"no_rope_layers has {len(no_rope)} entries for {cfg['num_hidden_layers']} layers"
+            )
+        out["no_rope_layers"] = tuple(i for i, uses_rope in enumerate(no_rope) if not uses_rope)
+    for key in ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling"):
+        value = cfg.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise ValueError(f"{key} must be a number, found {value!r:.40}")
+        out[key] = float(value)
+    if rope_scaling is not None and rope_scaling.get("rope_type", rope_scaling.get("type")) in (
+        "longrope",
+        "su",
+    ):
+        out["longrope"] = True
+    return out
+
+
+def _check_longrope(scaling: dict[str, Any], rotary_dim: int) -> None:
+    """Phi-3's longrope: a short and a long factor per rotary pair, the trained context."""
+    for key in ("short_factor", "long_factor"):
+        factors = scaling.get(key)
+        if (
+            not isinstance(factors, (list, tuple))
+            or len(factors) != rotary_dim // 2
+            or not all(isinstance(f, (int, float)) and math.isfinite(f) and f > 0 for f in factors)
+        ):
+            raise ValueError(
+                f"longrope {key}: expected {rotary_dim // 2} positive numbers (one per rotary pair), "
+                f"found {factors!r:.80}"
+            )
+    original = scaling.get("original_max_position_embeddings")
+    if not isinstance(original, int) or isinstance(original, bool) or original < 2:
+        raise ValueError(f"longrope needs original_max_position_embeddings of at least 2, found {original!r}")
+    for key in ("factor", "attention_factor"):
+        value = scaling.get(key)
+        if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+            raise ValueError(f"longrope {key} {value!r} is not a positive number")
+
+
 def rope_inv_freq(config: LlamaConfig) -> torch.Tensor:
-    """Inverse rotary frequencies `[head_dim // 2]` in float32, with the config's scaling applied."""
-    dim = config.head_dim
+    """Inverse rotary frequencies `[rotary_dim // 2]` in float32, with the config's scaling applied."""
+    dim = config.rotary_width
+    scaling = config.rope_scaling
+    kind = scaling.get("rope_type", scaling.get("type")) if scaling is not None else None
+    if scaling is not None and kind == "longrope":  # Phi-3: one factor per pair, long or short
+        ext = scaling["long_factor"] if config.is_long_rope else scaling["short_factor"]
+        shape = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+        return 1.0 / (torch.tensor(ext, dtype=torch.float32) * config.rope_theta**shape)
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     if config.rope_freq_factors is not None:
         inv_freq = inv_freq / torch.tensor(config.rope_freq_factors, dtype=torch.float32)
-    scaling = config.rope_scaling
     if scaling is None:
         return inv_freq
-    kind = scaling.get("rope_type", scaling.get("type"))
     factor = float(scaling["factor"])
     if kind == "linear":
         return inv_freq / factor
@@ -354,18 +502,39 @@ def _fields(config: LlamaConfig) -> dict[str, Any]:
     return {name: getattr(config, name) for name in config.__slots__}
 
 
+def rope_attention_scale(config: LlamaConfig) -> float:
+    """The factor cos and sin are multiplied by: longrope's sqrt(1 + ln(s) / ln(original)) for a
+    context stretched s times (or its `attention_factor`), 1 otherwise."""
+    scaling = config.rope_scaling
+    if scaling is None or scaling.get("rope_type", scaling.get("type")) != "longrope":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    original = int(scaling["original_max_position_embeddings"])
+    factor = float(scaling.get("factor") or config.max_position_embeddings / original)
+    return math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1.0 else 1.0
+
+
 def rope_cos_sin(
-    inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
+    inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype, scale: float = 1.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin `[T, 1, head_dim]` for `positions` `[T]`, computed in float32 like transformers."""
-    freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, head_dim // 2]
-    emb = torch.cat((freqs, freqs), dim=-1)  # [T, head_dim]
-    return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+    """cos and sin `[T, 1, rotary_dim]` for `positions` `[T]`, computed in float32 like
+    transformers (times `scale`, longrope's attention factor)."""
+    freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, rotary_dim // 2]
+    emb = torch.cat((freqs, freqs), dim=-1)  # [T, rotary_dim]
+    cos, sin = emb.cos(), emb.sin()
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
+    return cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate `x` `[T, heads, head_dim]` by the half-split (HF) convention."""
-    half = x.shape[-1] // 2
+    """Rotate `x` `[T, heads, head_dim]` by the half-split (HF) convention; with tables narrower
+    than the head (partial rotary) only its leading `rotary_dim` dims turn, the rest pass."""
+    rot = cos.shape[-1]
+    if rot < x.shape[-1]:
+        return torch.cat((apply_rope(x[..., :rot], cos, sin), x[..., rot:]), dim=-1)
+    half = rot // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
 
@@ -423,6 +592,11 @@ class DecoderLayer(nn.Module):
         self.config = config
         self.reduce = reduce
         self.window = config.layer_window(index)  # 0: attends every position
+        self.uses_rope = index not in config.no_rope_layers
+        # Granite's softmax scale, as a scale of q (the attention divides by sqrt(head_dim))
+        self.q_scale = (
+            config.attention_multiplier * math.sqrt(config.head_dim) if config.attention_multiplier else 1.0
+        )
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)  # before the MLP
         # Gemma's norms of the attention's and the MLP's outputs (its HF names:
@@ -459,8 +633,11 @@ class DecoderLayer(nn.Module):
         k = k.reshape(num_tokens, c.num_kv_heads, c.head_dim)  # [T, kvh, hd]
         if not c.qk_norm_whole and self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)  # per head, before the rotary
-        q = apply_rope(q, cos, sin)
-        k = apply_rope(k, cos, sin)
+        if self.uses_rope:
+            q = apply_rope(q, cos, sin)
+            k = apply_rope(k, cos, sin)
+        if self.q_scale != 1.0:
+            q = q * self.q_scale
         v = v.view(num_tokens, c.num_kv_heads, c.head_dim)  # [T, kvh, hd]
         write_kv(k_cache, v_cache, k, v, meta)
         attn = paged_attention(
@@ -474,7 +651,7 @@ class DecoderLayer(nn.Module):
         )  # [T, heads * hd]
         o = self.o_proj(attn)  # [T, hidden] (this rank's heads' share under TP)
         o = o if self.reduce is None else self.reduce(o)
-        h = x + (o if self.attn_out_norm is None else self.attn_out_norm(o))
+        h = x + self._residual(o if self.attn_out_norm is None else self.attn_out_norm(o))
         normed = self.post_attention_layernorm(h)
         if self.moe is not None:
             d = self.moe(normed)  # [T, hidden]
@@ -483,8 +660,13 @@ class DecoderLayer(nn.Module):
             act = F.silu(gate) if c.hidden_act == "silu" else F.gelu(gate, approximate="tanh")
             d = self.down_proj(act * up)  # [T, hidden]
         d = d if self.reduce is None else self.reduce(d)
-        out: torch.Tensor = h + (d if self.mlp_out_norm is None else self.mlp_out_norm(d))
+        out: torch.Tensor = h + self._residual(d if self.mlp_out_norm is None else self.mlp_out_norm(d))
         return out
+
+    def _residual(self, branch: torch.Tensor) -> torch.Tensor:
+        """A branch before its residual add, times Granite's residual multiplier."""
+        m = self.config.residual_multiplier
+        return branch if m == 1.0 else branch * m
 
 
 class LlamaForCausalLM(nn.Module):
@@ -505,6 +687,7 @@ class LlamaForCausalLM(nn.Module):
         self.inv_freq: torch.Tensor
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
         self.local_inv_freq: torch.Tensor | None = rope_local_inv_freq(config)  # the windowed layers'
+        self.rope_scale = rope_attention_scale(config)
 
     def forward(
         self,
@@ -518,7 +701,9 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed_tokens(input_ids)  # [T, hidden]
         if self.config.embed_scale:  # NOTE: the factor rounded to the embedding's dtype, as transformers does
             x = x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)
-        cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)
+        if self.config.embedding_multiplier != 1.0:
+            x = x * self.config.embedding_multiplier
+        cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype, self.rope_scale)
         local = cos, sin
         if self.local_inv_freq is not None:
             local = rope_cos_sin(self.local_inv_freq.to(positions.device), positions, x.dtype)
@@ -548,6 +733,8 @@ def fuse_hf_state_dict(config: LlamaConfig, sd: dict[str, torch.Tensor]) -> dict
     lm_head = sd.get("lm_head.weight")
     if lm_head is None or config.tie_word_embeddings:
         lm_head = sd["model.embed_tokens.weight"]
+    if config.logits_scaling != 1.0:  # Granite's logits divided: folded into the lm_head once
+        lm_head = lm_head / config.logits_scaling
     out["lm_head.weight"] = lm_head
     for i in range(config.num_layers):
         p = f"model.layers.{i}."
@@ -560,8 +747,13 @@ def fuse_hf_state_dict(config: LlamaConfig, sd: dict[str, torch.Tensor]) -> dict
             out[o + "mlp_out_norm.weight"] = norm(p + "post_feedforward_layernorm.weight")
         else:
             out[o + "post_attention_layernorm.weight"] = norm(p + "post_attention_layernorm.weight")
-        out[o + "qkv_proj.weight"] = torch.cat(
-            [sd[attn + "q_proj.weight"], sd[attn + "k_proj.weight"], sd[attn + "v_proj.weight"]]
+        fused_qkv = sd.get(attn + "qkv_proj.weight")  # Phi-3 stores q|k|v fused
+        out[o + "qkv_proj.weight"] = (
+            fused_qkv
+            if fused_qkv is not None
+            else torch.cat(
+                [sd[attn + "q_proj.weight"], sd[attn + "k_proj.weight"], sd[attn + "v_proj.weight"]]
+            )
         )
         if config.attention_bias:
             out[o + "qkv_proj.bias"] = torch.cat(
@@ -574,7 +766,12 @@ def fuse_hf_state_dict(config: LlamaConfig, sd: dict[str, torch.Tensor]) -> dict
         if config.is_moe_layer(i):
             out |= {o + "moe." + k: w for k, w in fuse_experts(sd, mlp, config.num_experts).items()}
             continue
-        out[o + "gate_up_proj.weight"] = torch.cat([sd[mlp + "gate_proj.weight"], sd[mlp + "up_proj.weight"]])
+        fused_gate_up = sd.get(mlp + "gate_up_proj.weight")  # Phi-3 stores gate|up fused
+        out[o + "gate_up_proj.weight"] = (
+            fused_gate_up
+            if fused_gate_up is not None
+            else torch.cat([sd[mlp + "gate_proj.weight"], sd[mlp + "up_proj.weight"]])
+        )
         out[o + "down_proj.weight"] = sd[mlp + "down_proj.weight"]
     return out
 

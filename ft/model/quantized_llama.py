@@ -1,7 +1,8 @@
 """The Llama decoder over weights as GGUF stores them: one native call per layer (`kernels.cpp`).
 
 Each layer (norms, q/k/v/o and gate/up/down products on packed blocks, Qwen3's q/k head norms,
-rotary, the KV write and paged attention) runs in one call with torch's OpenMP threads; Python
+rotary (partial for Phi-3, none on SmolLM3's NoPE layers), Granite's residual and softmax
+scales, the KV write and paged attention) runs in one call with torch's OpenMP threads; Python
 only prepares the step's index arrays. Activations are float32; the products quantize
 activations to int8 blocks of 32, as llama.cpp does; the KV cache is float32, float16, bfloat16
 or q8_0 blocks (`kernels.Q8_0_KV`: written quantized by the layer, read in place by its
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from ft.model import kernels
-from ft.model.llama import LlamaConfig, rope_inv_freq, rope_local_inv_freq
+from ft.model.llama import LlamaConfig, rope_attention_scale, rope_inv_freq, rope_local_inv_freq
 from ft.model.packed_moe import PackedExperts
 from ft.model.quant import QuantTensor
 
@@ -114,6 +115,10 @@ class _Layer:
             attention_only=int(attention_only),
             qk_norm_whole=int(config.qk_norm_whole),
             k_norm_len=k_norm.numel() if k_norm is not None else 0,
+            rotary_dim=config.rotary_dim,
+            no_rope=int(index in config.no_rope_layers),
+            residual_scale=config.residual_multiplier,
+            attn_scale=config.attention_multiplier,
         )
         self.is_local_rope = bool(config.layer_window(index) and config.rope_local_theta)
 
@@ -165,6 +170,7 @@ class QuantizedLlama:
         self.embed_scale = (
             float(torch.tensor(config.hidden_size**0.5, dtype=torch.float32)) if config.embed_scale else 0.0
         )
+        self.rope_scale = rope_attention_scale(config)  # longrope's, on cos and sin
 
     def forward(
         self,
@@ -180,9 +186,14 @@ class QuantizedLlama:
         x = kernels.dequantize_rows(self.embed, input_ids)  # [T, hidden]
         if self.embed_scale:
             x.mul_(self.embed_scale)
+        if c.embedding_multiplier != 1.0:  # Granite
+            x *= c.embedding_multiplier
         num_tokens, hidden = x.shape
-        freqs = index.positions.float()[:, None] * self.inv_freq[None, :]  # [T, head_dim // 2]
+        freqs = index.positions.float()[:, None] * self.inv_freq[None, :]  # [T, rotary_dim // 2]
         cos, sin = freqs.cos().contiguous(), freqs.sin().contiguous()
+        if self.rope_scale != 1.0:
+            cos *= self.rope_scale
+            sin *= self.rope_scale
         local_cos, local_sin = cos, sin
         if self.local_inv_freq is not None:
             local = index.positions.float()[:, None] * self.local_inv_freq[None, :]  # [T, head_dim // 2]
@@ -226,4 +237,6 @@ class QuantizedLlama:
         rows = hidden.contiguous()
         out = torch.empty(rows.shape[0], self.lm_head.rows)
         kernels.gemm_into(out, self.lm_head, kernels.QuantizedActivations(rows))
+        if self.config.logits_scaling != 1.0:  # Granite's logits divided
+            out /= self.config.logits_scaling
         return out

@@ -224,11 +224,24 @@ def _merges_from_scores(tokens: list[str], scores: list[float]) -> list[tuple[st
     return [pair for *_, pair in found]
 
 
+# Special tokens that decoded text keeps even when special tokens are skipped: the tool-call
+# markers of Phi-4-mini's and Granite's vocabularies, which the tool-call parsers read
+# (`ft.core.toolcall_lists`). Encoding still maps their text to the one token.
+TEXT_MARKERS = ("<|tool_call|>", "<|/tool_call|>")
+
+
 def tokenizer_json_of(tok: Tokenizer) -> str:
-    """Serialize, checking that it round-trips."""
+    """Serialize, checking that it round-trips; `TEXT_MARKERS` among its added tokens are made
+    non-special, so that decoding with `skip_special_tokens` keeps them."""
     text = tok.to_str()
-    json.loads(text)
-    return text
+    data = json.loads(text)
+    added = data.get("added_tokens") or []
+    markers = [t for t in added if t.get("content") in TEXT_MARKERS and t.get("special")]
+    if not markers:
+        return text
+    for token in markers:
+        token["special"] = False
+    return json.dumps(data, ensure_ascii=False)
 
 
 def special_token_text(tokens: list[str], token_id: Any) -> str | None:

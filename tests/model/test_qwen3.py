@@ -188,7 +188,7 @@ def test_sliding_window_qwen3_is_refused(qwen3_dir: pathlib.Path, tmp_path: path
     ("config", "named"),
     [
         ({"architectures": ["MambaForCausalLM"], "model_type": "mamba"}, "MambaForCausalLM"),
-        ({"model_type": "phi3"}, "phi3"),
+        ({"model_type": "falcon"}, "falcon"),
     ],
 )
 def test_unsupported_hf_architecture_is_named_with_the_supported_list(
