@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pathlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -42,6 +43,10 @@ class ModelParts:
     # The reasoning format the model's family writes (`architectures`; Qwen3: "think"), which the
     # server parses when it was configured with none.
     reasoning_parser: str | None = None
+    # What a KV page's bytes depend on besides its tokens and the page size (the model file,
+    # dtypes, shapes, the kernels' build): the prompt cache's disk tier keys its files by it.
+    # None: this model's pages cannot go to disk.
+    kv_identity: str | None = None
 
 
 @dataclass(frozen=True)
@@ -152,6 +157,19 @@ def load_torch_model(
         built.append(runner)
         return runner
 
+    def kv_identity() -> str | None:
+        if world > 1:
+            return None  # each rank holds a shard of the heads: no disk tier
+        from ft.core.prompt_cache import model_file_identity
+        from ft.model.pull import cached_model_path
+
+        path = config.model or cached_model_path()
+        build = pathlib.Path(kernels.library()._name).name if packed else "torch"
+        return (
+            f"model={model_file_identity(path)};config={loaded.config!r};dtype={dtype};"
+            f"kv={kv_dtype};packed={packed};device={device.type};kernels={build};torch={torch.__version__}"
+        )
+
     def close(failed: bool) -> None:
         if ranks is None or not ranks.is_leader:
             return
@@ -184,6 +202,7 @@ def load_torch_model(
         close=close,
         failure=procs.failure if procs is not None else None,
         reasoning_parser=by_name(loaded.config.architecture).reasoning_parser,
+        kv_identity=kv_identity(),
     )
 
 
