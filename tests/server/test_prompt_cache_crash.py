@@ -111,6 +111,11 @@ async def test_kill_9_while_writing_pages_ten_times_never_serves_anything_wrong(
                 disk_hits += stats["hit_tokens"]
                 assert stats["bytes"] <= BOUND and stats["enabled"]
                 if kill == KILLS:
+                    metrics = (await client.get(url + "/metrics")).text
+                    assert re.search(
+                        r'ft_prompt_cache_hit_tokens_total\{model="[^"]+",tier="disk"\} [1-9]', metrics
+                    )
+                    assert "ft_prompt_cache_disk_files" in metrics
                     break
                 async with trio.open_nursery() as nursery:
                     for i in range(2):
