@@ -172,14 +172,21 @@ class PromptCache:
         OSError: the directory cannot be created or read.
     """
 
-    def __init__(self, directory: str | os.PathLike[str], max_bytes: int, identity: bytes) -> None:
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        max_bytes: int,
+        identity: bytes,
+        *,
+        lock_fd: int | None = None,
+    ) -> None:
         if max_bytes < 1:
             raise ValueError(f"max_bytes must be positive, got {max_bytes}")
         self.directory = os.path.abspath(directory)
         self.max_bytes = max_bytes
         self.identity = identity
-        os.makedirs(self.directory, exist_ok=True)
-        self._lock_fd = _lock(self.directory)
+        # `lock_fd`: the directory's lock, taken already (`lock_directory`); the cache owns it.
+        self._lock_fd = lock_directory(self.directory) if lock_fd is None else lock_fd
         self._mutex = threading.Lock()
         self._wake = threading.Condition(self._mutex)
         self._files: OrderedDict[str, int] = OrderedDict()  # path -> bytes, least recently used first
@@ -197,9 +204,11 @@ class PromptCache:
             os.makedirs(self.own_dir, exist_ok=True)
             self._scan()
             with self._mutex:
-                self._make_room(0)
+                doomed = self._make_room(0)
+            _unlink_all(doomed)
         except BaseException:
-            os.close(self._lock_fd)
+            if lock_fd is None:  # a lock handed in stays its caller's until this succeeds
+                os.close(self._lock_fd)
             raise
         self._writer = threading.Thread(target=self._write_loop, name="ft-prompt-cache-writer", daemon=True)
         self._writer.start()
@@ -302,8 +311,9 @@ class PromptCache:
             if total > self.max_bytes:
                 self.dropped += 1
                 return False
-            self._make_room(total)
+            doomed = self._make_room(total)
             self._bytes += total  # reserved: the bound holds while the file is written
+        _unlink_all(doomed)  # before the new file exists: the directory stays within the bound
         tmp = f"{path}.{os.getpid()}{TMP_SUFFIX}"
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
@@ -450,15 +460,18 @@ class PromptCache:
             self._files[path] = size
             self._bytes += size
 
-    def _make_room(self, nbytes: int) -> None:
-        """Delete least recently used files until `nbytes` more fit (holding the mutex)."""
+    def _make_room(self, nbytes: int) -> list[str]:
+        """Drop least recently used files from the index until `nbytes` more fit (holding the
+        mutex); return their paths, which the caller deletes once it has released the mutex
+        (lookups on the event loop never wait for the disk)."""
+        doomed: list[str] = []
         while self._files and self._bytes + nbytes > self.max_bytes:
             path, size = self._files.popitem(last=False)
             self._bytes -= size
             self._forget_key(path)
             self.evicted += 1
-            with contextlib.suppress(OSError):
-                os.unlink(path)
+            doomed.append(path)
+        return doomed
 
     def _discard(self, path: str, *, corrupt: bool) -> None:
         """Drop a file that did not check out (or vanished) from the index and the disk."""
@@ -480,12 +493,21 @@ class PromptCache:
                 self._keys.discard(int.from_bytes(bytes.fromhex(match.group(1)), "little"))
 
 
-def _lock(directory: str) -> int:
-    """Take the directory's exclusive lock (the fd holds it until closed).
+def _unlink_all(paths: list[str]) -> None:
+    for path in paths:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+
+
+def lock_directory(directory: str | os.PathLike[str]) -> int:
+    """Create `directory` if needed and take its exclusive lock (the fd holds it until closed),
+    so a second server fails at once, before it loads a model.
 
     Raises:
         PromptCacheBusy: another process holds it (the message names the directory and pid).
     """
+    directory = os.path.abspath(directory)
+    os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, LOCK_NAME)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
     try:

@@ -25,7 +25,7 @@ from ft.actors.tokenizer import TokenizerActor
 from ft.config import EngineConfig, resolve_pooling
 from ft.core.batch import Runner
 from ft.core.kv import PagePool
-from ft.core.prompt_cache import PageIO, PromptCache, cache_identity
+from ft.core.prompt_cache import PageIO, PromptCache, cache_identity, lock_directory
 from ft.core.scheduler import Scheduler
 from ft.engine.grammars import Grammars
 from ft.engine.loading import ModelParts, load_torch_model
@@ -192,6 +192,23 @@ async def _start(engine: Engine, nursery: trio.Nursery) -> None:
     cfg = engine.config
     hooks = engine.hooks
     load = hooks.load_model or partial(load_torch_model, progress=engine._on_progress)
+    # A directory another server owns fails the start before the model loads.
+    lock_fd = None
+    if cfg.prompt_cache_dir is not None:
+        lock_fd = await trio.to_thread.run_sync(lock_directory, cfg.prompt_cache_dir)
+    try:
+        await _load_and_start(engine, nursery, load, lock_fd)
+    except BaseException:
+        if lock_fd is not None and engine.prompt_cache is None:
+            os.close(lock_fd)
+        raise
+
+
+async def _load_and_start(
+    engine: Engine, nursery: trio.Nursery, load: Callable[[EngineConfig], ModelParts], lock_fd: int | None
+) -> None:
+    cfg = engine.config
+    hooks = engine.hooks
     parts = await trio.to_thread.run_sync(load, cfg)
     engine._close_model = parts.close
     engine.load_progress = 0.9
@@ -217,7 +234,8 @@ async def _start(engine: Engine, nursery: trio.Nursery) -> None:
         cbor2.dump(asdict(spec), f)
 
     if cfg.prompt_cache_dir is not None:
-        engine.prompt_cache = await trio.to_thread.run_sync(open_prompt_cache, cfg, parts, runner)
+        assert lock_fd is not None
+        engine.prompt_cache = await trio.to_thread.run_sync(open_prompt_cache, cfg, parts, runner, lock_fd)
     pool = PagePool(num_pages, cfg.page_size)
     core = Scheduler(
         pool,
@@ -322,9 +340,9 @@ async def _start(engine: Engine, nursery: trio.Nursery) -> None:
         engine.state = EngineState.READY
 
 
-def open_prompt_cache(cfg: EngineConfig, parts: ModelParts, runner: Runner) -> PromptCache:
-    """The disk tier for `cfg.prompt_cache_dir`, keyed by the model's KV identity and the page
-    size (blocking: it takes the directory's lock and lists its files).
+def open_prompt_cache(cfg: EngineConfig, parts: ModelParts, runner: Runner, lock_fd: int) -> PromptCache:
+    """The disk tier for `cfg.prompt_cache_dir` (whose lock `lock_fd` holds), keyed by the
+    model's KV identity and the page size (blocking: it lists the directory's files).
 
     Raises:
         ValueError: the model's pages cannot go to disk (tensor parallelism, a test model).
@@ -334,7 +352,7 @@ def open_prompt_cache(cfg: EngineConfig, parts: ModelParts, runner: Runner) -> P
     if parts.kv_identity is None or not isinstance(runner, PageIO):
         raise ValueError("--prompt-cache-dir: this model's KV pages cannot be saved to disk")
     identity = cache_identity(f"{parts.kv_identity};page_size={cfg.page_size}")
-    cache = PromptCache(cfg.prompt_cache_dir, cfg.prompt_cache_size, identity)
+    cache = PromptCache(cfg.prompt_cache_dir, cfg.prompt_cache_size, identity, lock_fd=lock_fd)
     stats = cache.statistics()
     log.info(
         "prompt cache: %s, %d files (%d bytes) of at most %d bytes; ours in %s",
