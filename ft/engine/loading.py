@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from ft.config import Q8_0_KV_PATH, EngineConfig
 from ft.core.batch import Runner, SeqWork
+from ft.model.rerank import RankFormat
 from ft.tokenizer.job import Executor
 from ft.tokenizer.spec import TokenizerSpec
 
@@ -34,6 +35,7 @@ class ModelParts:
     generation_defaults: dict[str, float | int]
     hidden_size: int = 0  # the width of a pooled embedding
     pooling: str | None = None  # how the model's file says to pool embeddings (None: unsaid)
+    rank_format: RankFormat | None = None  # a reranker's (the model has a classification head)
     # Releases what the model holds outside this process (the other ranks); synchronous,
     # called once when the engine stops. `failed`: the ranks are broken, do not talk to them.
     close: Callable[[bool], None] | None = None
@@ -43,6 +45,9 @@ class ModelParts:
     # The reasoning format the model's family writes (`architectures`; Qwen3: "think"), which the
     # server parses when it was configured with none.
     reasoning_parser: str | None = None
+    # The positions every layer attends at most (a sliding window on all of them), 0 when some
+    # layer attends everything: the scheduler gives back the pages a sequence has passed.
+    kv_window: int = 0
     # What a KV page's bytes depend on besides its tokens and the page size (the model file,
     # dtypes, shapes, the kernels' build): the prompt cache's disk tier keys its files by it.
     # None: this model's pages cannot go to disk.
@@ -199,9 +204,11 @@ def load_torch_model(
         generation_defaults=loaded.generation_defaults,
         hidden_size=loaded.config.hidden_size,
         pooling=loaded.config.pooling,
+        rank_format=loaded.rank_format,
         close=close,
         failure=procs.failure if procs is not None else None,
         reasoning_parser=by_name(loaded.config.architecture).reasoning_parser,
+        kv_window=loaded.config.sliding_window if loaded.config.is_all_windowed else 0,
         kv_identity=kv_identity(),
     )
 

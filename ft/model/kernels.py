@@ -58,6 +58,71 @@ def _cpu_key() -> str:
     return flags
 
 
+class Weight(ctypes.Structure):
+    """One projection as the kernels read it (`Weight` in kernels.cpp): rows of GGUF blocks, or
+    groups of `columns` repacked rows."""
+
+    _fields_ = [
+        ("type", ctypes.c_int64),
+        ("data", ctypes.c_void_p),
+        ("rows", ctypes.c_int64),
+        ("row_bytes", ctypes.c_int64),
+        ("columns", ctypes.c_int64),
+    ]
+
+
+class LayerArgs(ctypes.Structure):
+    """One decoder layer's constant parts (`LayerArgs` in kernels.cpp, field by field; its
+    comments say what each holds): built once per layer, every pointer kept alive by its owner.
+    A family's new field goes at the end of both, zero / null meaning "as Llama"."""
+
+    _fields_ = [
+        ("hidden", ctypes.c_int64),
+        ("heads", ctypes.c_int64),
+        ("kv_heads", ctypes.c_int64),
+        ("head_dim", ctypes.c_int64),
+        ("inter", ctypes.c_int64),
+        ("eps", ctypes.c_float),
+        ("norm1", ctypes.c_void_p),
+        ("norm1_len", ctypes.c_int64),
+        ("norm2", ctypes.c_void_p),
+        ("norm2_len", ctypes.c_int64),
+        ("w", Weight * 7),  # q, k, v, o, gate, up, down
+        ("bias", ctypes.c_void_p),
+        ("bias_len", ctypes.c_int64),
+        ("q_norm", ctypes.c_void_p),
+        ("k_norm", ctypes.c_void_p),
+        ("qk_norm_len", ctypes.c_int64),
+        # Gemma 2/3 and sliding windows
+        ("attn_out_norm", ctypes.c_void_p),
+        ("mlp_out_norm", ctypes.c_void_p),
+        ("post_norm_len", ctypes.c_int64),
+        ("gelu", ctypes.c_int64),
+        ("query_scale", ctypes.c_float),
+        ("attn_softcap", ctypes.c_float),
+        ("window", ctypes.c_int64),
+    ]
+
+
+class StepArgs(ctypes.Structure):
+    """One step's rows and where they go, shared by every layer (`StepArgs` in kernels.cpp)."""
+
+    _fields_ = [
+        ("rows", ctypes.c_int64),
+        ("slot_of", ctypes.c_void_p),
+        ("seq", ctypes.c_void_p),
+        ("num_seqs", ctypes.c_int64),
+        ("pos", ctypes.c_void_p),
+        ("block_tables", ctypes.c_void_p),
+        ("max_pages", ctypes.c_int64),
+        ("page_size", ctypes.c_int64),
+        ("num_slots", ctypes.c_int64),
+        ("kv_slot_bytes", ctypes.c_int64),
+        ("kv_type", ctypes.c_int64),
+        ("threads", ctypes.c_int64),
+    ]
+
+
 def _cache_dir() -> pathlib.Path:
     root = os.environ.get("FT_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "ft")
     return pathlib.Path(root) / "kernels"
@@ -114,8 +179,7 @@ def build_library(march: str = "native", sanitize: bool = False) -> ctypes.CDLL:
     lib.ft_repacked_row_bytes.restype = i64
     lib.ft_rms_norm.argtypes = [ptr, i64, i64, i64, ptr, i64, ctypes.c_float, ptr]
     lib.ft_decoder_layer.argtypes = [
-        ptr, i64, i64, ptr, i64, ptr, i64, ctypes.c_float, ptr, ptr, i64, ptr, ptr, i64, ptr, ptr, i64,
-        ptr, ptr, i64, i64, i32, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, i64, i32,
+        ctypes.POINTER(LayerArgs), ctypes.POINTER(StepArgs), ptr, i64, ptr, ptr, i64, ptr, ptr,
     ]  # fmt: skip
     lib.ft_attention.argtypes = [
         ptr, i64, ptr, ptr, i64, i64, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, ptr, i32,
