@@ -156,6 +156,21 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="reuse the KV pages of prompt prefixes already computed (default: on)",
     )
     engine.add_argument(
+        "--prompt-cache-dir",
+        metavar="DIR",
+        default=_E.prompt_cache_dir,
+        help="keep full prompt KV pages in files in DIR too (one server per DIR), so they come back "
+        "after evictions and restarts (default: off)",
+    )
+    engine.add_argument(
+        "--prompt-cache-size",
+        metavar="SIZE",
+        type=parse_size,
+        default=_E.prompt_cache_size,
+        help="the most bytes --prompt-cache-dir holds; least recently used pages go first "
+        f"(default: {format_size(_E.prompt_cache_size)})",
+    )
+    engine.add_argument(
         "--tokenizer-workers",
         metavar="N",
         type=int,
@@ -307,6 +322,8 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerSet
         max_queued_requests=args.max_queued_requests,
         max_queue_wait_s=args.max_queue_wait,
         enable_prefix_caching=args.enable_prefix_caching,
+        prompt_cache_dir=args.prompt_cache_dir,
+        prompt_cache_size=args.prompt_cache_size,
         tokenizer_workers=args.tokenizer_workers,
         step_timeout_s=args.step_timeout,
         pooling=args.pooling,

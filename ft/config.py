@@ -30,6 +30,10 @@ DEFAULT_KV_CACHE_MEMORY = 1 << 30
 # abort grace, `ft serve`'s on SIGINT/SIGTERM too; its drain is `ServerSettings.drain_timeout_s`).
 DEFAULT_DRAIN_TIMEOUT_S = 5.0
 DEFAULT_ABORT_TIMEOUT_S = 3.0
+# The prompt cache's disk tier (`--prompt-cache-dir`): its bound, and the fewest leading tokens
+# on disk worth a read (a load takes a step of its own; below it they are prefilled).
+DEFAULT_PROMPT_CACHE_SIZE = 4 << 30
+DEFAULT_PROMPT_CACHE_MIN_TOKENS = 64
 MAX_SERVED_NAME_LEN = 256  # a request's `model` is at most this long too
 
 
@@ -81,6 +85,13 @@ class EngineConfig:
     speculative_tokens: int = 4
     speculative_max_batch: int = 4
     pooling: str = "auto"  # how embeddings pool the prompt's hidden states (see `resolve_pooling`)
+    # The prompt cache's disk tier: full KV pages go to files in this directory (owned by one
+    # server) and come back after evictions and restarts; None: RAM only. Its files never
+    # exceed `prompt_cache_size` bytes; a prefix is read back when it holds at least
+    # `prompt_cache_min_tokens` tokens past what RAM had.
+    prompt_cache_dir: str | None = None
+    prompt_cache_size: int = DEFAULT_PROMPT_CACHE_SIZE
+    prompt_cache_min_tokens: int = DEFAULT_PROMPT_CACHE_MIN_TOKENS
 
     def __post_init__(self) -> None:
         for name in self.served_names:
@@ -149,6 +160,21 @@ class EngineConfig:
             )
         if not 1 <= self.speculative_tokens <= 32:
             raise ValueError(f"speculative_tokens must be in 1..32, got {self.speculative_tokens}")
+        if self.prompt_cache_dir is not None:
+            if not self.prompt_cache_dir.strip():
+                raise ValueError("prompt_cache_dir must be a directory path, got an empty string")
+            if not self.enable_prefix_caching:
+                raise ValueError("prompt_cache_dir needs prefix caching (--enable-prefix-caching)")
+            if self.tensor_parallel_size > 1:
+                raise ValueError(
+                    "prompt_cache_dir runs in one process; it cannot be combined with tensor parallelism"
+                )
+        if self.prompt_cache_size < 1 << 20:
+            raise ValueError(f"prompt_cache_size must be at least 1 MiB, got {self.prompt_cache_size}")
+        if not 1 <= self.prompt_cache_min_tokens <= 1 << 20:
+            raise ValueError(
+                f"prompt_cache_min_tokens must be in 1..1048576, got {self.prompt_cache_min_tokens}"
+            )
         if not 1 <= self.speculative_max_batch <= 1024:
             raise ValueError(f"speculative_max_batch must be in 1..1024, got {self.speculative_max_batch}")
 

@@ -131,3 +131,29 @@ def test_unknown_parsers_are_refused_when_the_settings_are_built(fields: dict[st
     """An unknown parser is refused at start, not on the first request that needs it."""
     with pytest.raises(ValueError, match=next(iter(fields))):
         ServerSettings(**fields)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"prompt_cache_dir": ""}, "prompt_cache_dir"),
+        ({"prompt_cache_dir": "/tmp/x", "enable_prefix_caching": False}, "prefix caching"),
+        ({"prompt_cache_dir": "/tmp/x", "tensor_parallel_size": 2}, "tensor parallelism"),
+        ({"prompt_cache_size": 1000}, "prompt_cache_size"),
+        ({"prompt_cache_min_tokens": 0}, "prompt_cache_min_tokens"),
+    ],
+)
+def test_prompt_cache_options_refuse_what_cannot_work(fields: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(**fields)  # type: ignore[arg-type]
+
+
+def test_prompt_cache_flags_reach_the_config() -> None:
+    """`--prompt-cache-size` reads sizes like `--kv-cache-memory`; off unless a directory is given."""
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    engine, _ = configs_from_args(parser.parse_args([]))
+    assert engine.prompt_cache_dir is None and engine.prompt_cache_size == 4 << 30
+    args = parser.parse_args(["--prompt-cache-dir", "/var/cache/ft", "--prompt-cache-size", "512M"])
+    engine, _ = configs_from_args(args)
+    assert engine.prompt_cache_dir == "/var/cache/ft" and engine.prompt_cache_size == 512 << 20

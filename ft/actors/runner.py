@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import trio
 
@@ -18,8 +20,14 @@ from ft.core.batch import (
     SeqWork,
     StepOutput,
 )
+from ft.core.prompt_cache import PageIO
 from ft.errors import FtError, InvalidRequest, RequestFailed
 from ft.messages import Batch, SchedulerIn, StepDone
+
+if TYPE_CHECKING:
+    from ft.core.prompt_cache import PromptCache
+
+log = logging.getLogger("ft.runner")
 
 StepHook = Callable[[list[SeqWork]], None]
 
@@ -32,6 +40,11 @@ class RunnerActor:
     step runs again. `halt` is the same decision taken outside (the engine's watchdog: a step
     that never returns, a rank process that died): it also gives up the step in flight.
     `step_started_at` and `num_steps` are what the watchdog reads.
+
+    With a `prompt_cache` (the disk tier), a batch's page saves and loads run in a thread
+    before its step: saves copy pages out before the step can write them, loads fill the
+    pages of sequences the step does not compute. Neither can fail the step: a page that does
+    not save is dropped, one that does not load is prefilled.
     """
 
     def __init__(
@@ -42,8 +55,10 @@ class RunnerActor:
         *,
         before_step: StepHook | None = None,
         on_fatal: Callable[[str], None] | None = None,
+        prompt_cache: PromptCache | None = None,
     ) -> None:
         self.inbox = inbox
+        self.prompt_cache = prompt_cache
         self.scheduler = scheduler
         self.runner = runner
         self.before_step = before_step
@@ -68,11 +83,17 @@ class RunnerActor:
         works = list(batch.works)
         failed: list[tuple[int, FtError]] = []
         sampled: list[StepOutput] = []
+        loaded: tuple[tuple[int, int], ...] = ()
         if self.fatal is None:
             self.step_started_at = trio.current_time()
             try:
                 with trio.CancelScope() as self._step_scope:
-                    sampled = await self._run_isolated(works, failed)
+                    if batch.saves or batch.loads:
+                        loaded = await trio.to_thread.run_sync(
+                            self._move_pages, batch, abandon_on_cancel=True
+                        )
+                    if works:
+                        sampled = await self._run_isolated(works, failed)
             except RunnerFailure as e:
                 self._fail(f"the model runner failed: {e}")
             finally:
@@ -96,7 +117,25 @@ class RunnerActor:
             duration_s=time.perf_counter() - started,
             num_prefill_tokens=sum(len(w.token_ids) for w in works if w.seq_id not in decode_ids),
             num_decode_tokens=sum(1 for x in tokens if x.seq_id in decode_ids),
+            loaded=loaded,
         )
+
+    def _move_pages(self, batch: Batch) -> tuple[tuple[int, int], ...]:
+        """The batch's disk-tier saves, then its loads (in the step's thread, before it)."""
+        cache, io = self.prompt_cache, self.runner
+        if cache is None or not isinstance(io, PageIO):
+            return ()
+        try:
+            cache.save_pages(io, batch.saves)
+        except Exception:  # a page not saved is only a page recomputed later
+            log.exception("prompt cache: copying pages out failed")
+        try:
+            return cache.load_pages(io, batch.loads)
+        except Exception:
+            # NOTE: a load that raised midway may have written part of a page: none of these
+            # pages is counted as loaded, so the step recomputes (overwrites) all of them.
+            log.exception("prompt cache: loading pages failed")
+            return ()
 
     async def _run_isolated(
         self, works: list[SeqWork], failed: list[tuple[int, FtError]]

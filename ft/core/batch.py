@@ -143,11 +143,34 @@ class Runner(Protocol):
 
 
 @dataclass(frozen=True, slots=True)
+class PageSave:
+    """The prompt cache's disk tier: copy page `page_id` (full, its chain hash `key`) out before
+    the step writes any page, and queue it to be written to disk."""
+
+    page_id: int
+    key: int
+
+
+@dataclass(frozen=True, slots=True)
+class PageLoad:
+    """The prompt cache's disk tier: read pages `keys` from disk into `page_ids` (fresh pages of
+    sequence `seq_id`, which the step does not compute), in order, stopping at the first that is
+    missing or does not check out; `StepDone.loaded` says how many were."""
+
+    seq_id: int
+    page_ids: tuple[int, ...]
+    keys: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class Batch:
-    """One step's work for the runner."""
+    """One step's work for the runner: first the disk tier's `saves`, then its `loads`, then
+    the `works` (which may be empty when only pages move)."""
 
     step: int
     works: tuple[SeqWork, ...]
+    saves: tuple[PageSave, ...] = ()
+    loads: tuple[PageLoad, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,6 +185,7 @@ class StepDone:
     duration_s: float = 0.0
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
+    loaded: tuple[tuple[int, int], ...] = ()  # (seq id, pages read from disk) per `PageLoad`
 
 
 @dataclass(frozen=True, slots=True)

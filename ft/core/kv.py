@@ -3,24 +3,40 @@
 A page is *used* while some sequence holds it, *cached* while no sequence holds it but its
 content (a full page of tokens after a known prefix) is remembered for reuse, and *free*
 otherwise. Cached pages are evicted least recently released first when free ones run out.
+
+A page's hash names its whole chain (every token up to the page's end), and is the same in every
+process: the prompt cache's disk tier (`ft.core.prompt_cache`) files pages under it.
 """
 
 from __future__ import annotations
 
+import hashlib
+import struct
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+
+HASH_BYTES = 16  # 128-bit page hashes: a chain key on disk must not collide across restarts
 
 
 def page_hash(parent: int | None, tokens: Sequence[int]) -> int:
-    """Hash of a full page of `tokens` following the page whose hash is `parent`."""
-    return hash((parent, tuple(tokens)))
+    """Hash of a full page of `tokens` following the page whose hash is `parent` (None: the
+    first page): blake2b over the parent's hash and the token ids, stable across processes
+    (Python's `hash()` is salted per process)."""
+    head = b"\0" * (1 + HASH_BYTES) if parent is None else b"\1" + parent.to_bytes(HASH_BYTES, "little")
+    body = struct.pack(f"<{len(tokens)}q", *tokens)
+    return int.from_bytes(hashlib.blake2b(head + body, digest_size=HASH_BYTES).digest(), "little")
 
 
 class PagePool:
     """Allocates KV pages; shares full pages between sequences with the same prefix."""
 
-    def __init__(self, num_pages: int, page_size: int) -> None:
+    def __init__(
+        self, num_pages: int, page_size: int, on_evict: Callable[[int, int], None] | None = None
+    ) -> None:
         self.num_pages = num_pages
+        # Called with (page, hash) when a cached page is evicted, before `allocate` returns it:
+        # its KV is still intact until the next step writes the page (the disk tier saves it).
+        self.on_evict = on_evict
         self.page_size = page_size
         self._free: list[int] = list(range(num_pages - 1, -1, -1))
         self._refs = [0] * num_pages
@@ -57,7 +73,10 @@ class PagePool:
                 page = self._free.pop()
             else:
                 page, _ = self._evictable.popitem(last=False)
-                del self._page_of[self._hash_of.pop(page)]
+                h = self._hash_of.pop(page)
+                del self._page_of[h]
+                if self.on_evict is not None:
+                    self.on_evict(page, h)
             self._refs[page] = 1
             pages.append(page)
         return pages
@@ -75,12 +94,14 @@ class PagePool:
             pages.append(page)
         return pages
 
-    def register(self, page: int, h: int) -> None:
-        """Remember that `page` (held, full) holds the content hashed `h`."""
+    def register(self, page: int, h: int) -> bool:
+        """Remember that `page` (held, full) holds the content hashed `h`; False when the page
+        or the content is known already (another page holds the same content)."""
         if page in self._hash_of or h in self._page_of:
-            return
+            return False
         self._hash_of[page] = h
         self._page_of[h] = page
+        return True
 
     def release(self, pages: Sequence[int]) -> None:
         """Drop one reference to each page; unreferenced pages become cached or free."""

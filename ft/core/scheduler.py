@@ -30,7 +30,17 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from ft.core.batch import Batch, EmbeddingOut, PoolSum, SeqFailed, SeqWork, StepDone, TokenOut
+from ft.core.batch import (
+    Batch,
+    EmbeddingOut,
+    PageLoad,
+    PageSave,
+    PoolSum,
+    SeqFailed,
+    SeqWork,
+    StepDone,
+    TokenOut,
+)
 from ft.core.kv import PagePool, page_hash
 from ft.core.ngram import DraftLength, NgramIndex
 from ft.core.sequence import SeqStatus, Sequence
@@ -38,7 +48,11 @@ from ft.errors import ContextLengthExceeded, InvalidRequest
 from ft.params import SamplingParams, mix_seed
 
 if TYPE_CHECKING:
+    from ft.core.prompt_cache import PromptCache
     from ft.grammar.compiled import Grammar
+
+# Fewest leading tokens worth a read from the disk tier: a load costs a step of its own.
+DEFAULT_DISK_MIN_TOKENS = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +90,8 @@ class Scheduler:
         speculative_tokens: int = 0,
         speculative_max_batch: int = 4,
         kv_window: int = 0,
+        disk: PromptCache | None = None,
+        disk_min_tokens: int = DEFAULT_DISK_MIN_TOKENS,
     ) -> None:
         self.pool = pool
         self.max_running = max_running
@@ -110,6 +126,16 @@ class Scheduler:
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.num_verifications = 0  # decode works that carried drafts
+        # The prompt cache's disk tier: full pages are saved when registered (and again when
+        # evicted, if their write was dropped); a prefix that continues on disk past
+        # `disk_min_tokens` is loaded into fresh pages before it is prefilled.
+        self.disk = disk
+        self.disk_min_tokens = disk_min_tokens
+        self._saves: dict[int, PageSave] = {}  # key -> page, for the next batch
+        self._loads: list[PageLoad] = []
+        self.num_disk_hit_tokens = 0  # prompt tokens read from disk (also in num_prefix_hit_tokens)
+        if disk is not None:
+            pool.on_evict = self._on_evict
 
     # --- admission ---------------------------------------------------------------------------
 
@@ -192,7 +218,8 @@ class Scheduler:
         """Admit all of a request's sequences, or none: nothing is held unless all fit."""
         if len(self.running) + len(group) > self.max_running:
             return False
-        matched = [self._match_prefix(seq) for seq in group]
+        found = [self._match_prefix(seq) for seq in group]
+        matched = [m for m, _ in found]
         fresh = [
             pages_for(self._admission_tokens(seq), self.pool.page_size) - len(m)
             for seq, m in zip(group, matched, strict=True)
@@ -202,8 +229,12 @@ class Scheduler:
             for pages in matched:
                 self.pool.release(pages)
             return False
-        for seq, m, n in zip(group, matched, fresh, strict=True):
+        for seq, (m, on_disk), n in zip(group, found, fresh, strict=True):
             seq.page_ids = m + self.pool.allocate(n)
+            if on_disk:  # read into its first fresh pages by the next step, which skips it
+                seq.num_loading = len(on_disk)
+                targets = tuple(seq.page_ids[len(m) : len(m) + len(on_disk)])
+                self._loads.append(PageLoad(seq.seq_id, targets, tuple(on_disk)))
             seq.num_registered = len(m)
             seq.num_computed = len(m) * self.pool.page_size
             self.num_prefix_hit_tokens += seq.num_computed
@@ -218,8 +249,9 @@ class Scheduler:
             self.running[seq.seq_id] = seq
         return True
 
-    def _match_prefix(self, seq: Sequence) -> list[int]:
-        """The cached pages `seq` can start from.
+    def _match_prefix(self, seq: Sequence) -> tuple[list[int], list[int]]:
+        """The cached pages `seq` can start from, and the keys of the pages after them to read
+        from the disk tier (none unless they hold at least `disk_min_tokens`).
 
         A cached page has no logits: a sequence whose prompt logprobs are still to be scored
         reuses only the pages before the first position it must score, and recomputes the rest
@@ -227,17 +259,21 @@ class Scheduler:
         prefix-cache hits; after a preemption, what it scored already is not scored again).
         """
         if not self.enable_prefix_caching:
-            return []
-        matched = self.pool.match_prefix(self._full_page_hashes(seq))
+            return [], []
+        hashes = self._full_page_hashes(seq)
+        keep = len(hashes)
         if seq.wants_prompt_scores:
-            keep = len(seq.prompt_scores) // self.pool.page_size
-            self.pool.release(matched[keep:])
-            matched = matched[:keep]
+            keep = min(keep, len(seq.prompt_scores) // self.pool.page_size)
         if seq.is_pooling:  # a cached page has no hidden states to pool either
-            keep = seq.num_reusable_pooled // self.pool.page_size
-            self.pool.release(matched[keep:])
-            matched = matched[:keep]
-        return matched
+            keep = min(keep, seq.num_reusable_pooled // self.pool.page_size)
+        matched = self.pool.match_prefix(hashes[:keep])
+        on_disk: list[int] = []
+        if self.disk is not None and len(matched) < keep:
+            rest = hashes[len(matched) : keep]
+            n = self.disk.count_prefix(rest)
+            if n * self.pool.page_size >= self.disk_min_tokens:
+                on_disk = rest[:n]
+        return matched, on_disk
 
     def _admission_tokens(self, seq: Sequence) -> int:
         """Tokens whose pages admission allocates: its whole budget, or what it needs now."""
@@ -378,7 +414,7 @@ class Scheduler:
             while self.waiting and self._try_admit(self.waiting[0]):
                 self.waiting.popleft()
         works: list[SeqWork] = []
-        decoding = [seq for seq in self.running.values() if not seq.is_prefilling]
+        decoding = [seq for seq in self.running.values() if not seq.is_prefilling and not seq.num_loading]
         speculate = 0 < len(decoding) <= self.speculative_max_batch and self.speculative_tokens > 0
         for seq in decoding:
             pos = seq.num_tokens - 1
@@ -393,17 +429,20 @@ class Scheduler:
         for seq in self.running.values():
             if budget <= 0:
                 break
-            if seq.is_prefilling:
+            if seq.is_prefilling and not seq.num_loading:
                 remaining = seq.num_tokens - seq.num_computed
                 chunk = min(remaining, budget)
                 start = seq.num_computed
                 tokens = seq.tokens(start, start + chunk)
                 works.append(self._work(seq, tokens, start, sample=chunk == remaining))
                 budget -= chunk
-        if not works:
+        saves, loads = tuple(self._saves.values()), tuple(self._loads)
+        self._saves.clear()
+        self._loads.clear()
+        if not works and not saves and not loads:
             return None
         self._step += 1
-        return Batch(self._step, tuple(works))
+        return Batch(self._step, tuple(works), saves, loads)
 
     def _draft(self, seq: Sequence) -> list[int]:
         """The tokens to verify after `seq`'s last one (none when it cannot speculate), with the
@@ -523,6 +562,7 @@ class Scheduler:
         for sampled in done.sampled:
             num_sampled[sampled.seq_id] = num_sampled.get(sampled.seq_id, 0) + 1
         pooled = {p.seq_id: p for p in done.pooled}
+        self._fold_loads(batch.loads, dict(done.loaded))
         for work in batch.works:
             seq = self.running.get(work.seq_id)
             if seq is None or work.seq_id in failed:
@@ -584,6 +624,33 @@ class Scheduler:
                 self._trim_pages(seq)
         return outs
 
+    def _fold_loads(self, loads: Iterable[PageLoad], loaded: dict[int, int]) -> None:
+        """Count the pages each load read from disk as computed (and cached prompt tokens);
+        the rest of its prompt, from the first page that did not load, is prefilled."""
+        size = self.pool.page_size
+        for load in loads:
+            seq = self.running.get(load.seq_id)
+            if seq is None:  # aborted while its pages were read: they were freed with it
+                continue
+            seq.num_loading = 0
+            n = loaded.get(load.seq_id, 0)
+            first = seq.num_computed // size  # the loads' pages follow the pages it matched
+            for i in range(n):
+                self.pool.register(seq.page_ids[first + i], load.keys[i])
+            seq.num_registered = first + n
+            seq.num_computed += n * size
+            self.num_prefix_hit_tokens += n * size
+            self.num_disk_hit_tokens += n * size
+            if not seq.output_ids:
+                seq.num_cached_prompt = min(seq.num_computed, len(seq.prompt_ids))
+
+    def _on_evict(self, page: int, key: int) -> None:
+        """A cached page is evicted from RAM: save it to disk unless it is there already (its
+        write at registration was dropped, or the disk tier evicted it since)."""
+        assert self.disk is not None
+        if key not in self._saves and not self.disk.contains(key):
+            self._saves[key] = PageSave(page, key)
+
     def _trim_pages(self, seq: Sequence) -> None:
         """Free the pages past what `seq`'s tokens need (taken for drafts it did not keep)."""
         keep = max(pages_for(seq.num_tokens, self.pool.page_size), seq.num_registered)
@@ -613,7 +680,9 @@ class Scheduler:
         for i in range(len(hashes), full):
             hashes.append(page_hash(hashes[-1] if hashes else None, seq.tokens(i * size, (i + 1) * size)))
         for i in range(max(seq.num_registered, seq.num_dropped), full):  # a placeholder is no content
-            self.pool.register(seq.page_ids[i], hashes[i])
+            if self.pool.register(seq.page_ids[i], hashes[i]) and self.disk is not None:
+                if not self.disk.contains(hashes[i]):
+                    self._saves[hashes[i]] = PageSave(seq.page_ids[i], hashes[i])
         seq.num_registered = full
 
     def _drop_out_of_window(self, seq: Sequence) -> None:

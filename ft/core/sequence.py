@@ -42,6 +42,7 @@ class Sequence:
     num_computed: int = 0  # tokens whose KV is in the cache
     num_cached_prompt: int = 0  # prompt tokens the prefix cache supplied at its first admission
     num_lost: int = 0  # tokens computed before its last preemption (to recompute)
+    num_loading: int = 0  # pages after `num_computed` being read from the disk tier this step
     num_preemptions: int = 0
     status: SeqStatus = SeqStatus.WAITING
     matcher: Matcher | None = None  # its grammar's state (structured output), advanced by the runner

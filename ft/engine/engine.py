@@ -18,6 +18,7 @@ import trio
 
 from ft.actors.registry import Registry, RequestEntry
 from ft.config import DEFAULT_ABORT_TIMEOUT_S, DEFAULT_DRAIN_TIMEOUT_S, EngineConfig
+from ft.core.prompt_cache import PromptCache
 from ft.core.scheduler import Scheduler
 from ft.engine.admission import Admission, Admissions
 from ft.engine.drain import Drain
@@ -78,6 +79,8 @@ class Engine:
         self._running: Running | None = None  # set once the actors have started
         self._failed = trio.Event()  # set when the model failed to load or its runner failed
         self._close_model: Callable[[bool], None] | None = None
+        self.kv_page_bytes = 0  # bytes of one KV page, once loaded
+        self.prompt_cache: PromptCache | None = None  # the disk tier, once started (closed with it)
         self._tmpdir = tempfile.TemporaryDirectory(prefix="ft-")
 
     # --- lifetime (the boot is `lifetime.boot`) -----------------------------------------------

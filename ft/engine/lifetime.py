@@ -22,11 +22,13 @@ from ft.actors.detokenizer import DetokenizerActor
 from ft.actors.runner import RunnerActor
 from ft.actors.scheduler import SchedulerActor
 from ft.actors.tokenizer import TokenizerActor
-from ft.config import resolve_pooling
+from ft.config import EngineConfig, resolve_pooling
+from ft.core.batch import Runner
 from ft.core.kv import PagePool
+from ft.core.prompt_cache import PageIO, PromptCache, cache_identity, lock_directory
 from ft.core.scheduler import Scheduler
 from ft.engine.grammars import Grammars
-from ft.engine.loading import load_torch_model
+from ft.engine.loading import ModelParts, load_torch_model
 from ft.engine.observe import log_summaries, stamp_tokens
 from ft.engine.watchdog import Watchdog
 from ft.errors import EngineStopping, RequestAborted
@@ -168,6 +170,8 @@ async def run(engine: Engine, *, wait_ready: bool) -> AsyncIterator[None]:
                     engine.jobs.kill_all()
                     nursery.cancel_scope.cancel()
     finally:
+        if engine.prompt_cache is not None:
+            engine.prompt_cache.close()  # lets its writer finish what is queued, briefly
         if engine._close_model is not None:
             engine._close_model(engine.has_failed)
         engine._tmpdir.cleanup()
@@ -188,6 +192,23 @@ async def _start(engine: Engine, nursery: trio.Nursery) -> None:
     cfg = engine.config
     hooks = engine.hooks
     load = hooks.load_model or partial(load_torch_model, progress=engine._on_progress)
+    # A directory another server owns fails the start before the model loads.
+    lock_fd = None
+    if cfg.prompt_cache_dir is not None:
+        lock_fd = await trio.to_thread.run_sync(lock_directory, cfg.prompt_cache_dir)
+    try:
+        await _load_and_start(engine, nursery, load, lock_fd)
+    except BaseException:
+        if lock_fd is not None and engine.prompt_cache is None:
+            os.close(lock_fd)
+        raise
+
+
+async def _load_and_start(
+    engine: Engine, nursery: trio.Nursery, load: Callable[[EngineConfig], ModelParts], lock_fd: int | None
+) -> None:
+    cfg = engine.config
+    hooks = engine.hooks
     parts = await trio.to_thread.run_sync(load, cfg)
     engine._close_model = parts.close
     engine.load_progress = 0.9
@@ -197,7 +218,8 @@ async def _start(engine: Engine, nursery: trio.Nursery) -> None:
         raise ValueError(
             f"max_model_len {cfg.max_model_len} exceeds the model's context {spec.context_length}"
         )
-    num_pages = cfg.num_pages or max(2, cfg.kv_cache_memory // parts.bytes_per_page(cfg.page_size))
+    engine.kv_page_bytes = parts.bytes_per_page(cfg.page_size)
+    num_pages = cfg.num_pages or max(2, cfg.kv_cache_memory // engine.kv_page_bytes)
     runner = await trio.to_thread.run_sync(parts.make_runner, num_pages, cfg.page_size)
     kv_dtype = getattr(runner, "kv_dtype", None)
     if kv_dtype is not None:
@@ -213,6 +235,9 @@ async def _start(engine: Engine, nursery: trio.Nursery) -> None:
     with open(spec_path, "wb") as f:
         cbor2.dump(asdict(spec), f)
 
+    if cfg.prompt_cache_dir is not None:
+        assert lock_fd is not None
+        engine.prompt_cache = await trio.to_thread.run_sync(open_prompt_cache, cfg, parts, runner, lock_fd)
     pool = PagePool(num_pages, cfg.page_size)
     core = Scheduler(
         pool,
@@ -225,6 +250,8 @@ async def _start(engine: Engine, nursery: trio.Nursery) -> None:
         speculative_tokens=cfg.speculative_tokens if cfg.speculative_method == "ngram" else 0,
         speculative_max_batch=cfg.speculative_max_batch,
         kv_window=parts.kv_window,
+        disk=engine.prompt_cache,
+        disk_min_tokens=cfg.prompt_cache_min_tokens,
     )
     # Unbounded inboxes, each bounded by what feeds it: every live request posts one
     # Tokenize and O(1) scheduler commands; one StepDone and one detokenizer tuple per step.
@@ -270,6 +297,7 @@ async def _start(engine: Engine, nursery: trio.Nursery) -> None:
         runner,
         before_step=hooks.before_step,
         on_fatal=engine._on_runner_failed,
+        prompt_cache=engine.prompt_cache,
     )
     await nursery.start(runner_actor.run)
 
@@ -313,6 +341,31 @@ async def _start(engine: Engine, nursery: trio.Nursery) -> None:
     engine.load_progress = 1.0
     if engine.state == EngineState.LOADING:  # a drain that began while loading stands
         engine.state = EngineState.READY
+
+
+def open_prompt_cache(cfg: EngineConfig, parts: ModelParts, runner: Runner, lock_fd: int) -> PromptCache:
+    """The disk tier for `cfg.prompt_cache_dir` (whose lock `lock_fd` holds), keyed by the
+    model's KV identity and the page size (blocking: it lists the directory's files).
+
+    Raises:
+        ValueError: the model's pages cannot go to disk (tensor parallelism, a test model).
+        PromptCacheBusy: another server owns the directory.
+    """
+    assert cfg.prompt_cache_dir is not None
+    if parts.kv_identity is None or not isinstance(runner, PageIO):
+        raise ValueError("--prompt-cache-dir: this model's KV pages cannot be saved to disk")
+    identity = cache_identity(f"{parts.kv_identity};page_size={cfg.page_size}")
+    cache = PromptCache(cfg.prompt_cache_dir, cfg.prompt_cache_size, identity, lock_fd=lock_fd)
+    stats = cache.statistics()
+    log.info(
+        "prompt cache: %s, %d files (%d bytes) of at most %d bytes; ours in %s",
+        cache.directory,
+        stats.files,
+        stats.bytes,
+        cache.max_bytes,
+        os.path.basename(cache.own_dir),
+    )
+    return cache
 
 
 async def _check_template(executor: Executor, spec_path: str) -> bool:

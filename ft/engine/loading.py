@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import pathlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -51,6 +52,10 @@ class ModelParts:
     # The tool-call format the model family writes (Phi-4-mini: phi4_mini_json, Granite: granite),
     # which the server parses when it was configured with none (else hermes).
     tool_call_parser: str | None = None
+    # What a KV page's bytes depend on besides its tokens and the page size (the model file,
+    # dtypes, shapes, the kernels' build): the prompt cache's disk tier keys its files by it.
+    # None: this model's pages cannot go to disk.
+    kv_identity: str | None = None
 
 
 @dataclass(frozen=True)
@@ -165,6 +170,19 @@ def load_torch_model(
         built.append(runner)
         return runner
 
+    def kv_identity() -> str | None:
+        if world > 1:
+            return None  # each rank holds a shard of the heads: no disk tier
+        from ft.core.prompt_cache import model_file_identity
+        from ft.model.pull import cached_model_path
+
+        path = config.model or cached_model_path()
+        build = pathlib.Path(kernels.library()._name).name if packed else "torch"
+        return (
+            f"model={model_file_identity(path)};config={loaded.config!r};dtype={dtype};"
+            f"kv={kv_dtype};packed={packed};device={device.type};kernels={build};torch={torch.__version__}"
+        )
+
     def close(failed: bool) -> None:
         if ranks is None or not ranks.is_leader:
             return
@@ -200,6 +218,7 @@ def load_torch_model(
         reasoning_parser=by_name(loaded.config.architecture).reasoning_parser,
         kv_window=loaded.config.sliding_window if loaded.config.is_all_windowed else 0,
         tool_call_parser=by_name(loaded.config.architecture).tool_call_parser,
+        kv_identity=kv_identity(),
     )
 
 

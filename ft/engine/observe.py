@@ -89,6 +89,81 @@ class SpeculativeStats:
 
 
 @dataclass(frozen=True, slots=True)
+class RamTierStats:
+    """The prompt cache's RAM tier (the page pool's cached pages): prompt tokens it supplied
+    since the start, and what it holds now."""
+
+    hit_tokens: int
+    cached_pages: int
+    bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class DiskTierStats:
+    """The prompt cache's disk tier (`--prompt-cache-dir`; all zero when off): prompt tokens it
+    supplied, page reads that hit or missed (no valid file), bytes read and written, pages
+    dropped (writer busy), write errors, corrupt files deleted, files evicted for the bound,
+    and what the directory holds now."""
+
+    enabled: bool
+    directory: str | None
+    max_bytes: int
+    files: int
+    bytes: int
+    hit_tokens: int
+    hits: int
+    misses: int
+    bytes_read: int
+    bytes_written: int
+    writes: int
+    dropped: int
+    write_errors: int
+    corrupt: int
+    evicted: int
+
+
+@dataclass(frozen=True, slots=True)
+class PromptCacheTiers:
+    """Both tiers of the prompt cache; `cached_tokens` in usage counts what either supplied."""
+
+    ram: RamTierStats
+    disk: DiskTierStats
+
+    @classmethod
+    def of(cls, engine: Engine) -> PromptCacheTiers:
+        """The tiers of `engine` now (zeros before it has started)."""
+        core, cache = engine.core, engine.prompt_cache
+        disk_hits = core.num_disk_hit_tokens if core else 0
+        cached = core.pool.num_cached if core else 0
+        ram = RamTierStats(
+            hit_tokens=(core.num_prefix_hit_tokens if core else 0) - disk_hits,
+            cached_pages=cached,
+            bytes=cached * engine.kv_page_bytes,
+        )
+        if cache is None:
+            return cls(ram, DiskTierStats(False, None, *([0] * 13)))
+        d = cache.statistics()
+        disk = DiskTierStats(
+            enabled=True,
+            directory=d.directory,
+            max_bytes=d.max_bytes,
+            files=d.files,
+            bytes=d.bytes,
+            hit_tokens=disk_hits,
+            hits=d.hits,
+            misses=d.misses,
+            bytes_read=d.bytes_read,
+            bytes_written=d.bytes_written,
+            writes=d.writes,
+            dropped=d.dropped,
+            write_errors=d.write_errors,
+            corrupt=d.corrupt,
+            evicted=d.evicted,
+        )
+        return cls(ram, disk)
+
+
+@dataclass(frozen=True, slots=True)
 class RequestStats:
     """Request gauges (derived from the registry now) and totals since the start."""
 
@@ -129,6 +204,7 @@ class EngineSnapshot:
     throughput: Throughput
     requests: RequestStats
     process: ProcessStats
+    prompt_cache: PromptCacheTiers
     drain_complete: bool | None = None
 
     def as_json(self) -> dict[str, Any]:
@@ -190,6 +266,7 @@ def snapshot(engine: Engine) -> EngineSnapshot:
             completion_tokens_total=stats.completion_tokens_total,
         ),
         process=ProcessStats(rss_bytes=_rss_bytes()),
+        prompt_cache=PromptCacheTiers.of(engine),
     )
 
 

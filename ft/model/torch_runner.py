@@ -221,6 +221,32 @@ class TorchRunner:
         return 2 * config.num_layers * page_size * kv_heads * kernels.kv_head_bytes(dtype, config.head_dim)
 
     @property
+    def page_payload_bytes(self) -> int:
+        """Bytes of one page's K and V over every layer (the disk tier's payload)."""
+        k = self.k_cache
+        return 2 * k.shape[0] * self._page_size * k.shape[2] * k.shape[3] * k.element_size()
+
+    def page_payload(self, page: int) -> list[np.ndarray]:
+        """A copy of page `page`'s K and V `[layers, page_size, kv_heads, last]` as bytes, in
+        host memory (safe to keep once the page is reused)."""
+        slots = slice(page * self._page_size, (page + 1) * self._page_size)
+        return [
+            cache[:, slots].to("cpu", copy=True).contiguous().view(torch.uint8).numpy()
+            for cache in (self.k_cache, self.v_cache)
+        ]
+
+    def load_page(self, page: int, payload: memoryview) -> None:
+        """Write `payload` (a `page_payload`'s bytes) into page `page`'s K and V."""
+        if payload.nbytes != self.page_payload_bytes:
+            raise ValueError(f"a page's payload is {self.page_payload_bytes} bytes, got {payload.nbytes}")
+        slots = slice(page * self._page_size, (page + 1) * self._page_size)
+        half = payload.nbytes // 2
+        for cache, part in ((self.k_cache, payload[:half]), (self.v_cache, payload[half:])):
+            shape = (cache.shape[0], self._page_size, *cache.shape[2:])
+            values = torch.frombuffer(part, dtype=torch.uint8).view(cache.dtype).view(shape)
+            cache[:, slots].copy_(values)
+
+    @property
     def page_size(self) -> int:
         """Slots per KV page."""
         return self._page_size

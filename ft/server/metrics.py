@@ -120,6 +120,48 @@ class EngineCollector(Collector):
             "ft_prefix_cache_queries", "Tokens looked up in the prefix cache.", sched.prefix_query_tokens
         )
         yield counter("ft_prefix_cache_hits", "Tokens the prefix cache supplied.", sched.prefix_hit_tokens)
+        tiers = snap.prompt_cache
+        ram, disk = tiers.ram, tiers.disk
+
+        def per_tier(
+            family: GaugeMetricFamily | CounterMetricFamily, ram_value: float, disk_value: float
+        ) -> Metric:
+            family.add_metric([model, "ram"], ram_value)
+            if disk.enabled:
+                family.add_metric([model, "disk"], disk_value)
+            return family
+
+        labels = ["model", "tier"]
+        yield per_tier(
+            CounterMetricFamily(
+                "ft_prompt_cache_hit_tokens", "Prompt tokens each cache tier supplied.", labels=labels
+            ),
+            ram.hit_tokens,
+            disk.hit_tokens,
+        )
+        yield per_tier(
+            GaugeMetricFamily("ft_prompt_cache_bytes", "Bytes each cache tier holds now.", labels=labels),
+            ram.bytes,
+            disk.bytes,
+        )
+        if disk.enabled:
+            yield gauge("ft_prompt_cache_disk_files", "Page files in --prompt-cache-dir.", disk.files)
+            yield gauge("ft_prompt_cache_disk_max_bytes", "The bound of --prompt-cache-dir.", disk.max_bytes)
+            yield counter("ft_prompt_cache_disk_hits", "Pages read back from disk.", disk.hits)
+            yield counter("ft_prompt_cache_disk_misses", "Page reads that found no valid file.", disk.misses)
+            yield counter("ft_prompt_cache_disk_read_bytes", "Bytes read from disk.", disk.bytes_read)
+            yield counter("ft_prompt_cache_disk_written_bytes", "Bytes written to disk.", disk.bytes_written)
+            yield counter("ft_prompt_cache_disk_writes", "Page files written.", disk.writes)
+            yield counter(
+                "ft_prompt_cache_disk_dropped", "Pages not written: the writer was busy.", disk.dropped
+            )
+            yield counter("ft_prompt_cache_disk_write_errors", "Page writes that failed.", disk.write_errors)
+            yield counter(
+                "ft_prompt_cache_disk_corrupt", "Page files that did not check out (deleted).", disk.corrupt
+            )
+            yield counter(
+                "ft_prompt_cache_disk_evicted", "Page files deleted to stay within the bound.", disk.evicted
+            )
         yield counter("ft_preemptions", "Requests preempted to free KV pages.", sched.preemptions)
         yield counter("ft_recomputed_tokens", "Tokens recomputed after preemptions.", sched.recomputed_tokens)
         yield counter(

@@ -87,6 +87,7 @@ STATS_KEYS = {
         "completion_tokens_total",
     ],
     "process": ["rss_bytes"],
+    "prompt_cache": ["ram", "disk"],
 }
 
 
