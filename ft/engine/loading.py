@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ft.config import Q8_0_KV_PATH, EngineConfig
+from ft.config import EngineConfig
 from ft.core.batch import Runner, SeqWork
 from ft.model.rerank import RankFormat
 from ft.tokenizer.job import Executor
@@ -90,66 +90,46 @@ def load_torch_model(
     from ft.model import kernels
     from ft.model.architectures import by_name
     from ft.model.dtypes import resolve_dtype
-    from ft.model.loader import is_quantized_gguf, load_model
+    from ft.model.loader import load_model
+    from ft.model.plan import plan as make_plan
+    from ft.model.plan import read_header
     from ft.model.torch_runner import TorchRunner
 
-    world = config.tensor_parallel_size
+    # Every choice is made and checked here, from the file's header, before a rank starts or
+    # a weight is read: a bad combination fails now, not after a load.
+    header = read_header(config.model)
+    run = make_plan(config, header)
+    if ranks is None:
+        log.info("plan: %s", run.summary())
+        for reason in run.reasons:
+            # A quantized file dequantized though no option asked for floats costs memory and speed.
+            unasked = reason.startswith("float:") and header.is_quantized and config.dtype == "auto"
+            log.log(logging.WARNING if unasked and not config.quantize else logging.DEBUG, "plan: %s", reason)
+    world = run.tensor_parallel_size
     procs: rank_launch.RankProcesses | None = None
     if world > 1 and ranks is None:
         ranks, procs = rank_launch.start_leader(config)
     local_rank = int(os.environ.get("LOCAL_RANK", "0")) if ranks is None else 0
-    device = ranks.device if ranks is not None else rank_launch.resolve_device(config.device, local_rank)
+    device = ranks.device if ranks is not None else rank_launch.resolve_device(run.device, local_rank)
+    packed = run.packed
     try:
-        # A quantized GGUF runs as stored unless a float dtype or --quantize was asked for.
-        packed = config.dtype == "auto" and config.quantize is None and is_quantized_gguf(config.model)
-        if packed and (world > 1 or device.type != "cpu"):
-            # NOTE: the packed kernels are single-process CPU code; ranks and GPUs run floats.
-            log.warning(
-                "dequantizing the GGUF's weights for %s", "tensor parallelism" if world > 1 else device
-            )
-            packed = False
-        if packed and not kernels.available():
-            log.warning("running the GGUF's weights dequantized to floats: %s", kernels.build_error())
-            packed = False
-        if config.kv_cache_dtype == kernels.Q8_0_KV:
-            _check_q8_0_kv(config, packed)  # before loading a weight
         loaded = load_model(config.model, torch.float32, progress, quantized=packed)  # the runner casts
         if config.max_model_len is not None:
             # NOTE: the context served picks longrope's factors (Phi-3), as llama.cpp's n_ctx does.
             served = dataclasses.replace(loaded.config, rope_context=config.max_model_len)
             loaded = dataclasses.replace(loaded, config=served)
-        if world > 1:
-            from ft.model.parallel import check_shardable
-
-            check_shardable(loaded.config, world)
-        if config.quantize or packed:
-            dtype = torch.float32
-        elif config.dtype == "auto" and device.type == "cuda":
-            dtype = torch.bfloat16
-        elif config.dtype == "auto" and world > 1:
-            # NOTE: "auto" is measured in each process: ranks that measured differently would
-            # all-reduce tensors of different dtypes (gloo aborts the process). One choice for all.
-            dtype = torch.float32
-        else:
-            dtype = resolve_dtype(config.dtype, loaded.config)
+        dtype = resolve_dtype(run.dtype, loaded.config)  # "auto": measured here
     except BaseException:
         if procs is not None:
             procs.stop()
             torch.distributed.destroy_process_group()
         raise
-    # NOTE: packed weights keep float16 KV by default: half the memory and half the bytes that
-    # decode attention reads, for 0.014 of max logit change against transformers (float32 5e-5).
-    auto_kv = torch.float16 if packed else dtype
-    kv_dtype: kernels.KVDtype = auto_kv
-    if config.kv_cache_dtype == kernels.Q8_0_KV:
+    kv_dtype: kernels.KVDtype = dtype
+    if run.kv_dtype == kernels.Q8_0_KV:
         kv_dtype = kernels.Q8_0_KV
-    elif config.kv_cache_dtype != "auto":
-        kv_dtype = getattr(torch, config.kv_cache_dtype)
-    threads = config.compute_threads
-    if threads is None and world > 1 and device.type == "cpu":
-        # Ranks on one machine share its cores (torchrun says how many ranks run on this node).
-        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
-        threads = max(1, (os.cpu_count() or 1) // local_ranks)
+    elif run.kv_dtype != "auto":
+        kv_dtype = getattr(torch, run.kv_dtype)
+    threads = run.threads
     built: list[TorchRunner] = []
 
     def make_runner(num_pages: int, page_size: int) -> Runner:
@@ -165,7 +145,7 @@ def load_torch_model(
             kv_dtype=kv_dtype,
             device=device,
             ranks=ranks,
-            cuda_graphs=config.cuda_graphs,
+            cuda_graphs=run.cuda_graphs,
         )
         built.append(runner)
         return runner
@@ -221,23 +201,3 @@ def load_torch_model(
         kv_identity=kv_identity(),
     )
 
-
-def _check_q8_0_kv(config: EngineConfig, packed: bool) -> None:
-    """Refuse `--kv-cache-dtype q8_0` where it cannot run: off the packed path, or on heads that
-    are not whole blocks of 32 (read from the GGUF's header).
-
-    Raises:
-        ValueError: the message names the packed path, or the model's head size.
-    """
-    from ft.model import kernels
-    from ft.model.loader import gguf_head_dim, is_quantized_gguf
-
-    if not packed:
-        if not is_quantized_gguf(config.model):
-            why = "the model is not a quantized GGUF"
-        elif not kernels.available():
-            why = f"the packed kernels cannot be built here ({kernels.build_error()})"
-        else:
-            why = "this run is not on the CPU in one process"
-        raise ValueError(f"{Q8_0_KV_PATH} ({why})")
-    kernels.kv_head_bytes(kernels.Q8_0_KV, gguf_head_dim(config.model))

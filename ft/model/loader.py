@@ -125,21 +125,6 @@ def is_quantized_gguf(path: str | pathlib.Path | None) -> bool:
     return bool(weights) and 2 * len(quantized) >= len(weights)
 
 
-def gguf_head_dim(path: str | pathlib.Path | None) -> int:
-    """The attention head size of a GGUF's metadata (None: the default model), read from its
-    header without loading a tensor.
-
-    Raises:
-        ModelFileError: the file or its metadata is malformed.
-    """
-    if path is None:
-        from ft.model.pull import default_model_path
-
-        path = default_model_path()
-    reader = gguf_loader.open_gguf(pathlib.Path(path).expanduser())
-    return gguf_loader.gguf_config(reader, {t.name for t in reader.tensors}, 0).head_dim
-
-
 def _is_gguf(p: pathlib.Path) -> bool:
     with p.open("rb") as f:
         return f.read(4) == b"GGUF"
