@@ -320,4 +320,4 @@ def _not_packed_why(config: EngineConfig, header: ModelHeader, device: str) -> s
         return f"the packed kernels do not run {header.family.name}"
     if not kernels.available():
         return f"the packed kernels cannot be built here ({kernels.build_error()})"
-    return f"this run is on {device}, in {config.tensor_parallel_size} process(es)"
+    return f"this run is not on the CPU in one process ({device}, {config.tensor_parallel_size} rank(s))"
