@@ -12,7 +12,7 @@ import tempfile
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
@@ -28,6 +28,9 @@ from ft.engine.observe import EngineSnapshot, snapshot
 from ft.engine.stats import Stats
 from ft.engine.stream import RequestStream
 from ft.errors import EngineStopping, FtError, InvalidRequest, Overloaded, RequestAborted, RequestFailed
+
+if TYPE_CHECKING:
+    from ft.model.plan import ExecutionPlan
 from ft.grammar.compiled import Grammar
 from ft.grammar.spec import GrammarSpec
 from ft.ids import random_id
@@ -63,6 +66,7 @@ class Engine:
         self.max_model_len = 0
         self.vocab_size = 0
         self.kv_cache_dtype = config.kv_cache_dtype  # resolved to a real dtype once loaded
+        self.model_plan: ExecutionPlan | None = None  # how the model runs, once loaded
         self.generation_defaults: dict[str, float | int] = {}
         self.reasoning_parser: str | None = None  # the model family's `<think>` format, once loaded
         self.tool_call_parser: str | None = None  # the model family's tool-call format, once loaded

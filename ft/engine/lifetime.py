@@ -219,6 +219,7 @@ async def _load_and_start(
             f"max_model_len {cfg.max_model_len} exceeds the model's context {spec.context_length}"
         )
     engine.kv_page_bytes = parts.bytes_per_page(cfg.page_size)
+    engine.model_plan = parts.plan
     num_pages = cfg.num_pages or max(2, cfg.kv_cache_memory // engine.kv_page_bytes)
     runner = await trio.to_thread.run_sync(parts.make_runner, num_pages, cfg.page_size)
     kv_dtype = getattr(runner, "kv_dtype", None)

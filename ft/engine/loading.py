@@ -18,6 +18,7 @@ from ft.tokenizer.spec import TokenizerSpec
 
 if TYPE_CHECKING:
     from ft.model.parallel import RankGroup
+    from ft.model.plan import ExecutionPlan
 
 log = logging.getLogger("ft.engine")
 
@@ -56,6 +57,8 @@ class ModelParts:
     # dtypes, shapes, the kernels' build): the prompt cache's disk tier keys its files by it.
     # None: this model's pages cannot go to disk.
     kv_identity: str | None = None
+    # How the model runs (`ft.model.plan`), shown in `/v1/stats`; None: a test's fake model.
+    plan: ExecutionPlan | None = None
 
 
 @dataclass(frozen=True)
@@ -199,5 +202,5 @@ def load_torch_model(
         kv_window=loaded.config.sliding_window if loaded.config.is_all_windowed else 0,
         tool_call_parser=by_name(loaded.config.architecture).tool_call_parser,
         kv_identity=kv_identity(),
+        plan=run,
     )
-

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from ft.core.scheduler import Scheduler
     from ft.engine.engine import Engine
     from ft.engine.lifetime import EngineState
+    from ft.model.plan import ExecutionPlan
 
 log = logging.getLogger("ft.engine")
 
@@ -26,10 +27,12 @@ SUMMARY_PERIOD_S = 10.0
 
 @dataclass(frozen=True, slots=True)
 class ModelStats:
-    """The served model: its id and its context length (`ctx`, tokens)."""
+    """The served model: its id, its context length (`ctx`, tokens) and how it runs (`plan`,
+    None until loaded or for a test's fake model)."""
 
     id: str
     ctx: int
+    plan: ExecutionPlan | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -227,7 +230,7 @@ def snapshot(engine: Engine) -> EngineSnapshot:
     return EngineSnapshot(
         instance_id=engine.instance_id,
         state=engine.state,
-        model=ModelStats(id=engine.model_id, ctx=engine.max_model_len),
+        model=ModelStats(id=engine.model_id, ctx=engine.max_model_len, plan=engine.model_plan),
         uptime_s=round(stats.uptime(), 3),
         kv=KvStats(
             used_pages=pool.num_used if pool else 0,

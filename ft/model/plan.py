@@ -17,8 +17,6 @@ import struct
 from collections import Counter
 from dataclasses import dataclass
 
-import torch
-
 from ft.config import Q8_0_KV_PATH, EngineConfig, resolve_pooling
 from ft.model.architectures import Architecture, by_name
 from ft.model.gguf_file import ModelFileError
@@ -174,6 +172,8 @@ def plan(config: EngineConfig, header: ModelHeader) -> ExecutionPlan:
         ConfigError: a combination that cannot run (`--quantize int8 --device cuda`,
             `--kv-cache-dtype q8_0` off the packed path, more ranks than kv heads, ...).
     """
+    import torch
+
     from ft.model import kernels
     from ft.model.parallel import check_shardable
 
@@ -223,7 +223,9 @@ def plan(config: EngineConfig, header: ModelHeader) -> ExecutionPlan:
     # Compute dtype.
     if config.quantize is not None or packed:
         dtype = "float32"
-        reasons.append(f"dtype float32: {'packed kernels' if packed else 'int8 linears'} take float32 activations")
+        reasons.append(
+            f"dtype float32: {'packed kernels' if packed else 'int8 linears'} take float32 activations"
+        )
     elif config.dtype != "auto":
         dtype = config.dtype
     elif not on_cpu:

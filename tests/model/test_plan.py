@@ -175,11 +175,18 @@ def _refused(model: pathlib.Path, match: str, **options: object) -> None:
 
 @pytest.mark.usefixtures("no_weights", "gpu_machine")
 def test_int8_on_cuda_is_refused_before_loading(hf_dir: pathlib.Path) -> None:
-    _refused(hf_dir, "--quantize int8 runs on the CPU; it cannot be combined with --device cuda", quantize="int8", device="cuda")
+    _refused(
+        hf_dir,
+        "--quantize int8 runs on the CPU; it cannot be combined with --device cuda",
+        quantize="int8",
+        device="cuda",
+    )
 
 
 @pytest.mark.usefixtures("no_weights")
-def test_cuda_without_a_gpu_is_refused_before_loading(hf_dir: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cuda_without_a_gpu_is_refused_before_loading(
+    hf_dir: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     _refused(hf_dir, "--device cuda:1 was asked for, but torch sees no CUDA device", device="cuda:1")
 
@@ -233,7 +240,9 @@ def test_every_plan_is_one_the_loader_runs(
     ran = 0
     for dtype, quantize, kv in GRID:
         try:
-            config = EngineConfig(model=str(path), dtype=dtype, quantize=quantize, kv_cache_dtype=kv, device="cpu")
+            config = EngineConfig(
+                model=str(path), dtype=dtype, quantize=quantize, kv_cache_dtype=kv, device="cpu"
+            )
         except ValueError:
             continue  # refused by the config alone (int8 with bfloat16, q8_0 with a float dtype)
         try:
@@ -253,3 +262,31 @@ def test_every_plan_is_one_the_loader_runs(
         assert str(runner.kv_dtype).removeprefix("torch.") == str(expected_kv).removeprefix("torch.")
         ran += 1
     assert ran >= 10
+
+
+def test_a_reranker_gguf_plans_rank_pooling(tmp_path: pathlib.Path) -> None:
+    from tests.support.tiny_rerank import causal_model, write_rank_gguf
+
+    path = write_rank_gguf(tmp_path / "rank.gguf", causal_model())
+    assert read_header(path).can_rank
+    assert planned(path, device="cpu", pooling="rank").pooling == "rank"
+    assert planned(path, device="cpu").pooling == "rank"
+
+
+async def test_the_engine_shows_its_plan_in_stats(gguf: pathlib.Path) -> None:
+    """`/v1/stats`'s body (`as_json`) carries the plan the model was loaded with."""
+    import trio
+
+    from ft.engine.engine import open_engine
+
+    config = EngineConfig(model=str(gguf), device="cpu", num_pages=16, compute_threads=1)
+    with trio.fail_after(120):
+        async with open_engine(config) as engine:
+            body = engine.snapshot().as_json()
+    assert body["model"]["plan"] == {
+        **body["model"]["plan"],
+        "device": "cpu",
+        "packed": kernels.available(),
+        "tensor_parallel_size": 1,
+    }
+    assert isinstance(body["model"]["plan"]["reasons"], tuple | list) and body["model"]["plan"]["reasons"]

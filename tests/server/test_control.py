@@ -42,7 +42,7 @@ async def test_health_models_stats_metrics(client: httpx.AsyncClient) -> None:
 STATS_KEYS = {
     "instance_id": None,
     "state": None,
-    "model": ["id", "ctx"],
+    "model": ["id", "ctx", "plan"],
     "uptime_s": None,
     "kv": [
         "used_pages",
@@ -99,7 +99,7 @@ async def test_stats_and_prepare_stop_bodies_keep_their_keys(client: httpx.Async
     """The typed snapshot serializes to the same JSON keys, in order; prepare-stop adds one."""
     stats = (await client.get("/v1/stats")).json()
     assert _keys(stats) == STATS_KEYS
-    assert stats["state"] == "ready" and stats["model"] == {"id": "fake", "ctx": 2048}
+    assert stats["state"] == "ready" and stats["model"] == {"id": "fake", "ctx": 2048, "plan": None}
     assert all(isinstance(v, int | float) for v in stats["requests"].values())
     stopped = (await client.post("/v1/admin/prepare-stop", json={})).json()
     assert _keys(stopped) == STATS_KEYS | {"drain_complete": None} and stopped["drain_complete"] is True
