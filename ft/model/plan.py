@@ -91,9 +91,9 @@ class ExecutionPlan:
         if self.packed:
             weights = f"packed {self.weights}"
         elif self.quantize:
-            weights = f"{self.quantize} linears ({self.weights} file)"
+            weights = f"{self.quantize} linears from {self.weights}"
         else:
-            weights = f"{self.dtype} ({self.weights} file)"
+            weights = f"{'measured float' if self.dtype == 'auto' else self.dtype} from {self.weights}"
         where = self.device.upper() if self.device == "cpu" else self.device
         if self.device == "cpu":
             where += f", {self.threads} threads" if self.threads else ", threads measured"

@@ -290,3 +290,33 @@ async def test_the_engine_shows_its_plan_in_stats(gguf: pathlib.Path) -> None:
         "tensor_parallel_size": 1,
     }
     assert isinstance(body["model"]["plan"]["reasons"], tuple | list) and body["model"]["plan"]["reasons"]
+
+
+def test_a_family_the_kernels_do_not_run_loads_as_floats(
+    gguf: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The architecture entry's `packed` flag is what the plan reads: off, a quantized GGUF of
+    the family is dequantized, and q8_0 KV is refused naming the family."""
+    import dataclasses
+
+    from ft.model.architectures import LLAMA
+
+    monkeypatch.setattr(
+        ModelHeader, "family", property(lambda self: dataclasses.replace(LLAMA, packed=False))
+    )
+    p = planned(gguf, device="cpu")
+    assert not p.packed and "float: the packed kernels do not run llama; dequantized" in p.reasons
+    with pytest.raises(ConfigError, match="packed CPU path.*do not run llama"):
+        planned(gguf, device="cpu", kv_cache_dtype="q8_0")
+
+
+def test_without_the_kernels_a_quantized_gguf_loads_as_floats(
+    gguf: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(kernels, "available", lambda: False)
+    monkeypatch.setattr(kernels, "build_error", lambda: "no compiler")
+    p = planned(gguf, device="cpu")
+    assert not p.packed and p.dtype == "auto"
+    assert "float: the packed kernels cannot be built here (no compiler)" in p.reasons
+    with pytest.raises(ConfigError, match="packed CPU path.*cannot be built here \\(no compiler\\)"):
+        planned(gguf, device="cpu", kv_cache_dtype="q8_0")
