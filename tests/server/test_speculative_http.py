@@ -86,15 +86,19 @@ async def test_every_api_streamed_or_not_answers_the_same_with_speculation() -> 
     assert counted["ft_spec_decode_acceptance_ratio"] == pytest.approx(spec["acceptance_rate"])
 
 
-async def test_a_request_turns_speculation_off_with_speculative_false() -> None:
+@pytest.mark.parametrize("route", list(ROUTES))
+async def test_a_request_turns_speculation_off_with_speculative_false(route: str) -> None:
     async with fake_server(FakeRunner(text_script(ANSWER)), **SPEC) as server:
         async with httpx.AsyncClient(base_url=server.base_url, timeout=10) as client:
-            path, body = ROUTES["chat"]
-            r = await client.post(path, json={**body, "speculative": False})
-            assert r.status_code == 200 and text_of("chat", r.json()) == ANSWER
+            path, body = ROUTES[route]
+            for stream in (False, True):
+                r = await client.post(path, json={**body, "speculative": False, "stream": stream})
+                assert r.status_code == 200, r.text
+                text = streamed_text(route, parse_sse(r.text)) if stream else text_of(route, r.json())
+                assert text == ANSWER
             assert (await wait_idle(client))["speculative"]["draft_tokens"] == 0
             r = await client.post(path, json={**body, "speculative": True})
-            assert r.status_code == 200 and text_of("chat", r.json()) == ANSWER
+            assert r.status_code == 200 and text_of(route, r.json()) == ANSWER
             assert (await wait_idle(client))["speculative"]["accepted_tokens"] > 0
 
 
@@ -102,7 +106,7 @@ async def test_a_request_turns_speculation_off_with_speculative_false() -> None:
 async def test_speculative_must_be_a_boolean(value: object) -> None:
     async with fake_server(**SPEC) as server:
         async with httpx.AsyncClient(base_url=server.base_url, timeout=10) as client:
-            for route in ("chat", "completions"):
+            for route in ROUTES:
                 path, body = ROUTES[route]
                 r = await client.post(path, json={**body, "speculative": value})
                 assert r.status_code == 400, r.text
