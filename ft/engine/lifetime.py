@@ -220,8 +220,10 @@ async def _start(engine: Engine, nursery: trio.Nursery) -> None:
         eos_token_ids=spec.eos_token_ids,
         enable_prefix_caching=cfg.enable_prefix_caching,
         reserve_full_budget=cfg.admission == "reserve",
-        speculative_tokens=cfg.speculative_tokens if cfg.speculative_method == "ngram" else 0,
+        speculative_tokens=cfg.speculative_tokens if cfg.speculative_method is not None else 0,
         speculative_max_batch=cfg.speculative_max_batch,
+        draft_model=cfg.speculative_method == "draft",
+        costs=hooks.step_costs(),
     )
     # Unbounded inboxes, each bounded by what feeds it: every live request posts one
     # Tokenize and O(1) scheduler commands; one StepDone and one detokenizer tuple per step.
