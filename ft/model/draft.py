@@ -39,6 +39,9 @@ CHECKED_END_IDS = 64
 class TokenizerMismatch(ValueError):
     """The draft model's tokenizer is not the target's: its drafts would be other tokens."""
 
+    def __init__(self, why: str) -> None:
+        super().__init__(f"the draft model's tokenizer is not the target's: {why}")
+
 
 def check_same_tokenizer(
     target: TokenizerSpec, draft: TokenizerSpec, target_vocab: int, draft_vocab: int
