@@ -156,7 +156,9 @@ class EngineConfig:
                 "needs speculative_method draft)"
             )
         if self.speculative_method == "draft" and self.tensor_parallel_size > 1:
-            raise ValueError("a draft model runs in one process; it cannot be combined with tensor parallelism")
+            raise ValueError(
+                "a draft model runs in one process; it cannot be combined with tensor parallelism"
+            )
         if not 1 <= self.speculative_tokens <= 32:
             raise ValueError(f"speculative_tokens must be in 1..32, got {self.speculative_tokens}")
         if not 1 <= self.speculative_max_batch <= 1024:

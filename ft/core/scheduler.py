@@ -426,7 +426,9 @@ class Scheduler:
                 k = self._take_draft_pages(seq, proposal)
                 feed = tuple(seq.tokens(seq.num_draft_computed, pos + 1)) if k else ()
                 work = self._work(seq, [seq.token_at(pos)], pos, sample=True)
-                works.append(replace(work, draft_feed=feed, draft_pos=seq.num_draft_computed, num_model_draft=k))
+                works.append(
+                    replace(work, draft_feed=feed, draft_pos=seq.num_draft_computed, num_model_draft=k)
+                )
                 continue
             drafts = proposal[: self._take_draft_pages(seq, len(proposal))]
             work = self._work(seq, [seq.token_at(pos), *drafts], pos, sample=True, num_draft=len(drafts))
@@ -601,7 +603,11 @@ class Scheduler:
             if work.draft_feed:
                 # The draft model fed its feed, then each draft but the last: what it holds of
                 # the accepted ones stays valid, the rest is overwritten when fed again.
-                fed = work.draft_pos + len(work.draft_feed) + min(num_accepted, max(0, work.num_model_draft - 1))
+                fed = (
+                    work.draft_pos
+                    + len(work.draft_feed)
+                    + min(num_accepted, max(0, work.num_model_draft - 1))
+                )
                 seq.num_draft_computed = min(fed, seq.num_computed)
             if num_drafts:
                 self.num_verifications += 1

@@ -12,8 +12,8 @@ it adds:
 prefill chunk's rows are not decode rows' cost), and of a draft model's time per forward by
 the rows it drafts for. What was never measured is measured first, and a batch size whose
 decision stays the same is tried the other way now and then, so one noisy measurement cannot
-turn speculation off
-for good (nor on for good: t(D) is re-measured the same way). Tests inject measurements with `observe` to make the decisions deterministic.
+turn speculation off for good (nor on for good: t(D) is re-measured the same way). Tests
+inject measurements with `observe` to make the decisions deterministic.
 """
 
 from __future__ import annotations

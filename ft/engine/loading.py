@@ -191,8 +191,10 @@ def load_torch_model(
     return ModelParts(
         tokenizer=loaded.tokenizer,
         make_runner=make_runner,
-        bytes_per_page=lambda ps: TorchRunner.bytes_per_page(loaded.config, ps, kv_dtype, world)
-        + (drafter.bytes_per_page(ps) if drafter is not None else 0),
+        bytes_per_page=lambda ps: (
+            TorchRunner.bytes_per_page(loaded.config, ps, kv_dtype, world)
+            + (drafter.bytes_per_page(ps) if drafter is not None else 0)
+        ),
         vocab_size=loaded.config.vocab_size,
         generation_defaults=loaded.generation_defaults,
         hidden_size=loaded.config.hidden_size,
@@ -236,7 +238,9 @@ def _load_draft_model(config: EngineConfig, target: LoadedModel, device: torch.d
     assert config.speculative_model is not None
     packed = is_quantized_gguf(config.speculative_model) and device.type == "cpu" and kernels.available()
     loaded = load_model(config.speculative_model, torch.float32, quantized=packed)
-    check_same_tokenizer(target.tokenizer, loaded.tokenizer, target.config.vocab_size, loaded.config.vocab_size)
+    check_same_tokenizer(
+        target.tokenizer, loaded.tokenizer, target.config.vocab_size, loaded.config.vocab_size
+    )
     dtype = torch.float32 if packed or device.type == "cpu" else torch.bfloat16
     kv_dtype: KVDtype = torch.float16 if packed else dtype
     log.info(

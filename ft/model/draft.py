@@ -75,9 +75,8 @@ def check_same_tokenizer(
         raise TokenizerMismatch(f"the special tokens differ: {differ}")
     for name in ("bos_token", "eos_token", "eos_token_ids"):
         if getattr(target, name) != getattr(draft, name):
-            raise TokenizerMismatch(
-                f"{name} is {getattr(draft, name)!r} for the draft model, {getattr(target, name)!r} for the target"
-            )
+            mine, theirs = getattr(draft, name), getattr(target, name)
+            raise TokenizerMismatch(f"{name} is {mine!r} for the draft model, {theirs!r} for the target")
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,7 +198,9 @@ class SpeculativeRunner:
         if not drafts:
             return self.target.step(works)
         verified = [
-            replace(w, token_ids=w.token_ids + drafts[w.seq_id].tokens, num_draft=len(drafts[w.seq_id].tokens))
+            replace(
+                w, token_ids=w.token_ids + drafts[w.seq_id].tokens, num_draft=len(drafts[w.seq_id].tokens)
+            )
             if w.seq_id in drafts
             else w
             for w in works

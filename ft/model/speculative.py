@@ -12,8 +12,8 @@ from the drafter's distribution q, is accepted with probability min(1, p(x) / q(
 target's processed distribution; on refusal the token is drawn from the residual max(0, p - q),
 renormalized. The token at each position is then distributed as p exactly. An n-gram draft is
 deterministic (q is one-hot on x: accept with p(x), else draw from p with x removed); a draft
-model's sampled drafts come with their q rows (`draft_probs`). Row j draws from the generator seeded by `(seed, num_generated + j)`, so a seeded
-request gives the same tokens again.
+model's sampled drafts come with their q rows (`draft_probs`). Row j draws from the generator
+seeded by `(seed, num_generated + j)`, so a seeded request gives the same tokens again.
 """
 
 from __future__ import annotations

@@ -252,7 +252,9 @@ class TorchRunner:
                 torch.set_num_threads(threads)
             return self._step(works, draft_probs)
 
-    def _step(self, works: list[SeqWork], draft_probs: dict[int, torch.Tensor] | None = None) -> list[StepOutput]:
+    def _step(
+        self, works: list[SeqWork], draft_probs: dict[int, torch.Tensor] | None = None
+    ) -> list[StepOutput]:
         rows = [w for w in works if w.sample]
         masks = StepMasks.start(rows, self.vocab_size)  # computed while the model runs
         try:

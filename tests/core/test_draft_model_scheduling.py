@@ -10,7 +10,7 @@ from ft.core.batch import Sampled, SeqWork
 from ft.core.kv import PagePool
 from ft.core.scheduler import Scheduler
 from ft.core.spec_cost import RETRY_EVERY, StepCosts, expected_accepted
-from ft.messages import Batch, SeqFailed, StepDone, TokenOut
+from ft.messages import SeqFailed, StepDone, TokenOut
 from ft.params import SamplingParams
 
 EOS = 0
@@ -95,7 +95,9 @@ class Models:
         return tuple(drafts)
 
 
-def run_all(s: Scheduler, reqs: list[tuple[list[int], SamplingParams]]) -> tuple[dict[tuple[int, int], list[int]], Models]:
+def run_all(
+    s: Scheduler, reqs: list[tuple[list[int], SamplingParams]]
+) -> tuple[dict[tuple[int, int], list[int]], Models]:
     models = Models(s.pool.page_size)
     for uid, (prompt, params) in enumerate(reqs, start=1):
         s.add(uid, prompt, params)
@@ -111,7 +113,10 @@ def run_all(s: Scheduler, reqs: list[tuple[list[int], SamplingParams]]) -> tuple
 
 
 REQUESTS = [
-    (list(range(1, 1 + 7 * k)) + [11, 12], SamplingParams(max_tokens=20 + 3 * k, n=1 + k % 2, ignore_eos=True))
+    (
+        list(range(1, 1 + 7 * k)) + [11, 12],
+        SamplingParams(max_tokens=20 + 3 * k, n=1 + k % 2, ignore_eos=True),
+    )
     for k in range(1, 5)
 ]
 

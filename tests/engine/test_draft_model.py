@@ -52,7 +52,9 @@ async def generate(engine: Engine, params: SamplingParams, prompt: str) -> tuple
     return choice.token_ids, [(lp.logprob, lp.top) for lp in choice.logprobs]
 
 
-async def run(cfg: EngineConfig, params: SamplingParams, hooks: EngineHooks = UNGATED) -> tuple[list[Any], Any]:
+async def run(
+    cfg: EngineConfig, params: SamplingParams, hooks: EngineHooks = UNGATED
+) -> tuple[list[Any], Any]:
     with trio.fail_after(180):
         async with open_engine(cfg, hooks=hooks) as engine:
             out = [await generate(engine, params, prompt) for prompt in PROMPTS]
@@ -73,7 +75,9 @@ async def test_a_model_drafting_for_itself_gives_the_same_tokens_and_accepts_the
     assert spec.accepted_tokens == spec.draft_tokens  # the same numbers, row by row
 
 
-async def test_another_draft_model_changes_no_token_or_logprob(target: pathlib.Path, other: pathlib.Path) -> None:
+async def test_another_draft_model_changes_no_token_or_logprob(
+    target: pathlib.Path, other: pathlib.Path
+) -> None:
     without, _ = await run(config(target), GREEDY)
     with_spec, spec = await run(config(target, draft=other), GREEDY)
     assert with_spec == without
@@ -106,7 +110,9 @@ async def test_a_seeded_sampled_request_repeats_itself_with_a_draft_model(
     assert spec.accepted_tokens > spec.draft_tokens // 2  # q = p: most drafts are kept
 
 
-async def test_preemption_with_a_draft_model_changes_no_token(target: pathlib.Path, other: pathlib.Path) -> None:
+async def test_preemption_with_a_draft_model_changes_no_token(
+    target: pathlib.Path, other: pathlib.Path
+) -> None:
     """Two requests in a pool that holds either alone, not both: the newer is preempted and
     recomputed (its draft KV fed again), and each gives the tokens it gives alone."""
     params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
@@ -128,8 +134,14 @@ async def test_preemption_with_a_draft_model_changes_no_token(target: pathlib.Pa
 
     plain, _ = await both(config(target))
     tight, preemptions = await both(
-        EngineConfig(model=str(target), compute_threads=1, num_pages=14, page_size=8,
-                     speculative_method="draft", speculative_model=str(other))  # fmt: skip
+        EngineConfig(
+            model=str(target),
+            compute_threads=1,
+            num_pages=14,
+            page_size=8,
+            speculative_method="draft",
+            speculative_model=str(other),
+        )  # fmt: skip
     )
     assert tight == plain and preemptions > 0
 

@@ -318,7 +318,9 @@ async def test_a_grammar_row_beside_drafted_rows_keeps_its_mask(tiny_gguf: pathl
         cfg = EngineConfig(model=str(tiny_gguf), compute_threads=1, num_pages=64, **config)
         out: dict[str, Any] = {}
         with trio.fail_after(120):
-            async with open_engine(cfg, hooks=EngineHooks(before_step=note, step_costs=no_step_costs)) as engine:
+            async with open_engine(
+                cfg, hooks=EngineHooks(before_step=note, step_costs=no_step_costs)
+            ) as engine:
 
                 async def free() -> None:
                     async with engine.open_request(PromptSpec(text=prompt), params=plain) as s:

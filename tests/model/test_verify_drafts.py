@@ -274,8 +274,8 @@ def test_verify_uses_each_positions_draft_distribution() -> None:
         g = torch.Generator()
         g.manual_seed(10_000_000 + seed)
         drafts = tuple(int(torch.multinomial(q[j], 1, generator=g)) for j in range(2))
-        work = SeqWork(0, (1, *drafts), 10, (0,), True, SamplingParams(**{**vars_of(params), "seed": seed}), 0,
-                       num_draft=2)  # fmt: skip
+        seeded = SamplingParams(**{**vars_of(params), "seed": seed})
+        work = SeqWork(0, (1, *drafts), 10, (0,), True, seeded, 0, num_draft=2)
         out = verify(logits, work, q)
         first[out[0].token_id] += 1
         if out[0].token_id == drafts[0]:
