@@ -8,7 +8,7 @@ it adds:
 
     E * t(D) / D  >  t(D + R) - t(D) + draft time
 
-`StepCosts` keeps moving averages of t by rows fed, measured on steps that only decode (a
+`StepCosts` keeps the median of the last few measurements of t by rows fed, measured on steps that only decode (a
 prefill chunk's rows are not decode rows' cost), and of a draft model's time per forward by
 the rows it drafts for. What was never measured is measured first, and a batch size whose
 decision stays the same is tried the other way now and then, so one noisy measurement cannot
@@ -18,12 +18,14 @@ inject measurements with `observe` to make the decisions deterministic.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
-# Weight of a new measurement in a moving average.
-SMOOTHING = 0.2
-# Steps a batch size stays off before speculation is tried again once (and measured).
-RETRY_EVERY = 64
+# Measurements kept per row count; the estimate is their median. A busy neighbour made single
+# steps 10x slower (docs/performance.md): a mean would follow those, the median does not.
+WINDOW = 9
+# Steps in a row decided alike before the other choice is taken once (and measured).
+RETRY_EVERY = 16
 
 
 def expected_accepted(num_drafts: int, rate: float) -> float:
@@ -32,29 +34,36 @@ def expected_accepted(num_drafts: int, rate: float) -> float:
     return sum(rate**j for j in range(1, num_drafts + 1))
 
 
-def _smooth(table: dict[int, float], key: int, value: float) -> None:
-    old = table.get(key)
-    table[key] = value if old is None else old + SMOOTHING * (value - old)
+def _add(table: dict[int, deque[float]], key: int, value: float) -> None:
+    table.setdefault(key, deque(maxlen=WINDOW)).append(value)
 
 
-def _interpolate(table: dict[int, float], key: int) -> float | None:
-    """`table` at `key`, linear between the nearest measured keys around it; None outside."""
+def _median(values: deque[float]) -> float:
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2]
+
+
+def _interpolate(table: dict[int, deque[float]], key: int) -> float | None:
+    """The median at `key`, linear between the nearest measured keys around it; None outside."""
     if key in table:
-        return table[key]
+        return _median(table[key])
     below = max((k for k in table if k < key), default=None)
     above = min((k for k in table if k > key), default=None)
     if below is None or above is None:
         return None
     w = (key - below) / (above - below)
-    return table[below] + w * (table[above] - table[below])
+    low, high = _median(table[below]), _median(table[above])
+    return low + w * (high - low)
 
 
 @dataclass(eq=False, slots=True)
 class StepCosts:
     """Measured step times: the target's by rows fed, the draft model's per forward by rows."""
 
-    step_s: dict[int, float] = field(default_factory=dict)  # rows -> seconds (target forward)
-    draft_forward_s: dict[int, float] = field(default_factory=dict)  # drafting rows -> s / forward
+    # rows -> the last `WINDOW` seconds of the target's forward
+    step_s: dict[int, deque[float]] = field(default_factory=dict)
+    # drafting sequences -> the last `WINDOW` seconds per draft-model forward
+    draft_forward_s: dict[int, deque[float]] = field(default_factory=dict)
     # decodes -> (the last decision, how many steps in a row it was taken)
     streak: dict[int, tuple[bool, int]] = field(default_factory=dict)
 
@@ -64,9 +73,13 @@ class StepCosts:
         `draft_s` drafting in `num_forwards` forwards for `num_drafting` sequences."""
         if num_rows < 1 or seconds <= 0.0:
             return
-        _smooth(self.step_s, num_rows, max(seconds - draft_s, 1e-9))
+        _add(self.step_s, num_rows, max(seconds - draft_s, 1e-9))
         if num_forwards and num_drafting:
-            _smooth(self.draft_forward_s, num_drafting, draft_s / num_forwards)
+            _add(self.draft_forward_s, num_drafting, draft_s / num_forwards)
+
+    def estimate(self, num_rows: int) -> float | None:
+        """The target's time for a decode-only step of `num_rows` rows (None: unmeasured)."""
+        return _interpolate(self.step_s, num_rows)
 
     def pays(
         self, num_decodes: int, num_drafted: int, num_expected: float, num_forwards: int = 0,

@@ -9,7 +9,7 @@ import pytest
 from ft.core.batch import Sampled, SeqWork
 from ft.core.kv import PagePool
 from ft.core.scheduler import Scheduler
-from ft.core.spec_cost import RETRY_EVERY, StepCosts, expected_accepted
+from ft.core.spec_cost import RETRY_EVERY, WINDOW, StepCosts, expected_accepted
 from ft.messages import SeqFailed, StepDone, TokenOut
 from ft.params import SamplingParams
 
@@ -222,9 +222,19 @@ def test_a_draft_models_forwards_count_as_cost() -> None:
     costs.observe(5, 0.012)
     assert costs.pays(1, 4, 1.0, num_forwards=4)  # draft forwards unmeasured: measured
     costs.observe(5, 0.012 + 0.008, draft_s=0.008, num_forwards=4, num_drafting=1)  # 2 ms each
-    assert costs.step_s[5] == pytest.approx(0.012)  # the target's share only
+    assert costs.estimate(5) == pytest.approx(0.012)  # the target's share only
     assert not costs.pays(1, 4, 0.9, num_forwards=4, num_drafting=1)  # 9 ms < 2 + 8 ms
     assert costs.pays(1, 4, 1.1, num_forwards=4, num_drafting=1)
+
+
+def test_the_estimate_is_the_median_of_the_last_measurements() -> None:
+    costs = StepCosts()
+    for seconds in (0.010, 0.011, 0.500, 0.009, 0.010):  # one step behind a busy neighbour
+        costs.observe(3, seconds)
+    assert costs.estimate(3) == 0.010
+    for _ in range(WINDOW):
+        costs.observe(3, 0.020)  # the machine got slower for good: the old ones age out
+    assert costs.estimate(3) == 0.020
 
 
 def test_unmeasured_row_counts_are_interpolated_between_measured_ones() -> None:
@@ -280,9 +290,9 @@ def test_the_scheduler_measures_decode_steps_into_its_cost_model() -> None:
     batch = s.schedule()  # t(1) unknown: a plain decode
     assert batch is not None and batch.works[0].num_draft == 0
     s.on_step_done(batch, StepDone(batch.step, (Sampled(0, 14),), duration_s=0.01))
-    assert costs.step_s == {1: 0.01}
+    assert costs.estimate(1) == 0.01 and costs.estimate(2) is None
     batch = s.schedule()  # t(1 + drafts) unknown: drafted and measured
     assert batch is not None and batch.works[0].num_draft > 0
     rows = 1 + batch.works[0].num_draft
     s.on_step_done(batch, StepDone(batch.step, (Sampled(0, 99),), duration_s=0.02))
-    assert costs.step_s[rows] == 0.02
+    assert costs.estimate(rows) == 0.02
