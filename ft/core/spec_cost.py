@@ -8,9 +8,9 @@ it adds:
 
     E * t(D) / D  >  t(D + R) - t(D) + draft time
 
-`StepCosts` keeps the median of the last few measurements of t by rows fed, measured on steps that only decode (a
-prefill chunk's rows are not decode rows' cost), and of a draft model's time per forward by
-the rows it drafts for. What was never measured is measured first, and a batch size whose
+`StepCosts` keeps the median of the last few measurements of t by rows fed, measured on steps
+that only decode (a prefill chunk's rows are not decode rows' cost), and of a draft model's
+time per forward by the rows it drafts for. What was never measured is measured first, and a batch size whose
 decision stays the same is tried the other way now and then, so one noisy measurement cannot
 turn speculation off for good (nor on for good: t(D) is re-measured the same way). Tests
 inject measurements with `observe` to make the decisions deterministic.
