@@ -470,7 +470,7 @@ class Scheduler:
 
         A draft never runs past `max_tokens` or the context: the step then gives at most the
         tokens the sequence may still produce. A draft model whose KV lags by more than
-        `draft_catch_up` tokens drafts nothing: the lag is fed first (`_catch_up_work`).
+        `draft_catch_up` tokens drafts nothing: the lag is fed first (`_catch_up`).
         """
         if not seq.params.can_speculate or seq.matcher is not None or seq.is_pooling:
             return []
