@@ -79,8 +79,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--tool-call-parser",
         choices=TOOL_CALL_PARSERS,
         default=_S.tool_call_parser,
-        help="the format tool calls are parsed out of chat output in (default: hermes when a "
-        "request has tools)",
+        help="the format tool calls are parsed out of chat output in (default: the model "
+        "family's, else hermes, when a request has tools)",
     )
     model.add_argument(
         "--reasoning-parser",
@@ -167,8 +167,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         choices=POOLING_CHOICES,
         default=_E.pooling,
         help="how /v1/embeddings, /v1/rerank and /v1/score pool an input's hidden states: their "
-        "mean, the first token's or the last token's; auto is the GGUF's pooling_type, else last "
-        "(default: %(default)s)",
+        "mean, the first token's or the last token's; rank: a reranker's, the last token's through "
+        "its classification head, each (query, document) pair one sequence; auto is the GGUF's "
+        "pooling_type, rank for a *ForSequenceClassification, else last (default: %(default)s)",
     )
     engine.add_argument(
         "--step-timeout",

@@ -1,7 +1,8 @@
 """Streaming tool-call parsers: model text deltas in, text and tool-call events out (the events
 and the pieces the formats share are `ft.core.toolcall_events`).
 
-Each family (`hermes`, `llama3_json`) is a small synchronous state machine. Text outside calls
+Each family (`hermes`, `llama3_json`; `phi4_mini_json` and `granite` in `toolcall_lists`) is a
+small synchronous state machine. Text outside calls
 streams as soon as it cannot be the start of a call; a call is emitted once its JSON is complete
 and valid (`ToolCallStart`, one `ToolCallArgsDelta` with the whole arguments string,
 `ToolCallEnd`), so the events never depend on how the output was split into deltas. A call that
@@ -32,6 +33,7 @@ from ft.core.toolcall_events import (
     call_from_json,
     new_tool_call_id,
 )
+from ft.core.toolcall_lists import GRANITE_MARKERS, PHI4_MINI_MARKERS, MarkedJsonParser
 
 
 class HermesParser:
@@ -291,7 +293,7 @@ class Llama3JsonParser:
         return [TextDelta(text)] if text else []
 
 
-TOOL_CALL_PARSERS: tuple[str, ...] = ("hermes", "llama3_json")
+TOOL_CALL_PARSERS: tuple[str, ...] = ("hermes", "llama3_json", "phi4_mini_json", "granite")
 
 
 def make_tool_call_parser(
@@ -311,6 +313,10 @@ def make_tool_call_parser(
         return HermesParser(id_factory)
     if name == "llama3_json":
         return Llama3JsonParser(id_factory)
+    if name == "phi4_mini_json":  # Phi-4-mini: <|tool_call|>[...]<|/tool_call|>, or functools[...]
+        return MarkedJsonParser(PHI4_MINI_MARKERS, id_factory)
+    if name == "granite":  # Granite 3.x: <|tool_call|>[...]
+        return MarkedJsonParser(GRANITE_MARKERS, id_factory)
     raise ValueError(f"unknown tool-call parser {name!r}; known: {', '.join(TOOL_CALL_PARSERS)}")
 
 

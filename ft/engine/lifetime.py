@@ -205,8 +205,10 @@ async def _start(engine: Engine, nursery: trio.Nursery) -> None:
     engine.vocab_size = parts.vocab_size
     engine.generation_defaults = parts.generation_defaults
     engine.reasoning_parser = parts.reasoning_parser
+    engine.tool_call_parser = parts.tool_call_parser
     engine.hidden_size = parts.hidden_size
-    engine.pooling = resolve_pooling(cfg.pooling, parts.pooling)
+    engine.pooling = resolve_pooling(cfg.pooling, parts.pooling, can_rank=parts.rank_format is not None)
+    engine.rank_format = parts.rank_format
     spec_path = os.path.join(engine._tmpdir.name, "tokenizer.cbor")
     with open(spec_path, "wb") as f:
         cbor2.dump(asdict(spec), f)
@@ -224,6 +226,7 @@ async def _start(engine: Engine, nursery: trio.Nursery) -> None:
         speculative_max_batch=cfg.speculative_max_batch,
         draft_model=cfg.speculative_method == "draft",
         costs=hooks.step_costs(),
+        kv_window=parts.kv_window,
     )
     # Unbounded inboxes, each bounded by what feeds it: every live request posts one
     # Tokenize and O(1) scheduler commands; one StepDone and one detokenizer tuple per step.

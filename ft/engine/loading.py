@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from collections.abc import Callable
@@ -11,6 +12,7 @@ from typing import TYPE_CHECKING
 from ft.config import Q8_0_KV_PATH, EngineConfig
 from ft.core.batch import Runner, SeqWork
 from ft.core.spec_cost import StepCosts
+from ft.model.rerank import RankFormat
 from ft.tokenizer.job import Executor
 from ft.tokenizer.spec import TokenizerSpec
 
@@ -39,6 +41,7 @@ class ModelParts:
     generation_defaults: dict[str, float | int]
     hidden_size: int = 0  # the width of a pooled embedding
     pooling: str | None = None  # how the model's file says to pool embeddings (None: unsaid)
+    rank_format: RankFormat | None = None  # a reranker's (the model has a classification head)
     # Releases what the model holds outside this process (the other ranks); synchronous,
     # called once when the engine stops. `failed`: the ranks are broken, do not talk to them.
     close: Callable[[bool], None] | None = None
@@ -48,6 +51,12 @@ class ModelParts:
     # The reasoning format the model's family writes (`architectures`; Qwen3: "think"), which the
     # server parses when it was configured with none.
     reasoning_parser: str | None = None
+    # The positions every layer attends at most (a sliding window on all of them), 0 when some
+    # layer attends everything: the scheduler gives back the pages a sequence has passed.
+    kv_window: int = 0
+    # The tool-call format the model family writes (Phi-4-mini: phi4_mini_json, Granite: granite),
+    # which the server parses when it was configured with none (else hermes).
+    tool_call_parser: str | None = None
 
 
 @dataclass(frozen=True)
@@ -109,6 +118,10 @@ def load_torch_model(
         if config.kv_cache_dtype == kernels.Q8_0_KV:
             _check_q8_0_kv(config, packed)  # before loading a weight
         loaded = load_model(config.model, torch.float32, progress, quantized=packed)  # the runner casts
+        if config.max_model_len is not None:
+            # NOTE: the context served picks longrope's factors (Phi-3), as llama.cpp's n_ctx does.
+            served = dataclasses.replace(loaded.config, rope_context=config.max_model_len)
+            loaded = dataclasses.replace(loaded, config=served)
         if world > 1:
             from ft.model.parallel import check_shardable
 
@@ -199,9 +212,12 @@ def load_torch_model(
         generation_defaults=loaded.generation_defaults,
         hidden_size=loaded.config.hidden_size,
         pooling=loaded.config.pooling,
+        rank_format=loaded.rank_format,
         close=close,
         failure=procs.failure if procs is not None else None,
         reasoning_parser=by_name(loaded.config.architecture).reasoning_parser,
+        kv_window=loaded.config.sliding_window if loaded.config.is_all_windowed else 0,
+        tool_call_parser=by_name(loaded.config.architecture).tool_call_parser,
     )
 
 

@@ -139,11 +139,16 @@ def tool_calls(
         head = f'{{"name": {json_text(_name(t))}, "{args_key}": '
         rules.append(f"call_{i}: {json.dumps(head)} args_{i} " + json.dumps("}"))
         rules.append(f"args_{i}: %json {json_text(_arguments_schema(t))}")
-    if parser == "llama3_json":
-        call, sep = "body", '"; "'
+    if parser in ("phi4_mini_json", "granite"):  # one marker, the calls as a JSON array
+        close = '"]<|/tool_call|>"' if parser == "phi4_mini_json" else '"]"'
+        several = ' (", " body)*' if parallel else ""
+        rules.insert(0, f'calls: "<|tool_call|>[" body{several} {close}')
     else:
-        call, sep = '"<tool_call>\\n" body "\\n</tool_call>"', '"\\n"'
-    rules.insert(0, f"calls: {call} ({sep} {call})*" if parallel else f"calls: {call}")
+        if parser == "llama3_json":
+            call, sep = "body", '"; "'
+        else:
+            call, sep = '"<tool_call>\\n" body "\\n</tool_call>"', '"\\n"'
+        rules.insert(0, f"calls: {call} ({sep} {call})*" if parallel else f"calls: {call}")
     start = "start: calls"
     if otherwise is not None:
         assert otherwise.kind == "json_schema"

@@ -1,6 +1,9 @@
 """The Llama-family decoder over a paged KV cache: Llama 2/3, SmolLM2, Mistral, Qwen2 (qkv bias),
-Qwen3 (per-head q/k RMSNorm) and Qwen3-MoE (experts from `moe.py`); which blocks a family uses
-is its `architectures` entry."""
+Qwen3 (per-head q/k RMSNorm), the mixtures of experts Qwen3-MoE, Mixtral and OLMoE (whole-q/k
+RMSNorm; experts from `moe.py`), Gemma 2/3 (flags: GeGLU, post norms, soft-caps, windows),
+Phi-3/Phi-4-mini (partial rotary, longrope), SmolLM3 (layers without rotary) and Granite
+(embedding, residual, attention and logit multipliers); which blocks a family uses is its
+`architectures` entry."""
 
 from __future__ import annotations
 
@@ -14,12 +17,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from ft.model.attention import AttentionMetadata, paged_attention, write_kv
-from ft.model.moe import SparseMoE, fuse_experts
+from ft.model.moe import SparseMoE, fuse_experts, moe_prefix
 
 if TYPE_CHECKING:
+    from ft.model.architectures import Architecture
     from ft.model.parallel import Shard
 
-ROPE_SCALING_TYPES = ("linear", "llama3")
+ROPE_SCALING_TYPES = ("linear", "llama3", "longrope")
+HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
 
 
 Progress = Callable[[float], None]  # called with the fraction of weights loaded
@@ -45,14 +50,37 @@ class LlamaConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     qk_norm: bool = False  # RMSNorm over each head of q and k before the rotary embedding (Qwen3)
-    # mixture of experts (Qwen3-MoE): every layer's MLP is `num_experts` experts of
+    # mixture of experts (Qwen3-MoE, Mixtral, OLMoE): every layer's MLP is `num_experts` experts of
     # `moe_intermediate_size`, `num_experts_per_tok` of them per token; 0 experts: dense
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
+    # the layers whose MLP stays dense (of `intermediate_size`) in a mixture of experts (Qwen3-MoE's
+    # `mlp_only_layers` and `decoder_sparse_step`)
+    mlp_only_layers: tuple[int, ...] = ()
+    qk_norm_whole: bool = False  # OLMoE: q/k RMSNorm over the whole projections, not per head
     architecture: str = "llama"
     pooling: str | None = None  # how the file says to pool embeddings (GGUF `{arch}.pooling_type`)
+    # Gemma 2/3 and sliding windows (Gemma, Mistral):
+    hidden_act: str = "silu"  # the MLP's gate: "silu" (SwiGLU) or "gelu_pytorch_tanh" (GeGLU)
+    embed_scale: bool = False  # embeddings times sqrt(hidden), in the embedding's dtype (Gemma)
+    post_norms: bool = False  # an RMSNorm on the attention's and on the MLP's output (Gemma)
+    norm_offset: float = 0.0  # the stored norm weights w scale by (offset + w): 1 in Gemma's HF files
+    query_scale: float = 0.0  # the softmax scale of q.k; 0: head_dim ** -0.5
+    attn_softcap: float = 0.0  # attention scores as tanh(s / cap) * cap (Gemma 2); 0: none
+    final_softcap: float = 0.0  # the same on the logits
+    sliding_window: int = 0  # positions a windowed layer attends, its own included; 0: none
+    sliding_layers: tuple[bool, ...] = ()  # which layers are windowed; empty: all of them
+    rope_local_theta: float = 0.0  # rotary base of the windowed layers, unscaled (Gemma 3); 0: as the others
+    # Phi-3 / SmolLM3 / Granite blocks; each default is "as Llama"
+    rotary_dim: int = 0  # leading dims of each head the rotary turns, the rest pass (0: all of it)
+    rope_context: int = 0  # longest sequence served (0: max_position_embeddings): picks longrope's factors
+    no_rope_layers: tuple[int, ...] = ()  # layers without the rotary embedding (SmolLM3's NoPE layers)
+    embedding_multiplier: float = 1.0  # the embedding scaled (Granite)
+    residual_multiplier: float = 1.0  # each residual branch scaled before its add (Granite)
+    attention_multiplier: float = 0.0  # the softmax scale, 0: 1 / sqrt(head_dim) (Granite)
+    logits_scaling: float = 1.0  # the logits divided by it (Granite)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -69,14 +97,70 @@ class LlamaConfig:
                 f"{self.num_experts_per_tok} experts per token of {self.num_experts} experts of "
                 f"{self.moe_intermediate_size}: expected 1 to {self.num_experts} per token, positive sizes"
             )
+        if self.hidden_act not in HIDDEN_ACTS:
+            raise ValueError(
+                f"hidden activation {self.hidden_act!r} is not supported "
+                f"(supported: {', '.join(HIDDEN_ACTS)})"
+            )
+        if self.sliding_window < 0 or (self.sliding_layers and len(self.sliding_layers) != self.num_layers):
+            raise ValueError(
+                f"a sliding window of {self.sliding_window} over {len(self.sliding_layers)} layer flags: "
+                f"expected a positive window and one flag per layer ({self.num_layers})"
+            )
+        if min(self.query_scale, self.attn_softcap, self.final_softcap, self.rope_local_theta) < 0:
+            raise ValueError("query scale, soft-caps and the local rotary base must not be negative")
+        if self.rotary_dim == self.head_dim:
+            object.__setattr__(self, "rotary_dim", 0)  # one spelling of "the whole head"
+        self._check_phi_smollm_granite()
         if self.rope_scaling is not None:
             kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
+            if kind == "su":  # Phi-3's first name for longrope
+                kind = "longrope"
+                object.__setattr__(self, "rope_scaling", {**self.rope_scaling, "rope_type": kind})
             if kind == "default":
                 object.__setattr__(self, "rope_scaling", None)
             elif kind not in ROPE_SCALING_TYPES:
                 raise ValueError(
                     f"rope scaling {kind!r} is not supported (supported: {', '.join(ROPE_SCALING_TYPES)})"
                 )
+            elif kind == "longrope":
+                _check_longrope(self.rope_scaling, self.rotary_width)
+
+    def _check_phi_smollm_granite(self) -> None:
+        """The partial rotary, the layers without it and the multipliers are in range."""
+        if self.rotary_dim and not (2 <= self.rotary_dim < self.head_dim and self.rotary_dim % 2 == 0):
+            raise ValueError(
+                f"a rotary over {self.rotary_dim} dims of heads of {self.head_dim}: expected an even "
+                f"number from 2 to {self.head_dim}"
+            )
+        if any(not 0 <= i < self.num_layers for i in self.no_rope_layers):
+            raise ValueError(
+                f"layers without rotary {list(self.no_rope_layers)} are not all among the "
+                f"{self.num_layers} layers"
+            )
+        for name in ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and (value > 0 or (value == 0 and name == "attention_multiplier"))):
+                raise ValueError(f"{name} {value!r} is not a positive finite number")
+
+    @property
+    def rotary_width(self) -> int:
+        """The dims of each head the rotary turns (the leading ones)."""
+        return self.rotary_dim or self.head_dim
+
+    @property
+    def is_long_rope(self) -> bool:
+        """Whether longrope runs its long factors: the served context passes the trained one
+        (llama.cpp's choice; transformers picks per forward by the sequence's length)."""
+        scaling = self.rope_scaling
+        if scaling is None or scaling.get("rope_type", scaling.get("type")) != "longrope":
+            return False
+        context = self.rope_context or self.max_position_embeddings
+        return context > int(scaling["original_max_position_embeddings"])
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether layer `layer`'s MLP is the routed experts."""
+        return bool(self.num_experts) and layer not in self.mlp_only_layers
 
     @property
     def q_size(self) -> int:
@@ -88,6 +172,17 @@ class LlamaConfig:
         """Width of the key (and of the value) projection."""
         return self.num_kv_heads * self.head_dim
 
+    def layer_window(self, layer: int) -> int:
+        """The positions layer `layer` attends (its own included), 0 for all of them."""
+        if not self.sliding_window or (self.sliding_layers and not self.sliding_layers[layer]):
+            return 0
+        return self.sliding_window
+
+    @property
+    def is_all_windowed(self) -> bool:
+        """Every layer attends a window only (pages behind it are never read again)."""
+        return bool(self.sliding_window) and all(self.sliding_layers or (True,))
+
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> LlamaConfig:
         """Build from a Hugging Face `config.json` dict (any family of `ft.model.architectures`).
@@ -98,26 +193,13 @@ class LlamaConfig:
         from ft.model.architectures import by_hf
 
         arch = by_hf(cfg)
+        if arch.gemma:
+            return cls._from_hf_gemma(cfg)
         if cfg.get("use_sliding_window"):
             raise ValueError(
                 f"{arch.name} with use_sliding_window is not supported (sliding-window attention)"
             )
-        moe: dict[str, Any] = {}
-        if arch.moe:
-            if cfg.get("decoder_sparse_step", 1) != 1 or cfg.get("mlp_only_layers"):
-                raise ValueError(
-                    f"{arch.name} with dense layers among the expert layers (decoder_sparse_step, "
-                    "mlp_only_layers) is not supported"
-                )
-            experts = cfg.get("num_experts", cfg.get("num_local_experts"))  # transformers 5 writes the latter
-            if not isinstance(experts, int) or experts < 1:
-                raise ValueError(f"{arch.name}: config.json lacks a positive num_experts, found {experts!r}")
-            moe = dict(
-                num_experts=experts,
-                num_experts_per_tok=int(cfg["num_experts_per_tok"]),
-                moe_intermediate_size=int(cfg["moe_intermediate_size"]),
-                norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
-            )
+        moe = _hf_moe(arch, cfg) if arch.moe else {}
         num_heads = int(cfg["num_attention_heads"])
         rope_scaling = cfg.get("rope_scaling") or None
         rope_theta = cfg.get("rope_theta")
@@ -126,6 +208,13 @@ class LlamaConfig:
             rope_theta = rope_params.get("rope_theta", rope_theta)
             if rope_params.get("rope_type", "default") != "default":
                 rope_scaling = dict(rope_params)
+        head_dim = int(cfg.get("head_dim") or 0) or int(cfg["hidden_size"]) // num_heads
+        blocks = _phi_smollm_granite_from_hf(cfg, arch, head_dim, rope_params, rope_scaling)
+        if blocks.pop("longrope", None) is not None:
+            rope_scaling = dict(rope_scaling or {})
+            rope_scaling.setdefault(
+                "original_max_position_embeddings", cfg.get("original_max_position_embeddings")
+            )
         return cls(
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=int(cfg["hidden_size"]),
@@ -141,21 +230,249 @@ class LlamaConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", arch.qkv_bias)),
             qk_norm=arch.qk_norm,
+            qk_norm_whole=arch.qk_norm_whole,
             architecture=arch.name,
+            hidden_act="silu",  # (`_hf_blocks` refuses any other: "swish" is its other name)
+            sliding_window=_window(cfg) if arch.windowed else 0,
             **moe,
+            **blocks,
+        )
+
+    @classmethod
+    def _from_hf_gemma(cls, cfg: dict[str, Any]) -> LlamaConfig:
+        """Gemma 2 / Gemma 3 text from its `config.json`, old spellings (`rope_local_base_freq`,
+        `sliding_window_pattern`, `rope_scaling`) and transformers 5's (`layer_types`, a
+        `rope_parameters` per layer type) alike."""
+        from ft.model.architectures import by_hf
+
+        arch = by_hf(cfg)
+        text = cfg.get("text_config")
+        if arch.hf_text_defaults and isinstance(text, dict):  # a multimodal checkpoint's text model
+            cfg = {**arch.hf_text_defaults, **text, "architectures": []}
+            cfg.setdefault("model_type", arch.hf_model_types[0])
+        if cfg.get("use_bidirectional_attention"):
+            raise ValueError(f"{arch.name} with use_bidirectional_attention (an encoder) is not supported")
+        num_heads = int(cfg["num_attention_heads"])
+        num_layers = int(cfg["num_hidden_layers"])
+        head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // num_heads)
+        window = _window(cfg)
+        sliding: tuple[bool, ...] = ()
+        if window:
+            types = cfg.get("layer_types")
+            if types is not None:
+                if not isinstance(types, list) or len(types) != num_layers or not set(types) <= LAYER_TYPES:
+                    raise ValueError(
+                        f"config.json 'layer_types': expected {num_layers} of {sorted(LAYER_TYPES)}, "
+                        f"found {types!r:.120}"
+                    )
+                sliding = tuple(t == "sliding_attention" for t in types)
+            else:
+                period = int(cfg.get("sliding_window_pattern", arch.sliding_period))
+                sliding = tuple(i % period < period - 1 for i in range(num_layers))
+        # the global layers' rotary base and scaling, and the windowed layers' base
+        rope = cfg.get("rope_parameters")
+        rope_theta = cfg.get("rope_theta", 10000.0)
+        rope_scaling = cfg.get("rope_scaling") or None
+        local_theta = cfg.get("rope_local_base_freq", arch.local_rope_theta)
+        if isinstance(rope, dict) and isinstance(rope.get("full_attention"), dict):
+            full, local = rope["full_attention"], rope.get("sliding_attention") or {}
+            rope_theta = full.get("rope_theta", rope_theta)
+            rope_scaling = dict(full) if full.get("rope_type", "default") != "default" else None
+            local_theta = local.get("rope_theta", local_theta)
+            if local.get("rope_type", "default") != "default":
+                raise ValueError(f"{arch.name}: rope scaling on the sliding layers is not supported")
+        elif isinstance(rope, dict):
+            rope_theta = rope.get("rope_theta", rope_theta)
+            if rope.get("rope_type", "default") != "default":
+                rope_scaling = dict(rope)
+        if float(local_theta or 0) == float(rope_theta) and rope_scaling is None:
+            local_theta = 0.0  # the windowed layers turn as the others
+        act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
+        return cls(
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=int(cfg["hidden_size"]),
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_layers=num_layers,
+            num_heads=num_heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
+            head_dim=head_dim,
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope_theta),
+            rope_scaling=rope_scaling,
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 8192)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+            attention_bias=bool(cfg.get("attention_bias", False)),
+            qk_norm=arch.qk_norm,
+            architecture=arch.name,
+            hidden_act=str(act),
+            embed_scale=True,
+            post_norms=True,
+            norm_offset=1.0,
+            query_scale=float(cfg.get("query_pre_attn_scalar") or head_dim) ** -0.5,
+            attn_softcap=float(cfg.get("attn_logit_softcapping") or 0.0),
+            final_softcap=float(cfg.get("final_logit_softcapping") or 0.0),
+            sliding_window=window,
+            sliding_layers=sliding,
+            rope_local_theta=float(local_theta or 0.0),
         )
 
 
+LAYER_TYPES = {"sliding_attention", "full_attention"}
+
+
+def _window(cfg: dict[str, Any]) -> int:
+    """`config.json`'s `sliding_window` (null or absent: none).
+
+    Raises:
+        ValueError: it is not a positive integer.
+    """
+    window = cfg.get("sliding_window")
+    if window is None:
+        return 0
+    if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+        raise ValueError(f"config.json 'sliding_window': expected a positive integer, found {window!r:.40}")
+    return window
+
+
+def _hf_moe(arch: Architecture, cfg: dict[str, Any]) -> dict[str, Any]:
+    """The mixture-of-experts fields of `config.json` (Qwen3-MoE, Mixtral, OLMoE spellings).
+
+    Raises:
+        ValueError: a value is missing or of a kind ft does not run (a sliding window on Mixtral,
+            OLMoE's `clip_qkv` or its o_proj bias).
+    """
+    experts = cfg.get("num_experts", cfg.get("num_local_experts"))  # transformers 5 writes the latter
+    if not isinstance(experts, int) or isinstance(experts, bool) or experts < 1:
+        raise ValueError(f"{arch.name}: config.json lacks a positive num_experts, found {experts!r}")
+    if cfg.get("clip_qkv") is not None:
+        raise ValueError(f"{arch.name} with clip_qkv {cfg['clip_qkv']!r} is not supported")
+    window = cfg.get("sliding_window")
+    if arch.name == "mixtral" and window is not None and window < int(cfg.get("max_position_embeddings", 0)):
+        raise ValueError(
+            f"{arch.name} with sliding_window {window!r} is not supported (sliding-window attention)"
+        )
+    if arch.qk_norm_whole and cfg.get("attention_bias"):
+        raise ValueError(f"{arch.name} with attention_bias (an o_proj bias) is not supported")
+    num_layers = int(cfg["num_hidden_layers"])
+    step = cfg.get("decoder_sparse_step", 1)
+    dense = cfg.get("mlp_only_layers") or []
+    if not isinstance(step, int) or isinstance(step, bool) or step < 1:
+        raise ValueError(f"{arch.name}: decoder_sparse_step must be a positive integer, found {step!r}")
+    if not isinstance(dense, list) or not all(isinstance(i, int) and 0 <= i < num_layers for i in dense):
+        raise ValueError(
+            f"{arch.name}: mlp_only_layers must list layers 0 to {num_layers - 1}, found {dense!r:.80}"
+        )
+    # transformers' rule (Qwen3-MoE): a layer is routed unless listed, and only every `step`-th
+    mlp_only = tuple(i for i in range(num_layers) if i in dense or (i + 1) % step)
+    renormalize = arch.router_renormalizes
+    return dict(
+        num_experts=experts,
+        num_experts_per_tok=int(cfg["num_experts_per_tok"]),
+        moe_intermediate_size=int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]),
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)) if renormalize is None else renormalize,
+        mlp_only_layers=mlp_only,
+    )
+
+
+def _phi_smollm_granite_from_hf(
+    cfg: dict[str, Any],
+    arch: Architecture,
+    head_dim: int,
+    rope_params: Any,
+    rope_scaling: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """`LlamaConfig` fields of Phi-3's partial rotary, SmolLM3's layers without rotary and
+    Granite's multipliers, from `config.json` (absent keys: as Llama); "longrope" is set when
+    the rope scaling is Phi-3's longrope (its `original_max_position_embeddings` may sit at the
+    top level of older configs).
+
+    Raises:
+        ValueError: a block ft does not run (a sliding window shorter than the context, an MLP
+            bias, an activation other than SiLU) or a value of the wrong type.
+    """
+    out: dict[str, Any] = {}
+    family = arch.name
+    if cfg.get("hidden_act", "silu") not in ("silu", "swish"):  # the decoder's MLP is SwiGLU
+        raise ValueError(f"{family} with hidden_act {cfg.get('hidden_act')!r} is not supported (SiLU only)")
+    if cfg.get("mlp_bias"):
+        raise ValueError(f"{family} with mlp_bias is not supported")
+    window = cfg.get("sliding_window")
+    max_len = int(cfg.get("max_position_embeddings", 2048))
+    if arch.refuses_short_window and isinstance(window, int) and 0 < window < max_len:
+        # NOTE: Phi-3-mini-4k's 2047 of 4096; a window at least the context changes nothing.
+        raise ValueError(
+            f"{family} with a sliding window of {window} tokens (shorter than its context of {max_len}) "
+            "is not supported yet"
+        )
+    partial = cfg.get("partial_rotary_factor")
+    if isinstance(rope_params, dict) and "partial_rotary_factor" in rope_params:
+        partial = rope_params["partial_rotary_factor"]
+    if partial is not None:
+        if not isinstance(partial, (int, float)) or not 0 < partial <= 1:
+            raise ValueError(f"partial_rotary_factor {partial!r}: expected a number in (0, 1]")
+        out["rotary_dim"] = int(head_dim * partial)
+    no_rope = cfg.get("no_rope_layers")  # SmolLM3: 1 = this layer rotates, 0 = it does not
+    if no_rope is not None:
+        if not isinstance(no_rope, list) or not all(
+            v in (0, 1) and not isinstance(v, float) for v in no_rope
+        ):
+            raise ValueError(f"no_rope_layers must be a list of 0 and 1, found {no_rope!r:.80}")
+        if len(no_rope) != int(cfg["num_hidden_layers"]):
+            raise ValueError(
+                f"no_rope_layers has {len(no_rope)} entries for {cfg['num_hidden_layers']} layers"
+            )
+        out["no_rope_layers"] = tuple(i for i, uses_rope in enumerate(no_rope) if not uses_rope)
+    for key in ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling"):
+        value = cfg.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise ValueError(f"{key} must be a number, found {value!r:.40}")
+        out[key] = float(value)
+    if rope_scaling is not None and rope_scaling.get("rope_type", rope_scaling.get("type")) in (
+        "longrope",
+        "su",
+    ):
+        out["longrope"] = True
+    return out
+
+
+def _check_longrope(scaling: dict[str, Any], rotary_dim: int) -> None:
+    """Phi-3's longrope: a short and a long factor per rotary pair, the trained context."""
+    for key in ("short_factor", "long_factor"):
+        factors = scaling.get(key)
+        if (
+            not isinstance(factors, (list, tuple))
+            or len(factors) != rotary_dim // 2
+            or not all(isinstance(f, (int, float)) and math.isfinite(f) and f > 0 for f in factors)
+        ):
+            raise ValueError(
+                f"longrope {key}: expected {rotary_dim // 2} positive numbers (one per rotary pair), "
+                f"found {factors!r:.80}"
+            )
+    original = scaling.get("original_max_position_embeddings")
+    if not isinstance(original, int) or isinstance(original, bool) or original < 2:
+        raise ValueError(f"longrope needs original_max_position_embeddings of at least 2, found {original!r}")
+    for key in ("factor", "attention_factor"):
+        value = scaling.get(key)
+        if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+            raise ValueError(f"longrope {key} {value!r} is not a positive number")
+
+
 def rope_inv_freq(config: LlamaConfig) -> torch.Tensor:
-    """Inverse rotary frequencies `[head_dim // 2]` in float32, with the config's scaling applied."""
-    dim = config.head_dim
+    """Inverse rotary frequencies `[rotary_dim // 2]` in float32, with the config's scaling applied."""
+    dim = config.rotary_width
+    scaling = config.rope_scaling
+    kind = scaling.get("rope_type", scaling.get("type")) if scaling is not None else None
+    if scaling is not None and kind == "longrope":  # Phi-3: one factor per pair, long or short
+        ext = scaling["long_factor"] if config.is_long_rope else scaling["short_factor"]
+        shape = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+        return 1.0 / (torch.tensor(ext, dtype=torch.float32) * config.rope_theta**shape)
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     if config.rope_freq_factors is not None:
         inv_freq = inv_freq / torch.tensor(config.rope_freq_factors, dtype=torch.float32)
-    scaling = config.rope_scaling
     if scaling is None:
         return inv_freq
-    kind = scaling.get("rope_type", scaling.get("type"))
     factor = float(scaling["factor"])
     if kind == "linear":
         return inv_freq / factor
@@ -172,18 +489,52 @@ def rope_inv_freq(config: LlamaConfig) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
+def rope_local_inv_freq(config: LlamaConfig) -> torch.Tensor | None:
+    """The windowed layers' inverse frequencies (their own base, no scaling), or None when they
+    turn as the other layers."""
+    if not config.rope_local_theta:
+        return None
+    local = LlamaConfig(**{**_fields(config), "rope_theta": config.rope_local_theta, "rope_scaling": None})
+    return rope_inv_freq(LlamaConfig(**{**_fields(local), "rope_freq_factors": None}))
+
+
+def _fields(config: LlamaConfig) -> dict[str, Any]:
+    return {name: getattr(config, name) for name in config.__slots__}
+
+
+def rope_attention_scale(config: LlamaConfig) -> float:
+    """The factor cos and sin are multiplied by: longrope's sqrt(1 + ln(s) / ln(original)) for a
+    context stretched s times (or its `attention_factor`), 1 otherwise."""
+    scaling = config.rope_scaling
+    if scaling is None or scaling.get("rope_type", scaling.get("type")) != "longrope":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    original = int(scaling["original_max_position_embeddings"])
+    factor = float(scaling.get("factor") or config.max_position_embeddings / original)
+    return math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1.0 else 1.0
+
+
 def rope_cos_sin(
-    inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
+    inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype, scale: float = 1.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin `[T, 1, head_dim]` for `positions` `[T]`, computed in float32 like transformers."""
-    freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, head_dim // 2]
-    emb = torch.cat((freqs, freqs), dim=-1)  # [T, head_dim]
-    return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+    """cos and sin `[T, 1, rotary_dim]` for `positions` `[T]`, computed in float32 like
+    transformers (times `scale`, longrope's attention factor)."""
+    freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, rotary_dim // 2]
+    emb = torch.cat((freqs, freqs), dim=-1)  # [T, rotary_dim]
+    cos, sin = emb.cos(), emb.sin()
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
+    return cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate `x` `[T, heads, head_dim]` by the half-split (HF) convention."""
-    half = x.shape[-1] // 2
+    """Rotate `x` `[T, heads, head_dim]` by the half-split (HF) convention; with tables narrower
+    than the head (partial rotary) only its leading `rotary_dim` dims turn, the rest pass."""
+    rot = cos.shape[-1]
+    if rot < x.shape[-1]:
+        return torch.cat((apply_rope(x[..., :rot], cos, sin), x[..., rot:]), dim=-1)
+    half = rot // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
 
@@ -203,25 +554,62 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(dtype)
 
 
+def whole_qk_norm(
+    q: torch.Tensor,  # [T, q_size]
+    k: torch.Tensor,  # [T, kv_size]
+    q_norm: RMSNorm,
+    k_norm: RMSNorm,
+    reduce: Reduce | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """OLMoE's RMSNorm over the whole q and the whole k projection (float32, as transformers).
+
+    Under tensor parallelism each rank holds some heads: the squares and widths are summed over
+    the ranks (one `reduce`), so every rank normalizes by the full projection's mean.
+    """
+    dtype = q.dtype
+    q32, k32 = q.float(), k.float()
+    ones = q32.new_ones(q32.shape[0])
+    stats = torch.stack(
+        [q32.pow(2).sum(-1), k32.pow(2).sum(-1), ones * q.shape[1], ones * k.shape[1]], dim=-1
+    )
+    if reduce is not None:
+        stats = reduce(stats)  # [T, 4]: summed over the ranks
+    q32 = q32 * torch.rsqrt(stats[:, :1] / stats[:, 2:3] + q_norm.eps)
+    k32 = k32 * torch.rsqrt(stats[:, 1:2] / stats[:, 3:4] + k_norm.eps)
+    return q_norm.weight * q32.to(dtype), k_norm.weight * k32.to(dtype)
+
+
 class DecoderLayer(nn.Module):
     """Pre-norm attention + SwiGLU MLP, with fused qkv and gate/up projections.
 
     Under tensor parallelism `config` holds this rank's heads and MLP columns, and `reduce`
-    sums the row-parallel `o_proj` and `down_proj` outputs over the ranks.
+    sums the row-parallel `o_proj` and `down_proj` outputs over the ranks (and OLMoE's whole-q/k
+    norm statistics). `index` is this layer's place in the stack (its MLP, its window).
     """
 
-    def __init__(self, config: LlamaConfig, reduce: Reduce | None = None) -> None:
+    def __init__(self, config: LlamaConfig, reduce: Reduce | None = None, index: int = 0) -> None:
         super().__init__()
         self.config = config
         self.reduce = reduce
+        self.window = config.layer_window(index)  # 0: attends every position
+        self.uses_rope = index not in config.no_rope_layers
+        # Granite's softmax scale, as a scale of q (the attention divides by sqrt(head_dim))
+        self.q_scale = (
+            config.attention_multiplier * math.sqrt(config.head_dim) if config.attention_multiplier else 1.0
+        )
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)  # before the MLP
+        # Gemma's norms of the attention's and the MLP's outputs (its HF names:
+        # post_attention_layernorm and post_feedforward_layernorm)
+        self.attn_out_norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if config.post_norms else None
+        self.mlp_out_norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if config.post_norms else None
         qkv_out = config.q_size + 2 * config.kv_size
         self.qkv_proj = nn.Linear(config.hidden_size, qkv_out, bias=config.attention_bias)
-        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
-        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        q_width, k_width = (config.q_size, config.kv_size) if config.qk_norm_whole else (config.head_dim,) * 2
+        self.q_norm = RMSNorm(q_width, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(k_width, config.rms_norm_eps) if config.qk_norm else None
         self.o_proj = nn.Linear(config.q_size, config.hidden_size, bias=False)
-        self.moe = SparseMoE(config) if config.num_experts else None
+        self.moe = SparseMoE(config) if config.is_moe_layer(index) else None
         if self.moe is None:
             self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
             self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
@@ -239,25 +627,46 @@ class DecoderLayer(nn.Module):
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(self.input_layernorm(x))  # [T, q_size + 2 * kv_size]
         q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
-        q = q.view(num_tokens, c.num_heads, c.head_dim)  # [T, heads, hd]
-        k = k.view(num_tokens, c.num_kv_heads, c.head_dim)  # [T, kvh, hd]
-        if self.q_norm is not None and self.k_norm is not None:  # per head, before the rotary
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rope(q, cos, sin)
-        k = apply_rope(k, cos, sin)
+        if c.qk_norm_whole and self.q_norm is not None and self.k_norm is not None:
+            q, k = whole_qk_norm(q, k, self.q_norm, self.k_norm, self.reduce)  # before the rotary
+        q = q.reshape(num_tokens, c.num_heads, c.head_dim)  # [T, heads, hd]
+        k = k.reshape(num_tokens, c.num_kv_heads, c.head_dim)  # [T, kvh, hd]
+        if not c.qk_norm_whole and self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)  # per head, before the rotary
+        if self.uses_rope:
+            q = apply_rope(q, cos, sin)
+            k = apply_rope(k, cos, sin)
+        if self.q_scale != 1.0:
+            q = q * self.q_scale
         v = v.view(num_tokens, c.num_kv_heads, c.head_dim)  # [T, kvh, hd]
         write_kv(k_cache, v_cache, k, v, meta)
-        attn = paged_attention(q, k_cache, v_cache, meta)  # [T, heads * hd]
+        attn = paged_attention(
+            q,
+            k_cache,
+            v_cache,
+            meta,
+            windowed=self.window > 0,
+            scale=c.query_scale or None,
+            softcap=c.attn_softcap,
+        )  # [T, heads * hd]
         o = self.o_proj(attn)  # [T, hidden] (this rank's heads' share under TP)
-        h = x + (o if self.reduce is None else self.reduce(o))
+        o = o if self.reduce is None else self.reduce(o)
+        h = x + self._residual(o if self.attn_out_norm is None else self.attn_out_norm(o))
         normed = self.post_attention_layernorm(h)
         if self.moe is not None:
             d = self.moe(normed)  # [T, hidden]
         else:
             gate, up = self.gate_up_proj(normed).chunk(2, dim=-1)
-            d = self.down_proj(F.silu(gate) * up)  # [T, hidden]
-        out: torch.Tensor = h + (d if self.reduce is None else self.reduce(d))
+            act = F.silu(gate) if c.hidden_act == "silu" else F.gelu(gate, approximate="tanh")
+            d = self.down_proj(act * up)  # [T, hidden]
+        d = d if self.reduce is None else self.reduce(d)
+        out: torch.Tensor = h + self._residual(d if self.mlp_out_norm is None else self.mlp_out_norm(d))
         return out
+
+    def _residual(self, branch: torch.Tensor) -> torch.Tensor:
+        """A branch before its residual add, times Granite's residual multiplier."""
+        m = self.config.residual_multiplier
+        return branch if m == 1.0 else branch * m
 
 
 class LlamaForCausalLM(nn.Module):
@@ -272,11 +681,13 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, reduce) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, reduce, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, lm_head_rows or config.vocab_size, bias=False)
         self.inv_freq: torch.Tensor
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+        self.local_inv_freq: torch.Tensor | None = rope_local_inv_freq(config)  # the windowed layers'
+        self.rope_scale = rope_attention_scale(config)
 
     def forward(
         self,
@@ -288,9 +699,17 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Hidden states after the final norm, `[T, hidden]`."""
         x = self.embed_tokens(input_ids)  # [T, hidden]
-        cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)
+        if self.config.embed_scale:  # NOTE: the factor rounded to the embedding's dtype, as transformers does
+            x = x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)
+        if self.config.embedding_multiplier != 1.0:
+            x = x * self.config.embedding_multiplier
+        cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype, self.rope_scale)
+        local = cos, sin
+        if self.local_inv_freq is not None:
+            local = rope_cos_sin(self.local_inv_freq.to(positions.device), positions, x.dtype)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, k_caches[i], v_caches[i], meta)
+            layer_cos, layer_sin = local if layer.window else (cos, sin)
+            x = layer(x, layer_cos, layer_sin, k_caches[i], v_caches[i], meta)
         out: torch.Tensor = self.norm(x)
         return out
 
@@ -302,35 +721,57 @@ class LlamaForCausalLM(nn.Module):
 
 def fuse_hf_state_dict(config: LlamaConfig, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Map Hugging Face parameter names onto this module's fused layout."""
+
+    def norm(name: str) -> torch.Tensor:  # (1 + w) folded into the weight (Gemma's HF files)
+        w = sd[name]
+        return w + config.norm_offset if config.norm_offset else w
+
     out: dict[str, torch.Tensor] = {
         "embed_tokens.weight": sd["model.embed_tokens.weight"],
-        "norm.weight": sd["model.norm.weight"],
+        "norm.weight": norm("model.norm.weight"),
     }
     lm_head = sd.get("lm_head.weight")
     if lm_head is None or config.tie_word_embeddings:
         lm_head = sd["model.embed_tokens.weight"]
+    if config.logits_scaling != 1.0:  # Granite's logits divided: folded into the lm_head once
+        lm_head = lm_head / config.logits_scaling
     out["lm_head.weight"] = lm_head
     for i in range(config.num_layers):
         p = f"model.layers.{i}."
-        attn, mlp = p + "self_attn.", p + "mlp."
+        attn, mlp = p + "self_attn.", p + moe_prefix(sd, p)
         o = f"layers.{i}."
-        out[o + "input_layernorm.weight"] = sd[p + "input_layernorm.weight"]
-        out[o + "post_attention_layernorm.weight"] = sd[p + "post_attention_layernorm.weight"]
-        out[o + "qkv_proj.weight"] = torch.cat(
-            [sd[attn + "q_proj.weight"], sd[attn + "k_proj.weight"], sd[attn + "v_proj.weight"]]
+        out[o + "input_layernorm.weight"] = norm(p + "input_layernorm.weight")
+        if config.post_norms:  # Gemma's names: the pre-MLP norm is pre_feedforward_layernorm
+            out[o + "post_attention_layernorm.weight"] = norm(p + "pre_feedforward_layernorm.weight")
+            out[o + "attn_out_norm.weight"] = norm(p + "post_attention_layernorm.weight")
+            out[o + "mlp_out_norm.weight"] = norm(p + "post_feedforward_layernorm.weight")
+        else:
+            out[o + "post_attention_layernorm.weight"] = norm(p + "post_attention_layernorm.weight")
+        fused_qkv = sd.get(attn + "qkv_proj.weight")  # Phi-3 stores q|k|v fused
+        out[o + "qkv_proj.weight"] = (
+            fused_qkv
+            if fused_qkv is not None
+            else torch.cat(
+                [sd[attn + "q_proj.weight"], sd[attn + "k_proj.weight"], sd[attn + "v_proj.weight"]]
+            )
         )
         if config.attention_bias:
             out[o + "qkv_proj.bias"] = torch.cat(
                 [sd[attn + "q_proj.bias"], sd[attn + "k_proj.bias"], sd[attn + "v_proj.bias"]]
             )
         if config.qk_norm:
-            out[o + "q_norm.weight"] = sd[attn + "q_norm.weight"]
-            out[o + "k_norm.weight"] = sd[attn + "k_norm.weight"]
+            out[o + "q_norm.weight"] = norm(attn + "q_norm.weight")
+            out[o + "k_norm.weight"] = norm(attn + "k_norm.weight")
         out[o + "o_proj.weight"] = sd[attn + "o_proj.weight"]
-        if config.num_experts:
+        if config.is_moe_layer(i):
             out |= {o + "moe." + k: w for k, w in fuse_experts(sd, mlp, config.num_experts).items()}
             continue
-        out[o + "gate_up_proj.weight"] = torch.cat([sd[mlp + "gate_proj.weight"], sd[mlp + "up_proj.weight"]])
+        fused_gate_up = sd.get(mlp + "gate_up_proj.weight")  # Phi-3 stores gate|up fused
+        out[o + "gate_up_proj.weight"] = (
+            fused_gate_up
+            if fused_gate_up is not None
+            else torch.cat([sd[mlp + "gate_proj.weight"], sd[mlp + "up_proj.weight"]])
+        )
         out[o + "down_proj.weight"] = sd[mlp + "down_proj.weight"]
     return out
 
@@ -363,4 +804,6 @@ def build_model(
         {k: v.to(device=device, dtype=dtype).contiguous() for k, v in fused.items()}, assign=True, strict=True
     )
     model.inv_freq = rope_inv_freq(config).to(device)  # buffers made on meta are not in the state dict
+    local_freq = rope_local_inv_freq(config)
+    model.local_inv_freq = local_freq.to(device) if local_freq is not None else None
     return model.eval()

@@ -151,7 +151,10 @@ def model_entry(ctx: ServerContext, name: str) -> dict[str, Any]:
             "tools": True,  # every model: its template's format, or Hermes calls in the system prompt
             "reasoning": (ctx.settings.reasoning_parser or ctx.engine.reasoning_parser) is not None,
             "vision": False,  # text only: image, audio and file parts are refused
-            "embeddings": True,  # /v1/embeddings, /v1/rerank and /v1/score pool its hidden states
+            # /v1/embeddings pools its hidden states (not a reranker's: its pooled output is a score)
+            "embeddings": engine.pooling != "rank",
+            # /v1/rerank and /v1/score: the reranker's head over each pair, else embeddings' cosine
+            "rerank": "classifier" if engine.pooling == "rank" else "cosine",
         },
     }
 

@@ -400,6 +400,22 @@ CUT_FORMATS: dict[str, tuple[str, list[str], tuple[str, ...]]] = {
         ],
         ("<|python_tag|>", '{"name"'),
     ),
+    "phi4_mini_json": (
+        "Checking. ",
+        [
+            '<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris"}}]<|/tool_call|>',
+            '<|tool_call|>[{"name": "b", "arguments": {"q": "]<|/tool_call|>"}}]<|/tool_call|>',
+        ],
+        ("<|tool_call|>", '{"name"'),
+    ),
+    "granite": (
+        "",
+        [
+            '<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris"}}]',
+            '<|tool_call|>[{"name": "b", "arguments": {}}]',
+        ],
+        ("<|tool_call|>", '{"name"'),
+    ),
 }
 
 

@@ -405,3 +405,30 @@ async def test_long_requests_leave_nothing_in_the_cache(tmp_path: pathlib.Path) 
         growth.append(_rss_mib() - before)
     assert g.num_retained_bytes < 64 << 10  # six short texts
     assert growth[-1] < max(2.5 * growth[0], 30), growth
+
+
+@pytest.mark.parametrize("parser", ["phi4_mini_json", "granite"])
+def test_tool_call_grammar_of_the_array_formats_allows_only_valid_calls(parser: str) -> None:
+    """Phi-4-mini's and Granite's forced tool choice: one marker, the calls as a JSON array
+    (several only when parallel), which the same format's parser reads back."""
+    from ft.core.toolcalls import parse_tool_calls
+
+    close = "]<|/tool_call|>" if parser == "phi4_mini_json" else "]"
+    weather, time_call = (
+        '{"name": "get_weather", "arguments": {"city": "Paris"}}',
+        '{"name": "get_time", "arguments": {"zone": "utc"}}',
+    )
+    any_tool = byte_matcher(spec.tool_calls(TOOLS, name=None, parallel=True, parser=parser))
+    both = f"<|tool_call|>[{weather}, {time_call}{close}"
+    assert accepts(any_tool, f"<|tool_call|>[{weather}{close}")
+    assert accepts(any_tool, both)
+    assert parse_tool_calls(both, parser) == (
+        "",
+        [("get_weather", '{"city": "Paris"}'), ("get_time", '{"zone": "utc"}')],
+    )
+    assert not accepts(any_tool, f"Sure! <|tool_call|>[{weather}{close}")
+    assert not accepts(any_tool, f'<|tool_call|>[{{"name": "rm_rf", "arguments": {{}}}}{close}')
+    one = byte_matcher(spec.tool_calls(TOOLS, name="get_time", parallel=False, parser=parser))
+    assert accepts(one, f"<|tool_call|>[{time_call}{close}")
+    assert not accepts(one, f"<|tool_call|>[{time_call}, {time_call}{close}")
+    assert not accepts(one, f"<|tool_call|>[{weather}{close}")

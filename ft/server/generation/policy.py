@@ -66,7 +66,7 @@ def output_policy(
     prompt = template_prompt(prompt, choice)
     tools = list(prompt.tools) if prompt.tools is not None else None
     config = ctx.settings
-    parser = tool_call_parser_name(config.tool_call_parser, tools is not None)
+    parser = tool_call_parser_name(config.tool_call_parser or ctx.engine.tool_call_parser, tools is not None)
     grammar = output_grammar(tools, choice, parser, answer)
     if prompt.continue_final_message and grammar is not None:
         raise InvalidRequest(
