@@ -155,6 +155,7 @@ class ResponseCall(GenerationApi):
             top_k=req.top_k,
             max_tokens=req.max_output_tokens,
             grammar=policy.grammar,
+            speculative=req.speculative,
         )
         self.stream = req.stream
         self.id = random_id("resp_", 32)
