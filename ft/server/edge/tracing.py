@@ -64,6 +64,7 @@ class RequestRecord:
     status: int | None = None
     route: str | None = None  # the generation route that served it (metrics label); else None
     stream: bool = False
+    model: str | None = None  # router mode: the model the request named (metrics label)
     prompt_tokens: int = 0
     output_tokens: int = 0
     cached_tokens: int = 0

@@ -31,32 +31,31 @@ def register(app: QuartTrio, ctx: ServerContext) -> None:
     @app.post("/v1/embeddings")
     async def embeddings() -> Response:
         req = await read_request(ctx, EmbeddingRequest)
-        ctx.check_model(req.model)
+        view = await ctx.for_model(req.model)
         one = isinstance(req.input, str) or isinstance(req.input[0], int)
         items: list[Any] = [req.input] if one else list(req.input)
         pooled = await embed(
-            ctx, inputs_of(items, "input"), truncate=req.truncate_prompt_tokens, dimensions=req.dimensions
+            view, inputs_of(items, "input"), truncate=req.truncate_prompt_tokens, dimensions=req.dimensions
         )
-        return await answer(pooled, lambda: embeddings_body(ctx, pooled, req.encoding_format))
+        return await answer(pooled, lambda: embeddings_body(view, pooled, req.encoding_format))
 
     @app.post("/v1/rerank")
     @app.post("/v2/rerank")  # Cohere's client
     @app.post("/rerank")  # vLLM's and llama-server's other path
     async def rerank() -> Response:
         req = await read_request(ctx, RerankRequest)
-        ctx.check_model(req.model)
+        view = await ctx.for_model(req.model)
         texts = [d if isinstance(d, str) else d.text for d in req.documents]
         query = Input(PromptSpec(text=req.query), "query")
         pooled = await embed(
-            ctx, [query, *inputs_of(texts, "documents", many=True)], truncate=req.truncate_prompt_tokens
+            view, [query, *inputs_of(texts, "documents", many=True)], truncate=req.truncate_prompt_tokens
         )
-        return await answer(pooled, lambda: rerank_body(ctx, req, texts, pooled))
+        return await answer(pooled, lambda: rerank_body(view, req, texts, pooled))
 
     @app.post("/v1/score")
     @app.post("/score")  # vLLM's other path
     async def score() -> Response:
         req = await read_request(ctx, ScoreRequest)
-        ctx.check_model(req.model)
         left = [req.text_1] if isinstance(req.text_1, str) else req.text_1
         right = [req.text_2] if isinstance(req.text_2, str) else req.text_2
         if len(left) != 1 and len(left) != len(right):
@@ -71,8 +70,9 @@ def register(app: QuartTrio, ctx: ServerContext) -> None:
             *inputs_of(left, "text_1", many=isinstance(req.text_1, list)),
             *inputs_of(right, "text_2", many=isinstance(req.text_2, list)),
         ]
-        pooled = await embed(ctx, inputs, truncate=req.truncate_prompt_tokens)
-        return await answer(pooled, lambda: score_body(ctx, pooled, len(left)))
+        view = await ctx.for_model(req.model)
+        pooled = await embed(view, inputs, truncate=req.truncate_prompt_tokens)
+        return await answer(pooled, lambda: score_body(view, pooled, len(left)))
 
 
 async def answer(pooled: Pooled, build: Callable[[], dict[str, Any]]) -> Response:
