@@ -64,6 +64,7 @@ class Engine:
         self.generation_defaults: dict[str, float | int] = {}
         self.reasoning_parser: str | None = None  # the model family's `<think>` format, once loaded
         self.hidden_size = 0  # the width of a pooled embedding, once loaded
+        self.kv_cache_bytes = 0  # the KV pool's size (pages x bytes per page), once loaded
         self.pooling = "last"  # how embedding requests pool (`config.pooling` resolved at load)
         self.admissions = Admissions(config, self.registry)
         self._drain = Drain(self)

@@ -211,6 +211,7 @@ class ModelSlot:
         self.last_used = trio.current_time()
         self.file_bytes = file_bytes(model.path)
         self.loaded_bytes = 0  # weights' cost measured at its last load (RSS growth, >= file)
+        self.kv_bytes = 0  # the KV pool's bytes, as its engine reported them at its last load
         self.rss_before_load = 0
         self._changed = trio.Event()
         self._stop: trio.Event | None = None  # set: unload now (the engine task drains and exits)
@@ -219,8 +220,8 @@ class ModelSlot:
     def cost(self) -> int:
         """What the model costs loaded, against `--models-memory`: its weights (the RSS growth
         its load measured, at least its file size; the file size before its first load) plus
-        its KV cache budget."""
-        return max(self.loaded_bytes, self.file_bytes) + self.config.kv_cache_memory
+        its KV pool as the engine sized it (before its first load: `--kv-cache-memory`)."""
+        return max(self.loaded_bytes, self.file_bytes) + (self.kv_bytes or self.config.kv_cache_memory)
 
     @property
     def is_resident(self) -> bool:
@@ -399,6 +400,13 @@ class ModelRouter:
             code="model_loading",
         )
 
+    def check_loadable(self, slot: ModelSlot) -> None:
+        """Raise what `acquire` would raise at once: the model failed, or the server stops."""
+        if self.is_stopping:
+            raise EngineStopping("the server is stopping and admits no new requests")
+        if slot.status == ModelStatus.FAILED:
+            raise slot.refusal()
+
     async def load(self, slot: ModelSlot) -> None:
         """Load `slot` now (an admin's `/v1/models/load`): a failed model is tried again.
 
@@ -427,6 +435,8 @@ class ModelRouter:
     def _needs_room(self, slot: ModelSlot) -> bool:
         """Whether loading `slot` now would pass `max_loaded` or `memory_bytes`."""
         others = [s for s in self.slots if s is not slot and s.is_resident]
+        if not others:
+            return False  # alone it loads, even past the budget: nothing else could make room
         s = self.settings
         if s.max_loaded is not None and len(others) + 1 > s.max_loaded:
             return True
@@ -507,6 +517,7 @@ class ModelRouter:
                 return failure
             if not stop.is_set():
                 slot.loaded_bytes = max(0, rss_bytes() - slot.rss_before_load)
+                slot.kv_bytes = engine.kv_cache_bytes
                 slot.set_status(ModelStatus.LOADED)
                 log.info("model %r loaded (%.1f MiB resident more)", slot.name, slot.loaded_bytes / 2**20)
                 self.notify()

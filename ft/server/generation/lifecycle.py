@@ -172,6 +172,7 @@ async def respond_model(
     if router is None:
         return await respond(ctx, build(ctx))
     slot = ctx.lease_model(model)
+    router.check_loadable(slot)  # a model that failed to load is refused before any stream
     engine = slot.ready_engine()
     if engine is None and not stream:
         engine = await router.acquire(slot)
