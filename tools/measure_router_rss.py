@@ -36,6 +36,21 @@ def tiny_models(root: pathlib.Path) -> list[ServedModel]:
     return [ServedModel("tiny-llama", str(llama)), ServedModel("tiny-qwen3", str(qwen))]
 
 
+def report_leftovers() -> None:
+    """Print how many engines and tensors are still alive (none should be, after an unload)."""
+    import gc
+
+    import torch
+
+    from ft.engine.engine import Engine
+
+    objects = gc.get_objects()
+    engines = sum(isinstance(o, Engine) for o in objects)
+    tensors = [o for o in objects if isinstance(o, torch.Tensor) and not o.is_meta]
+    size = sum(t.numel() * t.element_size() for t in tensors) / MiB
+    print(f"  alive after the unload: {engines} engines, {len(tensors)} tensors ({size:.1f} MiB)")
+
+
 async def measure(models: list[ServedModel], cycles: int, debug: bool = False) -> None:
     routing = RouterSettings(models=tuple(models), unload_timeout_s=1.0)
     settings = ServerSettings(port=0)
@@ -46,7 +61,11 @@ async def measure(models: list[ServedModel], cycles: int, debug: bool = False) -
                     before = rss_bytes()
                     r = await client.post(
                         "/v1/chat/completions",
-                        json={"model": m.name, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8},
+                        json={
+                            "model": m.name,
+                            "messages": [{"role": "user", "content": "Hi"}],
+                            "max_tokens": 8,
+                        },
                     )
                     assert r.status_code == 200, r.text
                     loaded = rss_bytes()
@@ -54,28 +73,13 @@ async def measure(models: list[ServedModel], cycles: int, debug: bool = False) -
                     assert r.json()["model"]["status"]["value"] == "unloaded", r.text
                     after = rss_bytes()
                     if debug:
-                        import gc
-                        import sys
-
-                        from ft.engine.engine import Engine
-
-                        alive = [o for o in gc.get_objects() if isinstance(o, Engine)]
-                        print("engines alive:", len(alive))
-                        for o in alive[:1]:
-                            for ref in gc.get_referrers(o):
-                                print("  referrer", type(ref), str(ref)[:200])
-                                if isinstance(ref, dict):
-                                    for rr in gc.get_referrers(ref):
-                                        print("     <-", type(rr), str(rr)[:150])
-                        import torch
-                        tensors = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
-                        print("tensors alive:", len(tensors), sum(t.numel() * t.element_size() for t in tensors if not t.is_meta) / MiB, "MiB")
-                        del sys
+                        report_leftovers()
                     growth = loaded - before
                     back = (loaded - after) / growth if growth > 0 else float("nan")
                     print(
-                        f"cycle {cycle} {m.name:32s} before {before / MiB:8.1f} MiB  loaded {loaded / MiB:8.1f} MiB"
-                        f"  (+{growth / MiB:7.1f})  unloaded {after / MiB:8.1f} MiB"
+                        f"cycle {cycle} {m.name:12s} before {before / MiB:7.1f} MiB"
+                        f"  loaded {loaded / MiB:7.1f} MiB (+{growth / MiB:6.1f})"
+                        f"  unloaded {after / MiB:7.1f} MiB"
                         f"  ({100 * back:5.1f}% of the growth back; {(after - before) / MiB:+.1f} MiB kept)",
                         flush=True,
                     )
@@ -94,7 +98,10 @@ def main() -> None:
 
         models.release_memory = gc.collect  # type: ignore[assignment]
     with tempfile.TemporaryDirectory() as tmp:
-        models = [*tiny_models(pathlib.Path(tmp)), ServedModel("default", str(default_model_path(progress=False)))]
+        models = [
+            *tiny_models(pathlib.Path(tmp)),
+            ServedModel("default", str(default_model_path(progress=False))),
+        ]
         trio.run(measure, models, args.cycles, args.debug)
 
 

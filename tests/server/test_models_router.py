@@ -434,3 +434,50 @@ def test_served_models_come_from_options_and_folders(tmp_path: pathlib.Path) -> 
         router_from_args(parser.parse_args(["--model", "/m/a.gguf", "--models-max", "0"]))
     with pytest.raises(ValueError, match="names one model"):
         router_from_args(parser.parse_args(["--model", "a", "--model", "b", "--served-model-name", "x"]))
+
+
+async def test_the_chat_page_shows_each_models_state_and_chats_with_the_one_picked(
+    model_dir: pathlib.Path,
+) -> None:
+    """In headless Chromium (skipped without Debian's `chromium` and `chromium-driver`)."""
+    from tests.support.webdriver import browser, chromium_paths
+
+    if chromium_paths() is None:
+        pytest.skip("chromium and chromium-driver are not installed (Debian's packages of those names)")
+    async with router_server(model_dir) as r:
+        base_url = r.server.base_url
+
+        def drive() -> None:
+            with browser() as b:
+                assert b is not None
+                b.get(base_url + "/")
+                b.wait_for(
+                    lambda: not b.run("return document.getElementById('send').disabled"), 30, "the page"
+                )
+                labels = b.run(
+                    "return [...document.querySelectorAll('#model option')].map(o => [o.value, o.text])"
+                )
+                assert labels == [[LLAMA, f"{LLAMA} (unloaded)"], [QWEN, f"{QWEN} (unloaded)"]]
+                b.run("document.getElementById('model').value = arguments[0];", QWEN)
+                b.run("document.getElementById('max-tokens').value = '4';")
+                b.type("#prompt", "Hello\ue007")  # Enter sends
+                answer = b.wait_for(
+                    lambda: b.run(
+                        "const a = document.querySelectorAll('.message.assistant');"
+                        "const s = a.length ? a[a.length - 1].dataset.state : '';"
+                        "return s && s !== 'streaming' ? s : null;"
+                    ),
+                    DEADLINE_S,
+                    "the answer",
+                )
+                assert answer == "done"
+                b.wait_for(
+                    lambda: b.run("return document.getElementById('model').selectedOptions[0].text") == QWEN,
+                    DEADLINE_S,
+                    "the picker to show the model loaded",
+                )
+                llama = b.run("return document.getElementById('model').options[0].text")
+                assert llama == f"{LLAMA} (unloaded)"
+
+        await trio.to_thread.run_sync(drive)
+        assert await r.status(QWEN) == "loaded" and await r.status(LLAMA) == "unloaded"
