@@ -526,7 +526,8 @@ class ModelRouter:
                     return failure
             slot.set_status(ModelStatus.UNLOADING)
             self.notify()
-            engine.begin_stop(self.settings.unload_timeout_s, DEFAULT_ABORT_TIMEOUT_S)
+            why = "the server is stopping" if self.is_stopping else f"the model '{slot.name}' is unloading"
+            engine.begin_stop(self.settings.unload_timeout_s, DEFAULT_ABORT_TIMEOUT_S, why=why)
             await engine.wait_stopped()
         return None
 
