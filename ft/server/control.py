@@ -279,7 +279,7 @@ def slot_entry(ctx: ServerContext, slot: ModelSlot) -> dict[str, Any]:
     loading, unloaded, unloading, failed with its error) and ft's fields; the limits are known
     once it has loaded (null before)."""
     engine = slot.engine
-    is_loaded = engine is not None and engine.max_model_len > 0
+    context = (engine.max_model_len if engine is not None else 0) or slot.max_model_len or None
     names = slot.names
     reasoning = ctx.settings.reasoning_parser or (engine.reasoning_parser if engine is not None else None)
     return {
@@ -291,8 +291,8 @@ def slot_entry(ctx: ServerContext, slot: ModelSlot) -> dict[str, Any]:
         "status": {"value": str(slot.status)} | _error(slot),
         "path": slot.path,
         "aliases": [n for n in (*names.listed, *names.aliases) if n != slot.name],
-        "context_length": engine.max_model_len if is_loaded and engine else None,
-        "max_model_len": engine.max_model_len if is_loaded and engine else None,
+        "context_length": context,
+        "max_model_len": context,
         "capabilities": {
             "tools": True,
             "reasoning": reasoning is not None,

@@ -212,6 +212,7 @@ class ModelSlot:
         self.file_bytes = file_bytes(model.path)
         self.loaded_bytes = 0  # weights' cost measured at its last load (RSS growth, >= file)
         self.kv_bytes = 0  # the KV pool's bytes, as its engine reported them at its last load
+        self.max_model_len = 0  # its context at its last load (0: never loaded)
         self.rss_before_load = 0
         self._changed = trio.Event()
         self._stop: trio.Event | None = None  # set: unload now (the engine task drains and exits)
@@ -518,6 +519,7 @@ class ModelRouter:
             if not stop.is_set():
                 slot.loaded_bytes = max(0, rss_bytes() - slot.rss_before_load)
                 slot.kv_bytes = engine.kv_cache_bytes
+                slot.max_model_len = engine.max_model_len
                 slot.set_status(ModelStatus.LOADED)
                 log.info("model %r loaded (%.1f MiB resident more)", slot.name, slot.loaded_bytes / 2**20)
                 self.notify()

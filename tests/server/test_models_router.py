@@ -328,21 +328,38 @@ async def test_a_corrupt_model_fails_only_its_own_requests(model_dir: pathlib.Pa
         assert health["status"] == "ok"
         ready = await r.client.get("/health/ready")  # the default model failed: not ready
         assert ready.status_code == 503 and ready.json()["error"]
+        retried = await r.client.post("/v1/models/load", json={"model": BROKEN})  # tried again: fails again
+        assert retried.status_code == 503 and "failed to load" in retried.json()["error"]["message"]
+        assert (await r.chat(LLAMA)).status_code == 200
 
 
-async def test_a_stream_waiting_for_a_corrupt_model_ends_with_an_error_frame(model_dir: pathlib.Path) -> None:
+STREAMS = {
+    "/v1/chat/completions": {"messages": USER, "max_tokens": 4},
+    "/v1/completions": {"prompt": "Hello", "max_tokens": 4},
+    "/v1/messages": {"messages": USER, "max_tokens": 4},
+    "/v1/responses": {"input": "Hello", "max_output_tokens": 4},
+}
+
+
+@pytest.mark.parametrize("path", list(STREAMS))
+async def test_a_stream_waiting_for_a_corrupt_model_ends_with_an_error_frame(
+    model_dir: pathlib.Path, path: str
+) -> None:
     async with router_server(model_dir, names=(LLAMA, BROKEN)) as r:
-        body = {"model": BROKEN, "max_tokens": 4, "messages": USER, "stream": True}
-        answer = await r.client.post("/v1/messages", json=body)
+        answer = await r.client.post(path, json=STREAMS[path] | {"model": BROKEN, "stream": True})
         assert answer.status_code == 200
         assert answer.text.startswith(": connected")
-        (error,) = [
-            json.loads(f.split("data: ", 1)[1])
-            for f in answer.text.split("\n\n")
-            if f.startswith("event: error")
-        ]
-        assert "failed to load" in error["error"]["message"]
-        assert await r.status(LLAMA) == "unloaded"
+        frames = [f for f in answer.text.split("\n\n") if "data: " in f]
+        error = json.loads(frames[0].split("data: ", 1)[1])
+        message = error["message"] if path == "/v1/responses" else error["error"]["message"]
+        assert "failed to load" in message
+        if path == "/v1/messages":
+            assert frames[0].startswith("event: error") and error["error"]["type"] == "api_error"
+        elif path == "/v1/responses":
+            assert frames[0].startswith("event: error") and error["code"] == "model_load_failed"
+        else:
+            assert frames[-1] == "data: [DONE]" and error["error"]["code"] == "model_load_failed"
+        assert await r.status(LLAMA) == "unloaded" and await r.status(BROKEN) == "failed"
 
 
 async def test_unloading_mid_stream_aborts_it_cleanly_and_frees_the_model(model_dir: pathlib.Path) -> None:

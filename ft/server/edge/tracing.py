@@ -118,7 +118,10 @@ class RequestRecord:
         if isinstance(err, Overloaded):
             return "overload"
         if isinstance(err, EngineStopping):
-            return {"model_loading": "loading", "engine_error": "error"}.get(err.code or "", "stopping")
+            codes = {"model_loading": "loading", "engine_error": "error", "model_load_failed": "error"}
+            return codes.get(err.code or "", "stopping")
+        if err.code == "models_busy":  # router mode: no model could be unloaded to make room
+            return "overload"
         if status in (401, 403):
             return "auth"
         return "validation"
