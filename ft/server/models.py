@@ -369,18 +369,28 @@ class ModelRouter:
 
     # --- loading ------------------------------------------------------------------------------
 
-    async def acquire(self, slot: ModelSlot, deadline: float | None = None) -> Engine:
+    def deadlines(self) -> tuple[float, float]:
+        """A request's deadlines from now (trio time): for its model's load, and for room."""
+        now = trio.current_time()
+        return now + self.settings.load_timeout_s, now + self.settings.busy_timeout_s
+
+    async def acquire(
+        self, slot: ModelSlot, deadline: float | None = None, busy_deadline: float | None = None
+    ) -> Engine:
         """The slot's engine, loaded first when it is not (the caller holds a lease on it).
 
-        Waits at most until `deadline` (trio time; default `load_timeout_s` from now).
+        Waits at most until `deadline` (trio time; default `load_timeout_s` from now), and for
+        room at most until `busy_deadline` (default `busy_timeout_s` from now): a caller that
+        retries (a stream between heartbeats) passes the same ones each time.
 
         Raises:
             EngineStopping: the model failed to load (its error), the load timed out, or the
                 server is stopping (503).
             HttpError: every loaded model is busy past `busy_timeout_s` (503 `models_busy`).
         """
-        if deadline is None:
-            deadline = trio.current_time() + self.settings.load_timeout_s
+        load_by, room_by = self.deadlines()
+        deadline = load_by if deadline is None else deadline
+        busy_deadline = room_by if busy_deadline is None else busy_deadline
         with trio.move_on_at(deadline):
             while True:
                 engine = slot.ready_engine()
@@ -391,7 +401,7 @@ class ModelRouter:
                 if slot.status == ModelStatus.FAILED:
                     raise slot.refusal()
                 if slot.status == ModelStatus.UNLOADED:
-                    await self._load(slot)
+                    await self._load(slot, busy_deadline)
                     continue
                 if slot.status == ModelStatus.LOADED and slot.engine is not None and slot.engine.has_failed:
                     raise slot.refusal() if slot.error else EngineStopping(f"the model '{slot.name}' failed")
@@ -421,12 +431,13 @@ class ModelRouter:
         finally:
             lease.release()
 
-    async def _load(self, slot: ModelSlot) -> None:
-        """Make room for `slot` and start its engine task; return once it is loading."""
+    async def _load(self, slot: ModelSlot, busy_deadline: float) -> None:
+        """Make room for `slot` (by `busy_deadline`) and start its engine task; return once it
+        has loaded or failed."""
         async with self._load_lock:
             if slot.status != ModelStatus.UNLOADED or self.is_stopping:
                 return
-            await self._make_room(slot)
+            await self._make_room(slot, busy_deadline)
             assert self._nursery is not None, "the router is not running"
             slot.rss_before_load = rss_bytes()
             await self._nursery.start(self._serve_model, slot)
@@ -443,14 +454,14 @@ class ModelRouter:
             return True
         return s.memory_bytes is not None and sum(o.cost for o in others) + slot.cost > s.memory_bytes
 
-    async def _make_room(self, slot: ModelSlot) -> None:
+    async def _make_room(self, slot: ModelSlot, busy_deadline: float) -> None:
         """Unload the least recently used idle models until `slot` fits.
 
         Raises:
             HttpError: 503 `models_busy` when every model in the way stays busy past
-                `busy_timeout_s`.
+                `busy_deadline`.
         """
-        with trio.move_on_after(self.settings.busy_timeout_s):
+        with trio.move_on_at(busy_deadline):
             while self._needs_room(slot):
                 idle = [
                     s

@@ -245,6 +245,13 @@ async def test_a_busy_model_is_not_evicted(model_dir: pathlib.Path) -> None:
             assert refused.status_code == 503
             assert refused.json()["error"]["code"] == "models_busy"
             assert refused.headers["Retry-After"]
+            # A stream waits for room between its heartbeats, as long as a request does, no longer.
+            with trio.fail_after(DEADLINE_S / 2):
+                waited = await r.chat(QWEN, stream=True)
+            assert waited.status_code == 200 and waited.text.startswith(": connected")
+            assert ": heartbeat" in waited.text
+            busy = parse_sse(waited.text)
+            assert busy[0]["error"]["code"] == "models_busy" and busy[-1] == "[DONE]"
             assert await r.status(LLAMA) == "loaded" and await r.status(QWEN) == "unloaded"
             r.pace.step_s = 0.0
             text += "".join([c async for c in chunks])

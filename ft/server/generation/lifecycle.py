@@ -197,11 +197,11 @@ async def _load_then_stream(
     assert ctx.router is not None
     yield CONNECTED
     try:
-        deadline = trio.current_time() + ctx.router.settings.load_timeout_s
+        deadline, busy_deadline = ctx.router.deadlines()
         engine = None
         while engine is None:
             with trio.move_on_after(ctx.settings.sse_heartbeat_s):
-                engine = await ctx.router.acquire(slot, deadline)
+                engine = await ctx.router.acquire(slot, deadline, busy_deadline)
             if engine is None:
                 yield shape.heartbeat
         view = ctx.bind(engine)
