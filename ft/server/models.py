@@ -40,6 +40,7 @@ from ft.config import DEFAULT_ABORT_TIMEOUT_S, DEFAULT_DRAIN_TIMEOUT_S, EngineCo
 from ft.engine.engine import Engine, EngineState, open_engine
 from ft.engine.loading import EngineHooks
 from ft.errors import EngineStopping, FtError
+from ft.logs import REQUEST_ID
 from ft.model_names import model_names, name_key
 from ft.server.edge.http_errors import HttpError
 
@@ -496,6 +497,7 @@ class ModelRouter:
 
     async def _serve_model(self, slot: ModelSlot, *, task_status: trio.TaskStatus[None]) -> None:
         """The slot's engine for as long as it is loaded: load, serve, drain, close, free."""
+        REQUEST_ID.set(None)  # started by a request, but the model's life is not that request's
         slot._stop = stop = trio.Event()
         slot.set_status(ModelStatus.LOADING)
         self.notify()
