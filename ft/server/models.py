@@ -353,7 +353,7 @@ class ModelRouter:
         """Stop every engine (each drains as `Engine.begin_stop` does); no model loads again."""
         self.is_stopping = True
         for slot in self.slots:
-            if slot.engine is not None and slot.engine._nursery is not None:
+            if slot.engine is not None:
                 slot.engine.begin_stop(drain_timeout_s, abort_timeout_s)
             if slot._stop is not None:
                 slot._stop.set()
@@ -404,8 +404,11 @@ class ModelRouter:
                 if slot.status == ModelStatus.UNLOADED:
                     await self._load(slot, busy_deadline)
                     continue
-                if slot.status == ModelStatus.LOADED and slot.engine is not None and slot.engine.has_failed:
-                    raise slot.refusal() if slot.error else EngineStopping(f"the model '{slot.name}' failed")
+                closing = slot.engine
+                if closing is not None and closing.has_failed:  # its runner failed: FAILED once closed
+                    raise EngineStopping(
+                        f"the model '{slot.name}' failed: {closing.error}", code="engine_error"
+                    )
                 await slot.wait_changed()  # loading or unloading
         raise EngineStopping(
             f"the model '{slot.name}' did not load within {self.settings.load_timeout_s:g} s; retry later",
