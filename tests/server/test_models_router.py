@@ -505,3 +505,23 @@ async def test_the_chat_page_shows_each_models_state_and_chats_with_the_one_pick
 
         await trio.to_thread.run_sync(drive)
         assert await r.status(QWEN) == "loaded" and await r.status(LLAMA) == "unloaded"
+
+
+async def test_one_model_without_router_flags_is_served_as_before(model_dir: pathlib.Path) -> None:
+    """No router: any model name is the one model's, it is loaded at start and cannot be
+    unloaded; `/v1/models` keeps its one-model shape."""
+    config = EngineConfig(model=str(model_dir / f"{LLAMA}.gguf"), num_pages=64, tokenizer_workers=1)
+    async with open_server(config, TEST_SETTINGS) as server:
+        assert server.router is None and server.engine is not None
+        with trio.fail_after(DEADLINE_S):
+            await server.engine.wait_ready()
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=DEADLINE_S) as client:
+            listed = (await client.get("/v1/models")).json()["data"]
+            assert [m["id"] for m in listed] == [LLAMA] and "status" not in listed[0]
+            body = {"model": "any-name", "messages": USER, "max_tokens": 2}
+            answer = await client.post("/v1/chat/completions", json=body)
+            assert answer.status_code == 200 and answer.json()["model"] == LLAMA
+            assert (await client.post("/v1/models/load", json={"model": LLAMA})).status_code == 200
+            refused = await client.post("/v1/models/unload", json={"model": LLAMA})
+            assert refused.status_code == 400 and "one model" in refused.json()["error"]["message"]
+            assert server.engine.state == "ready"
