@@ -94,9 +94,9 @@ def main() -> None:
     if args.no_trim:
         import gc
 
-        from ft.server import models
+        from ft.server.models import slot
 
-        models.release_memory = gc.collect  # type: ignore[assignment]
+        slot.release_memory = gc.collect  # type: ignore[assignment]
     with tempfile.TemporaryDirectory() as tmp:
         models = [
             *tiny_models(pathlib.Path(tmp)),

@@ -1,287 +1,27 @@
-"""Several models in one server: the router (`ModelRouter`) and what it routes by.
-
-Router mode is on when `ft serve` is given several `--model`s, a `--models-dir`, or any of
-`--models-max`, `--models-memory`, `--sleep-idle-seconds` (`RouterSettings`). Each model is a
-`ModelSlot`: its own `open_engine` scope, run as a task in the router's nursery when it loads,
-with its own scopes, workers and KV pool. A slot is `unloaded`, `loading`, `loaded`, `failed`
-(the load's error kept until an admin load retries it) or `unloading`.
-
-A request names its model (`find`, the `ModelNames.accepts` rules per model; none: the first
-model) and holds a `Lease` on its slot until the HTTP request ends: a leased slot is busy, and
-a busy slot is never evicted. `acquire` loads an unloaded model on demand, first making room
-under `max_loaded` and `memory_bytes` by unloading the least recently used idle models (one
-load at a time); when every loaded model is busy it waits up to `busy_timeout_s`, then refuses
-with 503 `models_busy` and `Retry-After`. An idle model unused for `sleep_idle_s` is unloaded
-by the sweeper; probes, metrics, `/v1/models` and `/v1/stats` take no lease, so they neither
-count as use nor wake a model.
-
-Unloading is the engine's drain (`Engine.begin_stop`): new requests for the model wait for it
-to finish unloading (and then load it again), live ones get `unload_timeout_s` and are then
-aborted with an in-stream error; the engine's scope closes, and the process gives the freed
-memory back (`gc.collect`, then glibc's `malloc_trim(0)`).
-"""
+"""`ModelRouter`: the models of one server, their engines' tasks, loading on demand, eviction
+and the idle sweeper (see the package docstring)."""
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import enum
-import gc
 import logging
-import os
-import pathlib
-import re
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import trio
 
-from ft.config import DEFAULT_ABORT_TIMEOUT_S, DEFAULT_DRAIN_TIMEOUT_S, EngineConfig
+from ft.config import DEFAULT_ABORT_TIMEOUT_S, EngineConfig
 from ft.engine.engine import Engine, EngineState, open_engine
 from ft.engine.loading import EngineHooks
-from ft.errors import EngineStopping, FtError
+from ft.errors import EngineStopping
 from ft.logs import REQUEST_ID
-from ft.model_names import model_names, name_key
 from ft.server.edge.http_errors import HttpError
+from ft.server.models import slot as slots
+from ft.server.models.options import RouterSettings
+from ft.server.models.slot import Lease, ModelSlot, ModelStatus, model_not_found, rss_bytes
 
 log = logging.getLogger("ft.server")
 
-# Split GGUF shards (`name-00001-of-00003.gguf`): one model, named without the suffix.
-_SHARD = re.compile(r"^(?P<stem>.+)-(?P<part>\d{5})-of-(?P<count>\d{5})$")
 SWEEP_PERIOD_S = 1.0  # the idle sweeper's longest sleep (shorter for a shorter idle time)
-
-
-class ModelStatus(enum.StrEnum):
-    """Where a served model is (a `str`: `/v1/models` sends its value)."""
-
-    UNLOADED = "unloaded"
-    LOADING = "loading"
-    LOADED = "loaded"
-    FAILED = "failed"
-    UNLOADING = "unloading"
-
-
-@dataclass(frozen=True, slots=True)
-class ServedModel:
-    """One model the router serves: its name (the id it is listed and answers under) and path."""
-
-    name: str
-    path: str
-
-
-@dataclass(frozen=True, slots=True)
-class RouterSettings:
-    """The models of a router-mode server and the rules for loading and unloading them.
-
-    `max_loaded`: the most models loaded at once (None: no limit). `memory_bytes`: the most the
-    loaded models may cost together (`ModelSlot.cost`; None: no budget). `sleep_idle_s`: a
-    model nobody used for that long is unloaded (None: never). `load_timeout_s` bounds a
-    request's wait for its model's load (and the load itself), `busy_timeout_s` its wait for
-    room when every loaded model is busy, `unload_timeout_s` the wait for a model's requests
-    before an unload aborts them.
-    """
-
-    models: tuple[ServedModel, ...]
-    max_loaded: int | None = None
-    memory_bytes: int | None = None
-    sleep_idle_s: float | None = None
-    load_timeout_s: float = 600.0
-    busy_timeout_s: float = 30.0
-    unload_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
-
-    def __post_init__(self) -> None:
-        if not self.models:
-            raise ValueError("router mode needs at least one model (--model or --models-dir)")
-        keys: dict[str, str] = {}
-        for m in self.models:
-            if not m.name or len(m.name) > 256 or not m.name.isprintable():
-                raise ValueError(f"a model name must be 1..256 printable characters, got {m.name!r}")
-            key = name_key(m.name)
-            if key in keys:
-                raise ValueError(f"two models are named {keys[key]!r} and {m.name!r}; name one NAME=PATH")
-            keys[key] = m.name
-        if self.max_loaded is not None and self.max_loaded < 1:
-            raise ValueError(f"models_max must be at least 1, got {self.max_loaded}")
-        if self.memory_bytes is not None and self.memory_bytes < 1 << 20:
-            raise ValueError(f"models_memory must be at least 1 MiB, got {self.memory_bytes}")
-        if self.sleep_idle_s is not None and not 0 < self.sleep_idle_s <= 7 * 86400:
-            raise ValueError(f"sleep_idle_seconds must be in (0, 604800], got {self.sleep_idle_s}")
-        for name in ("load_timeout_s", "busy_timeout_s", "unload_timeout_s"):
-            if not 0 <= getattr(self, name) <= 86400:
-                raise ValueError(f"{name} must be in 0..86400, got {getattr(self, name)}")
-
-
-def parse_model_option(text: str) -> ServedModel:
-    """`--model PATH` or `--model NAME=PATH` (a name has no `/`; an existing path wins)."""
-    name, sep, path = text.partition("=")
-    if sep and name and path and "/" not in name and "\\" not in name and not os.path.exists(text):
-        return ServedModel(name, path)
-    return ServedModel(model_names(text).id, text)
-
-
-def discover_models(directory: str) -> list[ServedModel]:
-    """Every model in `directory`, by name: each `*.gguf` file (a split GGUF's shards are one
-    model, its first shard loaded) and each folder holding a Hugging Face `config.json`.
-
-    Raises:
-        ValueError: `directory` is not a folder, or holds no model.
-    """
-    root = pathlib.Path(directory)
-    if not root.is_dir():
-        raise ValueError(f"--models-dir {directory!r} is not a folder")
-    found: list[ServedModel] = []
-    for entry in sorted(root.iterdir()):
-        if entry.is_file() and entry.suffix.lower() == ".gguf":
-            shard = _SHARD.match(entry.stem)
-            if shard is None:
-                found.append(ServedModel(entry.stem, str(entry)))
-            elif int(shard["part"]) == 1:
-                found.append(ServedModel(shard["stem"], str(entry)))
-        elif entry.is_dir() and (entry / "config.json").is_file():
-            found.append(ServedModel(entry.name, str(entry)))
-    if not found:
-        raise ValueError(f"--models-dir {directory!r} holds no *.gguf file and no model folder")
-    return found
-
-
-def file_bytes(path: str) -> int:
-    """The bytes of a model's weights on disk: the file, every shard of a split GGUF, or a
-    folder's weight files (0 where none can be read)."""
-    p = pathlib.Path(path)
-    try:
-        if p.is_dir():
-            return sum(f.stat().st_size for f in p.iterdir() if f.suffix in (".safetensors", ".bin", ".gguf"))
-        shard = _SHARD.match(p.stem)
-        if shard is not None:
-            return sum(f.stat().st_size for f in p.parent.glob(f"{shard['stem']}-*-of-{shard['count']}.gguf"))
-        return p.stat().st_size
-    except OSError:
-        return 0
-
-
-def rss_bytes() -> int:
-    """This process's resident set size (0 where /proc is missing)."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return 0
-
-
-def release_memory() -> None:
-    """Give freed memory back: collect cycles (the engine's tensors), then ask glibc to return
-    its free heap pages to the system (`malloc_trim(0)`; nothing elsewhere)."""
-    gc.collect()
-    libc_name = ctypes.util.find_library("c")
-    if libc_name is None:
-        return
-    try:
-        libc = ctypes.CDLL(libc_name)
-        trim = libc.malloc_trim
-    except (OSError, AttributeError):
-        return  # not glibc
-    trim.argtypes = [ctypes.c_size_t]
-    trim(0)
-
-
-def model_not_found(model: str, served: list[str]) -> HttpError:
-    """The 404 for a `model` no slot serves (OpenAI's `model_not_found`; Anthropic's dialect
-    renders it as `not_found_error`)."""
-    shown = ", ".join(f"'{n}'" for n in served[:16])
-    return HttpError(
-        404,
-        f"the model '{model[:256]}' does not exist; this server serves {shown}",
-        param="model",
-        code="model_not_found",
-    )
-
-
-class ModelSlot:
-    """One served model: its config and names, its status, its engine while it has one, and
-    who uses it (leases; the last use's time)."""
-
-    def __init__(self, model: ServedModel, config: EngineConfig) -> None:
-        self.name = model.name
-        self.path = model.path
-        self.config = config
-        self.names = model_names(model.path, (model.name,))
-        self.status = ModelStatus.UNLOADED
-        self.error: str | None = None
-        self.engine: Engine | None = None
-        self.num_users = 0  # leases held: HTTP requests using (or waiting for) this model
-        self.last_used = trio.current_time()
-        self.file_bytes = file_bytes(model.path)
-        self.loaded_bytes = 0  # weights' cost measured at its last load (RSS growth, >= file)
-        self.kv_bytes = 0  # the KV pool's bytes, as its engine reported them at its last load
-        self.max_model_len = 0  # its context at its last load (0: never loaded)
-        self.rss_before_load = 0
-        self._changed = trio.Event()
-        self._stop: trio.Event | None = None  # set: unload now (the engine task drains and exits)
-
-    @property
-    def cost(self) -> int:
-        """What the model costs loaded, against `--models-memory`: its weights (the RSS growth
-        its load measured, at least its file size; the file size before its first load) plus
-        its KV pool as the engine sized it (before its first load: `--kv-cache-memory`)."""
-        return max(self.loaded_bytes, self.file_bytes) + (self.kv_bytes or self.config.kv_cache_memory)
-
-    @property
-    def is_resident(self) -> bool:
-        """Whether it holds (or is acquiring, or still releasing) an engine's memory."""
-        return self.status in (ModelStatus.LOADING, ModelStatus.LOADED, ModelStatus.UNLOADING)
-
-    @property
-    def is_busy(self) -> bool:
-        """Whether a request holds it (or its engine still has requests)."""
-        engine = self.engine
-        return self.num_users > 0 or (engine is not None and len(engine.registry) > 0)
-
-    def ready_engine(self) -> Engine | None:
-        """Its engine when it is loaded and admitting, else None."""
-        engine = self.engine
-        if self.status == ModelStatus.LOADED and engine is not None and engine.state == EngineState.READY:
-            return engine
-        return None
-
-    def set_status(self, status: ModelStatus, error: str | None = None) -> None:
-        """Change the status and wake whoever waits for a change (synchronous)."""
-        self.status, self.error = status, error
-        changed, self._changed = self._changed, trio.Event()
-        changed.set()
-
-    async def wait_changed(self) -> None:
-        """Wait for the next status change."""
-        await self._changed.wait()
-
-    async def wait_loading_done(self) -> None:
-        """Wait until it is no longer loading (loaded, failed, or unloading already)."""
-        while self.status == ModelStatus.LOADING:
-            await self.wait_changed()
-
-    def refusal(self) -> FtError:
-        """The error a request for this failed model gets: the load's error, as a 503."""
-        return EngineStopping(
-            f"the model '{self.name}' failed to load: {self.error}", code="model_load_failed"
-        )
-
-
-class Lease:
-    """A request's hold on a slot: the slot is busy until `release` (idempotent, synchronous)."""
-
-    def __init__(self, router: ModelRouter, slot: ModelSlot) -> None:
-        self.router, self.slot = router, slot
-        self.is_released = False
-        slot.num_users += 1
-        slot.last_used = trio.current_time()
-
-    def release(self) -> None:
-        """Let the slot go (it counts as used now); safe to call from a cancelled task."""
-        if self.is_released:
-            return
-        self.is_released = True
-        self.slot.num_users -= 1
-        self.slot.last_used = trio.current_time()
-        self.router.notify()
 
 
 class ModelRouter:
@@ -515,7 +255,7 @@ class ModelRouter:
             slot._stop = None
             # NOTE: the engine's frame is gone (`_run_engine` returned), so its tensors are
             # only cycles now: collected here, and the heap trimmed.
-            release_memory()
+            slots.release_memory()  # looked up when called: a measuring tool may swap it
             if failure is not None:
                 log.error("model %r failed: %s", slot.name, failure)
                 slot.set_status(ModelStatus.FAILED, failure)
