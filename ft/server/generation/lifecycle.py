@@ -218,6 +218,11 @@ async def _load_then_stream(
         for frame in shape.stream_error(e):
             yield frame
         return
+    except Exception as e:  # noqa: BLE001 - reported in-stream, logged
+        record.error = internal_error(e)
+        for frame in shape.stream_error(record.error):
+            yield frame
+        return
     async with aclosing(_events(view, api, prompt_ids, record, admission, is_connected=True)) as events:
         async for frame in events:
             yield frame
