@@ -203,8 +203,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         choices=POOLING_CHOICES,
         default=_E.pooling,
         help="how /v1/embeddings, /v1/rerank and /v1/score pool an input's hidden states: their "
-        "mean, the first token's or the last token's; auto is the GGUF's pooling_type, else last "
-        "(default: %(default)s)",
+        "mean, the first token's or the last token's; rank: a reranker's, the last token's through "
+        "its classification head, each (query, document) pair one sequence; auto is the GGUF's "
+        "pooling_type, rank for a *ForSequenceClassification, else last (default: %(default)s)",
     )
     engine.add_argument(
         "--step-timeout",

@@ -14,7 +14,8 @@ Q8_0_KV_PATH = (
     "--kv-cache-dtype q8_0 runs only on the packed CPU path: a quantized GGUF run as stored "
     "(--dtype auto, no --quantize), on the CPU, in one process; use float16 or bfloat16 here"
 )
-POOLING_CHOICES = ("auto", "mean", "cls", "last")  # auto: the model file's, else last
+# auto: the model file's (a reranker's: rank), else last
+POOLING_CHOICES = ("auto", "mean", "cls", "last", "rank")
 ADMISSIONS = ("need", "reserve")
 QUANTIZATIONS = ("int8",)
 SPECULATIVE_METHODS = ("ngram",)
@@ -161,17 +162,28 @@ class EngineConfig:
         return self.served_model_name
 
 
-def resolve_pooling(configured: str, from_model: str | None) -> str:
+def resolve_pooling(configured: str, from_model: str | None, *, can_rank: bool = False) -> str:
     """The pooling embedding requests use: the configured one, else the model file's, else last.
+
+    `can_rank`: the model has a classification head (a reranker); rank needs one, and auto picks
+    it for a reranker whose file names no pooling.
+
+    Raises:
+        ValueError: rank is configured for a model without a classification head.
 
     NOTE: last-token pooling for a causal LM that does not say: with causal attention only the
     last token's hidden state has seen the whole input (a mean over-weights its beginning), it
     is what decoder embedders trained that way use (Qwen3-Embedding, e5-mistral, gte-Qwen2) and
     what vLLM defaults to for a generative model, and it keeps the prefix cache's hits.
     """
+    if configured == "rank" and not can_rank:
+        raise ValueError(
+            "--pooling rank needs a reranker: a GGUF with a classification head (cls.output.weight) "
+            "or a Hugging Face *ForSequenceClassification directory"
+        )
     if configured != "auto":
         return configured
-    return from_model or "last"
+    return from_model or ("rank" if can_rank else "last")
 
 
 # The defaults every command's options show and use: read from the record, written once.

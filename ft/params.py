@@ -19,8 +19,9 @@ MAX_STOP_LEN = 256
 MAX_LOGIT_BIAS = 1024
 MIN_TEMPERATURE = 1e-5
 # How a pooling request (an embedding) turns its prompt's hidden states into one vector: their
-# mean, the first token's (cls) or the last token's.
-POOLINGS = ("mean", "cls", "last")
+# mean, the first token's (cls) or the last token's; rank: the last token's through the model's
+# classification head (a reranker: the vector is the head's outputs, `ft.model.classifier`).
+POOLINGS = ("mean", "cls", "last", "rank")
 
 
 def mix_seed(seed: int, k: int) -> int:

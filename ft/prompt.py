@@ -40,6 +40,9 @@ class PromptSpec:
     chat_template_kwargs: Mapping[str, object] = field(default_factory=dict)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    # `text` only: prepend the tokenizer's BOS where it adds one (False: the text's tokens alone,
+    # as a reranker's pair is put together from its parts).
+    add_bos: bool = True
 
     def __post_init__(self) -> None:
         if sum(x is not None for x in (self.messages, self.text, self.token_ids)) != 1:

@@ -75,6 +75,7 @@ class Scheduler:
         reserve_full_budget: bool = False,
         speculative_tokens: int = 0,
         speculative_max_batch: int = 4,
+        kv_window: int = 0,
     ) -> None:
         self.pool = pool
         self.max_running = max_running
@@ -101,6 +102,11 @@ class Scheduler:
         # already and verify rows would cost more than they save).
         self.speculative_tokens = speculative_tokens
         self.speculative_max_batch = speculative_max_batch
+        # The positions every layer of the model attends at most (a sliding window on all of
+        # them, Mistral's), 0 when some layer attends everything: the pages wholly behind it
+        # return to the pool as a sequence passes them (`_drop_out_of_window`).
+        self.kv_window = kv_window
+        self.num_dropped_pages = 0
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.num_verifications = 0  # decode works that carried drafts
@@ -294,8 +300,8 @@ class Scheduler:
         group = [seq for seq in self.running.values() if seq.uid == uid]
         for seq in group:
             del self.running[seq.seq_id]
-            self.pool.release(seq.page_ids)
-            seq.page_ids = []
+            self.pool.release(seq.page_ids[seq.num_dropped :])
+            seq.page_ids, seq.num_dropped = [], 0
             seq.num_lost = max(seq.num_lost, seq.num_computed)
             seq.num_computed = seq.num_registered = 0
             seq.num_preemptions += 1
@@ -339,8 +345,8 @@ class Scheduler:
     def _release(self, seq: Sequence) -> None:
         seq.status = SeqStatus.FINISHED
         del self.running[seq.seq_id]
-        self.pool.release(seq.page_ids)
-        seq.page_ids = []
+        self.pool.release(seq.page_ids[seq.num_dropped :])
+        seq.page_ids, seq.num_dropped = [], 0
 
     # --- stepping ----------------------------------------------------------------------------
 
@@ -477,7 +483,8 @@ class Scheduler:
         """(`pool_offset`, `num_pool_rows`) of a work feeding positions [start, stop) of `seq`.
 
         Mean pools every prompt position not summed yet (a recompute after a preemption skips
-        what is summed), cls position 0, last the prompt's last position.
+        what is summed), cls position 0, last and rank the prompt's last position (rank: the
+        runner applies the classification head to it).
         """
         match seq.params.pooling:
             case "mean":
@@ -485,7 +492,7 @@ class Scheduler:
                 return (first - start, stop - first) if first < stop else (0, 0)
             case "cls":
                 return (0, 1) if start == 0 and seq.num_pooled == 0 else (0, 0)
-            case "last":
+            case "last" | "rank":
                 return (stop - 1 - start, 1) if stop == len(seq.prompt_ids) else (0, 0)
             case _:
                 return 0, 0
@@ -533,6 +540,7 @@ class Scheduler:
                 assert seq.draft_length is not None
                 seq.draft_length.update(work.num_draft, num_accepted)
             self._register_full_pages(seq)
+            self._drop_out_of_window(seq)
             if seq.is_pooling:
                 embedded = self._fold_pooled(seq, work, pooled.get(work.seq_id))
                 if embedded is not None:
@@ -604,6 +612,28 @@ class Scheduler:
         hashes = seq.page_hashes
         for i in range(len(hashes), full):
             hashes.append(page_hash(hashes[-1] if hashes else None, seq.tokens(i * size, (i + 1) * size)))
-        for i in range(seq.num_registered, full):
+        for i in range(max(seq.num_registered, seq.num_dropped), full):  # a placeholder is no content
             self.pool.register(seq.page_ids[i], hashes[i])
         seq.num_registered = full
+
+    def _drop_out_of_window(self, seq: Sequence) -> None:
+        """Give back the pages wholly behind the window of every position `seq` will still
+        compute (from `num_computed` on: position q attends q - kv_window + 1 .. q).
+
+        A dropped page keeps its place in `page_ids` as a placeholder (a valid page id, so the
+        block table keeps its layout; attention masks it out). A registered page goes back as a
+        cached prefix page like any other: its KV is a function of the tokens before it, right
+        for any sequence that shares them; the sequence's own later pages stay registered and a
+        new match stops at the first page evicted.
+        """
+        if not self.kv_window:
+            return
+        dead = min(max(0, seq.num_computed - self.kv_window + 1) // self.pool.page_size, len(seq.page_ids))
+        if dead <= seq.num_dropped:
+            return
+        self.pool.release(seq.page_ids[seq.num_dropped : dead])
+        placeholder = seq.page_ids[dead] if dead < len(seq.page_ids) else seq.page_ids[0]
+        for i in range(seq.num_dropped, dead):
+            seq.page_ids[i] = placeholder
+        self.num_dropped_pages += dead - seq.num_dropped
+        seq.num_dropped = dead

@@ -34,6 +34,9 @@ class Sequence:
     params: SamplingParams
     output_ids: list[int] = field(default_factory=list)
     page_ids: list[int] = field(default_factory=list)
+    # Leading pages out of every layer's window (a model whose every layer is windowed), given
+    # back to the pool: their `page_ids` entries are placeholders, never read for their content.
+    num_dropped: int = 0
     page_hashes: list[int] = field(default_factory=list)  # content hashes of leading full pages
     num_registered: int = 0  # leading pages registered in the prefix cache
     num_computed: int = 0  # tokens whose KV is in the cache

@@ -26,11 +26,12 @@ from ft.engine.loading import EngineHooks
 from ft.engine.observe import EngineSnapshot, snapshot
 from ft.engine.stats import Stats
 from ft.engine.stream import RequestStream
-from ft.errors import EngineStopping, FtError, Overloaded, RequestAborted, RequestFailed
+from ft.errors import EngineStopping, FtError, InvalidRequest, Overloaded, RequestAborted, RequestFailed
 from ft.grammar.compiled import Grammar
 from ft.grammar.spec import GrammarSpec
 from ft.ids import random_id
 from ft.messages import Abort, StepDone, Tokenize
+from ft.model.rerank import RankFormat
 from ft.model_names import model_names
 from ft.params import SamplingParams, check_token_ids
 from ft.prompt import PromptSpec
@@ -66,6 +67,7 @@ class Engine:
         self.hidden_size = 0  # the width of a pooled embedding, once loaded
         self.kv_cache_bytes = 0  # the KV pool's size (pages x bytes per page), once loaded
         self.pooling = "last"  # how embedding requests pool (`config.pooling` resolved at load)
+        self.rank_format: RankFormat | None = None  # a reranker's pair format and labels, once loaded
         self.admissions = Admissions(config, self.registry)
         self._drain = Drain(self)
         self.jobs = WorkerJobs()  # jobs in the tokenizer worker processes (`lifetime.run` opens them)
@@ -266,8 +268,15 @@ class Engine:
 
     async def embed(self, prompt: str, pooling: str | None = None) -> tuple[float, ...]:
         """Pool `prompt`'s hidden states (`pooling`, else the engine's); return the vector, not
-        normalized. A pooling request: batched and scheduled like any, nothing sampled."""
+        normalized (rank pooling: the classification head's outputs). A pooling request: batched
+        and scheduled like any, nothing sampled.
+
+        Raises:
+            InvalidRequest: rank pooling on a model without a classification head.
+        """
         params = SamplingParams(pooling=pooling or self.pooling)
+        if params.pooling == "rank" and self.rank_format is None:
+            raise InvalidRequest("rank pooling needs a reranker (a classification head)", param="pooling")
         async with self.open_request(PromptSpec(text=prompt), params=params) as stream:
             return await stream.wait_embedding()
 

@@ -207,7 +207,8 @@ async def _start(engine: Engine, nursery: trio.Nursery) -> None:
     engine.generation_defaults = parts.generation_defaults
     engine.reasoning_parser = parts.reasoning_parser
     engine.hidden_size = parts.hidden_size
-    engine.pooling = resolve_pooling(cfg.pooling, parts.pooling)
+    engine.pooling = resolve_pooling(cfg.pooling, parts.pooling, can_rank=parts.rank_format is not None)
+    engine.rank_format = parts.rank_format
     spec_path = os.path.join(engine._tmpdir.name, "tokenizer.cbor")
     with open(spec_path, "wb") as f:
         cbor2.dump(asdict(spec), f)
@@ -223,6 +224,7 @@ async def _start(engine: Engine, nursery: trio.Nursery) -> None:
         reserve_full_budget=cfg.admission == "reserve",
         speculative_tokens=cfg.speculative_tokens if cfg.speculative_method == "ngram" else 0,
         speculative_max_batch=cfg.speculative_max_batch,
+        kv_window=parts.kv_window,
     )
     # Unbounded inboxes, each bounded by what feeds it: every live request posts one
     # Tokenize and O(1) scheduler commands; one StepDone and one detokenizer tuple per step.

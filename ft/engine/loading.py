@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from ft.config import Q8_0_KV_PATH, EngineConfig
 from ft.core.batch import Runner, SeqWork
+from ft.model.rerank import RankFormat
 from ft.tokenizer.job import Executor
 from ft.tokenizer.spec import TokenizerSpec
 
@@ -33,6 +34,7 @@ class ModelParts:
     generation_defaults: dict[str, float | int]
     hidden_size: int = 0  # the width of a pooled embedding
     pooling: str | None = None  # how the model's file says to pool embeddings (None: unsaid)
+    rank_format: RankFormat | None = None  # a reranker's (the model has a classification head)
     # Releases what the model holds outside this process (the other ranks); synchronous,
     # called once when the engine stops. `failed`: the ranks are broken, do not talk to them.
     close: Callable[[bool], None] | None = None
@@ -42,6 +44,9 @@ class ModelParts:
     # The reasoning format the model's family writes (`architectures`; Qwen3: "think"), which the
     # server parses when it was configured with none.
     reasoning_parser: str | None = None
+    # The positions every layer attends at most (a sliding window on all of them), 0 when some
+    # layer attends everything: the scheduler gives back the pages a sequence has passed.
+    kv_window: int = 0
 
 
 @dataclass(frozen=True)
@@ -181,9 +186,11 @@ def load_torch_model(
         generation_defaults=loaded.generation_defaults,
         hidden_size=loaded.config.hidden_size,
         pooling=loaded.config.pooling,
+        rank_format=loaded.rank_format,
         close=close,
         failure=procs.failure if procs is not None else None,
         reasoning_parser=by_name(loaded.config.architecture).reasoning_parser,
+        kv_window=loaded.config.sliding_window if loaded.config.is_all_windowed else 0,
     )
 
 

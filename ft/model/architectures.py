@@ -10,6 +10,7 @@ converter permuted its q/k rows, and the `<think>` format its chat template asks
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,6 +47,13 @@ QK_NORM_NAMES = {
     "attn_q_norm.weight": "self_attn.q_norm.weight",
     "attn_k_norm.weight": "self_attn.k_norm.weight",
 }
+# Gemma's four norms a layer (llama.cpp's `ffn_norm` is its pre-MLP norm, as in Llama; the
+# attention's and the MLP's outputs have norms of their own)
+GEMMA_NORM_NAMES = {
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,11 +62,32 @@ class Architecture:
 
     `qkv_bias` is the default when `config.json` has no `attention_bias` (a GGUF says it by its
     tensors); `qk_norm` is Qwen3's RMSNorm over each head of q and k before the rotary
-    embedding; `moe` replaces every layer's MLP by routed experts (`ft.model.moe`); `packed`
+    embedding (`qk_norm_whole`: OLMoE's, over the whole q and the whole k projection);
+    `moe` replaces every layer's MLP by routed experts (`ft.model.moe`; `router_renormalizes`
+    True: the family always renormalizes its top-k weights, as Mixtral does, None: its config
+    says, `norm_topk_prob`, or a GGUF's `expert_weights_norm`, else `gguf_expert_weights_norm`,
+    llama.cpp's default for the family); `packed`
     says the packed GGUF kernels run its layers (otherwise its GGUFs load as floats);
     `reasoning_parser` is the server's reasoning format for it when none is configured;
     `gguf_permuted_qk` names the GGUF architectures whose q/k rows llama.cpp's
     converter interleaved by rotary pairs (undone at load).
+
+    `gemma` is Gemma's blocks: the embedding scaled by sqrt(hidden), GeGLU, `(1 + weight)`
+    norms (llama.cpp's converter adds the 1 to the GGUF's norms), norms on the attention's and
+    the MLP's outputs, the softmax scaled by `query_pre_attn_scalar`. `windowed` says the
+    config's `sliding_window` applies; `sliding_period` is the layer pattern of a windowed
+    model whose config lists none (every `n`th layer attends everything, as llama.cpp's
+    `set_swa_pattern(n)`; 0: every layer is windowed); `local_rope_theta` the windowed layers'
+    rotary base when the config gives none (a GGUF never does: llama.cpp's value);
+    `end_of_turn` the token the family's chat template closes a turn with, a stop token
+    beside the file's eos (llama.cpp's EOT); `gguf_window` the window of a GGUF without
+    `{arch}.attention.sliding_window` (llama.cpp's default; -1: the key is required);
+    `gguf_softcaps` llama.cpp's attention and final soft-caps when the file has none;
+    `gguf_wide_query_scale_layers` the layer counts (the 27B models) whose query scale
+    llama.cpp takes as hidden / heads instead of the head size (a GGUF does not store
+    `query_pre_attn_scalar`). `hf_text_defaults` reads a multimodal checkpoint's text model: its
+    `text_config` over these defaults (transformers', which hub configs leave out), its weights
+    renamed by `hf_weight_prefixes` and every other weight (the vision tower) left out.
     """
 
     name: str
@@ -68,10 +97,26 @@ class Architecture:
     qkv_bias: bool = False
     qk_norm: bool = False
     moe: bool = False
+    qk_norm_whole: bool = False
+    router_renormalizes: bool | None = None
+    gguf_expert_weights_norm: bool = True
     packed: bool = True  # a quantized GGUF of it runs as stored (`quantized_llama`)
     reasoning_parser: str | None = None  # the `<think>` format its template asks the model for
+    # A GGUF reranker's head outputs are softmaxed (llama.cpp does for Qwen3: its converter writes
+    # Qwen3-Reranker's lm_head rows of "yes" and "no" as the two labels; the score is p(yes)).
+    rank_softmax: bool = False
     gguf_permuted_qk: tuple[str, ...] = ()
     gguf_layer_extra: dict[str, str] = field(default_factory=dict)
+    gemma: bool = False
+    windowed: bool = False
+    sliding_period: int = 0
+    local_rope_theta: float = 0.0
+    end_of_turn: str | None = None
+    gguf_window: int = 0
+    gguf_softcaps: tuple[float, float] = (0.0, 0.0)
+    gguf_wide_query_scale_layers: tuple[int, ...] = ()
+    hf_text_defaults: dict[str, Any] = field(default_factory=dict)
+    hf_weight_prefixes: tuple[tuple[str, str], ...] = ()
 
     @property
     def gguf_layer_names(self) -> dict[str, str]:
@@ -92,6 +137,7 @@ MISTRAL = Architecture(
     hf_architectures=("MistralForCausalLM",),
     gguf_names=("mistral",),  # llama.cpp writes most Mistral files as "llama": see `by_gguf`
     gguf_permuted_qk=("llama",),
+    windowed=True,  # Mistral 7B v0.1's 4096 on every layer
 )
 QWEN2 = Architecture(
     name="qwen2",
@@ -108,6 +154,7 @@ QWEN3 = Architecture(
     qk_norm=True,
     gguf_layer_extra=QK_NORM_NAMES,
     reasoning_parser="think",
+    rank_softmax=True,
 )
 
 QWEN3_MOE = Architecture(
@@ -117,12 +164,86 @@ QWEN3_MOE = Architecture(
     gguf_names=("qwen3moe",),
     qk_norm=True,
     moe=True,
-    packed=False,
     gguf_layer_extra=QK_NORM_NAMES | MOE_NAMES,
     reasoning_parser="think",
 )
+# Mixtral: Mistral's attention, experts of `intermediate_size`, always renormalized top-k (the
+# softmax over the k chosen logits); llama.cpp writes it as a "llama" file with expert tensors
+# (see `by_gguf`).
+MIXTRAL = Architecture(
+    name="mixtral",
+    hf_model_types=("mixtral",),
+    hf_architectures=("MixtralForCausalLM",),
+    gguf_names=(),
+    moe=True,
+    router_renormalizes=True,
+    gguf_permuted_qk=("llama",),
+    gguf_layer_extra=MOE_NAMES,
+)
+# OLMoE: RMSNorm over the whole q and k projections, softmax over every expert then top-k,
+# not renormalized unless `norm_topk_prob` (llama.cpp never renormalizes it).
+OLMOE = Architecture(
+    name="olmoe",
+    hf_model_types=("olmoe",),
+    hf_architectures=("OlmoeForCausalLM",),
+    gguf_names=("olmoe",),
+    qk_norm=True,
+    qk_norm_whole=True,
+    moe=True,
+    gguf_expert_weights_norm=False,
+    gguf_layer_extra=QK_NORM_NAMES | MOE_NAMES,
+)
 
-ARCHITECTURES: tuple[Architecture, ...] = (LLAMA, MISTRAL, QWEN2, QWEN3, QWEN3_MOE)
+GEMMA2 = Architecture(
+    name="gemma2",
+    hf_model_types=("gemma2",),
+    hf_architectures=("Gemma2ForCausalLM",),
+    gguf_names=("gemma2",),
+    gemma=True,
+    windowed=True,
+    sliding_period=2,  # even layers windowed
+    gguf_layer_extra=GEMMA_NORM_NAMES,
+    end_of_turn="<end_of_turn>",
+    gguf_window=4096,
+    gguf_softcaps=(50.0, 30.0),
+    gguf_wide_query_scale_layers=(46,),
+)
+# transformers' `Gemma3TextConfig` defaults, which the hub's multimodal configs (Gemma 3 4B and
+# up) leave out of their `text_config`
+GEMMA3_TEXT_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "max_position_embeddings": 131072, "rms_norm_eps": 1e-6, "rope_theta": 1_000_000.0,
+    "rope_local_base_freq": 10000.0, "query_pre_attn_scalar": 256, "sliding_window": 4096,
+    "sliding_window_pattern": 6, "tie_word_embeddings": True,
+}  # fmt: skip
+GEMMA3 = Architecture(
+    name="gemma3",
+    hf_model_types=("gemma3_text",),
+    hf_architectures=("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"),
+    gguf_names=("gemma3",),
+    qk_norm=True,
+    gemma=True,
+    windowed=True,
+    sliding_period=6,  # 5 windowed layers, then one global
+    gguf_layer_extra=GEMMA_NORM_NAMES | QK_NORM_NAMES,
+    local_rope_theta=10000.0,
+    end_of_turn="<end_of_turn>",
+    gguf_window=-1,
+    gguf_wide_query_scale_layers=(62,),
+    hf_text_defaults=GEMMA3_TEXT_DEFAULTS,
+    hf_weight_prefixes=(
+        ("language_model.model.", "model."),  # as the hub's and transformers' checkpoints name them
+        ("model.language_model.", "model."),
+        ("language_model.lm_head.", "lm_head."),
+        ("lm_head.", "lm_head."),
+    ),
+)
+
+ARCHITECTURES: tuple[Architecture, ...] = (
+    LLAMA, MISTRAL, QWEN2, QWEN3, QWEN3_MOE, MIXTRAL, OLMOE, GEMMA2, GEMMA3,
+)  # fmt: skip
 
 
 def by_name(name: str) -> Architecture:
@@ -143,8 +264,11 @@ def by_hf(cfg: dict[str, Any]) -> Architecture:
     model_type = cfg.get("model_type")
     if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
         raise ValueError(f"config.json 'architectures' must be a list of names, found {archs!r:.80}")
+    # A sequence classifier (a reranker) is its family's decoder with a score head instead of
+    # the lm_head (`ft.model.classifier`).
+    causal = [re.sub(r"ForSequenceClassification$", "ForCausalLM", a) for a in archs]
     for arch in ARCHITECTURES:
-        named_here = any(a in arch.hf_architectures for a in archs)
+        named_here = any(a in arch.hf_architectures for a in causal)
         if named_here or (not archs and model_type in arch.hf_model_types):
             return arch
     if not archs and model_type is None:
@@ -154,15 +278,18 @@ def by_hf(cfg: dict[str, Any]) -> Architecture:
     raise ValueError(f"architecture {named} is not supported (supported: {supported})")
 
 
-def by_gguf(gguf_arch: str, model_name: str = "") -> Architecture:
+def by_gguf(gguf_arch: str, model_name: str = "", has_experts: bool = False) -> Architecture:
     """The entry a GGUF's `general.architecture` names (a "llama" file whose `general.name`
-    says Mistral is Mistral, as llama.cpp's converter writes them).
+    says Mistral is Mistral, and one with `llama.expert_count` (`has_experts`) Mixtral, as
+    llama.cpp's converter writes them).
 
     Raises:
         ValueError: the name is not a supported family's.
     """
     for arch in ARCHITECTURES:
         if gguf_arch in arch.gguf_names:
+            if arch is LLAMA and has_experts:
+                return MIXTRAL
             if arch is LLAMA and "mistral" in model_name.lower():
                 return MISTRAL
             return arch

@@ -145,14 +145,19 @@ class DecodeGraphs:
         kv_pos = torch.arange(context, device=inputs.device)  # [Lb]
         slots = table[:, kv_pos // page] * page + kv_pos % page  # [B, Lb]
         write = table.gather(1, (pos // page)[:, None]).squeeze(1) * page + pos % page  # [B]
+        causal = kv_pos[None, :] <= pos[:, None]  # [B, Lb]
+        window = self.model.config.sliding_window
         meta = AttentionMetadata(
             slot_mapping=write,
             decode_rows=torch.arange(inputs.shape[0], device=inputs.device),
             decode_slots=slots,
-            decode_mask=(kv_pos[None, :] <= pos[:, None])[:, None, None, :],  # [B, 1, 1, Lb]
+            decode_mask=causal[:, None, None, :],  # [B, 1, 1, Lb]
             decode_is_all=True,
             prefills=(),
             num_tokens=inputs.shape[0],
+            decode_window_mask=(causal & (kv_pos[None, :] > pos[:, None] - window))[:, None, None, :]
+            if window
+            else None,
         )
         hidden: torch.Tensor = self.model(ids, pos, self.k_cache, self.v_cache, meta)  # [B, hidden]
         return hidden

@@ -43,7 +43,7 @@ def expected_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
         }  # fmt: skip
         if c.attention_bias:
             shapes |= {p + "attn_q.bias": (q,), p + "attn_k.bias": (kv,), p + "attn_v.bias": (kv,)}
-        if c.num_experts:  # the experts replace the dense MLP
+        if c.is_moe_layer(i):  # the experts replace the dense MLP
             e, moe = c.num_experts, c.moe_intermediate_size
             for part in ("ffn_gate", "ffn_up", "ffn_down"):
                 del shapes[p + part + ".weight"]
@@ -52,7 +52,10 @@ def expected_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
                 p + "ffn_up_exps.weight": (e, moe, h), p + "ffn_down_exps.weight": (e, h, moe),
             }  # fmt: skip
         if c.qk_norm:
-            shapes |= {p + "attn_q_norm.weight": (c.head_dim,), p + "attn_k_norm.weight": (c.head_dim,)}
+            q_norm, k_norm = (q, kv) if c.qk_norm_whole else (c.head_dim, c.head_dim)  # OLMoE: whole q, k
+            shapes |= {p + "attn_q_norm.weight": (q_norm,), p + "attn_k_norm.weight": (k_norm,)}
+        if c.post_norms:  # Gemma: the attention's and the MLP's outputs normed
+            shapes |= {p + "post_attention_norm.weight": (h,), p + "post_ffw_norm.weight": (h,)}
     return shapes
 
 
@@ -69,17 +72,21 @@ def check_tensors(reader: GGUFFile, config: LlamaConfig, *, packed: bool) -> Non
     found = {t.name: t for t in reader.tensors}
     if "rope_freqs.weight" in found:  # llama3 rotary factors: one per rotary pair
         expected["rope_freqs.weight"] = (config.head_dim // 2,)
+    head = classifier_shapes(reader, config, set(found))
+    expected |= head
     for name, shape in expected.items():
         tensor = found.get(name)
         if tensor is None:
             raise ModelFileError(f"tensor {name} is missing (the metadata describes {_summary(config)})")
         if tensor.shape != shape:
+            described = _summary(config) + (f", {shape[0]} labels" if name.startswith("cls.output") else "")
             raise ModelFileError(
-                f"tensor {name}: expected shape {list(shape)} from the metadata ({_summary(config)}), "
+                f"tensor {name}: expected shape {list(shape)} from the metadata ({described}), "
                 f"found {list(tensor.shape)}"
             )
-        if packed and len(shape) == 2 and shape[1] % QK:
-            raise ModelFileError(f"tensor {name}: rows of {shape[1]} are not whole blocks of {QK}")
+        if packed and len(shape) >= 2 and shape[-1] % QK and name not in head:  # (experts: every expert's
+            # rows; the head loads as floats)
+            raise ModelFileError(f"tensor {name}: rows of {shape[-1]} are not whole blocks of {QK}")
         _check_finite(tensor)
         reader.release(tensor)
     for name in found.keys() - expected.keys():
@@ -87,6 +94,45 @@ def check_tensors(reader: GGUFFile, config: LlamaConfig, *, packed: bool) -> Non
         if m and int(m.group(1)) >= config.num_layers:
             raise ModelFileError(f"tensor {name} is past the {config.num_layers} layers of 'block_count'")
         raise ModelFileError(f"unexpected tensor {name} (not part of a {config.architecture} model)")
+
+
+def num_labels(reader: GGUFFile, arch: str) -> int:
+    """The classifier's outputs: `{arch}.classifier.output_labels`' count, else one (llama.cpp's)."""
+    key = f"{arch}.classifier.output_labels"
+    labels = reader.get(key)
+    if labels is None:
+        return 1
+    if not isinstance(labels, list) or not labels or not all(isinstance(x, str) for x in labels):
+        raise ModelFileError(
+            f"metadata key {key!r}: expected a non-empty array of strings, found {labels!r:.80}"
+        )
+    return len(labels)
+
+
+def classifier_shapes(reader: GGUFFile, config: LlamaConfig, names: set[str]) -> dict[str, tuple[int, ...]]:
+    """The classification head's tensors in the file (`cls.*`, llama.cpp's names) with their
+    shapes: `cls.output.weight` `[labels, width]` (required for rank pooling) and its bias, and
+    the optional dense layer `cls.weight` `[hidden, hidden]` and `cls.bias` before it."""
+    present = {n for n in names if n.startswith("cls.")}
+    if not present and config.pooling != "rank":
+        return {}
+    if "cls.output.weight" not in present:
+        what = "its pooling_type is rank (4)" if config.pooling == "rank" else f"it has {sorted(present)}"
+        raise ModelFileError(
+            f"tensor cls.output.weight is missing: {what}, which needs a classification head [labels, hidden]"
+        )
+    arch = str(reader.text("general.architecture"))
+    labels, h = num_labels(reader, arch), config.hidden_size
+    shapes: dict[str, tuple[int, ...]] = {"cls.output.weight": (labels, h)}
+    if "cls.output.bias" in present:
+        shapes["cls.output.bias"] = (labels,)
+    if "cls.weight" in present:
+        shapes["cls.weight"] = (h, h)
+    if "cls.bias" in present:
+        if "cls.weight" not in present:
+            raise ModelFileError("tensor cls.bias without cls.weight (the dense layer it belongs to)")
+        shapes["cls.bias"] = (h,)
+    return shapes
 
 
 def check_vocabulary(config: LlamaConfig, num_tokens: int) -> None:
@@ -102,6 +148,7 @@ def _summary(c: LlamaConfig) -> str:
     return (
         f"hidden {c.hidden_size}, {c.num_heads} heads / {c.num_kv_heads} kv heads of {c.head_dim}, "
         f"ffn {c.intermediate_size}, vocab {c.vocab_size}, {c.num_layers} layers"
+        + (f", {c.num_experts} experts of {c.moe_intermediate_size}" if c.num_experts else "")
     )
 
 

@@ -13,14 +13,16 @@ import torch
 from gguf.quants import dequantize
 
 from ft.model.architectures import GGUF_GLOBAL_NAMES, Architecture, by_gguf, by_name
-from ft.model.gguf_check import check_tensors, check_vocabulary
+from ft.model.gguf_check import check_tensors, check_vocabulary, num_labels
 from ft.model.gguf_file import GGUFFile, GGUFTensor, ModelFileError
-from ft.model.kernels import repacked
+from ft.model.kernels import expert_views, repacked
 from ft.model.llama import LlamaConfig, Progress
-from ft.model.quant import KERNEL_TYPES, QuantTensor, to_q8_0
+from ft.model.quant import KERNEL_TYPES, Q8_0, QuantTensor, to_q8_0
+from ft.model.rerank import RankFormat
 from ft.tokenizer.spec import (
     TokenizerSpec,
     byte_level_bpe_from_gguf,
+    gemma_from_gguf,
     sentencepiece_bpe_from_gguf,
     special_token_text,
     tokenizer_json_of,
@@ -35,8 +37,9 @@ log = logging.getLogger("ft.model")
 MAX_WIDTH = 1 << 20  # hidden size, ffn length
 MAX_HEADS = 1 << 12
 MAX_HEAD_DIM = 1 << 12
-# llama.cpp's `llama_pooling_type` values (0 none, 4 rank: a classification head, not served).
-GGUF_POOLINGS = {1: "mean", 2: "cls", 3: "last"}
+# llama.cpp's `llama_pooling_type` values (0 none; 4 rank: the last token through the file's
+# classification head, `cls.*`).
+GGUF_POOLINGS = {1: "mean", 2: "cls", 3: "last", 4: "rank"}
 MAX_LAYERS = 1 << 12
 MAX_EXPERTS = 1 << 12
 MAX_VOCAB = 1 << 24
@@ -54,7 +57,9 @@ def gguf_config(meta: GGUFFile, tensor_names: set[str], vocab_size: int) -> Llam
     if arch is None:
         raise ModelFileError("GGUF file lacks required metadata key 'general.architecture'")
     try:
-        family = by_gguf(arch, str(meta.text("general.name", "") or ""))
+        family = by_gguf(
+            arch, str(meta.text("general.name", "") or ""), f"{arch}.expert_count" in meta.fields
+        )
     except ValueError as e:
         raise ModelFileError(str(e)) from None
     num_layers = meta.integer(f"{arch}.block_count", 1, MAX_LAYERS)
@@ -72,12 +77,21 @@ def gguf_config(meta: GGUFFile, tensor_names: set[str], vocab_size: int) -> Llam
     moe: dict[str, Any] = {}
     if family.moe:
         num_experts = meta.integer(f"{arch}.expert_count", 1, MAX_EXPERTS)
+        # Mixtral's and OLMoE's experts are `feed_forward_length` wide (llama.cpp's n_ff)
+        expert_ffn = meta.integer(
+            f"{arch}.expert_feed_forward_length", 1, MAX_WIDTH, default=0
+        ) or _per_layer(meta, f"{arch}.feed_forward_length", 1, MAX_WIDTH, num_layers)
+        renormalize = family.router_renormalizes
         moe = dict(
             num_experts=num_experts,
             num_experts_per_tok=meta.integer(f"{arch}.expert_used_count", 1, num_experts),
-            moe_intermediate_size=meta.integer(f"{arch}.expert_feed_forward_length", 1, MAX_WIDTH),
-            norm_topk_prob=_flag(meta, f"{arch}.expert_weights_norm", default=True),
-        )  # llama.cpp renormalizes qwen3moe's top-k unless the file says otherwise
+            moe_intermediate_size=expert_ffn,
+            norm_topk_prob=_flag(meta, f"{arch}.expert_weights_norm", default=family.gguf_expert_weights_norm)
+            if renormalize is None
+            else renormalize,
+        )  # llama.cpp renormalizes qwen3moe's top-k unless the file says otherwise, olmoe's never
+    gemma = _gemma_fields(meta, arch, family, num_layers, hidden, num_heads, head_dim) if family.gemma else {}
+    window = _window_fields(meta, arch, family, num_layers) if family.windowed else {}
     rope_scaling: dict[str, Any] | None = None
     scaling_type = meta.text(f"{arch}.rope.scaling.type")
     if scaling_type not in (None, "none"):
@@ -110,14 +124,71 @@ def gguf_config(meta: GGUFFile, tensor_names: set[str], vocab_size: int) -> Llam
             tie_word_embeddings="output.weight" not in tensor_names,
             attention_bias="blk.0.attn_q.bias" in tensor_names,
             qk_norm=family.qk_norm,
+            qk_norm_whole=family.qk_norm_whole,
             architecture=family.name,
             pooling=GGUF_POOLINGS.get(meta.integer(f"{arch}.pooling_type", 0, 1 << 16, default=0)),
             **moe,
+            **gemma,
+            **window,
         )
     except ModelFileError:
         raise
     except ValueError as e:  # LlamaConfig's own checks (rope scaling type)
         raise ModelFileError(f"metadata of architecture {arch!r}: {e}") from None
+
+
+def _gemma_fields(
+    meta: GGUFFile,
+    arch: str,
+    family: Architecture,
+    num_layers: int,
+    hidden: int,
+    num_heads: int,
+    head_dim: int,
+) -> dict[str, Any]:
+    """Gemma's blocks as llama.cpp reads them from a GGUF: its norms already hold the 1 of
+    `(1 + w)` (the converter added it), the query scale is the head size's (hidden / heads for
+    the 27B layer counts: the file has no `query_pre_attn_scalar`), soft-caps from the file or
+    llama.cpp's defaults, and llama.cpp's rotary base for the windowed layers."""
+    attn_cap, final_cap = family.gguf_softcaps
+    scale_width = hidden / num_heads if num_layers in family.gguf_wide_query_scale_layers else head_dim
+    return dict(
+        hidden_act="gelu_pytorch_tanh",
+        embed_scale=True,
+        post_norms=True,
+        query_scale=scale_width**-0.5,
+        attn_softcap=meta.number(f"{arch}.attn_logit_softcapping", 0.0, 1e6, attn_cap),
+        final_softcap=meta.number(f"{arch}.final_logit_softcapping", 0.0, 1e6, final_cap),
+        rope_local_theta=family.local_rope_theta,
+    )
+
+
+def _window_fields(meta: GGUFFile, arch: str, family: Architecture, num_layers: int) -> dict[str, Any]:
+    """The sliding window (`{arch}.attention.sliding_window`, else the family's `gguf_window`)
+    and which layers it applies to (`{arch}.attention.sliding_window_pattern`: a
+    period n — every nth layer global — or one boolean per layer; else the family's period)."""
+    key = f"{arch}.attention.sliding_window"
+    if family.gguf_window < 0:
+        meta.require(key)
+    window = meta.integer(key, 0, MAX_CONTEXT, default=max(family.gguf_window, 0))
+    if not window:
+        return {}
+    pattern_key = f"{arch}.attention.sliding_window_pattern"
+    pattern = meta.get(pattern_key)
+    period = family.sliding_period
+    if isinstance(pattern, list):
+        if len(pattern) != num_layers or not all(isinstance(v, bool) for v in pattern):
+            raise ModelFileError(
+                f"metadata key {pattern_key!r}: expected a period or {num_layers} booleans (one per layer)"
+            )
+        return dict(sliding_window=window, sliding_layers=tuple(pattern))
+    if pattern is not None:
+        period = meta.integer(pattern_key, 1, MAX_LAYERS)
+    if not period:
+        return dict(sliding_window=window)
+    return dict(
+        sliding_window=window, sliding_layers=tuple(i % period < period - 1 for i in range(num_layers))
+    )
 
 
 def _flag(meta: GGUFFile, key: str, *, default: bool) -> bool:
@@ -242,7 +313,18 @@ def gguf_tensors(
         if progress is not None:
             progress(i / len(reader.tensors))
         heads = _permuted_heads(tensor.name, config) if permuted else None
-        if quantized and tensor.data.ndim == 2 and tensor.name != "rope_freqs.weight":
+        if tensor.name.startswith("cls."):  # a reranker's head: float32, under its GGUF name
+            sd[tensor.name] = torch.from_numpy(_dequantized(tensor))
+            reader.release(tensor)
+            continue
+        if quantized and len(tensor.shape) == 3:  # an expert stack: one packed view per expert
+            if int(tensor.tensor_type) not in KERNEL_TYPES:
+                requantized[tensor.tensor_type.name] += 1
+            sd |= _expert_views(tensor, _hf_name(tensor.name, family))
+            reader.release(tensor)
+            continue
+        is_router = tensor.name.endswith(".ffn_gate_inp.weight")  # floats: the router runs in torch
+        if quantized and tensor.data.ndim == 2 and tensor.name != "rope_freqs.weight" and not is_router:
             if int(tensor.tensor_type) not in KERNEL_TYPES:
                 requantized[tensor.tensor_type.name] += 1
             packed = as_stored(tensor)
@@ -265,6 +347,32 @@ def gguf_tensors(
             ", ".join(f"{n} tensors of {t}" for t, n in sorted(requantized.items())),
         )
     return sd, freq_factors
+
+
+def _expert_views(tensor: GGUFTensor, stacked_name: str) -> dict[str, QuantTensor]:
+    """A GGUF expert stack `[experts, rows, cols]` (`...mlp.experts.gate_proj`) as one packed
+    `QuantTensor` per expert under its per-expert name (`...mlp.experts.E.gate_proj.weight`),
+    views into one buffer; a type the kernels do not multiply is requantized to Q8_0 expert by
+    expert (never the whole stack in floats)."""
+    experts, rows, cols = tensor.shape
+    qtype = int(tensor.tensor_type)
+    if qtype in KERNEL_TYPES:  # (F16 comes as float16 values: their bytes)
+        stack = np.ascontiguousarray(tensor.data).view(np.uint8).reshape(experts, rows, -1)
+    else:
+        per_expert = [
+            to_q8_0(_dequantized_part(tensor, e).reshape(rows, cols)).data.numpy() for e in range(experts)
+        ]
+        stack, qtype = np.stack(per_expert), Q8_0
+    prefix, _, projection = stacked_name.rpartition(".")
+    return {
+        f"{prefix}.{e}.{projection}.weight": view for e, view in enumerate(expert_views(stack, qtype, cols))
+    }
+
+
+def _dequantized_part(tensor: GGUFTensor, expert: int) -> np.ndarray:
+    """Expert `expert` of a stack of a type the kernels do not multiply, as float32."""
+    part = GGUFTensor(tensor.name, tensor.tensor_type, tensor.shape[1:], tensor.data[expert])
+    return _dequantized(part)
 
 
 def _hf_name(name: str, family: Architecture) -> str:
@@ -296,6 +404,12 @@ def gguf_tokenizer(meta: GGUFFile, context_length: int) -> TokenizerSpec:
             not in the vocabulary.
     """
     kind = meta.text("tokenizer.ggml.model")
+    try:
+        family: Architecture | None = by_gguf(
+            str(meta.text("general.architecture", "") or ""), str(meta.text("general.name", "") or "")
+        )
+    except ValueError:
+        family = None  # a tokenizer alone (the model's family was checked where it mattered)
     if kind is None:
         raise ModelFileError("GGUF file lacks required metadata key 'tokenizer.ggml.model'")
     tokens = _list_of(meta, "tokenizer.ggml.tokens", str)
@@ -315,6 +429,9 @@ def gguf_tokenizer(meta: GGUFFile, context_length: int) -> TokenizerSpec:
         if kind == "gpt2":
             tok = byte_level_bpe_from_gguf(tokens, merges or [], token_types, meta.text("tokenizer.ggml.pre"))
             add_bos_default = False
+        elif kind == "llama" and family is not None and family.gemma and not merges:
+            tok = gemma_from_gguf(tokens, token_types)  # no prefix space, merges in file order
+            add_bos_default = True
         elif kind == "llama":
             scores = _list_of(meta, "tokenizer.ggml.scores", float, len(tokens)) or [0.0] * len(tokens)
             tok = sentencepiece_bpe_from_gguf(tokens, scores, merges, token_types)
@@ -332,6 +449,8 @@ def gguf_tokenizer(meta: GGUFFile, context_length: int) -> TokenizerSpec:
     eos_id = special.get("eos_token_id")
     eos_ids = [eos_id] if eos_id is not None else []
     eot_id = special.get("eot_token_id")
+    if eot_id is None and family is not None and family.end_of_turn in tokens:
+        eot_id = tokens.index(family.end_of_turn)  # llama.cpp finds Gemma's EOT by its text too
     if eot_id is not None and eot_id not in eos_ids:
         eos_ids.append(eot_id)
     add_bos = meta.get("tokenizer.ggml.add_bos_token")
@@ -407,6 +526,40 @@ def load_gguf(
     if freq_factors is not None:
         config = LlamaConfig(**{**_fields(config), "rope_freq_factors": freq_factors})
     return config, sd, spec, path.stem
+
+
+def gguf_rank_format(path: pathlib.Path, spec: TokenizerSpec, labels: int) -> RankFormat:
+    """A reranker GGUF's pair format (`ft.model.rerank`): its `tokenizer.chat_template.rerank`,
+    else the special tokens llama.cpp adds around the query and the document (BOS where the
+    tokenizer adds it; EOS and SEP only where `tokenizer.ggml.add_eos_token` /
+    `add_sep_token` say so, as for the byte-level and SentencePiece vocabularies ft reads).
+
+    Raises:
+        ModelFileError: a key has the wrong type, or the labels disagree with the head's rows.
+    """
+    meta = open_gguf(path)
+    arch = str(meta.text("general.architecture"))
+    if num_labels(meta, arch) != labels:
+        raise ModelFileError(f"the classification head has {labels} rows for {num_labels(meta, arch)} labels")
+    names = meta.get(f"{arch}.classifier.output_labels") or []
+    tokens = _list_of(meta, "tokenizer.ggml.tokens", str) or []
+
+    def token(key: str) -> int | None:
+        full = f"tokenizer.ggml.{key}"
+        return meta.integer(full, 0, len(tokens) - 1) if full in meta.fields else None
+
+    eos, sep = token("eos_token_id"), token("seperator_token_id")  # (gguf-py's spelling)
+    return RankFormat(
+        num_labels=labels,
+        labels=tuple(str(n) for n in names),
+        template=meta.text("tokenizer.chat_template.rerank"),
+        bos_id=token("bos_token_id"),
+        eos_id=eos if eos is not None else sep,
+        sep_id=sep,
+        add_bos=spec.add_bos_token,
+        add_eos=_flag(meta, "tokenizer.ggml.add_eos_token", default=False),
+        add_sep=_flag(meta, "tokenizer.ggml.add_sep_token", default=False),
+    )
 
 
 def _fields(config: LlamaConfig) -> dict[str, Any]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 from typing import Any
@@ -10,7 +11,9 @@ import torch
 from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
+from ft.model.architectures import by_hf
 from ft.model.llama import LlamaConfig, Progress
+from ft.model.rerank import RankFormat
 from ft.tokenizer.spec import TokenizerSpec, tokenizer_json_of
 
 GENERATION_KEYS = ("temperature", "top_p", "top_k", "repetition_penalty")
@@ -35,7 +38,36 @@ def hf_config(directory: pathlib.Path) -> LlamaConfig:
     cfg = _read_json(directory / "config.json")
     if not cfg:
         raise ValueError(f"{directory} has no config.json")
-    return LlamaConfig.from_hf(cfg)
+    config = LlamaConfig.from_hf(cfg)
+    if is_sequence_classifier(cfg):
+        # NOTE: no lm_head in the checkpoint: the embedding stands in for it (never used to score).
+        config = dataclasses.replace(config, tie_word_embeddings=True, pooling="rank")
+    return config
+
+
+def is_sequence_classifier(cfg: dict[str, Any]) -> bool:
+    """Whether `config.json` names a `*ForSequenceClassification` (a reranker's checkpoint)."""
+    archs = cfg.get("architectures") or []
+    return isinstance(archs, list) and any(str(a).endswith("ForSequenceClassification") for a in archs)
+
+
+def hf_rank_format(directory: pathlib.Path, spec: TokenizerSpec, labels: int) -> RankFormat:
+    """A sequence classifier's pair format (`ft.model.rerank`): the special-token rule, with BOS
+    and EOS where `tokenizer_config.json` adds them (`add_bos_token`, `add_eos_token`)."""
+    tcfg = _read_json(directory / "tokenizer_config.json")
+    tok = Tokenizer.from_str(spec.tokenizer_json)
+    bos = tok.token_to_id(spec.bos_token) if spec.bos_token else None
+    eos = tok.token_to_id(spec.eos_token) if spec.eos_token else None
+    sep_text = _token_text(tcfg.get("sep_token"))
+    sep = tok.token_to_id(sep_text) if sep_text else None
+    return RankFormat(
+        num_labels=labels,
+        bos_id=bos,
+        eos_id=eos if eos is not None else sep,
+        sep_id=sep,
+        add_bos=spec.add_bos_token,
+        add_eos=bool(tcfg.get("add_eos_token", False)),
+    )
 
 
 def hf_state_dict(
@@ -49,13 +81,29 @@ def hf_state_dict(
         files = sorted(p.name for p in directory.glob("*.safetensors"))
     if not files:
         raise ValueError(f"{directory} has no *.safetensors files")
+    prefixes = by_hf(_read_json(directory / "config.json")).hf_weight_prefixes
     sd: dict[str, torch.Tensor] = {}
     for i, name in enumerate(files):
         if progress is not None:
             progress(i / len(files))
         for key, tensor in load_file(str(directory / name)).items():
-            sd[key] = tensor.to(dtype)
+            text_key = _text_weight(key, prefixes) if prefixes else key
+            if text_key is not None:
+                sd[text_key] = tensor.to(dtype)
     return sd
+
+
+def _text_weight(key: str, prefixes: tuple[tuple[str, str], ...]) -> str | None:
+    """A multimodal checkpoint's weight under its text model's name, or None (the vision tower,
+    the projector: not run). A checkpoint of the text model alone keeps its names."""
+    if key.startswith("model.") and not key.startswith(
+        ("model.language_model.", "model.vision", "model.multi_modal")
+    ):
+        return key  # Gemma3ForCausalLM's own
+    for old, new in prefixes:
+        if key.startswith(old):
+            return new + key.removeprefix(old)
+    return None
 
 
 def _token_text(value: Any) -> str | None:

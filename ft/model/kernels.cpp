@@ -1877,9 +1877,13 @@ template <class T>
 void attend_team(const float* qbase, int64_t ldq, const T* k_cache, const T* v_cache, int64_t T_,
                  const int64_t* seq, const int64_t* pos, const int32_t* block_tables, int64_t max_pages,
                  int64_t page_size, int64_t nh, int64_t nkvh, int64_t hd, float* obase, int64_t ldo,
-                 AttendScratch& scratch) {
+                 AttendScratch& scratch, float scale_in = 0, float softcap = 0, int64_t window = 0) {
+  // scale_in: the scores' scale (0: 1 / sqrt(hd)); softcap: scores as tanh(s / cap) * cap (0:
+  // none); window: row t attends positions pos[t] - window + 1 .. pos[t] only (0: all). A row's
+  // first block of eight keys is its window's, whatever its tile, so it never depends on them.
   const int64_t kvsz = nkvh * hd, group = nh / nkvh;
-  const float scale = 1.0f / sqrtf((float)hd);
+  const float scale = scale_in > 0 ? scale_in : 1.0f / sqrtf((float)hd);
+  auto first = [&](int64_t p) { return window && p - window + 1 > 0 ? p - window + 1 : (int64_t)0; };
   const std::vector<int64_t>& tiles = scratch.tiles;  // first row of each tile
   const int64_t ntiles = (int64_t)tiles.size();
 #pragma omp for schedule(dynamic, 1) collapse(2)
@@ -1897,13 +1901,14 @@ void attend_team(const float* qbase, int64_t ldq, const T* k_cache, const T* v_c
 #if defined(__AVX2__)
       if (hd % 8 == 0 && hd <= 256) {
         alignas(32) float buf[8 * 256];
-        for (int64_t p0 = 0; p0 < len_max; p0 += 8) {
+        const int64_t p_first = first(pos[t0]) / 8 * 8;  // the tile's earliest window (its first row's)
+        for (int64_t p0 = p_first; p0 < len_max; p0 += 8) {
           for (int j = 0; j < 8; j++) {
             const T* k = at(k_cache, p0 + j);
             for (int64_t i = 0; i < hd; i += 8) _mm256_store_ps(buf + j * hd + i, kv_load8(k, i));
           }
           for (int64_t r = 0; r < rows; r++) {
-            if (p0 > pos[t0 + r]) continue;
+            if (p0 > pos[t0 + r] || p0 + 8 <= first(pos[t0 + r])) continue;
             for (int64_t g = 0; g < group; g++) {
               const float* q = qbase + (t0 + r) * ldq + (kh * group + g) * hd;
               __m256 acc[8];
@@ -1912,27 +1917,34 @@ void attend_team(const float* qbase, int64_t ldq, const T* k_cache, const T* v_c
                 const __m256 qv = _mm256_loadu_ps(q + i);
                 for (int j = 0; j < 8; j++) acc[j] = _mm256_fmadd_ps(qv, _mm256_load_ps(buf + j * hd + i), acc[j]);
               }
-              _mm256_storeu_ps(&sc[(r * group + g) * stride + p0], _mm256_mul_ps(hsum8_ps(acc), _mm256_set1_ps(scale)));
+              float* s8 = &sc[(r * group + g) * stride + p0];
+              _mm256_storeu_ps(s8, _mm256_mul_ps(hsum8_ps(acc), _mm256_set1_ps(scale)));
+              if (softcap)
+                for (int j = 0; j < 8; j++) s8[j] = tanhf(s8[j] / softcap) * softcap;
+              for (int64_t j = 0; p0 + j < first(pos[t0 + r]); j++) s8[j] = -INFINITY;  // before its window
             }
           }
         }
-        for (int64_t r = 0; r < rows; r++)
-          for (int64_t g = 0; g < group; g++) softmax(&sc[(r * group + g) * stride], pos[t0 + r] + 1);
+        for (int64_t r = 0; r < rows; r++) {
+          const int64_t from = first(pos[t0 + r]) / 8 * 8;
+          for (int64_t g = 0; g < group; g++) softmax(&sc[(r * group + g) * stride + from], pos[t0 + r] + 1 - from);
+        }
         for (int64_t r = 0; r < rows; r++)
           for (int64_t i = 0; i < group * hd; i++) obase[(t0 + r) * ldo + kh * group * hd + i] = 0;
-        for (int64_t p0 = 0; p0 < len_max; p0 += 8) {
+        for (int64_t p0 = p_first; p0 < len_max; p0 += 8) {
           for (int j = 0; j < 8; j++) {
             const T* v = at(v_cache, p0 + j);
             for (int64_t i = 0; i < hd; i += 8) _mm256_store_ps(buf + j * hd + i, kv_load8(v, i));
           }
           for (int64_t r = 0; r < rows; r++) {
             const int64_t n = pos[t0 + r] + 1 - p0 < 8 ? pos[t0 + r] + 1 - p0 : 8;
-            for (int64_t g = 0; g < group && n > 0; g++) {
+            const int64_t j0 = first(pos[t0 + r]) - p0 > 0 ? first(pos[t0 + r]) - p0 : 0;
+            for (int64_t g = 0; g < group && n > j0; g++) {
               const float* c = &sc[(r * group + g) * stride + p0];
               float* o = obase + (t0 + r) * ldo + (kh * group + g) * hd;
               for (int64_t i = 0; i < hd; i += 8) {
                 __m256 acc = _mm256_loadu_ps(o + i);
-                for (int64_t j = 0; j < n; j++)
+                for (int64_t j = j0; j < n; j++)
                   acc = _mm256_fmadd_ps(_mm256_set1_ps(c[j]), _mm256_load_ps(buf + j * hd + i), acc);
                 _mm256_storeu_ps(o + i, acc);
               }
@@ -1943,15 +1955,18 @@ void attend_team(const float* qbase, int64_t ldq, const T* k_cache, const T* v_c
       }
 #endif
       for (int64_t r = 0; r < rows; r++) {
-        const int64_t len = pos[t0 + r] + 1;
+        const int64_t len = pos[t0 + r] + 1, from = first(pos[t0 + r]);
         for (int64_t g = 0; g < group; g++) {
           const float* q = qbase + (t0 + r) * ldq + (kh * group + g) * hd;
           float* s_ = &sc[(r * group + g) * stride];
-          for (int64_t p = 0; p < len; p++) s_[p] = dot_kv(q, at(k_cache, p), hd) * scale;
-          softmax(s_, len);
+          for (int64_t p = from; p < len; p++) {
+            s_[p] = dot_kv(q, at(k_cache, p), hd) * scale;
+            if (softcap) s_[p] = tanhf(s_[p] / softcap) * softcap;
+          }
+          softmax(s_ + from, len - from);
           float* o = obase + (t0 + r) * ldo + (kh * group + g) * hd;
           for (int64_t i = 0; i < hd; i++) o[i] = 0;
-          for (int64_t p = 0; p < len; p++) axpy_kv(s_[p], at(v_cache, p), o, hd);
+          for (int64_t p = from; p < len; p++) axpy_kv(s_[p], at(v_cache, p), o, hd);
         }
       }
     }
@@ -2022,22 +2037,73 @@ int ft_rms_norm(const float* x, int64_t T, int64_t H, int64_t ldx, const float* 
 
 }  // extern "C"
 
-namespace {
-// One pre-norm Llama decoder layer over T new tokens, x [T, H] updated in place.
-//
+// One decoder layer's constant parts, built once per layer at load (`kernels.LayerArgs` mirrors
+// it field by field; `quantized_llama._Layer` fills it). ft_decoder_layer checks every size
+// against the others before it reads a pointer. A field added for a family goes at the end, its
+// zero / null value meaning "as Llama".
+struct LayerArgs {
+  int64_t hidden, heads, kv_heads, head_dim, inter;  // H, nh, nkvh, hd, ffn width
+  float eps;                                          // every RMSNorm's epsilon
+  const float* norm1;                                 // [norm1_len == H] before attention
+  int64_t norm1_len;
+  const float* norm2;  // [norm2_len == H] before the MLP
+  int64_t norm2_len;
+  Weight w[7];         // q, k, v, o, gate, up, down
+  const float* bias;   // [bias_len == q + 2 kv] q|k|v, or null
+  int64_t bias_len;
+  const float* q_norm;  // [qk_norm_len == hd] RMSNorm over every q head before the rotary (Qwen3),
+  const float* k_norm;  // and k's; both null or both set
+  int64_t qk_norm_len;
+  // Gemma 2/3 and sliding windows (zero / null: as Llama)
+  const float* attn_out_norm;  // [post_norm_len == H] RMSNorm of the attention's output (Gemma),
+  const float* mlp_out_norm;   // and of the MLP's, before their residuals; both null or both set
+  int64_t post_norm_len;
+  int64_t gelu;         // 1: GeGLU (gelu, tanh approximation) instead of SwiGLU
+  float query_scale;    // the scores' scale; 0: 1 / sqrt(head_dim)
+  float attn_softcap;   // scores as tanh(s / cap) * cap before the softmax (Gemma 2); 0: none
+  int64_t window;       // a row attends its last `window` positions only (sliding window); 0: all
+  // mixture of experts: nonzero stops the layer after the attention residual (x += o_proj(attn));
+  // the caller runs norm2 and the routed experts. w[4..6] and inter are then unused (0).
+  int64_t attention_only;
+  // OLMoE: nonzero makes q_norm one RMSNorm over the whole q projection (qk_norm_len == nh * hd)
+  // and k_norm one over the whole k (k_norm_len == nkvh * hd), not one per head.
+  int64_t qk_norm_whole;
+  int64_t k_norm_len;
+};
+
+// One step's rows and where they go, the same for every layer of the step (`kernels.StepArgs`).
 // Row t is position pos[t] of sequence seq[t]; its keys and values are written at slot_of[t],
 // then it attends every position 0..pos[t] of its sequence, found through
 // block_tables[seq[t] * max_pages + p / page_size] * page_size + p % page_size. So decode rows
-// and causal prefill chunks are the same loop. w: q, k, v, o, gate, up, down. bias: q|k|v or null.
-// q_norm, k_norm: hd weights each of an RMSNorm over every q and k head before the rotary (Qwen3),
-// or null. cos, sin: [T, hd / 2]. Caches: this layer's num_slots slots of kvh * hd elements of KT.
+// and causal prefill chunks are the same loop. The caches passed with it hold num_slots slots
+// of kv_slot_bytes (kv_heads * head_dim elements of kv_type) each.
+struct StepArgs {
+  int64_t rows;  // T
+  const int64_t* slot_of;
+  const int64_t* seq;
+  int64_t num_seqs;
+  const int64_t* pos;
+  const int32_t* block_tables;  // [num_seqs, max_pages]
+  int64_t max_pages, page_size;
+  int64_t num_slots, kv_slot_bytes;
+  int64_t kv_type;  // KV_F32, KV_F16, KV_BF16, KV_Q8_0
+  int64_t threads;
+};
+
+namespace {
+// One pre-norm Llama decoder layer over the step's T new tokens, x [T, H] updated in place.
+// cos, sin: [T, hd / 2]. Caches: this layer's, of the step's KV type.
 template <class KT>
-void decoder_layer(float* x, int64_t T, int64_t H, const float* norm1, const float* norm2, float eps,
-                   const Weight* w, const float* bias, const float* q_norm, const float* k_norm, const float* cos,
-                   const float* sin, KT* k_cache, KT* v_cache,
-                   const int64_t* slot_of, const int64_t* seq, const int64_t* pos, const int32_t* block_tables,
-                   int64_t max_pages, int64_t page_size, int64_t nh, int64_t nkvh, int64_t hd, int64_t inter,
-                   int threads) {
+void decoder_layer(const LayerArgs& L, const StepArgs& S, float* x, const float* cos, const float* sin, KT* k_cache,
+                   KT* v_cache) {
+  const int64_t T = S.rows, H = L.hidden, nh = L.heads, nkvh = L.kv_heads, hd = L.head_dim, inter = L.inter;
+  const float eps = L.eps;
+  const float *norm1 = L.norm1, *norm2 = L.norm2, *bias = L.bias, *q_norm = L.q_norm, *k_norm = L.k_norm;
+  const Weight* w = L.w;
+  const int64_t *slot_of = S.slot_of, *seq = S.seq, *pos = S.pos;
+  const int32_t* block_tables = S.block_tables;
+  const int64_t max_pages = S.max_pages, page_size = S.page_size;
+  const int threads = S.threads;
   const int64_t qsz = nh * hd, kvsz = nkvh * hd, qkv_w = qsz + 2 * kvsz;
   std::vector<float> h(T * H), qkv(T * qkv_w), attn(T * qsz), gu(T * 2 * inter);
   const int64_t k_max = H > qsz ? (H > inter ? H : inter) : (qsz > inter ? qsz : inter);
@@ -2058,7 +2124,10 @@ void decoder_layer(float* x, int64_t T, int64_t H, const float* norm1, const flo
       float* row = qkv.data() + t * qkv_w;
       if (bias)
         for (int64_t i = 0; i < qkv_w; i++) row[i] += bias[i];
-      if (q_norm) {
+      if (q_norm && L.qk_norm_whole) {
+        rms_norm_row(row, q_norm, eps, qsz, row);
+        rms_norm_row(row + qsz, k_norm, eps, kvsz, row + qsz);
+      } else if (q_norm) {
         for (int64_t j = 0; j < nh; j++) rms_norm_row(row + j * hd, q_norm, eps, hd, row + j * hd);
         for (int64_t j = 0; j < nkvh; j++) rms_norm_row(row + qsz + j * hd, k_norm, eps, hd, row + qsz + j * hd);
       }
@@ -2068,15 +2137,17 @@ void decoder_layer(float* x, int64_t T, int64_t H, const float* norm1, const flo
       kv_store(row + qsz + kvsz, kvsz, v_cache + slot_of[t] * kvsz / kv_per<KT>);
     }
     attend_team(qkv.data(), qkv_w, k_cache, v_cache, T, seq, pos, block_tables, max_pages, page_size, nh, nkvh,
-                hd, attn.data(), qsz, scratch);
+                hd, attn.data(), qsz, scratch, L.query_scale, L.attn_softcap, L.window);
 #pragma omp single
     act.set(attn.data(), T, qsz, qsz);
     gemm_team(w[3], act, h.data(), H);  // h = o_proj(attn)
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < T; t++) {
+      if (L.attn_out_norm) rms_norm_row(h.data() + t * H, L.attn_out_norm, eps, H, h.data() + t * H);
       for (int64_t i = 0; i < H; i++) x[t * H + i] += h[t * H + i];
-      rms_norm_row(x + t * H, norm2, eps, H, h.data() + t * H);
+      if (!L.attention_only) rms_norm_row(x + t * H, norm2, eps, H, h.data() + t * H);
     }
+    if (!L.attention_only) {  // (every thread takes the same branch)
 #pragma omp single
     act.set(h.data(), T, H, H);
     gemm_team(w[4], act, gu.data(), 2 * inter);
@@ -2084,6 +2155,12 @@ void decoder_layer(float* x, int64_t T, int64_t H, const float* norm1, const flo
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < T; t++) {
       float* g = gu.data() + t * 2 * inter;
+      if (L.gelu) {  // GeGLU: gelu(g) with the tanh approximation, as torch's approximate="tanh"
+        for (int64_t i = 0; i < inter; i++)
+          g[i] = 0.5f * g[i] * (1.0f + tanhf(0.7978845608028654f * (g[i] + 0.044715f * g[i] * g[i] * g[i]))) *
+                 g[i + inter];
+        continue;
+      }
 #pragma omp simd
       for (int64_t i = 0; i < inter; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * g[i + inter];
     }
@@ -2091,8 +2168,11 @@ void decoder_layer(float* x, int64_t T, int64_t H, const float* norm1, const flo
     act.set(gu.data(), T, inter, 2 * inter);
     gemm_team(w[6], act, h.data(), H);
 #pragma omp for schedule(static)
-    for (int64_t t = 0; t < T; t++)
+    for (int64_t t = 0; t < T; t++) {
+      if (L.mlp_out_norm) rms_norm_row(h.data() + t * H, L.mlp_out_norm, eps, H, h.data() + t * H);
       for (int64_t i = 0; i < H; i++) x[t * H + i] += h[t * H + i];
+    }
+    }  // (not attention_only)
   }
 }
 
@@ -2174,65 +2254,61 @@ int ft_attention(const float* q, int64_t T, const void* k_cache, const void* v_c
   });
 }
 
-// decoder_layer over a KV cache of `kv_type` (KV_F32, KV_F16, KV_BF16, KV_Q8_0); caches are this
-// layer's num_slots slots of kv_slot_bytes (kvh * hd elements of that type) each; cos, sin [T, rope_width == hd / 2]. Every size is an argument and checked against the others:
-// the norms hold H floats, the bias (or null) q + 2 kv, the q and k head norms (both null, or both
-// qk_norm_len == hd floats) one head, and w[] (q, k, v, o, gate, up, down) have
-// the rows and row bytes of [nh * hd, H], [nkvh * hd, H] twice, [H, nh * hd], [inter, H] twice
-// and [H, inter].
-int ft_decoder_layer(float* x, int64_t T, int64_t H, const float* norm1, int64_t norm1_len, const float* norm2,
-                     int64_t norm2_len, float eps, const Weight* w, const float* bias, int64_t bias_len,
-                     const float* q_norm, const float* k_norm, int64_t qk_norm_len, const float* cos,
-                     const float* sin, int64_t rope_width, void* k_cache, void* v_cache,
-                     int64_t num_slots, int64_t kv_slot_bytes, int kv_type,
-                     const int64_t* slot_of, const int64_t* seq, int64_t num_seqs, const int64_t* pos,
-                     const int32_t* block_tables, int64_t max_pages, int64_t page_size, int64_t nh, int64_t nkvh,
-                     int64_t hd, int64_t inter, int threads) {
+// decoder_layer of the layer `L` over the step `S`: x [S.rows, x_width == L.hidden], cos, sin
+// [S.rows, rope_width == head_dim / 2], and this layer's caches. Every size is an argument and
+// checked against the others: the norms hold H floats, the bias (or null) q + 2 kv, the q and k
+// head norms (both null, or both qk_norm_len == hd floats) one head, and w[] (q, k, v, o, gate,
+// up, down) have the rows and row bytes of [nh * hd, H], [nkvh * hd, H] twice, [H, nh * hd],
+// [inter, H] twice and [H, inter].
+int ft_decoder_layer(const LayerArgs* layer, const StepArgs* step, float* x, int64_t x_width, const float* cos,
+                     const float* sin, int64_t rope_width, void* k_cache, void* v_cache) {
   return guarded("ft_decoder_layer", [&] {
+    FT_REQUIRE(layer && step, "no layer or step arguments");
+    const LayerArgs& L = *layer;
+    const StepArgs& S = *step;
+    const int64_t H = L.hidden, nh = L.heads, nkvh = L.kv_heads, hd = L.head_dim, inter = L.inter;
     check_heads(nh, nkvh, hd);
-    FT_REQUIRE(H >= 1 && H <= MAX_K && inter >= 1 && inter <= MAX_K, "hidden %lld, ffn %lld", (long long)H,
-               (long long)inter);
-    FT_REQUIRE(norm1_len == H && norm2_len == H, "norms of %lld and %lld elements for hidden %lld",
-               (long long)norm1_len, (long long)norm2_len, (long long)H);
+    FT_REQUIRE(H >= 1 && H <= MAX_K && (L.attention_only ? inter == 0 : inter >= 1 && inter <= MAX_K),
+               "hidden %lld, ffn %lld (attention only: %lld)", (long long)H, (long long)inter,
+               (long long)L.attention_only);
+    FT_REQUIRE(x_width == H, "rows of %lld for hidden %lld", (long long)x_width, (long long)H);
+    FT_REQUIRE(L.norm1 && L.norm2 && L.norm1_len == H && L.norm2_len == H,
+               "norms of %lld and %lld elements for hidden %lld", (long long)L.norm1_len, (long long)L.norm2_len,
+               (long long)H);
     const int64_t qsz = nh * hd, kvsz = nkvh * hd;
-    FT_REQUIRE(!bias || bias_len == qsz + 2 * kvsz, "a q|k|v bias of %lld, expected %lld", (long long)bias_len,
-               (long long)(qsz + 2 * kvsz));
-    FT_REQUIRE(!q_norm == !k_norm && (!q_norm || qk_norm_len == hd), "q/k head norms of %lld for heads of %lld",
-               (long long)qk_norm_len, (long long)hd);
+    FT_REQUIRE(!L.bias || L.bias_len == qsz + 2 * kvsz, "a q|k|v bias of %lld, expected %lld",
+               (long long)L.bias_len, (long long)(qsz + 2 * kvsz));
+    FT_REQUIRE(!L.q_norm == !L.k_norm && (!L.q_norm || L.qk_norm_whole || L.qk_norm_len == hd),
+               "q/k head norms of %lld for heads of %lld", (long long)L.qk_norm_len, (long long)hd);
+    FT_REQUIRE(!L.attn_out_norm == !L.mlp_out_norm && (!L.attn_out_norm || L.post_norm_len == H),
+               "output norms of %lld for hidden %lld (both or neither)", (long long)L.post_norm_len, (long long)H);
+    FT_REQUIRE(L.gelu == 0 || L.gelu == 1, "activation %lld (0 SwiGLU, 1 GeGLU)", (long long)L.gelu);
+    FT_REQUIRE(std::isfinite(L.query_scale) && L.query_scale >= 0 && std::isfinite(L.attn_softcap) &&
+                   L.attn_softcap >= 0 && L.window >= 0,
+               "query scale %g, soft-cap %g, window %lld", (double)L.query_scale, (double)L.attn_softcap,
+               (long long)L.window);
+    FT_REQUIRE(!L.qk_norm_whole || (L.q_norm && L.qk_norm_len == qsz && L.k_norm_len == kvsz),
+               "whole q/k norms of %lld and %lld for projections of %lld and %lld", (long long)L.qk_norm_len,
+               (long long)L.k_norm_len, (long long)qsz, (long long)kvsz);
     static const char* names[7] = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"};
     const int64_t rows[7] = {qsz, kvsz, kvsz, H, inter, inter, H};
     const int64_t cols[7] = {H, H, H, qsz, H, H, inter};
-    for (int i = 0; i < 7; i++) {
-      FT_REQUIRE(w[i].rows == rows[i], "%s: %lld rows, expected %lld", names[i], (long long)w[i].rows,
+    for (int i = 0; i < (L.attention_only ? 4 : 7); i++) {
+      FT_REQUIRE(L.w[i].rows == rows[i], "%s: %lld rows, expected %lld", names[i], (long long)L.w[i].rows,
                  (long long)rows[i]);
-      check_weight(names[i], w[i].type, w[i].rows, w[i].row_bytes, w[i].columns, cols[i]);
+      check_weight(names[i], L.w[i].type, L.w[i].rows, L.w[i].row_bytes, L.w[i].columns, cols[i]);
     }
     FT_REQUIRE(rope_width == hd / 2, "rotary tables of %lld for heads of %lld", (long long)rope_width,
                (long long)hd);
-    check_kv(kv_type, kvsz, hd, kv_slot_bytes);
-    FT_REQUIRE(threads >= 1, "%d threads", threads);
-    check_step(T, slot_of, seq, pos, num_seqs, block_tables, max_pages, page_size, num_slots);
-    switch (kv_type) {
-      case KV_F32:
-        decoder_layer(x, T, H, norm1, norm2, eps, w, bias, q_norm, k_norm, cos, sin, (float*)k_cache,
-                      (float*)v_cache, slot_of, seq, pos, block_tables, max_pages, page_size, nh, nkvh, hd, inter,
-                      threads);
-        break;
-      case KV_F16:
-        decoder_layer(x, T, H, norm1, norm2, eps, w, bias, q_norm, k_norm, cos, sin, (half_t*)k_cache,
-                      (half_t*)v_cache, slot_of, seq, pos, block_tables, max_pages, page_size, nh, nkvh, hd, inter,
-                      threads);
-        break;
-      case KV_BF16:
-        decoder_layer(x, T, H, norm1, norm2, eps, w, bias, q_norm, k_norm, cos, sin, (bfloat_t*)k_cache,
-                      (bfloat_t*)v_cache, slot_of, seq, pos, block_tables, max_pages, page_size, nh, nkvh, hd, inter,
-                      threads);
-        break;
-      case KV_Q8_0:
-        decoder_layer(x, T, H, norm1, norm2, eps, w, bias, q_norm, k_norm, cos, sin, (kv_q8_t*)k_cache,
-                      (kv_q8_t*)v_cache, slot_of, seq, pos, block_tables, max_pages, page_size, nh, nkvh, hd, inter,
-                      threads);
-        break;
+    FT_REQUIRE(S.kv_type >= KV_F32 && S.kv_type <= KV_Q8_0, "KV type %lld", (long long)S.kv_type);
+    check_kv((int)S.kv_type, kvsz, hd, S.kv_slot_bytes);
+    FT_REQUIRE(S.threads >= 1 && S.threads <= 4096, "%lld threads", (long long)S.threads);
+    check_step(S.rows, S.slot_of, S.seq, S.pos, S.num_seqs, S.block_tables, S.max_pages, S.page_size, S.num_slots);
+    switch (S.kv_type) {
+      case KV_F32: decoder_layer(L, S, x, cos, sin, (float*)k_cache, (float*)v_cache); break;
+      case KV_F16: decoder_layer(L, S, x, cos, sin, (half_t*)k_cache, (half_t*)v_cache); break;
+      case KV_BF16: decoder_layer(L, S, x, cos, sin, (bfloat_t*)k_cache, (bfloat_t*)v_cache); break;
+      case KV_Q8_0: decoder_layer(L, S, x, cos, sin, (kv_q8_t*)k_cache, (kv_q8_t*)v_cache); break;
     }
   });
 }

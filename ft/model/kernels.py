@@ -23,6 +23,7 @@ import subprocess
 import tempfile
 import threading
 
+import numpy as np
 import torch
 
 from ft.model.quant import Q4_0, Q4_1, Q4_K, Q6_K, Q8_0, QuantTensor
@@ -56,6 +57,76 @@ def _cpu_key() -> str:
     except (OSError, StopIteration):
         flags = platform.processor()
     return flags
+
+
+class Weight(ctypes.Structure):
+    """One projection as the kernels read it (`Weight` in kernels.cpp): rows of GGUF blocks, or
+    groups of `columns` repacked rows."""
+
+    _fields_ = [
+        ("type", ctypes.c_int64),
+        ("data", ctypes.c_void_p),
+        ("rows", ctypes.c_int64),
+        ("row_bytes", ctypes.c_int64),
+        ("columns", ctypes.c_int64),
+    ]
+
+
+class LayerArgs(ctypes.Structure):
+    """One decoder layer's constant parts (`LayerArgs` in kernels.cpp, field by field; its
+    comments say what each holds): built once per layer, every pointer kept alive by its owner.
+    A family's new field goes at the end of both, zero / null meaning "as Llama"."""
+
+    _fields_ = [
+        ("hidden", ctypes.c_int64),
+        ("heads", ctypes.c_int64),
+        ("kv_heads", ctypes.c_int64),
+        ("head_dim", ctypes.c_int64),
+        ("inter", ctypes.c_int64),
+        ("eps", ctypes.c_float),
+        ("norm1", ctypes.c_void_p),
+        ("norm1_len", ctypes.c_int64),
+        ("norm2", ctypes.c_void_p),
+        ("norm2_len", ctypes.c_int64),
+        ("w", Weight * 7),  # q, k, v, o, gate, up, down
+        ("bias", ctypes.c_void_p),
+        ("bias_len", ctypes.c_int64),
+        ("q_norm", ctypes.c_void_p),
+        ("k_norm", ctypes.c_void_p),
+        ("qk_norm_len", ctypes.c_int64),
+        # Gemma 2/3 and sliding windows
+        ("attn_out_norm", ctypes.c_void_p),
+        ("mlp_out_norm", ctypes.c_void_p),
+        ("post_norm_len", ctypes.c_int64),
+        ("gelu", ctypes.c_int64),
+        ("query_scale", ctypes.c_float),
+        ("attn_softcap", ctypes.c_float),
+        ("window", ctypes.c_int64),
+        # mixture of experts: stop after the attention residual (w[4..6] and inter 0)
+        ("attention_only", ctypes.c_int64),
+        # OLMoE: q_norm / k_norm over the whole projections (qk_norm_len q's width, k_norm_len k's)
+        ("qk_norm_whole", ctypes.c_int64),
+        ("k_norm_len", ctypes.c_int64),
+    ]
+
+
+class StepArgs(ctypes.Structure):
+    """One step's rows and where they go, shared by every layer (`StepArgs` in kernels.cpp)."""
+
+    _fields_ = [
+        ("rows", ctypes.c_int64),
+        ("slot_of", ctypes.c_void_p),
+        ("seq", ctypes.c_void_p),
+        ("num_seqs", ctypes.c_int64),
+        ("pos", ctypes.c_void_p),
+        ("block_tables", ctypes.c_void_p),
+        ("max_pages", ctypes.c_int64),
+        ("page_size", ctypes.c_int64),
+        ("num_slots", ctypes.c_int64),
+        ("kv_slot_bytes", ctypes.c_int64),
+        ("kv_type", ctypes.c_int64),
+        ("threads", ctypes.c_int64),
+    ]
 
 
 def _cache_dir() -> pathlib.Path:
@@ -114,8 +185,7 @@ def build_library(march: str = "native", sanitize: bool = False) -> ctypes.CDLL:
     lib.ft_repacked_row_bytes.restype = i64
     lib.ft_rms_norm.argtypes = [ptr, i64, i64, i64, ptr, i64, ctypes.c_float, ptr]
     lib.ft_decoder_layer.argtypes = [
-        ptr, i64, i64, ptr, i64, ptr, i64, ctypes.c_float, ptr, ptr, i64, ptr, ptr, i64, ptr, ptr, i64,
-        ptr, ptr, i64, i64, i32, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, i64, i32,
+        ctypes.POINTER(LayerArgs), ctypes.POINTER(StepArgs), ptr, i64, ptr, ptr, i64, ptr, ptr,
     ]  # fmt: skip
     lib.ft_attention.argtypes = [
         ptr, i64, ptr, ptr, i64, i64, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, ptr, i32,
@@ -325,6 +395,27 @@ def repacked(weight: QuantTensor, lib: ctypes.CDLL | None = None) -> QuantTensor
         lib.ft_repack(weight.qtype, src.data_ptr(), weight.rows, weight.cols, src.shape[1], dst.data_ptr()),
     )
     return QuantTensor(dst, weight.qtype, weight.cols, columns)
+
+
+def expert_views(
+    stack: np.ndarray, qtype: int, cols: int, lib: ctypes.CDLL | None = None
+) -> list[QuantTensor]:
+    """Each expert of a GGUF expert stack (uint8 `[experts, rows, row_bytes]` blocks of `qtype`,
+    e.g. a view of the mapped file) as a `QuantTensor` view into one buffer: repacked for this
+    build's column kernels where `repacked` would repack one of them, else the bytes copied once."""
+    experts, rows, row_bytes = stack.shape
+    lib = lib or library()
+    columns = lib.ft_repack_columns()
+    repackable = columns and qtype in REPACKABLE and rows % columns == 0
+    repacked_bytes = lib.ft_repacked_row_bytes(qtype, cols) if repackable else 0
+    if not repacked_bytes:
+        data = torch.from_numpy(np.array(stack, dtype=np.uint8, copy=True))
+        return [QuantTensor(data[e], qtype, cols) for e in range(experts)]
+    src = np.ascontiguousarray(stack)
+    dst = torch.empty(experts, rows, repacked_bytes, dtype=torch.uint8)
+    for e in range(experts):
+        check(lib, lib.ft_repack(qtype, src[e].ctypes.data, rows, cols, row_bytes, dst[e].data_ptr()))
+    return [QuantTensor(dst[e], qtype, cols, columns) for e in range(experts)]
 
 
 def dequantize_rows(weight: QuantTensor, ids: torch.Tensor, lib: ctypes.CDLL | None = None) -> torch.Tensor:

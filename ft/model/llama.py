@@ -1,6 +1,6 @@
 """The Llama-family decoder over a paged KV cache: Llama 2/3, SmolLM2, Mistral, Qwen2 (qkv bias),
-Qwen3 (per-head q/k RMSNorm) and Qwen3-MoE (experts from `moe.py`); which blocks a family uses
-is its `architectures` entry."""
+Qwen3 (per-head q/k RMSNorm), and the mixtures of experts Qwen3-MoE, Mixtral and OLMoE (whole-q/k
+RMSNorm; experts from `moe.py`); which blocks a family uses is its `architectures` entry."""
 
 from __future__ import annotations
 
@@ -14,12 +14,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from ft.model.attention import AttentionMetadata, paged_attention, write_kv
-from ft.model.moe import SparseMoE, fuse_experts
+from ft.model.moe import SparseMoE, fuse_experts, moe_prefix
 
 if TYPE_CHECKING:
+    from ft.model.architectures import Architecture
     from ft.model.parallel import Shard
 
 ROPE_SCALING_TYPES = ("linear", "llama3")
+HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
 
 
 Progress = Callable[[float], None]  # called with the fraction of weights loaded
@@ -45,14 +47,29 @@ class LlamaConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     qk_norm: bool = False  # RMSNorm over each head of q and k before the rotary embedding (Qwen3)
-    # mixture of experts (Qwen3-MoE): every layer's MLP is `num_experts` experts of
+    # mixture of experts (Qwen3-MoE, Mixtral, OLMoE): every layer's MLP is `num_experts` experts of
     # `moe_intermediate_size`, `num_experts_per_tok` of them per token; 0 experts: dense
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
+    # the layers whose MLP stays dense (of `intermediate_size`) in a mixture of experts (Qwen3-MoE's
+    # `mlp_only_layers` and `decoder_sparse_step`)
+    mlp_only_layers: tuple[int, ...] = ()
+    qk_norm_whole: bool = False  # OLMoE: q/k RMSNorm over the whole projections, not per head
     architecture: str = "llama"
     pooling: str | None = None  # how the file says to pool embeddings (GGUF `{arch}.pooling_type`)
+    # Gemma 2/3 and sliding windows (Gemma, Mistral):
+    hidden_act: str = "silu"  # the MLP's gate: "silu" (SwiGLU) or "gelu_pytorch_tanh" (GeGLU)
+    embed_scale: bool = False  # embeddings times sqrt(hidden), in the embedding's dtype (Gemma)
+    post_norms: bool = False  # an RMSNorm on the attention's and on the MLP's output (Gemma)
+    norm_offset: float = 0.0  # the stored norm weights w scale by (offset + w): 1 in Gemma's HF files
+    query_scale: float = 0.0  # the softmax scale of q.k; 0: head_dim ** -0.5
+    attn_softcap: float = 0.0  # attention scores as tanh(s / cap) * cap (Gemma 2); 0: none
+    final_softcap: float = 0.0  # the same on the logits
+    sliding_window: int = 0  # positions a windowed layer attends, its own included; 0: none
+    sliding_layers: tuple[bool, ...] = ()  # which layers are windowed; empty: all of them
+    rope_local_theta: float = 0.0  # rotary base of the windowed layers, unscaled (Gemma 3); 0: as the others
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -69,6 +86,18 @@ class LlamaConfig:
                 f"{self.num_experts_per_tok} experts per token of {self.num_experts} experts of "
                 f"{self.moe_intermediate_size}: expected 1 to {self.num_experts} per token, positive sizes"
             )
+        if self.hidden_act not in HIDDEN_ACTS:
+            raise ValueError(
+                f"hidden activation {self.hidden_act!r} is not supported "
+                f"(supported: {', '.join(HIDDEN_ACTS)})"
+            )
+        if self.sliding_window < 0 or (self.sliding_layers and len(self.sliding_layers) != self.num_layers):
+            raise ValueError(
+                f"a sliding window of {self.sliding_window} over {len(self.sliding_layers)} layer flags: "
+                f"expected a positive window and one flag per layer ({self.num_layers})"
+            )
+        if min(self.query_scale, self.attn_softcap, self.final_softcap, self.rope_local_theta) < 0:
+            raise ValueError("query scale, soft-caps and the local rotary base must not be negative")
         if self.rope_scaling is not None:
             kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
             if kind == "default":
@@ -77,6 +106,10 @@ class LlamaConfig:
                 raise ValueError(
                     f"rope scaling {kind!r} is not supported (supported: {', '.join(ROPE_SCALING_TYPES)})"
                 )
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether layer `layer`'s MLP is the routed experts."""
+        return bool(self.num_experts) and layer not in self.mlp_only_layers
 
     @property
     def q_size(self) -> int:
@@ -88,6 +121,17 @@ class LlamaConfig:
         """Width of the key (and of the value) projection."""
         return self.num_kv_heads * self.head_dim
 
+    def layer_window(self, layer: int) -> int:
+        """The positions layer `layer` attends (its own included), 0 for all of them."""
+        if not self.sliding_window or (self.sliding_layers and not self.sliding_layers[layer]):
+            return 0
+        return self.sliding_window
+
+    @property
+    def is_all_windowed(self) -> bool:
+        """Every layer attends a window only (pages behind it are never read again)."""
+        return bool(self.sliding_window) and all(self.sliding_layers or (True,))
+
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> LlamaConfig:
         """Build from a Hugging Face `config.json` dict (any family of `ft.model.architectures`).
@@ -98,26 +142,13 @@ class LlamaConfig:
         from ft.model.architectures import by_hf
 
         arch = by_hf(cfg)
+        if arch.gemma:
+            return cls._from_hf_gemma(cfg)
         if cfg.get("use_sliding_window"):
             raise ValueError(
                 f"{arch.name} with use_sliding_window is not supported (sliding-window attention)"
             )
-        moe: dict[str, Any] = {}
-        if arch.moe:
-            if cfg.get("decoder_sparse_step", 1) != 1 or cfg.get("mlp_only_layers"):
-                raise ValueError(
-                    f"{arch.name} with dense layers among the expert layers (decoder_sparse_step, "
-                    "mlp_only_layers) is not supported"
-                )
-            experts = cfg.get("num_experts", cfg.get("num_local_experts"))  # transformers 5 writes the latter
-            if not isinstance(experts, int) or experts < 1:
-                raise ValueError(f"{arch.name}: config.json lacks a positive num_experts, found {experts!r}")
-            moe = dict(
-                num_experts=experts,
-                num_experts_per_tok=int(cfg["num_experts_per_tok"]),
-                moe_intermediate_size=int(cfg["moe_intermediate_size"]),
-                norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
-            )
+        moe = _hf_moe(arch, cfg) if arch.moe else {}
         num_heads = int(cfg["num_attention_heads"])
         rope_scaling = cfg.get("rope_scaling") or None
         rope_theta = cfg.get("rope_theta")
@@ -141,9 +172,147 @@ class LlamaConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", arch.qkv_bias)),
             qk_norm=arch.qk_norm,
+            qk_norm_whole=arch.qk_norm_whole,
             architecture=arch.name,
+            hidden_act=str(cfg.get("hidden_act", "silu")),
+            sliding_window=_window(cfg) if arch.windowed else 0,
             **moe,
         )
+
+    @classmethod
+    def _from_hf_gemma(cls, cfg: dict[str, Any]) -> LlamaConfig:
+        """Gemma 2 / Gemma 3 text from its `config.json`, old spellings (`rope_local_base_freq`,
+        `sliding_window_pattern`, `rope_scaling`) and transformers 5's (`layer_types`, a
+        `rope_parameters` per layer type) alike."""
+        from ft.model.architectures import by_hf
+
+        arch = by_hf(cfg)
+        text = cfg.get("text_config")
+        if arch.hf_text_defaults and isinstance(text, dict):  # a multimodal checkpoint's text model
+            cfg = {**arch.hf_text_defaults, **text, "architectures": []}
+            cfg.setdefault("model_type", arch.hf_model_types[0])
+        if cfg.get("use_bidirectional_attention"):
+            raise ValueError(f"{arch.name} with use_bidirectional_attention (an encoder) is not supported")
+        num_heads = int(cfg["num_attention_heads"])
+        num_layers = int(cfg["num_hidden_layers"])
+        head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // num_heads)
+        window = _window(cfg)
+        sliding: tuple[bool, ...] = ()
+        if window:
+            types = cfg.get("layer_types")
+            if types is not None:
+                if not isinstance(types, list) or len(types) != num_layers or not set(types) <= LAYER_TYPES:
+                    raise ValueError(
+                        f"config.json 'layer_types': expected {num_layers} of {sorted(LAYER_TYPES)}, "
+                        f"found {types!r:.120}"
+                    )
+                sliding = tuple(t == "sliding_attention" for t in types)
+            else:
+                period = int(cfg.get("sliding_window_pattern", arch.sliding_period))
+                sliding = tuple(i % period < period - 1 for i in range(num_layers))
+        # the global layers' rotary base and scaling, and the windowed layers' base
+        rope = cfg.get("rope_parameters")
+        rope_theta = cfg.get("rope_theta", 10000.0)
+        rope_scaling = cfg.get("rope_scaling") or None
+        local_theta = cfg.get("rope_local_base_freq", arch.local_rope_theta)
+        if isinstance(rope, dict) and isinstance(rope.get("full_attention"), dict):
+            full, local = rope["full_attention"], rope.get("sliding_attention") or {}
+            rope_theta = full.get("rope_theta", rope_theta)
+            rope_scaling = dict(full) if full.get("rope_type", "default") != "default" else None
+            local_theta = local.get("rope_theta", local_theta)
+            if local.get("rope_type", "default") != "default":
+                raise ValueError(f"{arch.name}: rope scaling on the sliding layers is not supported")
+        elif isinstance(rope, dict):
+            rope_theta = rope.get("rope_theta", rope_theta)
+            if rope.get("rope_type", "default") != "default":
+                rope_scaling = dict(rope)
+        if float(local_theta or 0) == float(rope_theta) and rope_scaling is None:
+            local_theta = 0.0  # the windowed layers turn as the others
+        act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
+        return cls(
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=int(cfg["hidden_size"]),
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_layers=num_layers,
+            num_heads=num_heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
+            head_dim=head_dim,
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope_theta),
+            rope_scaling=rope_scaling,
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 8192)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+            attention_bias=bool(cfg.get("attention_bias", False)),
+            qk_norm=arch.qk_norm,
+            architecture=arch.name,
+            hidden_act=str(act),
+            embed_scale=True,
+            post_norms=True,
+            norm_offset=1.0,
+            query_scale=float(cfg.get("query_pre_attn_scalar") or head_dim) ** -0.5,
+            attn_softcap=float(cfg.get("attn_logit_softcapping") or 0.0),
+            final_softcap=float(cfg.get("final_logit_softcapping") or 0.0),
+            sliding_window=window,
+            sliding_layers=sliding,
+            rope_local_theta=float(local_theta or 0.0),
+        )
+
+
+LAYER_TYPES = {"sliding_attention", "full_attention"}
+
+
+def _window(cfg: dict[str, Any]) -> int:
+    """`config.json`'s `sliding_window` (null or absent: none).
+
+    Raises:
+        ValueError: it is not a positive integer.
+    """
+    window = cfg.get("sliding_window")
+    if window is None:
+        return 0
+    if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+        raise ValueError(f"config.json 'sliding_window': expected a positive integer, found {window!r:.40}")
+    return window
+
+
+def _hf_moe(arch: Architecture, cfg: dict[str, Any]) -> dict[str, Any]:
+    """The mixture-of-experts fields of `config.json` (Qwen3-MoE, Mixtral, OLMoE spellings).
+
+    Raises:
+        ValueError: a value is missing or of a kind ft does not run (a sliding window on Mixtral,
+            OLMoE's `clip_qkv` or its o_proj bias).
+    """
+    experts = cfg.get("num_experts", cfg.get("num_local_experts"))  # transformers 5 writes the latter
+    if not isinstance(experts, int) or isinstance(experts, bool) or experts < 1:
+        raise ValueError(f"{arch.name}: config.json lacks a positive num_experts, found {experts!r}")
+    if cfg.get("clip_qkv") is not None:
+        raise ValueError(f"{arch.name} with clip_qkv {cfg['clip_qkv']!r} is not supported")
+    window = cfg.get("sliding_window")
+    if arch.name == "mixtral" and window is not None and window < int(cfg.get("max_position_embeddings", 0)):
+        raise ValueError(
+            f"{arch.name} with sliding_window {window!r} is not supported (sliding-window attention)"
+        )
+    if arch.qk_norm_whole and cfg.get("attention_bias"):
+        raise ValueError(f"{arch.name} with attention_bias (an o_proj bias) is not supported")
+    num_layers = int(cfg["num_hidden_layers"])
+    step = cfg.get("decoder_sparse_step", 1)
+    dense = cfg.get("mlp_only_layers") or []
+    if not isinstance(step, int) or isinstance(step, bool) or step < 1:
+        raise ValueError(f"{arch.name}: decoder_sparse_step must be a positive integer, found {step!r}")
+    if not isinstance(dense, list) or not all(isinstance(i, int) and 0 <= i < num_layers for i in dense):
+        raise ValueError(
+            f"{arch.name}: mlp_only_layers must list layers 0 to {num_layers - 1}, found {dense!r:.80}"
+        )
+    # transformers' rule (Qwen3-MoE): a layer is routed unless listed, and only every `step`-th
+    mlp_only = tuple(i for i in range(num_layers) if i in dense or (i + 1) % step)
+    renormalize = arch.router_renormalizes
+    return dict(
+        num_experts=experts,
+        num_experts_per_tok=int(cfg["num_experts_per_tok"]),
+        moe_intermediate_size=int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]),
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)) if renormalize is None else renormalize,
+        mlp_only_layers=mlp_only,
+    )
 
 
 def rope_inv_freq(config: LlamaConfig) -> torch.Tensor:
@@ -170,6 +339,19 @@ def rope_inv_freq(config: LlamaConfig) -> torch.Tensor:
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     is_medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
     return torch.where(is_medium, smoothed, scaled)
+
+
+def rope_local_inv_freq(config: LlamaConfig) -> torch.Tensor | None:
+    """The windowed layers' inverse frequencies (their own base, no scaling), or None when they
+    turn as the other layers."""
+    if not config.rope_local_theta:
+        return None
+    local = LlamaConfig(**{**_fields(config), "rope_theta": config.rope_local_theta, "rope_scaling": None})
+    return rope_inv_freq(LlamaConfig(**{**_fields(local), "rope_freq_factors": None}))
+
+
+def _fields(config: LlamaConfig) -> dict[str, Any]:
+    return {name: getattr(config, name) for name in config.__slots__}
 
 
 def rope_cos_sin(
@@ -203,25 +385,57 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(dtype)
 
 
+def whole_qk_norm(
+    q: torch.Tensor,  # [T, q_size]
+    k: torch.Tensor,  # [T, kv_size]
+    q_norm: RMSNorm,
+    k_norm: RMSNorm,
+    reduce: Reduce | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """OLMoE's RMSNorm over the whole q and the whole k projection (float32, as transformers).
+
+    Under tensor parallelism each rank holds some heads: the squares and widths are summed over
+    the ranks (one `reduce`), so every rank normalizes by the full projection's mean.
+    """
+    dtype = q.dtype
+    q32, k32 = q.float(), k.float()
+    ones = q32.new_ones(q32.shape[0])
+    stats = torch.stack(
+        [q32.pow(2).sum(-1), k32.pow(2).sum(-1), ones * q.shape[1], ones * k.shape[1]], dim=-1
+    )
+    if reduce is not None:
+        stats = reduce(stats)  # [T, 4]: summed over the ranks
+    q32 = q32 * torch.rsqrt(stats[:, :1] / stats[:, 2:3] + q_norm.eps)
+    k32 = k32 * torch.rsqrt(stats[:, 1:2] / stats[:, 3:4] + k_norm.eps)
+    return q_norm.weight * q32.to(dtype), k_norm.weight * k32.to(dtype)
+
+
 class DecoderLayer(nn.Module):
     """Pre-norm attention + SwiGLU MLP, with fused qkv and gate/up projections.
 
     Under tensor parallelism `config` holds this rank's heads and MLP columns, and `reduce`
-    sums the row-parallel `o_proj` and `down_proj` outputs over the ranks.
+    sums the row-parallel `o_proj` and `down_proj` outputs over the ranks (and OLMoE's whole-q/k
+    norm statistics). `index` is this layer's place in the stack (its MLP, its window).
     """
 
-    def __init__(self, config: LlamaConfig, reduce: Reduce | None = None) -> None:
+    def __init__(self, config: LlamaConfig, reduce: Reduce | None = None, index: int = 0) -> None:
         super().__init__()
         self.config = config
         self.reduce = reduce
+        self.window = config.layer_window(index)  # 0: attends every position
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)  # before the MLP
+        # Gemma's norms of the attention's and the MLP's outputs (its HF names:
+        # post_attention_layernorm and post_feedforward_layernorm)
+        self.attn_out_norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if config.post_norms else None
+        self.mlp_out_norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if config.post_norms else None
         qkv_out = config.q_size + 2 * config.kv_size
         self.qkv_proj = nn.Linear(config.hidden_size, qkv_out, bias=config.attention_bias)
-        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
-        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        q_width, k_width = (config.q_size, config.kv_size) if config.qk_norm_whole else (config.head_dim,) * 2
+        self.q_norm = RMSNorm(q_width, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(k_width, config.rms_norm_eps) if config.qk_norm else None
         self.o_proj = nn.Linear(config.q_size, config.hidden_size, bias=False)
-        self.moe = SparseMoE(config) if config.num_experts else None
+        self.moe = SparseMoE(config) if config.is_moe_layer(index) else None
         if self.moe is None:
             self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
             self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
@@ -239,24 +453,37 @@ class DecoderLayer(nn.Module):
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(self.input_layernorm(x))  # [T, q_size + 2 * kv_size]
         q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
-        q = q.view(num_tokens, c.num_heads, c.head_dim)  # [T, heads, hd]
-        k = k.view(num_tokens, c.num_kv_heads, c.head_dim)  # [T, kvh, hd]
-        if self.q_norm is not None and self.k_norm is not None:  # per head, before the rotary
-            q, k = self.q_norm(q), self.k_norm(k)
+        if c.qk_norm_whole and self.q_norm is not None and self.k_norm is not None:
+            q, k = whole_qk_norm(q, k, self.q_norm, self.k_norm, self.reduce)  # before the rotary
+        q = q.reshape(num_tokens, c.num_heads, c.head_dim)  # [T, heads, hd]
+        k = k.reshape(num_tokens, c.num_kv_heads, c.head_dim)  # [T, kvh, hd]
+        if not c.qk_norm_whole and self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)  # per head, before the rotary
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
         v = v.view(num_tokens, c.num_kv_heads, c.head_dim)  # [T, kvh, hd]
         write_kv(k_cache, v_cache, k, v, meta)
-        attn = paged_attention(q, k_cache, v_cache, meta)  # [T, heads * hd]
+        attn = paged_attention(
+            q,
+            k_cache,
+            v_cache,
+            meta,
+            windowed=self.window > 0,
+            scale=c.query_scale or None,
+            softcap=c.attn_softcap,
+        )  # [T, heads * hd]
         o = self.o_proj(attn)  # [T, hidden] (this rank's heads' share under TP)
-        h = x + (o if self.reduce is None else self.reduce(o))
+        o = o if self.reduce is None else self.reduce(o)
+        h = x + (o if self.attn_out_norm is None else self.attn_out_norm(o))
         normed = self.post_attention_layernorm(h)
         if self.moe is not None:
             d = self.moe(normed)  # [T, hidden]
         else:
             gate, up = self.gate_up_proj(normed).chunk(2, dim=-1)
-            d = self.down_proj(F.silu(gate) * up)  # [T, hidden]
-        out: torch.Tensor = h + (d if self.reduce is None else self.reduce(d))
+            act = F.silu(gate) if c.hidden_act == "silu" else F.gelu(gate, approximate="tanh")
+            d = self.down_proj(act * up)  # [T, hidden]
+        d = d if self.reduce is None else self.reduce(d)
+        out: torch.Tensor = h + (d if self.mlp_out_norm is None else self.mlp_out_norm(d))
         return out
 
 
@@ -272,11 +499,12 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, reduce) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, reduce, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, lm_head_rows or config.vocab_size, bias=False)
         self.inv_freq: torch.Tensor
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+        self.local_inv_freq: torch.Tensor | None = rope_local_inv_freq(config)  # the windowed layers'
 
     def forward(
         self,
@@ -288,9 +516,15 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Hidden states after the final norm, `[T, hidden]`."""
         x = self.embed_tokens(input_ids)  # [T, hidden]
+        if self.config.embed_scale:  # NOTE: the factor rounded to the embedding's dtype, as transformers does
+            x = x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)
         cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)
+        local = cos, sin
+        if self.local_inv_freq is not None:
+            local = rope_cos_sin(self.local_inv_freq.to(positions.device), positions, x.dtype)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, k_caches[i], v_caches[i], meta)
+            layer_cos, layer_sin = local if layer.window else (cos, sin)
+            x = layer(x, layer_cos, layer_sin, k_caches[i], v_caches[i], meta)
         out: torch.Tensor = self.norm(x)
         return out
 
@@ -302,9 +536,14 @@ class LlamaForCausalLM(nn.Module):
 
 def fuse_hf_state_dict(config: LlamaConfig, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Map Hugging Face parameter names onto this module's fused layout."""
+
+    def norm(name: str) -> torch.Tensor:  # (1 + w) folded into the weight (Gemma's HF files)
+        w = sd[name]
+        return w + config.norm_offset if config.norm_offset else w
+
     out: dict[str, torch.Tensor] = {
         "embed_tokens.weight": sd["model.embed_tokens.weight"],
-        "norm.weight": sd["model.norm.weight"],
+        "norm.weight": norm("model.norm.weight"),
     }
     lm_head = sd.get("lm_head.weight")
     if lm_head is None or config.tie_word_embeddings:
@@ -312,10 +551,15 @@ def fuse_hf_state_dict(config: LlamaConfig, sd: dict[str, torch.Tensor]) -> dict
     out["lm_head.weight"] = lm_head
     for i in range(config.num_layers):
         p = f"model.layers.{i}."
-        attn, mlp = p + "self_attn.", p + "mlp."
+        attn, mlp = p + "self_attn.", p + moe_prefix(sd, p)
         o = f"layers.{i}."
-        out[o + "input_layernorm.weight"] = sd[p + "input_layernorm.weight"]
-        out[o + "post_attention_layernorm.weight"] = sd[p + "post_attention_layernorm.weight"]
+        out[o + "input_layernorm.weight"] = norm(p + "input_layernorm.weight")
+        if config.post_norms:  # Gemma's names: the pre-MLP norm is pre_feedforward_layernorm
+            out[o + "post_attention_layernorm.weight"] = norm(p + "pre_feedforward_layernorm.weight")
+            out[o + "attn_out_norm.weight"] = norm(p + "post_attention_layernorm.weight")
+            out[o + "mlp_out_norm.weight"] = norm(p + "post_feedforward_layernorm.weight")
+        else:
+            out[o + "post_attention_layernorm.weight"] = norm(p + "post_attention_layernorm.weight")
         out[o + "qkv_proj.weight"] = torch.cat(
             [sd[attn + "q_proj.weight"], sd[attn + "k_proj.weight"], sd[attn + "v_proj.weight"]]
         )
@@ -324,10 +568,10 @@ def fuse_hf_state_dict(config: LlamaConfig, sd: dict[str, torch.Tensor]) -> dict
                 [sd[attn + "q_proj.bias"], sd[attn + "k_proj.bias"], sd[attn + "v_proj.bias"]]
             )
         if config.qk_norm:
-            out[o + "q_norm.weight"] = sd[attn + "q_norm.weight"]
-            out[o + "k_norm.weight"] = sd[attn + "k_norm.weight"]
+            out[o + "q_norm.weight"] = norm(attn + "q_norm.weight")
+            out[o + "k_norm.weight"] = norm(attn + "k_norm.weight")
         out[o + "o_proj.weight"] = sd[attn + "o_proj.weight"]
-        if config.num_experts:
+        if config.is_moe_layer(i):
             out |= {o + "moe." + k: w for k, w in fuse_experts(sd, mlp, config.num_experts).items()}
             continue
         out[o + "gate_up_proj.weight"] = torch.cat([sd[mlp + "gate_proj.weight"], sd[mlp + "up_proj.weight"]])
@@ -363,4 +607,6 @@ def build_model(
         {k: v.to(device=device, dtype=dtype).contiguous() for k, v in fused.items()}, assign=True, strict=True
     )
     model.inv_freq = rope_inv_freq(config).to(device)  # buffers made on meta are not in the state dict
+    local_freq = rope_local_inv_freq(config)
+    model.local_inv_freq = local_freq.to(device) if local_freq is not None else None
     return model.eval()

@@ -8,9 +8,12 @@ from dataclasses import dataclass, field
 import torch
 
 from ft.model import gguf_loader, hf_loader
-from ft.model.architectures import by_gguf
+from ft.model.architectures import by_gguf, by_name
+from ft.model.classifier import ClassifierHead, pop_head
+from ft.model.gguf_file import ModelFileError
 from ft.model.llama import LlamaConfig, Progress
 from ft.model.quant import QuantTensor
+from ft.model.rerank import RankFormat
 from ft.tokenizer.spec import TokenizerSpec
 
 
@@ -19,6 +22,8 @@ class LoadedModel:
     """What a model directory or file holds: config, weights (HF names), tokenizer, defaults.
 
     Weights are float tensors, or packed GGUF blocks (`QuantTensor`) when loaded `quantized`.
+    A reranker's classification head is not in `state_dict`: it is `classifier` (float), and
+    `rank_format` says how its pairs are formatted and its outputs read.
     """
 
     config: LlamaConfig
@@ -27,6 +32,8 @@ class LoadedModel:
     model_id: str
     dtype: torch.dtype
     generation_defaults: dict[str, float | int] = field(default_factory=dict)
+    classifier: ClassifierHead | None = None
+    rank_format: RankFormat | None = None
 
 
 def load_model(
@@ -55,12 +62,33 @@ def load_model(
         raise FileNotFoundError(f"model path {p} does not exist")
     if p.is_dir():
         config = hf_loader.hf_config(p)
-        sd: dict[str, torch.Tensor | QuantTensor] = dict(hf_loader.hf_state_dict(p, dtype, progress))
+        floats = hf_loader.hf_state_dict(p, dtype, progress)
+        head = pop_head(floats, config.hidden_size)  # `score.weight` of a *ForSequenceClassification
+        if config.pooling == "rank" and head is None:
+            raise ValueError(f"{p}: a sequence classifier without its score.weight")
+        sd: dict[str, torch.Tensor | QuantTensor] = dict(floats)
         spec = hf_loader.hf_tokenizer(p, config.max_position_embeddings)
-        return LoadedModel(config, sd, spec, p.name, dtype, hf_loader.generation_defaults(p))
+        rank_format = hf_loader.hf_rank_format(p, spec, head.num_labels) if head is not None else None
+        if rank_format is not None and rank_format.num_labels != 1:
+            raise ValueError(
+                f"{p}: the classifier has {rank_format.num_labels} labels; ft serves a sequence "
+                "classifier as a reranker, whose score.weight has one row (the relevance logit)"
+            )
+        defaults = hf_loader.generation_defaults(p)
+        return LoadedModel(config, sd, spec, p.name, dtype, defaults, head, rank_format)
     if p.suffix.lower() == ".gguf" or _is_gguf(p):
         config, sd, spec, model_id = gguf_loader.load_gguf(p, dtype, progress, quantized)
-        return LoadedModel(config, sd, spec, model_id, dtype, {})
+        # (`load_gguf` checked the head's shapes against the metadata; its tensors are floats.)
+        cls = {k: sd.pop(k) for k in list(sd) if k.startswith("cls.")}
+        softmax = by_name(config.architecture).rank_softmax
+        head = pop_head(cls, config.hidden_size, softmax=softmax)  # type: ignore[arg-type]
+        if head is None:
+            return LoadedModel(config, sd, spec, model_id, dtype, {})
+        try:
+            rank_format = gguf_loader.gguf_rank_format(p, spec, head.num_labels)
+        except ModelFileError as e:
+            raise ModelFileError(f"{p}: {e}") from None
+        return LoadedModel(config, sd, spec, model_id, dtype, {}, head, rank_format)
     raise ValueError(f"{p} is neither a .gguf file nor a Hugging Face model directory")
 
 
@@ -84,7 +112,10 @@ def is_quantized_gguf(path: str | pathlib.Path | None) -> bool:
         path = default_model_path()
     reader = gguf_loader.open_gguf(pathlib.Path(path).expanduser())
     try:
-        family = by_gguf(str(reader.text("general.architecture")), str(reader.text("general.name", "") or ""))
+        arch = str(reader.text("general.architecture"))
+        family = by_gguf(
+            arch, str(reader.text("general.name", "") or ""), f"{arch}.expert_count" in reader.fields
+        )
     except ValueError:
         family = None  # unsupported: `load_model` names it
     if family is not None and not family.packed:

@@ -1,15 +1,20 @@
-"""A mixture-of-experts MLP (Qwen3-MoE): a softmax router's top-k experts, run grouped by expert.
+"""Mixture-of-experts MLPs (Qwen3-MoE, Mixtral, OLMoE): a softmax router's top-k experts, run
+grouped by expert.
 
-Each token's `num_experts_per_tok` experts are chosen from the router's softmax (in float32, as
-transformers does), their weights renormalized to sum to one where the config says
-`norm_topk_prob`. The step's (token, expert) assignments are then sorted by expert, so each
-expert runs once over all of its tokens — one pair of matmuls per expert used in the step,
-never a loop over tokens — and its outputs, scaled by the routing weights, are added back to
-their rows in expert order.
+Each token's `num_experts_per_tok` experts are chosen from the router's softmax over every expert
+(in float32, as transformers does), their weights renormalized to sum to one where the config
+says `norm_topk_prob` (Qwen3-MoE's choice, always on Mixtral: the same as Mixtral's softmax over
+the k chosen logits, OLMoE's default off). The step's (token, expert) assignments are then sorted
+by expert (`group_by_expert`), so each expert runs once over all of its tokens — one set of
+products per expert used in the step, never a loop over tokens — and its outputs, scaled by the
+routing weights, are added back to their rows in expert order (`mix`). The float `SparseMoE` and
+the packed path (`quantized_llama`, whose experts stay GGUF blocks) share `route`,
+`group_by_expert` and `mix`; only how one expert runs over its rows differs.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
@@ -24,7 +29,56 @@ class Routing(NamedTuple):
     """Each token's chosen experts and their weights."""
 
     experts: torch.Tensor  # [T, top_k] int64
-    weights: torch.Tensor  # [T, top_k] in the activations' dtype
+    weights: torch.Tensor  # [T, top_k] float32 (`SparseMoE.route`: the activations' dtype)
+
+
+class ExpertGroups(NamedTuple):
+    """A step's (token, expert) assignments sorted by expert: expert e's are the `counts[e]`
+    entries after those of experts 0..e-1."""
+
+    rows: torch.Tensor  # [T * top_k] int64: the token row of each assignment
+    weights: torch.Tensor  # [T * top_k] float32: its routing weight
+    counts: list[int]  # [experts]: assignments per expert
+
+
+ExpertFn = Callable[[int, torch.Tensor], torch.Tensor]  # (expert, rows [n, hidden]) -> [n, hidden]
+
+
+def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> Routing:
+    """The top-k experts of each row of router `logits` `[T, experts]`: softmax over every expert
+    in float32, top-k, optionally renormalized over the k."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, experts = torch.topk(probs, top_k, dim=-1)  # [T, top_k]
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return Routing(experts, weights)
+
+
+def group_by_expert(routing: Routing, num_experts: int) -> ExpertGroups:
+    """`routing`'s assignments grouped by expert (stable: rows ascending within an expert).
+
+    NOTE: one host sync per layer for the group sizes; callers loop over the experts in use.
+    """
+    top_k = routing.experts.shape[1]
+    flat = routing.experts.flatten()  # [T * top_k]: assignment a is row a // top_k
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts).tolist()
+    return ExpertGroups(order // top_k, routing.weights.flatten()[order], counts)
+
+
+def mix(x: torch.Tensor, groups: ExpertGroups, run_expert: ExpertFn) -> torch.Tensor:
+    """`sum_k weight_k * expert_k(x)` for every row of `x` `[T, hidden]`: each expert in use run
+    once over all of its rows (`run_expert(e, x[rows])`), its weighted outputs added to them."""
+    out = torch.zeros_like(x)
+    start = 0
+    for expert, count in enumerate(groups.counts):
+        if count == 0:
+            continue
+        rows = groups.rows[start : start + count]
+        y = run_expert(expert, x[rows])  # [count, hidden]
+        out.index_add_(0, rows, y * groups.weights[start : start + count, None].to(y.dtype))
+        start += count
+    return out
 
 
 class SparseMoE(nn.Module):
@@ -41,40 +95,32 @@ class SparseMoE(nn.Module):
         self.down = nn.Parameter(torch.empty(e, h, i))
 
     def route(self, x: torch.Tensor) -> Routing:
-        """The top-k experts of each row of `x` `[T, hidden]`."""
-        logits = F.linear(x, self.router)  # [T, experts]
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-        weights, experts = torch.topk(probs, self.top_k, dim=-1)  # [T, top_k]
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        return Routing(experts, weights.to(x.dtype))
+        """The top-k experts of each row of `x` `[T, hidden]` (weights in `x`'s dtype)."""
+        routing = route(F.linear(x, self.router), self.top_k, self.norm_topk_prob)
+        return Routing(routing.experts, routing.weights.to(x.dtype))
+
+    def run_expert(self, expert: int, x: torch.Tensor) -> torch.Tensor:
+        """Expert `expert`'s SwiGLU over rows `x` `[n, hidden]` → `[n, hidden]`."""
+        gate, up = F.linear(x, self.gate_up[expert]).chunk(2, dim=-1)  # [n, inter] each
+        return F.linear(F.silu(gate) * up, self.down[expert])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
-        routing = self.route(x)
-        flat = routing.experts.flatten()  # [T * top_k]: assignment a is row a // top_k
-        order = torch.argsort(flat, stable=True)  # assignments grouped by expert
-        rows_of = order // self.top_k
-        weight_of = routing.weights.flatten()[order]
-        # NOTE: one host sync per layer for the group sizes; the loop is over experts in use.
-        counts = torch.bincount(flat, minlength=self.gate_up.shape[0]).tolist()
-        out = torch.zeros_like(x)
-        start = 0
-        for expert, count in enumerate(counts):
-            if count == 0:
-                continue
-            rows = rows_of[start : start + count]
-            gate, up = F.linear(x[rows], self.gate_up[expert]).chunk(2, dim=-1)  # [n, inter] each
-            y = F.linear(F.silu(gate) * up, self.down[expert])  # [n, hidden]
-            out.index_add_(0, rows, y * weight_of[start : start + count, None])
-            start += count
-        return out
+        groups = group_by_expert(self.route(x), self.gate_up.shape[0])
+        return mix(x, groups, self.run_expert)
+
+
+def moe_prefix(sd: Mapping[str, object], layer: str) -> str:
+    """The name of layer `layer`'s (`model.layers.N.`) MoE block: `mlp.`, or Mixtral's
+    `block_sparse_moe.`."""
+    return "block_sparse_moe." if layer + "block_sparse_moe.gate.weight" in sd else "mlp."
 
 
 def fuse_experts(sd: dict[str, torch.Tensor], prefix: str, num_experts: int) -> dict[str, torch.Tensor]:
     """The `SparseMoE` weights (`router`, `gate_up`, `down`) of the MLP at `prefix` (`...mlp.`),
-    from a checkpoint's per-expert `experts.N.{gate,up,down}_proj.weight`, transformers' fused
-    3-D `experts.gate_up_proj` / `experts.down_proj`, or a GGUF's stacked 3-D
-    `experts.{gate,up,down}_proj` (`architectures.MOE_NAMES`)."""
+    from a checkpoint's per-expert `experts.N.{gate,up,down}_proj.weight` (Mixtral's
+    `experts.N.{w1,w3,w2}.weight`), transformers' fused 3-D `experts.gate_up_proj` /
+    `experts.down_proj`, or a GGUF's stacked 3-D `experts.{gate,up,down}_proj`
+    (`architectures.MOE_NAMES`)."""
     out = {"router": sd[prefix + "gate.weight"]}
     if prefix + "experts.gate_up_proj" in sd:
         out["gate_up"], out["down"] = sd[prefix + "experts.gate_up_proj"], sd[prefix + "experts.down_proj"]
@@ -84,8 +130,11 @@ def fuse_experts(sd: dict[str, torch.Tensor], prefix: str, num_experts: int) -> 
         out["gate_up"], out["down"] = torch.cat(gate_up, dim=1), sd[prefix + "experts.down_proj"]
         return out
     experts = [f"{prefix}experts.{e}." for e in range(num_experts)]
-    out["gate_up"] = torch.stack(
-        [torch.cat([sd[p + "gate_proj.weight"], sd[p + "up_proj.weight"]]) for p in experts]
+    gate, up, down = (
+        ("w1", "w3", "w2") if experts[0] + "w1.weight" in sd else ("gate_proj", "up_proj", "down_proj")
     )
-    out["down"] = torch.stack([sd[p + "down_proj.weight"] for p in experts])
+    out["gate_up"] = torch.stack(
+        [torch.cat([sd[p + gate + ".weight"], sd[p + up + ".weight"]]) for p in experts]
+    )
+    out["down"] = torch.stack([sd[p + down + ".weight"] for p in experts])
     return out

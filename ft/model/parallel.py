@@ -7,7 +7,9 @@ columns), `o_proj` and `down_proj` by input columns, and their partial outputs a
 heads run on 2 ranks as 2 + 1 (every rank needs at least one kv head). The embedding is
 replicated; the lm_head is split by vocabulary rows and its logits gathered. Experts are split
 the same way, every expert by its MLP columns: the router is replicated, so every rank routes
-the (all-reduced, identical) activations to the same experts and sums its columns' share. Each rank's KV
+the (all-reduced, identical) activations to the same experts and sums its columns' share. OLMoE's
+norms over the whole q and k projections are split with their rows, and the ranks sum their
+squares before normalizing (`llama.whole_qk_norm`). Each rank's KV
 cache holds its own kv heads with the same page layout, so page ids mean the same on every rank
 and the scheduler does not change.
 
@@ -114,6 +116,10 @@ def shard_fused(config: LlamaConfig, fused: dict[str, torch.Tensor], shard: Shar
     for name, w in fused.items():
         if name.endswith("qkv_proj.weight") or name.endswith("qkv_proj.bias"):
             out[name] = qkv(w)
+        elif config.qk_norm_whole and name.endswith("q_norm.weight"):  # OLMoE: one weight per q row
+            out[name] = w.narrow(0, q0, q_rows)
+        elif config.qk_norm_whole and name.endswith("k_norm.weight"):
+            out[name] = w.narrow(0, kv0, kv_rows)
         elif name.endswith("o_proj.weight"):
             out[name] = w.narrow(1, q0, q_rows)  # [hidden, this rank's q_size]
         elif name.endswith("gate_up_proj.weight"):

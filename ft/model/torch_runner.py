@@ -49,6 +49,17 @@ def prepacked_linear(linear: torch.nn.Linear) -> Callable[[torch.Tensor], torch.
     return run
 
 
+def softcapped(
+    head: Callable[[torch.Tensor], torch.Tensor], cap: float
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """`head`'s logits as tanh(logits / cap) * cap (Gemma 2's final soft-capping)."""
+
+    def run(rows: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(head(rows) / cap) * cap
+
+    return run
+
+
 def quantize_linears(model: torch.nn.Module) -> None:
     """Every `nn.Linear` as fbgemm's dynamic int8 linear: per-output-channel int8 weights,
     float32 activations quantized per call.
@@ -124,6 +135,8 @@ class TorchRunner:
         self._lock = threading.Lock()  # one forward (one sequence of collectives) at a time
         self._page_size = page_size
         self._num_pages = num_pages
+        # A reranker's head, applied to rank-pooled rows (`_pool`); None: the model has none.
+        self.classifier = loaded.classifier.to(self.device) if loaded.classifier is not None else None
         c = loaded.config
         world = ranks.world if ranks is not None else 1
         local = local_config(c, ranks.shard if ranks is not None else Shard(0, 1))
@@ -164,6 +177,8 @@ class TorchRunner:
                 else prepacked_linear(self.model.lm_head)
             )
             self._lm_head = head if world == 1 else self._gathered(head)
+        if c.final_softcap:  # Gemma 2: every path's logits soft-capped once, after the projection
+            self._lm_head = softcapped(self._lm_head, c.final_softcap)
         self._graphs: DecodeGraphs | None = None
         if on_cpu:
             self.k_cache = lazy_zeros(shape, storage)
@@ -368,12 +383,12 @@ class TorchRunner:
                 logits = self._lm_head(rows)  # [R, vocab]
             return logits, [*self._score(works, hidden), *self._pool(works, hidden)]
 
-    @staticmethod
-    def _pool(works: list[SeqWork], hidden: torch.Tensor) -> list[PoolSum]:
+    def _pool(self, works: list[SeqWork], hidden: torch.Tensor) -> list[PoolSum]:
         """The pooling works' rows of `hidden` `[T, hidden]` (after the final norm), summed.
 
         In float64, so a prompt's mean does not depend on how it was chunked beyond the last
-        bits; the scheduler adds a sequence's chunks and divides.
+        bits; the scheduler adds a sequence's chunks and divides. A rank work's one row (its
+        prompt's last) goes through the classification head: its "sum" is the head's outputs.
         """
         out: list[PoolSum] = []
         base = 0
@@ -382,6 +397,10 @@ class TorchRunner:
                 first = base + work.pool_offset
                 rows = hidden[first : first + work.num_pool_rows]  # [P, hidden]
                 total = rows.double().sum(dim=0)  # [hidden]
+                if work.params.pooling == "rank":
+                    if self.classifier is None:
+                        raise ValueError("rank pooling needs a classification head; this model has none")
+                    total = self.classifier(total[None])[0]  # [num_labels]
                 out.append(PoolSum(work.seq_id, tuple(total.cpu().tolist())))
             base += len(work.token_ids)
         return out
@@ -430,7 +449,7 @@ class TorchRunner:
     def _forward_torch(
         self, token_ids: list[int], positions: list[int], spans: list[SeqSpan]
     ) -> torch.Tensor:
-        meta = build_metadata(spans, self._page_size)
+        meta = build_metadata(spans, self._page_size, self.config.sliding_window)
         if self.device.type != "cpu":
             meta = meta.to(self.device)
         hidden: torch.Tensor = self.model(

@@ -269,7 +269,10 @@ def model_entry(ctx: ServerContext, name: str) -> dict[str, Any]:
             "tools": True,  # every model: its template's format, or Hermes calls in the system prompt
             "reasoning": (ctx.settings.reasoning_parser or ctx.engine.reasoning_parser) is not None,
             "vision": False,  # text only: image, audio and file parts are refused
-            "embeddings": True,  # /v1/embeddings, /v1/rerank and /v1/score pool its hidden states
+            # /v1/embeddings pools its hidden states (not a reranker's: its pooled output is a score)
+            "embeddings": engine.pooling != "rank",
+            # /v1/rerank and /v1/score: the reranker's head over each pair, else embeddings' cosine
+            "rerank": "classifier" if engine.pooling == "rank" else "cosine",
         },
     }
 
@@ -282,6 +285,7 @@ def slot_entry(ctx: ServerContext, slot: ModelSlot) -> dict[str, Any]:
     context = (engine.max_model_len if engine is not None else 0) or slot.max_model_len or None
     names = slot.names
     reasoning = ctx.settings.reasoning_parser or (engine.reasoning_parser if engine is not None else None)
+    pooling = slot.pooling or slot.config.pooling
     return {
         "id": slot.name,
         "object": "model",
@@ -297,7 +301,9 @@ def slot_entry(ctx: ServerContext, slot: ModelSlot) -> dict[str, Any]:
             "tools": True,
             "reasoning": reasoning is not None,
             "vision": False,
-            "embeddings": True,
+            # as `model_entry` says, from how it pooled at its last load (its option before)
+            "embeddings": pooling != "rank",
+            "rerank": "classifier" if pooling == "rank" else "cosine",
         },
     }
 

@@ -181,7 +181,7 @@ def render_prompt(prompt: PromptSpec, spec: TokenizerSpec) -> tuple[str, bool]:
     """The text to tokenize, and whether a BOS token must be prepended to it."""
     if prompt.messages is None:
         assert prompt.text is not None
-        return prompt.text, spec.add_bos_token
+        return prompt.text, spec.add_bos_token and prompt.add_bos
     messages = list(prompt.messages)
     if prompt.continue_final_message:
         # Render the last message closed around a marker, then cut at the marker: what the

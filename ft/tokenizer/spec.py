@@ -154,6 +154,53 @@ def sentencepiece_bpe_from_gguf(
     return tok
 
 
+def gemma_from_gguf(tokens: list[str], token_types: list[int]) -> Tokenizer:
+    """Gemma's SentencePiece BPE from a GGUF (`tokenizer.ggml.model == "llama"`, no merges):
+    as transformers' `GemmaTokenizer` builds it from the same file.
+
+    No prefix space (spaces become "▁" and nothing is prepended), byte fallback, merges rebuilt
+    from the vocabulary in file order (Gemma's scores do not follow its merge order); the tokens
+    of several "▁" that llama.cpp's converter stores as spaces are spelled back.
+    """
+    spelled = ["▁" * len(t) if " " in t and not t.strip() else t for t in tokens]
+    vocab = {t: i for i, t in enumerate(spelled)}
+    tok = Tokenizer(
+        models.BPE(
+            vocab=vocab,
+            merges=gemma_merges(spelled),
+            unk_token="<unk>" if "<unk>" in vocab else None,
+            fuse_unk=True,
+            byte_fallback=True,
+        )
+    )
+    tok.normalizer = normalizers.Replace(" ", "▁")
+    tok.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    _add_gguf_special_tokens(tok, spelled, token_types, None)
+    return tok
+
+
+def gemma_merges(tokens: list[str]) -> list[tuple[str, str]]:
+    """Every split of a token into two tokens, the earlier tokens' first (transformers'
+    `generate_merges` with the file's order as scores), bounded as `_merges_from_scores`."""
+    vocab = {t: i for i, t in enumerate(tokens)}
+    lengths = {len(t) for t in vocab if len(t) < MAX_MERGED_TOKEN_CHARS}
+    found: list[tuple[int, int, int, int, int, tuple[str, str]]] = []
+    for merged, index in vocab.items():
+        if len(merged) > MAX_MERGED_TOKEN_CHARS:
+            continue
+        for cut in range(1, len(merged)):
+            if cut not in lengths or len(merged) - cut not in lengths:
+                continue
+            left, right = merged[:cut], merged[cut:]
+            if left in vocab and right in vocab:
+                # best first: earlier token, then (as transformers' reversed stable sort) the
+                # longer left piece, then the order of the pieces' ids
+                found.append((index, -len(left), -len(right), vocab[left], vocab[right], (left, right)))
+    found.sort()
+    return [pair for *_, pair in found]
+
+
 def _merges_from_scores(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
     """Recover BPE merges from a sentencepiece vocabulary: every split of a token into two tokens.
 

@@ -15,7 +15,7 @@ from ft.errors import ContextLengthExceeded, InvalidRequest
 from ft.params import SamplingParams
 
 Out = TokenOut | EmbeddingOut | SeqFailed
-POOLINGS_AND_GENERATION = ("mean", "cls", "last", "gen")
+POOLINGS_AND_GENERATION = ("mean", "cls", "last", "rank", "gen")
 PROMPT = [(7 * i + 3) % 90 + 3 for i in range(37)]  # 37 tokens: 9 full pages of 4 and one more
 
 
@@ -49,7 +49,7 @@ def expected(prompt: list[int], pooling: str) -> tuple[float, ...]:
     rows = [fake_hidden(t, p) for p, t in enumerate(prompt)]
     if pooling == "cls":
         return rows[0]
-    if pooling == "last":
+    if pooling in ("last", "rank"):  # (rank: the runner's head reads the last row; the fake has none)
         return rows[-1]
     return tuple(sum(col) / len(rows) for col in zip(*rows, strict=True))
 
@@ -59,7 +59,7 @@ def embedding(outs: list[Out], uid: int = 1) -> EmbeddingOut:
     return out
 
 
-@pytest.mark.parametrize("pooling", ["mean", "cls", "last"])
+@pytest.mark.parametrize("pooling", ["mean", "cls", "last", "rank"])
 def test_a_chunked_prompt_pools_every_position_once(pooling: str) -> None:
     """A 37-token prompt in 16-token chunks pools what the whole prompt would, samples nothing
     and frees its pages."""
@@ -120,6 +120,41 @@ def test_last_pooling_reuses_the_cache_and_computes_the_last_token() -> None:
     out = embedding(run(s), uid=2)
     assert out.num_cached_tokens == 36
     assert out.vector == expected(PROMPT, "last")
+
+
+def pool_rows(s: Scheduler) -> list[tuple[int, int]]:
+    """Run `s` to the end; the (position, rows) each pooling work pooled."""
+    rows = []
+    while s.has_work:
+        batch = s.schedule()
+        assert batch is not None
+        rows += [(w.start_pos + w.pool_offset, w.num_pool_rows) for w in batch.works if w.num_pool_rows]
+        results = FakeRunner().step(list(batch.works))
+        s.on_step_done(
+            batch, StepDone(batch.step, (), pooled=tuple(x for x in results if isinstance(x, PoolSum)))
+        )
+    return rows
+
+
+def test_rank_pooling_reads_the_last_row_and_reuses_the_cache() -> None:
+    """A reranker's pair: only its last position is pooled (the one row the head reads), so the
+    cached pages before it are reused (a rerank template's shared prefix)."""
+    s = make()
+    s.add(1, PROMPT, SamplingParams(pooling="rank"))
+    assert pool_rows(s) == [(len(PROMPT) - 1, 1)]
+    s.add(2, PROMPT, SamplingParams(pooling="rank"))
+    outs = step(s)  # one step: all but the last token from the cache
+    assert embedding(outs, uid=2).num_cached_tokens == 36
+    assert embedding(outs, uid=2).vector == expected(PROMPT, "rank")
+
+
+def test_a_preempted_rank_request_pools_its_last_row_once() -> None:
+    s = make()
+    s.add(1, PROMPT, SamplingParams(pooling="rank"))
+    assert step(s) == []  # the first 16 tokens, nothing pooled yet
+    s.preempt(1)
+    outs = run(s)
+    assert embedding(outs).vector == expected(PROMPT, "rank") and s.num_preemptions == 1
 
 
 def test_a_pooling_request_preempted_mid_prompt_pools_each_position_once() -> None:
@@ -340,7 +375,7 @@ def test_pooling_reads_and_registers_only_pages_of_its_own_content(
             )
             continue
         rows = [prefix_hidden(tuple(prompt[: p + 1])) for p in range(len(prompt))]
-        want = {"cls": rows[0], "last": rows[-1]}.get(kind) or tuple(
+        want = {"cls": rows[0], "last": rows[-1], "rank": rows[-1]}.get(kind) or tuple(
             sum(col) / len(rows) for col in zip(*rows, strict=True)
         )
         assert embedding(outs, uid).vector == pytest.approx(want, abs=1e-9)

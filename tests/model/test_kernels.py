@@ -438,3 +438,13 @@ def test_a_gguf_of_k_quants_loads_repacked_and_matches_its_float_load(tmp_path: 
             ids, index, torch.zeros(shape), torch.zeros(shape), page
         )
     assert ((out - ref).norm() / ref.norm()).item() < 0.03
+
+
+def test_the_kernels_build_wherever_a_compiler_exists() -> None:
+    """The packed-path tests skip without a C++ compiler; a compiler that fails to build the
+    kernels (a broken kernels.cpp) must fail here instead of skipping them all."""
+    try:
+        kernels._compiler()
+    except RuntimeError:
+        pytest.skip("no C++ compiler")
+    kernels.library()  # raises RuntimeError with the compiler's message

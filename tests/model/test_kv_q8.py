@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import pathlib
+import re
 
 import pytest
 import torch
@@ -306,7 +307,8 @@ def test_non_finite_keys_and_values_are_stored_as_defined_blocks(tiny_packed32: 
     bias = torch.zeros(qsz + 2 * kvsz)
     for at, value in ((3, math.nan), (32 + 8, math.inf), (32 + 20, -math.inf)):
         bias[qsz + at] = bias[qsz + kvsz + at] = value  # keys (then rotated) and values
-    model.layers[0].bias = bias
+    model.layers[0].keep.append(bias)
+    model.layers[0].args.bias, model.layers[0].args.bias_len = bias.data_ptr(), bias.numel()
     step = [((5, 7, 9), 0, (0,))]
     k, v = caches(config, Q8, 8)
     with torch.inference_mode():
@@ -323,3 +325,32 @@ def test_non_finite_keys_and_values_are_stored_as_defined_blocks(tiny_packed32: 
     assert (qs[:, 0, 3] == 0).all() and (d[:, 0] < 1).all() and (qs[:, 0].abs().amax(-1) == 127).all()
     assert (d[:, 1] == 65504).all() and (qs[:, 1, 8] == 127).all() and (qs[:, 1, 20] == -127).all()
     assert (qs[:, 1].abs() <= 1).sum() == 3 * 30
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("norm1", None, "norms of"),
+        ("norm2_len", 7, "norms of 128 and 7 elements"),
+        ("hidden", 64, "rows of 128 for hidden 64"),
+        ("kv_heads", 3, "heads over 3 kv heads"),
+        ("inter", 0, "hidden 128, ffn 0"),
+        ("bias_len", 5, "a q|k|v bias of 5"),
+    ],
+)
+def test_a_layer_whose_arguments_disagree_is_refused_before_any_read(
+    tiny_packed32: tuple, field: str, value: object, message: str
+) -> None:
+    """Every size in a layer's `LayerArgs` is checked against the others (and the step's rows
+    against the hidden size) before the kernel reads a pointer: a wrong one is a `KernelError`
+    naming it, never a read past a buffer."""
+    config, sd = tiny_packed32
+    model, page = QuantizedLlama(config, sd), 4
+    if field == "bias_len":
+        bias = torch.zeros(8)
+        model.layers[0].keep.append(bias)
+        model.layers[0].args.bias = bias.data_ptr()
+    setattr(model.layers[0].args, field, value)
+    k, v = caches(config, torch.float32, 8)
+    with pytest.raises(kernels.KernelError, match=re.escape(message)), torch.inference_mode():
+        model.forward(torch.tensor([5, 7, 9]), index_of([((5, 7, 9), 0, (0,))], page), k, v, page)

@@ -185,7 +185,7 @@ def test_default_model_pools_as_transformers(
 
 
 @pytest.mark.parametrize(("pooling_type", "expected"), [(None, None), (0, None), (1, "mean"), (2, "cls"),
-                                                         (3, "last"), (4, None)])  # fmt: skip
+                                                         (3, "last")])  # fmt: skip
 def test_the_gguf_pooling_type_is_read(
     tmp_path: pathlib.Path, pooling_type: int | None, expected: str | None
 ) -> None:

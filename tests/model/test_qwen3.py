@@ -146,7 +146,7 @@ def test_packed_layer_refuses_one_head_norm_without_the_other(qwen3_gguf: pathli
         pytest.skip("no C++ compiler for the packed kernels")
     runner = runner_of(load_model(qwen3_gguf, torch.float32, quantized=True))
     assert runner.packed is not None
-    runner.packed.layers[1].k_norm = None
+    runner.packed.layers[1].args.k_norm = None  # the layer's q norm stays
     with pytest.raises(kernels.KernelError, match="q/k head norms"):
         runner.forward([SeqWork(0, PROMPT[:4], 0, PAGES, True, GREEDY, 0)])
 
@@ -156,8 +156,10 @@ def test_packed_layer_refuses_head_norms_of_the_wrong_size(qwen3_gguf: pathlib.P
         pytest.skip("no C++ compiler for the packed kernels")
     runner = runner_of(load_model(qwen3_gguf, torch.float32, quantized=True))
     assert runner.packed is not None
-    layer = runner.packed.layers[0]
-    layer.q_norm = layer.k_norm = torch.ones(HEAD_DIM // 2)
+    layer, half = runner.packed.layers[0], torch.ones(HEAD_DIM // 2)
+    layer.keep.append(half)
+    layer.args.q_norm = layer.args.k_norm = half.data_ptr()
+    layer.args.qk_norm_len = half.numel()
     with pytest.raises(kernels.KernelError, match="q/k head norms of 16 for heads of 32"):
         runner.forward([SeqWork(0, PROMPT[:4], 0, PAGES, True, GREEDY, 0)])
 
@@ -185,7 +187,7 @@ def test_sliding_window_qwen3_is_refused(qwen3_dir: pathlib.Path, tmp_path: path
 @pytest.mark.parametrize(
     ("config", "named"),
     [
-        ({"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text"}, "Gemma3ForCausalLM"),
+        ({"architectures": ["MambaForCausalLM"], "model_type": "mamba"}, "MambaForCausalLM"),
         ({"model_type": "phi3"}, "phi3"),
     ],
 )
@@ -201,9 +203,9 @@ def test_unsupported_gguf_architecture_is_named_with_the_supported_list(
     qwen3_gguf: pathlib.Path, tmp_path: pathlib.Path
 ) -> None:
     raw = RawGGUF.read(qwen3_gguf)
-    raw.set("general.architecture", STRING, string("gemma3")).write(tmp_path / "gemma.gguf")
-    with pytest.raises(ModelFileError, match=r"'gemma3' is not supported \(supported: .*qwen3"):
-        load_model(tmp_path / "gemma.gguf", torch.float32)
+    raw.set("general.architecture", STRING, string("mamba")).write(tmp_path / "mamba.gguf")
+    with pytest.raises(ModelFileError, match=r"'mamba' is not supported \(supported: .*qwen3"):
+        load_model(tmp_path / "mamba.gguf", torch.float32)
 
 
 def test_two_tensor_parallel_ranks_give_the_tokens_and_logits_of_one(qwen3_dir: pathlib.Path) -> None:

@@ -128,26 +128,59 @@ def test_more_ranks_than_expert_columns_are_refused(moe_dir: pathlib.Path) -> No
         check_shardable(config, config.moe_intermediate_size + 1)
 
 
+def test_configs_ft_cannot_run_exactly_are_refused(moe_dir: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    cfg = json.loads((moe_dir / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(cfg | {"num_experts_per_tok": 9}))
+    with pytest.raises(ValueError, match="experts per token"):
+        load_model(tmp_path, torch.float32)
+
+
 @pytest.mark.parametrize(
-    "change", [{"decoder_sparse_step": 2}, {"mlp_only_layers": [0]}, {"num_experts_per_tok": 9}]
+    ("change", "dense"),
+    [
+        ({"decoder_sparse_step": 2}, (0, 2)),
+        ({"mlp_only_layers": [1]}, (1,)),
+        ({"decoder_sparse_step": 3}, (0, 1)),
+    ],
 )
-def test_configs_ft_cannot_run_exactly_are_refused(
+def test_dense_layers_among_the_expert_layers_match_transformers(
+    tmp_path: pathlib.Path, change: dict[str, object], dense: tuple[int, ...]
+) -> None:
+    """transformers' rule: layer i is routed unless listed in `mlp_only_layers`, and only when
+    (i + 1) is a multiple of `decoder_sparse_step`; the others are dense MLPs of
+    `intermediate_size`."""
+    model = qwen3_moe_model(num_hidden_layers=3, **change)
+    path = save_qwen3_dir(tmp_path / "mixed", model)
+    loaded = load_model(path, torch.float32)
+    assert loaded.config.mlp_only_layers == dense
+    runner = TorchRunner(loaded, num_pages=32, page_size=4, dtype=torch.float32)
+    assert [layer.moe is None for layer in runner.model.layers] == [i in dense for i in range(3)]
+    with torch.inference_mode():
+        expected = model(torch.tensor([PROMPT])).logits[0, -1]
+    _, logits = generate(runner, PROMPT, 1)
+    assert (logits - expected).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize(
+    "change", [{"decoder_sparse_step": 0}, {"mlp_only_layers": [2]}, {"mlp_only_layers": "0"}]
+)
+def test_a_malformed_dense_layer_list_is_refused(
     moe_dir: pathlib.Path, tmp_path: pathlib.Path, change: dict[str, object]
 ) -> None:
     cfg = json.loads((moe_dir / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps(cfg | change))
-    with pytest.raises(ValueError, match="dense layers|experts per token"):
+    with pytest.raises(ValueError, match="decoder_sparse_step|mlp_only_layers"):
         load_model(tmp_path, torch.float32)
 
 
 def test_gguf_loads_as_floats_and_matches_transformers_on_its_dequantized_weights(
     hf_model: Any, moe_gguf: pathlib.Path
 ) -> None:
-    """A `qwen3moe` GGUF (Q8_0 experts, stacked per projection) runs on the float path: the
-    packed kernels do not run experts, so "auto" does not pick them."""
+    """A `qwen3moe` GGUF (Q8_0 experts, stacked per projection) on the float path is
+    transformers on its dequantized weights; "auto" runs it packed (`test_moe_packed`)."""
     if not hf_model.config.norm_topk_prob:
         pytest.skip("llama.cpp's qwen3moe always renormalizes the top-k weights")
-    assert not is_quantized_gguf(moe_gguf)
+    assert is_quantized_gguf(moe_gguf)
     loaded = load_model(moe_gguf, torch.float32)
     sd = dict(loaded.state_dict)
     for i in range(hf_model.config.num_hidden_layers):
@@ -160,12 +193,6 @@ def test_gguf_loads_as_floats_and_matches_transformers_on_its_dequantized_weight
     runner = TorchRunner(loaded, num_pages=32, page_size=4, dtype=torch.float32)
     _, logits = generate(runner, PROMPT, 1)
     assert (logits - expected).abs().max().item() < 1e-4
-
-
-def test_the_packed_path_refuses_experts(moe_gguf: pathlib.Path) -> None:
-    loaded = load_model(moe_gguf, torch.float32, quantized=True)
-    with pytest.raises(ValueError, match="packed kernels do not run qwen3_moe's experts"):
-        TorchRunner(loaded, num_pages=32, page_size=4, dtype=torch.float32)
 
 
 def test_an_expert_tensor_of_the_wrong_shape_is_refused_naming_it(

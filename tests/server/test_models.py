@@ -147,6 +147,7 @@ async def test_models_entries_carry_the_runtime_context_and_capabilities() -> No
             "reasoning": True,
             "vision": False,
             "embeddings": True,
+            "rerank": "cosine",  # no classification head: rerank compares embeddings
         }
         assert (await c.get("/v1/models/fake")).json() == entry
         # The limit is the one requests meet: a prompt past it is a 400 naming the counts.

@@ -276,6 +276,7 @@ class ModelRouter:
                 slot.loaded_bytes = max(0, rss_bytes() - slot.rss_before_load)
                 slot.kv_bytes = engine.kv_cache_bytes
                 slot.max_model_len = engine.max_model_len
+                slot.pooling = engine.pooling
                 slot.set_status(ModelStatus.LOADED)
                 log.info("model %r loaded (%.1f MiB resident more)", slot.name, slot.loaded_bytes / 2**20)
                 self.notify()

@@ -88,6 +88,7 @@ class ModelSlot:
         self.loaded_bytes = 0  # weights' cost measured at its last load (RSS growth, >= file)
         self.kv_bytes = 0  # the KV pool's bytes, as its engine reported them at its last load
         self.max_model_len = 0  # its context at its last load (0: never loaded)
+        self.pooling: str | None = None  # how it pooled at its last load (None: never loaded)
         self.rss_before_load = 0
         self._changed = trio.Event()
         self._stop: trio.Event | None = None  # set: unload now (the engine task drains and exits)

@@ -15,6 +15,11 @@ scheduler feeds only the prompt and the runner returns its pooled hidden state. 
    cancelled and every open scope's exit frees its pages).
 3. **Vectors.** Each pooled vector is cut to `dimensions` when asked and L2-normalized (a
    zero vector stays zero).
+
+`rank` is the same lifecycle for a reranker (`engine.rank_format`, rank pooling): each
+(query, document) pair is one input, formatted as the model's `RankFormat` says (its rerank
+template, else its special tokens around the two texts' tokens), and its result is the
+classification head's score instead of a vector.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from quart import has_request_context, request
 
 from ft.engine.engine import Admission
 from ft.errors import FtError, InvalidRequest
+from ft.model.rerank import RankFormat
 from ft.params import SamplingParams
 from ft.prompt import PromptSpec
 from ft.server.edge.tracing import RequestRecord, current_record
@@ -49,6 +55,24 @@ class Pooled:
     """A pooling request's result: one unit vector per input, in order, and the token counts."""
 
     vectors: list[list[float]]
+    prompt_tokens: int
+    cached_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class Pair:
+    """One (query, document) pair a reranker scores, and the name a refusal of it gives."""
+
+    query: str
+    document: str
+    param: str
+
+
+@dataclass(frozen=True, slots=True)
+class Ranked:
+    """A rank request's result: one relevance score per pair, in order, and the token counts."""
+
+    scores: list[float]
     prompt_tokens: int
     cached_tokens: int
 
@@ -104,7 +128,9 @@ async def embed(
                 f"dimensions must be at most {engine.hidden_size}, this model's embedding size",
                 param="dimensions",
             )
-        prompt_ids = [await _prepare(ctx, i, params, truncate, admission) for i in inputs]
+        prompt_ids = [
+            _fit(ctx, await _token_ids(ctx, i, admission), params, truncate, i.param) for i in inputs
+        ]
         record.prompt_tokens = sum(len(ids) for ids in prompt_ids)
         vectors, cached = await _pool_all(ctx, params, prompt_ids, record, admission)
     finally:
@@ -119,21 +145,74 @@ async def embed(
     return Pooled(units, record.prompt_tokens, cached)
 
 
+async def rank(ctx: ServerContext, pairs: list[Pair], *, truncate: int | None = None) -> Ranked:
+    """Score each pair with the engine's reranker (see the module docstring).
+
+    Raises:
+        FtError: a pair cannot be tokenized, does not fit, or failed; the engine refuses (503).
+    """
+    engine = ctx.engine
+    fmt = engine.rank_format
+    assert fmt is not None, "rank() is for a reranker: the routes check engine.pooling"
+    record = current_record()
+    record.route = request.path if has_request_context() else "embedded"
+    record.stream = False
+    if ctx.settings.log_prompts:
+        record.prompts = [f"{p.query}\n{p.document}" for p in pairs]
+    params = SamplingParams(pooling="rank")
+    admission = engine.admit(min(len(pairs), engine.config.max_running_requests))
+    try:
+        parts: dict[str, tuple[int, ...]] = {}  # each text's tokens, once (rerank: one query)
+        prompt_ids = [
+            _fit(ctx, await _pair_ids(ctx, fmt, p, parts, admission), params, truncate, p.param)
+            for p in pairs
+        ]
+        record.prompt_tokens = sum(len(ids) for ids in prompt_ids)
+        outputs, cached = await _pool_all(ctx, params, prompt_ids, record, admission)
+    finally:
+        if not record.release_at_end(admission.release):
+            admission.release()
+    return Ranked([fmt.score(o) for o in outputs], record.prompt_tokens, cached)
+
+
 def is_large(inputs: Sequence[object]) -> bool:
     """Whether a batch's vectors are normalized and its body built off the event loop."""
     return len(inputs) > LARGE_BATCH
 
 
-async def _prepare(
-    ctx: ServerContext, item: Input, params: SamplingParams, truncate: int | None, admission: Admission
+async def _pair_ids(
+    ctx: ServerContext, fmt: RankFormat, pair: Pair, parts: dict[str, tuple[int, ...]], admission: Admission
 ) -> tuple[int, ...]:
-    """`item`'s token ids, cut to `truncate` (its last tokens), checked to fit the engine."""
+    """`pair` as one sequence's token ids, in the reranker's format (`RankFormat`)."""
     engine = ctx.engine
+    try:
+        if fmt.template is not None:
+            text = fmt.render(pair.query, pair.document)
+            return tuple(await engine.tokenize(PromptSpec(text=text, add_bos=False), admission=admission))
+        for text in (pair.query, pair.document):
+            if text not in parts:
+                spec = PromptSpec(text=text, add_bos=False)
+                parts[text] = tuple(await engine.tokenize(spec, admission=admission))
+    except InvalidRequest as e:
+        e.param = pair.param
+        raise
+    return tuple(fmt.pair_ids(parts[pair.query], parts[pair.document]))
+
+
+async def _token_ids(ctx: ServerContext, item: Input, admission: Admission) -> tuple[int, ...]:
+    """`item`'s token ids: given (checked against the vocabulary) or tokenized."""
     if item.prompt.token_ids is not None:
         ids = tuple(item.prompt.token_ids)
         ctx.check_token_ids(list(ids), item.param)
-    else:
-        ids = tuple(await engine.tokenize(item.prompt, admission=admission))
+        return ids
+    return tuple(await ctx.engine.tokenize(item.prompt, admission=admission))
+
+
+def _fit(
+    ctx: ServerContext, ids: tuple[int, ...], params: SamplingParams, truncate: int | None, param: str
+) -> tuple[int, ...]:
+    """`ids` cut to `truncate` (the last tokens), checked to fit the engine (a 400 naming `param`)."""
+    engine = ctx.engine
     if truncate is not None:
         keep = engine.max_model_len if truncate == -1 else truncate
         if keep > engine.max_model_len:
@@ -147,7 +226,7 @@ async def _prepare(
         try:
             engine.check_fits(len(ids), params)
         except InvalidRequest as e:
-            e.param = item.param
+            e.param = param
             raise
     return ids
 

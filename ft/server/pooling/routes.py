@@ -1,9 +1,12 @@
 """The pooling routes: `/v1/embeddings` (OpenAI), `/v1/rerank` (Jina/Cohere, as vLLM and
 llama-server accept it) and `/v1/score` (vLLM).
 
-Every one pools its inputs through `embed`. A causal LM has no classification head, so rerank
-and score are the cosine similarity of the query's (`text_1`'s) and each document's
-(`text_2`'s) pooled, normalized embeddings, as vLLM scores with an embedding model.
+A reranker (rank pooling: a model with a classification head) scores each (query, document)
+pair as one sequence through `rank`, as llama-server `--rerank` and vLLM's cross-encoders do, and
+refuses `/v1/embeddings` (its pooled output is a score, not a vector). Any other model pools its
+inputs through `embed`, and rerank and score are the cosine similarity of the query's
+(`text_1`'s) and each document's (`text_2`'s) pooled, normalized embeddings, as vLLM scores with
+an embedding model. The bodies say which in `scoring`: `classifier` or `cosine`.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ from __future__ import annotations
 import base64
 import struct
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from quart import Response
@@ -21,7 +24,7 @@ from ft.errors import InvalidRequest
 from ft.ids import random_id
 from ft.prompt import PromptSpec
 from ft.server.generation.context import ServerContext, json_response, json_response_off_loop, read_request
-from ft.server.pooling.embed import Input, Pooled, cosine, embed, inputs_of, is_large
+from ft.server.pooling.embed import Input, Pair, Pooled, Ranked, cosine, embed, inputs_of, is_large, rank
 from ft.server.pooling.schemas import MAX_INPUTS, EmbeddingRequest, RerankRequest, ScoreRequest
 
 
@@ -32,12 +35,19 @@ def register(app: QuartTrio, ctx: ServerContext) -> None:
     async def embeddings() -> Response:
         req = await read_request(ctx, EmbeddingRequest)
         view = await ctx.for_model(req.model)
+        if view.engine.pooling == "rank":
+            raise InvalidRequest(
+                "this model is served as a reranker (--pooling rank): its pooled output is a "
+                "relevance score, not an embedding; use /v1/rerank or /v1/score, or serve it with "
+                "--pooling last for embeddings of its hidden states",
+                param="input",
+            )
         one = isinstance(req.input, str) or isinstance(req.input[0], int)
         items: list[Any] = [req.input] if one else list(req.input)
         pooled = await embed(
             view, inputs_of(items, "input"), truncate=req.truncate_prompt_tokens, dimensions=req.dimensions
         )
-        return await answer(pooled, lambda: embeddings_body(view, pooled, req.encoding_format))
+        return await answer(pooled.vectors, lambda: embeddings_body(view, pooled, req.encoding_format))
 
     @app.post("/v1/rerank")
     @app.post("/v2/rerank")  # Cohere's client
@@ -46,11 +56,16 @@ def register(app: QuartTrio, ctx: ServerContext) -> None:
         req = await read_request(ctx, RerankRequest)
         view = await ctx.for_model(req.model)
         texts = [d if isinstance(d, str) else d.text for d in req.documents]
+        if view.engine.pooling == "rank":
+            pairs = [Pair(req.query, t, f"documents[{k}]") for k, t in enumerate(texts)]
+            ranked = await rank(view, pairs, truncate=req.truncate_prompt_tokens)
+            return await answer(pairs, lambda: rerank_body(view, req, texts, ranked.scores, ranked))
         query = Input(PromptSpec(text=req.query), "query")
         pooled = await embed(
             view, [query, *inputs_of(texts, "documents", many=True)], truncate=req.truncate_prompt_tokens
         )
-        return await answer(pooled, lambda: rerank_body(view, req, texts, pooled))
+        scores = [cosine(pooled.vectors[0], d) for d in pooled.vectors[1:]]
+        return await answer(pooled.vectors, lambda: rerank_body(view, req, texts, scores, pooled))
 
     @app.post("/v1/score")
     @app.post("/score")  # vLLM's other path
@@ -66,24 +81,41 @@ def register(app: QuartTrio, ctx: ServerContext) -> None:
             )
         if len(left) + len(right) > MAX_INPUTS:
             raise InvalidRequest(f"score takes at most {MAX_INPUTS} texts in all", param="text_2")
+        view = await ctx.for_model(req.model)
+        if view.engine.pooling == "rank":
+            name = "text_2[{}]" if isinstance(req.text_2, list) else "text_2"
+            pairs = [Pair(left[k if len(left) > 1 else 0], t, name.format(k)) for k, t in enumerate(right)]
+            ranked = await rank(view, pairs, truncate=req.truncate_prompt_tokens)
+            return await answer(pairs, lambda: score_body(view, ranked.scores, ranked))
         inputs = [
             *inputs_of(left, "text_1", many=isinstance(req.text_1, list)),
             *inputs_of(right, "text_2", many=isinstance(req.text_2, list)),
         ]
-        view = await ctx.for_model(req.model)
         pooled = await embed(view, inputs, truncate=req.truncate_prompt_tokens)
-        return await answer(pooled, lambda: score_body(view, pooled, len(left)))
+        lefts, rights = pooled.vectors[: len(left)], pooled.vectors[len(left) :]
+
+        def build() -> dict[str, Any]:
+            scores = [cosine(lefts[k if len(lefts) > 1 else 0], v) for k, v in enumerate(rights)]
+            return score_body(view, scores, pooled)
+
+        return await answer(pooled.vectors, build)
 
 
-async def answer(pooled: Pooled, build: Callable[[], dict[str, Any]]) -> Response:
-    """The JSON response `build()` makes: built in a thread for a large batch (its cosines,
-    base64 and JSON are linear in it)."""
-    if is_large(pooled.vectors):
+async def answer(inputs: Sequence[object], build: Callable[[], dict[str, Any]]) -> Response:
+    """The JSON response `build()` makes: built in a thread for a large batch of `inputs` (its
+    cosines, base64 and JSON are linear in it)."""
+    if is_large(inputs):
         return await json_response_off_loop(build)
     return json_response(build())
 
 
-def usage(pooled: Pooled) -> dict[str, Any]:
+def scoring(ctx: ServerContext) -> str:
+    """How rerank and score compute a score here: `classifier` (the reranker's head over the
+    pair) or `cosine` (of the two texts' embeddings)."""
+    return "classifier" if ctx.engine.pooling == "rank" else "cosine"
+
+
+def usage(pooled: Pooled | Ranked) -> dict[str, Any]:
     """The usage object: prompt tokens only (nothing is generated)."""
     return {
         "prompt_tokens": pooled.prompt_tokens,
@@ -110,12 +142,12 @@ def embeddings_body(ctx: ServerContext, pooled: Pooled, encoding_format: str) ->
     return {"object": "list", "data": data, "model": ctx.engine.model_id, "usage": usage(pooled)}
 
 
-def rerank_body(ctx: ServerContext, req: RerankRequest, texts: list[str], pooled: Pooled) -> dict[str, Any]:
+def rerank_body(
+    ctx: ServerContext, req: RerankRequest, texts: list[str], scores: list[float], counts: Pooled | Ranked
+) -> dict[str, Any]:
     """The documents' results by score, highest first (stable: ties keep input order), cut to
     `top_n`; each with its input `index` and, when asked, its `document`."""
-    query, docs = pooled.vectors[0], pooled.vectors[1:]
-    scores = [cosine(query, d) for d in docs]
-    order = sorted(range(len(docs)), key=lambda k: -scores[k])
+    order = sorted(range(len(scores)), key=lambda k: -scores[k])
     if req.top_n:
         order = order[: req.top_n]
     results = []
@@ -128,22 +160,20 @@ def rerank_body(ctx: ServerContext, req: RerankRequest, texts: list[str], pooled
         "id": random_id("rerank-", 32),
         "model": ctx.engine.model_id,
         "results": results,
-        "usage": usage(pooled),
+        "scoring": scoring(ctx),
+        "usage": usage(counts),
     }
 
 
-def score_body(ctx: ServerContext, pooled: Pooled, num_left: int) -> dict[str, Any]:
+def score_body(ctx: ServerContext, scores: list[float], counts: Pooled | Ranked) -> dict[str, Any]:
     """vLLM's score list: one `score` per `text_2` item, against `text_1` (or its pair)."""
-    left, right = pooled.vectors[:num_left], pooled.vectors[num_left:]
-    data = [
-        {"index": k, "object": "score", "score": cosine(left[k if num_left > 1 else 0], v)}
-        for k, v in enumerate(right)
-    ]
+    data = [{"index": k, "object": "score", "score": s} for k, s in enumerate(scores)]
     return {
         "id": random_id("score-", 32),
         "object": "list",
         "created": int(time.time()),
         "model": ctx.engine.model_id,
         "data": data,
-        "usage": usage(pooled),
+        "scoring": scoring(ctx),
+        "usage": usage(counts),
     }

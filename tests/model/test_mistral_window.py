@@ -1,0 +1,210 @@
+"""Mistral's `sliding_window`: every layer attends its last `sliding_window` positions.
+
+transformers' own `MistralForCausalLM` with random weights and a window of 8 under a 44-token
+prompt: the float32 path matches its logits within 1e-4 from safetensors and from a `llama`
+GGUF named Mistral with `llama.attention.sliding_window` (q/k rows permuted as llama.cpp's
+converter does); the packed path stays within int8 tolerance of the float path on a Q8_0 file.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, GGUFWriter
+from gguf.quants import quantize
+
+from ft.model import kernels
+from ft.model.loader import load_model
+from ft.model.torch_runner import TorchRunner
+from tests.support.gguf_files import tiny_tokens
+from tests.support.tiny_qwen3 import generate, save_qwen3_dir
+
+transformers = pytest.importorskip("transformers")
+
+PROMPT = (5, 17, 33, 2, 9, 60, 41, 7, 7, 12, 80, 3, 22, 19, 50, 4, 8, 71, 30, 200, 150, 99) * 2
+WINDOW, HEADS, KV_HEADS = 8, 4, 2
+_NAMES = {
+    "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}  # fmt: skip
+_GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+           "lm_head.weight": "output.weight"}  # fmt: skip
+
+
+def mistral_model(**overrides: Any) -> Any:
+    tokens, _, _ = tiny_tokens()
+    fields: dict[str, Any] = dict(
+        vocab_size=len(tokens), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=16, max_position_embeddings=512,
+        sliding_window=WINDOW, attn_implementation="eager",
+    )  # fmt: skip
+    fields.update(overrides)
+    torch.manual_seed(0)
+    model = transformers.MistralForCausalLM(transformers.MistralConfig(**fields))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, 0.1)
+    return model.eval()
+
+
+def _permuted(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's converter's q/k row order (rotary pairs interleaved)."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_mistral_gguf(path: pathlib.Path, model: Any, qtype: GGMLQuantizationType) -> pathlib.Path:
+    c = model.config
+    tokens, merges, types = tiny_tokens()
+    w = GGUFWriter(str(path), "llama")
+    w.add_name("Mistral tiny")  # a "llama" file named Mistral is Mistral
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_key_length(c.head_dim)
+    w.add_value_length(c.head_dim)
+    w.add_rope_freq_base(float(c.rope_parameters["rope_theta"]))
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_sliding_window(c.sliding_window)
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_eos_token_id(2)
+    for name, tensor in model.state_dict().items():
+        data = tensor.detach().float().numpy()
+        if name in _GLOBAL:
+            gguf_name = _GLOBAL[name]
+        else:
+            layer, _, rest = name.removeprefix("model.layers.").partition(".")
+            gguf_name = f"blk.{layer}.{_NAMES[rest]}"
+            if rest.startswith(("self_attn.q_proj", "self_attn.k_proj")):
+                data = _permuted(data, HEADS if "q_proj" in rest else KV_HEADS)
+        if data.ndim == 2 and qtype != GGMLQuantizationType.F32:
+            w.add_tensor(gguf_name, np.asarray(quantize(data, qtype)), raw_dtype=qtype)
+        else:
+            w.add_tensor(gguf_name, data.astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def hf_model() -> Any:
+    return mistral_model()
+
+
+def runner_of(path: pathlib.Path, quantized: bool = False) -> TorchRunner:
+    return TorchRunner(load_model(path, torch.float32, quantized=quantized), num_pages=32, page_size=4,
+                       dtype=torch.float32)  # fmt: skip
+
+
+def expected(model: Any) -> torch.Tensor:
+    with torch.inference_mode():
+        logits: torch.Tensor = model(torch.tensor([PROMPT])).logits[0, -1]
+    return logits
+
+
+def test_safetensors_float32_logits_match_transformers(hf_model: Any, tmp_path: pathlib.Path) -> None:
+    path = save_qwen3_dir(tmp_path / "mistral", hf_model)
+    loaded = load_model(path, torch.float32)
+    assert loaded.config.sliding_window == WINDOW and loaded.config.is_all_windowed
+    _, logits = generate(runner_of(path), PROMPT, 1)
+    assert (logits - expected(hf_model)).abs().max().item() < 1e-4
+
+
+def test_without_the_window_the_logits_differ(hf_model: Any, tmp_path: pathlib.Path) -> None:
+    path = save_qwen3_dir(tmp_path / "mistral", hf_model)
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(cfg | {"sliding_window": None}))
+    assert load_model(path, torch.float32).config.sliding_window == 0
+    _, logits = generate(runner_of(path), PROMPT, 1)
+    assert (logits - expected(hf_model)).abs().max().item() > 1e-2
+
+
+def test_gguf_float_path_matches_transformers(hf_model: Any, tmp_path: pathlib.Path) -> None:
+    path = write_mistral_gguf(tmp_path / "mistral.f32.gguf", hf_model, GGMLQuantizationType.F32)
+    config = load_model(path, torch.float32).config
+    assert config.architecture == "mistral" and config.sliding_window == WINDOW and not config.sliding_layers
+    _, logits = generate(runner_of(path), PROMPT, 1)
+    assert (logits - expected(hf_model)).abs().max().item() < 1e-4
+
+
+@pytest.mark.skipif(not kernels.available(), reason="no C++ compiler for the packed kernels")
+def test_packed_path_agrees_with_the_float_path(hf_model: Any, tmp_path: pathlib.Path) -> None:
+    path = write_mistral_gguf(tmp_path / "mistral.q8_0.gguf", hf_model, GGMLQuantizationType.Q8_0)
+    want_tokens, want = generate(runner_of(path), PROMPT, 4)
+    packed = runner_of(path, quantized=True)
+    assert packed.packed is not None and all(layer.args.window == WINDOW for layer in packed.packed.layers)
+    got_tokens, got = generate(packed, PROMPT, 4)
+    assert (got - want).abs().max().item() < 0.04 * (want.max() - want.min()).item()
+    assert got_tokens[0] == want_tokens[0]
+
+
+def test_a_llama_gguf_keeps_every_position(hf_model: Any, tmp_path: pathlib.Path) -> None:
+    """llama.cpp's `llama` files attend everything: the key applies to Mistral only."""
+    path = write_mistral_gguf(tmp_path / "mistral.f32.gguf", hf_model, GGMLQuantizationType.F32)
+    from tests.support.gguf_files import STRING, RawGGUF, string
+
+    RawGGUF.read(path).set("general.name", STRING, string("tiny llama")).write(tmp_path / "llama.gguf")
+    assert load_model(tmp_path / "llama.gguf", torch.float32).config.sliding_window == 0
+
+
+def serve(
+    runner: TorchRunner, kv_window: int, prompts: list[list[int]], max_tokens: int
+) -> tuple[dict[int, list[int]], int, int]:
+    """Greedy tokens of each prompt served together through the scheduler core and `runner`,
+    the pages dropped and the most pages in use at once."""
+    from ft.core.batch import Sampled, StepDone, TokenOut
+    from ft.core.kv import PagePool
+    from ft.core.scheduler import Scheduler
+    from ft.params import SamplingParams
+
+    s = Scheduler(
+        PagePool(runner.num_pages, runner.page_size), max_running=4, max_model_len=512, max_prefill_tokens=16,
+        eos_token_ids=[], kv_window=kv_window,
+    )  # fmt: skip
+    for uid, prompt in enumerate(prompts):
+        s.add(uid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+    tokens: dict[int, list[int]] = {uid: [] for uid in range(len(prompts))}
+    peak = 0
+    while s.has_work:
+        batch = s.schedule()
+        assert batch is not None
+        peak = max(peak, s.pool.num_used)
+        sampled = tuple(o for o in runner.step(list(batch.works)) if isinstance(o, Sampled))
+        for out in s.on_step_done(batch, StepDone(batch.step, sampled)):
+            assert isinstance(out, TokenOut)
+            tokens[out.uid].append(out.token_id)
+    return tokens, s.num_dropped_pages, peak
+
+
+@pytest.mark.skipif(not kernels.available(), reason="no C++ compiler for the packed kernels")
+def test_pages_behind_the_window_return_to_the_pool_and_the_tokens_stay_the_same(
+    hf_model: Any, tmp_path: pathlib.Path
+) -> None:
+    """Two sequences decoding past the window on a small pool: the pages each passes go back
+    (and are handed to the other), and every greedy token is the one all pages held give."""
+    path = write_mistral_gguf(tmp_path / "mistral.q8_0.gguf", hf_model, GGMLQuantizationType.Q8_0)
+    prompts = [list(PROMPT[:30]), list(PROMPT[5:25])]
+    runner = TorchRunner(load_model(path, torch.float32, quantized=True), num_pages=24, page_size=4,
+                         dtype=torch.float32)  # fmt: skip
+    held, none_dropped, held_peak = serve(runner, 0, prompts, 40)
+    windowed, dropped, windowed_peak = serve(runner, WINDOW, prompts, 40)
+    assert none_dropped == 0 and dropped > 0 and windowed_peak < held_peak
+    assert windowed == held
