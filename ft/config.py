@@ -229,18 +229,29 @@ def resolve_pooling(configured: str, from_model: str | None, *, can_rank: bool =
 ENGINE_DEFAULTS = EngineConfig()
 
 
-def add_model_arguments(parser: argparse.ArgumentParser | Any) -> None:
+def add_model_arguments(parser: argparse.ArgumentParser | Any, *, several: bool = False) -> None:
     """Add the model options every command takes (`--model`, `--dtype`, `--quantize`,
     `--max-model-len`, `--device`, `--enforce-eager`, `--tensor-parallel-size`,
     `--compute-threads`, `--speculative-*`) to `parser` or an argument group of it; defaults
-    from `EngineConfig`."""
+    from `EngineConfig`. `several`: `--model` may be given more than once (`ft serve`; a list,
+    None when not given)."""
     d = ENGINE_DEFAULTS
-    parser.add_argument(
-        "--model",
-        metavar="PATH",
-        default=d.model,
-        help="GGUF file or Hugging Face directory (default: SmolLM2-135M-Instruct, fetched by ft pull)",
-    )
+    if several:
+        parser.add_argument(
+            "--model",
+            metavar="PATH",
+            action="append",
+            default=d.model,
+            help="GGUF file or Hugging Face directory, or NAME=PATH; give it more than once to serve "
+            "several models (default: SmolLM2-135M-Instruct, fetched by ft pull)",
+        )
+    else:
+        parser.add_argument(
+            "--model",
+            metavar="PATH",
+            default=d.model,
+            help="GGUF file or Hugging Face directory (default: SmolLM2-135M-Instruct, fetched by ft pull)",
+        )
     parser.add_argument("--dtype", choices=DTYPES, default=d.dtype, help="(default: %(default)s)")
     parser.add_argument(
         "--quantize",

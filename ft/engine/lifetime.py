@@ -221,6 +221,7 @@ async def _load_and_start(
     engine.kv_page_bytes = parts.bytes_per_page(cfg.page_size)
     num_pages = cfg.num_pages or max(2, cfg.kv_cache_memory // engine.kv_page_bytes)
     runner = await trio.to_thread.run_sync(parts.make_runner, num_pages, cfg.page_size)
+    engine.kv_cache_bytes = num_pages * parts.bytes_per_page(cfg.page_size)
     kv_dtype = getattr(runner, "kv_dtype", None)
     if kv_dtype is not None:
         engine.kv_cache_dtype = str(kv_dtype).removeprefix("torch.")
