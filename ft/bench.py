@@ -1,7 +1,7 @@
 """Output tokens/s through the embedded API (no HTTP) at several concurrency levels.
 
     ft bench [--concurrency 1 4 16] [--max-tokens 128] [--model PATH] [--structured] [--prefill 512]
-             [--prompts short|edit] [--speculative-method ngram]
+             [--prompts short|edit] [--speculative-method ngram|draft [--speculative-model PATH]]
     python tools/bench_engine.py ...        (the same)
 
 Prints one JSON line: for each concurrency, output tokens/s, mean TTFT and wall time, plus the

@@ -7,6 +7,7 @@ import logging
 import os
 import re
 import sys
+from functools import partial
 
 import trio
 
@@ -22,6 +23,7 @@ from ft.config import (
 from ft.core.reasoning import REASONING_PARSERS
 from ft.core.toolcalls import TOOL_CALL_PARSERS
 from ft.logs import LOG_FORMATS, setup_logging
+from ft.server.models import RouterSettings, ServedModel, discover_models, parse_model_option
 from ft.server.settings import LOG_LEVELS, ServerSettings
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
@@ -52,6 +54,7 @@ def _origins(text: str) -> tuple[str, ...]:
 # The defaults `ft serve` shows and uses: read from the records, written once (there).
 _E = ENGINE_DEFAULTS
 _S = ServerSettings()
+_R = RouterSettings(models=(ServedModel("default", "default"),))
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -59,7 +62,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     `ServerSettings` field's, and every help ends with `(default: ...)` (the README's options
     table says the same, `tests/test_readme_options.py`)."""
     model = parser.add_argument_group("model")
-    add_model_arguments(model)
+    add_model_arguments(model, several=True)
     model.add_argument(
         "--served-model-name",
         nargs="+",
@@ -88,6 +91,39 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         default=_S.reasoning_parser,
         help="split reasoning out of chat output with this parser (default: the model family's: "
         "think for Qwen3, else none)",
+    )
+
+    models = parser.add_argument_group("several models (router mode)")
+    models.add_argument(
+        "--models-dir",
+        metavar="DIR",
+        default=None,
+        help="serve every *.gguf file and Hugging Face model folder in DIR, by its file or folder "
+        "name, each loaded on demand (default: none)",
+    )
+    models.add_argument(
+        "--models-max",
+        metavar="N",
+        type=int,
+        default=_R.max_loaded,
+        help="the most models loaded at once; loading another unloads the least recently used "
+        "idle one (default: no limit)",
+    )
+    models.add_argument(
+        "--models-memory",
+        metavar="SIZE",
+        type=parse_size,
+        default=_R.memory_bytes,
+        help="the most memory the loaded models may cost together (weights + KV budget each), "
+        "e.g. 8GiB; the least recently used idle ones are unloaded to make room (default: no limit)",
+    )
+    models.add_argument(
+        "--sleep-idle-seconds",
+        metavar="S",
+        type=float,
+        default=_R.sleep_idle_s,
+        help="unload a model nobody used for S seconds; probes, /metrics, /v1/models and /v1/stats "
+        "do not count as use (default: never)",
     )
 
     engine = parser.add_argument_group("engine")
@@ -306,11 +342,44 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def router_from_args(args: argparse.Namespace) -> RouterSettings | None:
+    """Router mode's settings when `args` ask for it (several `--model`s, `--models-dir`, or a
+    router flag); None for one model, served as always. Raises `ValueError`."""
+    given = [parse_model_option(m) for m in args.model or ()]
+    is_router = (
+        len(given) > 1
+        or args.models_dir is not None
+        or args.models_max is not None
+        or args.models_memory is not None
+        or args.sleep_idle_seconds is not None
+    )
+    if not is_router:
+        return None
+    if args.served_model_name is not None:
+        raise ValueError("--served-model-name names one model; with several, name each --model NAME=PATH")
+    models = given + (discover_models(args.models_dir) if args.models_dir is not None else [])
+    if not models:
+        raise ValueError("router mode needs a --model or a --models-dir")
+    return RouterSettings(
+        models=tuple(models),
+        max_loaded=args.models_max,
+        memory_bytes=args.models_memory,
+        sleep_idle_s=args.sleep_idle_seconds,
+        unload_timeout_s=args.drain_timeout,
+    )
+
+
 def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerSettings]:
-    """The engine config and server settings `args` describe. Raises `ValueError`."""
+    """The engine config and server settings `args` describe (with several models, the config
+    each model's is made from). Raises `ValueError`."""
     served = args.served_model_name
+    fields = model_config_fields(args)
+    models = [parse_model_option(m) for m in args.model or ()]
+    fields["model"] = models[0].path if models else None
+    if len(models) == 1 and served is None and models[0].path != args.model[0]:
+        served = [models[0].name]  # one `--model NAME=PATH`: served as NAME
     engine = EngineConfig(
-        **model_config_fields(args),
+        **fields,
         served_model_name=tuple(served) if served is not None else None,
         page_size=args.page_size,
         num_pages=args.num_pages,
@@ -368,12 +437,13 @@ def run_serve(args: argparse.Namespace) -> int:
 
     try:
         engine, settings = configs_from_args(args)
+        router = router_from_args(args)
     except ValueError as e:
         print(f"ft serve: {e}", file=sys.stderr)
         return 2
     setup_logging(settings.log_level, settings.log_format)
     try:
-        trio.run(serve, engine, settings)
+        trio.run(partial(serve, engine, settings, router=router))
     except EngineFailed as e:
         # A supervisor restarts a server that exits non-zero; the ranks are already stopped.
         print(f"ft serve: the engine failed: {e}", file=sys.stderr, flush=True)

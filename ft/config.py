@@ -18,7 +18,7 @@ Q8_0_KV_PATH = (
 POOLING_CHOICES = ("auto", "mean", "cls", "last", "rank")
 ADMISSIONS = ("need", "reserve")
 QUANTIZATIONS = ("int8",)
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft")
 DEVICE_PATTERN = r"auto|cpu|cuda(:\d+)?"  # auto: CUDA when torch sees one, else the CPU
 DEFAULT_STEP_TIMEOUT_S = 60.0  # far above any step, a grammar's bounded masks included
 # A chat template renders in milliseconds; one that runs for seconds loops without end.
@@ -81,7 +81,11 @@ class EngineConfig:
     # lookup) and verifies the drafts in the step; None: off. At most `speculative_tokens`
     # drafted per sequence and step, and only while a step decodes at most
     # `speculative_max_batch` sequences (larger batches are compute-bound already).
+    # "draft": a smaller model with the same tokenizer (`speculative_model`, a GGUF file or
+    # Hugging Face directory) drafts instead. Either way a measured cost model turns drafting
+    # off for a step that would lose by it.
     speculative_method: str | None = None
+    speculative_model: str | None = None
     speculative_tokens: int = 4
     speculative_max_batch: int = 4
     pooling: str = "auto"  # how embeddings pool the prompt's hidden states (see `resolve_pooling`)
@@ -158,6 +162,15 @@ class EngineConfig:
                 f"speculative_method must be one of {', '.join(SPECULATIVE_METHODS)}, "
                 f"got {self.speculative_method!r}"
             )
+        if (self.speculative_method == "draft") != (self.speculative_model is not None):
+            raise ValueError(
+                "speculative_method draft needs a speculative_model (and a speculative_model "
+                "needs speculative_method draft)"
+            )
+        if self.speculative_method == "draft" and self.tensor_parallel_size > 1:
+            raise ValueError(
+                "a draft model runs in one process; it cannot be combined with tensor parallelism"
+            )
         if not 1 <= self.speculative_tokens <= 32:
             raise ValueError(f"speculative_tokens must be in 1..32, got {self.speculative_tokens}")
         if self.prompt_cache_dir is not None:
@@ -216,18 +229,29 @@ def resolve_pooling(configured: str, from_model: str | None, *, can_rank: bool =
 ENGINE_DEFAULTS = EngineConfig()
 
 
-def add_model_arguments(parser: argparse.ArgumentParser | Any) -> None:
+def add_model_arguments(parser: argparse.ArgumentParser | Any, *, several: bool = False) -> None:
     """Add the model options every command takes (`--model`, `--dtype`, `--quantize`,
     `--max-model-len`, `--device`, `--enforce-eager`, `--tensor-parallel-size`,
     `--compute-threads`, `--speculative-*`) to `parser` or an argument group of it; defaults
-    from `EngineConfig`."""
+    from `EngineConfig`. `several`: `--model` may be given more than once (`ft serve`; a list,
+    None when not given)."""
     d = ENGINE_DEFAULTS
-    parser.add_argument(
-        "--model",
-        metavar="PATH",
-        default=d.model,
-        help="GGUF file or Hugging Face directory (default: SmolLM2-135M-Instruct, fetched by ft pull)",
-    )
+    if several:
+        parser.add_argument(
+            "--model",
+            metavar="PATH",
+            action="append",
+            default=d.model,
+            help="GGUF file or Hugging Face directory, or NAME=PATH; give it more than once to serve "
+            "several models (default: SmolLM2-135M-Instruct, fetched by ft pull)",
+        )
+    else:
+        parser.add_argument(
+            "--model",
+            metavar="PATH",
+            default=d.model,
+            help="GGUF file or Hugging Face directory (default: SmolLM2-135M-Instruct, fetched by ft pull)",
+        )
     parser.add_argument("--dtype", choices=DTYPES, default=d.dtype, help="(default: %(default)s)")
     parser.add_argument(
         "--quantize",
@@ -274,7 +298,14 @@ def add_model_arguments(parser: argparse.ArgumentParser | Any) -> None:
         choices=SPECULATIVE_METHODS,
         default=d.speculative_method,
         help="speculative decoding: ngram drafts from each request's prompt and output (prompt "
-        "lookup); the output is unchanged (default: off)",
+        "lookup), draft from --speculative-model; the output is unchanged (default: off)",
+    )
+    parser.add_argument(
+        "--speculative-model",
+        metavar="PATH",
+        default=d.speculative_model,
+        help="the draft model of --speculative-method draft: a smaller GGUF file or Hugging Face "
+        "directory with the model's tokenizer (default: none)",
     )
     parser.add_argument(
         "--speculative-tokens",
@@ -289,7 +320,8 @@ def add_model_arguments(parser: argparse.ArgumentParser | Any) -> None:
         metavar="N",
         type=int,
         default=d.speculative_max_batch,
-        help="draft only in steps decoding at most N requests (default: %(default)s)",
+        help="draft only in steps decoding at most N requests; below it a measured cost model "
+        "drafts only when it saves time (default: %(default)s)",
     )
 
 
@@ -305,6 +337,7 @@ def model_config_fields(args: argparse.Namespace) -> dict[str, Any]:
         "cuda_graphs": not args.enforce_eager,
         "compute_threads": args.compute_threads,
         "speculative_method": args.speculative_method,
+        "speculative_model": args.speculative_model,
         "speculative_tokens": args.speculative_tokens,
         "speculative_max_batch": args.speculative_max_batch,
     }

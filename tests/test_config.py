@@ -29,6 +29,13 @@ from ft.server.settings import ServerSettings
         ({"speculative_tokens": 0}, "speculative_tokens"),
         ({"speculative_tokens": 33}, "speculative_tokens"),
         ({"speculative_max_batch": 0}, "speculative_max_batch"),
+        ({"speculative_method": "draft"}, "needs a speculative_model"),
+        ({"speculative_model": "small.gguf"}, "speculative_method draft"),
+        ({"speculative_method": "ngram", "speculative_model": "small.gguf"}, "speculative_method draft"),
+        (
+            {"speculative_method": "draft", "speculative_model": "small.gguf", "tensor_parallel_size": 2},
+            "tensor parallelism",
+        ),
     ],
 )
 def test_bad_values_are_refused_naming_the_field(fields: dict[str, object], message: str) -> None:
@@ -110,6 +117,10 @@ def test_the_speculative_options_reach_the_config_of_serve_and_bench() -> None:
         2,
     )
     assert configs_from_args(serve_args())[0].speculative_method is None  # off by default
+    config = configs_from_args(
+        serve_args("--speculative-method", "draft", "--speculative-model", "/models/small.gguf")
+    )[0]
+    assert (config.speculative_method, config.speculative_model) == ("draft", "/models/small.gguf")
     parser = argparse.ArgumentParser(prog="ft bench")
     add_bench_arguments(parser)
     args = parser.parse_args(["--speculative-method", "ngram", "--prompts", "edit"])

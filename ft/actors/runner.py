@@ -115,6 +115,7 @@ class RunnerActor:
             scored=tuple(x for x in sampled if isinstance(x, Scored)),
             pooled=tuple(x for x in sampled if isinstance(x, PoolSum)),
             duration_s=time.perf_counter() - started,
+            draft_s=float(getattr(self.runner, "last_draft_s", 0.0)),
             num_prefill_tokens=sum(len(w.token_ids) for w in works if w.seq_id not in decode_ids),
             num_decode_tokens=sum(1 for x in tokens if x.seq_id in decode_ids),
             loaded=loaded,

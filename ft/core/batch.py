@@ -32,6 +32,12 @@ class SeqWork:
     `num_draft` (speculative decoding): the last `num_draft` fed tokens are drafts to verify;
     the runner returns one `Sampled` per accepted draft plus the one after them, in order.
 
+    Draft-model speculation: the runner's draft model is first fed `draft_feed` at positions
+    `draft_pos...` (the tokens whose KV its cache lacks, written into the same `page_ids`); when
+    `num_model_draft` is positive the feed ends at this work's last fed token, the draft model
+    then drafts `num_model_draft` tokens after it, and the runner verifies them as drafts in this
+    step (as if fed after `token_ids` with `num_draft` set). Pages cover them.
+
     `score_ids` (prompt logprobs): the fed tokens from index `score_offset` on are scored, the
     logits at fed token `score_offset + i` giving the logprob of `score_ids[i]` (the prompt
     token after it), with `params.prompt_logprobs` alternatives; the runner returns one `Scored`.
@@ -56,6 +62,9 @@ class SeqWork:
     pool_offset: int = 0
     num_pool_rows: int = 0
     num_draft: int = 0
+    draft_feed: tuple[int, ...] = ()
+    draft_pos: int = 0
+    num_model_draft: int = 0
 
 
 class ConstraintError(Exception):
@@ -183,6 +192,7 @@ class StepDone:
     scored: tuple[Scored, ...] = ()
     pooled: tuple[PoolSum, ...] = ()
     duration_s: float = 0.0
+    draft_s: float = 0.0  # of `duration_s`, the time a draft model took drafting
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
     loaded: tuple[tuple[int, int], ...] = ()  # (seq id, pages read from disk) per `PageLoad`

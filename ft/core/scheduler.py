@@ -44,6 +44,7 @@ from ft.core.batch import (
 from ft.core.kv import PagePool, page_hash
 from ft.core.ngram import DraftLength, NgramIndex
 from ft.core.sequence import SeqStatus, Sequence
+from ft.core.spec_cost import StepCosts, expected_accepted
 from ft.errors import ContextLengthExceeded, InvalidRequest
 from ft.params import SamplingParams, mix_seed
 
@@ -89,6 +90,8 @@ class Scheduler:
         reserve_full_budget: bool = False,
         speculative_tokens: int = 0,
         speculative_max_batch: int = 4,
+        draft_model: bool = False,
+        costs: StepCosts | None = None,
         kv_window: int = 0,
         disk: PromptCache | None = None,
         disk_min_tokens: int = DEFAULT_DISK_MIN_TOKENS,
@@ -118,6 +121,15 @@ class Scheduler:
         # already and verify rows would cost more than they save).
         self.speculative_tokens = speculative_tokens
         self.speculative_max_batch = speculative_max_batch
+        # Drafts come from the runner's draft model (`SeqWork.num_model_draft`) instead of the
+        # n-gram index; its KV lags each sequence's and is fed what it lacks, at most this many
+        # tokens a step (a quarter of the prefill budget, as prefill chunks beside decodes).
+        self.draft_model = draft_model
+        self.draft_catch_up = max(1, max_prefill_tokens // 4)
+        # The measured cost model that turns speculation off for a step when it would cost more
+        # than it saves (None: draft in every step of at most `speculative_max_batch` decodes).
+        self.costs = costs
+        self.num_refusals = 0  # verifications that refused a draft (all: accepted everything)
         # The positions every layer of the model attends at most (a sliding window on all of
         # them, Mistral's), 0 when some layer attends everything: the pages wholly behind it
         # return to the pool as a sequence passes them (`_drop_out_of_window`).
@@ -340,6 +352,7 @@ class Scheduler:
             seq.page_ids, seq.num_dropped = [], 0
             seq.num_lost = max(seq.num_lost, seq.num_computed)
             seq.num_computed = seq.num_registered = 0
+            seq.num_draft_computed = 0
             seq.num_preemptions += 1
             seq.status = SeqStatus.PREEMPTED
         if group:
@@ -413,15 +426,8 @@ class Scheduler:
         if not self._grow():
             while self.waiting and self._try_admit(self.waiting[0]):
                 self.waiting.popleft()
-        works: list[SeqWork] = []
         decoding = [seq for seq in self.running.values() if not seq.is_prefilling and not seq.num_loading]
-        speculate = 0 < len(decoding) <= self.speculative_max_batch and self.speculative_tokens > 0
-        for seq in decoding:
-            pos = seq.num_tokens - 1
-            drafts = self._draft(seq) if speculate else []
-            works.append(
-                self._work(seq, [seq.token_at(pos), *drafts], pos, sample=True, num_draft=len(drafts))
-            )
+        works = self._decode_works(decoding)
         # NOTE: a step that also decodes takes a quarter of the prefill budget, so that streams
         # already running pause for at most a short chunk while new prompts arrive (16 clients
         # with 460-token prompts: inter-token p99 was 12x its median with 512-token chunks).
@@ -444,36 +450,109 @@ class Scheduler:
         self._step += 1
         return Batch(self._step, tuple(works), saves, loads)
 
-    def _draft(self, seq: Sequence) -> list[int]:
-        """The tokens to verify after `seq`'s last one (none when it cannot speculate), with the
-        pages they need allocated (drafts that find no free page are dropped, never preempting).
+    def _decode_works(self, decoding: list[Sequence]) -> list[SeqWork]:
+        """One work per decoding sequence: its last token, and the drafts to verify after it
+        when this step speculates (at most `speculative_max_batch` decodes, and the cost model
+        says the drafts' expected gain outweighs their cost)."""
+        speculate = 0 < len(decoding) <= self.speculative_max_batch and self.speculative_tokens > 0
+        proposals: dict[int, list[int] | int] = {}  # seq id -> n-gram drafts | model drafts
+        if speculate:
+            for seq in decoding:
+                proposal = self._propose(seq)
+                if proposal:
+                    proposals[seq.seq_id] = proposal
+        if proposals and self.costs is not None and not self._pays(decoding, proposals):
+            proposals = {}
+        works = []
+        for seq in decoding:
+            pos = seq.num_tokens - 1
+            proposal = proposals.get(seq.seq_id, [])
+            if isinstance(proposal, int):  # the draft model drafts `proposal` tokens
+                k = self._take_draft_pages(seq, proposal)
+                feed = tuple(seq.tokens(seq.num_draft_computed, pos + 1)) if k else ()
+                work = self._work(seq, [seq.token_at(pos)], pos, sample=True)
+                works.append(
+                    replace(work, draft_feed=feed, draft_pos=seq.num_draft_computed, num_model_draft=k)
+                )
+                continue
+            drafts = proposal[: self._take_draft_pages(seq, len(proposal))]
+            work = self._work(seq, [seq.token_at(pos), *drafts], pos, sample=True, num_draft=len(drafts))
+            if speculate and self.draft_model and seq.params.can_speculate and seq.matcher is None:
+                work = self._catch_up(seq, work)
+            works.append(work)
+        return works
+
+    def _catch_up(self, seq: Sequence, work: SeqWork) -> SeqWork:
+        """`work` feeding the draft model the next `draft_catch_up` tokens its KV lacks, when it
+        lags by more (it drafts nothing until it is within that of the sequence's end)."""
+        start = seq.num_draft_computed
+        if seq.num_tokens - start <= self.draft_catch_up:
+            return work
+        feed = tuple(seq.tokens(start, start + self.draft_catch_up))
+        return replace(work, draft_feed=feed, draft_pos=start)
+
+    def _pays(self, decoding: list[Sequence], proposals: dict[int, list[int] | int]) -> bool:
+        """Whether the proposed drafts are expected to save more than they cost (`StepCosts`)."""
+        assert self.costs is not None
+        # Each draft is accepted (given the ones before it were) at the sequence's own rate,
+        # shrunk toward the engine's: (accepted + 2 * engine rate) / (accepted + refusals + 2).
+        overall = (self.num_accepted_tokens + 1) / (self.num_accepted_tokens + self.num_refusals + 2)
+        by_id = {seq.seq_id: seq for seq in decoding}
+        expected = 0.0
+        num_drafted = 0
+        for seq_id, proposal in proposals.items():
+            seq = by_id[seq_id]
+            k = proposal if isinstance(proposal, int) else len(proposal)
+            rate = (seq.num_accepted + 2 * overall) / (seq.num_accepted + seq.num_refusals + 2)
+            expected += expected_accepted(k, rate)
+            num_drafted += k
+        forwards = max((p for p in proposals.values() if isinstance(p, int)), default=0)
+        return self.costs.pays(len(decoding), num_drafted, expected, forwards, len(proposals))
+
+    def _propose(self, seq: Sequence) -> list[int] | int:
+        """What `seq` would draft this step: n-gram drafts, or how many tokens the draft model
+        should draft (0 or empty: none). Nothing is allocated yet.
 
         A draft never runs past `max_tokens` or the context: the step then gives at most the
-        tokens the sequence may still produce.
+        tokens the sequence may still produce. A draft model whose KV lags by more than
+        `draft_catch_up` tokens drafts nothing: the lag is fed first (`_catch_up`).
         """
         if not seq.params.can_speculate or seq.matcher is not None or seq.is_pooling:
             return []
-        if seq.drafter is None or seq.draft_length is None:
-            seq.drafter = NgramIndex()
+        if seq.draft_length is None:
             seq.draft_length = DraftLength(self.speculative_tokens)
-        seq.drafter.extend(seq.tokens(len(seq.drafter.tokens), seq.num_tokens))
+        if self.draft_model:
+            # Pages behind a sliding window were given back (placeholders stand in their
+            # place): the draft model is never fed there, it starts after them.
+            seq.num_draft_computed = max(seq.num_draft_computed, seq.num_dropped * self.pool.page_size)
+        else:
+            if seq.drafter is None:
+                seq.drafter = NgramIndex()
+            seq.drafter.extend(seq.tokens(len(seq.drafter.tokens), seq.num_tokens))
         if not seq.draft_length.take_turn():
             return []
         assert seq.params.max_tokens is not None
         room = min(
             seq.params.max_tokens - len(seq.output_ids), self.max_model_len - seq.num_tokens
         )  # tokens it may still produce; the step gives one more than it drafts
-        drafts = seq.drafter.propose(min(seq.draft_length.current, room - 1))
-        if not drafts:
-            return []
+        limit = min(seq.draft_length.current, room - 1)
+        if self.draft_model:
+            lag = seq.num_tokens - seq.num_draft_computed
+            return max(0, limit) if lag <= self.draft_catch_up else 0
+        assert seq.drafter is not None
+        return seq.drafter.propose(limit)
+
+    def _take_draft_pages(self, seq: Sequence, num_drafts: int) -> int:
+        """Allocate the pages `num_drafts` drafts after `seq`'s tokens need; returns how many
+        drafts fit (those that find no free page are dropped, never preempting)."""
         size = self.pool.page_size
-        needed = pages_for(seq.num_tokens + len(drafts), size) - len(seq.page_ids)
+        needed = pages_for(seq.num_tokens + num_drafts, size) - len(seq.page_ids)
         if needed > 0:
             if self.pool.can_allocate(needed + self.watermark_pages):
                 seq.page_ids += self.pool.allocate(needed)
             else:
-                drafts = drafts[: len(seq.page_ids) * size - seq.num_tokens]
-        return drafts
+                num_drafts = min(num_drafts, len(seq.page_ids) * size - seq.num_tokens)
+        return max(0, num_drafts)
 
     def _work(
         self, seq: Sequence, tokens: list[int], start: int, *, sample: bool, num_draft: int = 0
@@ -569,16 +648,29 @@ class Scheduler:
                 continue
             # A verified draft's KV stays; a rejected one's slots are past `num_computed` (to be
             # overwritten) and never registered in the prefix cache.
-            num_accepted = max(0, min(work.num_draft, num_sampled.get(work.seq_id, 1) - 1))
+            num_drafts = work.num_draft + work.num_model_draft
+            num_accepted = max(0, min(num_drafts, num_sampled.get(work.seq_id, 1) - 1))
             seq.num_computed = work.start_pos + len(work.token_ids) - work.num_draft + num_accepted
-            if work.num_draft:
+            if work.draft_feed:
+                # The draft model fed its feed, then each draft but the last: what it holds of
+                # the accepted ones stays valid, the rest is overwritten when fed again.
+                fed = (
+                    work.draft_pos
+                    + len(work.draft_feed)
+                    + min(num_accepted, max(0, work.num_model_draft - 1))
+                )
+                seq.num_draft_computed = min(fed, seq.num_computed)
+            if num_drafts:
                 self.num_verifications += 1
-                self.num_draft_tokens += work.num_draft
+                self.num_draft_tokens += num_drafts
                 self.num_accepted_tokens += num_accepted
-                seq.num_drafted += work.num_draft
+                seq.num_drafted += num_drafts
                 seq.num_accepted += num_accepted
+                if num_accepted < num_drafts:
+                    self.num_refusals += 1
+                    seq.num_refusals += 1
                 assert seq.draft_length is not None
-                seq.draft_length.update(work.num_draft, num_accepted)
+                seq.draft_length.update(num_drafts, num_accepted)
             self._register_full_pages(seq)
             self._drop_out_of_window(seq)
             if seq.is_pooling:
@@ -620,8 +712,9 @@ class Scheduler:
                 self._release(seq)
         for work in batch.works:
             seq = self.running.get(work.seq_id)
-            if work.num_draft and seq is not None:
+            if (work.num_draft or work.num_model_draft) and seq is not None:
                 self._trim_pages(seq)
+        self._observe_costs(batch, done)
         return outs
 
     def _fold_loads(self, loads: Iterable[PageLoad], loaded: dict[int, int]) -> None:
@@ -650,6 +743,19 @@ class Scheduler:
         assert self.disk is not None
         if key not in self._saves and not self.disk.contains(key):
             self._saves[key] = PageSave(page, key)
+
+    def _observe_costs(self, batch: Batch, done: StepDone) -> None:
+        """Fold a step that only decoded (no prefill chunk, nothing failed) into the cost model."""
+        if self.costs is None or done.failed or done.duration_s <= 0.0:
+            return
+        if any(len(w.token_ids) - w.num_draft != 1 or w.start_pos < w.num_prompt_tokens for w in batch.works):
+            return
+        if any(len(w.draft_feed) > 1 for w in batch.works):
+            return  # a draft model's catch-up is not what drafting costs
+        forwards = max((w.num_model_draft for w in batch.works), default=0)
+        rows = sum(len(w.token_ids) + w.num_model_draft for w in batch.works)
+        drafting = sum(1 for w in batch.works if w.num_model_draft)
+        self.costs.observe(rows, done.duration_s, done.draft_s, forwards, drafting)
 
     def _trim_pages(self, seq: Sequence) -> None:
         """Free the pages past what `seq`'s tokens need (taken for drafts it did not keep)."""

@@ -52,6 +52,8 @@ class Sequence:
     draft_length: DraftLength | None = None
     num_drafted: int = 0  # tokens drafted for it, and those the model accepted
     num_accepted: int = 0
+    num_refusals: int = 0  # verifications that refused one of its drafts
+    num_draft_computed: int = 0  # leading tokens whose KV the draft model holds (a draft model)
     # A pooling request: the sum of the hidden states pooled so far, and the positions before
     # `num_pooled` it holds (mean: every one summed; cls: position 0; last: set when done).
     pool_sum: list[float] = field(default_factory=list)

@@ -27,12 +27,15 @@ class Drain:
         self._scope: trio.CancelScope | None = None
         self._abort_timeout_s = 0.0
         self._stop_snapshot: EngineSnapshot | None = None
+        self._why = "the server is stopping"  # what the aborted requests are told
         self._stopped = trio.Event()
         self.has_aborted = False  # the rest was aborted: an admission not yet open is refused too
 
-    def begin(self, drain_timeout_s: float, abort_timeout_s: float) -> None:
+    def begin(self, drain_timeout_s: float, abort_timeout_s: float, why: str | None = None) -> None:
         """Stop admitting now and start the drain in the engine's nursery (see `Engine.begin_stop`)."""
         engine = self._engine
+        if why is not None and self._scope is None and self._stop_snapshot is None:
+            self._why = why
         now = trio.current_time()
         if self._scope is not None:
             self._scope.deadline = min(self._scope.deadline, now + drain_timeout_s)
@@ -65,7 +68,7 @@ class Drain:
         engine = self._engine
         self.has_aborted = True
         for uid in engine.registry.uids():
-            engine.registry.fail(uid, RequestAborted("the server is stopping; request aborted"))
+            engine.registry.fail(uid, RequestAborted(f"{self._why}; request aborted"))
             if engine._running is not None:
                 engine._running.scheduler_inbox.send_nowait(Abort(uid))
 

@@ -71,6 +71,7 @@ class Engine:
         self.reasoning_parser: str | None = None  # the model family's `<think>` format, once loaded
         self.tool_call_parser: str | None = None  # the model family's tool-call format, once loaded
         self.hidden_size = 0  # the width of a pooled embedding, once loaded
+        self.kv_cache_bytes = 0  # the KV pool's size (pages x bytes per page), once loaded
         self.pooling = "last"  # how embedding requests pool (`config.pooling` resolved at load)
         self.rank_format: RankFormat | None = None  # a reranker's pair format and labels, once loaded
         self.admissions = Admissions(config, self.registry)
@@ -371,6 +372,8 @@ class Engine:
         self,
         drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
         abort_timeout_s: float = DEFAULT_ABORT_TIMEOUT_S,
+        *,
+        why: str | None = None,
     ) -> None:
         """Stop admitting now and start the drain in the engine's nursery; return at once.
 
@@ -378,9 +381,10 @@ class Engine:
         up to `abort_timeout_s` for their scopes to close, then sets the state to "stopped".
         It belongs to the engine, so it completes whoever asked for it and whether they wait.
         A later call can only shorten the drain (its deadline is the earliest asked for).
-        Synchronous, so it is safe to call from a cancelled task.
+        `why` is what the aborted requests are told (default: the server is stopping; the first
+        call's stands). Synchronous, so it is safe to call from a cancelled task.
         """
-        self._drain.begin(drain_timeout_s, abort_timeout_s)
+        self._drain.begin(drain_timeout_s, abort_timeout_s, why)
 
     async def wait_stopped(self) -> EngineSnapshot:
         """Wait for the drain `begin_stop` started; return its final snapshot."""

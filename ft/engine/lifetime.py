@@ -222,6 +222,7 @@ async def _load_and_start(
     engine.model_plan = parts.plan
     num_pages = cfg.num_pages or max(2, cfg.kv_cache_memory // engine.kv_page_bytes)
     runner = await trio.to_thread.run_sync(parts.make_runner, num_pages, cfg.page_size)
+    engine.kv_cache_bytes = num_pages * parts.bytes_per_page(cfg.page_size)
     kv_dtype = getattr(runner, "kv_dtype", None)
     if kv_dtype is not None:
         engine.kv_cache_dtype = str(kv_dtype).removeprefix("torch.")
@@ -248,8 +249,10 @@ async def _load_and_start(
         eos_token_ids=spec.eos_token_ids,
         enable_prefix_caching=cfg.enable_prefix_caching,
         reserve_full_budget=cfg.admission == "reserve",
-        speculative_tokens=cfg.speculative_tokens if cfg.speculative_method == "ngram" else 0,
+        speculative_tokens=cfg.speculative_tokens if cfg.speculative_method is not None else 0,
         speculative_max_batch=cfg.speculative_max_batch,
+        draft_model=cfg.speculative_method == "draft",
+        costs=hooks.step_costs(),
         kv_window=parts.kv_window,
         disk=engine.prompt_cache,
         disk_min_tokens=cfg.prompt_cache_min_tokens,

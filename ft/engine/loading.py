@@ -12,13 +12,19 @@ from typing import TYPE_CHECKING
 
 from ft.config import EngineConfig
 from ft.core.batch import Runner, SeqWork
+from ft.core.spec_cost import StepCosts
 from ft.model.rerank import RankFormat
 from ft.tokenizer.job import Executor
 from ft.tokenizer.spec import TokenizerSpec
 
 if TYPE_CHECKING:
+    import torch
+
+    from ft.model.kernels import KVDtype
+    from ft.model.loader import LoadedModel
     from ft.model.parallel import RankGroup
     from ft.model.plan import ExecutionPlan
+    from ft.model.torch_runner import TorchRunner
 
 log = logging.getLogger("ft.engine")
 
@@ -75,6 +81,9 @@ class EngineHooks:
     before_step: Callable[[list[SeqWork]], None] | None = None
     tokenize_job: Callable[[bytes], bytes] | None = None  # replaces `ft.tokenizer.job.tokenize_job`
     grammar_job: Callable[[bytes], bytes] | None = None  # replaces `check_grammar_job`
+    # The speculation cost model the scheduler measures steps into; a test returns None
+    # (draft in every small enough step) or one with injected costs, so decisions are fixed.
+    step_costs: Callable[[], StepCosts | None] = StepCosts
 
 
 def load_torch_model(
@@ -122,6 +131,7 @@ def load_torch_model(
             served = dataclasses.replace(loaded.config, rope_context=config.max_model_len)
             loaded = dataclasses.replace(loaded, config=served)
         dtype = resolve_dtype(run.dtype, loaded.config)  # "auto": measured here
+        drafter = _load_draft_model(config, loaded, device) if config.speculative_method == "draft" else None
     except BaseException:
         if procs is not None:
             procs.stop()
@@ -138,6 +148,11 @@ def load_torch_model(
     def make_runner(num_pages: int, page_size: int) -> Runner:
         if ranks is not None and ranks.is_leader:
             rank_launch.send_runner(ranks, num_pages, page_size)
+        if drafter is not None:
+            return _speculative_runner(drafter, target=make_target(num_pages, page_size), threads=threads)
+        return make_target(num_pages, page_size)
+
+    def make_target(num_pages: int, page_size: int) -> TorchRunner:
         runner = TorchRunner(
             loaded,
             num_pages=num_pages,
@@ -190,7 +205,10 @@ def load_torch_model(
     return ModelParts(
         tokenizer=loaded.tokenizer,
         make_runner=make_runner,
-        bytes_per_page=lambda ps: TorchRunner.bytes_per_page(loaded.config, ps, kv_dtype, world),
+        bytes_per_page=lambda ps: (
+            TorchRunner.bytes_per_page(loaded.config, ps, kv_dtype, world)
+            + (drafter.bytes_per_page(ps) if drafter is not None else 0)
+        ),
         vocab_size=loaded.config.vocab_size,
         generation_defaults=loaded.generation_defaults,
         hidden_size=loaded.config.hidden_size,
@@ -204,3 +222,69 @@ def load_torch_model(
         kv_identity=kv_identity(),
         plan=run,
     )
+
+
+@dataclass(frozen=True)
+class _Drafter:
+    """The draft model of `--speculative-method draft`, loaded, and how it runs."""
+
+    loaded: LoadedModel
+    dtype: torch.dtype
+    kv_dtype: KVDtype
+    device: torch.device
+
+    def bytes_per_page(self, page_size: int) -> int:
+        from ft.model.torch_runner import TorchRunner
+
+        return TorchRunner.bytes_per_page(self.loaded.config, page_size, self.kv_dtype)
+
+
+def _load_draft_model(config: EngineConfig, target: LoadedModel, device: torch.device) -> _Drafter:
+    """Load `config.speculative_model` as the target's draft model, on the same device.
+
+    A quantized GGUF runs as stored where the packed kernels can run (float16 KV), else as
+    float32 (its KV too).
+
+    Raises:
+        ValueError: its tokenizer is not the target's (`TokenizerMismatch`), or it cannot load.
+    """
+    import torch
+
+    from ft.model import kernels
+    from ft.model.draft import check_same_tokenizer
+    from ft.model.loader import is_quantized_gguf, load_model
+
+    assert config.speculative_model is not None
+    packed = is_quantized_gguf(config.speculative_model) and device.type == "cpu" and kernels.available()
+    loaded = load_model(config.speculative_model, torch.float32, quantized=packed)
+    check_same_tokenizer(
+        target.tokenizer, loaded.tokenizer, target.config.vocab_size, loaded.config.vocab_size
+    )
+    dtype = torch.float32 if packed or device.type == "cpu" else torch.bfloat16
+    kv_dtype: KVDtype = torch.float16 if packed else dtype
+    log.info(
+        "draft model %s: %d layers, hidden %d (%s)",
+        config.speculative_model,
+        loaded.config.num_layers,
+        loaded.config.hidden_size,
+        "as stored" if packed else str(dtype).removeprefix("torch."),
+    )
+    return _Drafter(loaded, dtype, kv_dtype, device)
+
+
+def _speculative_runner(drafter: _Drafter, *, target: TorchRunner, threads: int | None) -> Runner:
+    """The target's runner with the draft model in front, its KV cache on the target's pages."""
+    from ft.model.draft import SpeculativeRunner
+    from ft.model.torch_runner import TorchRunner
+
+    draft = TorchRunner(
+        drafter.loaded,
+        num_pages=target.num_pages,
+        page_size=target.page_size,
+        dtype=drafter.dtype,
+        threads=threads,
+        kv_dtype=drafter.kv_dtype,
+        device=drafter.device,
+        cuda_graphs=False,
+    )
+    return SpeculativeRunner(target, draft)

@@ -7,11 +7,13 @@ token there, and when all k are accepted row k gives one more (the bonus token).
 
 Greedy rows accept a draft iff it is the argmax at its position, so the text is the text
 without speculation (the packed kernels give a row the same numbers whatever shares its step).
-Sampled rows use speculative sampling for a one-hot draft (Leviathan et al. 2023; Chen et al.
-2023): accept draft x with probability p(x), the target's processed probability; on refusal
-draw from p with x removed, renormalized. The token at each position is then distributed as p
-exactly. Row j draws from the generator seeded by `(seed, num_generated + j)`, so a seeded
-request gives the same tokens again.
+Sampled rows use speculative sampling (Leviathan et al. 2023; Chen et al. 2023): draft x, drawn
+from the drafter's distribution q, is accepted with probability min(1, p(x) / q(x)), p the
+target's processed distribution; on refusal the token is drawn from the residual max(0, p - q),
+renormalized. The token at each position is then distributed as p exactly. An n-gram draft is
+deterministic (q is one-hot on x: accept with p(x), else draw from p with x removed); a draft
+model's sampled drafts come with their q rows (`draft_probs`). Row j draws from the generator
+seeded by `(seed, num_generated + j)`, so a seeded request gives the same tokens again.
 """
 
 from __future__ import annotations
@@ -32,23 +34,36 @@ from ft.model.sampler import (
 )
 
 
-def accept_draft(probs: torch.Tensor, draft: int, generator: torch.Generator | None) -> tuple[int, bool]:
-    """Speculative sampling of one position with the one-hot draft `draft`.
+def accept_draft(
+    probs: torch.Tensor,
+    draft: int,
+    generator: torch.Generator | None,
+    draft_probs: torch.Tensor | None = None,
+) -> tuple[int, bool]:
+    """Speculative sampling of one position with the draft `draft`, drawn from `draft_probs`.
 
     Args:
         probs: the target's processed distribution `[vocab]` (sums to 1).
         draft: the drafted token.
         generator: the position's generator (None: the global RNG).
+        draft_probs: the distribution `[vocab]` the draft was drawn from; None: one-hot on
+            `draft` (a deterministic drafter).
 
     Returns:
         (the token, whether it is the draft). The token is distributed as `probs`.
     """
     u = float(torch.rand(1, generator=generator, dtype=torch.float64))
     p_draft = float(probs[draft])
-    if u < p_draft:
+    q_draft = 1.0 if draft_probs is None else float(draft_probs[draft])
+    if q_draft <= 0.0:
+        raise ValueError(f"draft {draft} has probability 0 under the distribution it was drawn from")
+    if u * q_draft < p_draft:  # u < min(1, p / q)
         return draft, True
     residual = probs.double().clone()
-    residual[draft] = 0.0
+    if draft_probs is None:
+        residual[draft] = 0.0
+    else:
+        residual = (residual - draft_probs.double()).clamp_(min=0.0)
     cdf = residual.cumsum(0)
     if float(cdf[-1]) <= 0.0:  # all mass on the draft (u fell on rounding): it is the token
         return draft, True
@@ -57,8 +72,9 @@ def accept_draft(probs: torch.Tensor, draft: int, generator: torch.Generator | N
     return token, False
 
 
-def verify(logits: torch.Tensor, work: SeqWork) -> list[Sampled]:
-    """The accepted drafts of `work` and the token after them, from its logits `[k + 1, vocab]`."""
+def verify(logits: torch.Tensor, work: SeqWork, draft_probs: torch.Tensor | None = None) -> list[Sampled]:
+    """The accepted drafts of `work` and the token after them, from its logits `[k + 1, vocab]`;
+    `draft_probs` `[k, vocab]`: the distributions its drafts were drawn from (None: one-hot)."""
     p = work.params
     k = work.num_draft
     drafts = work.token_ids[len(work.token_ids) - k :]
@@ -83,7 +99,8 @@ def verify(logits: torch.Tensor, work: SeqWork) -> list[Sampled]:
                 u = torch.rand(1, generator=generator, dtype=cdf.dtype) * cdf[-1]
                 token = min(int(torch.searchsorted(cdf, u, side="right")), probs.numel() - 1)
             else:
-                token, _ = accept_draft(probs, draft, generator)
+                q = draft_probs[j] if draft_probs is not None else None
+                token, _ = accept_draft(probs, draft, generator, q)
         out.append(sampled_token(work.seq_id, token, x, p))
         if token != draft:
             break
@@ -91,12 +108,16 @@ def verify(logits: torch.Tensor, work: SeqWork) -> list[Sampled]:
 
 
 def sample_with_drafts(
-    logits: torch.Tensor, works: list[SeqWork], masks: StepMasks | None
+    logits: torch.Tensor,
+    works: list[SeqWork],
+    masks: StepMasks | None,
+    draft_probs: dict[int, torch.Tensor] | None = None,
 ) -> list[list[Sampled]]:
     """Each sampling work's tokens, in order, from `logits` `[sum(1 + num_draft), vocab]`.
 
     Works without drafts are sampled together as in a plain step; grammar masks (only works
-    without drafts carry one) go on their rows.
+    without drafts carry one) go on their rows. `draft_probs` maps a seq id to the `[k, vocab]`
+    distributions its sampled drafts were drawn from (absent: one-hot drafts).
     """
     first: list[int] = []  # each work's first logits row
     row = 0
@@ -115,7 +136,8 @@ def sample_with_drafts(
     out: list[list[Sampled]] = []
     for i, work in enumerate(works):
         if work.num_draft:
-            out.append(verify(logits[first[i] : first[i] + 1 + work.num_draft], work))
+            q = (draft_probs or {}).get(work.seq_id)
+            out.append(verify(logits[first[i] : first[i] + 1 + work.num_draft], work, q))
         else:
             out.append([next(plain_sampled)])
     return out

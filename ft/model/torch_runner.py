@@ -279,15 +279,23 @@ class TorchRunner:
         if bad is not None:
             raise ValueError(f"seq {work.seq_id}: token id {bad} outside the vocabulary")
 
-    def step(self, works: list[SeqWork]) -> list[StepOutput]:
+    def step(
+        self, works: list[SeqWork], draft_probs: dict[int, torch.Tensor] | None = None
+    ) -> list[StepOutput]:
         """Run one forward pass; return one `Sampled` per work with `sample=True`, in order,
-        then one `Scored` per work with `score_ids` and one `PoolSum` per pooling work."""
+        then one `Scored` per work with `score_ids` and one `PoolSum` per pooling work.
+
+        `draft_probs` (a draft model's sampled drafts): seq id -> the `[num_draft, vocab]`
+        distributions its drafts were drawn from (absent: one-hot drafts).
+        """
         with self._threads.timed(sum(len(w.token_ids) for w in works)) as threads:
             if threads != torch.get_num_threads():
                 torch.set_num_threads(threads)
-            return self._step(works)
+            return self._step(works, draft_probs)
 
-    def _step(self, works: list[SeqWork]) -> list[StepOutput]:
+    def _step(
+        self, works: list[SeqWork], draft_probs: dict[int, torch.Tensor] | None = None
+    ) -> list[StepOutput]:
         rows = [w for w in works if w.sample]
         masks = StepMasks.start(rows, self.vocab_size)  # computed while the model runs
         try:
@@ -296,7 +304,7 @@ class TorchRunner:
                 return list(scored)
             with torch.inference_mode():
                 if any(w.num_draft for w in rows):
-                    groups = sample_with_drafts(logits, rows, masks)
+                    groups = sample_with_drafts(logits, rows, masks, draft_probs)
                 else:
                     if masks is not None:
                         masks.apply(logits)

@@ -32,6 +32,7 @@ from ft.server.edge.protocol import FtHypercornConfig
 from ft.server.edge.slow_clients import SendDeadlines
 from ft.server.edge.tracing import Tracing
 from ft.server.generation.context import ServerContext, error_response
+from ft.server.models import ModelRouter, RouterSettings
 from ft.server.openai import routes as openai_routes
 from ft.server.pooling import routes as pooling_routes
 from ft.server.responses import routes as responses_routes
@@ -58,13 +59,14 @@ class EngineFailed(RuntimeError):
 
 
 def create_app(
-    engine: Engine,
+    engine: Engine | None,
     settings: ServerSettings,
     *,
+    router: ModelRouter | None = None,
     extra_routes: tuple[RouteRegistrar, ...] = (),
 ) -> QuartTrio:
-    """The app serving `engine`: the OpenAI, Anthropic and Responses routes, the control plane,
-    the chat page.
+    """The app serving `engine` (or, in router mode, `router`'s models): the OpenAI, Anthropic
+    and Responses routes, the control plane, the chat page.
 
     `extra_routes` are called as `register(app, ctx)` after the built-in ones.
     """
@@ -77,7 +79,7 @@ def create_app(
     )
     # `//v1//stats` is not `/v1/stats`: no redirect (werkzeug's answers 308 with an HTML body).
     app.url_map.merge_slashes = False
-    ctx = ServerContext(engine=engine, settings=settings)
+    ctx = ServerContext(settings=settings, bound=engine, router=router)
     app.extensions["ft"] = ctx
     _install_edge(app, ctx)
     for module in (openai_routes, pooling_routes, anthropic_routes, responses_routes, control, web):
@@ -162,12 +164,14 @@ def hypercorn_config(settings: ServerSettings) -> FtHypercornConfig:
 
 @dataclass
 class RunningServer:
-    """A server that is listening: its engine, app and the URLs it is bound to."""
+    """A server that is listening: its engine (router mode: None, and its `router`), app and
+    the URLs it is bound to."""
 
-    engine: Engine
+    engine: Engine | None
     app: QuartTrio
     urls: list[str]
     stop_event: trio.Event = field(default_factory=trio.Event)
+    router: ModelRouter | None = None
 
     @property
     def base_url(self) -> str:
@@ -185,28 +189,50 @@ async def open_server(
     settings: ServerSettings | None = None,
     *,
     hooks: EngineHooks | None = None,
+    router: RouterSettings | None = None,
 ) -> AsyncIterator[RunningServer]:
     """Start the engine, then hypercorn on it; yield once listening (the model may still load).
 
-    Leaving the block stops hypercorn first, then the engine.
+    With `router` (several models, `ft.server.models`) the router runs instead of one engine;
+    `engine_config` is each model's config but for its path and name. Leaving the block stops
+    hypercorn first, then the engine (or every model's).
     """
     settings = settings or ServerSettings()
+    if router is not None:
+        models = ModelRouter(engine_config or EngineConfig(), router, hooks=hooks)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(models.run)
+            app = create_app(None, settings, router=models)
+            async with _listen(app, settings, None, models) as server:
+                yield server
+            models.begin_stop(0.0, 0.0)
+            nursery.cancel_scope.cancel()
+        return
     async with open_engine(engine_config, hooks=hooks, wait_ready=False) as engine:
         app = create_app(engine, settings)
-        stop = trio.Event()
-        config = hypercorn_config(settings)
-        async with trio.open_nursery() as nursery:
-            urls = await nursery.start(partial(hypercorn.trio.serve, app, config, shutdown_trigger=stop.wait))
-            server = RunningServer(engine=engine, app=app, urls=list(urls), stop_event=stop)
-            try:
-                yield server
-            finally:
-                stop.set()
-                # hypercorn cancels its connections after the graceful timeout, but a socket
-                # write is shielded: give the writes the same deadline, so no client that
-                # stopped reading holds the server open.
-                assert config.send_deadlines is not None
-                config.send_deadlines.close_all(trio.current_time() + settings.graceful_timeout_s)
+        async with _listen(app, settings, engine, None) as server:
+            yield server
+
+
+@asynccontextmanager
+async def _listen(
+    app: QuartTrio, settings: ServerSettings, engine: Engine | None, router: ModelRouter | None
+) -> AsyncIterator[RunningServer]:
+    """Hypercorn serving `app` for the block."""
+    stop = trio.Event()
+    config = hypercorn_config(settings)
+    async with trio.open_nursery() as nursery:
+        urls = await nursery.start(partial(hypercorn.trio.serve, app, config, shutdown_trigger=stop.wait))
+        server = RunningServer(engine=engine, app=app, urls=list(urls), stop_event=stop, router=router)
+        try:
+            yield server
+        finally:
+            stop.set()
+            # hypercorn cancels its connections after the graceful timeout, but a socket
+            # write is shielded: give the writes the same deadline, so no client that
+            # stopped reading holds the server open.
+            assert config.send_deadlines is not None
+            config.send_deadlines.close_all(trio.current_time() + settings.graceful_timeout_s)
 
 
 async def serve(
@@ -214,6 +240,7 @@ async def serve(
     settings: ServerSettings | None = None,
     *,
     hooks: EngineHooks | None = None,
+    router: RouterSettings | None = None,
     handle_signals: bool = True,
     task_status: trio.TaskStatus[RunningServer] = trio.TASK_STATUS_IGNORED,
 ) -> None:
@@ -231,14 +258,19 @@ async def serve(
     """
     settings = settings or ServerSettings()
     if not handle_signals:
-        async with open_server(engine_config, settings, hooks=hooks) as server:
+        async with open_server(engine_config, settings, hooks=hooks, router=router) as server:
             task_status.started(server)
             await trio.sleep_forever()
     failure: str | None = None
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        async with open_server(engine_config, settings, hooks=hooks) as server:
+        async with open_server(engine_config, settings, hooks=hooks, router=router) as server:
             log.info("listening on %s", ", ".join(server.urls))
             task_status.started(server)
+            if server.router is not None:
+                # Several models: one that fails fails its own requests; the server serves on.
+                await _drain_router(signals, server.router, settings)
+                return
+            assert server.engine is not None
             failure = await _first_signal_or_failure(signals, server.engine)
             if failure is not None:
                 # Every request has been failed; let their streams send the error and close.
@@ -274,6 +306,28 @@ async def _first_signal_or_failure(signals: AsyncIterator[int], engine: Engine) 
     return outcome[0]
 
 
+async def _drain_router(signals: AsyncIterator[int], router: ModelRouter, settings: ServerSettings) -> None:
+    """Router mode: wait for SIGINT/SIGTERM, then drain every model's engine as `_drain` does
+    one (a second signal skips it)."""
+    async for signum in signals:
+        log.info("received %s", signal.Signals(signum).name)
+        break
+    log.info("draining every model for up to %.1f s", settings.drain_timeout_s)
+    async with trio.open_nursery() as nursery:
+
+        async def force_on_second_signal() -> None:
+            async for _ in signals:
+                log.warning("second signal: stopping without draining")
+                nursery.cancel_scope.cancel()
+
+        nursery.start_soon(force_on_second_signal)
+        router.begin_stop(settings.drain_timeout_s, DEFAULT_ABORT_TIMEOUT_S)
+        with trio.move_on_after(settings.drain_timeout_s + DEFAULT_ABORT_TIMEOUT_S + 1.0):
+            await router.wait_stopped()
+            log.info("drained every model")
+        nursery.cancel_scope.cancel()
+
+
 async def _drain(signals: AsyncIterator[int], server: RunningServer, settings: ServerSettings) -> None:
     """Stop admitting, drain up to `drain_timeout_s`, abort the rest; a second signal skips it."""
     log.info("draining for up to %.1f s", settings.drain_timeout_s)
@@ -287,8 +341,10 @@ async def _drain(signals: AsyncIterator[int], server: RunningServer, settings: S
         nursery.start_soon(force_on_second_signal)
         # The drain runs in the engine's nursery; a drain an admin began earlier is
         # shortened to this deadline. The outer bound holds whatever state it is in.
-        server.engine.begin_stop(settings.drain_timeout_s, DEFAULT_ABORT_TIMEOUT_S)
+        engine = server.engine
+        assert engine is not None
+        engine.begin_stop(settings.drain_timeout_s, DEFAULT_ABORT_TIMEOUT_S)
         with trio.move_on_after(settings.drain_timeout_s + DEFAULT_ABORT_TIMEOUT_S + 1.0):
-            snapshot = await server.engine.wait_stopped()
+            snapshot = await engine.wait_stopped()
             log.info("drained: %s", asdict(snapshot.requests))
         nursery.cancel_scope.cancel()

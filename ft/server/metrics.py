@@ -10,12 +10,13 @@ Three sources, each measured where it happens:
 - gauges and engine counters (running, waiting, active, KV pages, tokens, prefix cache,
   preemptions), read from the engine at scrape time by `EngineCollector`.
 
-Every series is prefixed `ft_` and labelled with the served model's name.
+Every series is prefixed `ft_` and labelled with the served model's name; in router mode
+(`ft.server.models`) each loaded model's engine gauges are one sample per `model` label.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -68,13 +69,23 @@ TOKEN_BUCKETS = (1, 4, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 327
 
 
 class EngineCollector(Collector):
-    """The engine's gauges and counters, read from its snapshot at each scrape."""
+    """The engines' gauges and counters, read from their snapshots at each scrape: one family
+    per metric, one sample per engine (labelled with its model)."""
 
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
+    def __init__(self, engines: Callable[[], Iterable[Engine]]) -> None:
+        self.engines = engines
 
     def collect(self) -> Iterator[Metric]:
-        snap = self.engine.snapshot()
+        families: dict[str, Metric] = {}
+        for engine in list(self.engines()):
+            for family in self._collect_one(engine):
+                known = families.setdefault(family.name, family)
+                if known is not family:
+                    known.samples.extend(family.samples)
+        yield from families.values()
+
+    def _collect_one(self, engine: Engine) -> Iterator[Metric]:
+        snap = engine.snapshot()
         model = snap.model.id
         req, kv, sched, spec = snap.requests, snap.kv, snap.scheduler, snap.speculative
 
@@ -190,8 +201,9 @@ class EngineCollector(Collector):
 class ServerMetrics:
     """The server's Prometheus registry and the metrics it observes from events."""
 
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
+    def __init__(self, engines: Callable[[], Iterable[Engine]], default_model: str) -> None:
+        self.engines = engines
+        self.default_model = default_model  # the label of HTTP requests that named no model
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.ttft = Histogram(
@@ -248,12 +260,14 @@ class ServerMetrics:
             ["model", "reason"],
             registry=r,
         )
-        r.register(EngineCollector(engine))
-        engine.stats.observers.append(self.observe_engine_request)
+        r.register(EngineCollector(engines))
 
-    def observe_engine_request(self, report: RequestReport) -> None:
+    def watch(self, engine: Engine) -> None:
+        """Observe each request `engine` closes (its model labels them)."""
+        engine.stats.observers.append(lambda report: self.observe_engine_request(report, engine.model_id))
+
+    def observe_engine_request(self, report: RequestReport, model: str) -> None:
         """Observe one closed engine request's latencies and lengths (synchronous)."""
-        model = self.engine.model_id
         self.e2e.labels(model).observe(report.e2e_s)
         if report.queue_s is not None:
             self.queue.labels(model).observe(report.queue_s)
@@ -270,7 +284,7 @@ class ServerMetrics:
     def observe_http_request(self, record: RequestRecord) -> None:
         """Count one ended HTTP request: a generation by finish reason, or a refused API call
         (a POST: probes and scrapes that get 503 are not rejections)."""
-        model = self.engine.model_id
+        model = record.model or self.default_model
         rejection = record.rejection
         if rejection is not None:
             if record.method == "POST":

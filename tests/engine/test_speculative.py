@@ -20,12 +20,14 @@ from ft.engine.fake import FakeRunner, text_script
 from ft.engine.loading import EngineHooks
 from ft.params import SamplingParams
 from ft.prompt import PromptSpec
-from tests.support.engine import fake_engine
+from tests.support.engine import fake_engine, no_step_costs
 from tests.support.gguf_files import write_tiny_gguf
 
 PASSAGE = "def area(width, height):\n    return width * height\n\nprint(area(3, 4))\n"
 ANSWER = PASSAGE.replace("width", "w") + "done"  # most of it copied from the prompt
 SPEC = {"speculative_method": "ngram", "speculative_tokens": 6}
+# Real models without the measured cost model: every small step drafts, whatever the timings.
+UNGATED = EngineHooks(step_costs=no_step_costs)
 
 
 async def answer(engine: Engine, params: SamplingParams, prompt: str = PASSAGE) -> list[Any]:
@@ -203,7 +205,7 @@ async def test_a_tiny_model_gives_the_same_tokens_and_logprobs_with_speculation(
         )
         cfg = EngineConfig(model=str(tiny_gguf), compute_threads=1, num_pages=64, **config)
         with trio.fail_after(120):
-            async with open_engine(cfg) as engine:
+            async with open_engine(cfg, hooks=UNGATED) as engine:
                 out = []
                 for prompt in prompts:
                     async with engine.open_request(PromptSpec(text=prompt), params=params) as stream:
@@ -235,7 +237,7 @@ async def test_penalties_and_bias_apply_per_drafted_position(
     async def run(**config: Any) -> tuple[list[int], int]:
         cfg = EngineConfig(model=str(tiny_gguf), compute_threads=1, num_pages=64, **config)
         with trio.fail_after(120):
-            async with open_engine(cfg) as engine:
+            async with open_engine(cfg, hooks=UNGATED) as engine:
                 async with engine.open_request(
                     PromptSpec(text="the the the hello hello the"), params=params
                 ) as s:
@@ -251,7 +253,7 @@ async def test_a_seeded_sampled_request_repeats_itself_with_speculation(tiny_ggu
     params = SamplingParams(max_tokens=40, temperature=0.8, seed=7, ignore_eos=True)
     cfg = EngineConfig(model=str(tiny_gguf), compute_threads=1, num_pages=64, **SPEC)
     with trio.fail_after(120):
-        async with open_engine(cfg) as engine:
+        async with open_engine(cfg, hooks=UNGATED) as engine:
             runs = []
             for _ in range(2):
                 async with engine.open_request(
@@ -270,7 +272,7 @@ async def test_the_default_model_edits_the_same_with_speculation() -> None:
     async def run(**config: Any) -> tuple[list[list[int]], int]:
         params = SamplingParams(max_tokens=96, temperature=0.0)
         with trio.fail_after(300):
-            async with open_engine(EngineConfig(compute_threads=1, **config)) as engine:
+            async with open_engine(EngineConfig(compute_threads=1, **config), hooks=UNGATED) as engine:
                 out = []
                 for prompt in EDIT_PROMPTS[:2]:
                     messages = [{"role": "user", "content": prompt}]
@@ -316,7 +318,9 @@ async def test_a_grammar_row_beside_drafted_rows_keeps_its_mask(tiny_gguf: pathl
         cfg = EngineConfig(model=str(tiny_gguf), compute_threads=1, num_pages=64, **config)
         out: dict[str, Any] = {}
         with trio.fail_after(120):
-            async with open_engine(cfg, hooks=EngineHooks(before_step=note)) as engine:
+            async with open_engine(
+                cfg, hooks=EngineHooks(before_step=note, step_costs=no_step_costs)
+            ) as engine:
 
                 async def free() -> None:
                     async with engine.open_request(PromptSpec(text=prompt), params=plain) as s:

@@ -19,7 +19,7 @@ DRAWS = 20_000
 # The chi-square critical value at p = 1e-4 for `dof` degrees of freedom (Wilson-Hilferty): the
 # seeds are fixed, so a pass is not luck that changes between runs; a wrong residual (e.g. the
 # draft's mass left in, or the rejected token sampled again) is off by hundreds.
-CHI2_1E4 = {3: 21.1, 4: 23.5, 5: 25.7, 7: 29.9}
+CHI2_1E4 = {3: 21.1, 4: 23.5, 5: 25.7, 6: 27.9, 7: 29.9}
 
 
 def chi_square(counts: list[int], probs: list[float]) -> float:
@@ -222,3 +222,63 @@ def test_penalties_count_the_drafts_before_each_row(knobs: dict[str, float]) -> 
     assert [s.token_id for s in got] == [s.token_id for s in plain[:n]]
     assert [s.logprob for s in got] == pytest.approx([s.logprob for s in plain[:n]])
     assert n >= 2  # 3 and 5 were right
+
+
+# A draft model's distributions: near the target, far from it, and one that puts mass where the
+# target has none and none on some of the target's tokens (the residual must supply those).
+DRAFTS_Q = {
+    "close": [0.28, 0.27, 0.18, 0.15, 0.08, 0.04, 0.0],
+    "far": [0.02, 0.03, 0.05, 0.10, 0.20, 0.30, 0.30],
+    "disjoint": [0.0, 0.5, 0.0, 0.0, 0.0, 0.2, 0.3],
+}
+
+
+@pytest.mark.parametrize("name", list(DRAFTS_Q))
+def test_sampled_drafts_with_their_distribution_keep_the_target_distribution(name: str) -> None:
+    """Draft x drawn from q, accepted with min(1, p(x)/q(x)), else the residual max(0, p - q):
+    the token is distributed as p, and accepted with probability sum(min(p, q))."""
+    probs = torch.tensor(TARGET, dtype=torch.float64)
+    q = torch.tensor(DRAFTS_Q[name], dtype=torch.float64)
+    counts = [0] * len(TARGET)
+    accepted = 0
+    for i in range(DRAWS):
+        g = torch.Generator()
+        g.manual_seed(i)
+        draft = int(torch.multinomial(q, 1, generator=g))
+        token, is_draft = accept_draft(probs.float(), draft, g, q)
+        counts[token] += 1
+        accepted += is_draft
+        assert is_draft == (token == draft)
+    support = sum(p > 0 for p in TARGET)
+    assert chi_square(counts, TARGET) < CHI2_1E4[support - 1]
+    rate = float(torch.minimum(probs, q).sum())
+    assert abs(accepted / DRAWS - rate) <= 5 * (rate * (1 - rate) / DRAWS) ** 0.5
+
+
+def test_a_draft_the_drafters_distribution_could_not_give_is_refused_loudly() -> None:
+    probs = torch.tensor(TARGET)
+    with pytest.raises(ValueError, match="probability 0"):
+        accept_draft(probs, 0, None, torch.tensor(DRAFTS_Q["disjoint"]))
+
+
+def test_verify_uses_each_positions_draft_distribution() -> None:
+    """Through `verify` with two sampled drafts: the first and, given it, the second token
+    follow the target's processed rows whatever q was."""
+    torch.manual_seed(1)
+    logits = torch.randn(3, 7) * 1.2  # [k + 1, vocab], two drafts
+    params = SamplingParams(temperature=0.9)
+    target = [filter_logits(logits[j], params).softmax(-1).tolist() for j in range(3)]
+    q = torch.tensor([DRAFTS_Q["far"], DRAFTS_Q["close"]], dtype=torch.float64)
+    first, second = [0] * 7, [0] * 7
+    for seed in range(DRAWS):
+        g = torch.Generator()
+        g.manual_seed(10_000_000 + seed)
+        drafts = tuple(int(torch.multinomial(q[j], 1, generator=g)) for j in range(2))
+        seeded = SamplingParams(**{**vars_of(params), "seed": seed})
+        work = SeqWork(0, (1, *drafts), 10, (0,), True, seeded, 0, num_draft=2)
+        out = verify(logits, work, q)
+        first[out[0].token_id] += 1
+        if out[0].token_id == drafts[0]:
+            second[out[1].token_id] += 1
+    assert chi_square(first, target[0]) < CHI2_1E4[6]
+    assert chi_square(second, target[1]) < CHI2_1E4[6]

@@ -86,15 +86,19 @@ async def test_every_api_streamed_or_not_answers_the_same_with_speculation() -> 
     assert counted["ft_spec_decode_acceptance_ratio"] == pytest.approx(spec["acceptance_rate"])
 
 
-async def test_a_request_turns_speculation_off_with_speculative_false() -> None:
+@pytest.mark.parametrize("route", list(ROUTES))
+async def test_a_request_turns_speculation_off_with_speculative_false(route: str) -> None:
     async with fake_server(FakeRunner(text_script(ANSWER)), **SPEC) as server:
         async with httpx.AsyncClient(base_url=server.base_url, timeout=10) as client:
-            path, body = ROUTES["chat"]
-            r = await client.post(path, json={**body, "speculative": False})
-            assert r.status_code == 200 and text_of("chat", r.json()) == ANSWER
+            path, body = ROUTES[route]
+            for stream in (False, True):
+                r = await client.post(path, json={**body, "speculative": False, "stream": stream})
+                assert r.status_code == 200, r.text
+                text = streamed_text(route, parse_sse(r.text)) if stream else text_of(route, r.json())
+                assert text == ANSWER
             assert (await wait_idle(client))["speculative"]["draft_tokens"] == 0
             r = await client.post(path, json={**body, "speculative": True})
-            assert r.status_code == 200 and text_of("chat", r.json()) == ANSWER
+            assert r.status_code == 200 and text_of(route, r.json()) == ANSWER
             assert (await wait_idle(client))["speculative"]["accepted_tokens"] > 0
 
 
@@ -102,8 +106,53 @@ async def test_a_request_turns_speculation_off_with_speculative_false() -> None:
 async def test_speculative_must_be_a_boolean(value: object) -> None:
     async with fake_server(**SPEC) as server:
         async with httpx.AsyncClient(base_url=server.base_url, timeout=10) as client:
-            for route in ("chat", "completions"):
+            for route in ROUTES:
                 path, body = ROUTES[route]
                 r = await client.post(path, json={**body, "speculative": value})
                 assert r.status_code == 400, r.text
                 assert "speculative" in r.text
+
+
+async def draft_answers(model: str, **config: Any) -> tuple[dict[str, str], dict[str, Any], str]:
+    """`answers` on a real tiny GGUF (greedy, the engine without its cost model)."""
+    from ft.config import EngineConfig
+    from ft.engine.loading import EngineHooks
+    from tests.support.engine import no_step_costs
+    from tests.support.server import running_server
+
+    out: dict[str, str] = {}
+    cfg = EngineConfig(model=model, compute_threads=1, num_pages=64, tokenizer_workers=1, **config)
+    async with running_server(cfg, hooks=EngineHooks(step_costs=no_step_costs)) as server:
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=120) as client:
+            for route, (path, body) in ROUTES.items():
+                greedy = {**body, "temperature": 0.0, "max_tokens": 24, "max_output_tokens": 24}
+                if route == "responses":
+                    del greedy["max_tokens"]
+                else:
+                    del greedy["max_output_tokens"]
+                r = await client.post(path, json=greedy)
+                assert r.status_code == 200, r.text
+                out[route] = text_of(route, r.json())
+                r = await client.post(path, json={**greedy, "stream": True})
+                assert r.status_code == 200, r.text
+                out[f"{route}-stream"] = streamed_text(route, parse_sse(r.text))
+            stats = await wait_idle(client)
+            metrics = (await client.get("/metrics")).text
+    return out, stats, metrics
+
+
+async def test_a_draft_model_answers_every_api_the_same_and_counts_its_drafts(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    from tests.support.gguf_files import write_tiny_gguf
+
+    model = str(write_tiny_gguf(tmp_path_factory.mktemp("http") / "tiny.gguf", seed=3))
+    without, _, _ = await draft_answers(model)
+    with_spec, stats, metrics = await draft_answers(
+        model, speculative_method="draft", speculative_model=model, speculative_tokens=4
+    )
+    assert with_spec == without
+    spec = stats["speculative"]
+    assert spec["method"] == "draft" and spec["draft_tokens"] > 8 * 4
+    assert spec["accepted_tokens"] == spec["draft_tokens"]  # the model drafting for itself
+    assert f'ft_spec_decode_accepted_tokens_total{{model="tiny"}} {float(spec["accepted_tokens"])}' in metrics

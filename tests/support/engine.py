@@ -55,7 +55,13 @@ def fake_hooks(
         tokenize_executor=executor,
         before_step=before_step,
         tokenize_job=tokenize_job,
+        step_costs=no_step_costs,
     )
+
+
+def no_step_costs() -> None:
+    """No speculation cost model: the fake runner's step times are not a model's."""
+    return None
 
 
 @asynccontextmanager

@@ -212,6 +212,7 @@ def sampling_params(ctx: ServerContext, req: MessagesRequest, grammar: GrammarSp
             max_tokens=max_tokens,
             stop=tuple(req.stop_sequences or ()),
             grammar=grammar,
+            speculative=req.speculative,
         )
     except InvalidRequest as e:
         if e.param == "stop":

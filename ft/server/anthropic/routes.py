@@ -39,7 +39,7 @@ from ft.server.anthropic.format import (
 from ft.server.anthropic.schemas import CountTokensRequest, MessagesRequest
 from ft.server.generation.assemble import BlockAssembler, assemble_blocks
 from ft.server.generation.context import ServerContext, json_response, read_request
-from ft.server.generation.lifecycle import Generated, GenerationApi, Usage, respond
+from ft.server.generation.lifecycle import Generated, GenerationApi, Usage, respond_model
 from ft.server.generation.policy import output_policy, template_prompt
 from ft.server.generation.sse import sse_error, sse_event
 from ft.server.generation.structured import anthropic_output
@@ -79,14 +79,16 @@ def register(app: QuartTrio, ctx: ServerContext) -> None:
     @app.post("/v1/messages")
     async def messages() -> Response:
         req = await read_request(ctx, MessagesRequest)
-        return await respond(ctx, MessagesCall(ctx, req))
+        return await respond_model(
+            ctx, req.model, lambda view: MessagesCall(view, req), stream=req.stream, shape=MessagesCall
+        )
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens() -> Response:
         req = await read_request(ctx, CountTokensRequest)
-        ctx.check_model(req.model)
-        prompt = messages_prompt(req, system_turns=ctx.engine.template_renders_mid_system)
-        ids = await ctx.engine.tokenize(template_prompt(prompt, tool_choice(req)))
+        view = await ctx.for_model(req.model)
+        prompt = messages_prompt(req, system_turns=view.engine.template_renders_mid_system)
+        ids = await view.engine.tokenize(template_prompt(prompt, tool_choice(req)))
         return json_response({"input_tokens": len(ids)})
 
 
@@ -169,5 +171,10 @@ class MessagesCall(GenerationApi):
         return frames
 
     def error(self, err: FtError) -> list[bytes]:
+        """`event: error`."""
+        return self.stream_error(err)
+
+    @classmethod
+    def stream_error(cls, err: FtError) -> list[bytes]:
         """`event: error`."""
         return [sse_error(err, anthropic_error_body, event="error")]

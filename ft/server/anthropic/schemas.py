@@ -240,6 +240,8 @@ class MessagesRequest(PromptFields):
     metadata: dict[str, Any] | None = None
     stream: bool = False
     output_format: OutputFormat | None = None
+    # ft's own, as on the OpenAI routes: false turns speculative decoding off for this request.
+    speculative: bool = True
 
 
 class CountTokensRequest(PromptFields):

@@ -2,8 +2,9 @@
 
 Every route but the probes, the chat page's static files (`ft.server.web.WEB_PATHS`, unless
 `--no-web-ui`; the calls the page makes need the key) and `/metrics` (unless
-`--metrics-require-key`) needs `--api-key` when one is set. Admin routes (`/v1/admin/...`)
-change the server's state, so they also refuse what a web page or a proxied client could send:
+`--metrics-require-key`) needs `--api-key` when one is set. Admin routes (`/v1/admin/...`, and
+`ADMIN_PATHS`: loading and unloading models) change the server's state, so they also refuse
+what a web page or a proxied client could send:
 
 - any request carrying an `Origin` not listed in `--cors-origins` (a `*` there does not count);
 - with `--admin-key`: any request without that key (then the peer's address does not matter);
@@ -30,6 +31,8 @@ from ft.server.web import WEB_PATHS
 PROBE_PATHS = frozenset({"/health", "/health/live", "/health/ready"})
 METRICS_PATH = "/metrics"
 ADMIN_PREFIX = "/v1/admin/"
+# Admin routes outside the prefix: loading and unloading models (router mode).
+ADMIN_PATHS = frozenset({"/v1/models/load", "/v1/models/unload", "/models/load", "/models/unload"})
 # Headers a reverse proxy adds; their presence means the loopback peer is only the proxy.
 FORWARDING_HEADERS = ("Forwarded", "X-Forwarded-For", "X-Forwarded-Host", "X-Real-Ip")
 
@@ -42,7 +45,7 @@ def authorize(request: Request, settings: ServerSettings) -> None:
         return
     if settings.web_ui and request.method in ("GET", "HEAD") and request.path in WEB_PATHS:
         return  # static files that hold no data; the page asks for the key for its API calls
-    if request.path.startswith(ADMIN_PREFIX):
+    if request.path.startswith(ADMIN_PREFIX) or request.path in ADMIN_PATHS:
         authorize_admin(request, settings)
     elif settings.api_key is not None and not key_matches(presented_key(request), settings.api_key):
         raise _unauthorized("invalid or missing API key (send 'Authorization: Bearer <key>')")

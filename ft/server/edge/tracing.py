@@ -64,6 +64,7 @@ class RequestRecord:
     status: int | None = None
     route: str | None = None  # the generation route that served it (metrics label); else None
     stream: bool = False
+    model: str | None = None  # router mode: the model the request named (metrics label)
     prompt_tokens: int = 0
     output_tokens: int = 0
     cached_tokens: int = 0
@@ -117,7 +118,10 @@ class RequestRecord:
         if isinstance(err, Overloaded):
             return "overload"
         if isinstance(err, EngineStopping):
-            return {"model_loading": "loading", "engine_error": "error"}.get(err.code or "", "stopping")
+            codes = {"model_loading": "loading", "engine_error": "error", "model_load_failed": "error"}
+            return codes.get(err.code or "", "stopping")
+        if err.code == "models_busy":  # router mode: no model could be unloaded to make room
+            return "overload"
         if status in (401, 403):
             return "auth"
         return "validation"

@@ -7,6 +7,7 @@ they read the body with `read_request(ctx, Model)`, check the engine with
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from collections.abc import Callable
@@ -30,6 +31,7 @@ from ft.server.edge.http_errors import (
 )
 from ft.server.edge.tracing import current_record
 from ft.server.metrics import ServerMetrics
+from ft.server.models import ModelRouter, ModelSlot
 from ft.server.settings import ServerSettings
 
 M = TypeVar("M", bound=BaseModel)
@@ -40,17 +42,72 @@ MAX_LOGGED_MODEL_NAMES = 16  # names not the model's that are logged (once each)
 @dataclass
 class ServerContext:
     """The engine and settings behind an app, its metrics, and the error shape of each path
-    prefix."""
+    prefix.
 
-    engine: Engine
+    With one model (`router` None) `bound` is its engine, and every route uses it. In router
+    mode (`ft.server.models`) the app's context is bound to none: a route resolves the
+    request's `model` (`for_model`, `lease_model`) and works on a copy bound to that model's
+    engine (`bind`), which shares everything else.
+    """
+
     settings: ServerSettings
+    bound: Engine | None = None
+    router: ModelRouter | None = None
     error_formats: list[tuple[str, ErrorFormatter]] = field(default_factory=list)
     started_at: float = field(default_factory=time.time)
     metrics: ServerMetrics = field(init=False)
     other_model_names: set[str] = field(default_factory=set)  # logged once each, up to a bound
 
     def __post_init__(self) -> None:
-        self.metrics = ServerMetrics(self.engine)
+        if self.router is not None:
+            router = self.router
+            self.metrics = ServerMetrics(router.engines, router.default.name)
+            router.on_engine = self.metrics.watch
+        else:
+            engine = self.engine
+            self.metrics = ServerMetrics(lambda: iter((engine,)), engine.model_id)
+            self.metrics.watch(engine)
+
+    @property
+    def engine(self) -> Engine:
+        """The engine this context's routes use (router mode: the request's model's, once bound)."""
+        if self.bound is None:
+            raise RuntimeError("this context is bound to no engine: resolve the request's model first")
+        return self.bound
+
+    def bind(self, engine: Engine) -> ServerContext:
+        """This context for `engine`'s requests (a shallow copy: settings, metrics and error
+        formats shared)."""
+        view = copy.copy(self)
+        view.bound = engine
+        return view
+
+    def lease_model(self, model: str | None) -> ModelSlot:
+        """Router mode: the slot a request's `model` names, held busy until the HTTP request ends
+        (the request's record is labelled with it). Raises 404 `model_not_found`."""
+        assert self.router is not None
+        slot = self.router.find(model)
+        lease = self.router.lease(slot)
+        record = current_record()
+        record.model = slot.name
+        if not record.release_at_end(lease.release):
+            lease.release()  # no HTTP request to hold it (embedded use): only the 404 check counts
+        return slot
+
+    async def for_model(self, model: str | None) -> ServerContext:
+        """The context a request for `model` runs in: with one model, this one (`check_model`);
+        in router mode, bound to that model's engine, loaded first when it is not (waiting at
+        most the load timeout).
+
+        Raises:
+            HttpError: 404 for a model not served; 503 `models_busy` when no room frees up.
+            EngineStopping: the model failed to load (its error), or the load timed out (503).
+        """
+        if self.router is None:
+            self.check_model(model)
+            return self
+        slot = self.lease_model(model)
+        return self.bind(await self.router.acquire(slot))
 
     def error_format(self, path: str) -> ErrorFormatter:
         """The error body formatter for `path` (the longest registered prefix; else OpenAI's)."""
@@ -66,6 +123,9 @@ class ServerContext:
         None, "" and every name of the model pass. Any other name is served by the one model
         too (logged once), unless `settings.strict_model_names`: then it is a 404.
         """
+        if self.router is not None:
+            self.router.find(model)  # router mode: a name no model answers to is a 404
+            return
         if not model or self.engine.names.accepts(model):
             return
         if self.settings.strict_model_names:

@@ -25,7 +25,7 @@ into each engine request.
 from __future__ import annotations
 
 import math
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from contextlib import AsyncExitStack, aclosing, asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -42,7 +42,8 @@ from ft.prompt import PromptSpec
 from ft.server.edge.http_errors import internal_error
 from ft.server.edge.tracing import RequestRecord, current_record
 from ft.server.generation.context import ServerContext, json_response, json_response_off_loop
-from ft.server.generation.sse import CONNECTED, HEARTBEAT, DeltaMux, MuxResult, sse_response
+from ft.server.generation.sse import CONNECTED, HEARTBEAT, DeltaMux, MuxResult, sse_error, sse_response
+from ft.server.models import ModelSlot
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +110,12 @@ class GenerationApi:
         """The last frames of a stream that failed after its headers went out."""
         raise NotImplementedError
 
+    @classmethod
+    def stream_error(cls, err: FtError) -> list[bytes]:
+        """The frames of a stream that failed before its request was built (router mode: its
+        model did not load after `: connected` went out)."""
+        return [sse_error(err)]
+
     def body(self, done: Generated) -> dict[str, Any]:
         """The JSON body of a non-streamed response."""
         raise NotImplementedError
@@ -142,6 +149,83 @@ def sampling_params(
         repetition_penalty=pick("repetition_penalty", repetition_penalty, 1.0),
         **fields,
     )
+
+
+async def respond_model(
+    ctx: ServerContext,
+    model: str | None,
+    build: Callable[[ServerContext], GenerationApi],
+    *,
+    stream: bool,
+    shape: type[GenerationApi],
+) -> Response:
+    """Run the request `build` makes for the context of `model` through the lifecycle.
+
+    With one model this is `respond(ctx, build(ctx))` (the name checked by `build`). In router
+    mode the model is resolved (404 for one not served) and held until the HTTP request ends;
+    if it is not loaded, a non-streamed request waits for its load (bounded), and a stream
+    answers at once: `: connected` and heartbeats (`shape.heartbeat`) while the model loads,
+    then the request is built and checked against it, and any failure before the request
+    exists is `shape.stream_error` in-stream.
+    """
+    router = ctx.router
+    if router is None:
+        return await respond(ctx, build(ctx))
+    slot = ctx.lease_model(model)
+    router.check_loadable(slot)  # a model that failed to load is refused before any stream
+    engine = slot.ready_engine()
+    if engine is None and not stream:
+        engine = await router.acquire(slot)
+    if engine is not None:
+        view = ctx.bind(engine)
+        return await respond(view, build(view))
+    record = current_record()
+    record.route = request.path if has_request_context() else "embedded"
+    record.stream = True
+    return sse_response(_load_then_stream(ctx, slot, build, shape, record))
+
+
+async def _load_then_stream(
+    ctx: ServerContext,
+    slot: ModelSlot,
+    build: Callable[[ServerContext], GenerationApi],
+    shape: type[GenerationApi],
+    record: RequestRecord,
+) -> AsyncGenerator[bytes]:
+    """A stream whose model loads after its headers: wait with heartbeats, then build, check
+    and stream the request as `respond` would."""
+    assert ctx.router is not None
+    yield CONNECTED
+    try:
+        deadline, busy_deadline = ctx.router.deadlines()
+        engine = None
+        while engine is None:
+            with trio.move_on_after(ctx.settings.sse_heartbeat_s):
+                engine = await ctx.router.acquire(slot, deadline, busy_deadline)
+            if engine is None:
+                yield shape.heartbeat
+        view = ctx.bind(engine)
+        api = build(view)
+        if ctx.settings.log_prompts:
+            record.prompts = [_loggable(prompt) for prompt in api.prompts]
+        admission = engine.admit(len(api.prompts))
+        if not record.release_at_end(admission.release):
+            admission.release()
+        prompt_ids = api.prompt_ids = [await prepare(view, p, api.params, admission) for p in api.prompts]
+        record.prompt_tokens = sum(len(ids) for ids in prompt_ids)
+    except FtError as e:
+        record.error = e
+        for frame in shape.stream_error(e):
+            yield frame
+        return
+    except Exception as e:  # noqa: BLE001 - reported in-stream, logged
+        record.error = internal_error(e)
+        for frame in shape.stream_error(record.error):
+            yield frame
+        return
+    async with aclosing(_events(view, api, prompt_ids, record, admission, is_connected=True)) as events:
+        async for frame in events:
+            yield frame
 
 
 async def respond(ctx: ServerContext, api: GenerationApi) -> Response:
@@ -279,8 +363,11 @@ async def _events(
     prompt_ids: list[tuple[int, ...]],
     record: RequestRecord,
     admission: Admission,
+    *,
+    is_connected: bool = False,
 ) -> AsyncGenerator[bytes]:
-    yield CONNECTED
+    if not is_connected:
+        yield CONNECTED
     outputs: dict[tuple[int, int], list[str]] = {}  # (prompt, choice) -> texts, with --log-prompts
     try:
         for frame in api.start(Usage(sum(len(ids) for ids in prompt_ids))):

@@ -22,7 +22,7 @@ from ft.params import SamplingParams
 from ft.prompt import PromptSpec
 from ft.server.generation.assemble import ChatAssembler, openai_finish_reason
 from ft.server.generation.context import ServerContext, read_request
-from ft.server.generation.lifecycle import Generated, GenerationApi, Usage, respond
+from ft.server.generation.lifecycle import Generated, GenerationApi, Usage, respond_model
 from ft.server.generation.policy import output_policy
 from ft.server.generation.sse import DONE, sse_data, sse_error
 from ft.server.generation.structured import openai_output
@@ -46,12 +46,16 @@ def register(app: QuartTrio, ctx: ServerContext) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions() -> Response:
         req = await read_request(ctx, ChatCompletionRequest)
-        return await respond(ctx, ChatCompletion(ctx, req))
+        return await respond_model(
+            ctx, req.model, lambda view: ChatCompletion(view, req), stream=req.stream, shape=ChatCompletion
+        )
 
     @app.post("/v1/completions")
     async def completions() -> Response:
         req = await read_request(ctx, CompletionRequest)
-        return await respond(ctx, TextCompletion(ctx, req))
+        return await respond_model(
+            ctx, req.model, lambda view: TextCompletion(view, req), stream=req.stream, shape=TextCompletion
+        )
 
 
 def openai_id(prefix: str) -> str:
@@ -93,6 +97,11 @@ class OpenAIGeneration(GenerationApi):
         return [sse_data(self._object([]) | {"usage": usage(u)}), DONE]
 
     def error(self, err: FtError) -> list[bytes]:
+        """`data: {"error": ...}` then `[DONE]`."""
+        return self.stream_error(err)
+
+    @classmethod
+    def stream_error(cls, err: FtError) -> list[bytes]:
         """`data: {"error": ...}` then `[DONE]`."""
         return [sse_error(err), DONE]
 

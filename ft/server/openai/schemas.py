@@ -394,3 +394,9 @@ class PrepareStopRequest(StrictModel):
 
     drain_timeout_s: Annotated[float, Field(ge=0.0, le=60.0)] = DEFAULT_DRAIN_TIMEOUT_S
     abort_timeout_s: Annotated[float, Field(ge=0.0, le=10.0)] = DEFAULT_ABORT_TIMEOUT_S
+
+
+class ModelActionRequest(StrictModel):
+    """`POST /v1/models/load` and `/v1/models/unload` (router mode: `ft.server.models`)."""
+
+    model: Annotated[str, Field(min_length=1, max_length=MAX_NAME_LEN)]

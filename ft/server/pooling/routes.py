@@ -34,8 +34,8 @@ def register(app: QuartTrio, ctx: ServerContext) -> None:
     @app.post("/v1/embeddings")
     async def embeddings() -> Response:
         req = await read_request(ctx, EmbeddingRequest)
-        ctx.check_model(req.model)
-        if ctx.engine.pooling == "rank":
+        view = await ctx.for_model(req.model)
+        if view.engine.pooling == "rank":
             raise InvalidRequest(
                 "this model is served as a reranker (--pooling rank): its pooled output is a "
                 "relevance score, not an embedding; use /v1/rerank or /v1/score, or serve it with "
@@ -45,33 +45,32 @@ def register(app: QuartTrio, ctx: ServerContext) -> None:
         one = isinstance(req.input, str) or isinstance(req.input[0], int)
         items: list[Any] = [req.input] if one else list(req.input)
         pooled = await embed(
-            ctx, inputs_of(items, "input"), truncate=req.truncate_prompt_tokens, dimensions=req.dimensions
+            view, inputs_of(items, "input"), truncate=req.truncate_prompt_tokens, dimensions=req.dimensions
         )
-        return await answer(pooled.vectors, lambda: embeddings_body(ctx, pooled, req.encoding_format))
+        return await answer(pooled.vectors, lambda: embeddings_body(view, pooled, req.encoding_format))
 
     @app.post("/v1/rerank")
     @app.post("/v2/rerank")  # Cohere's client
     @app.post("/rerank")  # vLLM's and llama-server's other path
     async def rerank() -> Response:
         req = await read_request(ctx, RerankRequest)
-        ctx.check_model(req.model)
+        view = await ctx.for_model(req.model)
         texts = [d if isinstance(d, str) else d.text for d in req.documents]
-        if ctx.engine.pooling == "rank":
+        if view.engine.pooling == "rank":
             pairs = [Pair(req.query, t, f"documents[{k}]") for k, t in enumerate(texts)]
-            ranked = await rank(ctx, pairs, truncate=req.truncate_prompt_tokens)
-            return await answer(pairs, lambda: rerank_body(ctx, req, texts, ranked.scores, ranked))
+            ranked = await rank(view, pairs, truncate=req.truncate_prompt_tokens)
+            return await answer(pairs, lambda: rerank_body(view, req, texts, ranked.scores, ranked))
         query = Input(PromptSpec(text=req.query), "query")
         pooled = await embed(
-            ctx, [query, *inputs_of(texts, "documents", many=True)], truncate=req.truncate_prompt_tokens
+            view, [query, *inputs_of(texts, "documents", many=True)], truncate=req.truncate_prompt_tokens
         )
         scores = [cosine(pooled.vectors[0], d) for d in pooled.vectors[1:]]
-        return await answer(pooled.vectors, lambda: rerank_body(ctx, req, texts, scores, pooled))
+        return await answer(pooled.vectors, lambda: rerank_body(view, req, texts, scores, pooled))
 
     @app.post("/v1/score")
     @app.post("/score")  # vLLM's other path
     async def score() -> Response:
         req = await read_request(ctx, ScoreRequest)
-        ctx.check_model(req.model)
         left = [req.text_1] if isinstance(req.text_1, str) else req.text_1
         right = [req.text_2] if isinstance(req.text_2, str) else req.text_2
         if len(left) != 1 and len(left) != len(right):
@@ -82,21 +81,22 @@ def register(app: QuartTrio, ctx: ServerContext) -> None:
             )
         if len(left) + len(right) > MAX_INPUTS:
             raise InvalidRequest(f"score takes at most {MAX_INPUTS} texts in all", param="text_2")
-        if ctx.engine.pooling == "rank":
+        view = await ctx.for_model(req.model)
+        if view.engine.pooling == "rank":
             name = "text_2[{}]" if isinstance(req.text_2, list) else "text_2"
             pairs = [Pair(left[k if len(left) > 1 else 0], t, name.format(k)) for k, t in enumerate(right)]
-            ranked = await rank(ctx, pairs, truncate=req.truncate_prompt_tokens)
-            return await answer(pairs, lambda: score_body(ctx, ranked.scores, ranked))
+            ranked = await rank(view, pairs, truncate=req.truncate_prompt_tokens)
+            return await answer(pairs, lambda: score_body(view, ranked.scores, ranked))
         inputs = [
             *inputs_of(left, "text_1", many=isinstance(req.text_1, list)),
             *inputs_of(right, "text_2", many=isinstance(req.text_2, list)),
         ]
-        pooled = await embed(ctx, inputs, truncate=req.truncate_prompt_tokens)
+        pooled = await embed(view, inputs, truncate=req.truncate_prompt_tokens)
         lefts, rights = pooled.vectors[: len(left)], pooled.vectors[len(left) :]
 
         def build() -> dict[str, Any]:
             scores = [cosine(lefts[k if len(lefts) > 1 else 0], v) for k, v in enumerate(rights)]
-            return score_body(ctx, scores, pooled)
+            return score_body(view, scores, pooled)
 
         return await answer(pooled.vectors, build)
 

@@ -43,7 +43,7 @@ from ft.server.generation.assemble import (
     BlockStop,
 )
 from ft.server.generation.context import ServerContext, json_response, read_request
-from ft.server.generation.lifecycle import Generated, GenerationApi, Usage, respond
+from ft.server.generation.lifecycle import Generated, GenerationApi, Usage, respond_model
 from ft.server.generation.policy import output_policy
 from ft.server.generation.sse import sse_event
 from ft.server.generation.structured import responses_output
@@ -66,7 +66,9 @@ def register(app: QuartTrio, ctx: ServerContext) -> None:
     @app.post("/v1/responses")
     async def create_response() -> Response:
         req = await read_request(ctx, ResponsesRequest)
-        return await respond(ctx, ResponseCall(ctx, req, store))
+        return await respond_model(
+            ctx, req.model, lambda view: ResponseCall(view, req, store), stream=req.stream, shape=ResponseCall
+        )
 
     @app.route("/v1/responses/<response_id>", methods=["GET", "DELETE"])
     async def stored_response(response_id: str) -> Response:
@@ -155,6 +157,7 @@ class ResponseCall(GenerationApi):
             top_k=req.top_k,
             max_tokens=req.max_output_tokens,
             grammar=policy.grammar,
+            speculative=req.speculative,
         )
         self.stream = req.stream
         self.id = random_id("resp_", 32)
@@ -290,6 +293,12 @@ class ResponseCall(GenerationApi):
         error = {"code": err.code or err.type, "message": err.message}
         failed = self.response("failed", self.items(self.assembler.blocks, None), None, error=error)
         return [self.event("response.failed", response=failed)]
+
+    @classmethod
+    def stream_error(cls, err: FtError) -> list[bytes]:
+        """The Responses stream's `error` event (no response was created yet)."""
+        body = {"type": "error", "sequence_number": 0, "code": err.code or err.type, "message": err.message}
+        return [sse_event("error", body | {"param": err.param})]
 
     def item_events(self, event: BlockEvent, is_incomplete: bool) -> list[tuple[str, dict[str, Any]]]:
         """The Responses events for one block event: (event type, fields)."""

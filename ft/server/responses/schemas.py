@@ -361,6 +361,8 @@ class ResponsesRequest(StrictModel):
         None
     )
     stream: bool = False
+    # ft's own, as on the OpenAI routes: false turns speculative decoding off for this request.
+    speculative: bool = True
     metadata: (
         Annotated[
             dict[

@@ -96,13 +96,36 @@ async function loadModels() {
     return;
   }
   const previous = ui.model.value;
-  ui.model.replaceChildren(...models.map((m) => new Option(String(m.id), String(m.id))));
+  ui.model.replaceChildren(...models.map((m) => new Option(modelLabel(m), String(m.id))));
   if (models.some((m) => m.id === previous)) ui.model.value = previous;
   ui.model.disabled = false;
   ui.forgetKey.hidden = !storedKey();
   chat.ready = true;
   setBusy(chat.controller !== null);
   setStatus("ready", "ok");
+}
+
+/** A picker entry: the model's id, and its state when a server with several models says it is
+ * not loaded (`unloaded` models load when asked; `failed` ones answer with their error). */
+function modelLabel(model) {
+  const state = model.status?.value;
+  return state && state !== "loaded" ? `${model.id} (${state})` : String(model.id);
+}
+
+/** Relabels the picker with the models' states now (after an answer: a server with several
+ * models may have loaded, swapped or unloaded some); a failure leaves the labels as they were. */
+async function refreshModelStates() {
+  try {
+    const response = await fetch("/v1/models", { headers: apiHeaders(false) });
+    if (!response.ok) return;
+    const byId = new Map((await response.json()).data.map((m) => [String(m.id), m]));
+    for (const option of ui.model.options) {
+      const model = byId.get(option.value);
+      if (model) option.textContent = modelLabel(model);
+    }
+  } catch {
+    // the next answer asks again
+  }
 }
 
 /** The `data:` payloads of a server-sent event stream, as they arrive. */
@@ -278,6 +301,7 @@ async function send() {
   }
   view.finish(state, describe(timing, state, error));
   setBusy(false);
+  refreshModelStates();
   if (state !== "error") ui.prompt.focus();
 }
 

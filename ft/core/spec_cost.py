@@ -1,0 +1,113 @@
+"""When speculation pays: a cost model from measured step times (no trio, no torch).
+
+A step that decodes D sequences and verifies R drafted rows costs t(D + R) (the target's
+forward over its rows) plus what drafting took (a draft model's forwards; n-gram drafts are
+free). Without drafts it costs t(D) and gives D tokens; with them it gives D + E, E the drafts
+expected to be accepted. Speculation pays when the tokens it adds are worth more than the time
+it adds:
+
+    E * t(D) / D  >  t(D + R) - t(D) + draft time
+
+`StepCosts` keeps the median of the last few measurements of t by rows fed, measured on steps
+that only decode (a prefill chunk's rows are not decode rows' cost), and of a draft model's
+time per forward by the rows it drafts for. What was never measured is measured first, and a batch size whose
+decision stays the same is tried the other way now and then, so one noisy measurement cannot
+turn speculation off for good (nor on for good: t(D) is re-measured the same way). Tests
+inject measurements with `observe` to make the decisions deterministic.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+# Measurements kept per row count; the estimate is their median. A busy neighbour made single
+# steps 10x slower (docs/performance.md): a mean would follow those, the median does not.
+WINDOW = 9
+# Steps in a row decided alike before the other choice is taken once (and measured).
+RETRY_EVERY = 16
+
+
+def expected_accepted(num_drafts: int, rate: float) -> float:
+    """Drafts expected to be accepted out of `num_drafts` when each is accepted with
+    probability `rate` given the ones before it were (the first refusal ends the run)."""
+    return sum(rate**j for j in range(1, num_drafts + 1))
+
+
+def _add(table: dict[int, deque[float]], key: int, value: float) -> None:
+    table.setdefault(key, deque(maxlen=WINDOW)).append(value)
+
+
+def _median(values: deque[float]) -> float:
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2]
+
+
+def _interpolate(table: dict[int, deque[float]], key: int) -> float | None:
+    """The median at `key`, linear between the nearest measured keys around it; None outside."""
+    if key in table:
+        return _median(table[key])
+    below = max((k for k in table if k < key), default=None)
+    above = min((k for k in table if k > key), default=None)
+    if below is None or above is None:
+        return None
+    w = (key - below) / (above - below)
+    low, high = _median(table[below]), _median(table[above])
+    return low + w * (high - low)
+
+
+@dataclass(eq=False, slots=True)
+class StepCosts:
+    """Measured step times: the target's by rows fed, the draft model's per forward by rows."""
+
+    # rows -> the last `WINDOW` seconds of the target's forward
+    step_s: dict[int, deque[float]] = field(default_factory=dict)
+    # drafting sequences -> the last `WINDOW` seconds per draft-model forward
+    draft_forward_s: dict[int, deque[float]] = field(default_factory=dict)
+    # decodes -> (the last decision, how many steps in a row it was taken)
+    streak: dict[int, tuple[bool, int]] = field(default_factory=dict)
+
+    def observe(self, num_rows: int, seconds: float, draft_s: float = 0.0, num_forwards: int = 0,
+                num_drafting: int = 0) -> None:  # fmt: skip
+        """Fold in a decode-only step: `num_rows` fed to the target, `seconds` in all, of which
+        `draft_s` drafting in `num_forwards` forwards for `num_drafting` sequences."""
+        if num_rows < 1 or seconds <= 0.0:
+            return
+        _add(self.step_s, num_rows, max(seconds - draft_s, 1e-9))
+        if num_forwards and num_drafting:
+            _add(self.draft_forward_s, num_drafting, draft_s / num_forwards)
+
+    def estimate(self, num_rows: int) -> float | None:
+        """The target's time for a decode-only step of `num_rows` rows (None: unmeasured)."""
+        return _interpolate(self.step_s, num_rows)
+
+    def pays(
+        self, num_decodes: int, num_drafted: int, num_expected: float, num_forwards: int = 0,
+        num_drafting: int = 0,
+    ) -> bool:  # fmt: skip
+        """Whether drafting `num_drafted` rows for `num_decodes` decoding sequences (`num_drafting`
+        of them drafting), `num_expected` drafts expected accepted, saves more than it costs
+        (`num_forwards` draft-model forwards; 0 for free drafts).
+
+        Unmeasured costs are measured first: a step without drafts when t(D) is unknown, with
+        them when the rest is. After `RETRY_EVERY` steps in a row decided alike, the other
+        choice is taken once, so both sides' measurements stay current.
+        """
+        plain = _interpolate(self.step_s, num_decodes)
+        if plain is None:
+            return False
+        verify = _interpolate(self.step_s, num_decodes + num_drafted)
+        drafting: float | None = 0.0
+        if num_forwards:
+            per_forward = _interpolate(self.draft_forward_s, num_drafting or num_decodes)
+            drafting = None if per_forward is None else per_forward * num_forwards
+        if verify is None or drafting is None:
+            return True
+        decided = num_expected * plain / num_decodes > verify - plain + drafting
+        streak = self.streak.get(num_decodes, (decided, 0))
+        count = streak[1] + 1 if streak[0] == decided else 1
+        if count > RETRY_EVERY:
+            self.streak[num_decodes] = (not decided, 1)
+            return not decided
+        self.streak[num_decodes] = (decided, count)
+        return decided

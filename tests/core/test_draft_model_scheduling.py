@@ -1,0 +1,298 @@
+"""The scheduler's side of draft-model speculation: the draft model's KV kept in step with the
+sequence (fed what it lacks, in bounded chunks; cut back to what was accepted; reset by a
+preemption), pages for the drafts, and the measured cost model that turns drafting off."""
+
+from __future__ import annotations
+
+import pytest
+
+from ft.core.batch import Sampled, SeqWork
+from ft.core.kv import PagePool
+from ft.core.scheduler import Scheduler
+from ft.core.spec_cost import RETRY_EVERY, WINDOW, StepCosts, expected_accepted
+from ft.messages import SeqFailed, StepDone, TokenOut
+from ft.params import SamplingParams
+
+EOS = 0
+
+
+def make(num_pages: int = 64, page_size: int = 4, **kw: object) -> Scheduler:
+    opts: dict[str, object] = {
+        "max_running": 8,
+        "max_model_len": 256,
+        "max_prefill_tokens": 32,
+        "speculative_tokens": 4,
+        "draft_model": True,
+    } | kw
+    return Scheduler(PagePool(num_pages, page_size), eos_token_ids=[EOS], **opts)  # type: ignore[arg-type]
+
+
+def next_token(context: tuple[int, ...]) -> int:
+    """The target: a function of the last two tokens and, slowly, the position."""
+    return 10 + (context[-1] * 7 + context[-2] * 3 + len(context) // 5) % 5
+
+
+def drafted_token(context: tuple[int, ...]) -> int:
+    """The draft model: the target's token, but wrong at every third position."""
+    token = next_token(context)
+    return token if len(context) % 3 else 10 + (token - 9) % 5
+
+
+class Models:
+    """Target and draft model over KV simulations of the same slots: each reads its context
+    back from its own slots, and the draft asserts that every slot it reads before its feed
+    holds the sequence's token there (its KV is valid below `num_draft_computed`)."""
+
+    def __init__(self, page_size: int) -> None:
+        self.page_size = page_size
+        self.target: dict[int, int] = {}
+        self.draft: dict[int, int] = {}
+        self.works: list[SeqWork] = []
+        self.num_draft_forwards = 0
+
+    def slot(self, w: SeqWork, pos: int) -> int:
+        return w.page_ids[pos // self.page_size] * self.page_size + pos % self.page_size
+
+    def step(self, s: Scheduler) -> list[TokenOut | SeqFailed]:
+        batch = s.schedule()
+        assert batch is not None
+        sampled: list[Sampled] = []
+        for w in batch.works:
+            self.works.append(w)
+            drafts = self.run_draft(w)
+            fed = (*w.token_ids, *drafts)
+            for i, token in enumerate(fed):
+                self.target[self.slot(w, w.start_pos + i)] = token
+            if not w.sample:
+                continue
+            first = w.start_pos + len(w.token_ids)
+            for j in range(len(drafts) + 1):
+                context = tuple(self.target[self.slot(w, p)] for p in range(first + j))
+                token = next_token(context)
+                sampled.append(Sampled(w.seq_id, token))
+                if j == len(drafts) or token != drafts[j]:
+                    break
+        return s.on_step_done(batch, StepDone(batch.step, tuple(sampled)))
+
+    def run_draft(self, w: SeqWork) -> tuple[int, ...]:
+        if not w.draft_feed:
+            assert not w.num_model_draft
+            return ()
+        for p in range(w.draft_pos):  # valid draft KV below the feed: the sequence's tokens
+            assert self.draft[self.slot(w, p)] == self.target[self.slot(w, p)], (w, p)
+        for i, token in enumerate(w.draft_feed):
+            self.draft[self.slot(w, w.draft_pos + i)] = token
+        end = w.draft_pos + len(w.draft_feed)
+        if w.num_model_draft:
+            assert end == w.start_pos + len(w.token_ids), "the feed ends at the work's last token"
+        drafts: list[int] = []
+        for j in range(w.num_model_draft):
+            self.num_draft_forwards += 1
+            context = tuple(self.draft[self.slot(w, p)] for p in range(end + j))
+            drafts.append(drafted_token(context))
+            if j + 1 < w.num_model_draft:
+                self.draft[self.slot(w, end + j)] = drafts[-1]
+        return tuple(drafts)
+
+
+def run_all(
+    s: Scheduler, reqs: list[tuple[list[int], SamplingParams]]
+) -> tuple[dict[tuple[int, int], list[int]], Models]:
+    models = Models(s.pool.page_size)
+    for uid, (prompt, params) in enumerate(reqs, start=1):
+        s.add(uid, prompt, params)
+    tokens: dict[tuple[int, int], list[int]] = {}
+    for _ in range(10_000):
+        if not s.has_work:
+            break
+        for out in models.step(s):
+            assert isinstance(out, TokenOut)
+            tokens.setdefault((out.uid, out.index), []).append(out.token_id)
+    assert not s.has_work and s.pool.num_used == 0
+    return tokens, models
+
+
+REQUESTS = [
+    (
+        list(range(1, 1 + 7 * k)) + [11, 12],
+        SamplingParams(max_tokens=20 + 3 * k, n=1 + k % 2, ignore_eos=True),
+    )
+    for k in range(1, 5)
+]
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_tokens_with_a_draft_model_are_the_tokens_without(caching: bool) -> None:
+    plain, _ = run_all(make(speculative_tokens=0, draft_model=False, enable_prefix_caching=caching), REQUESTS)
+    s = make(enable_prefix_caching=caching)
+    tokens, models = run_all(s, REQUESTS)
+    assert tokens == plain
+    assert s.num_accepted_tokens > 0 and s.num_draft_tokens > s.num_accepted_tokens  # both ways
+    assert any(w.num_model_draft for w in models.works) and not any(w.num_draft for w in models.works)
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_preemption_resets_the_draft_models_kv(caching: bool) -> None:
+    """A preempted sequence's pages go to others: its draft KV is fed again from the start
+    (the draft's slot check would see another sequence's tokens otherwise)."""
+    plain, _ = run_all(make(num_pages=256, speculative_tokens=0, draft_model=False), REQUESTS)
+    tight = make(num_pages=30, enable_prefix_caching=caching)  # each alone fits, all at once not
+    tokens, _ = run_all(tight, REQUESTS)
+    assert tokens == plain
+    assert tight.num_preemptions > 0 and tight.num_accepted_tokens > 0
+
+
+def test_a_long_prompt_feeds_the_draft_model_in_chunks_before_it_drafts() -> None:
+    s = make(max_prefill_tokens=32)  # 8 tokens of catch-up a step
+    s.add(1, list(range(1, 21)), SamplingParams(max_tokens=30, ignore_eos=True))
+    models = Models(4)
+    models.step(s)  # the prefill (the draft model is not fed with it)
+    assert not models.works[-1].draft_feed
+    feeds = []
+    for _ in range(4):
+        models.step(s)
+        w = models.works[-1]
+        feeds.append((w.draft_pos, len(w.draft_feed), w.num_model_draft))
+    # 21 tokens to catch up (one more each step): 8, 8, then the last 7 and the drafts.
+    assert feeds[:3] == [(0, 8, 0), (8, 8, 0), (16, 7, 4)]
+    assert s.running[0].num_draft_computed >= 22
+
+
+@pytest.mark.parametrize("num_accepted", [0, 1, 2, 4])
+def test_the_draft_models_kv_is_cut_back_to_what_was_accepted(num_accepted: int) -> None:
+    s = make(page_size=4)
+    s.add(1, [11, 12, 13, 14, 11, 12], SamplingParams(max_tokens=20))
+    batch = s.schedule()
+    assert batch is not None
+    s.on_step_done(batch, StepDone(batch.step, (Sampled(0, 13),)))
+    used_before = s.pool.num_used
+    batch = s.schedule()
+    assert batch is not None
+    (work,) = batch.works
+    assert work.token_ids == (13,) and work.start_pos == 6 and work.num_draft == 0
+    assert (work.draft_feed, work.draft_pos, work.num_model_draft) == ((11, 12, 13, 14, 11, 12, 13), 0, 4)
+    assert s.pool.num_used == used_before + 1  # a page for positions 8..10 (the drafts)
+    # The accepted drafts' tokens, then the target's own (the scheduler counts what it gets).
+    sampled = tuple(Sampled(0, 20 + i) for i in range(num_accepted + 1))
+    s.on_step_done(batch, StepDone(batch.step, sampled))
+    seq = s.running[0]
+    assert seq.num_computed == 7 + num_accepted
+    # The draft fed 7 tokens then its first 3 drafts: the accepted ones among those stay valid.
+    assert seq.num_draft_computed == 7 + min(num_accepted, 3)
+    assert (s.num_draft_tokens, s.num_accepted_tokens, s.num_verifications) == (4, num_accepted, 1)
+    assert s.num_refusals == (num_accepted < 4)
+    assert len(seq.page_ids) == -(-seq.num_tokens // 4)
+
+
+def test_a_grammar_or_a_request_that_opts_out_never_feeds_the_draft_model() -> None:
+    s = make()
+    s.add(1, [11, 12, 13, 14], SamplingParams(max_tokens=8, speculative=False, ignore_eos=True))
+    _, models = run_all(s, [])
+    assert models.works and not any(w.draft_feed or w.num_model_draft for w in models.works)
+    assert s.num_draft_tokens == 0
+
+
+# --- the cost model -----------------------------------------------------------------------------
+
+
+def test_expected_accepted_drafts_follow_a_run_until_the_first_refusal() -> None:
+    assert expected_accepted(0, 0.9) == 0.0
+    assert expected_accepted(3, 1.0) == 3.0
+    assert expected_accepted(3, 0.5) == pytest.approx(0.5 + 0.25 + 0.125)
+
+
+def test_an_unmeasured_plain_step_is_measured_before_drafting() -> None:
+    costs = StepCosts()
+    assert not costs.pays(1, 4, 3.0)  # t(1) unknown: a plain step first
+    costs.observe(1, 0.010)
+    assert costs.pays(1, 4, 0.1)  # t(5) unknown: measured by drafting
+
+
+def test_drafting_pays_only_when_the_expected_gain_beats_the_verify_rows() -> None:
+    costs = StepCosts()
+    costs.observe(1, 0.010)
+    costs.observe(5, 0.012)  # 4 verify rows cost 2 ms
+    assert costs.pays(1, 4, 0.5)  # 0.5 tokens x 10 ms > 2 ms
+    assert not costs.pays(1, 4, 0.1)  # 1 ms < 2 ms
+
+
+def test_a_draft_models_forwards_count_as_cost() -> None:
+    costs = StepCosts()
+    costs.observe(1, 0.010)
+    costs.observe(5, 0.012)
+    assert costs.pays(1, 4, 1.0, num_forwards=4)  # draft forwards unmeasured: measured
+    costs.observe(5, 0.012 + 0.008, draft_s=0.008, num_forwards=4, num_drafting=1)  # 2 ms each
+    assert costs.estimate(5) == pytest.approx(0.012)  # the target's share only
+    assert not costs.pays(1, 4, 0.9, num_forwards=4, num_drafting=1)  # 9 ms < 2 + 8 ms
+    assert costs.pays(1, 4, 1.1, num_forwards=4, num_drafting=1)
+
+
+def test_the_estimate_is_the_median_of_the_last_measurements() -> None:
+    costs = StepCosts()
+    for seconds in (0.010, 0.011, 0.500, 0.009, 0.010):  # one step behind a busy neighbour
+        costs.observe(3, seconds)
+    assert costs.estimate(3) == 0.010
+    for _ in range(WINDOW):
+        costs.observe(3, 0.020)  # the machine got slower for good: the old ones age out
+    assert costs.estimate(3) == 0.020
+
+
+def test_unmeasured_row_counts_are_interpolated_between_measured_ones() -> None:
+    costs = StepCosts()
+    costs.observe(2, 0.010)
+    costs.observe(10, 0.018)
+    costs.observe(1, 0.009)
+    # t(6) = 14 ms by interpolation: 4 rows cost 4 ms over t(2), worth more than 0.7 x 5 ms.
+    assert not costs.pays(2, 4, 0.7)
+    assert costs.pays(2, 4, 0.9)
+
+
+def test_a_decision_that_stays_the_same_is_tried_the_other_way_now_and_then() -> None:
+    costs = StepCosts()
+    costs.observe(1, 0.010)
+    costs.observe(5, 0.050)  # verifying is far too dear
+    decisions = [costs.pays(1, 4, 0.5) for _ in range(3 * (RETRY_EVERY + 1))]
+    assert decisions.count(True) == 3  # once every RETRY_EVERY + 1 steps
+    assert decisions[RETRY_EVERY] and not any(decisions[:RETRY_EVERY])
+
+
+def make_costs(plain: float, verify: float) -> StepCosts:
+    costs = StepCosts()
+    costs.observe(1, plain)
+    for rows in range(2, 10):
+        costs.observe(rows, verify)
+    return costs
+
+
+def test_the_scheduler_drafts_only_when_the_cost_model_says_it_pays() -> None:
+    prompt = [11, 12, 13, 14, 11, 12]
+    for verify_s, drafts in ((0.0101, True), (0.5, False)):
+        s = make(draft_model=False, costs=make_costs(0.010, verify_s))
+        s.add(1, prompt, SamplingParams(max_tokens=20))
+        batch = s.schedule()
+        assert batch is not None
+        s.on_step_done(batch, StepDone(batch.step, (Sampled(0, 13),)))
+        batch = s.schedule()
+        assert batch is not None
+        (work,) = batch.works
+        assert bool(work.num_draft) == drafts, verify_s
+        assert s.pool.num_used == 2 + drafts  # no page taken for drafts that are not run
+
+
+def test_the_scheduler_measures_decode_steps_into_its_cost_model() -> None:
+    costs = StepCosts()
+    s = make(draft_model=False, costs=costs)
+    s.add(1, [11, 12, 13, 14, 11, 12], SamplingParams(max_tokens=20))
+    batch = s.schedule()
+    assert batch is not None
+    s.on_step_done(batch, StepDone(batch.step, (Sampled(0, 13),), duration_s=0.5))
+    assert costs.step_s == {}  # a prefill is no decode step's cost
+    batch = s.schedule()  # t(1) unknown: a plain decode
+    assert batch is not None and batch.works[0].num_draft == 0
+    s.on_step_done(batch, StepDone(batch.step, (Sampled(0, 14),), duration_s=0.01))
+    assert costs.estimate(1) == 0.01 and costs.estimate(2) is None
+    batch = s.schedule()  # t(1 + drafts) unknown: drafted and measured
+    assert batch is not None and batch.works[0].num_draft > 0
+    rows = 1 + batch.works[0].num_draft
+    s.on_step_done(batch, StepDone(batch.step, (Sampled(0, 99),), duration_s=0.02))
+    assert costs.estimate(rows) == 0.02
