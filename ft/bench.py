@@ -30,7 +30,7 @@ from dataclasses import asdict
 
 import trio
 
-from ft.config import EngineConfig, add_model_arguments, model_config_fields
+from ft.config import ENGINE_DEFAULTS, KV_CACHE_DTYPES, EngineConfig, add_model_arguments, model_config_fields
 from ft.engine.engine import Engine, open_engine
 from ft.grammar import spec
 from ft.grammar.spec import GrammarSpec
@@ -159,6 +159,7 @@ async def main(args: argparse.Namespace) -> None:
     config = EngineConfig(
         **model_config_fields(args),
         max_running_requests=max(args.concurrency),
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     async with open_engine(config) as engine:
         await run_level(engine, 1, 8)  # warm-up
@@ -238,6 +239,12 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add_model_arguments(parser)  # `--compute-threads` among them, as for `ft serve`
     parser.add_argument("--prefill", type=int, default=0, metavar="N", help="also time one N-token prompt")
+    parser.add_argument(
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPES,
+        default=ENGINE_DEFAULTS.kv_cache_dtype,
+        help="KV cache element type, as for `ft serve` (default: %(default)s)",
+    )
     # NOTE: the old spelling, kept so recorded bench commands still run.
     parser.add_argument("--threads", type=int, dest="compute_threads", help=argparse.SUPPRESS)
     parser.add_argument(
