@@ -387,8 +387,8 @@ def _phi_smollm_granite_from_hf(
     top level of older configs).
 
     Raises:
-        ValueError: a block ft does not run (a sliding window shorter than the context, an MLP
-            bias, an activation other than SiLU) or a value of the wrong type.
+        ValueError: a block ft does not run (an MLP bias, an activation other than SiLU) or a
+            value of the wrong type.
     """
     out: dict[str, Any] = {}
     family = arch.name
@@ -396,14 +396,6 @@ def _phi_smollm_granite_from_hf(
         raise ValueError(f"{family} with hidden_act {cfg.get('hidden_act')!r} is not supported (SiLU only)")
     if cfg.get("mlp_bias"):
         raise ValueError(f"{family} with mlp_bias is not supported")
-    window = cfg.get("sliding_window")
-    max_len = int(cfg.get("max_position_embeddings", 2048))
-    if arch.refuses_short_window and isinstance(window, int) and 0 < window < max_len:
-        # NOTE: Phi-3-mini-4k's 2047 of 4096; a window at least the context changes nothing.
-        raise ValueError(
-            f"{family} with a sliding window of {window} tokens (shorter than its context of {max_len}) "
-            "is not supported yet"
-        )
     partial = cfg.get("partial_rotary_factor")
     if isinstance(rope_params, dict) and "partial_rotary_factor" in rope_params:
         partial = rope_params["partial_rotary_factor"]
