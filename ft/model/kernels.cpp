@@ -2322,6 +2322,8 @@ int ft_decoder_layer(const LayerArgs* layer, const StepArgs* step, float* x, int
     FT_REQUIRE(isfinite(L.residual_scale) && L.residual_scale >= 0 && isfinite(L.attn_scale) &&
                    L.attn_scale >= 0,
                "residual scale %g, attention scale %g", (double)L.residual_scale, (double)L.attn_scale);
+    FT_REQUIRE(!(L.attn_scale && L.query_scale), "attention scale %g and query scale %g: at most one is set",
+               (double)L.attn_scale, (double)L.query_scale);
     FT_REQUIRE(S.kv_type >= KV_F32 && S.kv_type <= KV_Q8_0, "KV type %lld", (long long)S.kv_type);
     check_kv((int)S.kv_type, kvsz, hd, S.kv_slot_bytes);
     FT_REQUIRE(S.threads >= 1 && S.threads <= 4096, "%lld threads", (long long)S.threads);

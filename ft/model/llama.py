@@ -142,6 +142,13 @@ class LlamaConfig:
             value = getattr(self, name)
             if not (math.isfinite(value) and (value > 0 or (value == 0 and name == "attention_multiplier"))):
                 raise ValueError(f"{name} {value!r} is not a positive finite number")
+        if self.attention_multiplier and self.query_scale:
+            # NOTE: both paths scale q by attention_multiplier * sqrt(head_dim), then the scores by
+            # query_scale: the product of the two would be neither family's softmax scale.
+            raise ValueError(
+                f"attention_multiplier {self.attention_multiplier} and query_scale {self.query_scale}: "
+                "two softmax scales (Granite's and Gemma's), at most one may be set"
+            )
 
     @property
     def rotary_width(self) -> int:

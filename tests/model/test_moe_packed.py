@@ -9,6 +9,7 @@ a probe process (`tests.support.gguf_probe`): a named error, never a crash.
 
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -393,3 +394,15 @@ def test_loading_a_packed_moe_takes_about_its_file_size_in_memory(tmp_path: path
     )
     before, after = (int(v) for v in done.stdout.split())
     assert after - before < 1.25 * size, (after - before, size)
+
+
+@pytest.mark.parametrize(("field", "value"), [("residual_multiplier", 0.5), ("post_norms", True)])
+def test_a_mixture_with_output_norms_or_a_residual_scale_is_refused_packed(
+    mixtral_gguf: pathlib.Path, field: str, value: Any
+) -> None:
+    """`packed_moe` adds the experts' mixture unscaled and unnormed: a config asking for either
+    (no supported family does yet) is refused rather than run wrong."""
+    loaded = load_model(mixtral_gguf, torch.float32, quantized=True)
+    config = dataclasses.replace(loaded.config, **{field: value})
+    with pytest.raises(ValueError, match="does not run packed"):
+        QuantizedLlama(config, loaded.state_dict)
