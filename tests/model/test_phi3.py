@@ -337,6 +337,15 @@ def test_cuda_graphed_phi3_gives_the_cpu_tokens(phi3_dir: pathlib.Path) -> None:
     assert_cuda_graphs_give_the_cpu_tokens(phi3_dir)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="torch sees no CUDA device")
+def test_cuda_graphed_windowed_phi3_gives_the_cpu_tokens(
+    phi3_dir: pathlib.Path, tmp_path: pathlib.Path
+) -> None:
+    from tests.support.tiny_families import assert_cuda_graphs_give_the_cpu_tokens
+
+    assert_cuda_graphs_give_the_cpu_tokens(_with_config(phi3_dir, tmp_path, sliding_window=WINDOW))
+
+
 @pytest.mark.parametrize(
     ("max_model_len", "is_long"), [(PHI_ORIGINAL_CONTEXT, False), (None, True), (64, True)]
 )
