@@ -294,7 +294,9 @@ class LlamaConfig:
                 rope_scaling = dict(rope)
         if float(local_theta or 0) == float(rope_theta) and rope_scaling is None:
             local_theta = 0.0  # the windowed layers turn as the others
-        act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
+        # NOTE: Gemma 2/3 read `hidden_activation` only (transformers' default: tanh GELU); a
+        # `hidden_act` beside it ("gelu" in older conversions) is never used by their MLP.
+        act = cfg.get("hidden_activation") or "gelu_pytorch_tanh"
         return cls(
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=int(cfg["hidden_size"]),
