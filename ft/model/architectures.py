@@ -129,9 +129,6 @@ class Architecture:
     gguf_fused: bool = False
     gguf_no_rope_interval: int = 0
     tool_call_parser: str | None = None  # the tool-call format its template asks for (None: hermes)
-    # its config's `sliding_window` shapes attention: refused while shorter than the context
-    # (ft has no sliding-window attention yet); other families' windows are ignored as before
-    refuses_short_window: bool = False
 
     @property
     def gguf_layer_names(self) -> dict[str, str]:
@@ -265,7 +262,9 @@ PHI3 = Architecture(
     gguf_layer_extra=FUSED_NAMES,
     gguf_fused=True,
     tool_call_parser="phi4_mini_json",
-    refuses_short_window=True,
+    # Phi-3-mini-4k's 2047 on every layer, as transformers masks (llama.cpp drops Phi-3's window:
+    # ft follows the model as trained, on GGUFs too)
+    windowed=True,
 )
 # SmolLM3: every fourth layer without rotary; `<think>` reasoning (its template's /think, /no_think)
 SMOLLM3 = Architecture(

@@ -206,20 +206,12 @@ def _phi_smollm_granite(
     tensors), SmolLM3's layers without rotary and Granite's multipliers, as llama.cpp reads them.
 
     Raises:
-        ModelFileError: a value out of range, one longrope tensor without the other, or a
-            sliding window shorter than the context (not run yet).
+        ModelFileError: a value out of range, or one longrope tensor without the other.
     """
     out: dict[str, Any] = {"rotary_dim": rotary_dim}
     if family.gguf_no_rope_interval:
         step = family.gguf_no_rope_interval
         out["no_rope_layers"] = tuple(i for i in range(num_layers) if (i + 1) % step == 0)
-    context = meta.integer(f"{arch}.context_length", 1, MAX_CONTEXT, default=2048)
-    window = meta.integer(f"{arch}.attention.sliding_window", 0, MAX_CONTEXT, default=0)
-    if family.refuses_short_window and 0 < window < context:
-        raise ModelFileError(
-            f"metadata key '{arch}.attention.sliding_window': a window of {window} tokens, shorter than "
-            f"the context of {context}: sliding-window attention is not supported yet"
-        )
     factors = {t.name: t for t in meta.tensors if t.name in LONGROPE_TENSORS}
     if factors:
         if len(factors) != 2:

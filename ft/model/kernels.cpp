@@ -13,6 +13,7 @@
 #include <math.h>
 #include <omp.h>
 #include <stdarg.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <string.h>
@@ -2041,7 +2042,8 @@ int ft_rms_norm(const float* x, int64_t T, int64_t H, int64_t ldx, const float* 
 // One decoder layer's constant parts, built once per layer at load (`kernels.LayerArgs` mirrors
 // it field by field; `quantized_llama._Layer` fills it). ft_decoder_layer checks every size
 // against the others before it reads a pointer. A field added for a family goes at the end, its
-// zero / null value meaning "as Llama".
+// zero / null value meaning "as Llama", and into FT_LAYER_FIELDS (ft_struct_layout: the test
+// that checks the mirror's every offset).
 struct LayerArgs {
   int64_t hidden, heads, kv_heads, head_dim, inter;  // H, nh, nkvh, hd, ffn width
   float eps;                                          // every RMSNorm's epsilon
@@ -2320,6 +2322,8 @@ int ft_decoder_layer(const LayerArgs* layer, const StepArgs* step, float* x, int
     FT_REQUIRE(isfinite(L.residual_scale) && L.residual_scale >= 0 && isfinite(L.attn_scale) &&
                    L.attn_scale >= 0,
                "residual scale %g, attention scale %g", (double)L.residual_scale, (double)L.attn_scale);
+    FT_REQUIRE(!(L.attn_scale && L.query_scale), "attention scale %g and query scale %g: at most one is set",
+               (double)L.attn_scale, (double)L.query_scale);
     FT_REQUIRE(S.kv_type >= KV_F32 && S.kv_type <= KV_Q8_0, "KV type %lld", (long long)S.kv_type);
     check_kv((int)S.kv_type, kvsz, hd, S.kv_slot_bytes);
     FT_REQUIRE(S.threads >= 1 && S.threads <= 4096, "%lld threads", (long long)S.threads);
@@ -2331,6 +2335,53 @@ int ft_decoder_layer(const LayerArgs* layer, const StepArgs* step, float* x, int
       case KV_Q8_0: decoder_layer(L, S, x, cos, sin, (kv_q8_t*)k_cache, (kv_q8_t*)v_cache); break;
     }
   });
+}
+
+// The fields of the structs ctypes mirrors, in their order (a field added to a struct goes here too).
+#define FT_WEIGHT_FIELDS(F) F(type) F(data) F(rows) F(row_bytes) F(columns)
+#define FT_LAYER_FIELDS(F)                                                                                      \
+  F(hidden) F(heads) F(kv_heads) F(head_dim) F(inter) F(eps) F(norm1) F(norm1_len) F(norm2) F(norm2_len) F(w)   \
+  F(bias) F(bias_len) F(q_norm) F(k_norm) F(qk_norm_len) F(attn_out_norm) F(mlp_out_norm) F(post_norm_len)     \
+  F(gelu) F(query_scale) F(attn_softcap) F(window) F(attention_only) F(qk_norm_whole) F(k_norm_len)            \
+  F(rotary_dim) F(no_rope) F(residual_scale) F(attn_scale)
+#define FT_STEP_FIELDS(F)                                                                                  \
+  F(rows) F(slot_of) F(seq) F(num_seqs) F(pos) F(block_tables) F(max_pages) F(page_size) F(num_slots) \
+  F(kv_slot_bytes) F(kv_type) F(threads)
+
+// The layout of struct `which` (0 Weight, 1 LayerArgs, 2 StepArgs), for the test that checks
+// kernels.py's mirrors against it: out[0] = sizeof, out[1 + i] = offsetof field i (at most cap
+// entries written); returns the fields' names, comma-separated, or null for another `which`.
+const char* ft_struct_layout(int which, int64_t* out, int64_t cap) {
+  int64_t n = 0;
+  auto put = [&](size_t v) {
+    if (n < cap) out[n] = (int64_t)v;
+    n++;
+  };
+#define FT_NAME(f) #f ","
+#define FT_OFFSET(f) put(offsetof(S, f));
+  switch (which) {
+    case 0: {
+      using S = Weight;
+      put(sizeof(S));
+      FT_WEIGHT_FIELDS(FT_OFFSET)
+      return FT_WEIGHT_FIELDS(FT_NAME);
+    }
+    case 1: {
+      using S = LayerArgs;
+      put(sizeof(S));
+      FT_LAYER_FIELDS(FT_OFFSET)
+      return FT_LAYER_FIELDS(FT_NAME);
+    }
+    case 2: {
+      using S = StepArgs;
+      put(sizeof(S));
+      FT_STEP_FIELDS(FT_OFFSET)
+      return FT_STEP_FIELDS(FT_NAME);
+    }
+    default: return nullptr;
+  }
+#undef FT_NAME
+#undef FT_OFFSET
 }
 
 }  // extern "C"

@@ -75,7 +75,8 @@ class Weight(ctypes.Structure):
 class LayerArgs(ctypes.Structure):
     """One decoder layer's constant parts (`LayerArgs` in kernels.cpp, field by field; its
     comments say what each holds): built once per layer, every pointer kept alive by its owner.
-    A family's new field goes at the end of both, zero / null meaning "as Llama"."""
+    A family's new field goes at the end of both, zero / null meaning "as Llama"; the tests check
+    every offset against the compiled struct's (`ft_struct_layout`)."""
 
     _fields_ = [
         ("hidden", ctypes.c_int64),
@@ -195,6 +196,8 @@ def build_library(march: str = "native", sanitize: bool = False) -> ctypes.CDLL:
     lib.ft_attention.argtypes = [
         ptr, i64, ptr, ptr, i64, i64, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, ptr, i32,
     ]  # fmt: skip
+    lib.ft_struct_layout.argtypes = [i32, ptr, i64]
+    lib.ft_struct_layout.restype = ctypes.c_char_p
     for name in ("ft_quantize_q8", "ft_gemm", "ft_dequantize_rows", "ft_repack_columns", "ft_repack",
                  "ft_rms_norm", "ft_decoder_layer", "ft_attention"):  # fmt: skip
         getattr(lib, name).restype = i32

@@ -142,6 +142,13 @@ class LlamaConfig:
             value = getattr(self, name)
             if not (math.isfinite(value) and (value > 0 or (value == 0 and name == "attention_multiplier"))):
                 raise ValueError(f"{name} {value!r} is not a positive finite number")
+        if self.attention_multiplier and self.query_scale:
+            # NOTE: both paths scale q by attention_multiplier * sqrt(head_dim), then the scores by
+            # query_scale: the product of the two would be neither family's softmax scale.
+            raise ValueError(
+                f"attention_multiplier {self.attention_multiplier} and query_scale {self.query_scale}: "
+                "two softmax scales (Granite's and Gemma's), at most one may be set"
+            )
 
     @property
     def rotary_width(self) -> int:
@@ -287,7 +294,9 @@ class LlamaConfig:
                 rope_scaling = dict(rope)
         if float(local_theta or 0) == float(rope_theta) and rope_scaling is None:
             local_theta = 0.0  # the windowed layers turn as the others
-        act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
+        # NOTE: Gemma 2/3 read `hidden_activation` only (transformers' default: tanh GELU); a
+        # `hidden_act` beside it ("gelu" in older conversions) is never used by their MLP.
+        act = cfg.get("hidden_activation") or "gelu_pytorch_tanh"
         return cls(
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=int(cfg["hidden_size"]),
@@ -387,8 +396,8 @@ def _phi_smollm_granite_from_hf(
     top level of older configs).
 
     Raises:
-        ValueError: a block ft does not run (a sliding window shorter than the context, an MLP
-            bias, an activation other than SiLU) or a value of the wrong type.
+        ValueError: a block ft does not run (an MLP bias, an activation other than SiLU) or a
+            value of the wrong type.
     """
     out: dict[str, Any] = {}
     family = arch.name
@@ -396,14 +405,6 @@ def _phi_smollm_granite_from_hf(
         raise ValueError(f"{family} with hidden_act {cfg.get('hidden_act')!r} is not supported (SiLU only)")
     if cfg.get("mlp_bias"):
         raise ValueError(f"{family} with mlp_bias is not supported")
-    window = cfg.get("sliding_window")
-    max_len = int(cfg.get("max_position_embeddings", 2048))
-    if arch.refuses_short_window and isinstance(window, int) and 0 < window < max_len:
-        # NOTE: Phi-3-mini-4k's 2047 of 4096; a window at least the context changes nothing.
-        raise ValueError(
-            f"{family} with a sliding window of {window} tokens (shorter than its context of {max_len}) "
-            "is not supported yet"
-        )
     partial = cfg.get("partial_rotary_factor")
     if isinstance(rope_params, dict) and "partial_rotary_factor" in rope_params:
         partial = rope_params["partial_rotary_factor"]

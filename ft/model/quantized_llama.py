@@ -156,6 +156,11 @@ class QuantizedLlama:
                 f"({self.embed.rows} rows) or lm_head ({self.lm_head.rows} rows)"
             )
         self.norm = _float(sd["model.norm.weight"])
+        if config.num_experts and (config.post_norms or config.residual_multiplier != 1.0):
+            # NOTE: `packed_moe` adds the experts' mixture to x as it is (no output norm, no scale)
+            raise ValueError(
+                "a mixture of experts with output norms or a residual multiplier does not run packed"
+            )
         prefixes = [f"model.layers.{i}." for i in range(config.num_layers)]
         self.layers = [
             _Layer(config, sd, p, i, attention_only=config.is_moe_layer(i)) for i, p in enumerate(prefixes)

@@ -339,6 +339,21 @@ def test_a_bad_gemma_config_is_refused_naming_the_key(
         load_model(tmp_path, torch.float32)
 
 
+def test_hidden_act_is_not_gemmas_activation(
+    hf_model: Any, gemma_dir: pathlib.Path, tmp_path: pathlib.Path
+) -> None:
+    """transformers' Gemma MLP reads `hidden_activation` only (tanh GELU by default): a config
+    whose `hidden_act` says "gelu" (older conversions) without it runs as transformers does."""
+    for name in ("model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        if (gemma_dir / name).exists():
+            (tmp_path / name).symlink_to(gemma_dir / name)
+    cfg = json.loads((gemma_dir / "config.json").read_text())
+    cfg.pop("hidden_activation", None)
+    (tmp_path / "config.json").write_text(json.dumps(cfg | {"hidden_act": "gelu"}))
+    loaded = load_model(tmp_path, torch.float32)
+    assert loaded.config.hidden_act == "gelu_pytorch_tanh"
+
+
 def _edited(gemma_gguf: pathlib.Path, tmp_path: pathlib.Path, edit: Any) -> pathlib.Path:
     edit(RawGGUF.read(gemma_gguf)).write(tmp_path / "edited.gguf")
     return tmp_path / "edited.gguf"

@@ -190,3 +190,23 @@ def test_cuda_graphed_granite_gives_the_cpu_tokens(granite_dir: pathlib.Path) ->
     from tests.support.tiny_families import assert_cuda_graphs_give_the_cpu_tokens
 
     assert_cuda_graphs_give_the_cpu_tokens(granite_dir)
+
+
+def test_granite_and_gemma_softmax_scales_together_are_refused(granite_dir: pathlib.Path) -> None:
+    """q is scaled by attention_multiplier * sqrt(head_dim), the scores by query_scale: both set
+    would be neither's scale, on either path."""
+    loaded = load_model(granite_dir, torch.float32)
+    with pytest.raises(ValueError, match="two softmax scales"):
+        replace(loaded.config, query_scale=0.125)
+
+
+@needs_kernels
+def test_packed_layer_refuses_both_softmax_scales(granite_gguf: pathlib.Path) -> None:
+    from ft.core.batch import SeqWork
+    from tests.support.tiny_qwen3 import GREEDY, PAGES
+
+    runner = runner_of(load_model(granite_gguf, torch.float32, quantized=True))
+    assert runner.packed is not None
+    runner.packed.layers[0].args.query_scale = 0.125
+    with pytest.raises(kernels.KernelError, match="at most one is set"):
+        runner.forward([SeqWork(0, PROMPT[:4], 0, PAGES, True, GREEDY, 0)])

@@ -448,3 +448,21 @@ def test_the_kernels_build_wherever_a_compiler_exists() -> None:
     except RuntimeError:
         pytest.skip("no C++ compiler")
     kernels.library()  # raises RuntimeError with the compiler's message
+
+
+@pytest.mark.parametrize(
+    ("which", "mirror"), [(0, kernels.Weight), (1, kernels.LayerArgs), (2, kernels.StepArgs)]
+)
+def test_the_ctypes_structs_match_the_compiled_ones_field_by_field(which: int, mirror: type) -> None:
+    # A field one side adds, drops or reorders would shift every later one: the kernels would
+    # read each layer's weights and norms from the wrong places, silently.
+    out = (ctypes.c_int64 * 64)()
+    names = kernels.library().ft_struct_layout(which, out, 64)
+    assert names is not None
+    c_fields = names.decode().rstrip(",").split(",")
+    py_fields = [field[0] for field in mirror._fields_]
+    assert py_fields == c_fields
+    assert ctypes.sizeof(mirror) == out[0]
+    for i, name in enumerate(py_fields):
+        assert getattr(mirror, name).offset == out[1 + i], name
+    assert kernels.library().ft_struct_layout(3, out, 64) is None

@@ -208,3 +208,103 @@ def test_pages_behind_the_window_return_to_the_pool_and_the_tokens_stay_the_same
     windowed, dropped, windowed_peak = serve(runner, WINDOW, prompts, 40)
     assert none_dropped == 0 and dropped > 0 and windowed_peak < held_peak
     assert windowed == held
+
+
+async def _engine_tokens(
+    path: pathlib.Path, prompt: list[int], n: int, **config: Any
+) -> tuple[list[int], Any]:
+    """Greedy tokens of `prompt` served by a whole engine of `config`, and its core after."""
+    import trio
+
+    from ft.config import EngineConfig
+    from ft.engine.engine import open_engine
+    from ft.params import SamplingParams
+    from ft.prompt import PromptSpec
+
+    engine_config = EngineConfig(
+        model=str(path), compute_threads=1, page_size=4, max_prefill_tokens=16, **config
+    )
+    params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    with trio.fail_after(300):
+        async with open_engine(engine_config) as engine:
+            async with engine.open_request(PromptSpec(token_ids=tuple(prompt)), params=params) as stream:
+                (choice,) = await stream.collect()
+            core = engine.core
+    return list(choice.token_ids), core
+
+
+@pytest.mark.skipif(not kernels.available(), reason="no C++ compiler for the packed kernels")
+@pytest.mark.parametrize("kv_cache_dtype", ["float32", "q8_0"])
+async def test_the_disk_tier_and_drafts_with_dropped_pages_give_the_tokens_of_all_pages_held(
+    tmp_path: pathlib.Path, kv_cache_dtype: str
+) -> None:
+    """A windowed model serving through the disk tier and n-gram drafts: the pages saved as
+    they fill (before the window drops them), read back by a second server into fresh pages,
+    and the drafts verified past dropped pages, all give the tokens of a scheduler holding every
+    page without drafts (heads of 32: q8_0 KV blocks)."""
+    model = mistral_model(head_dim=32)
+    path = write_mistral_gguf(tmp_path / "mistral.q8_0.gguf", model, GGMLQuantizationType.Q8_0)
+    prompt, n = list(PROMPT), 24  # repeats itself: the n-gram drafter finds drafts
+    runner = TorchRunner(
+        load_model(path, torch.float32, quantized=True), num_pages=32, page_size=4, dtype=torch.float32,
+        kv_dtype=kernels.Q8_0_KV if kv_cache_dtype == "q8_0" else torch.float32,
+    )  # fmt: skip
+    held, _, _ = serve(runner, 0, [prompt], n)
+    disk = dict(
+        prompt_cache_dir=str(tmp_path / "cache"), prompt_cache_min_tokens=4, kv_cache_dtype=kv_cache_dtype,
+        speculative_method="ngram",
+    )  # fmt: skip
+    first, core = await _engine_tokens(path, prompt, n, **disk)
+    assert core.num_dropped_pages > 0 and core.num_draft_tokens > 0
+    assert first == held[0]
+    second, core = await _engine_tokens(path, prompt, n, **disk)  # a fresh server: RAM is empty
+    assert core.num_disk_hit_tokens > 0
+    assert second == held[0]
+
+
+def _serve_core(
+    runner: TorchRunner, preempt_at: int, kv_window: int, prompts: list[list[int]], max_tokens: int
+) -> tuple[dict[int, list[int]], Any]:
+    """As `serve`, with n-gram drafts, request 0 preempted after step `preempt_at` (and again
+    five steps on); also the scheduler after."""
+    from ft.core.batch import Sampled, StepDone, TokenOut
+    from ft.core.kv import PagePool
+    from ft.core.scheduler import Scheduler
+    from ft.params import SamplingParams
+
+    s = Scheduler(
+        PagePool(runner.num_pages, runner.page_size), max_running=4, max_model_len=512, max_prefill_tokens=16,
+        eos_token_ids=[], kv_window=kv_window, speculative_tokens=3,
+    )  # fmt: skip
+    for uid, prompt in enumerate(prompts):
+        s.add(uid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+    tokens: dict[int, list[int]] = {uid: [] for uid in range(len(prompts))}
+    while s.has_work:
+        batch = s.schedule()
+        assert batch is not None
+        sampled = tuple(o for o in runner.step(list(batch.works)) if isinstance(o, Sampled))
+        for out in s.on_step_done(batch, StepDone(batch.step, sampled)):
+            assert isinstance(out, TokenOut)
+            tokens[out.uid].append(out.token_id)
+        if batch.step in (preempt_at, preempt_at + 5) and 0 in {seq.uid for seq in s.running.values()}:
+            s.preempt(0)
+    return tokens, s
+
+
+@pytest.mark.skipif(not kernels.available(), reason="no C++ compiler for the packed kernels")
+@pytest.mark.parametrize("preempt_at", [1, 4, 12])
+def test_preempted_windowed_sequences_recompute_the_tokens_of_all_pages_held(
+    hf_model: Any, tmp_path: pathlib.Path, preempt_at: int
+) -> None:
+    """Three sequences with n-gram drafts, one preempted mid-prefill or mid-decode after pages
+    were dropped: it recomputes (its dropped registered pages matched as a cached prefix), and
+    every greedy token is the one each gives alone with every page held."""
+    path = write_mistral_gguf(tmp_path / "mistral.q8_0.gguf", hf_model, GGMLQuantizationType.Q8_0)
+    runner = TorchRunner(load_model(path, torch.float32, quantized=True), num_pages=32, page_size=4,
+                         dtype=torch.float32)  # fmt: skip
+    prompts = [list(PROMPT[:30]), list(PROMPT[5:27]), list(PROMPT[:30])]
+    alone = [serve(runner, 0, [p], 30)[0][0] for p in prompts]
+    tokens, core = _serve_core(runner, preempt_at, WINDOW, prompts, 30)
+    assert core.num_preemptions > 0 and core.num_dropped_pages > 0 and core.pool.num_used == 0
+    assert core.num_draft_tokens > 0 and core.num_prefix_hit_tokens > 0
+    assert [tokens[i] for i in range(len(prompts))] == alone

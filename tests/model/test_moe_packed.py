@@ -9,6 +9,7 @@ a probe process (`tests.support.gguf_probe`): a named error, never a crash.
 
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -393,3 +394,44 @@ def test_loading_a_packed_moe_takes_about_its_file_size_in_memory(tmp_path: path
     )
     before, after = (int(v) for v in done.stdout.split())
     assert after - before < 1.25 * size, (after - before, size)
+
+
+@pytest.mark.parametrize(("field", "value"), [("residual_multiplier", 0.5), ("post_norms", True)])
+def test_a_mixture_with_output_norms_or_a_residual_scale_is_refused_packed(
+    mixtral_gguf: pathlib.Path, field: str, value: Any
+) -> None:
+    """`packed_moe` adds the experts' mixture unscaled and unnormed: a config asking for either
+    (no supported family does yet) is refused rather than run wrong."""
+    loaded = load_model(mixtral_gguf, torch.float32, quantized=True)
+    config = dataclasses.replace(loaded.config, **{field: value})
+    with pytest.raises(ValueError, match="does not run packed"):
+        QuantizedLlama(config, loaded.state_dict)
+
+
+@pytest.mark.parametrize("chunks", [[len(PROMPT)], [5, 7, 32]])
+def test_prompt_logprobs_of_a_packed_mixture_are_its_own_logits(
+    mixtral_gguf: pathlib.Path, chunks: list[int]
+) -> None:
+    """Prompt logprobs through the routed experts, one chunk or several: prompt token p + 1's
+    score is the log-softmax at p of the packed model fed the prompt up to p alone."""
+    from ft.core.batch import Scored
+
+    runner = runner_of(load_model(mixtral_gguf, torch.float32, quantized=True))
+    params = SamplingParams(temperature=0.0, prompt_logprobs=2)
+    scores = []
+    start = 0
+    for n in chunks:
+        end = start + n
+        ids = PROMPT[start + 1 : min(end, len(PROMPT) - 1) + 1]
+        work = SeqWork(0, PROMPT[start:end], start, PAGES, end == len(PROMPT), params, 0,
+                       score_offset=0, score_ids=ids)  # fmt: skip
+        scores += [s for out in runner.step([work]) if isinstance(out, Scored) for s in out.scores]
+        start = end
+    assert [s.token_id for s in scores] == list(PROMPT[1:])
+    for p in (0, 6, 20, len(PROMPT) - 2):
+        logits = runner.forward([SeqWork(1, PROMPT[: p + 1], 0, PAGES, True, GREEDY, 0)])
+        assert logits is not None
+        logprobs = logits[0].log_softmax(-1)
+        assert abs(scores[p].logprob - logprobs[PROMPT[p + 1]].item()) < 1e-4
+        for (token, lp), want in zip(scores[p].top_logprobs, logprobs.topk(2).values.tolist(), strict=True):
+            assert abs(lp - want) < 1e-4 and abs(logprobs[token].item() - lp) < 1e-4

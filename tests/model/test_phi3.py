@@ -235,31 +235,88 @@ def test_longrope_factors_of_the_wrong_length_are_refused(
         load_model(tmp_path, torch.float32)
 
 
-@pytest.mark.parametrize(("window", "refused"), [(31, True), (512, False), (None, False)])
-def test_a_sliding_window_shorter_than_the_context_is_refused(
-    phi3_dir: pathlib.Path, tmp_path: pathlib.Path, window: int | None, refused: bool
-) -> None:
-    """Phi-3-mini-4k's window (2047 of 4096) changes its attention: refused until ft has
-    sliding-window attention; a window at least the context (Phi-3.5, Phi-4-mini) is none."""
-    for name in ("model.safetensors", "tokenizer.json", "tokenizer_config.json"):
-        (tmp_path / name).symlink_to(phi3_dir / name)
-    cfg = json.loads((phi3_dir / "config.json").read_text())
-    (tmp_path / "config.json").write_text(json.dumps(cfg | {"sliding_window": window}))
-    if refused:
-        with pytest.raises(ValueError, match="sliding window of 31 tokens"):
-            load_model(tmp_path, torch.float32)
-    else:
-        assert load_model(tmp_path, torch.float32).config.architecture == "phi3"
+WINDOW = 13  # shorter than PROMPT (44): every prompt row past the 13th and every decode step drop keys
 
 
-def test_a_gguf_sliding_window_shorter_than_the_context_is_refused(
-    hf_model: Any, tmp_path: pathlib.Path
-) -> None:
-    windowed = phi3_model(sliding_window=31)
+@pytest.fixture(scope="module")
+def windowed_model(hf_model: Any) -> Any:
+    """`hf_model`'s weights with a sliding window of WINDOW (as Phi-3-mini-4k's 2047 of 4096)."""
+    windowed = phi3_model(sliding_window=WINDOW)
     windowed.load_state_dict(hf_model.state_dict())
-    write_gguf(tmp_path / "swa.gguf", windowed)
-    with pytest.raises(ModelFileError, match="sliding_window': a window of 31 tokens"):
-        load_model(tmp_path / "swa.gguf", torch.float32)
+    return windowed
+
+
+def _with_config(src: pathlib.Path, dst: pathlib.Path, **fields: Any) -> pathlib.Path:
+    for name in ("model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        (dst / name).symlink_to(src / name)
+    cfg = json.loads((src / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps(cfg | fields))
+    return dst
+
+
+def test_a_sliding_window_shorter_than_the_prompt_matches_transformers(
+    hf_model: Any, windowed_model: Any, phi3_dir: pathlib.Path, tmp_path: pathlib.Path
+) -> None:
+    """Phi-3's `sliding_window` masks as Mistral's (a row attends its last WINDOW positions, its
+    own included): the prompt's last logits and the greedy tokens decoded past the window are
+    transformers', and differ from the unwindowed model's (the window is not ignored)."""
+    loaded = load_model(_with_config(phi3_dir, tmp_path, sliding_window=WINDOW), torch.float32)
+    assert loaded.config.sliding_window == WINDOW and loaded.config.is_all_windowed
+    with torch.inference_mode():
+        expected = windowed_model(torch.tensor([PROMPT])).logits[0, -1]
+        unwindowed = hf_model(torch.tensor([PROMPT])).logits[0, -1]
+        ref = windowed_model.generate(
+            torch.tensor([PROMPT]), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0
+        )
+    assert (expected - unwindowed).abs().max().item() > 1e-2
+    tokens, logits = generate(runner_of(loaded), PROMPT, NEW_TOKENS)
+    assert (logits - expected).abs().max().item() < 1e-4
+    expected_tokens = ref[0, len(PROMPT) :].tolist()
+    assert tokens[: len(expected_tokens)] == expected_tokens
+
+
+@pytest.mark.parametrize("window", [512, None])
+def test_a_window_at_least_the_context_or_none_is_no_window(
+    phi3_dir: pathlib.Path, tmp_path: pathlib.Path, window: int | None
+) -> None:
+    """Phi-3.5 / Phi-4-mini (a window of the whole context, or none) run as before."""
+    loaded = load_model(_with_config(phi3_dir, tmp_path, sliding_window=window), torch.float32)
+    assert loaded.config.sliding_window == (window or 0)
+    _, logits = generate(runner_of(loaded), PROMPT, 1)
+    _, plain = generate(runner_of(load_model(phi3_dir, torch.float32)), PROMPT, 1)
+    assert (logits - plain).abs().max().item() < 1e-5
+
+
+@pytest.fixture(scope="module")
+def windowed_gguf(windowed_model: Any, tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    return write_gguf(tmp_path_factory.mktemp("phi3-swa") / "swa.Q8_0.gguf", windowed_model)
+
+
+def test_a_gguf_sliding_window_is_kept_as_transformers_does(windowed_gguf: pathlib.Path) -> None:
+    """llama.cpp drops Phi-3's window; ft keeps it (the model was trained with it): the GGUF's
+    float weights in transformers' windowed model give its logits."""
+    loaded = load_model(windowed_gguf, torch.float32)
+    assert loaded.config.sliding_window == WINDOW and loaded.config.is_all_windowed
+    dequantized = phi3_model(sliding_window=WINDOW)
+    dequantized.load_state_dict(_fused(loaded.state_dict), strict=True)
+    with torch.inference_mode():
+        expected = dequantized(torch.tensor([PROMPT])).logits[0, -1]
+    _, logits = generate(runner_of(loaded), PROMPT, 1)
+    assert (logits - expected).abs().max().item() < 1e-4
+
+
+@needs_kernels
+@pytest.mark.parametrize("kv_dtype", [torch.float32, kernels.Q8_0_KV], ids=["f32", "q8_0"])
+def test_the_packed_path_windows_as_the_float_path(windowed_gguf: pathlib.Path, kv_dtype: Any) -> None:
+    assert packed_error(windowed_gguf, kv_dtype) < PACKED_RELATIVE_TOLERANCE
+    # and the windowed float path is not the unwindowed one's: the agreement is the window's
+    loaded = load_model(windowed_gguf, torch.float32)
+    unwindowed = replace(loaded, config=replace(loaded.config, sliding_window=0))
+    try:
+        error = packed_error(windowed_gguf, kv_dtype, reference=unwindowed)
+    except AssertionError:  # (its greedy tokens fall behind the unwindowed model's)
+        error = float("inf")
+    assert error > PACKED_RELATIVE_TOLERANCE
 
 
 def test_two_tensor_parallel_ranks_give_the_tokens_and_logits_of_one(phi3_dir: pathlib.Path) -> None:
@@ -278,6 +335,15 @@ def test_cuda_graphed_phi3_gives_the_cpu_tokens(phi3_dir: pathlib.Path) -> None:
     from tests.support.tiny_families import assert_cuda_graphs_give_the_cpu_tokens
 
     assert_cuda_graphs_give_the_cpu_tokens(phi3_dir)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="torch sees no CUDA device")
+def test_cuda_graphed_windowed_phi3_gives_the_cpu_tokens(
+    phi3_dir: pathlib.Path, tmp_path: pathlib.Path
+) -> None:
+    from tests.support.tiny_families import assert_cuda_graphs_give_the_cpu_tokens
+
+    assert_cuda_graphs_give_the_cpu_tokens(_with_config(phi3_dir, tmp_path, sliding_window=WINDOW))
 
 
 @pytest.mark.parametrize(
