@@ -956,8 +956,11 @@ inline int64_t block_bytes(int64_t type) {
 #endif
 constexpr int RC = FT_RC;
 
+inline bool repackable_more(int64_t type);  // (kernels_q5_iq4.inc: Q5_K, IQ4_XS, IQ4_NL, Q5_0, Q5_1)
+inline int64_t col_bytes_more(int64_t type);
+
 inline bool repackable(int64_t type) {
-  return type == Q4_0 || type == Q4_1 || type == Q8_0 || type == Q4_K || type == Q6_K;
+  return type == Q4_0 || type == Q4_1 || type == Q8_0 || type == Q4_K || type == Q6_K || repackable_more(type);
 }
 
 inline int64_t repacked_bytes(int64_t type) {  // one block (super-block for K-quants) of RC columns
@@ -968,7 +971,7 @@ inline int64_t repacked_bytes(int64_t type) {  // one block (super-block for K-q
     case Q4_K: return RC * 148;
     case Q6_K: return RC * 210;
   }
-  return 0;
+  return RC * col_bytes_more(type);
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
@@ -1102,17 +1105,6 @@ void group_q6_k(const uint8_t* wg, int64_t nbk, const Act* a, float* y, int64_t 
   for (int r = 0; r < MT; r++) _mm512_storeu_ps(y + r * ldy, facc[r]);
 }
 
-// `nb`: the weight's blocks per row (super-blocks for the K-quants).
-template <int MT>
-void group_dispatch(int type, const uint8_t* wg, int64_t nb, const Act* a, float* y, int64_t ldy) {
-  switch (type) {
-    case Q4_0: group_rows<Q4_0, MT>(wg, nb, a, y, ldy); break;
-    case Q4_1: group_rows<Q4_1, MT>(wg, nb, a, y, ldy); break;
-    case Q8_0: group_rows<Q8_0, MT>(wg, nb, a, y, ldy); break;
-    case Q4_K: group_q4_k<MT>(wg, nb, a, y, ldy); break;
-    case Q6_K: group_q6_k<MT>(wg, nb, a, y, ldy); break;
-  }
-}
 #elif FT_RC == 8
 // AVX2 (8 columns per 256-bit vector): the kernels above with half the columns. Without VNNI
 // the 4-byte dot goes through 16-bit saturating pair sums, safe for weights up to 128 against
@@ -1269,6 +1261,13 @@ void group_q6_k(const uint8_t* wg, int64_t nbk, const Act* a, float* y, int64_t 
   for (int r = 0; r < MT; r++) _mm256_storeu_ps(y + r * ldy, facc[r]);
 }
 
+#endif
+
+// ==== Column kernels of Q5_K, IQ4_XS, IQ4_NL, Q5_0, Q5_1: their layouts, repacking and products ====
+#include "kernels_q5_iq4.inc"
+
+// `nb`: the weight's blocks per row (super-blocks for the K-quants).
+#if FT_RC
 template <int MT>
 void group_dispatch(int type, const uint8_t* wg, int64_t nb, const Act* a, float* y, int64_t ldy) {
   switch (type) {
@@ -1277,6 +1276,7 @@ void group_dispatch(int type, const uint8_t* wg, int64_t nb, const Act* a, float
     case Q8_0: group_rows<Q8_0, MT>(wg, nb, a, y, ldy); break;
     case Q4_K: group_q4_k<MT>(wg, nb, a, y, ldy); break;
     case Q6_K: group_q6_k<MT>(wg, nb, a, y, ldy); break;
+    default: group_dispatch_more<MT>(type, wg, nb, a, y, ldy); break;
   }
 }
 #else
@@ -1286,6 +1286,7 @@ void group_dispatch(int, const uint8_t*, int64_t, const Act*, float*, int64_t) {
 
 // Element k of column c (of a group) in repacked block `gb`, as float (the GGUF block's value).
 inline float repacked_at(int type, const uint8_t* gb, int c, int k) {
+  if (repackable_more(type)) return repacked_at_more(type, gb, c, k);
   if (type == Q4_K) {
     const int j = k / 32, e = k % 32;
     const uint8_t byte = gb[((j / 2) * 8 + e / 4) * 4 * RC + 4 * c + e % 4];
@@ -1525,6 +1526,8 @@ int ft_repack(int type, const uint8_t* src, int64_t N, int64_t K, int64_t row_by
             interleave(out + 128 * RC, blk + 128, 16, 0);    // qh
             for (int k = 0; k < 16; k++) out[192 * RC + k * RC + c] = blk[192 + k];
             memcpy(out + 208 * RC + 2 * c, blk + 208, 2);  // d
+          } else if (repackable_more(type)) {
+            repack_block_more(type, blk, out, c);
           } else {
             const int nvec = type == Q8_0 ? 8 : 4;
             interleave(out, blk + (type == Q4_1 ? 4 : 2), nvec, type == Q8_0 ? 0x80 : 0);
