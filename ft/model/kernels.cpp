@@ -931,7 +931,8 @@ inline int64_t block_bytes(int64_t type) {
   return 0;
 }
 
-// ---- Repacked Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K: RC output columns interleaved per block ----
+// ---- Repacked Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K (and, in kernels_q5_iq4.inc, Q5_K, IQ4_XS,
+// IQ4_NL, Q5_0, Q5_1): RC output columns interleaved per block ----
 // For a group of RC weight rows (output columns) and one block of 32, vector j holds 4 bytes of
 // each column: bytes qs[4j .. 4j + 4) of column c at [4c, 4c + 4). One vector times the
 // broadcast 4 activation bytes then adds into RC column sums at once (no horizontal sums),
@@ -1492,7 +1493,8 @@ int64_t ft_repacked_row_bytes(int type, int64_t K) {
   return K / be * repacked_bytes(type) / RC;
 }
 
-// src: N rows of GGUF blocks (Q4_0, Q4_1, Q8_0, Q4_K or Q6_K), N % RC == 0 -> dst in the
+// src: N rows of GGUF blocks of a repackable type (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K, Q5_K, IQ4_XS,
+// IQ4_NL, Q5_0, Q5_1), N % RC == 0 -> dst in the
 // repacked layout (N * ft_repacked_row_bytes(type, K) bytes).
 int ft_repack(int type, const uint8_t* src, int64_t N, int64_t K, int64_t row_bytes, uint8_t* dst) {
   return guarded("ft_repack", [&] {

@@ -39,7 +39,6 @@ from ft.model.quant import (
     Q8_0,
     QuantTensor,
 )
-
 from ft.model.quantized_llama import QuantizedLlama, StepIndex
 from tests.support.gguf_files import LAYER_TYPES, RawGGUF, write_tiny_gguf
 
