@@ -932,7 +932,8 @@ inline int64_t block_bytes(int64_t type) {
   return 0;
 }
 
-// ---- Repacked Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K: RC output columns interleaved per block ----
+// ---- Repacked Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K (and, in kernels_q5_iq4.inc, Q5_K, IQ4_XS,
+// IQ4_NL, Q5_0, Q5_1): RC output columns interleaved per block ----
 // For a group of RC weight rows (output columns) and one block of 32, vector j holds 4 bytes of
 // each column: bytes qs[4j .. 4j + 4) of column c at [4c, 4c + 4). One vector times the
 // broadcast 4 activation bytes then adds into RC column sums at once (no horizontal sums),
@@ -957,8 +958,11 @@ inline int64_t block_bytes(int64_t type) {
 #endif
 constexpr int RC = FT_RC;
 
+inline bool repackable_more(int64_t type);  // (kernels_q5_iq4.inc: Q5_K, IQ4_XS, IQ4_NL, Q5_0, Q5_1)
+inline int64_t col_bytes_more(int64_t type);
+
 inline bool repackable(int64_t type) {
-  return type == Q4_0 || type == Q4_1 || type == Q8_0 || type == Q4_K || type == Q6_K;
+  return type == Q4_0 || type == Q4_1 || type == Q8_0 || type == Q4_K || type == Q6_K || repackable_more(type);
 }
 
 inline int64_t repacked_bytes(int64_t type) {  // one block (super-block for K-quants) of RC columns
@@ -969,7 +973,7 @@ inline int64_t repacked_bytes(int64_t type) {  // one block (super-block for K-q
     case Q4_K: return RC * 148;
     case Q6_K: return RC * 210;
   }
-  return 0;
+  return RC * col_bytes_more(type);
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
@@ -1103,17 +1107,6 @@ void group_q6_k(const uint8_t* wg, int64_t nbk, const Act* a, float* y, int64_t 
   for (int r = 0; r < MT; r++) _mm512_storeu_ps(y + r * ldy, facc[r]);
 }
 
-// `nb`: the weight's blocks per row (super-blocks for the K-quants).
-template <int MT>
-void group_dispatch(int type, const uint8_t* wg, int64_t nb, const Act* a, float* y, int64_t ldy) {
-  switch (type) {
-    case Q4_0: group_rows<Q4_0, MT>(wg, nb, a, y, ldy); break;
-    case Q4_1: group_rows<Q4_1, MT>(wg, nb, a, y, ldy); break;
-    case Q8_0: group_rows<Q8_0, MT>(wg, nb, a, y, ldy); break;
-    case Q4_K: group_q4_k<MT>(wg, nb, a, y, ldy); break;
-    case Q6_K: group_q6_k<MT>(wg, nb, a, y, ldy); break;
-  }
-}
 #elif FT_RC == 8
 // AVX2 (8 columns per 256-bit vector): the kernels above with half the columns. Without VNNI
 // the 4-byte dot goes through 16-bit saturating pair sums, safe for weights up to 128 against
@@ -1270,6 +1263,13 @@ void group_q6_k(const uint8_t* wg, int64_t nbk, const Act* a, float* y, int64_t 
   for (int r = 0; r < MT; r++) _mm256_storeu_ps(y + r * ldy, facc[r]);
 }
 
+#endif
+
+// ==== Column kernels of Q5_K, IQ4_XS, IQ4_NL, Q5_0, Q5_1: their layouts, repacking and products ====
+#include "kernels_q5_iq4.inc"
+
+// `nb`: the weight's blocks per row (super-blocks for the K-quants).
+#if FT_RC
 template <int MT>
 void group_dispatch(int type, const uint8_t* wg, int64_t nb, const Act* a, float* y, int64_t ldy) {
   switch (type) {
@@ -1278,6 +1278,7 @@ void group_dispatch(int type, const uint8_t* wg, int64_t nb, const Act* a, float
     case Q8_0: group_rows<Q8_0, MT>(wg, nb, a, y, ldy); break;
     case Q4_K: group_q4_k<MT>(wg, nb, a, y, ldy); break;
     case Q6_K: group_q6_k<MT>(wg, nb, a, y, ldy); break;
+    default: group_dispatch_more<MT>(type, wg, nb, a, y, ldy); break;
   }
 }
 #else
@@ -1287,6 +1288,7 @@ void group_dispatch(int, const uint8_t*, int64_t, const Act*, float*, int64_t) {
 
 // Element k of column c (of a group) in repacked block `gb`, as float (the GGUF block's value).
 inline float repacked_at(int type, const uint8_t* gb, int c, int k) {
+  if (repackable_more(type)) return repacked_at_more(type, gb, c, k);
   if (type == Q4_K) {
     const int j = k / 32, e = k % 32;
     const uint8_t byte = gb[((j / 2) * 8 + e / 4) * 4 * RC + 4 * c + e % 4];
@@ -1492,7 +1494,8 @@ int64_t ft_repacked_row_bytes(int type, int64_t K) {
   return K / be * repacked_bytes(type) / RC;
 }
 
-// src: N rows of GGUF blocks (Q4_0, Q4_1, Q8_0, Q4_K or Q6_K), N % RC == 0 -> dst in the
+// src: N rows of GGUF blocks of a repackable type (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K, Q5_K, IQ4_XS,
+// IQ4_NL, Q5_0, Q5_1), N % RC == 0 -> dst in the
 // repacked layout (N * ft_repacked_row_bytes(type, K) bytes).
 int ft_repack(int type, const uint8_t* src, int64_t N, int64_t K, int64_t row_bytes, uint8_t* dst) {
   return guarded("ft_repack", [&] {
@@ -1526,6 +1529,8 @@ int ft_repack(int type, const uint8_t* src, int64_t N, int64_t K, int64_t row_by
             interleave(out + 128 * RC, blk + 128, 16, 0);    // qh
             for (int k = 0; k < 16; k++) out[192 * RC + k * RC + c] = blk[192 + k];
             memcpy(out + 208 * RC + 2 * c, blk + 208, 2);  // d
+          } else if (repackable_more(type)) {
+            repack_block_more(type, blk, out, c);
           } else {
             const int nvec = type == Q8_0 ? 8 : 4;
             interleave(out, blk + (type == Q4_1 ? 4 : 2), nvec, type == Q8_0 ? 0x80 : 0);

@@ -26,9 +26,11 @@ import threading
 import numpy as np
 import torch
 
-from ft.model.quant import Q4_0, Q4_1, Q4_K, Q6_K, Q8_0, QuantTensor
+from ft.model.quant import IQ4_NL, IQ4_XS, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, QuantTensor
 
 SOURCE = pathlib.Path(__file__).with_name("kernels.cpp")
+# The files kernels.cpp includes (part of the build's cache key, as the source itself).
+INCLUDES = (SOURCE.with_name("kernels_q5_iq4.inc"),)
 QK = 32  # elements per activation block
 
 _lock = threading.Lock()
@@ -151,7 +153,7 @@ def build_library(march: str = "native", sanitize: bool = False) -> ctypes.CDLL:
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=False).stdout
     flags = SANITIZE_FLAGS if sanitize else ["-O3"]
     digest = hashlib.sha256(
-        SOURCE.read_bytes()
+        b"".join(path.read_bytes() for path in (SOURCE, *INCLUDES))
         + version.encode()
         + _cpu_key().encode()
         + march.encode()
@@ -322,7 +324,7 @@ def gemm_into(
     ))  # fmt: skip
 
 
-REPACKABLE = (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K)  # the types with column kernels
+REPACKABLE = (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K, Q5_K, IQ4_XS, IQ4_NL, Q5_0, Q5_1)  # the types with column kernels
 KV_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # KV cache element types
 # --kv-cache-dtype q8_0 (packed path only): each head of a slot is head_dim / 32 blocks of GGUF's
 # Q8_0 layout, an IEEE half scale d then 32 int8 values (element = value * d), 34 bytes per 32
@@ -387,8 +389,8 @@ def dequantize_q8_0_kv(cache: torch.Tensor) -> torch.Tensor:
 def repacked(weight: QuantTensor, lib: ctypes.CDLL | None = None) -> QuantTensor:
     """`weight` in the interleaved layout of the column kernels of this build (16 columns with
     AVX-512 VNNI, 8 with AVX2) when its type and row count allow; otherwise unchanged. The same
-    bytes reordered, but for Q4_K, whose 6-bit scales and mins are unpacked to bytes (148 bytes
-    per 256, not 144)."""
+    bytes reordered, but for the 6-bit scales unpacked to bytes: Q4_K 148 bytes per 256, not 144;
+    Q5_K 180, not 176; IQ4_XS 138, not 136."""
     lib = lib or library()
     columns = lib.ft_repack_columns()
     if weight.columns or not columns or weight.qtype not in REPACKABLE or weight.rows % columns:

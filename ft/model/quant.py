@@ -31,7 +31,8 @@ class QuantTensor:
 
     `columns` > 0: the bytes reordered into groups of `columns` interleaved rows for the
     column kernels (`kernels.repacked`); `row_bytes` is then a row's share of its group
-    (Q4_K's scales unpacked: 148 bytes per 256 elements instead of 144).
+    (6-bit scales unpacked to bytes: per 256 elements Q4_K 148 bytes instead of 144, Q5_K 180
+    instead of 176, IQ4_XS 138 instead of 136).
     """
 
     data: torch.Tensor

@@ -1,12 +1,16 @@
 """The GGUF formats the kernels multiply as stored beyond Q4_0/Q4_1/Q8_0/Q4_K/Q6_K: Q5_0, Q5_1,
 IQ4_NL, Q2_K, Q3_K, Q5_K, IQ4_XS, F16, BF16. Random block bytes (every bit pattern of the packed
 weights and sub-scales, finite fp16 scales) against gguf-py's dequantization, on the native, AVX2
-(haswell) and portable (x86-64) builds, and a small GGUF of these types loaded as stored."""
+(haswell) and portable (x86-64) builds, and a small GGUF of these types loaded as stored. The
+column kernels of Q5_K, IQ4_XS, IQ4_NL, Q5_0 and Q5_1 (repacked groups of 16 or 8 rows) on every
+build that has them: AVX-512 VNNI, AVX-VNNI (alderlake), AVX2 without VNNI (haswell)."""
 
 from __future__ import annotations
 
 import ctypes
 import logging
+import math
+import os
 import pathlib
 
 import numpy as np
@@ -158,6 +162,134 @@ def test_sizes_that_are_not_whole_blocks_are_refused(qtype: int) -> None:
         assert code != 0 and b"whole blocks of 256" in lib.ft_last_error()
 
 
+# ---- The column kernels of these formats (repacked groups of RC rows) ----
+COLUMN_FORMATS = (Q5_K, IQ4_XS, IQ4_NL, Q5_0, Q5_1)
+COLUMN_NAMES = [KERNEL_TYPES[t] for t in COLUMN_FORMATS]
+# a repacked row's bytes per GGUF block (the 6-bit scales of Q5_K and IQ4_XS unpacked to bytes)
+COLUMN_BLOCK_BYTES = {Q5_K: 180, IQ4_XS: 138, IQ4_NL: 18, Q5_0: 22, Q5_1: 24}
+
+
+def _cpu_has(flag: str) -> bool:
+    try:
+        return flag in pathlib.Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return False
+
+
+COLUMN_BUILDS = [
+    "native",  # AVX-512 VNNI here: 16 columns (or whatever this CPU has)
+    pytest.param("haswell", marks=pytest.mark.skipif(not _cpu_has("avx2"), reason="no AVX2 here")),
+    pytest.param("alderlake", marks=pytest.mark.skipif(not _cpu_has("avx_vnni"), reason="no AVX-VNNI here")),
+]
+
+
+def column_library(march: str) -> ctypes.CDLL:
+    """The build for `march`, skipping where it has no column kernels (a CPU without AVX2); with
+    `FT_KERNELS_SANITIZE=1` (and the ASan runtime preloaded) every build is the sanitized one."""
+    sanitize = os.environ.get("FT_KERNELS_SANITIZE") == "1"
+    lib = kernels.library() if march == "native" else kernels.build_library(march, sanitize=sanitize)
+    if not lib.ft_repack_columns():
+        pytest.skip("no column kernels on this build")
+    return lib
+
+
+@pytest.mark.parametrize("qtype", COLUMN_FORMATS, ids=COLUMN_NAMES)
+@pytest.mark.parametrize("any_scale", [False, True])
+@pytest.mark.parametrize("march", COLUMN_BUILDS)
+def test_repacked_rows_are_gguf_py_exactly(qtype: int, any_scale: bool, march: str) -> None:
+    """A repacked weight (whole groups of 16 or 8 rows) holds the GGUF values: every row decodes
+    to gguf-py's floats bit for bit, for any finite scale (negative, subnormal, 65504), and the
+    bytes are the file's but for Q5_K's and IQ4_XS's 6-bit scales unpacked to a byte each."""
+    lib = column_library(march)
+    w = random_weight(qtype, 48, 512, seed=qtype + 7, any_scale=any_scale)
+    r = kernels.repacked(w, lib)
+    assert r.columns == lib.ft_repack_columns() and r.qtype == qtype
+    block = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)][0]
+    assert r.data.shape == (48, 512 // block * COLUMN_BLOCK_BYTES[qtype])
+    out = kernels.dequantize_rows(r, torch.arange(48), lib)
+    assert np.array_equal(out.numpy(), reference(w).numpy())
+    ids = torch.tensor([47, 0, 17, 17, 31])  # embedding lookups: single rows of groups
+    assert torch.equal(kernels.dequantize_rows(r, ids, lib), out[ids])
+
+
+@pytest.mark.parametrize("qtype", COLUMN_FORMATS, ids=COLUMN_NAMES)
+@pytest.mark.parametrize("march", COLUMN_BUILDS)
+def test_column_products_are_gguf_py_in_every_tile_and_rows_stay_alone(qtype: int, march: str) -> None:
+    """The column kernels against gguf-py's dequantize-then-matmul: exact up to float summation
+    order for representable activations at every M (tiles of 8, 4 and 1 rows and their tails),
+    every row bitwise the one it gets alone, the row kernels' sums, and float activations within
+    the int8 rounding of the float product."""
+    lib = column_library(march)
+    w = random_weight(qtype, 48, 768, seed=qtype + 8)
+    r = kernels.repacked(w, lib)
+    assert r.columns
+    ref_w = reference(w).double()
+    x = integer_activations(17, 768, seed=qtype)
+    ref = (x.double() @ ref_w.T).float()
+    alone = torch.cat([product(r, x[m : m + 1], lib) for m in range(17)])
+    for m in (1, 3, 4, 8, 9, 16, 17):
+        out = product(r, x[:m], lib)
+        assert torch.allclose(out, ref[:m], rtol=1e-5, atol=1e-4 * ref.abs().max().item()), m
+        assert torch.equal(out, alone[:m]), m
+    rows = product(w, x, lib)
+    assert torch.allclose(alone, rows, rtol=1e-5, atol=1e-5 * rows.abs().max().item())
+    xf = torch.randn(9, 768, generator=torch.Generator().manual_seed(qtype))
+    ref_f = xf.double() @ ref_w.T
+    assert ((product(r, xf, lib).double() - ref_f).norm() / ref_f.norm()).item() < 0.02
+
+
+@pytest.mark.parametrize("qtype", COLUMN_FORMATS, ids=COLUMN_NAMES)
+@pytest.mark.parametrize("march", COLUMN_BUILDS)
+def test_extreme_and_non_finite_scales_stay_in_their_own_column(qtype: int, march: str) -> None:
+    """Huge, negative and subnormal finite scales give the row kernels' products; a NaN or an
+    infinite scale (a block the loader would refuse, passed straight to the kernel) makes only
+    its own row's outputs non-finite: the other columns of its group are bitwise unchanged."""
+    lib = column_library(march)
+    w = random_weight(qtype, 32, 512, seed=qtype + 9, any_scale=True)
+    x = torch.randn(5, 512, generator=torch.Generator().manual_seed(1))
+    rows, cols = product(w, x, lib), product(kernels.repacked(w, lib), x, lib)
+    assert torch.isfinite(rows).all()
+    assert torch.allclose(cols, rows, rtol=1e-4, atol=1e-5 * rows.abs().max().item())
+
+    raw = w.data.clone()
+    block, size = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)]
+    poisoned = {3: 0x7E00, 12: 0x7C00, 21: 0xFC00}  # NaN, +Inf, -Inf in the second block's d
+    for row, bits in poisoned.items():
+        raw[row, size : size + 2] = torch.tensor([bits & 0xFF, bits >> 8], dtype=torch.uint8)
+    bad = kernels.repacked(QuantTensor(raw, qtype, 512), lib)
+    out = product(bad, x, lib)
+    clean = [c for c in range(32) if c not in poisoned]
+    assert torch.equal(out[:, clean], cols[:, clean])
+    assert not torch.isfinite(out[:, sorted(poisoned)]).any()
+    assert math.isnan(kernels.dequantize_rows(bad, torch.tensor([3]), lib)[0, block].item())
+
+
+@pytest.mark.parametrize("qtype", COLUMN_FORMATS, ids=COLUMN_NAMES)
+def test_repacked_sizes_that_disagree_are_refused(qtype: int) -> None:
+    """A repacked weight described with the GGUF row bytes (where they differ) or another width,
+    and a repack of rows that are not whole groups, are refused before any memory is read."""
+    lib = column_library("native")
+    w = kernels.repacked(random_weight(qtype, 32, 512), lib)
+    x = kernels.QuantizedActivations(torch.ones(1, 512), lib)
+    block, size = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)]
+    lies = [(w.data.shape[1] - 1, 512), (w.data.shape[1], 256), (w.data.shape[1], 1024)]
+    if size != COLUMN_BLOCK_BYTES[qtype]:
+        lies.append((512 // block * size, 512))
+    out = torch.empty(1, 32)
+    for row_bytes, cols in lies:
+        with pytest.raises(kernels.KernelError, match="bytes|blocks"):
+            kernels.check(lib, lib.ft_gemm(
+                qtype, w.data.data_ptr(), 32, cols, row_bytes, w.columns, x.qs.data_ptr(), x.d.data_ptr(),
+                x.s.data_ptr(), x.sx.data_ptr(), 1, out.data_ptr(), 32, 1,
+            ))  # fmt: skip
+    src = random_weight(qtype, 20, 512).data  # not whole groups of 8 or 16
+    dst = torch.empty(20, lib.ft_repacked_row_bytes(qtype, 512), dtype=torch.uint8)
+    with pytest.raises(kernels.KernelError, match="whole groups"):
+        kernels.check(lib, lib.ft_repack(qtype, src.data_ptr(), 20, 512, src.shape[1], dst.data_ptr()))
+    assert lib.ft_repacked_row_bytes(qtype, 500) == 0
+    assert kernels.repacked(QuantTensor(src, qtype, 512), lib).columns == 0  # stays rows
+
+
 # Each layer weight of the tiny model in one of the new formats (and the embedding in IQ4_NL).
 FORMAT_LAYERS = {
     "attn_q": GGMLQuantizationType.Q5_K,
@@ -190,10 +322,14 @@ def test_a_gguf_of_the_new_formats_loads_as_stored_and_matches_the_float_model(
     with caplog.at_level(logging.WARNING, logger="ft.model"):
         config, sd_packed, _, _ = load_gguf(path, torch.float32, quantized=True)
     assert not [r for r in caplog.records if "requantized" in r.getMessage()]
+    columns = kernels.library().ft_repack_columns()
     for part, qtype in layers.items():
         for name, w in sd_packed.items():
             if name.endswith(f"{_HF[part]}.weight"):
                 assert isinstance(w, QuantTensor) and w.qtype == int(qtype), (name, w)
+                # the types with column kernels are repacked wherever the rows are whole groups
+                repack = columns and w.qtype in kernels.REPACKABLE and w.rows % columns == 0
+                assert w.columns == (columns if repack else 0), (name, w.rows, w.columns)
     embed = sd_packed["model.embed_tokens.weight"]
     assert isinstance(embed, QuantTensor) and embed.qtype == int(embedding)
     config_f, sd_float, _, _ = load_gguf(path, torch.float32)

@@ -19,7 +19,7 @@ from ft.model import kernels
 from ft.model.attention import SeqSpan, build_metadata
 from ft.model.llama import build_model
 from ft.model.loader import LoadedModel, load_model
-from ft.model.quant import KERNEL_TYPES, Q4_K, Q6_K, QuantTensor, to_q8_0
+from ft.model.quant import IQ4_NL, IQ4_XS, KERNEL_TYPES, Q4_K, Q5_0, Q5_K, Q6_K, QuantTensor, to_q8_0
 from ft.model.quantized_llama import QuantizedLlama, StepIndex
 from ft.model.torch_runner import TorchRunner
 from ft.params import SamplingParams
@@ -84,14 +84,17 @@ needs_columns = pytest.mark.skipif(
 @pytest.mark.parametrize("rows", [1, 4, 7])
 def test_repacked_weights_give_the_same_products_and_rows(qtype: int, rows: int) -> None:
     """The column kernels over repacked bytes give the row kernels' sums, and dequantizing a
-    repacked weight gives the GGUF values back exactly. The same bytes, but for Q4_K's scales
-    and mins unpacked to a byte each (148 bytes per 256 elements instead of 144)."""
+    repacked weight gives the GGUF values back exactly. The same bytes, but for the 6-bit scales
+    unpacked to a byte each (per 256 elements: Q4_K 148 bytes, not 144; Q5_K 180, not 176;
+    IQ4_XS 138, not 136)."""
     if not kernels.library().ft_repacked_row_bytes(qtype, 512):
         pytest.skip("no column kernels for this type on this build")
     cols = 512 if qtype in BLOCK_BYTES else 224
     w = packed_weight(qtype, 48, cols, seed=4)
     r = kernels.repacked(w)
-    row_bytes = w.data.shape[1] // 144 * 148 if qtype == Q4_K else w.data.shape[1]
+    unpacked = {Q4_K: (144, 148), Q5_K: (176, 180), IQ4_XS: (136, 138)}  # 6-bit scales as bytes
+    gguf, ours = unpacked.get(qtype, (1, 1))
+    row_bytes = w.data.shape[1] // gguf * ours
     assert r.columns > 0 and r.data.shape == (48, row_bytes)
     x = torch.randint(-127, 128, (rows, cols)).float()
     x[:, ::32] = 127
@@ -105,10 +108,11 @@ def test_repacked_weights_give_the_same_products_and_rows(qtype: int, rows: int)
     assert ((product(r, y) - product(w, y)).norm() / product(w, y).norm()).item() < 1e-5
 
 
-@pytest.mark.parametrize("qtype", [Q4_K, Q6_K])
+@pytest.mark.parametrize("qtype", [Q4_K, Q6_K, Q5_K, IQ4_XS, IQ4_NL, Q5_0])
 @pytest.mark.parametrize("layout", ["rows", "columns"])
 def test_k_quant_products_are_exact_in_every_tile_and_rows_stay_alone(qtype: int, layout: str) -> None:
-    """Q4_K and Q6_K on the row kernels (40 rows: not whole groups of 16) and on repacked
+    """Q4_K, Q6_K, Q5_K, IQ4_XS (and IQ4_NL, Q5_0 of the blocks of 32) on the row kernels (40
+    rows: not whole groups of 16) and on repacked
     columns: for representable activations, dequantize-then-matmul up to float rounding at
     every M (tiles of 8, 4 and 1 rows and their tails), and every row's result is bitwise the
     one it gets alone: it does not depend on M or on its neighbours."""
@@ -172,7 +176,7 @@ def test_products_of_every_build_and_layout_are_within_int8_rounding(qtype: int,
 
 
 @needs_columns
-@pytest.mark.parametrize("qtype", [Q4_K, Q6_K])
+@pytest.mark.parametrize("qtype", [Q4_K, Q6_K, Q5_K, IQ4_XS])
 def test_repacked_k_quants_refuse_sizes_that_disagree(qtype: int) -> None:
     """A repacked weight described with the GGUF row bytes or another width, and a repack of
     rows that are not whole groups, are refused before any memory is read."""

@@ -128,8 +128,9 @@ def native_lies(path: str) -> dict[str, object]:
 
 def formats() -> dict[str, object]:
     """Every type the kernels multiply, products and row lookups over buffers of exactly their
-    sizes (random bytes, finite scales): tiles of 1 to 9 rows, K of one super-block and more, so
-    that a sanitizer sees any read past a row or a block."""
+    sizes (random bytes, finite scales), by rows and repacked into column groups: tiles of 1 to 9
+    and 17 rows, K of one super-block and more, so that a sanitizer sees any read past a row, a
+    block or a group."""
     import numpy as np
     import torch
     from gguf import GGMLQuantizationType
@@ -143,15 +144,20 @@ def formats() -> dict[str, object]:
     for qtype, name in KERNEL_TYPES.items():
         block, size = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)]
         for k in (256, 768, 2304):
-            raw = rng.integers(0, 256, size=(5, k // block * size), dtype=np.uint8)
-            if qtype not in (1, 30):  # scales: finite small halves wherever an fp16 field may sit
-                raw.view(np.uint16)[...] &= 0x3BFF
-            w = QuantTensor(torch.from_numpy(raw), qtype, k)
-            for m in range(1, 10):
-                x = kernels.QuantizedActivations(torch.randn(m, k))
-                out = torch.empty(m, w.rows)
-                kernels.gemm_into(out, w, x)
-            kernels.dequantize_rows(w, torch.tensor([0, 4, 2]))
+            # 5 rows (the row kernels), and 32 repacked into the column kernels' groups where
+            # this build has them for the type (whole groups of 16 or 8)
+            for rows in (5, 32):
+                raw = rng.integers(0, 256, size=(rows, k // block * size), dtype=np.uint8)
+                if qtype not in (1, 30):  # scales: finite small halves wherever an fp16 field may sit
+                    raw.view(np.uint16)[...] &= 0x3BFF
+                w = kernels.repacked(QuantTensor(torch.from_numpy(raw), qtype, k))
+                if rows == 32 and not w.columns:
+                    continue
+                for m in (*range(1, 10), 17):
+                    x = kernels.QuantizedActivations(torch.randn(m, k))
+                    out = torch.empty(m, w.rows)
+                    kernels.gemm_into(out, w, x)
+                kernels.dequantize_rows(w, torch.tensor([0, 4, 2, rows - 1]))
         done.append(name)
     return {"outcome": "loaded", "message": " ".join(done)}
 
