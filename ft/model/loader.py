@@ -53,13 +53,7 @@ def load_model(
         FileNotFoundError: `path` does not exist.
         ValueError: the file or directory is not a model `ft` can run.
     """
-    if path is None:
-        from ft.model.pull import default_model_path
-
-        path = default_model_path()
-    p = pathlib.Path(path).expanduser()
-    if not p.exists():
-        raise FileNotFoundError(f"model path {p} does not exist")
+    p = model_path(path)
     if p.is_dir():
         config = hf_loader.hf_config(p)
         floats = hf_loader.hf_state_dict(p, dtype, progress)
@@ -90,6 +84,23 @@ def load_model(
             raise ModelFileError(f"{p}: {e}") from None
         return LoadedModel(config, sd, spec, model_id, dtype, {}, head, rank_format)
     raise ValueError(f"{p} is neither a .gguf file nor a Hugging Face model directory")
+
+
+def model_path(path: str | pathlib.Path | None) -> pathlib.Path:
+    """`path` expanded (None: the default model, fetched when missing).
+
+    Raises:
+        ModelNotFound: the default model is missing or corrupt and cannot be fetched.
+        FileNotFoundError: `path` does not exist.
+    """
+    if path is None:
+        from ft.model.pull import default_model_path
+
+        path = default_model_path()
+    p = pathlib.Path(path).expanduser()
+    if not p.exists():
+        raise FileNotFoundError(f"model path {p} does not exist")
+    return p
 
 
 def is_gguf(path: str | pathlib.Path | None) -> bool:

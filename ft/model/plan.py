@@ -118,15 +118,9 @@ def read_header(path: str | pathlib.Path | None) -> ModelHeader:
         ValueError: not a model `ft` can run (unknown family, no config.json, ...).
     """
     from ft.model import gguf_loader, hf_loader
-    from ft.model.loader import is_gguf
+    from ft.model.loader import is_gguf, model_path
 
-    if path is None:
-        from ft.model.pull import default_model_path
-
-        path = default_model_path()
-    p = pathlib.Path(path).expanduser()
-    if not p.exists():
-        raise FileNotFoundError(f"model path {p} does not exist")
+    p = model_path(path)
     if p.is_dir():
         config = hf_loader.hf_config(p)
         return ModelHeader(p, False, config, _safetensors_types(p), can_rank=config.pooling == "rank")
