@@ -1379,26 +1379,37 @@ void dot_rows(int type, const uint8_t* w, int64_t K, const Act* a, float* out) {
 
 }  // namespace
 
+// One block x[32] -> int8 qs[32] with scale d, scaled sum s and integer sum sx.
+inline void quantize_block(const float* xb, int8_t* qs, float* d, float* s, int32_t* sx) {
+  // NOTE: the largest |x| as fmaxf gives it, a NaN skipped; lanes then their maximum (max is
+  // exact, so the order does not change it).
+#if defined(__AVX512F__)
+  const __m512 sign = _mm512_set1_ps(-0.0f);
+  const __m512 m = _mm512_max_ps(_mm512_andnot_ps(sign, _mm512_loadu_ps(xb + 16)),
+                                 _mm512_max_ps(_mm512_andnot_ps(sign, _mm512_loadu_ps(xb)), _mm512_setzero_ps()));
+  const float amax = _mm512_reduce_max_ps(m);
+#else
+  float amax = 0;
+  for (int j = 0; j < QK; j++) amax = fmaxf(amax, fabsf(xb[j]));
+#endif
+  const float scale = amax / 127.0f, inv = amax > 0 ? 127.0f / amax : 0.0f;
+  int sum = 0;
+  for (int j = 0; j < QK; j++) {
+    // NOTE: a NaN (or an infinity, where inv is 0) stores 0: no float cast out of range; a
+    // block with an infinity keeps d = inf, so its products stay non-finite.
+    const float r = xb[j] * inv;
+    const int v = r == r ? (int)nearbyintf(r) : 0;
+    qs[j] = (int8_t)v;
+    sum += v;
+  }
+  *d = scale;
+  *s = scale * (float)sum;
+  *sx = sum;
+}
+
 // One row x[K] -> int8 blocks of 32 with scale d, scaled sum s and integer sum sx per block.
 void quantize_row(const float* x, int64_t K, int8_t* qs, float* d, float* s, int32_t* sx) {
-  for (int64_t b = 0; b < K / QK; b++) {
-    const float* xb = x + b * QK;
-    float amax = 0;
-    for (int j = 0; j < QK; j++) amax = fmaxf(amax, fabsf(xb[j]));
-    const float scale = amax / 127.0f, inv = amax > 0 ? 127.0f / amax : 0.0f;
-    int sum = 0;
-    for (int j = 0; j < QK; j++) {
-      // NOTE: a NaN (or an infinity, where inv is 0) stores 0: no float cast out of range; a
-      // block with an infinity keeps d = inf, so its products stay non-finite.
-      const float r = xb[j] * inv;
-      const int v = r == r ? (int)nearbyintf(r) : 0;
-      qs[b * QK + j] = (int8_t)v;
-      sum += v;
-    }
-    d[b] = scale;
-    s[b] = scale * (float)sum;
-    sx[b] = sum;
-  }
+  for (int64_t b = 0; b < K / QK; b++) quantize_block(x + b * QK, qs + b * QK, d + b, s + b, sx + b);
 }
 
 // The sums of each 16 of a row's K elements (K % 16 == 0).
@@ -1648,29 +1659,44 @@ struct QAct {
   // Room for m rows of up to k_max elements (before the parallel region: set() never allocates).
   QAct(int64_t m, int64_t k_max)
       : qs(m * k_max), d(m * k_max / QK), s(m * k_max / QK), sx(m * k_max / QK), x16(m * k_max / 16) {}
-  void set(const float* x, int64_t m, int64_t k, int64_t ldx) {
-    M = m;
-    K = k;
-    // NOTE: called inside a parallel region's single thread; rows are few or the work is small.
-    for (int64_t r = 0; r < m; r++) {
-      quantize_row(x + r * ldx, k, &qs[r * k], &d[r * k / QK], &s[r * k / QK], &sx[r * k / QK]);
-      sums16_row(&qs[r * k], k, &x16[r * k / 16]);
+  // Called by every thread of the team: the blocks are split across it. NOTE: the team must
+  // be past its last read of these rows (a barrier), and the loop's barrier publishes them.
+  void set_team(const float* x, int64_t m, int64_t k, int64_t ldx) {
+#pragma omp master
+    {
+      M = m;
+      K = k;
+    }
+    const int64_t nb = k / QK;
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < m * nb; i++) {
+      const int64_t r = i / nb, b = i % nb;
+      quantize_block(x + r * ldx + b * QK, &qs[r * k + b * QK], &d[i], &s[i], &sx[i]);
+      sums16_row(&qs[r * k + b * QK], QK, &x16[2 * i]);
     }
   }
   ActRows rows() const { return {qs.data(), d.data(), s.data(), sx.data(), K, x16.data()}; }
 };
 
 // y[:, 0:N] = act @ W.T, rows of W split across the team (call from inside a parallel region).
-void gemm_team(const Weight& w, const QAct& a, float* y, int64_t ldy) {
+// `wait` false: no barrier after it, for a product the next one does not read (q, k and v; gate
+// and up): a thread that finishes its share starts on the next.
+void gemm_team(const Weight& w, const QAct& a, float* y, int64_t ldy, bool wait = true) {
   const ActRows rows = a.rows();
-  if (w.columns) {
-    const int64_t group_bytes = a.K / block_elems(w.type) * repacked_bytes(w.type);
+  const int64_t group_bytes = w.columns ? a.K / block_elems(w.type) * repacked_bytes(w.type) : 0;
+  const int64_t n = w.columns ? w.rows / w.columns : w.rows;
+  auto one = [&](int64_t i) {
+    if (w.columns)
+      gemm_group((int)w.type, w.data + i * group_bytes, rows, a.M, y + i * w.columns, ldy);
+    else
+      gemm_row((int)w.type, w.data + i * w.row_bytes, rows, a.M, y + i, ldy);
+  };
+  if (wait) {
 #pragma omp for schedule(static)
-    for (int64_t g = 0; g < w.rows / w.columns; g++)
-      gemm_group((int)w.type, w.data + g * group_bytes, rows, a.M, y + g * w.columns, ldy);
+    for (int64_t i = 0; i < n; i++) one(i);
   } else {
-#pragma omp for schedule(static)
-    for (int64_t n = 0; n < w.rows; n++) gemm_row((int)w.type, w.data + n * w.row_bytes, rows, a.M, y + n, ldy);
+#pragma omp for schedule(static) nowait
+    for (int64_t i = 0; i < n; i++) one(i);
   }
 }
 
@@ -2151,10 +2177,9 @@ void decoder_layer(const LayerArgs& L, const StepArgs& S, float* x, const float*
     // attention block
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < T; t++) rms_norm_row(x + t * H, norm1, eps, H, h.data() + t * H);
-#pragma omp single
-    act.set(h.data(), T, H, H);
-    gemm_team(w[0], act, qkv.data(), qkv_w);
-    gemm_team(w[1], act, qkv.data() + qsz, qkv_w);
+    act.set_team(h.data(), T, H, H);
+    gemm_team(w[0], act, qkv.data(), qkv_w, false);
+    gemm_team(w[1], act, qkv.data() + qsz, qkv_w, false);
     gemm_team(w[2], act, qkv.data() + qsz + kvsz, qkv_w);
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < T; t++) {
@@ -2179,8 +2204,7 @@ void decoder_layer(const LayerArgs& L, const StepArgs& S, float* x, const float*
     }
     attend_team(qkv.data(), qkv_w, k_cache, v_cache, T, seq, pos, block_tables, max_pages, page_size, nh, nkvh,
                 hd, attn.data(), qsz, scratch, L.query_scale, L.attn_softcap, L.window);
-#pragma omp single
-    act.set(attn.data(), T, qsz, qsz);
+    act.set_team(attn.data(), T, qsz, qsz);
     gemm_team(w[3], act, h.data(), H);  // h = o_proj(attn)
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < T; t++) {
@@ -2189,9 +2213,8 @@ void decoder_layer(const LayerArgs& L, const StepArgs& S, float* x, const float*
       if (!L.attention_only) rms_norm_row(x + t * H, norm2, eps, H, h.data() + t * H);
     }
     if (!L.attention_only) {  // (every thread takes the same branch)
-#pragma omp single
-    act.set(h.data(), T, H, H);
-    gemm_team(w[4], act, gu.data(), 2 * inter);
+    act.set_team(h.data(), T, H, H);
+    gemm_team(w[4], act, gu.data(), 2 * inter, false);
     gemm_team(w[5], act, gu.data() + inter, 2 * inter);
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < T; t++) {
@@ -2205,8 +2228,7 @@ void decoder_layer(const LayerArgs& L, const StepArgs& S, float* x, const float*
 #pragma omp simd
       for (int64_t i = 0; i < inter; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * g[i + inter];
     }
-#pragma omp single
-    act.set(gu.data(), T, inter, 2 * inter);
+    act.set_team(gu.data(), T, inter, 2 * inter);
     gemm_team(w[6], act, h.data(), H);
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < T; t++) {
