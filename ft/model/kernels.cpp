@@ -2014,7 +2014,22 @@ void attend_team(const float* qbase, int64_t ldq, const T* k_cache, const T* v_c
             for (int64_t g = 0; g < group && n > j0; g++) {
               const float* c = &sc[(r * group + g) * stride + p0];
               float* o = obase + (t0 + r) * ldo + (kh * group + g) * hd;
-              for (int64_t i = 0; i < hd; i += 8) {
+              // NOTE: 64 outputs at a time in eight accumulators, a position's weight broadcast
+              // once: one accumulator per 8 outputs made each a chain of dependent FMAs (the
+              // values' products were 3/4 of the attention's time). Each output still sums its
+              // positions in order, so the result is the same.
+              int64_t i = 0;
+              for (; i + 64 <= hd; i += 64) {
+                __m256 acc[8];
+                for (int u = 0; u < 8; u++) acc[u] = _mm256_loadu_ps(o + i + 8 * u);
+                for (int64_t j = j0; j < n; j++) {
+                  const __m256 cj = _mm256_set1_ps(c[j]);
+                  for (int u = 0; u < 8; u++)
+                    acc[u] = _mm256_fmadd_ps(cj, _mm256_load_ps(buf + j * hd + i + 8 * u), acc[u]);
+                }
+                for (int u = 0; u < 8; u++) _mm256_storeu_ps(o + i + 8 * u, acc[u]);
+              }
+              for (; i < hd; i += 8) {
                 __m256 acc = _mm256_loadu_ps(o + i);
                 for (int64_t j = j0; j < n; j++)
                   acc = _mm256_fmadd_ps(_mm256_set1_ps(c[j]), _mm256_load_ps(buf + j * hd + i), acc);
