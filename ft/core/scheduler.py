@@ -328,8 +328,9 @@ class Scheduler:
     def window_pages(self) -> int:
         """The most pages a sequence holds under the window: those of the `kv_window - 1`
         positions before the next one to compute and of the longest step after (a prefill
-        chunk), one more where the span straddles a page boundary."""
-        return pages_for(self.kv_window - 1 + self.max_prefill_tokens, self.pool.page_size) + 1
+        chunk, or a decode and its drafts), one more where the span straddles a page boundary."""
+        longest_step = max(self.max_prefill_tokens, 1 + self.speculative_tokens)
+        return pages_for(self.kv_window - 1 + longest_step, self.pool.page_size) + 1
 
     def _num_behind_window(self, num_computed: int) -> int:
         """Leading pages wholly behind the window of every position from `num_computed` on."""

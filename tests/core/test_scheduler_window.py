@@ -125,19 +125,28 @@ class PagedModel:
     def _slot(self, page_ids: tuple[int, ...], pos: int) -> int:
         return page_ids[pos // self.page_size] * self.page_size + pos % self.page_size
 
+    def _sample(self, page_ids: tuple[int, ...], last: int) -> int:
+        """A function of the tokens the slots of positions `last - window + 1 .. last` hold."""
+        first = max(0, last - self.window + 1)
+        return (
+            1 + sum(self.slots[self._slot(page_ids, p)] * (p - first + 1) for p in range(first, last + 1)) % 7
+        )
+
     def step(self, batch: Batch) -> StepDone:
         sampled = []
         for w in batch.works:
             assert len(w.page_ids) * self.page_size >= w.start_pos + len(w.token_ids)
             for i, token in enumerate(w.token_ids):
                 self.slots[self._slot(w.page_ids, w.start_pos + i)] = token
-            if w.sample:
-                last = w.start_pos + len(w.token_ids) - 1
-                seen = tuple(
-                    self.slots[self._slot(w.page_ids, p)]
-                    for p in range(max(0, last - self.window + 1), last + 1)
-                )
-                sampled.append(Sampled(w.seq_id, 1 + hash(seen) % 97))
+            if not w.sample:
+                continue
+            last = w.start_pos + len(w.token_ids) - 1 - w.num_draft  # before the drafts
+            drafts = w.token_ids[len(w.token_ids) - w.num_draft :]
+            for j in range(w.num_draft + 1):  # verified as the runner does: up to a refusal
+                token = self._sample(w.page_ids, last + j)
+                sampled.append(Sampled(w.seq_id, token))
+                if j == w.num_draft or token != drafts[j]:
+                    break
         return StepDone(batch.step, tuple(sampled))
 
 
@@ -223,6 +232,7 @@ BASE = [1 + (i * 7) % 11 for i in range(64)]  # a prefix the generated prompts s
     max_prefill=st.integers(1, 16),
     max_running=st.integers(1, 4),
     caching=st.booleans(),
+    drafts=st.sampled_from([0, 3]),
 )
 def test_pages_in_use_stay_in_the_pool_and_windowed_outputs_are_unchanged(
     shapes: list[tuple[int, list[int], int]],
@@ -230,12 +240,16 @@ def test_pages_in_use_stay_in_the_pool_and_windowed_outputs_are_unchanged(
     max_prefill: int,
     max_running: int,
     caching: bool,
+    drafts: int,
 ) -> None:
     """Any mix of requests (a shared prefix of some length, then their own tokens) on a pool
-    from the window's size up: every request finishes, no sequence holds more than
-    `window_pages`, and each gets the tokens it gets from a pool holding all its pages."""
+    from the window's size up, with n-gram drafts or without: every request finishes, no
+    sequence holds more than `window_pages`, and each gets the tokens it gets from a pool
+    holding all its pages."""
     requests = [(BASE[:shared] + own or [1], max_tokens) for shared, own, max_tokens in shapes]
-    opts = dict(max_prefill_tokens=max_prefill, max_model_len=256, max_running=max_running)
+    opts = dict(
+        max_prefill_tokens=max_prefill, max_model_len=256, max_running=max_running, speculative_tokens=drafts
+    )
     s = make(num_pages=1, **opts)
     s = make(num_pages=s.window_pages + extra_pages, enable_prefix_caching=caching, **opts)
     windowed = serve(s, requests)
