@@ -150,6 +150,11 @@ class PagedModel:
         return StepDone(batch.step, tuple(sampled))
 
 
+def _held_pages(s: Scheduler) -> set[int]:
+    """The pages the running sequences hold (behind their placeholders): all the pool has in use."""
+    return {page for seq in s.running.values() for page in seq.page_ids[seq.num_dropped :]}
+
+
 def serve(
     s: Scheduler,
     requests: list[tuple[list[int], int]],
@@ -157,7 +162,7 @@ def serve(
     max_steps: int = 5000,
 ) -> dict[int, list[int]]:
     """Every request's tokens through `s` and `model` (the KV its pages hold: a fresh one when
-    None); checks the window bound each step."""
+    None); checks each step that the pages in use are those held, and the window bound."""
     model = model or PagedModel(s.pool.page_size, WINDOW)
     for uid, (prompt, max_tokens) in enumerate(requests):
         s.add(uid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
@@ -166,13 +171,14 @@ def serve(
         batch = s.schedule()
         if batch is None:
             break
-        assert s.pool.num_used <= s.pool.num_pages
+        assert s.pool.num_used == len(_held_pages(s)) <= s.pool.num_pages
         if s.kv_window:
             for seq in s.running.values():
                 assert len(seq.page_ids) - seq.num_dropped <= s.window_pages
         for out in s.on_step_done(batch, model.step(batch)):
             assert isinstance(out, TokenOut)
             tokens[out.uid].append(out.token_id)
+        assert s.pool.num_used == len(_held_pages(s))
     assert not s.has_work and s.pool.num_used == 0
     return tokens
 
