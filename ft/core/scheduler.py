@@ -14,8 +14,13 @@ its prompt plus the tokens it already generated, then samples where it left off.
 
 Guarantee (no livelock): the oldest running request is never preempted, and `check_fits`
 refuses any request whose whole budget could not fit the pool alone, so the oldest request
-always gets its next page and advances every step. The queue is FIFO with preempted requests at
-its head, so nothing admitted later overtakes an earlier request: every request finishes.
+always gets its next page and advances every step. The queue is FIFO with preempted requests
+at its head, so nothing admitted later overtakes an earlier request: every request finishes.
+
+On a model whose every layer is windowed (`kv_window`), a sequence holds at most
+`window_pages` whatever its length (the pages behind the window go back, and it is given pages
+a step ahead, never the whole prompt's at once), so that is the budget `check_fits` counts
+for it.
 
 NOTE: this module is past the ~400 lines a room keeps to, on purpose: `Scheduler` is one state
 machine whose invariants (pages held = pages of running sequences, the oldest request always
@@ -173,9 +178,13 @@ class Scheduler:
                 f"length is {self.max_model_len} tokens"
             )
         # Never more than the pool holds either: a request alone must always be able to
-        # finish (the no-livelock guarantee).
-        pool_tokens = self.pool.num_pages // params.n * self.pool.page_size
-        max_tokens = min(room, pool_tokens - num_prompt_tokens)
+        # finish (the no-livelock guarantee). A windowed sequence holds its window at most.
+        pool_pages = self.pool.num_pages // params.n
+        pool_tokens = pool_pages * self.pool.page_size
+        if self._is_windowed_admission and self.window_pages <= pool_pages:
+            max_tokens = room
+        else:
+            max_tokens = min(room, pool_tokens - num_prompt_tokens)
         if max_tokens < 1:
             raise ContextLengthExceeded(
                 f"the prompt has {num_prompt_tokens} tokens; the KV pool holds "
@@ -230,19 +239,28 @@ class Scheduler:
         """Admit all of a request's sequences, or none: nothing is held unless all fit."""
         if len(self.running) + len(group) > self.max_running:
             return False
+        size = self.pool.page_size
         found = [self._match_prefix(seq) for seq in group]
         matched = [m for m, _ in found]
+        # Matched pages already behind the window of the first position to compute go back at
+        # once (placeholders stand in for them): their KV is never read again.
+        behind = [self._num_behind_window(len(m) * size) for m in matched]
+        for m, d in zip(matched, behind, strict=True):
+            self.pool.release(m[:d])
         fresh = [
-            pages_for(self._admission_tokens(seq), self.pool.page_size) - len(m)
-            for seq, m in zip(group, matched, strict=True)
+            pages_for(self._admission_tokens(seq, (len(m) + len(on_disk)) * size), size) - len(m)
+            for seq, (m, on_disk) in zip(group, found, strict=True)
         ]
         reserve = self.watermark_pages if self.running and not self.reserve_full_budget else 0
         if not self.pool.can_allocate(sum(fresh) + reserve):
-            for pages in matched:
-                self.pool.release(pages)
+            for m, d in zip(matched, behind, strict=True):
+                self.pool.release(m[d:])
             return False
-        for seq, (m, on_disk), n in zip(group, found, fresh, strict=True):
-            seq.page_ids = m + self.pool.allocate(n)
+        for seq, (m, on_disk), n, d in zip(group, found, fresh, behind, strict=True):
+            held = m[d:] + self.pool.allocate(n)
+            seq.page_ids = [held[0]] * d + held
+            seq.num_dropped = d
+            self.num_dropped_pages += d
             if on_disk:  # read into its first fresh pages by the next step, which skips it
                 seq.num_loading = len(on_disk)
                 targets = tuple(seq.page_ids[len(m) : len(m) + len(on_disk)])
@@ -287,14 +305,38 @@ class Scheduler:
                 on_disk = rest[:n]
         return matched, on_disk
 
-    def _admission_tokens(self, seq: Sequence) -> int:
-        """Tokens whose pages admission allocates: its whole budget, or what it needs now."""
+    def _admission_tokens(self, seq: Sequence, num_ready: int) -> int:
+        """Tokens whose pages admission allocates: its whole budget, or what it needs now
+        (`num_ready`: the leading tokens the prefix cache and the disk tier supply)."""
         if self.reserve_full_budget and not seq.is_pooling:
             return seq.max_total_tokens
         if seq.is_pooling:
             return seq.num_tokens  # its prompt, no decode token after it
-        # Everything to (re)compute plus the first decode token after it.
-        return min(seq.num_tokens + 1, seq.max_total_tokens)
+        # Everything to (re)compute plus the first decode token after it; under a window only
+        # the first chunk's (the rest are given as it gets there, `_grow`).
+        needed = min(seq.num_tokens + 1, seq.max_total_tokens)
+        if self._is_windowed_admission:
+            needed = min(needed, num_ready + self.max_prefill_tokens)
+        return needed
+
+    @property
+    def _is_windowed_admission(self) -> bool:
+        """Whether sequences hold their window only (pages given a step ahead, not all at once)."""
+        return bool(self.kv_window) and not self.reserve_full_budget
+
+    @property
+    def window_pages(self) -> int:
+        """The most pages a sequence holds under the window: those of the `kv_window - 1`
+        positions before the next one to compute and of the longest step after (a prefill
+        chunk, or a decode and its drafts), one more where the span straddles a page boundary."""
+        longest_step = max(self.max_prefill_tokens, 1 + self.speculative_tokens)
+        return pages_for(self.kv_window - 1 + longest_step, self.pool.page_size) + 1
+
+    def _num_behind_window(self, num_computed: int) -> int:
+        """Leading pages wholly behind the window of every position from `num_computed` on."""
+        if not self.kv_window:
+            return 0
+        return max(0, num_computed - self.kv_window + 1) // self.pool.page_size
 
     def _full_page_hashes(self, seq: Sequence) -> list[int]:
         """Content hashes of the sequence's full pages before its last token (kept on `seq`).
@@ -320,7 +362,10 @@ class Scheduler:
         for seq in list(self.running.values()):
             if seq.seq_id not in self.running:
                 continue  # preempted earlier in this loop
-            needed = pages_for(seq.num_tokens, self.pool.page_size) - len(seq.page_ids)
+            upto = seq.num_tokens
+            if self._is_windowed_admission and not seq.is_pooling:
+                upto = min(upto, seq.num_computed + self.max_prefill_tokens)  # the next step's
+            needed = pages_for(upto, self.pool.page_size) - len(seq.page_ids)
             if needed <= 0:
                 continue
             while not self.pool.can_allocate(needed):
@@ -736,6 +781,7 @@ class Scheduler:
             self.num_disk_hit_tokens += n * size
             if not seq.output_ids:
                 seq.num_cached_prompt = min(seq.num_computed, len(seq.prompt_ids))
+            self._drop_out_of_window(seq)
 
     def _on_evict(self, page: int, key: int) -> None:
         """A cached page is evicted from RAM: save it to disk unless it is there already (its
@@ -803,7 +849,7 @@ class Scheduler:
         """
         if not self.kv_window:
             return
-        dead = min(max(0, seq.num_computed - self.kv_window + 1) // self.pool.page_size, len(seq.page_ids))
+        dead = min(self._num_behind_window(seq.num_computed), len(seq.page_ids))
         if dead <= seq.num_dropped:
             return
         self.pool.release(seq.page_ids[seq.num_dropped : dead])

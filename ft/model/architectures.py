@@ -179,9 +179,9 @@ QWEN3_MOE = Architecture(
     gguf_layer_extra=QK_NORM_NAMES | MOE_NAMES,
     reasoning_parser="think",
 )
-# Mixtral: Mistral's attention, experts of `intermediate_size`, always renormalized top-k (the
-# softmax over the k chosen logits); llama.cpp writes it as a "llama" file with expert tensors
-# (see `by_gguf`).
+# Mixtral: Mistral's attention (its `sliding_window` on every layer, as Mistral's), experts of
+# `intermediate_size`, always renormalized top-k (the softmax over the k chosen logits);
+# llama.cpp writes it as a "llama" file with expert tensors (see `by_gguf`).
 MIXTRAL = Architecture(
     name="mixtral",
     hf_model_types=("mixtral",),
@@ -191,6 +191,7 @@ MIXTRAL = Architecture(
     router_renormalizes=True,
     gguf_permuted_qk=("llama",),
     gguf_layer_extra=MOE_NAMES,
+    windowed=True,
 )
 # OLMoE: RMSNorm over the whole q and k projections, softmax over every expert then top-k,
 # not renormalized unless `norm_topk_prob` (llama.cpp never renormalizes it).

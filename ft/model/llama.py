@@ -347,19 +347,14 @@ def _hf_moe(arch: Architecture, cfg: dict[str, Any]) -> dict[str, Any]:
     """The mixture-of-experts fields of `config.json` (Qwen3-MoE, Mixtral, OLMoE spellings).
 
     Raises:
-        ValueError: a value is missing or of a kind ft does not run (a sliding window on Mixtral,
-            OLMoE's `clip_qkv` or its o_proj bias).
+        ValueError: a value is missing or of a kind ft does not run (OLMoE's `clip_qkv` or its
+            o_proj bias).
     """
     experts = cfg.get("num_experts", cfg.get("num_local_experts"))  # transformers 5 writes the latter
     if not isinstance(experts, int) or isinstance(experts, bool) or experts < 1:
         raise ValueError(f"{arch.name}: config.json lacks a positive num_experts, found {experts!r}")
     if cfg.get("clip_qkv") is not None:
         raise ValueError(f"{arch.name} with clip_qkv {cfg['clip_qkv']!r} is not supported")
-    window = cfg.get("sliding_window")
-    if arch.name == "mixtral" and window is not None and window < int(cfg.get("max_position_embeddings", 0)):
-        raise ValueError(
-            f"{arch.name} with sliding_window {window!r} is not supported (sliding-window attention)"
-        )
     if arch.qk_norm_whole and cfg.get("attention_bias"):
         raise ValueError(f"{arch.name} with attention_bias (an o_proj bias) is not supported")
     num_layers = int(cfg["num_hidden_layers"])

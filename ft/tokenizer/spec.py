@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+
+log = logging.getLogger("ft.tokenizer")
 
 # GGUF token types (llama.cpp): 1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte.
 TOKEN_TYPE_CONTROL = 3
@@ -21,18 +24,31 @@ _QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-# The split regexes transformers applies per `tokenizer.ggml.pre` (others keep GPT-2's ByteLevel
-# regex), mirrored so that token ids agree with transformers on the same file.
-PRE_TOKENIZER_SPLITS = {
-    "llama3": _LLAMA3_SPLIT,
-    "llama-v3": _LLAMA3_SPLIT,
-    "llama-bpe": _LLAMA3_SPLIT,
-    "falcon3": _LLAMA3_SPLIT,
-    "dbrx": _LLAMA3_SPLIT,
-    "smaug-bpe": _LLAMA3_SPLIT,
-    "qwen2": _QWEN2_SPLIT,
-    "deepseek-r1-qwen": _QWEN2_SPLIT,
+# o200k (Phi-4-mini, Llama 4): a word is a run of upper-case letters then lower-case ones, a
+# contraction stays on its word, digits by three, "/" kept after punctuation
+_GPT4O_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_DIGITS_SPLIT = r"\p{N}"  # every digit a piece of its own, before GPT-2's split
+_GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+# The splits llama.cpp applies per `tokenizer.ggml.pre` (`llm_tokenizer_bpe`, as the
+# tokenizer.json regexes they were adapted from), one after the other, each piece of one split
+# by the next. transformers mirrors the single-regex ones, so ids agree with it on those files.
+PRE_TOKENIZER_SPLITS: dict[str, tuple[str, ...]] = {
+    **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "falcon3", "dbrx", "smaug-bpe"), (_LLAMA3_SPLIT,)),
+    **dict.fromkeys(("qwen2", "deepseek-r1-qwen"), (_QWEN2_SPLIT,)),
+    **dict.fromkeys(("gpt-4o", "llama4", "minimax-m2"), (_GPT4O_SPLIT,)),
+    # StarCoder's vocabulary and those trained like it (SmolLM, Granite 3.x: "refact")
+    **dict.fromkeys(
+        ("starcoder", "refact", "smollm", "command-r", "codeshell", "exaone"), (_DIGITS_SPLIT, _GPT2_SPLIT)
+    ),
 }
+# Types llama.cpp splits as GPT-2 does, ft's fallback too (a file without the key is "default").
+GPT2_PRE_TOKENIZERS = frozenset(
+    ("default", "gpt-2", "phi-2", "olmo", "mpt", "jais", "roberta-bpe", "granite-docling", "trillion")
+)
 
 
 # The longest token whose merges are reconstructed from scores: real vocabularies stay under
@@ -112,19 +128,34 @@ def byte_level_bpe_from_gguf(
     }
     pairs = [tuple(m.split(" ", 1)) for m in merges]
     tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False))  # type: ignore[arg-type]
-    split = PRE_TOKENIZER_SPLITS.get(pre or "")
-    if split is None:
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    else:
-        tok.pre_tokenizer = pre_tokenizers.Sequence(
-            [
-                pre_tokenizers.Split(Regex(split), behavior="isolated"),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-            ]
-        )
+    tok.pre_tokenizer = byte_level_pre_tokenizer(pre)
     tok.decoder = decoders.ByteLevel()
     _add_gguf_special_tokens(tok, tokens, token_types, alphabet)
     return tok
+
+
+def byte_level_pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:
+    """How a byte-level BPE vocabulary's text is cut before merging, for `tokenizer.ggml.pre`.
+
+    A type ft does not know is split as GPT-2 (llama.cpp's default) with a warning: its ids may
+    differ from the ones the model was trained on wherever its own split differs.
+    """
+    name = pre or "default"
+    splits = PRE_TOKENIZER_SPLITS.get(name)
+    if splits is None:
+        if name not in GPT2_PRE_TOKENIZERS:
+            log.warning(
+                "GGUF pre-tokenizer %r is not known to ft: splitting text as GPT-2 does (known: %s)",
+                pre,
+                ", ".join(sorted({*PRE_TOKENIZER_SPLITS, *GPT2_PRE_TOKENIZERS})),
+            )
+        return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    return pre_tokenizers.Sequence(
+        [
+            *(pre_tokenizers.Split(Regex(split), behavior="isolated") for split in splits),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
 
 
 def sentencepiece_bpe_from_gguf(

@@ -210,6 +210,20 @@ def test_pages_behind_the_window_return_to_the_pool_and_the_tokens_stay_the_same
     assert windowed == held
 
 
+def test_a_prompt_longer_than_the_pool_runs_in_a_pool_of_its_window(
+    hf_model: Any, tmp_path: pathlib.Path
+) -> None:
+    """44 prompt tokens and 30 more on 7 pages of 4 (the window's 7 positions, a chunk of 16,
+    a page for the straddle): admitted by its window, given pages a chunk ahead, it gives the
+    greedy tokens of a pool holding every page (float path)."""
+    path = save_qwen3_dir(tmp_path / "mistral", hf_model)
+    small = TorchRunner(load_model(path, torch.float32), num_pages=7, page_size=4, dtype=torch.float32)
+    windowed, dropped, peak = serve(small, WINDOW, [list(PROMPT)], 30)
+    held, _, _ = serve(runner_of(path), 0, [list(PROMPT)], 30)
+    assert windowed == held and len(held[0]) == 30
+    assert dropped > 0 and peak <= 7 < -(-(len(PROMPT) + 30) // 4)
+
+
 async def _engine_tokens(
     path: pathlib.Path, prompt: list[int], n: int, **config: Any
 ) -> tuple[list[int], Any]:

@@ -1,6 +1,7 @@
 """Mixtral on the float path against transformers' `MixtralForCausalLM`: its per-expert
 `block_sparse_moe.experts.N.w1/w2/w3` checkpoint names, its always-renormalized top-k router
-(a softmax over the k chosen logits), its `llama` GGUFs with expert tensors, and two ranks."""
+(a softmax over the k chosen logits), its `llama` GGUFs with expert tensors, its
+`sliding_window` (Mistral's, from safetensors and GGUF, float and packed), and two ranks."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 
+from ft.model import kernels
 from ft.model.loader import load_model
 from ft.model.torch_runner import TorchRunner
 from tests.support.tiny_moe import mixtral_model, write_moe_gguf
@@ -100,13 +102,81 @@ def test_a_llama_gguf_with_expert_tensors_is_mixtral_and_matches_its_dequantized
     assert (logits - expected).abs().max().item() < 1e-4
 
 
-def test_a_sliding_window_shorter_than_the_context_is_refused(
-    mixtral_dir: pathlib.Path, tmp_path: pathlib.Path
+WINDOW = 8  # much shorter than PROMPT (44 tokens)
+
+
+@pytest.fixture(scope="module")
+def windowed_model() -> Any:
+    return mixtral_model(sliding_window=WINDOW, attn_implementation="eager")
+
+
+def _last_logits(model: Any) -> torch.Tensor:
+    with torch.inference_mode():
+        logits: torch.Tensor = model(torch.tensor([PROMPT])).logits[0, -1]
+    return logits
+
+
+def test_a_sliding_window_runs_as_mistrals_from_safetensors(
+    windowed_model: Any, tmp_path: pathlib.Path
 ) -> None:
-    cfg = json.loads((mixtral_dir / "config.json").read_text())
-    (tmp_path / "config.json").write_text(json.dumps(cfg | {"sliding_window": 128}))
-    with pytest.raises(ValueError, match="mixtral with sliding_window 128 is not supported"):
-        load_model(tmp_path, torch.float32)
+    """Every layer attends its last 8 positions (the experts are only a different MLP): float32
+    logits and greedy tokens are transformers'."""
+    path = save_qwen3_dir(tmp_path / "tiny-mixtral-swa", windowed_model)
+    config = load_model(path, torch.float32).config
+    assert config.sliding_window == WINDOW and config.is_all_windowed and config.num_experts == 8
+    with torch.inference_mode():
+        ref = windowed_model.generate(
+            torch.tensor([PROMPT]), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0
+        )
+    tokens, logits = generate(_runner(path), PROMPT, NEW_TOKENS)
+    assert (logits - _last_logits(windowed_model)).abs().max().item() < 1e-4
+    assert tokens == ref[0, len(PROMPT) :].tolist()
+
+
+def test_without_the_window_the_logits_differ(windowed_model: Any, tmp_path: pathlib.Path) -> None:
+    """The window is what makes the test above pass: the same weights attending everything differ."""
+    path = save_qwen3_dir(tmp_path / "tiny-mixtral-swa", windowed_model)
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(cfg | {"sliding_window": None}))
+    assert load_model(path, torch.float32).config.sliding_window == 0
+    _, logits = generate(_runner(path), PROMPT, 1)
+    assert (logits - _last_logits(windowed_model)).abs().max().item() > 1e-2
+
+
+def _dequantized(loaded: Any, config: Any) -> Any:
+    """transformers' Mixtral holding a loaded GGUF's (dequantized) weights."""
+    sd = dict(loaded.state_dict)
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}.mlp.experts."
+        sd[p + "gate_up_proj"] = torch.cat([sd.pop(p + "gate_proj"), sd.pop(p + "up_proj")], dim=1)
+    model = mixtral_model(sliding_window=WINDOW, attn_implementation="eager")
+    model.load_state_dict(sd, strict=True)
+    return model
+
+
+def test_a_gguf_with_a_sliding_window_matches_transformers_on_its_weights(
+    windowed_model: Any, tmp_path: pathlib.Path
+) -> None:
+    """`llama.attention.sliding_window` in a Mixtral GGUF (a `llama` file with experts) applies
+    as in a Mistral one: the float path is transformers on the dequantized weights."""
+    path = write_moe_gguf(tmp_path / "tiny-mixtral-swa.Q8_0.gguf", windowed_model)
+    loaded = load_model(path, torch.float32)
+    assert loaded.config.architecture == "mixtral" and loaded.config.sliding_window == WINDOW
+    _, logits = generate(TorchRunner(loaded, num_pages=32, page_size=4, dtype=torch.float32), PROMPT, 1)
+    assert (logits - _last_logits(_dequantized(loaded, windowed_model.config))).abs().max().item() < 1e-4
+
+
+@pytest.mark.skipif(not kernels.available(), reason="no C++ compiler for the packed kernels")
+def test_the_packed_path_runs_the_window_and_agrees_with_the_float_path(
+    windowed_model: Any, tmp_path: pathlib.Path
+) -> None:
+    path = write_moe_gguf(tmp_path / "tiny-mixtral-swa.Q8_0.gguf", windowed_model)
+    want_tokens, want = generate(_runner(path), PROMPT, NEW_TOKENS)
+    packed = _runner(path, quantized=True)
+    assert packed.packed is not None and all(layer.args.window == WINDOW for layer in packed.packed.layers)
+    got_tokens, got = generate(packed, PROMPT, NEW_TOKENS)
+    assert (got - want).abs().max().item() < 0.04 * (want.max() - want.min()).item()
+    assert got_tokens[0] == want_tokens[0]
 
 
 def test_two_tensor_parallel_ranks_give_the_tokens_and_logits_of_one(mixtral_dir: pathlib.Path) -> None:

@@ -7,7 +7,8 @@ so q/k norms matter and routing is decisive. `write_moe_gguf` writes one of them
 `Qwen3MoeForCausalLM`) as a GGUF: Mixtral as a `llama` file with `llama.expert_count` and q/k
 rows permuted as llama.cpp's converter does, OLMoE as `olmoe` (q/k norms over the whole
 projections), Qwen3-MoE as `qwen3moe`; experts stacked `[experts, rows, cols]` per projection, the
-router F32, the other 2-D weights of `qtype`. `write_synthetic_moe_gguf` writes random Q8_0
+router F32, the other 2-D weights of `qtype`; a config's `sliding_window` as the file's
+`{arch}.attention.sliding_window`. `write_synthetic_moe_gguf` writes random Q8_0
 blocks of any shape straight to disk (no float model in memory: for memory measurements).
 """
 
@@ -137,6 +138,8 @@ def write_moe_gguf(
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     w.add_expert_count(getattr(c, "num_local_experts", None) or c.num_experts)
     w.add_expert_used_count(c.num_experts_per_tok)
+    if c.model_type == "mixtral" and c.sliding_window:
+        w.add_sliding_window(c.sliding_window)  # `llama.attention.sliding_window`, as Mistral's
     if c.model_type == "qwen3_moe":
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
