@@ -477,7 +477,7 @@ class Scheduler:
                 continue
             drafts = proposal[: self._take_draft_pages(seq, len(proposal))]
             work = self._work(seq, [seq.token_at(pos), *drafts], pos, sample=True, num_draft=len(drafts))
-            if speculate and self.draft_model and seq.params.can_speculate and seq.matcher is None:
+            if speculate and self.draft_model and seq.params.can_speculate:
                 work = self._catch_up(seq, work)
             works.append(work)
         return works
@@ -517,7 +517,7 @@ class Scheduler:
         tokens the sequence may still produce. A draft model whose KV lags by more than
         `draft_catch_up` tokens drafts nothing: the lag is fed first (`_catch_up`).
         """
-        if not seq.params.can_speculate or seq.matcher is not None or seq.is_pooling:
+        if not seq.params.can_speculate or seq.is_pooling:
             return []
         if seq.draft_length is None:
             seq.draft_length = DraftLength(self.speculative_tokens)

@@ -184,7 +184,7 @@ def test_the_draft_models_kv_is_cut_back_to_what_was_accepted(num_accepted: int)
     assert len(seq.page_ids) == -(-seq.num_tokens // 4)
 
 
-def test_a_grammar_or_a_request_that_opts_out_never_feeds_the_draft_model() -> None:
+def test_a_request_that_opts_out_never_feeds_the_draft_model() -> None:
     s = make()
     s.add(1, [11, 12, 13, 14], SamplingParams(max_tokens=8, speculative=False, ignore_eos=True))
     _, models = run_all(s, [])
