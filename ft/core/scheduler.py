@@ -249,6 +249,8 @@ class Scheduler:
                 self._loads.append(PageLoad(seq.seq_id, targets, tuple(on_disk)))
             seq.num_registered = len(m)
             seq.num_computed = len(m) * self.pool.page_size
+            if self.draft_model:  # the cached pages computed beside the draft model hold its KV
+                seq.num_draft_computed = self.pool.num_drafted(m) * self.pool.page_size
             self.num_prefix_hit_tokens += seq.num_computed
             if self.enable_prefix_caching:
                 self.num_prefix_query_tokens += seq.num_tokens
@@ -659,7 +661,10 @@ class Scheduler:
                     + len(work.draft_feed)
                     + min(num_accepted, max(0, work.num_model_draft - 1))
                 )
+                held = max(seq.num_draft_computed // self.pool.page_size, seq.num_dropped)
                 seq.num_draft_computed = min(fed, seq.num_computed)
+                # Its full pages now hold the draft's KV too: a prefix-cache hit keeps it.
+                self.pool.mark_drafted(seq.page_ids[held : seq.num_draft_computed // self.pool.page_size])
             if num_drafts:
                 self.num_verifications += 1
                 self.num_draft_tokens += num_drafts
