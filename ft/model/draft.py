@@ -211,4 +211,5 @@ class SpeculativeRunner:
         return self.target.step(verified, probs)
 
     def close(self, timeout_s: float = 10.0) -> None:
-        """Nothing to stop: both models run in this process."""
+        """Nothing to stop here: the draft model runs in this process (rank 0's, under tensor
+        parallelism: the loader stops the target's ranks)."""
