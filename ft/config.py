@@ -167,10 +167,6 @@ class EngineConfig:
                 "speculative_method draft needs a speculative_model (and a speculative_model "
                 "needs speculative_method draft)"
             )
-        if self.speculative_method == "draft" and self.tensor_parallel_size > 1:
-            raise ValueError(
-                "a draft model runs in one process; it cannot be combined with tensor parallelism"
-            )
         if not 1 <= self.speculative_tokens <= 32:
             raise ValueError(f"speculative_tokens must be in 1..32, got {self.speculative_tokens}")
         if self.prompt_cache_dir is not None:

@@ -169,10 +169,9 @@ class SamplingParams:
 
     @property
     def can_speculate(self) -> bool:
-        """True when drafted tokens can be verified for this request: asked for, it samples
-        (no pooling), and no grammar (its matcher would have to follow each drafted position
-        and roll back)."""
-        return self.speculative and self.grammar is None and self.pooling is None
+        """True when drafted tokens can be verified for this request: asked for, and it samples
+        (no pooling). A grammar's masks follow each drafted position (`ft.model.masks`)."""
+        return self.speculative and self.pooling is None
 
     @property
     def uses_penalties(self) -> bool:

@@ -6,6 +6,10 @@ otherwise. Cached pages are evicted least recently released first when free ones
 
 A page's hash names its whole chain (every token up to the page's end), and is the same in every
 process: the prompt cache's disk tier (`ft.core.prompt_cache`) files pages under it.
+
+With a draft model (speculative decoding) a page also holds the draft's KV, written only when
+the draft was fed the page's tokens: the pool remembers which pages have it (`mark_drafted`),
+until they are handed out again, so a prefix-cache hit skips feeding the draft those pages.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ class PagePool:
         self._hash_of: dict[int, int] = {}  # page -> content hash
         self._page_of: dict[int, int] = {}  # content hash -> page
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached pages, LRU first
+        self._drafted: set[int] = set()  # pages whose draft-model KV is written (full pages)
 
     @property
     def num_used(self) -> int:
@@ -78,8 +83,20 @@ class PagePool:
                 if self.on_evict is not None:
                     self.on_evict(page, h)
             self._refs[page] = 1
+            self._drafted.discard(page)  # to be written anew
             pages.append(page)
         return pages
+
+    def mark_drafted(self, pages: Sequence[int]) -> None:
+        """Note that full pages `pages` (held) hold the draft model's KV of their tokens too."""
+        self._drafted.update(pages)
+
+    def num_drafted(self, pages: Sequence[int]) -> int:
+        """How many of `pages`, from the first, hold the draft model's KV."""
+        n = 0
+        while n < len(pages) and pages[n] in self._drafted:
+            n += 1
+        return n
 
     def match_prefix(self, hashes: Sequence[int]) -> list[int]:
         """Pages holding the longest cached run of `hashes`; each returned page gains a ref."""

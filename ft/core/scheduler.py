@@ -267,6 +267,8 @@ class Scheduler:
                 self._loads.append(PageLoad(seq.seq_id, targets, tuple(on_disk)))
             seq.num_registered = len(m)
             seq.num_computed = len(m) * self.pool.page_size
+            if self.draft_model:  # the cached pages computed beside the draft model hold its KV
+                seq.num_draft_computed = self.pool.num_drafted(m) * self.pool.page_size
             self.num_prefix_hit_tokens += seq.num_computed
             if self.enable_prefix_caching:
                 self.num_prefix_query_tokens += seq.num_tokens
@@ -522,7 +524,7 @@ class Scheduler:
                 continue
             drafts = proposal[: self._take_draft_pages(seq, len(proposal))]
             work = self._work(seq, [seq.token_at(pos), *drafts], pos, sample=True, num_draft=len(drafts))
-            if speculate and self.draft_model and seq.params.can_speculate and seq.matcher is None:
+            if speculate and self.draft_model and seq.params.can_speculate:
                 work = self._catch_up(seq, work)
             works.append(work)
         return works
@@ -562,7 +564,7 @@ class Scheduler:
         tokens the sequence may still produce. A draft model whose KV lags by more than
         `draft_catch_up` tokens drafts nothing: the lag is fed first (`_catch_up`).
         """
-        if not seq.params.can_speculate or seq.matcher is not None or seq.is_pooling:
+        if not seq.params.can_speculate or seq.is_pooling:
             return []
         if seq.draft_length is None:
             seq.draft_length = DraftLength(self.speculative_tokens)
@@ -704,7 +706,10 @@ class Scheduler:
                     + len(work.draft_feed)
                     + min(num_accepted, max(0, work.num_model_draft - 1))
                 )
+                held = max(seq.num_draft_computed // self.pool.page_size, seq.num_dropped)
                 seq.num_draft_computed = min(fed, seq.num_computed)
+                # Its full pages now hold the draft's KV too: a prefix-cache hit keeps it.
+                self.pool.mark_drafted(seq.page_ids[held : seq.num_draft_computed // self.pool.page_size])
             if num_drafts:
                 self.num_verifications += 1
                 self.num_draft_tokens += num_drafts

@@ -131,7 +131,10 @@ def load_torch_model(
             served = dataclasses.replace(loaded.config, rope_context=config.max_model_len)
             loaded = dataclasses.replace(loaded, config=served)
         dtype = resolve_dtype(run.dtype, loaded.config)  # "auto": measured here
-        drafter = _load_draft_model(config, loaded, device) if config.speculative_method == "draft" else None
+        # NOTE: with tensor parallelism the draft model runs whole in rank 0 only (it is small):
+        # its drafts reach the other ranks as the verify step's rows, like n-gram drafts.
+        is_drafting = config.speculative_method == "draft" and (ranks is None or ranks.is_leader)
+        drafter = _load_draft_model(config, loaded, device) if is_drafting else None
     except BaseException:
         if procs is not None:
             procs.stop()

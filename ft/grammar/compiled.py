@@ -35,6 +35,8 @@ if TYPE_CHECKING:
 
     from llguidance._lib import JsonCompileOptions
 
+    from ft.model.masks import RowMasks
+
 LLMatcher = llguidance.LLMatcher
 
 # Fuel for building the lexer and for one mask. llguidance's defaults (1M / 200k) let a regex
@@ -216,21 +218,22 @@ def walk(
 
 
 class Matcher:
-    """One sequence's grammar state: llguidance's matcher, the token it is yet to consume,
-    and what its tokens have cost (`ft.model.masks` keeps these).
+    """One sequence's grammar state: llguidance's matcher, the tokens it is yet to consume (the
+    last step's: its accepted drafts and the token after them), and what its tokens have cost
+    (`ft.model.masks` keeps these).
 
     `pending` is the mask computation still running on it, if one outlived its step's
     deadline: until it ends the matcher must not be touched.
     """
 
-    __slots__ = ("llg", "mask_cpu_s", "next_token", "num_masks", "pending")
+    __slots__ = ("llg", "mask_cpu_s", "next_tokens", "num_masks", "pending")
 
     def __init__(self, llg: LLMatcher) -> None:
         self.llg = llg
-        self.next_token: int | None = None
+        self.next_tokens: tuple[int, ...] = ()
         self.mask_cpu_s = 0.0
         self.num_masks = 0
-        self.pending: Future[tuple[np.ndarray, float]] | None = None
+        self.pending: Future[RowMasks] | None = None
 
     @property
     def is_busy(self) -> bool:

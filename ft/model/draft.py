@@ -13,7 +13,9 @@ same `num_pages` and `page_size`), so a sequence's pages hold both models' KV an
 scheduler frees both at once (finish, abort, preemption). The scheduler tracks how far the
 draft's KV is valid (`Sequence.num_draft_computed`) and feeds it what it lacks (`draft_feed`):
 prefill chunks are mirrored, a refused draft's KV is past the valid length and overwritten
-next step. A draft's KV only ever changes which tokens are proposed, never the output.
+next step; a prefix-cache hit keeps the draft's KV of the cached pages it was fed
+(`PagePool.mark_drafted`). A draft's KV only ever changes which tokens are proposed, never the
+output.
 """
 
 from __future__ import annotations
@@ -209,4 +211,5 @@ class SpeculativeRunner:
         return self.target.step(verified, probs)
 
     def close(self, timeout_s: float = 10.0) -> None:
-        """Nothing to stop: both models run in this process."""
+        """Nothing to stop here: the draft model runs in this process (rank 0's, under tensor
+        parallelism: the loader stops the target's ranks)."""

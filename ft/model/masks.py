@@ -17,6 +17,14 @@ token took more than `TOKEN_CPU_BUDGET_S` of CPU, or when its tokens have cost m
 at its turn is computed by the step's own thread, so a slow grammar holds a step for at most
 about one deadline and never fails another row.
 
+A row with drafts (speculative decoding) gets a mask for each drafted position too: its task
+advances the matcher through the drafts the grammar allows, a mask after each, then rolls them
+back, so the matcher is where it was whatever the verification keeps. A draft the grammar
+refuses ends the masks there (verification refuses it against that position's mask); the draft
+masks stop early, leaving the rest of the drafts unverified, once the row's masks have used a
+token's CPU budget or half its deadline, so a row costs at most about one token's budget more.
+The matcher takes the accepted drafts and the token after them at the start of its next mask.
+
 NOTE: computing the masks in a thread while the model runs pays only when the forward pass
 leaves a core idle. When it uses every core, the mask thread takes one from torch's OpenMP
 team and the step slows by more than the masks cost. Measured with `ft bench --structured` on
@@ -33,6 +41,7 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import cache
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -69,6 +78,22 @@ def _byte_table(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return torch.tensor(rows, dtype=dtype, device=device)
 
 
+class RowMasks(NamedTuple):
+    """One constrained row's masks: `bits` `[1 + drafts masked, words]` (position 0's, then one
+    after each draft the grammar allowed), whether the grammar refused the draft after them,
+    and the CPU time of the first mask and of them all."""
+
+    bits: np.ndarray
+    is_refused: bool
+    first_cpu_s: float
+    cpu_s: float
+
+
+def allows(mask: np.ndarray, token: int) -> bool:
+    """Whether packed mask `mask` (32 tokens per int32, lowest bit first) allows `token`."""
+    return bool((int(mask[token >> 5]) >> (token & 31)) & 1)
+
+
 def _cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
@@ -82,7 +107,13 @@ class StepMasks:
         self.rows = [i for i, w in enumerate(works) if w.matcher is not None]
         self.matchers: list[Matcher] = [m for w in works if (m := w.matcher) is not None]
         self.seq_ids = [works[i].seq_id for i in self.rows]
-        self.bits = np.zeros((len(self.rows), (vocab_size + 31) // 32), dtype=np.int32)
+        self.drafts = [_drafts_of(works[i]) for i in self.rows]
+        self.words = (vocab_size + 31) // 32
+        # Each row's masks (position 0's, then one per draft the grammar allowed); every token
+        # allowed until computed (a failed row's sample is dropped anyway).
+        self.bits: list[np.ndarray] = [np.full((1, self.words), -1, dtype=np.int32) for _ in self.rows]
+        self.is_refused = [False] * len(self.rows)  # the draft after the masked ones is refused
+        self._index = {row: k for k, row in enumerate(self.rows)}  # work index -> row
         # Constrained rows (by index among them) that fail, and why.
         self.failed: dict[int, str] = {
             k: f"a mask still runs past its {MASK_DEADLINE_S * 1000:.0f} ms deadline"
@@ -91,7 +122,7 @@ class StepMasks:
         }
         self._started: list[float | None] = [None] * len(self.rows)
         self._clocks: list[tuple[int, float] | None] = [None] * len(self.rows)  # CPU clock, start
-        self._futures: list[Future[tuple[np.ndarray, float]] | None] | None = None
+        self._futures: list[Future[RowMasks] | None] | None = None
         self._collected = False
         if overlap:
             self._submit()
@@ -108,20 +139,42 @@ class StepMasks:
             None if k in self.failed else _pool.submit(self._compute, k) for k in range(len(self.rows))
         ]
 
-    def _compute(self, k: int) -> tuple[np.ndarray, float]:
-        """Row `k`'s last token consumed and its mask (into a buffer of its own: a row
-        abandoned at its deadline writes nothing shared), and the CPU time they took."""
-        self._started[k] = time.perf_counter()
-        mask = np.zeros(self.bits.shape[1], dtype=np.int32)
+    def _compute(self, k: int) -> RowMasks:
+        """Row `k`'s last tokens consumed and its masks (into buffers of its own: a row
+        abandoned at its deadline writes nothing shared), the matcher left after its tokens."""
+        self._started[k] = began = time.perf_counter()
+        drafts = self.drafts[k]
+        bits = np.zeros((1 + len(drafts), self.words), dtype=np.int32)
         started = time.thread_time()
         self._clocks[k] = (time.pthread_getcpuclockid(threading.get_ident()), started)
         m = self.matchers[k]
-        if m.next_token is not None:
+        for token in m.next_tokens:
             if not m.llg.is_stopped():  # a finished grammar stays finished (only EOS is allowed)
-                m.llg.consume_token(m.next_token)
-            m.next_token = None
-        m.llg.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
-        return mask, time.thread_time() - started
+                m.llg.consume_token(token)
+        m.next_tokens = ()
+        m.llg.unsafe_compute_mask_ptr(bits[0].ctypes.data, bits[0].nbytes)
+        first_cpu_s = time.thread_time() - started
+        num_masks, consumed, is_refused = 1, 0, False
+        budget_s = TOKEN_CPU_BUDGET_S * self._scale
+        while num_masks <= len(drafts):
+            token = drafts[num_masks - 1]
+            if m.llg.is_error() or not allows(bits[num_masks - 1], token):
+                is_refused = True
+                break
+            if time.thread_time() - started > budget_s or time.perf_counter() - began > MASK_DEADLINE_S / 2:
+                break  # the drafts after these are not verified
+            if m.llg.is_stopped():  # only EOS was allowed, and stays so
+                bits[num_masks] = bits[num_masks - 1]
+            else:
+                m.llg.consume_token(token)
+                consumed += 1
+                m.llg.unsafe_compute_mask_ptr(bits[num_masks].ctypes.data, bits[num_masks].nbytes)
+            num_masks += 1
+        if consumed:
+            # NOTE: a draft allowed by its mask fails to consume only past the parser's limits;
+            # the matcher then stays in error (llguidance cannot roll one back) and the row fails.
+            m.llg.rollback(consumed)
+        return RowMasks(bits[:num_masks], is_refused, first_cpu_s, time.thread_time() - started)
 
     def wait(self) -> None:
         """Collect the masks: each row's within its deadline, or the row fails. Afterwards no
@@ -136,20 +189,22 @@ class StepMasks:
             if future is None:
                 continue
             if future.cancel():  # queued behind slow rows: compute it here, now
-                mask, cpu_s = self._compute(k)
+                masks = self._compute(k)
             else:
                 try:
-                    mask, cpu_s = self._result(k, future)
+                    masks = self._result(k, future)
                 except TimeoutError:
                     self.matchers[k].pending = future
                     self.failed[k] = f"a token took longer than {MASK_DEADLINE_S * 1000:.0f} ms"
                     continue
-            self.bits[k] = mask
-            self._charge(k, cpu_s)
+            self.bits[k] = masks.bits
+            self.is_refused[k] = masks.is_refused
+            self._charge(k, masks)
         for k in self.failed:
-            self.bits[k] = -1  # every token allowed: the row's sample is dropped anyway
+            self.bits[k] = np.full((1, self.words), -1, dtype=np.int32)  # the sample is dropped
+            self.is_refused[k] = False
 
-    def _result(self, k: int, future: Future[tuple[np.ndarray, float]]) -> tuple[np.ndarray, float]:
+    def _result(self, k: int, future: Future[RowMasks]) -> RowMasks:
         """Row `k`'s mask by its deadline; past it, only while its task is starved of CPU (it
         has used less than its token budget: the deadline is for grammars, not for a busy
         process). Raises `TimeoutError`."""
@@ -171,15 +226,16 @@ class StepMasks:
                     raise
                 deadline = now + 0.02
 
-    def _charge(self, k: int, cpu_s: float) -> None:
+    def _charge(self, k: int, masks: RowMasks) -> None:
         m = self.matchers[k]
-        m.mask_cpu_s += cpu_s
-        m.num_masks += 1
+        m.mask_cpu_s += masks.cpu_s
+        m.num_masks += len(masks.bits)
+        cpu_s = masks.first_cpu_s  # the draft masks stop within the token's budget by themselves
         budget_s = (REQUEST_CPU_BASE_S + REQUEST_CPU_PER_TOKEN_S * m.num_masks) * self._scale
         token_budget_s = TOKEN_CPU_BUDGET_S * self._scale
         if m.llg.is_error():
             self.failed[k] = error_of(m.llg)
-        elif not self.bits[k].any():
+        elif not self.bits[k][0].any():
             self.failed[k] = "it allows no token"
         elif cpu_s > token_budget_s:
             self.failed[k] = (
@@ -192,38 +248,59 @@ class StepMasks:
                 f"{budget_s:.2f} s): the grammar is too ambiguous"
             )
 
-    def apply(self, logits: torch.Tensor) -> None:
-        """Add each row's grammar to `logits` `[R, vocab]` in place: `-inf` where it forbids
-        (nothing on a failed row's)."""
+    def num_verifiable(self, i: int, num_draft: int) -> int:
+        """How many of work `i`'s `num_draft` drafts its masks cover: those the grammar allowed,
+        and the one it refused (its position's mask refuses it). Call after `apply`."""
+        if i not in self._index:
+            return num_draft
+        k = self._index[i]
+        return min(num_draft, len(self.bits[k]) - 1 + self.is_refused[k])
+
+    def apply(self, logits: torch.Tensor, first: Sequence[int] | None = None) -> None:
+        """Add each row's grammar to `logits` in place: `-inf` where it forbids (nothing on a
+        failed row's). `first[i]`: work i's first logits row (its drafted positions follow);
+        None: one row per work."""
         self.wait()
+        index: list[int] = []
+        for k, row in enumerate(self.rows):
+            start = row if first is None else first[row]
+            index.extend(range(start, start + len(self.bits[k])))
+        bits = np.concatenate(self.bits) if len(self.bits) > 1 else self.bits[0]  # [M, words]
         # One table lookup per mask byte (0.3 ms for 16 rows of 49k; a boolean masked_fill
         # took 1.6 ms). On a GPU this is the step's one extra host-to-device copy.
-        packed = torch.from_numpy(self.bits.view(np.uint8)).to(logits.device, dtype=torch.long)
+        packed = torch.from_numpy(bits.view(np.uint8)).to(logits.device, dtype=torch.long)
         offsets = torch.nn.functional.embedding(packed, _byte_table(logits.dtype, logits.device))
-        offsets = offsets.view(len(self.rows), -1)[:, : logits.shape[1]]
-        if len(self.rows) == logits.shape[0]:
+        offsets = offsets.view(len(index), -1)[:, : logits.shape[1]]
+        if len(index) == logits.shape[0]:
             logits.add_(offsets)
         else:
-            logits.index_add_(0, torch.tensor(self.rows, device=logits.device), offsets)
+            logits.index_add_(0, torch.tensor(index, device=logits.device), offsets)
 
-    def accept(self, sampled: Sequence[Sampled]) -> list[Sampled]:
-        """Give each row's matcher the token sampled for it (`sampled` in row order), which it
-        consumes at the start of its next mask (off the step, under that mask's budget).
+    def accept(self, groups: Sequence[Sequence[Sampled]]) -> list[Sampled]:
+        """Give each row's matcher the tokens sampled for it (`groups` in row order: the
+        accepted drafts and the token after them), which it consumes at the start of its next
+        mask (off the step, under that mask's budget).
 
         Returns:
-            `sampled`, when no row failed.
+            the samples, in order, when no row failed.
 
         Raises:
             RowsFailed: some rows' grammars failed; it carries the other rows' samples.
         """
         for k, (row, m) in enumerate(zip(self.rows, self.matchers, strict=True)):
             if k not in self.failed:
-                m.next_token = sampled[row].token_id
+                m.next_tokens = tuple(s.token_id for s in groups[row])
+        sampled = [s for group in groups for s in group]
         if not self.failed:
-            return list(sampled)
+            return sampled
         dropped = {self.seq_ids[k] for k in self.failed}
         raise RowsFailed(
             [s for s in sampled if s.seq_id not in dropped],
             [(self.seq_ids[k], f"seq {self.seq_ids[k]}: structured output failed: {why}")
              for k, why in sorted(self.failed.items())],
         )  # fmt: skip
+
+
+def _drafts_of(work: SeqWork) -> tuple[int, ...]:
+    """The drafted tokens `work` feeds after its last accepted one."""
+    return work.token_ids[len(work.token_ids) - work.num_draft :] if work.num_draft else ()

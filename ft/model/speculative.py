@@ -14,6 +14,11 @@ renormalized. The token at each position is then distributed as p exactly. An n-
 deterministic (q is one-hot on x: accept with p(x), else draw from p with x removed); a draft
 model's sampled drafts come with their q rows (`draft_probs`). Row j draws from the generator
 seeded by `(seed, num_generated + j)`, so a seeded request gives the same tokens again.
+
+Under a grammar each drafted position has its own mask (`StepMasks`), so p is the masked
+distribution there: a draft the grammar refuses has p = 0 and is refused, and the token drawn
+in its place (the residual, masked too) ends the work's tokens. Drafts past the masks computed
+in time are not verified (the work is verified as if it had drafted fewer, which keeps p).
 """
 
 from __future__ import annotations
@@ -57,7 +62,7 @@ def accept_draft(
     q_draft = 1.0 if draft_probs is None else float(draft_probs[draft])
     if q_draft <= 0.0:
         raise ValueError(f"draft {draft} has probability 0 under the distribution it was drawn from")
-    if u * q_draft < p_draft:  # u < min(1, p / q)
+    if u * q_draft < p_draft:  # u < min(1, p / q); never when p(draft) = 0 (a grammar refuses it)
         return draft, True
     residual = probs.double().clone()
     if draft_probs is None:
@@ -66,18 +71,26 @@ def accept_draft(
         residual = (residual - draft_probs.double()).clamp_(min=0.0)
     cdf = residual.cumsum(0)
     if float(cdf[-1]) <= 0.0:  # all mass on the draft (u fell on rounding): it is the token
-        return draft, True
+        if p_draft > 0.0:
+            return draft, True
+        cdf = probs.double().cumsum(0)  # q's mass lost to rounding: draw from p itself
     v = torch.rand(1, generator=generator, dtype=torch.float64) * cdf[-1]
     token = min(int(torch.searchsorted(cdf, v, side="right")), probs.numel() - 1)
     return token, False
 
 
-def verify(logits: torch.Tensor, work: SeqWork, draft_probs: torch.Tensor | None = None) -> list[Sampled]:
+def verify(
+    logits: torch.Tensor,
+    work: SeqWork,
+    draft_probs: torch.Tensor | None = None,
+    num_verified: int | None = None,
+) -> list[Sampled]:
     """The accepted drafts of `work` and the token after them, from its logits `[k + 1, vocab]`;
-    `draft_probs` `[k, vocab]`: the distributions its drafts were drawn from (None: one-hot)."""
+    `draft_probs` `[k, vocab]`: the distributions its drafts were drawn from (None: one-hot).
+    `num_verified`: verify only the first drafts (those a grammar's masks cover)."""
     p = work.params
-    k = work.num_draft
-    drafts = work.token_ids[len(work.token_ids) - k :]
+    k = work.num_draft if num_verified is None else min(num_verified, work.num_draft)
+    drafts = work.token_ids[len(work.token_ids) - work.num_draft :][:k]
     rows = logits.float()
     out: list[Sampled] = []
     for j in range(k + 1):
@@ -115,9 +128,9 @@ def sample_with_drafts(
 ) -> list[list[Sampled]]:
     """Each sampling work's tokens, in order, from `logits` `[sum(1 + num_draft), vocab]`.
 
-    Works without drafts are sampled together as in a plain step; grammar masks (only works
-    without drafts carry one) go on their rows. `draft_probs` maps a seq id to the `[k, vocab]`
-    distributions its sampled drafts were drawn from (absent: one-hot drafts).
+    Works without drafts are sampled together as in a plain step; grammar masks go on each
+    constrained work's rows, one per position its masks cover. `draft_probs` maps a seq id to
+    the `[k, vocab]` distributions its sampled drafts were drawn from (absent: one-hot drafts).
     """
     first: list[int] = []  # each work's first logits row
     row = 0
@@ -125,10 +138,7 @@ def sample_with_drafts(
         first.append(row)
         row += 1 + work.num_draft
     if masks is not None:
-        index = torch.tensor(first, device=logits.device)
-        own = logits[index]  # [R, vocab], a copy
-        masks.apply(own)
-        logits[index] = own
+        masks.apply(logits, first)
     plain = [i for i, w in enumerate(works) if not w.num_draft]
     plain_sampled = iter(
         sample(logits[[first[i] for i in plain]], [works[i] for i in plain]) if plain else []
@@ -137,7 +147,8 @@ def sample_with_drafts(
     for i, work in enumerate(works):
         if work.num_draft:
             q = (draft_probs or {}).get(work.seq_id)
-            out.append(verify(logits[first[i] : first[i] + 1 + work.num_draft], work, q))
+            k = work.num_draft if masks is None else masks.num_verifiable(i, work.num_draft)
+            out.append(verify(logits[first[i] : first[i] + 1 + k], work, q, k))
         else:
             out.append([next(plain_sampled)])
     return out

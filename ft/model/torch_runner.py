@@ -316,7 +316,7 @@ class TorchRunner:
         if masks is None:
             return [*sampled, *scored]
         try:  # raises `RowsFailed` when a row's grammar failed or ran over its budget
-            masks.accept([group[0] for group in groups])  # only works without drafts have one
+            masks.accept(groups)
         except RowsFailed as e:
             dropped = {seq_id for seq_id, _ in e.failed}
             e.sampled = [*(s for s in sampled if s.seq_id not in dropped), *scored]

@@ -184,7 +184,45 @@ def test_the_draft_models_kv_is_cut_back_to_what_was_accepted(num_accepted: int)
     assert len(seq.page_ids) == -(-seq.num_tokens // 4)
 
 
-def test_a_grammar_or_a_request_that_opts_out_never_feeds_the_draft_model() -> None:
+def test_a_prefix_cache_hit_feeds_the_draft_model_only_the_uncached_tail() -> None:
+    """The same long prompt twice: the pages the first request's draft model was fed carry its
+    KV into the cache, so the second feeds it only the tail after them (the simulation checks
+    every draft slot it reads holds the sequence's token), and gives the same tokens."""
+    s = make(num_pages=64, page_size=4)
+    models = Models(4)
+    prompt = [*range(1, 41), 11, 12]  # 42 tokens: 10 full pages
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    tokens: list[list[int]] = []
+    fed: list[int] = []
+    first_fed: list[int] = []
+    for uid in (1, 2):
+        s.add(uid, prompt, params)
+        start = len(models.works)
+        out: list[int] = []
+        while s.has_work:
+            out += [o.token_id for o in models.step(s) if isinstance(o, TokenOut)]
+        tokens.append(out)
+        feeds = [w for w in models.works[start:] if w.draft_feed]
+        fed.append(sum(len(w.draft_feed) for w in feeds))
+        first_fed.append(min(w.draft_pos for w in feeds))
+    assert tokens[0] == tokens[1] and s.pool.num_used == 0
+    assert s.num_prefix_hit_tokens == 40
+    # The first fed the whole prompt; the second starts after the 40 cached tokens (what each
+    # feeds of its output depends on what was accepted).
+    assert first_fed == [0, 40]
+    assert fed[0] >= len(prompt) and fed[1] <= fed[0] - 40 + 8, fed
+
+
+def test_a_page_handed_out_again_loses_its_draft_kv() -> None:
+    pool = PagePool(4, 4)
+    [a, b] = pool.allocate(2)
+    pool.mark_drafted([a, b])
+    assert pool.num_drafted([a, b]) == 2
+    pool.release([a, b])  # not registered: free, and handed out again
+    assert pool.num_drafted(pool.allocate(2)) == 0
+
+
+def test_a_request_that_opts_out_never_feeds_the_draft_model() -> None:
     s = make()
     s.add(1, [11, 12, 13, 14], SamplingParams(max_tokens=8, speculative=False, ignore_eos=True))
     _, models = run_all(s, [])

@@ -217,3 +217,37 @@ async def test_the_default_model_drafting_for_itself_edits_the_same() -> None:
     with_spec, spec = await edits(speculative_method="draft", speculative_model=str(default_model_path()))
     assert with_spec == without
     assert spec.draft_tokens > 20 and spec.acceptance_rate >= 0.95
+
+
+async def test_a_prefix_cache_hit_skips_feeding_the_draft_model_the_cached_pages(
+    target: pathlib.Path, other: pathlib.Path
+) -> None:
+    """The same long prompt twice: the second request's draft model is fed only what follows
+    the cached pages (they hold the draft's KV from the first), and the tokens are unchanged."""
+    prompt = " ".join(["the hello there"] * 30)  # long: many full pages
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    fed: list[tuple[int, int]] = []  # (draft_pos, tokens) of each draft feed
+
+    def note(works: list[Any]) -> None:
+        fed.extend((w.draft_pos, len(w.draft_feed)) for w in works if w.draft_feed)
+
+    async def twice(cfg: EngineConfig) -> tuple[list[list[int]], list[list[tuple[int, int]]], int]:
+        out, feeds = [], []
+        with trio.fail_after(180):
+            async with open_engine(
+                cfg, hooks=EngineHooks(before_step=note, step_costs=no_step_costs)
+            ) as engine:
+                for _ in range(2):
+                    fed.clear()
+                    out.append((await generate(engine, params, prompt))[0])
+                    feeds.append(list(fed))
+                await assert_nothing_held(engine)
+                return out, feeds, engine.snapshot().scheduler.prefix_hit_tokens
+
+    [plain, _], _, _ = await twice(config(target))
+    tokens, feeds, hits = await twice(config(target, draft=other))
+    assert tokens == [plain, plain]
+    assert hits > 0
+    assert min(pos for pos, _ in feeds[0]) == 0
+    assert min(pos for pos, _ in feeds[1]) == hits  # starts after the cached pages
+    assert sum(n for _, n in feeds[1]) < sum(n for _, n in feeds[0]) - hits // 2

@@ -300,8 +300,8 @@ async def test_the_edit_bench_runs_every_prompt_at_each_level(autojump_clock: tr
 
 
 async def test_a_grammar_row_beside_drafted_rows_keeps_its_mask(tiny_gguf: pathlib.Path) -> None:
-    """A constrained request (never drafted for) shares steps with a drafted one: each gives
-    what it gives without speculation, the constrained one within its grammar."""
+    """A constrained request shares steps with another drafted one: each gives what it gives
+    without speculation, the constrained one within its grammar."""
     from ft.grammar import spec
 
     prompt = "the the the hello hello the"
@@ -343,3 +343,60 @@ async def test_a_grammar_row_beside_drafted_rows_keeps_its_mask(tiny_gguf: pathl
     assert with_spec == without and drafted > 0
     assert shared  # steps with both a drafted and a constrained row
     assert re.fullmatch(pattern, with_spec[1][1])
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"words": {"type": "array", "items": {"enum": ["the", "hello", "the hello"]},
+                             "minItems": 8, "maxItems": 10}},
+    "required": ["words"], "additionalProperties": False,
+}  # fmt: skip
+
+
+# A loose grammar the tiny model's own argmax mostly keeps to (the draft model knows no grammar:
+# under the schema its unconstrained drafts are refused from the first).
+PRINTABLE = "[ -~]{40}"
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+async def test_a_constrained_request_drafts_and_gives_the_same_tokens(
+    tiny_gguf: pathlib.Path, method: str
+) -> None:
+    """Greedy under a grammar: the drafts (n-grams copying the output's repeats under a JSON
+    schema, or the model drafting for itself under a loose regex) are checked against each
+    position's mask: the tokens are those without speculation, and drafts are accepted."""
+    import json
+
+    import jsonschema
+
+    from ft.grammar import spec
+
+    grammar = spec.json_schema(SCHEMA, "x") if method == "ngram" else spec.regex(PRINTABLE, "x")
+    params = SamplingParams(max_tokens=160, temperature=0.0, grammar=grammar)
+    drafted: list[int] = []
+
+    def note(works: list[SeqWork]) -> None:
+        drafted.extend(w.num_draft + w.num_model_draft for w in works if w.matcher is not None)
+
+    async def run(**config: Any) -> tuple[list[int], str, int]:
+        cfg = EngineConfig(model=str(tiny_gguf), compute_threads=1, num_pages=64, **config)
+        hooks = EngineHooks(before_step=note, step_costs=no_step_costs)
+        with trio.fail_after(120):
+            async with open_engine(cfg, hooks=hooks) as engine:
+                async with engine.open_request(PromptSpec(text="the hello the hello"), params=params) as s:
+                    (choice,) = await s.collect()
+                await assert_nothing_held(engine)
+                return choice.token_ids, choice.text, engine.snapshot().speculative.accepted_tokens
+
+    without, text, _ = await run()
+    spec_config: dict[str, Any] = {"speculative_method": method, "speculative_tokens": 4}
+    if method == "draft":
+        spec_config["speculative_model"] = str(tiny_gguf)
+    drafted.clear()
+    with_spec, _, accepted = await run(**spec_config)
+    assert with_spec == without
+    if method == "ngram":
+        jsonschema.validate(json.loads(text), SCHEMA)
+    else:
+        assert re.fullmatch(PRINTABLE, text)
+    assert sum(drafted) > 0 and accepted > 0

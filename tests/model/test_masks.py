@@ -65,8 +65,8 @@ def test_a_failed_grammar_fails_its_row_and_the_others_are_sampled() -> None:
     assert [seq_id for seq_id, _ in err.value.failed] == [1]
     [s] = err.value.sampled
     assert s.seq_id == 0 and chr(s.token_id - 3) in "ab"
-    assert good.num_masks == 1 and good.next_token == s.token_id  # consumed with its next mask
-    assert bad.next_token is None
+    assert good.num_masks == 1 and good.next_tokens == (s.token_id,)  # consumed with its next mask
+    assert bad.next_tokens == ()
 
 
 SCHEMAS = [

@@ -9,7 +9,7 @@ import signal
 import pytest
 import torch
 
-from ft.core.batch import SeqWork
+from ft.core.batch import Sampled, SeqWork
 from ft.model.llama import build_model, fuse_hf_state_dict
 from ft.model.loader import load_model
 from ft.model.parallel import (
@@ -194,3 +194,33 @@ def test_drafts_verified_on_two_ranks_give_the_tokens_of_one(tiny_dir: pathlib.P
                                    num_draft=3)])  # fmt: skip
         (after,) = runner.step([SeqWork(0, (got[-1].token_id,), len(PROMPT_A) + 3, pages, True, GREEDY, 4)])
     assert [first.token_id, *(s.token_id for s in got), after.token_id] == solo[:5]
+
+
+def test_a_draft_model_in_rank_0_drafts_for_two_ranks(tiny_dir: pathlib.Path) -> None:
+    """`--speculative-method draft` with tensor parallelism: the draft model (the model itself,
+    whole, in rank 0 only) drafts; the 2-rank step verifies its drafts: one process's tokens,
+    every draft accepted."""
+    from ft.model.draft import SpeculativeRunner
+    from tests.support.parallel import tensor_parallel_parts
+
+    pages = tuple(range(8))
+    solo, _ = generate(make_runner(tiny_dir), PROMPT_A, pages, 10)
+    with tensor_parallel_parts(str(tiny_dir), 2, num_pages=32, page_size=4, speculative_method="draft",
+                               speculative_model=str(tiny_dir)) as runner:  # fmt: skip
+        assert isinstance(runner, SpeculativeRunner) and runner.target.ranks is not None
+        assert runner.drafter.runner.ranks is None  # not sharded, not sent to the other ranks
+        (first,) = runner.step([SeqWork(0, PROMPT_A, 0, pages, True, GREEDY, 0)])
+        assert isinstance(first, Sampled)
+        out = [first.token_id]
+        valid = 0  # positions whose KV the draft model holds
+        while len(out) < 9:
+            tokens = [*PROMPT_A, *out]
+            pos = len(tokens) - 1
+            feed = tuple(tokens[valid:])
+            work = SeqWork(0, (out[-1],), pos, pages, True, GREEDY, len(out), draft_feed=feed,
+                           draft_pos=valid, num_model_draft=3)  # fmt: skip
+            got = [s.token_id for s in runner.step([work]) if isinstance(s, Sampled)]
+            assert len(got) == 4  # a model drafting for itself: all three kept, and one more
+            valid = pos + 1 + 2  # it was fed its feed, then each draft but the last
+            out += got
+    assert out == solo[: len(out)]

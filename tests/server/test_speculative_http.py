@@ -156,3 +156,56 @@ async def test_a_draft_model_answers_every_api_the_same_and_counts_its_drafts(
     assert spec["method"] == "draft" and spec["draft_tokens"] > 8 * 4
     assert spec["accepted_tokens"] == spec["draft_tokens"]  # the model drafting for itself
     assert f'ft_spec_decode_accepted_tokens_total{{model="tiny"}} {float(spec["accepted_tokens"])}' in metrics
+
+
+WORDS = {
+    "type": "object",
+    "properties": {"words": {"type": "array", "items": {"enum": ["the", "hello", "the hello"]},
+                             "minItems": 8, "maxItems": 10}},
+    "required": ["words"], "additionalProperties": False,
+}  # fmt: skip
+
+
+async def schema_answers(model: str, **config: Any) -> tuple[dict[str, str], dict[str, Any]]:
+    """OpenAI chat under `response_format` `json_schema` on a real tiny GGUF, greedy: the text
+    non-streamed and streamed; the final stats."""
+    from ft.config import EngineConfig
+    from ft.engine.loading import EngineHooks
+    from tests.support.engine import no_step_costs
+    from tests.support.server import running_server
+
+    body = {
+        "messages": [{"role": "user", "content": "the hello the hello"}],
+        "temperature": 0.0,
+        "max_tokens": 160,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "words", "schema": WORDS}},
+    }
+    out: dict[str, str] = {}
+    cfg = EngineConfig(model=model, compute_threads=1, num_pages=64, tokenizer_workers=1, **config)
+    async with running_server(cfg, hooks=EngineHooks(step_costs=no_step_costs)) as server:
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=120) as client:
+            r = await client.post("/v1/chat/completions", json=body)
+            assert r.status_code == 200, r.text
+            out["chat"] = text_of("chat", r.json())
+            r = await client.post("/v1/chat/completions", json={**body, "stream": True})
+            assert r.status_code == 200, r.text
+            out["chat-stream"] = streamed_text("chat", parse_sse(r.text))
+            stats = await wait_idle(client)
+    return out, stats
+
+
+async def test_a_json_schema_answer_drafts_and_is_the_same_streamed_or_not(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    import json
+
+    import jsonschema
+
+    from tests.support.gguf_files import write_tiny_gguf
+
+    model = str(write_tiny_gguf(tmp_path_factory.mktemp("schema") / "tiny.gguf", seed=3))
+    without, _ = await schema_answers(model)
+    with_spec, stats = await schema_answers(model, **SPEC)
+    assert with_spec == without and without["chat"] == without["chat-stream"]
+    jsonschema.validate(json.loads(without["chat"]), WORDS)
+    assert stats["speculative"]["draft_tokens"] > 0 and stats["speculative"]["accepted_tokens"] > 0

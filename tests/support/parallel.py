@@ -10,10 +10,12 @@ import subprocess
 import sys
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
+from typing import Any
 
 import trio
 
 from ft.config import EngineConfig
+from ft.core.batch import Runner
 from ft.engine.loading import load_torch_model
 from ft.model.torch_runner import TorchRunner
 
@@ -23,15 +25,24 @@ def tensor_parallel_runner(
     model: str, world: int, *, num_pages: int, page_size: int, dtype: str = "float32"
 ) -> Iterator[TorchRunner]:
     """A `world`-rank CPU (gloo) runner for `model`; the ranks are stopped when the block exits."""
-    config = EngineConfig(
-        model=model, dtype=dtype, device="cpu", tensor_parallel_size=world, compute_threads=1
-    )
-    parts = load_torch_model(config)
-    assert parts.close is not None
-    try:
-        runner = parts.make_runner(num_pages, page_size)
+    with tensor_parallel_parts(model, world, num_pages=num_pages, page_size=page_size, dtype=dtype) as runner:
         assert isinstance(runner, TorchRunner)
         yield runner
+
+
+@contextmanager
+def tensor_parallel_parts(
+    model: str, world: int, *, num_pages: int, page_size: int, dtype: str = "float32", **config: Any
+) -> Iterator[Runner]:
+    """`tensor_parallel_runner` with more `EngineConfig` fields (a draft model's), whatever
+    runner they make."""
+    cfg = EngineConfig(
+        model=model, dtype=dtype, device="cpu", tensor_parallel_size=world, compute_threads=1, **config
+    )
+    parts = load_torch_model(cfg)
+    assert parts.close is not None
+    try:
+        yield parts.make_runner(num_pages, page_size)
     finally:
         parts.close(False)
 
