@@ -303,6 +303,13 @@ class Scheduler:
         if self.disk is not None and len(matched) < keep:
             rest = hashes[len(matched) : keep]
             n = self.disk.count_prefix(rest)
+            if self._is_windowed_admission and not seq.is_pooling:
+                # NOTE: a load's pages are all held at once (the window drops them after): no
+                # more than the window leaves beside the matched pages in it and the first chunk,
+                # or a prompt on disk longer than the pool (check_fits admits it) waits forever.
+                size = self.pool.page_size
+                in_window = len(matched) - self._num_behind_window(len(matched) * size)
+                n = min(n, max(0, self.window_pages - in_window - pages_for(self.max_prefill_tokens, size)))
             if n * self.pool.page_size >= self.disk_min_tokens:
                 on_disk = rest[:n]
         return matched, on_disk

@@ -3,16 +3,23 @@ gives back the pages a sequence has passed, and the prefix cache stays right."""
 
 from __future__ import annotations
 
+import pathlib
+from typing import TYPE_CHECKING
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ft.core.batch import Sampled
 from ft.core.kv import PagePool
+from ft.core.prompt_cache import PromptCache, cache_identity
 from ft.core.scheduler import Scheduler
 from ft.errors import ContextLengthExceeded
 from ft.messages import Batch, StepDone, TokenOut
 from ft.params import SamplingParams
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
 
 WINDOW, PAGE = 8, 4
 
@@ -261,3 +268,67 @@ def test_pages_in_use_stay_in_the_pool_and_windowed_outputs_are_unchanged(
     windowed = serve(s, requests)
     held = serve(make(num_pages=512, kv_window=0, **opts), requests)
     assert windowed == held
+
+
+class ModelPages:
+    """The `PageIO` of a `PagedModel`: a page's payload is the tokens its slots hold."""
+
+    page_payload_bytes = 8 * PAGE
+
+    def __init__(self, model: PagedModel) -> None:
+        self.model = model
+
+    def page_payload(self, page: int) -> list[Buffer]:
+        slots = range(page * PAGE, (page + 1) * PAGE)
+        return [b"".join(self.model.slots.get(slot, 0).to_bytes(8, "little") for slot in slots)]
+
+    def load_page(self, page: int, payload: memoryview) -> None:
+        for i in range(PAGE):
+            self.model.slots[page * PAGE + i] = int.from_bytes(payload[8 * i : 8 * i + 8], "little")
+
+
+def serve_with_disk(s: Scheduler, cache: PromptCache, prompt: list[int], max_tokens: int) -> list[int]:
+    """One request through `s`, its pages saved to and loaded from `cache` as the runner does."""
+    model = PagedModel()
+    io = ModelPages(model)
+    s.add(0, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    tokens = []
+    for _ in range(5000):
+        batch = s.schedule()
+        if batch is None:
+            break
+        for seq in s.running.values():
+            assert len(seq.page_ids) - seq.num_dropped <= s.window_pages
+        cache.save_pages(io, batch.saves)
+        loaded = cache.load_pages(io, batch.loads)
+        done = model.step(batch)
+        for out in s.on_step_done(batch, StepDone(batch.step, done.sampled, loaded=loaded)):
+            assert isinstance(out, TokenOut)
+            tokens.append(out.token_id)
+    assert not s.has_work and s.pool.num_used == 0
+    return tokens
+
+
+def test_a_prompt_on_disk_longer_than_the_pool_is_loaded_a_window_at_most(tmp_path: pathlib.Path) -> None:
+    """A 200-token prompt whose pages are all on disk, on 8 pages of 4 (check_fits admits it by
+    its window): admission loads no more pages than the window holds (asking for all 50 at once
+    left it waiting forever), and the tokens are those of the first run."""
+    prompt = [1 + i % 50 for i in range(200)]
+
+    def windowed(cache: PromptCache) -> Scheduler:
+        return Scheduler(PagePool(8, PAGE), max_running=4, max_model_len=512, max_prefill_tokens=8,
+                         eos_token_ids=[0], kv_window=WINDOW, disk=cache, disk_min_tokens=8)  # fmt: skip
+
+    identity = cache_identity("window-review")
+    cache = PromptCache(tmp_path, 1 << 24, identity)
+    try:
+        first = serve_with_disk(windowed(cache), cache, prompt, 10)
+    finally:
+        cache.close()
+    cache = PromptCache(tmp_path, 1 << 24, identity)
+    try:
+        s = windowed(cache)
+        again = serve_with_disk(s, cache, prompt, 10)
+    finally:
+        cache.close()
+    assert s.num_disk_hit_tokens > 0 and again == first and len(first) == 10
