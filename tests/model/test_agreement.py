@@ -145,9 +145,27 @@ def agreement(outputs: list[list[int]], expected_tokens: list[list[int]]) -> tup
 
 
 def test_tokenizer_ids_match_transformers(loaded: LoadedModel, hf_tokenizer: object) -> None:
+    # NOTE: transformers' GGUF converter ignores `tokenizer.ggml.pre` (plain ByteLevel); these
+    # texts tokenize alike either way. Where the two differ, SmolLM2's own split is the
+    # reference: the next test.
     tok = loaded.tokenizer.build()
     for text in TEXTS:
         assert tok.encode(text).ids == hf_tokenizer.encode(text, add_special_tokens=False), text  # type: ignore[attr-defined]
+
+
+def test_default_model_splits_digits_first_as_smollm2_does(loaded: LoadedModel, hf_tokenizer: object) -> None:
+    """Spaces or a symbol before digits: the default GGUF's `smollm` pre-tokenizer gives the ids
+    of SmolLM2's tokenizer.json (each digit split off, then GPT-2's split), which transformers'
+    GGUF converter does not ("  456" is [256, 36, 37, 38] there)."""
+    from tokenizers import Tokenizer, pre_tokenizers
+
+    reference = Tokenizer.from_str(hf_tokenizer.backend_tokenizer.to_str())  # type: ignore[attr-defined]
+    reference.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
+    tok = loaded.tokenizer.build()
+    for text in ("  456", "  \n 7  8", "٣٤٥ ⅷ", "x  ½²2026"):
+        assert tok.encode(text).ids == reference.encode(text, add_special_tokens=False).ids, text
 
 
 def test_special_tokens_match_transformers(loaded: LoadedModel, hf_tokenizer: object) -> None:
