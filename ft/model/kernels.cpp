@@ -17,11 +17,12 @@
 #include "csrc/formats.inc"         // GGUF type codes and block layouts
 #include "csrc/rows.inc"            // row products: blocks of 32, F16 / BF16
 #include "csrc/rows_k.inc"          // row products: K-quants and IQ4_XS
-#include "csrc/dequantize.inc"      // weights as floats
-#include "csrc/columns.inc"         // repacked layouts: RC, vector helpers
+#include "csrc/dequantize.inc"      // weights as floats, per format
+#include "csrc/columns.inc"         // repacked layouts: RC, interleaving, vector helpers
 #include "csrc/columns_q4_q8.inc"   // column kernels: Q4_0, Q4_1, Q8_0, Q4_K, Q6_K
 #include "csrc/columns_q5_iq4.inc"  // column kernels: Q5_K, IQ4_XS, IQ4_NL, Q5_0, Q5_1
-#include "csrc/gemm.inc"            // per-type dispatch, activations, checks, the product loops
+#include "csrc/traits.inc"          // one row per type: block sizes and kernels (no switch on a type)
+#include "csrc/gemm.inc"            // weight checks, quantized activations, the product loops
 #include "csrc/attention.inc"       // paged attention, KV types (q8_0 included)
 #include "csrc/layer.inc"           // LayerArgs, StepArgs, the fused decoder layer
 
@@ -55,12 +56,13 @@ int ft_gemm(int type, const uint8_t* w, int64_t N, int64_t K, int64_t row_bytes,
     FT_REQUIRE(M >= 0 && (M <= 1 || ldy >= N), "%lld rows of stride %lld for %lld outputs", (long long)M,
                (long long)ldy, (long long)N);
     FT_REQUIRE(threads >= 1, "%d threads", threads);
-    std::vector<int32_t> x16(columns && type == Q6_K ? M * (K / 16) : 0);
+    const TypeTraits& ty = type_traits(type);
+    std::vector<int32_t> x16(columns && ty.cols.sums16 ? M * (K / 16) : 0);
 #pragma omp parallel for num_threads(threads) schedule(static) if (M * K > 65536)
     for (int64_t m = 0; m < (int64_t)x16.size() / (K / 16); m++) sums16_row(qs + m * K, K, &x16[m * (K / 16)]);
     const ActRows a{qs, d, s, sx, K, x16.empty() ? nullptr : x16.data()};
     if (columns) {
-      const int64_t group_bytes = K / block_elems(type) * repacked_bytes(type);
+      const int64_t group_bytes = K / ty.block_elems * ty.group_bytes();
 #pragma omp parallel for num_threads(threads) schedule(static)
       for (int64_t g = 0; g < N / columns; g++) gemm_group(type, w + g * group_bytes, a, M, y + g * columns, ldy);
       return;
@@ -75,9 +77,9 @@ int ft_repack_columns() { return RC; }
 
 // Bytes per row of a `type` weight of K columns once repacked on this build (0: it is not).
 int64_t ft_repacked_row_bytes(int type, int64_t K) {
-  const int64_t be = block_elems(type);
-  if (!RC || !repackable(type) || K <= 0 || K % be) return 0;
-  return K / be * repacked_bytes(type) / RC;
+  const TypeTraits& ty = type_traits(type);
+  if (!RC || !ty.repackable() || K <= 0 || K % ty.block_elems) return 0;
+  return K / ty.block_elems * ty.cols.col_bytes;
 }
 
 // src: N rows of GGUF blocks of a repackable type (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K, Q5_K, IQ4_XS,
@@ -85,49 +87,18 @@ int64_t ft_repacked_row_bytes(int type, int64_t K) {
 // repacked layout (N * ft_repacked_row_bytes(type, K) bytes).
 int ft_repack(int type, const uint8_t* src, int64_t N, int64_t K, int64_t row_bytes, uint8_t* dst) {
   return guarded("ft_repack", [&] {
-    FT_REQUIRE(RC && repackable(type), "type %d cannot be repacked on this build", type);
+    const TypeTraits& ty = type_traits(type);
+    FT_REQUIRE(RC && ty.repackable(), "type %d cannot be repacked on this build", type);
     check_weight("weight", type, N, row_bytes, 0, K);
     constexpr int64_t group = RC ? RC : 1;  // (no division by a zero RC where it compiles away)
     FT_REQUIRE(N % group == 0, "%lld rows are not whole groups of %d", (long long)N, RC);
-    const int64_t nb = K / block_elems(type), gbytes = repacked_bytes(type), bytes = block_bytes(type);
+    const int64_t nb = K / ty.block_elems, gbytes = ty.group_bytes(), bytes = ty.block_bytes;
     for (int64_t g = 0; g < N / group; g++)
-      for (int64_t b = 0; b < nb; b++) {
-        uint8_t* out = dst + (g * nb + b) * gbytes;
-        for (int c = 0; c < RC; c++) {
-          const uint8_t* blk = src + (g * RC + c) * row_bytes + b * bytes;
-          // 4 bytes of column c in each vector j: out[j * 4 * RC + 4c ..] = from[4j ..]
-          auto interleave = [&](uint8_t* to, const uint8_t* from, int nvec, uint8_t flip) {
-            for (int j = 0; j < nvec; j++)
-              for (int i = 0; i < 4; i++) to[j * 4 * RC + 4 * c + i] = from[4 * j + i] ^ flip;
-          };
-          if (type == Q4_K) {
-            interleave(out, blk + 16, 32, 0);
-            for (int j = 0; j < 8; j++) {
-              int sc, m;
-              scale_min_k4(j, blk + 4, &sc, &m);
-              out[128 * RC + j * RC + c] = (uint8_t)sc;
-              out[136 * RC + j * RC + c] = (uint8_t)m;
-            }
-            memcpy(out + 144 * RC + 2 * c, blk, 2);      // d
-            memcpy(out + 146 * RC + 2 * c, blk + 2, 2);  // dmin
-          } else if (type == Q6_K) {
-            interleave(out, blk, 32, 0);                     // ql
-            interleave(out + 128 * RC, blk + 128, 16, 0);    // qh
-            for (int k = 0; k < 16; k++) out[192 * RC + k * RC + c] = blk[192 + k];
-            memcpy(out + 208 * RC + 2 * c, blk + 208, 2);  // d
-          } else if (repackable_more(type)) {
-            repack_block_more(type, blk, out, c);
-          } else {
-            const int nvec = type == Q8_0 ? 8 : 4;
-            interleave(out, blk + (type == Q4_1 ? 4 : 2), nvec, type == Q8_0 ? 0x80 : 0);
-            memcpy(out + nvec * 4 * RC + 2 * c, blk, 2);                                 // d
-            if (type == Q4_1) memcpy(out + nvec * 4 * RC + 2 * RC + 2 * c, blk + 2, 2);  // m
-          }
-        }
-      }
+      for (int64_t b = 0; b < nb; b++)
+        for (int c = 0; c < RC; c++)
+          ty.cols.repack(src + (g * RC + c) * row_bytes + b * bytes, dst + (g * nb + b) * gbytes, c);
   });
 }
-
 
 // out[t, :] = row ids[t] of W (`rows` rows of GGUF blocks, or repacked groups of `columns`) as
 // float32; every id must be a row.
@@ -135,20 +106,21 @@ int ft_dequantize_rows(int type, const uint8_t* w, int64_t rows, int64_t row_byt
                        const int64_t* ids, int64_t T, float* out) {
   return guarded("ft_dequantize_rows", [&] {
     check_weight("weight", type, rows, row_bytes, columns, K);
+    const TypeTraits& ty = type_traits(type);
     FT_REQUIRE(T >= 0, "%lld ids", (long long)T);
     for (int64_t t = 0; t < T; t++)
       FT_REQUIRE(ids[t] >= 0 && ids[t] < rows, "id %lld is not one of the %lld rows", (long long)ids[t],
                  (long long)rows);
     for (int64_t t = 0; t < T; t++) {
       if (!columns) {
-        dequant_row(type, w + ids[t] * row_bytes, K, out + t * K);
+        ty.dequantize(w + ids[t] * row_bytes, K, out + t * K);
         continue;
       }
-      const int64_t be = block_elems(type), nb = K / be, g = ids[t] / columns;
+      const int64_t be = ty.block_elems, nb = K / be, g = ids[t] / columns;
       const int c = (int)(ids[t] % columns);
       for (int64_t b = 0; b < nb; b++) {
-        const uint8_t* gb = w + (g * nb + b) * repacked_bytes(type);
-        for (int k = 0; k < be; k++) out[t * K + b * be + k] = repacked_at(type, gb, c, k);
+        const uint8_t* gb = w + (g * nb + b) * ty.group_bytes();
+        for (int k = 0; k < be; k++) out[t * K + b * be + k] = ty.cols.at(gb, c, k);
       }
     }
   });
