@@ -82,9 +82,8 @@ int64_t ft_repacked_row_bytes(int type, int64_t K) {
   return K / ty.block_elems * ty.cols.col_bytes;
 }
 
-// src: N rows of GGUF blocks of a repackable type (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K, Q5_K, IQ4_XS,
-// IQ4_NL, Q5_0, Q5_1), N % RC == 0 -> dst in the
-// repacked layout (N * ft_repacked_row_bytes(type, K) bytes).
+// src: N rows of GGUF blocks of a repackable type (one whose row in traits.inc has a repacked
+// layout), N % RC == 0 -> dst in that layout (N * ft_repacked_row_bytes(type, K) bytes).
 int ft_repack(int type, const uint8_t* src, int64_t N, int64_t K, int64_t row_bytes, uint8_t* dst) {
   return guarded("ft_repack", [&] {
     const TypeTraits& ty = type_traits(type);
