@@ -42,9 +42,11 @@ class ThreadChooser:
         bucket = _bucket(rows)
         count = self._steps.get(bucket, 0)
         self._steps[bucket] = count + 1
+        # NOTE: the most threads first: the first steps of a bucket are often its only ones
+        # (a burst's prefill), and on a quiet machine more threads are the faster choice.
         untried = [n for n in self.choices if (bucket, n) not in self._cost]
         if untried:
-            return untried[0]
+            return max(untried)
         ranked = sorted(self.choices, key=lambda n: self._cost[bucket, n])
         if len(ranked) == 1 or count < self._next_try.setdefault(bucket, count + EXPLORE_EVERY):
             return ranked[0]

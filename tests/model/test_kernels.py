@@ -342,12 +342,14 @@ def test_packed_runner_rows_do_not_depend_on_the_batch(tiny_packed: tuple, tiny_
         assert tail is not None and torch.equal(tail[1], mixed[1])
 
 
+@pytest.mark.parametrize("page", [3, 4, 16])
 @pytest.mark.parametrize("lengths", [(1,), (7, 8, 9), (33, 100)])
-def test_paged_attention_matches_torch(lengths: tuple[int, ...]) -> None:
+def test_paged_attention_matches_torch(lengths: tuple[int, ...], page: int) -> None:
     """The native attention (eight keys at a time, vectorized exp) gives torch's softmax
-    attention for rows at any length, through scattered pages, with grouped query heads."""
+    attention for rows at any length, through scattered pages of any size (a power of two or
+    not), with grouped query heads."""
     torch.manual_seed(0)
-    nh, nkvh, hd, page = 6, 2, 64, 4
+    nh, nkvh, hd = 6, 2, 64
     pages_per_seq = max(lengths) // page + 1
     num_pages = pages_per_seq * len(lengths)
     order = torch.randperm(num_pages)
