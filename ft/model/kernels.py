@@ -29,8 +29,9 @@ import torch
 from ft.model.quant import IQ4_NL, IQ4_XS, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, QuantTensor
 
 SOURCE = pathlib.Path(__file__).with_name("kernels.cpp")
-# The files kernels.cpp includes (part of the build's cache key, as the source itself).
-INCLUDES = (SOURCE.with_name("kernels_q5_iq4.inc"),)
+# The parts kernels.cpp includes, one file per concern (part of the build's cache key, as the
+# source itself): every file of csrc/, so a new part cannot be left out of the key.
+INCLUDES = tuple(sorted(SOURCE.with_name("csrc").glob("*.inc")))
 QK = 32  # elements per activation block
 
 _lock = threading.Lock()
