@@ -21,6 +21,8 @@
 #include "csrc/columns.inc"         // repacked layouts: RC, interleaving, vector helpers
 #include "csrc/columns_q4_q8.inc"   // column kernels: Q4_0, Q4_1, Q8_0, Q4_K, Q6_K
 #include "csrc/columns_q5_iq4.inc"  // column kernels: Q5_K, IQ4_XS, IQ4_NL, Q5_0, Q5_1
+#include "csrc/columns_q2_q3.inc"   // column kernels: Q3_K, Q2_K
+#include "csrc/columns_float.inc"   // column kernels: F16, BF16
 #include "csrc/traits.inc"          // one row per type: block sizes and kernels (no switch on a type)
 #include "csrc/gemm.inc"            // weight checks, quantized activations, the product loops
 #include "csrc/attention.inc"       // paged attention, KV types (q8_0 included)

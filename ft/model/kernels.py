@@ -26,7 +26,23 @@ import threading
 import numpy as np
 import torch
 
-from ft.model.quant import IQ4_NL, IQ4_XS, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, QuantTensor
+from ft.model.quant import (
+    BF16,
+    F16,
+    IQ4_NL,
+    IQ4_XS,
+    Q2_K,
+    Q3_K,
+    Q4_0,
+    Q4_1,
+    Q4_K,
+    Q5_0,
+    Q5_1,
+    Q5_K,
+    Q6_K,
+    Q8_0,
+    QuantTensor,
+)
 
 SOURCE = pathlib.Path(__file__).with_name("kernels.cpp")
 # The parts kernels.cpp includes, one file per concern (part of the build's cache key, as the
@@ -325,7 +341,8 @@ def gemm_into(
     ))  # fmt: skip
 
 
-REPACKABLE = (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K, Q5_K, IQ4_XS, IQ4_NL, Q5_0, Q5_1)  # the types with column kernels
+# the types with column kernels
+REPACKABLE = (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K, Q5_K, IQ4_XS, IQ4_NL, Q5_0, Q5_1, Q3_K, Q2_K, F16, BF16)
 KV_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # KV cache element types
 # --kv-cache-dtype q8_0 (packed path only): each head of a slot is head_dim / 32 blocks of GGUF's
 # Q8_0 layout, an IEEE half scale d then 32 int8 values (element = value * d), 34 bytes per 32
@@ -391,7 +408,7 @@ def repacked(weight: QuantTensor, lib: ctypes.CDLL | None = None) -> QuantTensor
     """`weight` in the interleaved layout of the column kernels of this build (16 columns with
     AVX-512 VNNI, 8 with AVX2) when its type and row count allow; otherwise unchanged. The same
     bytes reordered, but for the 6-bit scales unpacked to bytes: Q4_K 148 bytes per 256, not 144;
-    Q5_K 180, not 176; IQ4_XS 138, not 136."""
+    Q5_K 180, not 176; IQ4_XS 138, not 136; Q3_K 114, not 110."""
     lib = lib or library()
     columns = lib.ft_repack_columns()
     if weight.columns or not columns or weight.qtype not in REPACKABLE or weight.rows % columns:

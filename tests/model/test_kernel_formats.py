@@ -2,8 +2,9 @@
 IQ4_NL, Q2_K, Q3_K, Q5_K, IQ4_XS, F16, BF16. Random block bytes (every bit pattern of the packed
 weights and sub-scales, finite fp16 scales) against gguf-py's dequantization, on the native, AVX2
 (haswell) and portable (x86-64) builds, and a small GGUF of these types loaded as stored. The
-column kernels of Q5_K, IQ4_XS, IQ4_NL, Q5_0 and Q5_1 (repacked groups of 16 or 8 rows) on every
-build that has them: AVX-512 VNNI, AVX-VNNI (alderlake), AVX2 without VNNI (haswell)."""
+column kernels of Q5_K, IQ4_XS, IQ4_NL, Q5_0, Q5_1, Q3_K, Q2_K, F16 and BF16 (repacked groups of
+16 or 8 rows) on every build that has them: AVX-512 VNNI, AVX-VNNI (alderlake), AVX2 without VNNI
+(haswell)."""
 
 from __future__ import annotations
 
@@ -163,10 +164,15 @@ def test_sizes_that_are_not_whole_blocks_are_refused(qtype: int) -> None:
 
 
 # ---- The column kernels of these formats (repacked groups of RC rows) ----
-COLUMN_FORMATS = (Q5_K, IQ4_XS, IQ4_NL, Q5_0, Q5_1)
+COLUMN_FORMATS = (Q5_K, IQ4_XS, IQ4_NL, Q5_0, Q5_1, Q3_K, Q2_K, F16, BF16)
 COLUMN_NAMES = [KERNEL_TYPES[t] for t in COLUMN_FORMATS]
-# a repacked row's bytes per GGUF block (the 6-bit scales of Q5_K and IQ4_XS unpacked to bytes)
-COLUMN_BLOCK_BYTES = {Q5_K: 180, IQ4_XS: 138, IQ4_NL: 18, Q5_0: 22, Q5_1: 24}
+# a repacked row's bytes per GGUF block (the 6-bit scales of Q5_K, IQ4_XS, Q3_K unpacked to bytes;
+# F16 and BF16 blocks are one element)
+COLUMN_BLOCK_BYTES = {
+    Q5_K: 180, IQ4_XS: 138, IQ4_NL: 18, Q5_0: 22, Q5_1: 24, Q3_K: 114, Q2_K: 84, F16: 2, BF16: 2,
+}  # fmt: skip
+# NaN, +Inf, -Inf as each format's fp16 scale (or F16 / BF16 weight)
+NON_FINITE = {BF16: (0x7FC0, 0x7F80, 0xFF80)}
 
 
 def _cpu_has(flag: str) -> bool:
@@ -199,7 +205,7 @@ def column_library(march: str) -> ctypes.CDLL:
 def test_repacked_rows_are_gguf_py_exactly(qtype: int, any_scale: bool, march: str) -> None:
     """A repacked weight (whole groups of 16 or 8 rows) holds the GGUF values: every row decodes
     to gguf-py's floats bit for bit, for any finite scale (negative, subnormal, 65504), and the
-    bytes are the file's but for Q5_K's and IQ4_XS's 6-bit scales unpacked to a byte each."""
+    bytes are the file's but for the 6-bit scales of Q5_K, IQ4_XS and Q3_K unpacked to a byte each."""
     lib = column_library(march)
     w = random_weight(qtype, 48, 512, seed=qtype + 7, any_scale=any_scale)
     r = kernels.repacked(w, lib)
@@ -224,10 +230,10 @@ def test_column_products_are_gguf_py_in_every_tile_and_rows_stay_alone(qtype: in
     r = kernels.repacked(w, lib)
     assert r.columns
     ref_w = reference(w).double()
-    x = integer_activations(17, 768, seed=qtype)
+    x = integer_activations(33, 768, seed=qtype)
     ref = (x.double() @ ref_w.T).float()
-    alone = torch.cat([product(r, x[m : m + 1], lib) for m in range(17)])
-    for m in (1, 3, 4, 8, 9, 16, 17):
+    alone = torch.cat([product(r, x[m : m + 1], lib) for m in range(33)])
+    for m in (1, 2, 3, 4, 5, 8, 9, 16, 17, 33):
         out = product(r, x[:m], lib)
         assert torch.allclose(out, ref[:m], rtol=1e-5, atol=1e-4 * ref.abs().max().item()), m
         assert torch.equal(out, alone[:m]), m
@@ -241,11 +247,14 @@ def test_column_products_are_gguf_py_in_every_tile_and_rows_stay_alone(qtype: in
 @pytest.mark.parametrize("qtype", COLUMN_FORMATS, ids=COLUMN_NAMES)
 @pytest.mark.parametrize("march", COLUMN_BUILDS)
 def test_extreme_and_non_finite_scales_stay_in_their_own_column(qtype: int, march: str) -> None:
-    """Huge, negative and subnormal finite scales give the row kernels' products; a NaN or an
-    infinite scale (a block the loader would refuse, passed straight to the kernel) makes only
-    its own row's outputs non-finite: the other columns of its group are bitwise unchanged."""
+    """Huge, negative and subnormal finite scales (any F16 / BF16 weight) give the row kernels'
+    products; a NaN or an infinite scale (a block the loader would refuse, passed straight to the
+    kernel) makes only its own row's outputs non-finite: the other columns of its group are
+    bitwise unchanged."""
     lib = column_library(march)
     w = random_weight(qtype, 32, 512, seed=qtype + 9, any_scale=True)
+    if qtype == BF16:  # exponents under 2^64 (and tiny): no product overflows float32
+        w.data.view(torch.int16).bitwise_and_(~0x2000)
     x = torch.randn(5, 512, generator=torch.Generator().manual_seed(1))
     rows, cols = product(w, x, lib), product(kernels.repacked(w, lib), x, lib)
     assert torch.isfinite(rows).all()
@@ -253,9 +262,11 @@ def test_extreme_and_non_finite_scales_stay_in_their_own_column(qtype: int, marc
 
     raw = w.data.clone()
     block, size = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)]
-    poisoned = {3: 0x7E00, 12: 0x7C00, 21: 0xFC00}  # NaN, +Inf, -Inf in the second block's d
+    # NaN, +Inf, -Inf in the second block's d (F16 / BF16: its weight)
+    poisoned = dict(zip((3, 12, 21), NON_FINITE.get(qtype, (0x7E00, 0x7C00, 0xFC00)), strict=True))
+    at = size + SCALES.get(qtype, (0,))[0]
     for row, bits in poisoned.items():
-        raw[row, size : size + 2] = torch.tensor([bits & 0xFF, bits >> 8], dtype=torch.uint8)
+        raw[row, at : at + 2] = torch.tensor([bits & 0xFF, bits >> 8], dtype=torch.uint8)
     bad = kernels.repacked(QuantTensor(raw, qtype, 512), lib)
     out = product(bad, x, lib)
     clean = [c for c in range(32) if c not in poisoned]

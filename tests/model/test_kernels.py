@@ -19,7 +19,7 @@ from ft.model import kernels
 from ft.model.attention import SeqSpan, build_metadata
 from ft.model.llama import build_model
 from ft.model.loader import LoadedModel, load_model
-from ft.model.quant import IQ4_NL, IQ4_XS, KERNEL_TYPES, Q4_K, Q5_0, Q5_K, Q6_K, QuantTensor, to_q8_0
+from ft.model.quant import IQ4_NL, IQ4_XS, KERNEL_TYPES, Q3_K, Q4_K, Q5_0, Q5_K, Q6_K, QuantTensor, to_q8_0
 from ft.model.quantized_llama import QuantizedLlama, StepIndex
 from ft.model.torch_runner import TorchRunner
 from ft.params import SamplingParams
@@ -86,13 +86,13 @@ def test_repacked_weights_give_the_same_products_and_rows(qtype: int, rows: int)
     """The column kernels over repacked bytes give the row kernels' sums, and dequantizing a
     repacked weight gives the GGUF values back exactly. The same bytes, but for the 6-bit scales
     unpacked to a byte each (per 256 elements: Q4_K 148 bytes, not 144; Q5_K 180, not 176;
-    IQ4_XS 138, not 136)."""
+    IQ4_XS 138, not 136; Q3_K 114, not 110)."""
     if not kernels.library().ft_repacked_row_bytes(qtype, 512):
         pytest.skip("no column kernels for this type on this build")
     cols = 512 if qtype in BLOCK_BYTES else 224
     w = packed_weight(qtype, 48, cols, seed=4)
     r = kernels.repacked(w)
-    unpacked = {Q4_K: (144, 148), Q5_K: (176, 180), IQ4_XS: (136, 138)}  # 6-bit scales as bytes
+    unpacked = {Q4_K: (144, 148), Q5_K: (176, 180), IQ4_XS: (136, 138), Q3_K: (110, 114)}  # scales as bytes
     gguf, ours = unpacked.get(qtype, (1, 1))
     row_bytes = w.data.shape[1] // gguf * ours
     assert r.columns > 0 and r.data.shape == (48, row_bytes)
