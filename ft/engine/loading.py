@@ -105,6 +105,7 @@ def load_torch_model(
     from ft.model.loader import load_model
     from ft.model.plan import plan as make_plan
     from ft.model.plan import read_header
+    from ft.model.runners import build_runner
     from ft.model.torch_runner import TorchRunner
 
     # Every choice is made and checked here, from the file's header, before a rank starts or
@@ -153,7 +154,7 @@ def load_torch_model(
         return make_target(num_pages, page_size)
 
     def make_target(num_pages: int, page_size: int) -> TorchRunner:
-        runner = TorchRunner(
+        runner = build_runner(
             loaded,
             num_pages=num_pages,
             page_size=page_size,
@@ -163,7 +164,7 @@ def load_torch_model(
             kv_dtype=kv_dtype,
             device=device,
             ranks=ranks,
-            cuda_graphs=run.cuda_graphs,
+            kind=run.runner,  # the plan's: packed, float or graphed
         )
         built.append(runner)
         return runner
@@ -275,9 +276,9 @@ def _load_draft_model(config: EngineConfig, target: LoadedModel, device: torch.d
 def _speculative_runner(drafter: _Drafter, *, target: TorchRunner, threads: int | None) -> Runner:
     """The target's runner with the draft model in front, its KV cache on the target's pages."""
     from ft.model.draft import SpeculativeRunner
-    from ft.model.torch_runner import TorchRunner
+    from ft.model.runners import build_runner
 
-    draft = TorchRunner(
+    draft = build_runner(
         drafter.loaded,
         num_pages=target.num_pages,
         page_size=target.page_size,

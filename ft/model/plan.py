@@ -16,11 +16,15 @@ import pathlib
 import struct
 from collections import Counter
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ft.config import Q8_0_KV_PATH, EngineConfig, resolve_pooling
 from ft.model.architectures import Architecture, by_name
 from ft.model.gguf_file import ModelFileError
 from ft.model.llama import LlamaConfig
+
+if TYPE_CHECKING:
+    from ft.model.runners import RunnerKind
 
 MAX_SAFETENSORS_HEADER = 100 << 20  # the format's own bound on its JSON header
 
@@ -85,6 +89,11 @@ class ExecutionPlan:
     pooling: str
     weights: str  # the type most 2-D weights are stored in
     reasons: tuple[str, ...]
+
+    @property
+    def runner(self) -> RunnerKind:
+        """The runner class that runs it (`ft.model.runners.build_runner`)."""
+        return "packed" if self.packed else "graphed" if self.cuda_graphs else "float"
 
     def summary(self) -> str:
         """The plan in one line, as the engine logs it at load."""

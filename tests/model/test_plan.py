@@ -13,6 +13,7 @@ import torch
 from ft.config import KV_CACHE_DTYPES, EngineConfig
 from ft.model import kernels
 from ft.model.gguf_file import GGUFFile
+from ft.model.packed_runner import PackedRunner
 from ft.model.plan import ConfigError, ExecutionPlan, ModelHeader, plan, read_header
 from ft.model.torch_runner import TorchRunner
 from tests.support.gguf_files import TINY_KV_HEADS, write_tiny_gguf
@@ -255,7 +256,7 @@ def test_every_plan_is_one_the_loader_runs(
             runner = load_torch_model(config).make_runner(4, 16)
         assert [r.getMessage() for r in caplog.records if r.levelname == "INFO"] == [f"plan: {p.summary()}"]
         assert isinstance(runner, TorchRunner)
-        assert (runner.packed is not None) == p.packed
+        assert isinstance(runner, PackedRunner) == p.packed
         if p.dtype != "auto":
             assert runner.dtype == getattr(torch, p.dtype)
         expected_kv = runner.dtype if p.kv_dtype == "auto" else p.kv_dtype
