@@ -22,14 +22,11 @@ if TYPE_CHECKING:
 
     from ft.model.kernels import KVDtype
     from ft.model.loader import LoadedModel
-    from ft.model.parallel import RankGroup
     from ft.model.plan import ExecutionPlan
     from ft.model.torch_runner import TorchRunner
+    from ft.parallel.group import RankGroup
 
 log = logging.getLogger("ft.engine")
-
-# Seconds spawned ranks get to exit after "stop" before they are killed.
-RANK_STOP_GRACE_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -94,11 +91,10 @@ def load_torch_model(
     """Load weights and tokenizer for `config.model` (blocking; run it in a thread).
 
     With `tensor_parallel_size > 1` rank 0 (`ranks` None) first starts the other ranks
-    (`ft.engine.ranks`); a rank other than 0 passes its `ranks`.
+    (`ft.parallel.ranks`); a rank other than 0 passes its `ranks`.
     """
     import torch
 
-    from ft.engine import ranks as rank_launch
     from ft.model import kernels
     from ft.model.architectures import by_name
     from ft.model.dtypes import resolve_dtype
@@ -107,6 +103,7 @@ def load_torch_model(
     from ft.model.plan import read_header
     from ft.model.runners import build_runner
     from ft.model.torch_runner import TorchRunner
+    from ft.parallel import ranks as rank_launch
 
     # Every choice is made and checked here, from the file's header, before a rank starts or
     # a weight is read: a bad combination fails now, not after a load.
@@ -135,8 +132,7 @@ def load_torch_model(
         drafter = _load_draft_model(config, loaded, device) if config.speculative_method == "draft" else None
     except BaseException:
         if procs is not None:
-            procs.stop()
-            torch.distributed.destroy_process_group()
+            rank_launch.abandon(procs)
         raise
     kv_dtype: kernels.KVDtype = dtype
     if run.kv_dtype == kernels.Q8_0_KV:
@@ -183,25 +179,8 @@ def load_torch_model(
         )
 
     def close(failed: bool) -> None:
-        if ranks is None or not ranks.is_leader:
-            return
-        if not failed:
-            try:
-                if built:
-                    built[0].close()
-                else:
-                    ranks.send_stop()
-            except Exception as e:  # the ranks are gone already: nothing left to tell them
-                log.warning("stopping the ranks: %s", e)
-                failed = True
-        if procs is not None:
-            # Told "stop", they exit by themselves; after a failure they are killed at once (a
-            # collective blocked on a spawned rank then fails and returns).
-            procs.stop(0.0 if failed else RANK_STOP_GRACE_S)
-        if not failed or procs is not None:
-            # NOTE: not after a failure under torchrun: a thread may still be blocked in a
-            # collective with a hung rank we cannot stop; the process is about to exit anyway.
-            torch.distributed.destroy_process_group()
+        if ranks is not None and ranks.is_leader:
+            rank_launch.stop_ranks(ranks, procs, built[0] if built else None, failed)
 
     return ModelParts(
         tokenizer=loaded.tokenizer,

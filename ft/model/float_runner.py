@@ -14,9 +14,11 @@ from ft.model import kernels
 from ft.model.attention import SeqSpan, build_metadata
 from ft.model.llama import build_model
 from ft.model.loader import LoadedModel
-from ft.model.parallel import RankGroup
 from ft.model.quant import QuantTensor
 from ft.model.torch_runner import TorchRunner
+from ft.parallel.group import RankGroup
+from ft.parallel.shard import build_rank_model
+from ft.parallel.steps import gathered_lm_head
 
 
 def prepacked_linear(linear: torch.nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -88,16 +90,11 @@ class FloatRunner(TorchRunner):
             device=device,
             ranks=ranks,
         )
-        world = ranks.world if ranks is not None else 1
         on_cpu = self.device.type == "cpu"
-        self.model = build_model(
-            self.config,
-            loaded.state_dict,  # type: ignore[arg-type]
-            dtype,
-            device=self.device,
-            shard=ranks.shard if ranks is not None else None,
-            reduce=ranks.all_reduce if ranks is not None and world > 1 else None,
-        )
+        if ranks is None:
+            self.model = build_model(self.config, loaded.state_dict, dtype, device=self.device)  # type: ignore[arg-type]
+        else:
+            self.model = build_rank_model(self.config, loaded.state_dict, dtype, ranks)  # type: ignore[arg-type]
         if quantize is not None:
             if quantize not in QUANTIZATIONS or dtype != torch.float32 or not on_cpu:
                 raise ValueError(
@@ -107,19 +104,9 @@ class FloatRunner(TorchRunner):
         head = (
             self.model.lm_head if quantize is not None or not on_cpu else prepacked_linear(self.model.lm_head)
         )
-        self._set_lm_head(head if world == 1 else self._gathered(head))
-
-    def _gathered(
-        self, head: Callable[[torch.Tensor], torch.Tensor]
-    ) -> Callable[[torch.Tensor], torch.Tensor]:
-        """The lm_head over this rank's vocabulary slice, gathered to the full vocabulary."""
-        assert self.ranks is not None
-        ranks, vocab = self.ranks, self.config.vocab_size
-
-        def run(rows: torch.Tensor) -> torch.Tensor:
-            return ranks.all_gather_vocab(head(rows))[:, :vocab]  # [R, vocab]
-
-        return run
+        if ranks is not None and ranks.world > 1:
+            head = gathered_lm_head(ranks, head, self.config.vocab_size)
+        self._set_lm_head(head)
 
     def _hidden(self, works: list[SeqWork], token_ids: list[int], positions: list[int]) -> torch.Tensor:
         spans = [SeqSpan(w.start_pos, len(w.token_ids), w.page_ids) for w in works]

@@ -178,7 +178,7 @@ def plan(config: EngineConfig, header: ModelHeader) -> ExecutionPlan:
     import torch
 
     from ft.model import kernels
-    from ft.model.parallel import check_shardable
+    from ft.parallel.shard import check_shardable
 
     c = header.config
     world = config.tensor_parallel_size

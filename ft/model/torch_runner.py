@@ -16,10 +16,12 @@ from ft.model import kernels
 from ft.model.llama import LlamaConfig
 from ft.model.loader import LoadedModel
 from ft.model.masks import StepMasks
-from ft.model.parallel import RankFailure, RankGroup, Shard, decode_works, local_config
 from ft.model.sampler import sample, score_tokens
 from ft.model.speculative import sample_with_drafts
 from ft.model.threads import ThreadChooser, thread_choices
+from ft.parallel import steps
+from ft.parallel.group import RankGroup
+from ft.parallel.shard import local_config
 from ft.params import first_outside_vocab
 
 log = logging.getLogger("ft.model")
@@ -99,10 +101,10 @@ class TorchRunner:
         # A reranker's head, applied to rank-pooled rows (`_pool`); None: the model has none.
         self.classifier = loaded.classifier.to(self.device) if loaded.classifier is not None else None
         c = loaded.config
-        local = local_config(c, ranks.shard if ranks is not None else Shard(0, 1))
+        kv_heads = local_config(c, ranks.shard).num_kv_heads if ranks is not None else c.num_kv_heads
         self.kv_dtype: kernels.KVDtype = kv_dtype or dtype
         last, storage = kernels.kv_cache_layout(self.kv_dtype, c.head_dim)  # raises for q8_0 on odd heads
-        shape = (c.num_layers, num_pages * page_size, local.num_kv_heads, last)
+        shape = (c.num_layers, num_pages * page_size, kv_heads, last)
         if self.device.type == "cpu":
             self.k_cache = lazy_zeros(shape, storage)
             self.v_cache = lazy_zeros(shape, storage)
@@ -249,17 +251,7 @@ class TorchRunner:
         with self._lock:
             if self.ranks is None:
                 return self._forward(works)
-            assert self.ranks.is_leader, "ranks other than 0 follow rank 0's steps"
-            self.ranks.send_step(works)  # the other ranks run the same forward
-            try:
-                return self._forward(works)
-            except RankFailure:
-                raise
-            except Exception as e:
-                # NOTE: the other ranks may now wait in a collective this rank never reached:
-                # the group is out of step, so no sequence can be retried alone.
-                log.exception("a tensor-parallel step failed on rank 0")
-                raise RankFailure(f"a tensor-parallel step failed on rank 0 ({type(e).__name__})") from e
+            return steps.lead(self.ranks, works, self._forward)
 
     def follow(self) -> None:
         """Ranks other than 0: run the steps rank 0 broadcasts until it sends "stop".
@@ -267,14 +259,8 @@ class TorchRunner:
         Raises:
             RankFailure: rank 0 died or the group broke.
         """
-        assert self.ranks is not None and not self.ranks.is_leader
-        while True:
-            message = self.ranks.receive()
-            if message["op"] == "stop":
-                return
-            if message["op"] != "step":
-                raise ValueError(f"unexpected tensor-parallel message {message['op']!r}")
-            self._forward(decode_works(message["works"]))
+        assert self.ranks is not None
+        steps.follow(self.ranks, self._forward)
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Rank 0: end the other ranks' step loops (they then leave the group).
@@ -282,14 +268,8 @@ class TorchRunner:
         Raises:
             RankFailure: a step is still running after `timeout_s` (it hangs), or the ranks are gone.
         """
-        if self.ranks is None or not self.ranks.is_leader:
-            return
-        if not self._lock.acquire(timeout=timeout_s):
-            raise RankFailure(f"a step still runs after {timeout_s:g} s; the ranks are not stopped")
-        try:
-            self.ranks.send_stop()
-        finally:
-            self._lock.release()
+        if self.ranks is not None:
+            steps.stop_followers(self.ranks, self._lock, timeout_s)
 
     def _forward(self, works: list[SeqWork]) -> tuple[torch.Tensor | None, list[Scored | PoolSum]]:
         if self.device.type != "cuda":
