@@ -22,7 +22,8 @@ if TYPE_CHECKING:
 
     from ft.model.kernels import KVDtype
     from ft.model.loader import LoadedModel
-    from ft.model.plan import ExecutionPlan
+    from ft.model.plan import DraftPlan, ExecutionPlan
+    from ft.model.runners import RunnerKind
     from ft.model.torch_runner import TorchRunner
     from ft.parallel.group import RankGroup
 
@@ -115,6 +116,13 @@ def load_torch_model(
             # A quantized file dequantized though no option asked for floats costs memory and speed.
             unasked = reason.startswith("float:") and header.is_quantized and config.dtype == "auto"
             log.log(logging.WARNING if unasked and not config.quantize else logging.DEBUG, "plan: %s", reason)
+        if run.draft is not None:
+            for reason in run.draft.reasons:
+                log.debug("plan: %s", reason)
+    if run.draft is not None:
+        from ft.model.draft import check_tokenizer_files
+
+        check_tokenizer_files(config.model, run.draft.path)  # before a weight of either is read
     world = run.tensor_parallel_size
     procs: rank_launch.RankProcesses | None = None
     if world > 1 and ranks is None:
@@ -129,7 +137,7 @@ def load_torch_model(
             served = dataclasses.replace(loaded.config, rope_context=config.max_model_len)
             loaded = dataclasses.replace(loaded, config=served)
         dtype = resolve_dtype(run.dtype, loaded.config)  # "auto": measured here
-        drafter = _load_draft_model(config, loaded, device) if config.speculative_method == "draft" else None
+        drafter = _load_draft_model(run.draft, device) if run.draft is not None else None
     except BaseException:
         if procs is not None:
             rank_launch.abandon(procs)
@@ -172,11 +180,18 @@ def load_torch_model(
         from ft.model.pull import cached_model_path
 
         path = config.model or cached_model_path()
-        build = pathlib.Path(kernels.library()._name).name if packed else "torch"
-        return (
+        any_packed = packed or (run.draft is not None and run.draft.packed)
+        build = pathlib.Path(kernels.library()._name).name if any_packed else "torch"
+        identity = (
             f"model={model_file_identity(path)};config={loaded.config!r};dtype={dtype};"
             f"kv={kv_dtype};packed={packed};device={device.type};kernels={build};torch={torch.__version__}"
         )
+        if drafter is not None and run.draft is not None:  # its KV lives in the same pages
+            identity += (
+                f";draft={model_file_identity(run.draft.path)};draft_config={drafter.loaded.config!r};"
+                f"draft_dtype={drafter.dtype};draft_kv={drafter.kv_dtype};draft_packed={run.draft.packed}"
+            )
+        return identity
 
     def close(failed: bool) -> None:
         if ranks is not None and ranks.is_leader:
@@ -212,6 +227,7 @@ class _Drafter:
     dtype: torch.dtype
     kv_dtype: KVDtype
     device: torch.device
+    kind: RunnerKind
 
     def bytes_per_page(self, page_size: int) -> int:
         from ft.model.torch_runner import TorchRunner
@@ -219,37 +235,27 @@ class _Drafter:
         return TorchRunner.bytes_per_page(self.loaded.config, page_size, self.kv_dtype)
 
 
-def _load_draft_model(config: EngineConfig, target: LoadedModel, device: torch.device) -> _Drafter:
-    """Load `config.speculative_model` as the target's draft model, on the same device.
-
-    A quantized GGUF runs as stored where the packed kernels can run (float16 KV), else as
-    float32 (its KV too).
+def _load_draft_model(draft: DraftPlan, device: torch.device) -> _Drafter:
+    """Load the draft model as `draft` (the plan's) says, on the target's device.
 
     Raises:
-        ValueError: its tokenizer is not the target's (`TokenizerMismatch`), or it cannot load.
+        ValueError: it cannot load.
     """
     import torch
 
-    from ft.model import kernels
-    from ft.model.draft import check_same_tokenizer
-    from ft.model.loader import is_quantized_gguf, load_model
+    from ft.model.loader import load_model
 
-    assert config.speculative_model is not None
-    packed = is_quantized_gguf(config.speculative_model) and device.type == "cpu" and kernels.available()
-    loaded = load_model(config.speculative_model, torch.float32, quantized=packed)
-    check_same_tokenizer(
-        target.tokenizer, loaded.tokenizer, target.config.vocab_size, loaded.config.vocab_size
-    )
-    dtype = torch.float32 if packed or device.type == "cpu" else torch.bfloat16
-    kv_dtype: KVDtype = torch.float16 if packed else dtype
+    loaded = load_model(draft.path, torch.float32, quantized=draft.packed)
     log.info(
         "draft model %s: %d layers, hidden %d (%s)",
-        config.speculative_model,
+        draft.path,
         loaded.config.num_layers,
         loaded.config.hidden_size,
-        "as stored" if packed else str(dtype).removeprefix("torch."),
+        "as stored" if draft.packed else draft.dtype,
     )
-    return _Drafter(loaded, dtype, kv_dtype, device)
+    # NOTE: its decode steps stay eager: a draft step is one forward per drafted position.
+    kind: RunnerKind = "packed" if draft.packed else "float"
+    return _Drafter(loaded, getattr(torch, draft.dtype), getattr(torch, draft.kv_dtype), device, kind)
 
 
 def _speculative_runner(drafter: _Drafter, *, target: TorchRunner, threads: int | None) -> Runner:
@@ -265,6 +271,6 @@ def _speculative_runner(drafter: _Drafter, *, target: TorchRunner, threads: int 
         threads=threads,
         kv_dtype=drafter.kv_dtype,
         device=drafter.device,
-        cuda_graphs=False,
+        kind=drafter.kind,  # the plan's
     )
     return SpeculativeRunner(target, draft)
