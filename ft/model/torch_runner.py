@@ -4,7 +4,6 @@ hidden states (`ft.model.runners`)."""
 
 from __future__ import annotations
 
-import logging
 import threading
 from collections.abc import Callable
 
@@ -23,8 +22,6 @@ from ft.parallel import steps
 from ft.parallel.group import RankGroup
 from ft.parallel.shard import local_config
 from ft.params import first_outside_vocab
-
-log = logging.getLogger("ft.model")
 
 
 def softcapped(
