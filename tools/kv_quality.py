@@ -34,7 +34,7 @@ from ft.core.batch import SeqWork
 from ft.model import kernels
 from ft.model.loader import LoadedModel, load_model
 from ft.model.quantized_llama import StepIndex
-from ft.model.torch_runner import TorchRunner
+from ft.model.runners import build_runner
 from ft.params import SamplingParams
 
 PROMPTS = [
@@ -109,7 +109,7 @@ class Session:
     def __init__(self, loaded: LoadedModel, kind: Kind, num_seqs: int, max_len: int) -> None:
         self.kind = kind
         self.pages_per_seq = -(-max_len // PAGE)
-        self.runner = TorchRunner(
+        self.runner = build_runner(
             loaded,
             num_pages=num_seqs * self.pages_per_seq,
             page_size=PAGE,

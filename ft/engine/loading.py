@@ -22,14 +22,12 @@ if TYPE_CHECKING:
 
     from ft.model.kernels import KVDtype
     from ft.model.loader import LoadedModel
-    from ft.model.parallel import RankGroup
-    from ft.model.plan import ExecutionPlan
+    from ft.model.plan import DraftPlan, ExecutionPlan
+    from ft.model.runners import RunnerKind
     from ft.model.torch_runner import TorchRunner
+    from ft.parallel.group import RankGroup
 
 log = logging.getLogger("ft.engine")
-
-# Seconds spawned ranks get to exit after "stop" before they are killed.
-RANK_STOP_GRACE_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -94,18 +92,19 @@ def load_torch_model(
     """Load weights and tokenizer for `config.model` (blocking; run it in a thread).
 
     With `tensor_parallel_size > 1` rank 0 (`ranks` None) first starts the other ranks
-    (`ft.engine.ranks`); a rank other than 0 passes its `ranks`.
+    (`ft.parallel.ranks`); a rank other than 0 passes its `ranks`.
     """
     import torch
 
-    from ft.engine import ranks as rank_launch
     from ft.model import kernels
     from ft.model.architectures import by_name
     from ft.model.dtypes import resolve_dtype
     from ft.model.loader import load_model
     from ft.model.plan import plan as make_plan
     from ft.model.plan import read_header
+    from ft.model.runners import build_runner
     from ft.model.torch_runner import TorchRunner
+    from ft.parallel import ranks as rank_launch
 
     # Every choice is made and checked here, from the file's header, before a rank starts or
     # a weight is read: a bad combination fails now, not after a load.
@@ -117,6 +116,13 @@ def load_torch_model(
             # A quantized file dequantized though no option asked for floats costs memory and speed.
             unasked = reason.startswith("float:") and header.is_quantized and config.dtype == "auto"
             log.log(logging.WARNING if unasked and not config.quantize else logging.DEBUG, "plan: %s", reason)
+        if run.draft is not None:
+            for reason in run.draft.reasons:
+                log.debug("plan: %s", reason)
+    if run.draft is not None:
+        from ft.model.draft import check_tokenizer_files
+
+        check_tokenizer_files(config.model, run.draft.path)  # before a weight of either is read
     world = run.tensor_parallel_size
     procs: rank_launch.RankProcesses | None = None
     if world > 1 and ranks is None:
@@ -133,12 +139,11 @@ def load_torch_model(
         dtype = resolve_dtype(run.dtype, loaded.config)  # "auto": measured here
         # NOTE: with tensor parallelism the draft model runs whole in rank 0 only (it is small):
         # its drafts reach the other ranks as the verify step's rows, like n-gram drafts.
-        is_drafting = config.speculative_method == "draft" and (ranks is None or ranks.is_leader)
-        drafter = _load_draft_model(config, loaded, device) if is_drafting else None
+        is_leader = ranks is None or ranks.is_leader
+        drafter = _load_draft_model(run.draft, device) if run.draft is not None and is_leader else None
     except BaseException:
         if procs is not None:
-            procs.stop()
-            torch.distributed.destroy_process_group()
+            rank_launch.abandon(procs)
         raise
     kv_dtype: kernels.KVDtype = dtype
     if run.kv_dtype == kernels.Q8_0_KV:
@@ -156,7 +161,7 @@ def load_torch_model(
         return make_target(num_pages, page_size)
 
     def make_target(num_pages: int, page_size: int) -> TorchRunner:
-        runner = TorchRunner(
+        runner = build_runner(
             loaded,
             num_pages=num_pages,
             page_size=page_size,
@@ -166,7 +171,7 @@ def load_torch_model(
             kv_dtype=kv_dtype,
             device=device,
             ranks=ranks,
-            cuda_graphs=run.cuda_graphs,
+            kind=run.runner,  # the plan's: packed, float or graphed
         )
         built.append(runner)
         return runner
@@ -178,32 +183,22 @@ def load_torch_model(
         from ft.model.pull import cached_model_path
 
         path = config.model or cached_model_path()
-        build = pathlib.Path(kernels.library()._name).name if packed else "torch"
-        return (
+        any_packed = packed or (run.draft is not None and run.draft.packed)
+        build = pathlib.Path(kernels.library()._name).name if any_packed else "torch"
+        identity = (
             f"model={model_file_identity(path)};config={loaded.config!r};dtype={dtype};"
             f"kv={kv_dtype};packed={packed};device={device.type};kernels={build};torch={torch.__version__}"
         )
+        if drafter is not None and run.draft is not None:  # its KV lives in the same pages
+            identity += (
+                f";draft={model_file_identity(run.draft.path)};draft_config={drafter.loaded.config!r};"
+                f"draft_dtype={drafter.dtype};draft_kv={drafter.kv_dtype};draft_packed={run.draft.packed}"
+            )
+        return identity
 
     def close(failed: bool) -> None:
-        if ranks is None or not ranks.is_leader:
-            return
-        if not failed:
-            try:
-                if built:
-                    built[0].close()
-                else:
-                    ranks.send_stop()
-            except Exception as e:  # the ranks are gone already: nothing left to tell them
-                log.warning("stopping the ranks: %s", e)
-                failed = True
-        if procs is not None:
-            # Told "stop", they exit by themselves; after a failure they are killed at once (a
-            # collective blocked on a spawned rank then fails and returns).
-            procs.stop(0.0 if failed else RANK_STOP_GRACE_S)
-        if not failed or procs is not None:
-            # NOTE: not after a failure under torchrun: a thread may still be blocked in a
-            # collective with a hung rank we cannot stop; the process is about to exit anyway.
-            torch.distributed.destroy_process_group()
+        if ranks is not None and ranks.is_leader:
+            rank_launch.stop_ranks(ranks, procs, built[0] if built else None, failed)
 
     return ModelParts(
         tokenizer=loaded.tokenizer,
@@ -235,6 +230,7 @@ class _Drafter:
     dtype: torch.dtype
     kv_dtype: KVDtype
     device: torch.device
+    kind: RunnerKind
 
     def bytes_per_page(self, page_size: int) -> int:
         from ft.model.torch_runner import TorchRunner
@@ -242,45 +238,35 @@ class _Drafter:
         return TorchRunner.bytes_per_page(self.loaded.config, page_size, self.kv_dtype)
 
 
-def _load_draft_model(config: EngineConfig, target: LoadedModel, device: torch.device) -> _Drafter:
-    """Load `config.speculative_model` as the target's draft model, on the same device.
-
-    A quantized GGUF runs as stored where the packed kernels can run (float16 KV), else as
-    float32 (its KV too).
+def _load_draft_model(draft: DraftPlan, device: torch.device) -> _Drafter:
+    """Load the draft model as `draft` (the plan's) says, on the target's device.
 
     Raises:
-        ValueError: its tokenizer is not the target's (`TokenizerMismatch`), or it cannot load.
+        ValueError: it cannot load.
     """
     import torch
 
-    from ft.model import kernels
-    from ft.model.draft import check_same_tokenizer
-    from ft.model.loader import is_quantized_gguf, load_model
+    from ft.model.loader import load_model
 
-    assert config.speculative_model is not None
-    packed = is_quantized_gguf(config.speculative_model) and device.type == "cpu" and kernels.available()
-    loaded = load_model(config.speculative_model, torch.float32, quantized=packed)
-    check_same_tokenizer(
-        target.tokenizer, loaded.tokenizer, target.config.vocab_size, loaded.config.vocab_size
-    )
-    dtype = torch.float32 if packed or device.type == "cpu" else torch.bfloat16
-    kv_dtype: KVDtype = torch.float16 if packed else dtype
+    loaded = load_model(draft.path, torch.float32, quantized=draft.packed)
     log.info(
         "draft model %s: %d layers, hidden %d (%s)",
-        config.speculative_model,
+        draft.path,
         loaded.config.num_layers,
         loaded.config.hidden_size,
-        "as stored" if packed else str(dtype).removeprefix("torch."),
+        "as stored" if draft.packed else draft.dtype,
     )
-    return _Drafter(loaded, dtype, kv_dtype, device)
+    # NOTE: its decode steps stay eager: a draft step is one forward per drafted position.
+    kind: RunnerKind = "packed" if draft.packed else "float"
+    return _Drafter(loaded, getattr(torch, draft.dtype), getattr(torch, draft.kv_dtype), device, kind)
 
 
 def _speculative_runner(drafter: _Drafter, *, target: TorchRunner, threads: int | None) -> Runner:
     """The target's runner with the draft model in front, its KV cache on the target's pages."""
     from ft.model.draft import SpeculativeRunner
-    from ft.model.torch_runner import TorchRunner
+    from ft.model.runners import build_runner
 
-    draft = TorchRunner(
+    draft = build_runner(
         drafter.loaded,
         num_pages=target.num_pages,
         page_size=target.page_size,
@@ -288,6 +274,6 @@ def _speculative_runner(drafter: _Drafter, *, target: TorchRunner, threads: int 
         threads=threads,
         kv_dtype=drafter.kv_dtype,
         device=drafter.device,
-        cuda_graphs=False,
+        kind=drafter.kind,  # the plan's
     )
     return SpeculativeRunner(target, draft)

@@ -10,6 +10,9 @@ Steps with prompt chunks, or beyond the largest bucket, run eagerly.
 
 Graphs share one memory pool. That is safe because a graph's output is read (the lm_head and
 sampling) before any other graph is replayed.
+
+`GraphedRunner` is the float runner whose decode steps replay them: one rank, no fbgemm int8
+linears, no expert layers (their work is sized from the routing, a host sync).
 """
 
 from __future__ import annotations
@@ -19,8 +22,12 @@ from dataclasses import dataclass
 
 import torch
 
+from ft.core.batch import SeqWork
+from ft.model import kernels
 from ft.model.attention import AttentionMetadata
+from ft.model.float_runner import FloatRunner
 from ft.model.llama import LlamaForCausalLM
+from ft.model.loader import LoadedModel
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 MIN_CONTEXT = 256
@@ -182,3 +189,50 @@ class DecodeGraphs:
         captured = _Graph(graph, inputs, staging, hidden, copied)
         self._graphs[batch, context] = captured
         return captured
+
+
+class GraphedRunner(FloatRunner):
+    """A `FloatRunner` on a CUDA device whose decode steps (one token per row, within a bucket)
+    replay `DecodeGraphs`; prompt chunks and larger steps run eagerly."""
+
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        *,
+        num_pages: int,
+        page_size: int,
+        dtype: torch.dtype,
+        threads: int | None = None,
+        kv_dtype: kernels.KVDtype | None = None,
+        device: torch.device | None = None,
+    ) -> None:
+        # NOTE: tensor-parallel steps stay eager (their all_reduce calls are not captured), and
+        # so do expert layers (they size their work from the routing: a host sync).
+        if device is None or device.type == "cpu":
+            raise ValueError("CUDA graphs need a CUDA device")
+        if loaded.config.num_experts:
+            raise ValueError("expert layers cannot be captured in CUDA graphs")
+        super().__init__(
+            loaded,
+            num_pages=num_pages,
+            page_size=page_size,
+            dtype=dtype,
+            threads=threads,
+            kv_dtype=kv_dtype,
+            device=device,
+        )
+        self.graphs = DecodeGraphs(
+            self.model,
+            self.k_cache,
+            self.v_cache,
+            page_size=page_size,
+            scratch_page=num_pages,  # the cache's one page more than the scheduler hands out
+            max_context=self.config.max_position_embeddings,
+        )
+
+    def _hidden(self, works: list[SeqWork], token_ids: list[int], positions: list[int]) -> torch.Tensor:
+        if len(token_ids) == len(works):  # a decode step
+            graphed = self.graphs.run(token_ids, positions, [w.page_ids for w in works])
+            if graphed is not None:
+                return graphed
+        return super()._hidden(works, token_ids, positions)

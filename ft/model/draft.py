@@ -26,6 +26,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from ft.core.batch import SeqWork, StepOutput
+from ft.model.plan import ConfigError
 from ft.model.sampler import apply_logit_bias, filter_logits, row_generator
 from ft.model.torch_runner import TorchRunner
 from ft.params import mix_seed
@@ -38,7 +39,7 @@ DRAFT_SEED_SALT = 0x5EED_D2AF
 CHECKED_END_IDS = 64
 
 
-class TokenizerMismatch(ValueError):
+class TokenizerMismatch(ConfigError):
     """The draft model's tokenizer is not the target's: its drafts would be other tokens."""
 
     def __init__(self, why: str) -> None:
@@ -79,6 +80,20 @@ def check_same_tokenizer(
         if getattr(target, name) != getattr(draft, name):
             mine, theirs = getattr(draft, name), getattr(target, name)
             raise TokenizerMismatch(f"{name} is {mine!r} for the draft model, {theirs!r} for the target")
+
+
+def check_tokenizer_files(target: str | None, draft: str) -> None:
+    """`check_same_tokenizer` on the two models' files (None: the default model), before any
+    weight of either is read.
+
+    Raises:
+        TokenizerMismatch: naming the first difference.
+    """
+    from ft.model.loader import read_tokenizer
+
+    target_spec, target_vocab = read_tokenizer(target)
+    draft_spec, draft_vocab = read_tokenizer(draft)
+    check_same_tokenizer(target_spec, draft_spec, target_vocab, draft_vocab)
 
 
 @dataclass(frozen=True, slots=True)

@@ -606,7 +606,7 @@ def load_gguf(
     """
     reader = open_gguf(path)
     try:
-        tokens = _list_of(reader, "tokenizer.ggml.tokens", str) or []
+        tokens = token_list(reader)
         config = gguf_config(reader, {t.name for t in reader.tensors}, len(tokens))
         check_tensors(reader, config, packed=quantized)
         check_vocabulary(config, len(tokens))
@@ -619,6 +619,11 @@ def load_gguf(
     if freq_factors is not None:
         config = LlamaConfig(**{**_fields(config), "rope_freq_factors": freq_factors})
     return config, sd, spec, path.stem
+
+
+def token_list(meta: GGUFFile) -> list[str]:
+    """The GGUF's `tokenizer.ggml.tokens` (empty when it has none)."""
+    return _list_of(meta, "tokenizer.ggml.tokens", str) or []
 
 
 def gguf_rank_format(path: pathlib.Path, spec: TokenizerSpec, labels: int) -> RankFormat:

@@ -21,7 +21,6 @@ from ft.model.moe import SparseMoE, fuse_experts, moe_prefix
 
 if TYPE_CHECKING:
     from ft.model.architectures import Architecture
-    from ft.model.parallel import Shard
 
 ROPE_SCALING_TYPES = ("linear", "llama3", "longrope")
 HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
@@ -778,24 +777,32 @@ def build_model(
     dtype: torch.dtype,
     *,
     device: torch.device | None = None,
-    shard: Shard | None = None,
-    reduce: Reduce | None = None,
 ) -> LlamaForCausalLM:
-    """Build on the meta device, then assign the (fused, cast, maybe sharded) weights on `device`.
+    """Build on the meta device, then assign the (fused, cast) weights on `device`. (One rank's
+    slice under tensor parallelism: `ft.parallel.shard.build_rank_model`.)"""
+    return assemble_model(config, fuse_hf_state_dict(config, hf_state_dict), dtype, device=device)
 
-    With `shard`, the model holds that rank's slice (`ft.model.parallel`) and `reduce` sums the
-    row-parallel outputs over the ranks.
+
+def assemble_model(
+    config: LlamaConfig,
+    fused: dict[str, torch.Tensor],
+    dtype: torch.dtype,
+    *,
+    device: torch.device | None = None,
+    local: LlamaConfig | None = None,
+    reduce: Reduce | None = None,
+    lm_head_rows: int | None = None,
+) -> LlamaForCausalLM:
+    """The model of `fused` (`fuse_hf_state_dict` names) built on the meta device, its weights
+    assigned on `device` in `dtype`.
+
+    `local`: the shapes the weights have when they are one rank's slice (default `config`);
+    `reduce` sums the row-parallel outputs over the ranks; `lm_head_rows`: the vocabulary rows
+    a rank holds. The rotary tables are `config`'s (every rank's are the whole model's).
     """
-    from ft.model.parallel import local_config, shard_fused, vocab_rows
-
     device = device or torch.device("cpu")
-    fused = fuse_hf_state_dict(config, hf_state_dict)
-    local, rows = config, None
-    if shard is not None and shard.world > 1:
-        local, rows = local_config(config, shard), vocab_rows(config.vocab_size, shard.world)
-        fused = shard_fused(config, fused, shard)
     with torch.device("meta"):
-        model = LlamaForCausalLM(local, reduce, rows)
+        model = LlamaForCausalLM(local or config, reduce, lm_head_rows)
     model.load_state_dict(
         {k: v.to(device=device, dtype=dtype).contiguous() for k, v in fused.items()}, assign=True, strict=True
     )

@@ -86,6 +86,26 @@ def load_model(
     raise ValueError(f"{p} is neither a .gguf file nor a Hugging Face model directory")
 
 
+def read_tokenizer(path: str | pathlib.Path | None) -> tuple[TokenizerSpec, int]:
+    """`path`'s tokenizer and its embedding rows, as `load_model` reads them, without a weight.
+
+    Raises:
+        FileNotFoundError: `path` does not exist.
+        ValueError: not a model `ft` can run (`ModelFileError`: a malformed GGUF).
+    """
+    p = model_path(path)
+    if p.is_dir():
+        config = hf_loader.hf_config(p)
+        return hf_loader.hf_tokenizer(p, config.max_position_embeddings), config.vocab_size
+    reader = gguf_loader.open_gguf(p)
+    try:
+        tokens = gguf_loader.token_list(reader)
+        config = gguf_loader.gguf_config(reader, {t.name for t in reader.tensors}, len(tokens))
+        return gguf_loader.gguf_tokenizer(reader, config.max_position_embeddings), config.vocab_size
+    except ModelFileError as e:
+        raise ModelFileError(f"{p}: {e}") from None
+
+
 def model_path(path: str | pathlib.Path | None) -> pathlib.Path:
     """`path` expanded (None: the default model, fetched when missing).
 

@@ -16,11 +16,15 @@ import pathlib
 import struct
 from collections import Counter
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ft.config import Q8_0_KV_PATH, EngineConfig, resolve_pooling
 from ft.model.architectures import Architecture, by_name
 from ft.model.gguf_file import ModelFileError
 from ft.model.llama import LlamaConfig
+
+if TYPE_CHECKING:
+    from ft.model.runners import RunnerKind
 
 MAX_SAFETENSORS_HEADER = 100 << 20  # the format's own bound on its JSON header
 
@@ -64,6 +68,27 @@ class ModelHeader:
 
 
 @dataclass(frozen=True, slots=True)
+class DraftPlan:
+    """How the draft model of `--speculative-method draft` runs, decided with the target's plan.
+
+    It runs where the target runs, its KV cache on the target's pages: `packed` (its blocks as
+    stored, float16 KV) where the packed kernels run it, else float (`dtype`, its KV too).
+    """
+
+    path: str
+    packed: bool
+    dtype: str
+    kv_dtype: str
+    weights: str  # the type most of its 2-D weights are stored in
+    reasons: tuple[str, ...]
+
+    def summary(self) -> str:
+        """The draft model's part of the plan's line."""
+        weights = f"packed {self.weights}" if self.packed else f"{self.dtype} from {self.weights}"
+        return f"{weights}, KV {self.kv_dtype}"
+
+
+@dataclass(frozen=True, slots=True)
 class ExecutionPlan:
     """How a model runs, decided once before its weights load.
 
@@ -85,6 +110,12 @@ class ExecutionPlan:
     pooling: str
     weights: str  # the type most 2-D weights are stored in
     reasons: tuple[str, ...]
+    draft: DraftPlan | None = None  # the draft model's, with `--speculative-method draft`
+
+    @property
+    def runner(self) -> RunnerKind:
+        """The runner class that runs it (`ft.model.runners.build_runner`)."""
+        return "packed" if self.packed else "graphed" if self.cuda_graphs else "float"
 
     def summary(self) -> str:
         """The plan in one line, as the engine logs it at load."""
@@ -102,7 +133,9 @@ class ExecutionPlan:
             parts.append(f"{self.tensor_parallel_size} ranks")
         if self.device != "cpu":
             parts.append("CUDA graphs" if self.cuda_graphs else "eager")
-        if self.speculative_method:
+        if self.draft is not None:
+            parts.append(f"speculative draft ({self.draft.summary()})")
+        elif self.speculative_method:
             parts.append(f"speculative {self.speculative_method}")
         parts.append(f"pooling {self.pooling}")
         return ", ".join(parts)
@@ -159,8 +192,9 @@ def _safetensors_types(directory: pathlib.Path) -> dict[str, int]:
     return dict(types)
 
 
-def plan(config: EngineConfig, header: ModelHeader) -> ExecutionPlan:
-    """The one plan `config` runs `header`'s model with.
+def plan(config: EngineConfig, header: ModelHeader, draft: ModelHeader | None = None) -> ExecutionPlan:
+    """The one plan `config` runs `header`'s model with (and `draft`'s, the draft model of
+    `--speculative-method draft`; None: its header is read here).
 
     Raises:
         ConfigError: a combination that cannot run (`--quantize int8 --device cuda`,
@@ -169,7 +203,7 @@ def plan(config: EngineConfig, header: ModelHeader) -> ExecutionPlan:
     import torch
 
     from ft.model import kernels
-    from ft.model.parallel import check_shardable
+    from ft.parallel.shard import check_shardable
 
     c = header.config
     world = config.tensor_parallel_size
@@ -290,6 +324,12 @@ def plan(config: EngineConfig, header: ModelHeader) -> ExecutionPlan:
     if config.pooling == "auto":
         reasons.append(f"pooling {pooling}: {'the model file says' if c.pooling else 'the default'}")
 
+    draft_plan = None
+    if config.speculative_method == "draft":
+        assert config.speculative_model is not None  # `EngineConfig` checks it
+        draft = draft or read_header(config.speculative_model)
+        draft_plan = plan_draft(config.speculative_model, draft, device)
+
     return ExecutionPlan(
         device=device,
         dtype=dtype,
@@ -303,7 +343,35 @@ def plan(config: EngineConfig, header: ModelHeader) -> ExecutionPlan:
         pooling=pooling,
         weights=header.main_type,
         reasons=tuple(reasons),
+        draft=draft_plan,
     )
+
+
+def plan_draft(path: str, draft: ModelHeader, device: str) -> DraftPlan:
+    """How the draft model `draft` (at `path`) runs beside a target on `device`.
+
+    Its tokenizer is compared with the target's from the files, before any weight is read
+    (`ft.model.draft.check_tokenizer_files`), where the loader follows this plan.
+    """
+    from ft.model import kernels
+
+    reasons: list[str] = []
+    packed = False
+    if not draft.is_quantized:
+        reasons.append(f"draft float: {'a float GGUF' if draft.is_gguf else 'a Hugging Face directory'}")
+    elif not draft.family.packed:
+        reasons.append(f"draft float: the packed kernels do not run {draft.family.name}")
+    elif device != "cpu":
+        reasons.append(f"draft float: the packed kernels run on the CPU; dequantized for {device}")
+    elif not kernels.available():
+        reasons.append(f"draft float: the packed kernels cannot be built here ({kernels.build_error()})")
+    else:
+        packed = True
+        reasons.append(f"draft packed: a {draft.main_type} GGUF on the CPU")
+    dtype = "float32" if packed or device == "cpu" else "bfloat16"
+    # NOTE: packed weights keep float16 KV (as the target's do by default); float ones their dtype.
+    kv_dtype = "float16" if packed else dtype
+    return DraftPlan(path, packed, dtype, kv_dtype, draft.main_type, tuple(reasons))
 
 
 def _not_packed_why(config: EngineConfig, header: ModelHeader, device: str) -> str:

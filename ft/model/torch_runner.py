@@ -1,52 +1,27 @@
-"""`TorchRunner`: the torch model, its paged KV cache and the sampler behind the `Runner` protocol."""
+"""`TorchRunner`: what every runner behind the `Runner` protocol shares (the paged KV cache,
+sampling, prompt scoring, pooling, the tensor-parallel step protocol); its subclasses compute the
+hidden states (`ft.model.runners`)."""
 
 from __future__ import annotations
 
-import logging
 import threading
-import warnings
 from collections.abc import Callable
 
 import numpy as np
 import torch
-import torch.utils.mkldnn
 
-from ft.config import Q8_0_KV_PATH, QUANTIZATIONS
 from ft.core.batch import PoolSum, RowsFailed, Scored, SeqWork, StepOutput
 from ft.model import kernels
-from ft.model.attention import SeqSpan, build_metadata
-from ft.model.cuda_graphs import DecodeGraphs
-from ft.model.llama import LlamaConfig, build_model
+from ft.model.llama import LlamaConfig
 from ft.model.loader import LoadedModel
 from ft.model.masks import StepMasks
-from ft.model.parallel import RankFailure, RankGroup, Shard, decode_works, local_config
-from ft.model.quant import QuantTensor
-from ft.model.quantized_llama import QuantizedLlama, StepIndex
 from ft.model.sampler import sample, score_tokens
 from ft.model.speculative import sample_with_drafts
 from ft.model.threads import ThreadChooser, thread_choices
+from ft.parallel import steps
+from ft.parallel.group import RankGroup
+from ft.parallel.shard import local_config
 from ft.params import first_outside_vocab
-
-log = logging.getLogger("ft.model")
-
-
-def prepacked_linear(linear: torch.nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]:
-    """`linear` as a oneDNN prepacked float32 linear where available, else unchanged.
-
-    For the vocabulary projection ([49152, 576] on the default model) oneDNN ran 1.4-2x faster
-    than the default float32 matmul on this machine's AVX2 cores (9.6 -> 5.5 ms at 1 row,
-    27 -> 20 ms at 16 rows), with logits within 1.4e-4. The per-layer projections gained
-    nothing, so only the lm_head uses it.
-    """
-    if linear.weight.dtype != torch.float32 or not torch.backends.mkldnn.is_available():
-        return linear
-    packed = torch.utils.mkldnn.to_mkldnn(linear)
-
-    def run(x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = packed(x.to_mkldnn()).to_dense()
-        return out
-
-    return run
 
 
 def softcapped(
@@ -58,24 +33,6 @@ def softcapped(
         return torch.tanh(head(rows) / cap) * cap
 
     return run
-
-
-def quantize_linears(model: torch.nn.Module) -> None:
-    """Every `nn.Linear` as fbgemm's dynamic int8 linear: per-output-channel int8 weights,
-    float32 activations quantized per call.
-
-    On this machine's AVX2 cores it ran the model's projections about 2x faster and the
-    vocabulary projection 5-8x faster than float32 (9.3 -> 1.1 ms at 1 row), at about 1-2%
-    relative error per projection. (torch marks `torch.ao.quantization` deprecated; it is
-    present and working in the pinned torch 2.13.)
-    """
-    from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        quantize_dynamic(
-            model, {torch.nn.Linear: per_channel_dynamic_qconfig}, dtype=torch.qint8, inplace=True
-        )
 
 
 def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -97,10 +54,15 @@ SCORE_ROWS = 256  # prompt positions scored per vocabulary projection (prompt lo
 
 
 class TorchRunner:
-    """Runs batched steps of a Llama-family model over `num_pages` KV pages of `page_size` slots.
+    """What every runner shares: batched steps of a Llama-family model over `num_pages` KV pages
+    of `page_size` slots, sampling, prompt scoring, pooling, and the pages in and out.
 
     The KV cache is two tensors `[num_layers, num_pages * page_size, kv_heads, head_dim]`; the
-    scheduler owns which pages a sequence uses and passes them in each `SeqWork`.
+    scheduler owns which pages a sequence uses and passes them in each `SeqWork`. How the
+    hidden states of a step are computed is the subclass's (`_hidden`): `PackedRunner` (the
+    GGUF's blocks through the native kernels), `FloatRunner` (a torch model) and
+    `GraphedRunner` (a float model whose decode steps replay CUDA graphs); `build_runner`
+    (`ft.model.runners`) chooses one.
 
     Weights, KV cache and sampling live on `device`. With `ranks` (tensor parallelism) this is
     one rank's runner: it holds that rank's heads, MLP columns, kv heads and vocabulary slice.
@@ -116,11 +78,9 @@ class TorchRunner:
         page_size: int,
         dtype: torch.dtype,
         threads: int | None = None,
-        quantize: str | None = None,
         kv_dtype: kernels.KVDtype | None = None,
         device: torch.device | None = None,
         ranks: RankGroup | None = None,
-        cuda_graphs: bool = True,
     ) -> None:
         if num_pages < 1 or page_size < 1:
             raise ValueError(f"num_pages and page_size must be positive, got {num_pages}, {page_size}")
@@ -138,49 +98,11 @@ class TorchRunner:
         # A reranker's head, applied to rank-pooled rows (`_pool`); None: the model has none.
         self.classifier = loaded.classifier.to(self.device) if loaded.classifier is not None else None
         c = loaded.config
-        world = ranks.world if ranks is not None else 1
-        local = local_config(c, ranks.shard if ranks is not None else Shard(0, 1))
+        kv_heads = local_config(c, ranks.shard).num_kv_heads if ranks is not None else c.num_kv_heads
         self.kv_dtype: kernels.KVDtype = kv_dtype or dtype
-        is_packed = any(isinstance(v, QuantTensor) for v in loaded.state_dict.values())
-        if self.kv_dtype == kernels.Q8_0_KV and not is_packed:
-            raise ValueError(Q8_0_KV_PATH)
         last, storage = kernels.kv_cache_layout(self.kv_dtype, c.head_dim)  # raises for q8_0 on odd heads
-        shape = (c.num_layers, num_pages * page_size, local.num_kv_heads, last)
-        self.packed: QuantizedLlama | None = None
-        on_cpu = self.device.type == "cpu"
-        if is_packed:
-            if quantize is not None or dtype != torch.float32:
-                raise ValueError("weights kept as stored need float32 activations and no --quantize")
-            kernels.kv_code(self.kv_dtype)  # raises for a type the kernels cannot store
-            if ranks is not None or not on_cpu:
-                raise ValueError("weights kept as stored run on the CPU in one process; load them as floats")
-            self.packed = QuantizedLlama(c, loaded.state_dict)
-            self._lm_head: Callable[[torch.Tensor], torch.Tensor] = self.packed.logits
-        else:
-            self.model = build_model(
-                c,
-                loaded.state_dict,  # type: ignore[arg-type]
-                dtype,
-                device=self.device,
-                shard=ranks.shard if ranks is not None else None,
-                reduce=ranks.all_reduce if ranks is not None and world > 1 else None,
-            )
-            if quantize is not None:
-                if quantize not in QUANTIZATIONS or dtype != torch.float32 or not on_cpu:
-                    raise ValueError(
-                        f"quantize must be one of {QUANTIZATIONS} with float32 activations on the CPU"
-                    )
-                quantize_linears(self.model)  # in place
-            head = (
-                self.model.lm_head
-                if quantize is not None or not on_cpu
-                else prepacked_linear(self.model.lm_head)
-            )
-            self._lm_head = head if world == 1 else self._gathered(head)
-        if c.final_softcap:  # Gemma 2: every path's logits soft-capped once, after the projection
-            self._lm_head = softcapped(self._lm_head, c.final_softcap)
-        self._graphs: DecodeGraphs | None = None
-        if on_cpu:
+        shape = (c.num_layers, num_pages * page_size, kv_heads, last)
+        if self.device.type == "cpu":
             self.k_cache = lazy_zeros(shape, storage)
             self.v_cache = lazy_zeros(shape, storage)
         else:
@@ -188,29 +110,17 @@ class TorchRunner:
             shape = (shape[0], (num_pages + 1) * page_size, *shape[2:])
             self.k_cache = torch.zeros(shape, dtype=storage, device=self.device)
             self.v_cache = torch.zeros(shape, dtype=storage, device=self.device)
-            # NOTE: tensor-parallel steps stay eager: their all_reduce calls are not captured.
-            # NOTE: expert layers size their work from the routing (a host sync): not capturable.
-            if cuda_graphs and world == 1 and quantize is None and not c.num_experts:
-                self._graphs = DecodeGraphs(
-                    self.model,
-                    self.k_cache,
-                    self.v_cache,
-                    page_size=page_size,
-                    scratch_page=num_pages,
-                    max_context=c.max_position_embeddings,
-                )
+        self._lm_head: Callable[[torch.Tensor], torch.Tensor] = _no_head
 
-    def _gathered(
-        self, head: Callable[[torch.Tensor], torch.Tensor]
-    ) -> Callable[[torch.Tensor], torch.Tensor]:
-        """The lm_head over this rank's vocabulary slice, gathered to the full vocabulary."""
-        assert self.ranks is not None
-        ranks, vocab = self.ranks, self.config.vocab_size
+    def _set_lm_head(self, head: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """The subclass's vocabulary projection; Gemma 2's logits soft-capped once, after it."""
+        cap = self.config.final_softcap
+        self._lm_head = softcapped(head, cap) if cap else head
 
-        def run(rows: torch.Tensor) -> torch.Tensor:
-            return ranks.all_gather_vocab(head(rows))[:, :vocab]  # [R, vocab]
-
-        return run
+    def _hidden(self, works: list[SeqWork], token_ids: list[int], positions: list[int]) -> torch.Tensor:
+        """Feed the step's tokens (writing their KV); the hidden states `[T, hidden]` after the
+        final norm. The subclass's: this is where the runners differ."""
+        raise NotImplementedError
 
     @staticmethod
     def bytes_per_page(config: LlamaConfig, page_size: int, dtype: kernels.KVDtype, world: int = 1) -> int:
@@ -338,17 +248,7 @@ class TorchRunner:
         with self._lock:
             if self.ranks is None:
                 return self._forward(works)
-            assert self.ranks.is_leader, "ranks other than 0 follow rank 0's steps"
-            self.ranks.send_step(works)  # the other ranks run the same forward
-            try:
-                return self._forward(works)
-            except RankFailure:
-                raise
-            except Exception as e:
-                # NOTE: the other ranks may now wait in a collective this rank never reached:
-                # the group is out of step, so no sequence can be retried alone.
-                log.exception("a tensor-parallel step failed on rank 0")
-                raise RankFailure(f"a tensor-parallel step failed on rank 0 ({type(e).__name__})") from e
+            return steps.lead(self.ranks, works, self._forward)
 
     def follow(self) -> None:
         """Ranks other than 0: run the steps rank 0 broadcasts until it sends "stop".
@@ -356,14 +256,8 @@ class TorchRunner:
         Raises:
             RankFailure: rank 0 died or the group broke.
         """
-        assert self.ranks is not None and not self.ranks.is_leader
-        while True:
-            message = self.ranks.receive()
-            if message["op"] == "stop":
-                return
-            if message["op"] != "step":
-                raise ValueError(f"unexpected tensor-parallel message {message['op']!r}")
-            self._forward(decode_works(message["works"]))
+        assert self.ranks is not None
+        steps.follow(self.ranks, self._forward)
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Rank 0: end the other ranks' step loops (they then leave the group).
@@ -371,14 +265,8 @@ class TorchRunner:
         Raises:
             RankFailure: a step is still running after `timeout_s` (it hangs), or the ranks are gone.
         """
-        if self.ranks is None or not self.ranks.is_leader:
-            return
-        if not self._lock.acquire(timeout=timeout_s):
-            raise RankFailure(f"a step still runs after {timeout_s:g} s; the ranks are not stopped")
-        try:
-            self.ranks.send_stop()
-        finally:
-            self._lock.release()
+        if self.ranks is not None:
+            steps.stop_followers(self.ranks, self._lock, timeout_s)
 
     def _forward(self, works: list[SeqWork]) -> tuple[torch.Tensor | None, list[Scored | PoolSum]]:
         if self.device.type != "cuda":
@@ -398,19 +286,7 @@ class TorchRunner:
             if work.sample:  # the last fed token's row, and each draft's before it
                 sample_rows.extend(range(len(token_ids) - 1 - work.num_draft, len(token_ids)))
         with torch.inference_mode():
-            if self.packed is not None:
-                ids = torch.tensor(token_ids, dtype=torch.long)  # the packed path is CPU-only
-                index = self._step_index(works, positions)
-                hidden = self.packed.forward(ids, index, self.k_cache, self.v_cache, self._page_size)
-            else:
-                graphed = None
-                if self._graphs is not None and len(token_ids) == len(works):  # a decode step
-                    graphed = self._graphs.run(token_ids, positions, [w.page_ids for w in works])
-                if graphed is not None:
-                    hidden = graphed
-                else:
-                    spans = [SeqSpan(w.start_pos, len(w.token_ids), w.page_ids) for w in works]
-                    hidden = self._forward_torch(token_ids, positions, spans)
+            hidden = self._hidden(works, token_ids, positions)
             logits = None
             if sample_rows:
                 rows = hidden if len(sample_rows) == len(token_ids) else hidden[sample_rows]  # [R, hidden]
@@ -461,36 +337,6 @@ class TorchRunner:
             base += len(work.token_ids)
         return out
 
-    def _step_index(self, works: list[SeqWork], positions: list[int]) -> StepIndex:
-        page = self._page_size
-        max_pages = max((w.start_pos + len(w.token_ids) + page - 1) // page for w in works)
-        tables = torch.zeros(len(works), max_pages, dtype=torch.int32)
-        seq: list[int] = []
-        slots: list[int] = []
-        for i, w in enumerate(works):
-            pages = w.page_ids[:max_pages]
-            tables[i, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
-            seq.extend([i] * len(w.token_ids))
-            span = range(w.start_pos, w.start_pos + len(w.token_ids))
-            slots.extend(pages[q // page] * page + q % page for q in span)
-        return StepIndex(
-            slot_of=torch.tensor(slots, dtype=torch.long),
-            seq=torch.tensor(seq, dtype=torch.long),
-            positions=torch.tensor(positions, dtype=torch.long),
-            block_tables=tables,
-        )
 
-    def _forward_torch(
-        self, token_ids: list[int], positions: list[int], spans: list[SeqSpan]
-    ) -> torch.Tensor:
-        meta = build_metadata(spans, self._page_size, self.config.sliding_window)
-        if self.device.type != "cpu":
-            meta = meta.to(self.device)
-        hidden: torch.Tensor = self.model(
-            torch.tensor(token_ids, dtype=torch.long).to(self.device, non_blocking=True),
-            torch.tensor(positions, dtype=torch.long).to(self.device, non_blocking=True),
-            self.k_cache,
-            self.v_cache,
-            meta,
-        )  # [T, hidden]
-        return hidden
+def _no_head(rows: torch.Tensor) -> torch.Tensor:
+    raise NotImplementedError("the runner's subclass sets its lm_head")

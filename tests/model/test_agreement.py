@@ -13,8 +13,10 @@ import pytest
 import torch
 
 from ft.core.batch import SeqWork
+from ft.model.cuda_graphs import GraphedRunner
 from ft.model.loader import LoadedModel, load_model
 from ft.model.pull import default_model_path
+from ft.model.runners import build_runner
 from ft.model.torch_runner import TorchRunner
 from ft.params import SamplingParams
 from ft.tokenizer.template import render_chat
@@ -86,7 +88,7 @@ def run_ft(
     loaded: LoadedModel, prompt_ids: list[list[int]], kv_dtype: torch.dtype = torch.float32
 ) -> tuple[list[list[int]], torch.Tensor]:
     """All prompts batched together: greedy tokens and the first step's logits."""
-    runner = TorchRunner(loaded, num_pages=64, page_size=16, dtype=torch.float32, kv_dtype=kv_dtype)
+    runner = build_runner(loaded, num_pages=64, page_size=16, dtype=torch.float32, kv_dtype=kv_dtype)
     return run_runner(runner, prompt_ids)
 
 
@@ -322,9 +324,9 @@ def test_cuda_matches_transformers(
     hf_run: tuple[list[list[int]], torch.Tensor],
     dtype: torch.dtype,
 ) -> None:
-    runner = TorchRunner(loaded, num_pages=64, page_size=16, dtype=dtype, device=torch.device("cuda"))
+    runner = build_runner(loaded, num_pages=64, page_size=16, dtype=dtype, device=torch.device("cuda"))
     outputs, first_logits = run_runner(runner, prompt_ids)
-    assert runner._graphs is not None and runner._graphs.num_captured >= 1  # decodes were graphed
+    assert isinstance(runner, GraphedRunner) and runner.graphs.num_captured >= 1  # decodes were graphed
     expected_tokens, expected_logits = hf_run
     diff = (expected_logits - first_logits.float().cpu()).abs().max().item()
     agreeing, total = agreement(outputs, expected_tokens)

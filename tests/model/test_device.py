@@ -10,11 +10,12 @@ import torch
 
 from ft.config import EngineConfig
 from ft.core.batch import SeqWork
-from ft.engine.ranks import resolve_device
 from ft.model.attention import SeqSpan, decode_attention
-from ft.model.cuda_graphs import DecodeGraphs, context_bucket
+from ft.model.cuda_graphs import DecodeGraphs, GraphedRunner, context_bucket
 from ft.model.loader import load_model
+from ft.model.runners import build_runner
 from ft.model.torch_runner import TorchRunner
+from ft.parallel.ranks import resolve_device
 from ft.params import SamplingParams
 from tests.model.test_runner import PROMPT_A, PROMPT_B, make_runner
 
@@ -104,14 +105,14 @@ def test_cuda_graph_decode_equals_eager(tiny_dir: pathlib.Path) -> None:
     cuda = torch.device("cuda")
 
     def runner(graphs: bool) -> TorchRunner:
-        return TorchRunner(
+        return build_runner(
             loaded, num_pages=32, page_size=4, dtype=torch.float32, device=cuda, cuda_graphs=graphs
         )
 
     graphed = runner(True)
     tokens_g, logits_g = _greedy(graphed)
     tokens_e, logits_e = _greedy(runner(False))
-    assert graphed._graphs is not None and graphed._graphs.num_captured >= 1
+    assert isinstance(graphed, GraphedRunner) and graphed.graphs.num_captured >= 1
     assert tokens_g == tokens_e
     for a, b in zip(logits_g, logits_e, strict=True):
         assert torch.allclose(a, b, atol=1e-4)
@@ -121,7 +122,7 @@ def test_cuda_graph_decode_equals_eager(tiny_dir: pathlib.Path) -> None:
 def test_cuda_logits_and_tokens_match_the_cpu(tiny_dir: pathlib.Path) -> None:
     """float32 on the GPU (SDPA, graphs) against float32 on the CPU (itself within 1e-4 of transformers)."""
     loaded = load_model(tiny_dir, torch.float32)
-    gpu = TorchRunner(loaded, num_pages=32, page_size=4, dtype=torch.float32, device=torch.device("cuda"))
+    gpu = build_runner(loaded, num_pages=32, page_size=4, dtype=torch.float32, device=torch.device("cuda"))
     tokens_gpu, logits_gpu = _greedy(gpu)
     tokens_cpu, logits_cpu = _greedy(make_runner(tiny_dir))
     assert tokens_gpu == tokens_cpu

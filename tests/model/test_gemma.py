@@ -24,6 +24,7 @@ from ft.model import kernels
 from ft.model.gguf_file import ModelFileError
 from ft.model.llama import LlamaConfig
 from ft.model.loader import LoadedModel, load_model
+from ft.model.runners import build_runner
 from ft.model.torch_runner import TorchRunner
 from ft.tokenizer.template import render_chat
 from tests.support.gguf_files import RawGGUF
@@ -76,7 +77,7 @@ def gemma_gguf(family: str, gguf_model: Any, tmp_path_factory: pytest.TempPathFa
 
 
 def runner_of(loaded: LoadedModel, **kwargs: Any) -> TorchRunner:
-    return TorchRunner(loaded, num_pages=32, page_size=4, dtype=torch.float32, **kwargs)
+    return build_runner(loaded, num_pages=32, page_size=4, dtype=torch.float32, **kwargs)
 
 
 def reference(model: Any, prompt: tuple[int, ...] = PROMPT) -> tuple[torch.Tensor, list[int]]:
@@ -313,7 +314,7 @@ def test_two_tensor_parallel_ranks_give_the_tokens_and_logits_of_one(gemma_dir: 
 def test_cuda_graphed_gemma_gives_the_cpu_tokens(gemma_dir: pathlib.Path) -> None:
     """float32 on the GPU (explicit soft-capped attention, decode graphs with window masks)."""
     loaded = load_model(gemma_dir, torch.float32)
-    gpu = TorchRunner(loaded, num_pages=32, page_size=4, dtype=torch.float32, device=torch.device("cuda"))
+    gpu = build_runner(loaded, num_pages=32, page_size=4, dtype=torch.float32, device=torch.device("cuda"))
     tokens_gpu, logits_gpu = generate(gpu, PROMPT, NEW_TOKENS)
     tokens_cpu, logits_cpu = generate(runner_of(loaded), PROMPT, NEW_TOKENS)
     assert tokens_gpu == tokens_cpu

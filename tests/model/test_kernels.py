@@ -21,6 +21,7 @@ from ft.model.llama import build_model
 from ft.model.loader import LoadedModel, load_model
 from ft.model.quant import IQ4_NL, IQ4_XS, KERNEL_TYPES, Q3_K, Q4_K, Q5_0, Q5_K, Q6_K, QuantTensor, to_q8_0
 from ft.model.quantized_llama import QuantizedLlama, StepIndex
+from ft.model.runners import build_runner
 from ft.model.torch_runner import TorchRunner
 from ft.params import SamplingParams
 from tests.support.tiny_model import random_hf_state_dict, tiny_config
@@ -322,7 +323,7 @@ def test_packed_runner_rows_do_not_depend_on_the_batch(tiny_packed: tuple, tiny_
         return SeqWork(seq, tokens, start, pages, True, greedy, 0)
 
     def fresh() -> TorchRunner:
-        runner = TorchRunner(loaded, num_pages=32, page_size=4, dtype=torch.float32)
+        runner = build_runner(loaded, num_pages=32, page_size=4, dtype=torch.float32)
         runner.forward([work(1, (3, 4, 5, 6, 7), 0, (0, 1))])
         runner.forward([work(2, (8, 9, 10), 0, (2,))])
         return runner

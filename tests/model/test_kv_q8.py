@@ -18,6 +18,7 @@ from ft.model import kernels
 from ft.model.loader import LoadedModel, load_model
 from ft.model.quant import QuantTensor, to_q8_0
 from ft.model.quantized_llama import QuantizedLlama, StepIndex
+from ft.model.runners import build_runner
 from ft.model.torch_runner import TorchRunner
 from ft.params import SamplingParams
 from tests.support.gguf_files import TINY_HEAD_DIM, U32, RawGGUF, scalar, write_tiny_gguf
@@ -188,7 +189,7 @@ def test_q8_0_rows_do_not_depend_on_the_batch(tiny_packed32: tuple, tiny_dir: pa
         return SeqWork(seq, tokens, start, pages, True, greedy, 0)
 
     def fresh() -> TorchRunner:
-        runner = TorchRunner(loaded, num_pages=32, page_size=4, dtype=torch.float32, kv_dtype=Q8)
+        runner = build_runner(loaded, num_pages=32, page_size=4, dtype=torch.float32, kv_dtype=Q8)
         runner.forward([work(1, (3, 4, 5, 6, 7), 0, (0, 1))])
         return runner
 
@@ -250,7 +251,7 @@ def test_float_weights_refuse_q8_0_before_loading(
     with pytest.raises(ValueError, match="packed CPU path.*not a quantized GGUF"):
         loading.load_torch_model(EngineConfig(model=str(tiny_dir), kv_cache_dtype="q8_0", device="cpu"))
     with pytest.raises(ValueError, match=Q8_0_KV_PATH[:40]):
-        TorchRunner(loaded, num_pages=4, page_size=4, dtype=torch.float32, kv_dtype=Q8)
+        build_runner(loaded, num_pages=4, page_size=4, dtype=torch.float32, kv_dtype=Q8)
 
 
 def test_a_quantized_gguf_loads_with_q8_0_kv(tmp_path: pathlib.Path) -> None:

@@ -20,6 +20,7 @@ from gguf.quants import quantize
 
 from ft.model import kernels
 from ft.model.loader import load_model
+from ft.model.runners import build_runner
 from ft.model.torch_runner import TorchRunner
 from tests.support.gguf_files import tiny_tokens
 from tests.support.tiny_qwen3 import generate, save_qwen3_dir
@@ -110,7 +111,7 @@ def hf_model() -> Any:
 
 
 def runner_of(path: pathlib.Path, quantized: bool = False) -> TorchRunner:
-    return TorchRunner(load_model(path, torch.float32, quantized=quantized), num_pages=32, page_size=4,
+    return build_runner(load_model(path, torch.float32, quantized=quantized), num_pages=32, page_size=4,
                        dtype=torch.float32)  # fmt: skip
 
 
@@ -202,7 +203,7 @@ def test_pages_behind_the_window_return_to_the_pool_and_the_tokens_stay_the_same
     (and are handed to the other), and every greedy token is the one all pages held give."""
     path = write_mistral_gguf(tmp_path / "mistral.q8_0.gguf", hf_model, GGMLQuantizationType.Q8_0)
     prompts = [list(PROMPT[:30]), list(PROMPT[5:25])]
-    runner = TorchRunner(load_model(path, torch.float32, quantized=True), num_pages=24, page_size=4,
+    runner = build_runner(load_model(path, torch.float32, quantized=True), num_pages=24, page_size=4,
                          dtype=torch.float32)  # fmt: skip
     held, none_dropped, held_peak = serve(runner, 0, prompts, 40)
     windowed, dropped, windowed_peak = serve(runner, WINDOW, prompts, 40)
@@ -259,7 +260,7 @@ async def test_the_disk_tier_and_drafts_with_dropped_pages_give_the_tokens_of_al
     model = mistral_model(head_dim=32)
     path = write_mistral_gguf(tmp_path / "mistral.q8_0.gguf", model, GGMLQuantizationType.Q8_0)
     prompt, n = list(PROMPT), 24  # repeats itself: the n-gram drafter finds drafts
-    runner = TorchRunner(
+    runner = build_runner(
         load_model(path, torch.float32, quantized=True), num_pages=32, page_size=4, dtype=torch.float32,
         kv_dtype=kernels.Q8_0_KV if kv_cache_dtype == "q8_0" else torch.float32,
     )  # fmt: skip
@@ -314,7 +315,7 @@ def test_preempted_windowed_sequences_recompute_the_tokens_of_all_pages_held(
     were dropped: it recomputes (its dropped registered pages matched as a cached prefix), and
     every greedy token is the one each gives alone with every page held."""
     path = write_mistral_gguf(tmp_path / "mistral.q8_0.gguf", hf_model, GGMLQuantizationType.Q8_0)
-    runner = TorchRunner(load_model(path, torch.float32, quantized=True), num_pages=32, page_size=4,
+    runner = build_runner(load_model(path, torch.float32, quantized=True), num_pages=32, page_size=4,
                          dtype=torch.float32)  # fmt: skip
     prompts = [list(PROMPT[:30]), list(PROMPT[5:27]), list(PROMPT[:30])]
     alone = [serve(runner, 0, [p], 30)[0][0] for p in prompts]

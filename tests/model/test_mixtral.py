@@ -14,6 +14,7 @@ import torch
 
 from ft.model import kernels
 from ft.model.loader import load_model
+from ft.model.runners import build_runner
 from ft.model.torch_runner import TorchRunner
 from tests.support.tiny_moe import mixtral_model, write_moe_gguf
 from tests.support.tiny_qwen3 import generate, save_qwen3_dir
@@ -35,7 +36,7 @@ def mixtral_dir(hf_model: Any, tmp_path_factory: pytest.TempPathFactory) -> path
 
 
 def _runner(path: pathlib.Path, **load: Any) -> TorchRunner:
-    return TorchRunner(
+    return build_runner(
         load_model(path, torch.float32, **load), num_pages=32, page_size=4, dtype=torch.float32
     )
 
@@ -98,7 +99,7 @@ def test_a_llama_gguf_with_expert_tensors_is_mixtral_and_matches_its_dequantized
     dequantized.load_state_dict(sd, strict=True)
     with torch.inference_mode():
         expected = dequantized(torch.tensor([PROMPT])).logits[0, -1]
-    _, logits = generate(TorchRunner(loaded, num_pages=32, page_size=4, dtype=torch.float32), PROMPT, 1)
+    _, logits = generate(build_runner(loaded, num_pages=32, page_size=4, dtype=torch.float32), PROMPT, 1)
     assert (logits - expected).abs().max().item() < 1e-4
 
 

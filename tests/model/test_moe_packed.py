@@ -30,6 +30,7 @@ from ft.model.loader import LoadedModel, is_quantized_gguf, load_model
 from ft.model.moe import Routing, SparseMoE, group_by_expert, mix, route
 from ft.model.packed_moe import PackedExperts
 from ft.model.quantized_llama import QuantizedLlama
+from ft.model.runners import build_runner
 from ft.model.torch_runner import TorchRunner
 from ft.params import SamplingParams
 from ft.prompt import PromptSpec
@@ -65,7 +66,7 @@ def mixtral_gguf(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
 
 
 def runner_of(loaded: LoadedModel) -> TorchRunner:
-    return TorchRunner(loaded, num_pages=32, page_size=4, dtype=torch.float32)
+    return build_runner(loaded, num_pages=32, page_size=4, dtype=torch.float32)
 
 
 def packed_model(path: pathlib.Path) -> QuantizedLlama:
@@ -362,11 +363,12 @@ def test_a_packed_moe_loads_and_decodes_clean_under_the_sanitizers(
 MEASURE_LOAD = """
 import resource, sys, torch
 from ft.model.loader import load_model
+from ft.model.runners import build_runner
 from ft.model.torch_runner import TorchRunner
 from ft.model import kernels
 kernels.library()
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-runner = TorchRunner(load_model(sys.argv[1], torch.float32, quantized=True), num_pages=4, page_size=16,
+runner = build_runner(load_model(sys.argv[1], torch.float32, quantized=True), num_pages=4, page_size=16,
                      dtype=torch.float32)
 assert runner.packed is not None
 print(before * 1024, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)

@@ -13,6 +13,7 @@ import torch
 
 from ft.model.gguf_file import ModelFileError
 from ft.model.loader import load_model
+from ft.model.runners import build_runner
 from ft.model.torch_runner import TorchRunner
 from tests.support.gguf_files import RawGGUF, dims
 from tests.support.tiny_moe import olmoe_model, write_moe_gguf
@@ -35,7 +36,7 @@ def olmoe_dir(hf_model: Any, tmp_path_factory: pytest.TempPathFactory) -> pathli
 
 
 def _runner(path: pathlib.Path) -> TorchRunner:
-    return TorchRunner(load_model(path, torch.float32), num_pages=32, page_size=4, dtype=torch.float32)
+    return build_runner(load_model(path, torch.float32), num_pages=32, page_size=4, dtype=torch.float32)
 
 
 def test_config_maps_the_whole_projection_norms_and_the_router(
@@ -102,7 +103,7 @@ def test_gguf_loads_and_matches_transformers_on_its_dequantized_weights(
     dequantized.load_state_dict(sd, strict=True)
     with torch.inference_mode():
         expected = dequantized(torch.tensor([PROMPT])).logits[0, -1]
-    _, logits = generate(TorchRunner(loaded, num_pages=32, page_size=4, dtype=torch.float32), PROMPT, 1)
+    _, logits = generate(build_runner(loaded, num_pages=32, page_size=4, dtype=torch.float32), PROMPT, 1)
     assert (logits - expected).abs().max().item() < 1e-4
 
 

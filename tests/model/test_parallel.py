@@ -10,18 +10,11 @@ import pytest
 import torch
 
 from ft.core.batch import Sampled, SeqWork
-from ft.model.llama import build_model, fuse_hf_state_dict
+from ft.model.llama import assemble_model, build_model, fuse_hf_state_dict
 from ft.model.loader import load_model
-from ft.model.parallel import (
-    Shard,
-    check_shardable,
-    collective_failed,
-    decode_works,
-    encode_works,
-    shard_fused,
-    split,
-)
 from ft.model.torch_runner import TorchRunner
+from ft.parallel.group import collective_failed, decode_works, encode_works
+from ft.parallel.shard import Shard, check_shardable, shard_fused, split
 from ft.params import SamplingParams
 from tests.model.test_runner import PROMPT_A, PROMPT_B, generate, make_runner
 from tests.support.parallel import rank_pids, tensor_parallel_runner
@@ -69,7 +62,9 @@ def test_one_shard_of_one_is_the_model() -> None:
     config = tiny_config()
     sd = random_hf_state_dict(config)
     whole = build_model(config, sd, torch.float32)
-    one = build_model(config, sd, torch.float32, shard=Shard(0, 1))
+    one = assemble_model(
+        config, shard_fused(config, fuse_hf_state_dict(config, sd), Shard(0, 1)), torch.float32
+    )
     for (k, v), (_, w) in zip(whole.state_dict().items(), one.state_dict().items(), strict=True):
         assert torch.equal(v, w), k
 

@@ -13,6 +13,7 @@ import torch
 from ft.config import KV_CACHE_DTYPES, EngineConfig
 from ft.model import kernels
 from ft.model.gguf_file import GGUFFile
+from ft.model.packed_runner import PackedRunner
 from ft.model.plan import ConfigError, ExecutionPlan, ModelHeader, plan, read_header
 from ft.model.torch_runner import TorchRunner
 from tests.support.gguf_files import TINY_KV_HEADS, write_tiny_gguf
@@ -163,6 +164,38 @@ def test_pooling_comes_from_the_file_else_last(tmp_path: pathlib.Path, gguf: pat
     assert planned(mean, device="cpu", pooling="cls").pooling == "cls"
 
 
+@needs_kernels
+@pytest.mark.usefixtures("no_weights")
+def test_the_draft_model_is_planned_with_the_target(gguf: pathlib.Path, hf_dir: pathlib.Path) -> None:
+    """Its side of the plan (packed or float, dtype, KV), read from its header, shown in the summary."""
+    from dataclasses import asdict
+
+    draft = {"speculative_method": "draft", "speculative_model": str(gguf)}
+    p = planned(gguf, device="cpu", **draft)
+    assert p.draft is not None
+    assert (p.draft.packed, p.draft.dtype, p.draft.kv_dtype) == (True, "float32", "float16")
+    assert p.summary().endswith(f"speculative draft (packed {p.draft.weights}, KV float16), pooling last")
+    assert asdict(p)["draft"]["packed"] is True  # as `/v1/stats` shows `model.plan`
+    floats = planned(gguf, device="cpu", speculative_method="draft", speculative_model=str(hf_dir)).draft
+    assert floats is not None and (floats.packed, floats.dtype, floats.kv_dtype) == (
+        False,
+        "float32",
+        "float32",
+    )
+    assert planned(gguf, device="cpu").draft is None
+
+
+@pytest.mark.usefixtures("no_weights", "gpu_machine")
+def test_on_cuda_the_draft_model_runs_as_bfloat16_floats(gguf: pathlib.Path) -> None:
+    p = planned(gguf, speculative_method="draft", speculative_model=str(gguf))
+    assert p.draft is not None and (p.draft.packed, p.draft.dtype, p.draft.kv_dtype) == (
+        False,
+        "bfloat16",
+        "bfloat16",
+    )
+    assert "draft float: the packed kernels run on the CPU; dequantized for cuda" in p.draft.reasons
+
+
 # The refusals: each before a weight is read (`no_weights`), through the real load path.
 
 
@@ -255,7 +288,7 @@ def test_every_plan_is_one_the_loader_runs(
             runner = load_torch_model(config).make_runner(4, 16)
         assert [r.getMessage() for r in caplog.records if r.levelname == "INFO"] == [f"plan: {p.summary()}"]
         assert isinstance(runner, TorchRunner)
-        assert (runner.packed is not None) == p.packed
+        assert isinstance(runner, PackedRunner) == p.packed
         if p.dtype != "auto":
             assert runner.dtype == getattr(torch, p.dtype)
         expected_kv = runner.dtype if p.kv_dtype == "auto" else p.kv_dtype
@@ -320,3 +353,16 @@ def test_without_the_kernels_a_quantized_gguf_loads_as_floats(
     assert "float: the packed kernels cannot be built here (no compiler)" in p.reasons
     with pytest.raises(ConfigError, match="packed CPU path.*cannot be built here \\(no compiler\\)"):
         planned(gguf, device="cpu", kv_cache_dtype="q8_0")
+
+
+@pytest.mark.usefixtures("no_weights")
+def test_a_draft_model_with_another_tokenizer_is_refused_before_loading(
+    gguf: pathlib.Path, hf_dir: pathlib.Path
+) -> None:
+    _refused(
+        gguf,
+        "the draft model's tokenizer is not the target's",
+        speculative_method="draft",
+        speculative_model=str(hf_dir),
+        device="cpu",
+    )

@@ -21,7 +21,9 @@ from ft.core.kv import PagePool
 from ft.core.scheduler import Scheduler
 from ft.model import kernels
 from ft.model.loader import load_model
+from ft.model.packed_runner import PackedRunner
 from ft.model.pull import cached_model_path
+from ft.model.runners import build_runner
 from ft.model.torch_runner import TorchRunner
 from ft.params import SamplingParams
 from tests.support.gguf_files import write_tiny_gguf
@@ -87,7 +89,7 @@ def test_float_path_pools_as_transformers(tmp_path: pathlib.Path, model_type: st
     overrides = {"attention_bias": True} if model_type == "qwen2" else {}
     save_hf_dir(tmp_path / "m", tiny_config(**overrides), model_type)
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "m"), dtype=torch.float32).eval()
-    runner = TorchRunner(
+    runner = build_runner(
         load_model(tmp_path / "m", torch.float32), num_pages=64, page_size=4, dtype=torch.float32
     )
     ours, theirs = ft_pooled(runner, PROMPTS, pooling), hf_pooled(hf, PROMPTS, pooling)
@@ -104,7 +106,7 @@ def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
 
 
 def packed_runner(path: pathlib.Path, num_pages: int = 64) -> TorchRunner:
-    runner = TorchRunner(load_model(path, torch.float32, quantized=True), num_pages=num_pages, page_size=16,
+    runner = build_runner(load_model(path, torch.float32, quantized=True), num_pages=num_pages, page_size=16,
                          dtype=torch.float32)  # fmt: skip
     assert runner.packed is not None
     return runner
@@ -172,8 +174,8 @@ def test_default_model_pools_as_transformers(
     tok = loaded.tokenizer.build()
     texts = ["The capital of France is Paris.", "def f(x):\n    return x**2", "naïve café 東京 🚀"]
     prompts = [tok.encode(t).ids for t in texts]
-    runner = TorchRunner(loaded, num_pages=64, page_size=16, dtype=torch.float32)
-    assert (runner.packed is not None) == quantized
+    runner = build_runner(loaded, num_pages=64, page_size=16, dtype=torch.float32)
+    assert isinstance(runner, PackedRunner) == quantized
     for pooling in POOLINGS:
         ours, theirs = ft_pooled(runner, prompts, pooling), hf_pooled(hf, prompts, pooling)
         if quantized:

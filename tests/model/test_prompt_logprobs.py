@@ -12,6 +12,7 @@ from ft.core.batch import Sampled, Scored, SeqWork, StepDone, TokenOut, TokenSco
 from ft.core.kv import PagePool
 from ft.core.scheduler import Scheduler
 from ft.model.loader import load_model
+from ft.model.runners import build_runner
 from ft.model.torch_runner import TorchRunner
 from ft.params import SamplingParams
 from tests.support.tiny_model import save_hf_dir, tiny_config
@@ -37,7 +38,7 @@ def reference(model_dir: pathlib.Path) -> torch.Tensor:
 
 
 def make_runner(model_dir: pathlib.Path, num_pages: int = 32) -> TorchRunner:
-    return TorchRunner(
+    return build_runner(
         load_model(model_dir, torch.float32), num_pages=num_pages, page_size=4, dtype=torch.float32
     )
 

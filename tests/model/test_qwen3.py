@@ -17,8 +17,10 @@ import torch
 
 from ft.core.batch import SeqWork
 from ft.model import kernels
+from ft.model.cuda_graphs import GraphedRunner
 from ft.model.gguf_file import ModelFileError
 from ft.model.loader import LoadedModel, load_model
+from ft.model.runners import build_runner
 from ft.model.torch_runner import TorchRunner
 from tests.support.gguf_files import STRING, RawGGUF, string
 from tests.support.tiny_qwen3 import (
@@ -57,7 +59,7 @@ def qwen3_gguf(hf_model: Any, tmp_path_factory: pytest.TempPathFactory) -> pathl
 
 
 def runner_of(loaded: LoadedModel) -> TorchRunner:
-    return TorchRunner(loaded, num_pages=32, page_size=4, dtype=torch.float32)
+    return build_runner(loaded, num_pages=32, page_size=4, dtype=torch.float32)
 
 
 def test_config_maps_head_size_and_qk_norm_from_hf_and_gguf(
@@ -121,7 +123,7 @@ def test_packed_path_agrees_with_the_float_path(qwen3_gguf: pathlib.Path, kv_dty
         pytest.skip("no C++ compiler for the packed kernels")
     float_runner = runner_of(load_model(qwen3_gguf, torch.float32))
     float_tokens, _ = generate(float_runner, PROMPT, NEW_TOKENS)
-    packed = TorchRunner(
+    packed = build_runner(
         load_model(qwen3_gguf, torch.float32, quantized=True),
         num_pages=32, page_size=4, dtype=torch.float32, kv_dtype=kv_dtype,
     )  # fmt: skip
@@ -223,10 +225,10 @@ def test_two_tensor_parallel_ranks_give_the_tokens_and_logits_of_one(qwen3_dir: 
 def test_cuda_graphed_qwen3_gives_the_cpu_tokens(qwen3_dir: pathlib.Path) -> None:
     """float32 on the GPU (SDPA, decode graphs with the head norms inside) against the CPU."""
     loaded = load_model(qwen3_dir, torch.float32)
-    gpu = TorchRunner(loaded, num_pages=32, page_size=4, dtype=torch.float32, device=torch.device("cuda"))
+    gpu = build_runner(loaded, num_pages=32, page_size=4, dtype=torch.float32, device=torch.device("cuda"))
     tokens_gpu, logits_gpu = generate(gpu, PROMPT, NEW_TOKENS)
     tokens_cpu, logits_cpu = generate(runner_of(loaded), PROMPT, NEW_TOKENS)
-    assert gpu._graphs is not None and gpu._graphs.num_captured >= 1
+    assert isinstance(gpu, GraphedRunner) and gpu.graphs.num_captured >= 1
     assert tokens_gpu == tokens_cpu
     assert (logits_gpu.cpu() - logits_cpu).abs().max().item() < 1e-3
 

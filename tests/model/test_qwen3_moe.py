@@ -14,11 +14,12 @@ from typing import Any
 import pytest
 import torch
 
+from ft.model.cuda_graphs import GraphedRunner
 from ft.model.gguf_file import ModelFileError
 from ft.model.loader import is_quantized_gguf, load_model
 from ft.model.moe import SparseMoE
-from ft.model.parallel import check_shardable
-from ft.model.torch_runner import TorchRunner
+from ft.model.runners import build_runner
+from ft.parallel.shard import check_shardable
 from tests.support.gguf_files import RawGGUF, dims
 from tests.support.tiny_qwen3 import (
     generate,
@@ -60,7 +61,7 @@ def test_float32_logits_and_greedy_tokens_match_transformers(hf_model: Any, moe_
         ref = hf_model.generate(
             torch.tensor([PROMPT]), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0
         )
-    runner = TorchRunner(load_model(moe_dir, torch.float32), num_pages=32, page_size=4, dtype=torch.float32)
+    runner = build_runner(load_model(moe_dir, torch.float32), num_pages=32, page_size=4, dtype=torch.float32)
     tokens, logits = generate(runner, PROMPT, NEW_TOKENS)
     assert (logits - expected).abs().max().item() < 1e-4
     expected_tokens = ref[0, len(PROMPT) :].tolist()
@@ -72,7 +73,7 @@ def test_each_layer_routes_and_mixes_like_transformers_expert_by_expert(
 ) -> None:
     """Per layer, on the same inputs: the same experts chosen with the same weights, each
     expert's output the same, and the mixture the same."""
-    runner = TorchRunner(load_model(moe_dir, torch.float32), num_pages=32, page_size=4, dtype=torch.float32)
+    runner = build_runner(load_model(moe_dir, torch.float32), num_pages=32, page_size=4, dtype=torch.float32)
     x = torch.randn(len(PROMPT), hf_model.config.hidden_size, generator=torch.Generator().manual_seed(1))
     for i, layer in enumerate(runner.model.layers):
         ours: SparseMoE = layer.moe
@@ -94,7 +95,7 @@ def test_each_layer_routes_and_mixes_like_transformers_expert_by_expert(
 
 def test_the_grouped_experts_equal_a_loop_over_tokens(moe_dir: pathlib.Path) -> None:
     """The oracle for the grouping: each token's chosen experts, weighted, one token at a time."""
-    runner = TorchRunner(load_model(moe_dir, torch.float32), num_pages=32, page_size=4, dtype=torch.float32)
+    runner = build_runner(load_model(moe_dir, torch.float32), num_pages=32, page_size=4, dtype=torch.float32)
     moe: SparseMoE = runner.model.layers[0].moe
     x = torch.randn(13, moe.router.shape[1], generator=torch.Generator().manual_seed(2))
     with torch.inference_mode():
@@ -114,7 +115,7 @@ def test_two_tensor_parallel_ranks_give_the_tokens_and_logits_of_one(moe_dir: pa
     """Each rank holds every expert's share of columns; both route alike (replicated router)."""
     from tests.support.parallel import tensor_parallel_runner
 
-    one = TorchRunner(load_model(moe_dir, torch.float32), num_pages=32, page_size=4, dtype=torch.float32)
+    one = build_runner(load_model(moe_dir, torch.float32), num_pages=32, page_size=4, dtype=torch.float32)
     one_tokens, one_logits = generate(one, PROMPT, NEW_TOKENS)
     with tensor_parallel_runner(str(moe_dir), 2, num_pages=32, page_size=4) as runner:
         tokens, logits = generate(runner, PROMPT, NEW_TOKENS)
@@ -153,7 +154,7 @@ def test_dense_layers_among_the_expert_layers_match_transformers(
     path = save_qwen3_dir(tmp_path / "mixed", model)
     loaded = load_model(path, torch.float32)
     assert loaded.config.mlp_only_layers == dense
-    runner = TorchRunner(loaded, num_pages=32, page_size=4, dtype=torch.float32)
+    runner = build_runner(loaded, num_pages=32, page_size=4, dtype=torch.float32)
     assert [layer.moe is None for layer in runner.model.layers] == [i in dense for i in range(3)]
     with torch.inference_mode():
         expected = model(torch.tensor([PROMPT])).logits[0, -1]
@@ -190,7 +191,7 @@ def test_gguf_loads_as_floats_and_matches_transformers_on_its_dequantized_weight
     dequantized.load_state_dict(sd, strict=True)
     with torch.inference_mode():
         expected = dequantized(torch.tensor([PROMPT])).logits[0, -1]
-    runner = TorchRunner(loaded, num_pages=32, page_size=4, dtype=torch.float32)
+    runner = build_runner(loaded, num_pages=32, page_size=4, dtype=torch.float32)
     _, logits = generate(runner, PROMPT, 1)
     assert (logits - expected).abs().max().item() < 1e-4
 
@@ -222,11 +223,11 @@ def test_a_gguf_that_says_not_to_renormalize_is_read_so(
 def test_cuda_runs_the_experts_eagerly_with_the_cpu_tokens(moe_dir: pathlib.Path) -> None:
     """On the GPU the expert layers run eagerly (no decode graphs: their sizes come from routing)."""
     loaded = load_model(moe_dir, torch.float32)
-    gpu = TorchRunner(loaded, num_pages=32, page_size=4, dtype=torch.float32, device=torch.device("cuda"))
-    assert gpu._graphs is None
+    gpu = build_runner(loaded, num_pages=32, page_size=4, dtype=torch.float32, device=torch.device("cuda"))
+    assert not isinstance(gpu, GraphedRunner)
     tokens_gpu, logits_gpu = generate(gpu, PROMPT, NEW_TOKENS)
     tokens_cpu, logits_cpu = generate(
-        TorchRunner(loaded, num_pages=32, page_size=4, dtype=torch.float32), PROMPT, NEW_TOKENS
+        build_runner(loaded, num_pages=32, page_size=4, dtype=torch.float32), PROMPT, NEW_TOKENS
     )
     assert tokens_gpu == tokens_cpu
     assert (logits_gpu.cpu() - logits_cpu).abs().max().item() < 1e-3

@@ -25,6 +25,7 @@ from ft.model import kernels
 from ft.model.gguf_file import ModelFileError
 from ft.model.loader import load_model
 from ft.model.rerank import RankFormat
+from ft.model.runners import build_runner
 from ft.model.torch_runner import TorchRunner
 from tests.model.test_pooling_agreement import pool_on
 from tests.support.tiny_qwen3 import HIDDEN
@@ -69,7 +70,7 @@ def test_sequence_classifier_scores_as_transformers(tmp_path: pathlib.Path, fami
     assert loaded.config.pooling == "rank" and loaded.classifier is not None
     assert loaded.rank_format is not None and loaded.rank_format.num_labels == 1
     assert not any(k.startswith("score") for k in loaded.state_dict)  # the decoder never sees it
-    runner = TorchRunner(loaded, num_pages=64, page_size=4, dtype=torch.float32)
+    runner = build_runner(loaded, num_pages=64, page_size=4, dtype=torch.float32)
     ours, theirs = ft_scores(runner, PROMPTS, loaded.rank_format), hf_scores(hf, PROMPTS)
     assert max(abs(a - b) for a, b in zip(ours, theirs, strict=True)) < FLOAT_TOLERANCE
     assert order(ours) == order(theirs)
@@ -87,7 +88,7 @@ def test_rank_gguf_scores_as_transformers_on_the_float_path(tmp_path: pathlib.Pa
     fmt = loaded.rank_format
     assert loaded.config.pooling == "rank" and fmt is not None
     assert fmt.num_labels == 2 and fmt.labels == ("yes", "no") and fmt.template is not None
-    runner = TorchRunner(loaded, num_pages=64, page_size=4, dtype=torch.float32)
+    runner = build_runner(loaded, num_pages=64, page_size=4, dtype=torch.float32)
     ours, theirs = ft_scores(runner, PROMPTS, fmt), hf_scores(causal, PROMPTS)
     assert max(abs(a - b) for a, b in zip(ours, theirs, strict=True)) < FLOAT_TOLERANCE
     assert order(ours) == order(theirs)
@@ -98,7 +99,7 @@ def test_rank_gguf_scores_as_transformers_on_the_packed_path(tmp_path: pathlib.P
     path = write_rank_gguf(tmp_path / "q.gguf", causal, quantized=True)
     loaded = load_model(path, torch.float32, quantized=True)
     assert loaded.rank_format is not None
-    runner = TorchRunner(loaded, num_pages=64, page_size=16, dtype=torch.float32)
+    runner = build_runner(loaded, num_pages=64, page_size=16, dtype=torch.float32)
     assert runner.packed is not None
     ours = ft_scores(runner, PROMPTS, loaded.rank_format)
     theirs = hf_scores(causal, PROMPTS)
@@ -152,7 +153,7 @@ def test_a_dense_layer_and_biases_are_applied(tmp_path: pathlib.Path, causal: ob
                            extra={k: v.astype(np.float32) for k, v in extra.items()})  # fmt: skip
     loaded = load_model(path, torch.float32)
     assert loaded.rank_format is not None
-    runner = TorchRunner(loaded, num_pages=64, page_size=4, dtype=torch.float32)
+    runner = build_runner(loaded, num_pages=64, page_size=4, dtype=torch.float32)
     ours = ft_scores(runner, PROMPTS[:2], loaded.rank_format)
     with torch.inference_mode():
         expected = []

@@ -9,6 +9,7 @@ import torch
 
 from ft.core.batch import SeqWork
 from ft.model.loader import load_model
+from ft.model.runners import build_runner
 from ft.model.torch_runner import TorchRunner
 from ft.params import SamplingParams
 from tests.support.tiny_model import save_hf_dir, tiny_config
@@ -19,7 +20,7 @@ PROMPT_B = (44, 11, 90, 3, 3, 27)
 
 
 def make_runner(directory: pathlib.Path, num_pages: int = 32, page_size: int = 4) -> TorchRunner:
-    return TorchRunner(load_model(directory, torch.float32), num_pages=num_pages, page_size=page_size,
+    return build_runner(load_model(directory, torch.float32), num_pages=num_pages, page_size=page_size,
                        dtype=torch.float32)  # fmt: skip
 
 
@@ -178,8 +179,8 @@ def test_loading_reports_progress(tiny_dir: pathlib.Path) -> None:
 
 def test_int8_quantized_runner_stays_close_to_float32(tiny_dir: pathlib.Path) -> None:
     loaded = load_model(tiny_dir, torch.float32)
-    exact = TorchRunner(loaded, num_pages=8, page_size=4, dtype=torch.float32)
-    quant = TorchRunner(loaded, num_pages=8, page_size=4, dtype=torch.float32, quantize="int8")
+    exact = build_runner(loaded, num_pages=8, page_size=4, dtype=torch.float32)
+    quant = build_runner(loaded, num_pages=8, page_size=4, dtype=torch.float32, quantize="int8")
     work = SeqWork(0, (5, 9, 17, 3, 8), 0, (0, 1), True, SamplingParams(temperature=0), 0)
     a, b = exact.forward([work]), quant.forward([work])
     assert a is not None and b is not None
@@ -192,4 +193,4 @@ def test_int8_quantized_runner_stays_close_to_float32(tiny_dir: pathlib.Path) ->
 def test_int8_needs_float32_activations(tiny_dir: pathlib.Path) -> None:
     loaded = load_model(tiny_dir, torch.float32)
     with pytest.raises(ValueError, match="float32"):
-        TorchRunner(loaded, num_pages=8, page_size=4, dtype=torch.bfloat16, quantize="int8")
+        build_runner(loaded, num_pages=8, page_size=4, dtype=torch.bfloat16, quantize="int8")

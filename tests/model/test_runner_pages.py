@@ -11,6 +11,7 @@ import torch
 from ft.core.batch import PageLoad, PageSave, SeqWork
 from ft.core.prompt_cache import PageIO, PromptCache, cache_identity
 from ft.model.loader import load_model
+from ft.model.runners import build_runner
 from ft.model.torch_runner import TorchRunner
 from ft.params import SamplingParams
 from tests.support.tiny_model import save_hf_dir, tiny_config
@@ -28,7 +29,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
 
 def runner(model_dir: pathlib.Path, kv_dtype: torch.dtype) -> TorchRunner:
     loaded = load_model(model_dir, torch.float32)
-    return TorchRunner(loaded, num_pages=16, page_size=4, dtype=torch.float32, kv_dtype=kv_dtype)
+    return build_runner(loaded, num_pages=16, page_size=4, dtype=torch.float32, kv_dtype=kv_dtype)
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.float16])

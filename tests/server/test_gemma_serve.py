@@ -15,7 +15,7 @@ from ft.config import EngineConfig
 from ft.core.batch import SeqWork
 from ft.model import kernels
 from ft.model.loader import load_model
-from ft.model.torch_runner import TorchRunner
+from ft.model.runners import build_runner
 from ft.params import SamplingParams
 from ft.tokenizer.template import render_chat
 from tests.support.server import running_server
@@ -36,7 +36,7 @@ def expected_answer(model: pathlib.Path) -> tuple[int, list[int], str]:
     assert text.startswith("<bos><start_of_turn>user\nBe brief.\n\nHello the user<end_of_turn>\n")
     tok = spec.build()
     prompt = tuple(tok.encode(text, add_special_tokens=False).ids)
-    runner = TorchRunner(loaded, num_pages=64, page_size=16, dtype=torch.float32, kv_dtype=torch.float16)
+    runner = build_runner(loaded, num_pages=64, page_size=16, dtype=torch.float32, kv_dtype=torch.float16)
     greedy = SamplingParams(temperature=0.0)
     pages = tuple(range(4))
     logits = runner.forward([SeqWork(0, prompt, 0, pages, True, greedy, 0)])

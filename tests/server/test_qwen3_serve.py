@@ -22,7 +22,7 @@ from ft.core.batch import SeqWork
 from ft.engine.fake import FakeRunner
 from ft.engine.loading import ModelParts
 from ft.model.loader import load_model
-from ft.model.torch_runner import TorchRunner
+from ft.model.runners import build_runner
 from ft.params import SamplingParams
 from ft.tokenizer.template import render_chat
 from tests.support.engine import fake_hooks, fake_parts
@@ -48,7 +48,7 @@ def expected_answer(model: pathlib.Path, *, quantized: bool, enable_thinking: bo
     text = render_chat(spec.chat_template, MESSAGES, extra={"enable_thinking": enable_thinking})
     tok = spec.build()
     prompt = tuple(tok.encode(text, add_special_tokens=False).ids)
-    runner = TorchRunner(loaded, num_pages=64, page_size=16, dtype=torch.float32)
+    runner = build_runner(loaded, num_pages=64, page_size=16, dtype=torch.float32)
     greedy = SamplingParams(temperature=0.0)
     pages = tuple(range(4))
     logits = runner.forward([SeqWork(0, prompt, 0, pages, True, greedy, 0)])

@@ -15,7 +15,7 @@ import torch
 from ft.config import EngineConfig
 from ft.model import kernels
 from ft.model.loader import load_model
-from ft.model.torch_runner import TorchRunner
+from ft.model.runners import build_runner
 from ft.tokenizer.template import render_chat
 from tests.support.server import running_server
 from tests.support.tiny_families import smollm3_model, write_gguf
@@ -36,7 +36,7 @@ def expected(model: pathlib.Path, enable_thinking: bool) -> tuple[int, str]:
     tok = spec.build()
     prompt = tuple(tok.encode(text, add_special_tokens=False).ids)
     # 16 pages of 32 slots: SmolLM3's system block is long in byte tokens
-    runner = TorchRunner(loaded, num_pages=32, page_size=32, dtype=torch.float32, kv_dtype=torch.float16)
+    runner = build_runner(loaded, num_pages=32, page_size=32, dtype=torch.float32, kv_dtype=torch.float16)
     tokens, _ = generate(runner, prompt, MAX_TOKENS)
     if any(t in spec.eos_token_ids for t in tokens):
         tokens = tokens[: min(tokens.index(t) for t in spec.eos_token_ids if t in tokens)]

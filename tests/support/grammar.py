@@ -13,6 +13,7 @@ from ft.engine.fake import byte_tokenizer_spec
 from ft.grammar.compiled import LLMatcher, Matcher, compile_matcher, grammar_text, grammar_tokenizer
 from ft.grammar.spec import GrammarSpec
 from ft.model.loader import LoadedModel
+from ft.model.runners import build_runner
 from ft.model.torch_runner import TorchRunner
 from ft.params import SamplingParams
 from tests.support.tiny_model import random_hf_state_dict, tiny_config
@@ -46,7 +47,7 @@ def byte_runner(seed: int = 0, num_pages: int = 64) -> TorchRunner:
     loaded = LoadedModel(
         config, dict(random_hf_state_dict(config, seed)), byte_tokenizer_spec(), "tiny", torch.float32
     )
-    return TorchRunner(loaded, num_pages=num_pages, page_size=16, dtype=torch.float32)
+    return build_runner(loaded, num_pages=num_pages, page_size=16, dtype=torch.float32)
 
 
 def generate(

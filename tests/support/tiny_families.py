@@ -25,7 +25,9 @@ from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.quants import quantize
 
 from ft.core.batch import SeqWork
+from ft.model.cuda_graphs import GraphedRunner
 from ft.model.loader import LoadedModel, load_model
+from ft.model.runners import build_runner
 from ft.model.torch_runner import TorchRunner
 from ft.tokenizer.spec import byte_level_bpe_from_gguf
 from tests.support.chat_templates import TEMPLATES
@@ -247,7 +249,7 @@ PACKED_RELATIVE_TOLERANCE = 0.04
 
 def runner_of(loaded: LoadedModel, **kwargs: Any) -> TorchRunner:
     """A float32 runner of 32 pages of 4."""
-    return TorchRunner(loaded, num_pages=32, page_size=4, dtype=torch.float32, **kwargs)
+    return build_runner(loaded, num_pages=32, page_size=4, dtype=torch.float32, **kwargs)
 
 
 def forced_logits(runner: TorchRunner, prompt: tuple[int, ...], forced: list[int]) -> list[torch.Tensor]:
@@ -307,6 +309,6 @@ def assert_cuda_graphs_give_the_cpu_tokens(directory: pathlib.Path) -> None:
     gpu = runner_of(loaded, device=torch.device("cuda"))
     tokens_gpu, logits_gpu = generate(gpu, PROMPT, NEW_TOKENS)
     tokens_cpu, logits_cpu = generate(runner_of(loaded), PROMPT, NEW_TOKENS)
-    assert gpu._graphs is not None and gpu._graphs.num_captured >= 1
+    assert isinstance(gpu, GraphedRunner) and gpu.graphs.num_captured >= 1
     assert tokens_gpu == tokens_cpu
     assert (logits_gpu.cpu() - logits_cpu).abs().max().item() < 1e-3

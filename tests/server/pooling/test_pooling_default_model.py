@@ -10,7 +10,7 @@ import torch
 from ft.config import EngineConfig
 from ft.model.loader import load_model
 from ft.model.pull import cached_model_path
-from ft.model.torch_runner import TorchRunner
+from ft.model.runners import build_runner
 from tests.model.test_pooling_agreement import ft_pooled
 from tests.support.server import running_server, wait_idle
 
@@ -35,7 +35,7 @@ async def test_server_embeddings_are_the_engines_pooled_vectors(pooling: str) ->
     loaded = load_model(cached_model_path(), torch.float32, quantized=True)
     prompts = [loaded.tokenizer.build().encode(t).ids for t in TEXTS]
     # The server's KV cache is float16 on the packed path (`--kv-cache-dtype auto`).
-    runner = TorchRunner(loaded, num_pages=64, page_size=16, dtype=torch.float32, kv_dtype=torch.float16)
+    runner = build_runner(loaded, num_pages=64, page_size=16, dtype=torch.float32, kv_dtype=torch.float16)
     expected = ft_pooled(runner, prompts, pooling)
     async with (
         running_server(EngineConfig(pooling=pooling)) as s,

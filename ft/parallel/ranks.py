@@ -1,7 +1,7 @@
 """Starting the tensor-parallel ranks and the loop the non-leading ranks run.
 
 One machine: rank 0 (the `ft serve` process) spawns N-1 rank processes
-(`python -m ft.engine.ranks`) with `MASTER_ADDR=127.0.0.1` and a free `MASTER_PORT`, and every
+(`python -m ft.parallel.ranks`) with `MASTER_ADDR=127.0.0.1` and a free `MASTER_PORT`, and every
 rank joins the group through torch.distributed's `env://` rendezvous. Several machines: each
 node runs `torchrun ... -m ft.cli_serve --tensor-parallel-size N ...` (or `ft serve` under the
 same environment: `MASTER_ADDR`, `MASTER_PORT`, `WORLD_SIZE`, `RANK`, `LOCAL_RANK`); the process
@@ -9,7 +9,7 @@ with `RANK=0` serves and the others become rank processes.
 
 Rank 0 then tells the others, through the group, which model to load (`{"op": "load"}`, the
 `EngineConfig` as CBOR) and how large a KV cache to allocate (`{"op": "runner"}`); after that
-they run `TorchRunner.follow` until rank 0 sends "stop" or the group breaks.
+they run `steps.follow` (through their runner) until rank 0 sends "stop" or the group breaks.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import cbor2
 import torch
@@ -32,7 +33,10 @@ import torch.distributed as dist
 
 from ft.config import EngineConfig
 from ft.logs import LOG_FORMATS, logging_args, setup_logging
-from ft.model.parallel import RankFailure, RankGroup
+from ft.parallel.group import RankFailure, RankGroup
+
+if TYPE_CHECKING:
+    from ft.model.torch_runner import TorchRunner
 
 log = logging.getLogger("ft.ranks")
 
@@ -45,6 +49,7 @@ GROUP_TIMEOUT = datetime.timedelta(days=7)
 START_TIMEOUT_S = 300.0  # for the spawned ranks to join the group
 PARENT_ENV = "FT_RANK_PARENT_PID"  # rank 0's pid, in the environment of the ranks it spawns
 PARENT_POLL_S = 0.5
+RANK_STOP_GRACE_S = 5.0  # for spawned ranks to exit after "stop" before they are killed
 
 
 def is_torchrun() -> bool:
@@ -168,7 +173,7 @@ def start_leader(config: EngineConfig) -> tuple[RankGroup, RankProcesses]:
                 LOCAL_RANK=str(rank),
                 **{PARENT_ENV: str(os.getpid())},
             )
-            cmd = [sys.executable, "-m", "ft.engine.ranks", "--device", config.device, *logging_args()]
+            cmd = [sys.executable, "-m", "ft.parallel.ranks", "--device", config.device, *logging_args()]
             # NOTE: in a session of their own, so a stop signal sent to the server's process
             # group (a terminal's Ctrl-C, a process manager) does not kill them mid-drain:
             # stopping is rank 0's decision ("stop" through the group, or `stop`).
@@ -206,6 +211,39 @@ def start_leader(config: EngineConfig) -> tuple[RankGroup, RankProcesses]:
 def send_runner(group: RankGroup, num_pages: int, page_size: int) -> None:
     """Rank 0: tell the other ranks to allocate their KV shards and start following steps."""
     group.send(cbor2.dumps({"op": "runner", "num_pages": num_pages, "page_size": page_size}))
+
+
+def abandon(procs: RankProcesses) -> None:
+    """Rank 0, when loading failed: kill the spawned ranks and leave the group."""
+    procs.stop()
+    dist.destroy_process_group()
+
+
+def stop_ranks(
+    ranks: RankGroup, procs: RankProcesses | None, runner: TorchRunner | None, failed: bool
+) -> None:
+    """Rank 0, when the engine stops: tell the other ranks to stop (through `runner`, which waits
+    for a step in flight), wait for the spawned ones, leave the group. Synchronous.
+
+    `failed`: the ranks are broken; do not talk to them, kill the spawned ones at once.
+    """
+    if not failed:
+        try:
+            if runner is not None:
+                runner.close()
+            else:
+                ranks.send_stop()
+        except Exception as e:  # the ranks are gone already: nothing left to tell them
+            log.warning("stopping the ranks: %s", e)
+            failed = True
+    if procs is not None:
+        # Told "stop", they exit by themselves; after a failure they are killed at once (a
+        # collective blocked on a spawned rank then fails and returns).
+        procs.stop(0.0 if failed else RANK_STOP_GRACE_S)
+    if not failed or procs is not None:
+        # NOTE: not after a failure under torchrun: a thread may still be blocked in a
+        # collective with a hung rank we cannot stop; the process is about to exit anyway.
+        dist.destroy_process_group()
 
 
 def run_rank(device_name: str) -> int:
@@ -259,7 +297,7 @@ def _exit_with_parent(parent: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m ft.engine.ranks --device D`: a rank process (environment from rank 0 or torchrun)."""
+    """`python -m ft.parallel.ranks --device D`: a rank process (environment from rank 0 or torchrun)."""
     import argparse
 
     parser = argparse.ArgumentParser(prog="ft rank")
