@@ -3,24 +3,30 @@
 On a 2-core machine the forward pass shares the cores with the event loop, the tokenizer
 workers and whatever else runs there. Two OpenMP threads are fastest on a quiet machine, but
 when another process keeps one core busy each barrier waits for a descheduled thread and a step
-took up to 7x longer than with one thread. So the runner times every step, keeps a moving
-average of seconds per row for each thread count and batch-size bucket, uses the faster one,
-and now and then tries the other so that a change in load is noticed. A try costs what the
-slower choice costs, so tries are spaced in proportion to how much slower it was: under heavy
-contention a two-thread step took 2.6 s against 20 ms for one thread, and trying it every 32
-steps stalled streams for seconds.
+took up to 7x longer than with one thread. So the runner times every step, keeps the last
+few seconds per row for each thread count and batch-size bucket, uses the one whose median is
+lower, and now and then tries the other so that a change in load is noticed. Each count is
+measured `MIN_SAMPLES` times before the first choice: with one measurement each and a moving
+average, one noisy step kept a bucket on the slower count for a hundred steps (73 of 262
+one-row steps of a quiet 1B decode ran on one thread). A try costs what the slower choice
+costs, so tries are spaced in proportion to how much slower it was: under heavy contention a
+two-thread step took 2.6 s against 20 ms for one thread, and trying it every 32 steps stalled
+streams for seconds.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
+from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 BUCKETS = (1, 4, 16, 64)  # rows: 1, 2-4, 5-16, 17-64, more
 EXPLORE_EVERY = 128  # steps of a bucket between two tries of the slower choice, when close
 MAX_SPACING = 4096  # at most this many steps between two tries
-SMOOTHING = 0.25  # weight of the newest measurement in the moving average
+WINDOW = 5  # measurements kept per bucket and thread count; the estimate is their median
+MIN_SAMPLES = 3  # measured steps of every count of a bucket before its first choice
 
 
 def _bucket(rows: int) -> int:
@@ -32,10 +38,13 @@ class ThreadChooser:
 
     def __init__(self, choices: tuple[int, ...]) -> None:
         self.choices = choices
-        self._cost: dict[tuple[int, int], float] = {}  # (bucket, threads) -> seconds per row
+        self._cost: dict[tuple[int, int], deque[float]] = {}  # (bucket, threads) -> seconds per row
         self._warm: set[tuple[int, int]] = set()  # keys whose first (cold) step was seen
         self._steps: dict[int, int] = {}
         self._next_try: dict[int, int] = {}  # bucket -> step count of the next try
+
+    def _estimate(self, bucket: int, threads: int) -> float:
+        return statistics.median(self._cost[bucket, threads])
 
     def choose(self, rows: int) -> int:
         """The thread count for the next step of `rows` rows."""
@@ -44,29 +53,28 @@ class ThreadChooser:
         self._steps[bucket] = count + 1
         # NOTE: the most threads first: the first steps of a bucket are often its only ones
         # (a burst's prefill), and on a quiet machine more threads are the faster choice.
-        untried = [n for n in self.choices if (bucket, n) not in self._cost]
+        untried = [n for n in self.choices if len(self._cost.get((bucket, n), ())) < MIN_SAMPLES]
         if untried:
             return max(untried)
-        ranked = sorted(self.choices, key=lambda n: self._cost[bucket, n])
+        ranked = sorted(self.choices, key=lambda n: self._estimate(bucket, n))
         if len(ranked) == 1 or count < self._next_try.setdefault(bucket, count + EXPLORE_EVERY):
             return ranked[0]
-        ratio = self._cost[bucket, ranked[1]] / max(self._cost[bucket, ranked[0]], 1e-9)
+        ratio = self._estimate(bucket, ranked[1]) / max(self._estimate(bucket, ranked[0]), 1e-9)
         self._next_try[bucket] = count + min(MAX_SPACING, int(EXPLORE_EVERY * max(1.0, ratio)))
         return ranked[1]
 
     def record(self, rows: int, threads: int, seconds: float) -> None:
-        """Fold one step's duration into the moving average of its bucket and thread count."""
+        """Fold one step's duration into the measurements of its bucket and thread count."""
         key = (_bucket(rows), threads)
         if key not in self._warm:  # NOTE: a first step pays page faults and thread start-up
             self._warm.add(key)
             return
         cost = seconds / max(rows, 1)
-        old = self._cost.get(key)
-        # A try much faster than the average replaces it: the average may hold a bad spell.
-        if old is None or cost < old / 2:
-            self._cost[key] = cost
-        else:
-            self._cost[key] = (1 - SMOOTHING) * old + SMOOTHING * cost
+        window = self._cost.setdefault(key, deque(maxlen=WINDOW))
+        # A try much faster than the median replaces the window: it may hold a bad spell.
+        if window and cost < statistics.median(window) / 2:
+            window.clear()
+        window.append(cost)
 
     @contextmanager
     def timed(self, rows: int) -> Iterator[int]:

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from ft.model.threads import EXPLORE_EVERY, ThreadChooser, thread_choices
+from ft.model.threads import EXPLORE_EVERY, MIN_SAMPLES, ThreadChooser, thread_choices
 
 
 def run_steps(chooser: ThreadChooser, rows: int, cost: dict[int, float], steps: int) -> list[int]:
@@ -17,11 +17,24 @@ def run_steps(chooser: ThreadChooser, rows: int, cost: dict[int, float], steps: 
 
 
 def test_tries_each_count_then_keeps_the_faster() -> None:
-    """The first steps try every count; afterwards the faster one runs all but the tries."""
+    """The first steps measure every count a few times (most threads first; a count's first
+    step is not counted: cold); afterwards the faster one runs all but the tries."""
     chooser = ThreadChooser((1, 2))
     picks = run_steps(chooser, 16, {1: 0.004, 2: 0.002}, 400)
-    assert picks[:4] == [2, 2, 1, 1]  # most threads first; a count's first step is not counted (cold)
-    assert picks[4:].count(1) <= 400 // EXPLORE_EVERY + 1
+    first = 2 * (1 + MIN_SAMPLES)
+    assert picks[:first] == [2] * (1 + MIN_SAMPLES) + [1] * (1 + MIN_SAMPLES)
+    assert picks[first:].count(1) <= 400 // EXPLORE_EVERY + 1
+
+
+def test_one_noisy_measurement_does_not_decide() -> None:
+    """A step 10x slower than the truth among the first measurements of the faster count (a
+    neighbour's burst) leaves the choice to the median."""
+    chooser = ThreadChooser((1, 2))
+    cost = {1: 0.010, 2: 0.006}
+    chooser.record(1, 2, cost[2])  # cold
+    chooser.record(1, 2, 10 * cost[2])  # the noisy one
+    picks = run_steps(chooser, 1, cost, 200)
+    assert picks[-150:].count(2) >= 148
 
 
 def test_a_cold_first_step_does_not_lock_in_the_slower_count() -> None:
@@ -37,7 +50,7 @@ def test_a_much_slower_choice_is_tried_rarely() -> None:
     once in 5000 steps (spacing capped at 4096), not every 128."""
     chooser = ThreadChooser((1, 2))
     picks = run_steps(chooser, 1, {1: 0.01, 2: 1.0}, 5000)
-    assert 1 <= picks[4:].count(2) <= 2
+    assert 1 <= picks[2 * (1 + MIN_SAMPLES) :].count(2) <= 2
 
 
 def test_contention_turns_the_choice_to_one_thread() -> None:
