@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Protocol, cast
 
 import llguidance
 import numpy as np
@@ -31,11 +31,7 @@ import numpy as np
 from ft.grammar.spec import JSON_OPTIONS, GrammarSpec
 
 if TYPE_CHECKING:
-    from concurrent.futures import Future
-
     from llguidance._lib import JsonCompileOptions
-
-    from ft.model.masks import RowMasks
 
 LLMatcher = llguidance.LLMatcher
 
@@ -217,6 +213,13 @@ def walk(
 # --- in the server ---------------------------------------------------------------------------
 
 
+class Pending(Protocol):
+    """A mask computation in flight (a `Future`; only whether it is done is read here, so the
+    grammar package needs nothing of the model's)."""
+
+    def done(self) -> bool: ...
+
+
 class Matcher:
     """One sequence's grammar state: llguidance's matcher, the tokens it is yet to consume (the
     last step's: its accepted drafts and the token after them), and what its tokens have cost
@@ -233,7 +236,7 @@ class Matcher:
         self.next_tokens: tuple[int, ...] = ()
         self.mask_cpu_s = 0.0
         self.num_masks = 0
-        self.pending: Future[RowMasks] | None = None
+        self.pending: Pending | None = None
 
     @property
     def is_busy(self) -> bool:
