@@ -429,7 +429,7 @@ def run_serve(args: argparse.Namespace) -> int:
     is a rank process, not a server.
     """
     if args.tensor_parallel_size > 1 and int(os.environ.get("RANK", "0")) > 0 and "WORLD_SIZE" in os.environ:
-        from ft.parallel.ranks import run_rank
+        from ft.engine.ranks import run_rank
 
         setup_logging(args.log_level, args.log_format)
         return run_rank(args.device)

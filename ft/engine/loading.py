@@ -22,10 +22,10 @@ if TYPE_CHECKING:
 
     from ft.model.kernels import KVDtype
     from ft.model.loader import LoadedModel
+    from ft.model.parallel.group import RankGroup
     from ft.model.plan import DraftPlan, ExecutionPlan
     from ft.model.runners import RunnerKind
     from ft.model.torch_runner import TorchRunner
-    from ft.parallel.group import RankGroup
 
 log = logging.getLogger("ft.engine")
 
@@ -92,10 +92,11 @@ def load_torch_model(
     """Load weights and tokenizer for `config.model` (blocking; run it in a thread).
 
     With `tensor_parallel_size > 1` rank 0 (`ranks` None) first starts the other ranks
-    (`ft.parallel.ranks`); a rank other than 0 passes its `ranks`.
+    (`ft.engine.ranks`); a rank other than 0 passes its `ranks`.
     """
     import torch
 
+    from ft.engine import ranks as rank_launch
     from ft.model import kernels
     from ft.model.architectures import by_name
     from ft.model.dtypes import resolve_dtype
@@ -104,7 +105,6 @@ def load_torch_model(
     from ft.model.plan import read_header
     from ft.model.runners import build_runner
     from ft.model.torch_runner import TorchRunner
-    from ft.parallel import ranks as rank_launch
 
     # Every choice is made and checked here, from the file's header, before a rank starts or
     # a weight is read: a bad combination fails now, not after a load.

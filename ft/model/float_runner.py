@@ -14,11 +14,11 @@ from ft.model import kernels
 from ft.model.attention import SeqSpan, build_metadata
 from ft.model.llama import build_model
 from ft.model.loader import LoadedModel
+from ft.model.parallel.group import RankGroup
+from ft.model.parallel.shard import build_rank_model
+from ft.model.parallel.steps import gathered_lm_head
 from ft.model.quant import QuantTensor
 from ft.model.torch_runner import TorchRunner
-from ft.parallel.group import RankGroup
-from ft.parallel.shard import build_rank_model
-from ft.parallel.steps import gathered_lm_head
 
 
 def prepacked_linear(linear: torch.nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]:

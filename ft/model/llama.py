@@ -779,7 +779,7 @@ def build_model(
     device: torch.device | None = None,
 ) -> LlamaForCausalLM:
     """Build on the meta device, then assign the (fused, cast) weights on `device`. (One rank's
-    slice under tensor parallelism: `ft.parallel.shard.build_rank_model`.)"""
+    slice under tensor parallelism: `ft.model.parallel.shard.build_rank_model`.)"""
     return assemble_model(config, fuse_hf_state_dict(config, hf_state_dict), dtype, device=device)
 
 

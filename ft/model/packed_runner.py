@@ -7,9 +7,9 @@ import torch
 from ft.core.batch import SeqWork
 from ft.model import kernels
 from ft.model.loader import LoadedModel
+from ft.model.parallel.group import RankGroup
 from ft.model.quantized_llama import QuantizedLlama, StepIndex
 from ft.model.torch_runner import TorchRunner
-from ft.parallel.group import RankGroup
 
 
 class PackedRunner(TorchRunner):

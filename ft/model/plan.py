@@ -203,7 +203,7 @@ def plan(config: EngineConfig, header: ModelHeader, draft: ModelHeader | None = 
     import torch
 
     from ft.model import kernels
-    from ft.parallel.shard import check_shardable
+    from ft.model.parallel.shard import check_shardable
 
     c = header.config
     world = config.tensor_parallel_size

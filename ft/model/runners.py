@@ -14,9 +14,9 @@ import torch
 
 from ft.model import kernels
 from ft.model.loader import LoadedModel
+from ft.model.parallel.group import RankGroup
 from ft.model.quant import QuantTensor
 from ft.model.torch_runner import TorchRunner
-from ft.parallel.group import RankGroup
 
 RunnerKind = Literal["packed", "float", "graphed"]
 

@@ -15,12 +15,12 @@ from ft.model import kernels
 from ft.model.llama import LlamaConfig
 from ft.model.loader import LoadedModel
 from ft.model.masks import StepMasks
+from ft.model.parallel import steps
+from ft.model.parallel.group import RankGroup
+from ft.model.parallel.shard import local_config
 from ft.model.sampler import sample, score_tokens
 from ft.model.speculative import sample_with_drafts
 from ft.model.threads import ThreadChooser, thread_choices
-from ft.parallel import steps
-from ft.parallel.group import RankGroup
-from ft.parallel.shard import local_config
 from ft.params import first_outside_vocab
 
 

@@ -10,12 +10,12 @@ import torch
 
 from ft.config import EngineConfig
 from ft.core.batch import SeqWork
+from ft.engine.ranks import resolve_device
 from ft.model.attention import SeqSpan, decode_attention
 from ft.model.cuda_graphs import DecodeGraphs, GraphedRunner, context_bucket
 from ft.model.loader import load_model
 from ft.model.runners import build_runner
 from ft.model.torch_runner import TorchRunner
-from ft.parallel.ranks import resolve_device
 from ft.params import SamplingParams
 from tests.model.test_runner import PROMPT_A, PROMPT_B, make_runner
 

@@ -218,7 +218,7 @@ def test_a_prompt_longer_than_the_pool_runs_in_a_pool_of_its_window(
     a page for the straddle): admitted by its window, given pages a chunk ahead, it gives the
     greedy tokens of a pool holding every page (float path)."""
     path = save_qwen3_dir(tmp_path / "mistral", hf_model)
-    small = TorchRunner(load_model(path, torch.float32), num_pages=7, page_size=4, dtype=torch.float32)
+    small = build_runner(load_model(path, torch.float32), num_pages=7, page_size=4, dtype=torch.float32)
     windowed, dropped, peak = serve(small, WINDOW, [list(PROMPT)], 30)
     held, _, _ = serve(runner_of(path), 0, [list(PROMPT)], 30)
     assert windowed == held and len(held[0]) == 30

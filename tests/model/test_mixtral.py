@@ -163,7 +163,7 @@ def test_a_gguf_with_a_sliding_window_matches_transformers_on_its_weights(
     path = write_moe_gguf(tmp_path / "tiny-mixtral-swa.Q8_0.gguf", windowed_model)
     loaded = load_model(path, torch.float32)
     assert loaded.config.architecture == "mixtral" and loaded.config.sliding_window == WINDOW
-    _, logits = generate(TorchRunner(loaded, num_pages=32, page_size=4, dtype=torch.float32), PROMPT, 1)
+    _, logits = generate(build_runner(loaded, num_pages=32, page_size=4, dtype=torch.float32), PROMPT, 1)
     assert (logits - _last_logits(_dequantized(loaded, windowed_model.config))).abs().max().item() < 1e-4
 
 

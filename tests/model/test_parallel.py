@@ -12,9 +12,9 @@ import torch
 from ft.core.batch import Sampled, SeqWork
 from ft.model.llama import assemble_model, build_model, fuse_hf_state_dict
 from ft.model.loader import load_model
+from ft.model.parallel.group import collective_failed, decode_works, encode_works
+from ft.model.parallel.shard import Shard, check_shardable, shard_fused, split
 from ft.model.torch_runner import TorchRunner
-from ft.parallel.group import collective_failed, decode_works, encode_works
-from ft.parallel.shard import Shard, check_shardable, shard_fused, split
 from ft.params import SamplingParams
 from tests.model.test_runner import PROMPT_A, PROMPT_B, generate, make_runner
 from tests.support.parallel import rank_pids, tensor_parallel_runner

@@ -18,8 +18,8 @@ from ft.model.cuda_graphs import GraphedRunner
 from ft.model.gguf_file import ModelFileError
 from ft.model.loader import is_quantized_gguf, load_model
 from ft.model.moe import SparseMoE
+from ft.model.parallel.shard import check_shardable
 from ft.model.runners import build_runner
-from ft.parallel.shard import check_shardable
 from tests.support.gguf_files import RawGGUF, dims
 from tests.support.tiny_qwen3 import (
     generate,

@@ -48,7 +48,7 @@ def tensor_parallel_parts(
 
 
 def rank_pids(parent: int) -> list[int]:
-    """Pids of the rank processes (`python -m ft.parallel.ranks`) that `parent` spawned (Linux)."""
+    """Pids of the rank processes (`python -m ft.engine.ranks`) that `parent` spawned (Linux)."""
     pids = []
     for proc in pathlib.Path("/proc").iterdir():
         if not proc.name.isdigit():
@@ -59,7 +59,7 @@ def rank_pids(parent: int) -> list[int]:
         except OSError:
             continue
         ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        if ppid == parent and b"ft.parallel.ranks" in cmdline:
+        if ppid == parent and b"ft.engine.ranks" in cmdline:
             pids.append(int(proc.name))
     return pids
 

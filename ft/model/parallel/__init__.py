@@ -2,9 +2,9 @@
 
 `shard.py` cuts a rank's slice of the weights and builds its model; `group.py` is the rank
 group (`RankGroup`: the collectives a step uses, the step description rank 0 broadcasts);
-`steps.py` is the leader/follower step protocol a runner calls into; `ranks.py` starts the rank
-processes (or joins torchrun's) and is the loop the other ranks run. Nothing outside this
-package cuts, sends or joins.
+`steps.py` is the leader/follower step protocol a runner calls into; `ft/engine/ranks.py`
+starts the rank processes (or joins torchrun's) and is the loop the other ranks run. Nothing
+else cuts, sends or joins.
 
 Megatron's layout on the fused projections: `qkv_proj` and `gate_up_proj` are split by output
 rows (a rank holds a share of the kv heads with their query heads, and a share of the MLP

@@ -17,7 +17,7 @@ from typing import TypeVar
 import torch
 
 from ft.core.batch import SeqWork
-from ft.parallel.group import RankFailure, RankGroup, decode_works
+from ft.model.parallel.group import RankFailure, RankGroup, decode_works
 
 log = logging.getLogger("ft.ranks")
 

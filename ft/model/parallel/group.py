@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from ft.core.batch import RunnerFailure, SeqWork
-from ft.parallel.shard import Shard
+from ft.model.parallel.shard import Shard
 from ft.params import SamplingParams
 
 _GREEDY = SamplingParams(temperature=0.0)

@@ -1,7 +1,7 @@
 """Starting the tensor-parallel ranks and the loop the non-leading ranks run.
 
 One machine: rank 0 (the `ft serve` process) spawns N-1 rank processes
-(`python -m ft.parallel.ranks`) with `MASTER_ADDR=127.0.0.1` and a free `MASTER_PORT`, and every
+(`python -m ft.engine.ranks`) with `MASTER_ADDR=127.0.0.1` and a free `MASTER_PORT`, and every
 rank joins the group through torch.distributed's `env://` rendezvous. Several machines: each
 node runs `torchrun ... -m ft.cli_serve --tensor-parallel-size N ...` (or `ft serve` under the
 same environment: `MASTER_ADDR`, `MASTER_PORT`, `WORLD_SIZE`, `RANK`, `LOCAL_RANK`); the process
@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from ft.config import EngineConfig
 from ft.logs import LOG_FORMATS, logging_args, setup_logging
-from ft.parallel.group import RankFailure, RankGroup
+from ft.model.parallel.group import RankFailure, RankGroup
 
 if TYPE_CHECKING:
     from ft.model.torch_runner import TorchRunner
@@ -173,7 +173,7 @@ def start_leader(config: EngineConfig) -> tuple[RankGroup, RankProcesses]:
                 LOCAL_RANK=str(rank),
                 **{PARENT_ENV: str(os.getpid())},
             )
-            cmd = [sys.executable, "-m", "ft.parallel.ranks", "--device", config.device, *logging_args()]
+            cmd = [sys.executable, "-m", "ft.engine.ranks", "--device", config.device, *logging_args()]
             # NOTE: in a session of their own, so a stop signal sent to the server's process
             # group (a terminal's Ctrl-C, a process manager) does not kill them mid-drain:
             # stopping is rank 0's decision ("stop" through the group, or `stop`).
@@ -297,7 +297,7 @@ def _exit_with_parent(parent: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m ft.parallel.ranks --device D`: a rank process (environment from rank 0 or torchrun)."""
+    """`python -m ft.engine.ranks --device D`: a rank process (environment from rank 0 or torchrun)."""
     import argparse
 
     parser = argparse.ArgumentParser(prog="ft rank")

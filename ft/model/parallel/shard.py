@@ -1,4 +1,4 @@
-"""How a rank's slice of the model is cut (Megatron's layout: see `ft.parallel`), and its model built."""
+"""How a rank's slice of the model is cut and its model built (the layout: `ft.model.parallel`)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 from ft.model.llama import LlamaConfig, LlamaForCausalLM, assemble_model, fuse_hf_state_dict
 
 if TYPE_CHECKING:
-    from ft.parallel.group import RankGroup
+    from ft.model.parallel.group import RankGroup
 
 
 @dataclass(frozen=True, slots=True)
