@@ -71,18 +71,6 @@ def build_runner(
 
     device = device or torch.device("cpu")
     kind = kind or runner_kind(loaded, device=device, cuda_graphs=cuda_graphs, ranks=ranks, quantize=quantize)
-    if kind == "packed":
-        return PackedRunner(
-            loaded,
-            num_pages=num_pages,
-            page_size=page_size,
-            dtype=dtype,
-            threads=threads,
-            quantize=quantize,
-            kv_dtype=kv_dtype,
-            device=device,
-            ranks=ranks,
-        )
     if kind == "graphed":
         if ranks is not None or quantize is not None:
             raise ValueError("CUDA graphs run one rank's float model (no --quantize)")
@@ -95,7 +83,8 @@ def build_runner(
             kv_dtype=kv_dtype,
             device=device,
         )
-    return FloatRunner(
+    runner = PackedRunner if kind == "packed" else FloatRunner
+    return runner(
         loaded,
         num_pages=num_pages,
         page_size=page_size,
