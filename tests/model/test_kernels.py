@@ -216,6 +216,29 @@ def test_other_builds_give_the_same_products(qtype: int, march: str) -> None:
     assert torch.allclose(out, product(w, x), rtol=1e-5, atol=1e-3 * out.abs().max().item())
 
 
+@pytest.mark.parametrize("march", ["x86-64", "haswell"])
+def test_every_build_quantizes_activations_alike(march: str) -> None:
+    """The vector quantization (AVX-512) and the plain loop give the same int8 blocks, scales
+    and sums, ties, NaN, infinities and subnormal blocks (whose 127 / amax overflows) included."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(12, 256, generator=g) * torch.logspace(-3, 3, 12)[:, None]
+    x[1, :32] = torch.arange(32) - 15.5  # ties after scaling
+    x[2, 5] = float("nan")
+    x[3, 40] = float("inf")
+    x[4, 70] = float("-inf")
+    x[5, :32] = 1e-42  # subnormal: 127 / amax is inf
+    x[5, 3] = -3e-42
+    x[6, 32:64] = 0.0
+    x[7, 64:96] = -0.0
+    x[8, 100] = 3.4e38
+    ours, theirs = kernels.QuantizedActivations(x), kernels.QuantizedActivations(x, kernels.build_library(march))
+    for name in ("qs", "sx"):
+        assert torch.equal(getattr(ours, name), getattr(theirs, name)), name
+    for name in ("d", "s"):
+        assert torch.equal(getattr(ours, name).nan_to_num(), getattr(theirs, name).nan_to_num()), name
+    assert int(ours.qs.abs().max()) <= 127
+
+
 @pytest.mark.parametrize("qtype", sorted(KERNEL_TYPES))
 def test_product_of_float_activations_is_within_int8_rounding(qtype: int) -> None:
     """Float activations are rounded to int8 per block of 32: about 0.5% relative error."""
