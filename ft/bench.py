@@ -111,6 +111,8 @@ async def run_level(
     texts = PROMPT_SETS[prompts]
     ttfts: list[float] = []
     tokens = 0
+    # (seconds since the level's start, tokens so far) at each chunk of each request
+    progress: list[list[tuple[float, int]]] = []
 
     # Every edit prompt runs at each level (`concurrency` at a time): one alone says little.
     num_requests = max(concurrency, len(texts)) if edit else concurrency
@@ -133,26 +135,43 @@ async def run_level(
         )
         content = texts[i % len(texts)] if edit else texts[i % len(texts)] + f" ({i})"
         messages: list[dict[str, object]] = [{"role": "user", "content": content}]
+        marks: list[tuple[float, int]] = []
+        progress.append(marks)
         async with engine.open_request(PromptSpec(messages=messages), params=params) as stream:
             async for _ in stream:
+                now = time.perf_counter()
                 if first is None:
-                    first = time.perf_counter() - start
+                    first = now - start
+                marks.append((now - level_start, stream.num_completion_tokens))
         ttfts.append(first or 0.0)
         tokens += stream.num_completion_tokens
 
-    start = time.perf_counter()
+    level_start = time.perf_counter()
     async with trio.open_nursery() as nursery:
         for i in range(num_requests):
             nursery.start_soon(one, i)
-    wall = time.perf_counter() - start
+    wall = time.perf_counter() - level_start
     return {
         "concurrency": concurrency,
         "requests": num_requests,
         "output_tokens": tokens,
         "wall_s": round(wall, 3),
         "tokens_per_s": round(tokens / wall, 2),
+        "decode_tokens_per_s": decode_rate(progress, wall),
         "ttft_mean_s": round(sum(ttfts) / len(ttfts), 3),
     }
+
+
+def decode_rate(progress: list[list[tuple[float, int]]], wall: float) -> float:
+    """Tokens per second once every request has its first token, to the end: what
+    `llama-batched-bench` reports as S_TG (its generation phase, prefill excluded).
+    `progress`: per request, (seconds since the start, tokens so far) at each chunk."""
+    marks = [m for m in progress if m]
+    if not marks:
+        return 0.0
+    begin = max(m[0][0] for m in marks)  # the last first token
+    after = sum(m[-1][1] - max(n for t, n in m if t <= begin) for m in marks)
+    return round(after / (wall - begin), 2) if wall > begin else 0.0
 
 
 async def main(args: argparse.Namespace) -> None:

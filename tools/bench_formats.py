@@ -6,7 +6,8 @@ For each file, on the same machine in the same command (ft first, then llama.cpp
 file): `ft bench` at 1 and `--streams` concurrent requests and one `--prefill`-token prompt,
 `llama-bench` (tg at one stream, pp of the same prompt length) and `llama-batched-bench` at
 `--streams` parallel sequences. Prints one JSON line per file and a Markdown table of the ratios
-ft / llama.cpp (higher is better). The llama.cpp tools come from build-llama-server.sh
+ft / llama.cpp (higher is better). Generation rates on both sides count the tokens after every
+sequence's first (ft bench's `decode_tokens_per_s`, llama.cpp's tg and S_TG): prefill excluded. The llama.cpp tools come from build-llama-server.sh
 (`DEST`, default /tmp/llama-anchor). Run on a quiet machine: a busy core changes a step by up to 7x.
 """
 
@@ -36,8 +37,8 @@ def ft_side(model: str, tokens: int, streams: int, prefill: int, threads: int) -
     result = json.loads(run(cmd).strip().splitlines()[-1])
     levels = {level["concurrency"]: level for level in result["levels"]}
     return {
-        "tg1": levels[1]["tokens_per_s"],
-        "tgN": levels[streams]["tokens_per_s"],
+        "tg1": levels[1]["decode_tokens_per_s"],
+        "tgN": levels[streams]["decode_tokens_per_s"],  # as llama-batched-bench S_TG: prefill excluded
         "pp": result["prefill"]["prompt_tokens_per_s"],
     }
 
