@@ -7,8 +7,9 @@ file): `ft bench` at 1 and `--streams` concurrent requests and one `--prefill`-t
 `llama-bench` (tg at one stream, pp of the same prompt length) and `llama-batched-bench` at
 `--streams` parallel sequences. Prints one JSON line per file and a Markdown table of the ratios
 ft / llama.cpp (higher is better). Generation rates on both sides count the tokens after every
-sequence's first (ft bench's `decode_tokens_per_s`, llama.cpp's tg and S_TG): prefill excluded. The llama.cpp tools come from build-llama-server.sh
-(`DEST`, default /tmp/llama-anchor). Run on a quiet machine: a busy core changes a step by up to 7x.
+sequence's first (ft bench's `decode_tokens_per_s`, llama.cpp's tg and S_TG): prefill excluded.
+The llama.cpp tools come from build-llama-server.sh (`DEST`, default /tmp/llama-anchor). Run on
+a quiet machine: a busy core changes a step by up to 7x.
 """
 
 from __future__ import annotations

@@ -231,7 +231,8 @@ def test_every_build_quantizes_activations_alike(march: str) -> None:
     x[6, 32:64] = 0.0
     x[7, 64:96] = -0.0
     x[8, 100] = 3.4e38
-    ours, theirs = kernels.QuantizedActivations(x), kernels.QuantizedActivations(x, kernels.build_library(march))
+    ours = kernels.QuantizedActivations(x)
+    theirs = kernels.QuantizedActivations(x, kernels.build_library(march))
     for name in ("qs", "sx"):
         assert torch.equal(getattr(ours, name), getattr(theirs, name)), name
     for name in ("d", "s"):
