@@ -27,6 +27,7 @@ import argparse
 import json
 import time
 from dataclasses import asdict
+from typing import TypedDict
 
 import trio
 
@@ -98,13 +99,25 @@ BENCH_SCHEMA = {
 }
 
 
+class Level(TypedDict):
+    """One concurrency level's figures (`run_level`)."""
+
+    concurrency: int
+    requests: int
+    output_tokens: int
+    wall_s: float
+    tokens_per_s: float
+    decode_tokens_per_s: float | None  # None: requests ran in waves (see decode_rate)
+    ttft_mean_s: float
+
+
 async def run_level(
     engine: Engine,
     concurrency: int,
     max_tokens: int,
     grammar: GrammarSpec | None = None,
     prompts: str = "short",
-) -> dict[str, float]:
+) -> Level:
     """Run `concurrency` requests at once (following `grammar` when given) over the prompt set
     `prompts`; return tokens/s and latency figures."""
     edit = prompts == "edit"
@@ -157,15 +170,17 @@ async def run_level(
         "output_tokens": tokens,
         "wall_s": round(wall, 3),
         "tokens_per_s": round(tokens / wall, 2),
-        "decode_tokens_per_s": decode_rate(progress, wall),
+        "decode_tokens_per_s": decode_rate(progress, wall) if num_requests == concurrency else None,
         "ttft_mean_s": round(sum(ttfts) / len(ttfts), 3),
     }
 
 
 def decode_rate(progress: list[list[tuple[float, int]]], wall: float) -> float:
     """Tokens per second once every request has its first token, to the end: what
-    `llama-batched-bench` reports as S_TG (its generation phase, prefill excluded).
-    `progress`: per request, (seconds since the start, tokens so far) at each chunk."""
+    llama-batched-bench reports as S_TG (its sequences' prompts first, then all of them
+    generating together). Meant for requests started together: with waves of requests (the edit
+    set at a lower concurrency) it would see only the last wave, so run_level reports None there.
+    `progress`: per request, (seconds since the level's start, tokens so far) at each chunk."""
     marks = [m for m in progress if m]
     if not marks:
         return 0.0

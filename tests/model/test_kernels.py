@@ -222,7 +222,10 @@ def test_every_build_quantizes_activations_alike(march: str) -> None:
     and sums, ties, NaN, infinities and subnormal blocks (whose 127 / amax overflows) included."""
     g = torch.Generator().manual_seed(5)
     x = torch.randn(12, 256, generator=g) * torch.logspace(-3, 3, 12)[:, None]
-    x[1, :32] = torch.arange(32) - 15.5  # ties after scaling
+    x[1, :32] = torch.arange(32) - 15.5  # halves, not ties: this block's scale is 127 / 16.5
+    x[1, 32:64] = torch.arange(32) * 2 - 31.5  # halves at another scale (127 / 31.5)
+    x[1, 64:96] = torch.arange(32) * 8 - 124.5  # every one a k + 0.5
+    x[1, 64] = 127.0  # amax 127: scale 1, so the other 31 are ties
     x[2, 5] = float("nan")
     x[3, 40] = float("inf")
     x[4, 70] = float("-inf")
@@ -237,7 +240,14 @@ def test_every_build_quantizes_activations_alike(march: str) -> None:
         assert torch.equal(getattr(ours, name), getattr(theirs, name)), name
     for name in ("d", "s"):
         assert torch.equal(getattr(ours, name).nan_to_num(), getattr(theirs, name).nan_to_num()), name
-    assert int(ours.qs.abs().max()) <= 127
+    assert int(ours.qs.min()) >= -127 and int(ours.qs.max()) <= 127
+    # and both are torch's rounding (half to even) of x * 127 / amax, NaN to 0, within +-127
+    blocks = x.view(12, -1, 32)
+    amax = blocks.abs().nan_to_num(nan=0.0, posinf=float("inf")).amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    ref = (blocks * inv).nan_to_num(nan=0.0, posinf=127.0, neginf=-127.0).clamp(-127, 127).round()
+    assert torch.equal(ours.qs.view(12, -1, 32).to(torch.float32), ref)
+    assert int((blocks * inv)[1, 2].frac().abs().eq(0.5).sum()) == 31  # (the ties are there)
 
 
 @pytest.mark.parametrize("qtype", sorted(KERNEL_TYPES))
