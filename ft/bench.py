@@ -27,7 +27,7 @@ import argparse
 import json
 import time
 from dataclasses import asdict
-from typing import TypedDict
+from typing import NotRequired, TypedDict
 
 import trio
 
@@ -108,6 +108,10 @@ class Level(TypedDict):
     wall_s: float
     tokens_per_s: float
     decode_tokens_per_s: float | None  # None: requests ran in waves (see decode_rate)
+    # With --speculative-method: tokens/s of the same requests with speculation off, run just
+    # before, and tokens_per_s over it.
+    without_speculation: NotRequired[float]
+    speculative_speedup: NotRequired[float]
     ttft_mean_s: float
 
 
@@ -117,9 +121,11 @@ async def run_level(
     max_tokens: int,
     grammar: GrammarSpec | None = None,
     prompts: str = "short",
+    speculative: bool = True,
 ) -> Level:
     """Run `concurrency` requests at once (following `grammar` when given) over the prompt set
-    `prompts`; return tokens/s and latency figures."""
+    `prompts`; return tokens/s and latency figures. `speculative=False` turns speculation off
+    for these requests (the per-request switch)."""
     edit = prompts == "edit"
     texts = PROMPT_SETS[prompts]
     ttfts: list[float] = []
@@ -145,6 +151,7 @@ async def run_level(
             seed=i,
             ignore_eos=grammar is None and not edit,  # an edit's answer ends with its copy
             grammar=grammar,
+            speculative=speculative,
         )
         content = texts[i % len(texts)] if edit else texts[i % len(texts)] + f" ({i})"
         messages: list[dict[str, object]] = [{"role": "user", "content": content}]
@@ -197,7 +204,20 @@ async def main(args: argparse.Namespace) -> None:
     )
     async with open_engine(config) as engine:
         await run_level(engine, 1, 8)  # warm-up
-        levels = [await run_level(engine, c, args.max_tokens, prompts=args.prompts) for c in args.concurrency]
+        levels = []
+        for c in args.concurrency:
+            # With speculation on, each level first runs with it off (the same requests, the
+            # same engine, just before): the speed-up is then a ratio of neighbouring runs. A
+            # one-token pass first puts the prompts in the prefix cache for both.
+            without = None
+            if args.speculative_method:
+                await run_level(engine, c, 1, prompts=args.prompts)
+                without = await run_level(engine, c, args.max_tokens, prompts=args.prompts, speculative=False)
+            level = await run_level(engine, c, args.max_tokens, prompts=args.prompts)
+            if without is not None:
+                level["without_speculation"] = without["tokens_per_s"]
+                level["speculative_speedup"] = round(level["tokens_per_s"] / without["tokens_per_s"], 3)
+            levels.append(level)
         speculative = engine.snapshot().speculative
         prefill = await run_prefill(engine, args.prefill) if args.prefill else None
         structured = (

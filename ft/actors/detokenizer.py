@@ -52,12 +52,24 @@ class DetokenizerActor:
         task_status.started()
         async for outs in self.inbox:
             routed: dict[int, RequestEntry] = {}
+            # A choice's consecutive tokens in one step (accepted drafts) go out as one delta:
+            # one SSE event per step, not per token (vLLM's output processor does the same).
+            held: tuple[int, Delta] | None = None  # (uid, delta) not sent yet
             for out in outs:
+                if held is not None and not (
+                    isinstance(out, TokenOut)
+                    and (out.uid, out.index) == (held[0], held[1].index)
+                    and held[1].finish_reason is None
+                ):
+                    self.registry.send_nowait(*held)
+                    held = None
                 match out:
                     case TokenOut():
-                        entry = self._route(out)
-                        if entry is not None:
-                            routed[entry.uid] = entry
+                        routed_to = self._route(out)
+                        if routed_to is not None:
+                            to, delta = routed_to
+                            routed[to.uid] = to
+                            held = (to.uid, delta if held is None else _joined(held[1], delta))
                     case EmbeddingOut(uid=uid, vector=vector, num_cached_tokens=cached):
                         entry = self.registry.get(uid)
                         if entry is not None:
@@ -67,6 +79,8 @@ class DetokenizerActor:
                         self.registry.fail(uid, error)
                     case _:
                         assert_never(out)
+            if held is not None:
+                self.registry.send_nowait(*held)
             if self.on_tokens is not None:
                 for entry in routed.values():
                     self.on_tokens(entry)
@@ -84,7 +98,8 @@ class DetokenizerActor:
             entry.detoks[index] = detok
         return detok
 
-    def _route(self, out: TokenOut) -> RequestEntry | None:
+    def _route(self, out: TokenOut) -> tuple[RequestEntry, Delta] | None:
+        """Decode `out` into its request's next delta (None: the request or choice is done)."""
         entry = self.registry.get(out.uid)
         if entry is None:
             return None
@@ -107,22 +122,33 @@ class DetokenizerActor:
         logprobs: tuple[TokenLogprob, ...] = ()
         if entry.params.logprobs and out.logprob is not None and not out.is_hidden:
             logprobs = (self._logprob(out),)
-        self.registry.send_nowait(
-            out.uid,
-            Delta(
-                index=out.index,
-                text=text,
-                token_ids=(out.token_id,),
-                logprobs=logprobs,
-                finish_reason=finish_reason,
-                stop_reason=stop_reason,
-                num_cached_tokens=out.num_cached_tokens,
-                prompt_logprobs=out.prompt_logprobs,
-            ),
+        delta = Delta(
+            index=out.index,
+            text=text,
+            token_ids=(out.token_id,),
+            logprobs=logprobs,
+            finish_reason=finish_reason,
+            stop_reason=stop_reason,
+            num_cached_tokens=out.num_cached_tokens,
+            prompt_logprobs=out.prompt_logprobs,
         )
-        return entry
+        return entry, delta
 
     def _logprob(self, out: TokenOut) -> TokenLogprob:
         assert out.logprob is not None
         top = tuple(TopLogprob(tid, self.decode([tid], False), lp) for tid, lp in out.top_logprobs)
         return TokenLogprob(out.token_id, self.decode([out.token_id], False), out.logprob, top)
+
+
+def _joined(first: Delta, then: Delta) -> Delta:
+    """One delta for two consecutive ones of a choice (`first` has no finish reason)."""
+    return Delta(
+        index=first.index,
+        text=first.text + then.text,
+        token_ids=first.token_ids + then.token_ids,
+        logprobs=first.logprobs + then.logprobs,
+        finish_reason=then.finish_reason,
+        stop_reason=then.stop_reason,
+        num_cached_tokens=max(first.num_cached_tokens, then.num_cached_tokens),
+        prompt_logprobs=first.prompt_logprobs + then.prompt_logprobs,
+    )

@@ -18,6 +18,7 @@ from ft.core.batch import SeqWork
 from ft.engine.engine import Engine, open_engine
 from ft.engine.fake import FakeRunner, text_script
 from ft.engine.loading import EngineHooks
+from ft.engine.stream import Choice
 from ft.params import SamplingParams
 from ft.prompt import PromptSpec
 from tests.support.engine import fake_engine, no_step_costs
@@ -79,6 +80,32 @@ async def test_speculation_takes_fewer_steps(autojump_clock: trio.testing.MockCl
     async with fake_engine(plain) as engine:
         await answer(engine, SamplingParams(max_tokens=200))
     assert len(runner.steps) < len(plain.steps) * 0.7
+
+
+async def test_a_step_gives_each_choice_one_delta(autojump_clock: trio.testing.MockClock) -> None:
+    """The tokens one verification accepts arrive as one delta (one SSE event), not one each."""
+    params = SamplingParams(max_tokens=200, logprobs=True, n=2)
+
+    async def deltas(runner: FakeRunner, **config: Any) -> list[Any]:
+        async with fake_engine(runner, **config) as engine:
+            async with engine.open_request(PromptSpec(text=PASSAGE), params=params) as stream:
+                return [d async for d in stream]
+
+    plain = await deltas(FakeRunner(text_script(ANSWER)))
+    runner = FakeRunner(text_script(ANSWER), record=True)
+    spec = await deltas(runner, **SPEC)
+    for index in (0, 1):
+        mine, alone = Choice(index), Choice(index)
+        for d in (d for d in spec if d.index == index):
+            mine.add(d)
+        for d in (d for d in plain if d.index == index):
+            alone.add(d)
+        assert mine == alone and mine.text == ANSWER and len(mine.logprobs) > 20
+        # the prompt's step, then one delta a verification; only the last says why it ended
+        finishes = [d.finish_reason for d in spec if d.index == index]
+        assert len(finishes) == len(runner.steps) < len([d for d in plain if d.index == index])
+        assert finishes[:-1] == [None] * (len(finishes) - 1)
+    assert max(len(d.token_ids) for d in spec) > 2
 
 
 @pytest.mark.parametrize("stop", ["* h", "print", "done"])
@@ -298,6 +325,19 @@ async def test_the_edit_bench_runs_every_prompt_at_each_level(autojump_clock: tr
     assert level["requests"] == len(EDIT_PROMPTS) and level["output_tokens"] == len(EDIT_PROMPTS) * 40
     assert level["decode_tokens_per_s"] is None  # waves of requests: no S_TG to compare
     assert max(sum(w.sample for w in step) for step in runner.steps) <= 2  # two at a time
+
+
+async def test_the_edit_bench_also_runs_without_speculation(autojump_clock: trio.testing.MockClock) -> None:
+    """`ft bench --speculative-method` compares each level against the same requests with the
+    per-request switch off, in the same engine: those draft nothing."""
+    from ft.bench import run_level
+
+    async with fake_engine(FakeRunner(text_script(ANSWER)), **SPEC) as engine:
+        off = await run_level(engine, 1, 40, prompts="edit", speculative=False)
+        assert engine.snapshot().speculative.draft_tokens == 0
+        on = await run_level(engine, 1, 40, prompts="edit")
+        assert engine.snapshot().speculative.accepted_tokens > 0
+    assert off["output_tokens"] == on["output_tokens"]
 
 
 async def test_a_grammar_row_beside_drafted_rows_keeps_its_mask(tiny_gguf: pathlib.Path) -> None:
