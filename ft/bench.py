@@ -14,8 +14,13 @@ and reports the constrained throughput as a fraction of the free one.
 
 `--prompts edit` runs `EDIT_PROMPTS` instead, each of them at every level (`concurrency` at a
 time): a passage and an instruction whose answer copies most of it (rename a variable, fix a
-typo, reformat), greedy and ended by the model, where prompt-lookup drafts are accepted; the
-JSON line then carries the speculative counters.
+typo, reformat), greedy and ended by the model, where prompt-lookup drafts are accepted.
+
+`--speculative-method ngram|draft` runs each level five times in the same engine: once
+untimed (its prompts then come from the prefix cache, so no level's figures include their
+prefill), then with speculation off, on, on, off (the per-request switch); the level reports
+the last on-run's figures plus `without_speculation` and `speculative_speedup` (the means'
+ratio), and the JSON line the speculative counters.
 
 `--prefill N` also times one N-token prompt (fresh token ids, so no prefix-cache hit) to its
 first token: prompt tokens/s, the figure `llama-bench -p N` reports.
@@ -108,8 +113,8 @@ class Level(TypedDict):
     wall_s: float
     tokens_per_s: float
     decode_tokens_per_s: float | None  # None: requests ran in waves (see decode_rate)
-    # With --speculative-method: tokens/s of the same requests with speculation off, run just
-    # before, and tokens_per_s over it.
+    # With --speculative-method: tokens/s of the same requests with speculation off (the mean
+    # of two runs alternated with two on), and the two on-runs' mean over it.
     without_speculation: NotRequired[float]
     speculative_speedup: NotRequired[float]
     ttft_mean_s: float
@@ -206,17 +211,21 @@ async def main(args: argparse.Namespace) -> None:
         await run_level(engine, 1, 8)  # warm-up
         levels = []
         for c in args.concurrency:
-            # With speculation on, each level first runs with it off (the same requests, the
-            # same engine, just before): the speed-up is then a ratio of neighbouring runs. A
-            # one-token pass first puts the prompts in the prefix cache for both.
-            without = None
-            if args.speculative_method:
-                await run_level(engine, c, 1, prompts=args.prompts)
-                without = await run_level(engine, c, args.max_tokens, prompts=args.prompts, speculative=False)
-            level = await run_level(engine, c, args.max_tokens, prompts=args.prompts)
-            if without is not None:
-                level["without_speculation"] = without["tokens_per_s"]
-                level["speculative_speedup"] = round(level["tokens_per_s"] / without["tokens_per_s"], 3)
+            if not args.speculative_method:
+                levels.append(await run_level(engine, c, args.max_tokens, prompts=args.prompts))
+                continue
+            # The same requests with speculation off and on, in the same engine, alternated
+            # (off, on, on, off) so neither side gets the quieter moments. An untimed run first
+            # puts the prompts in the prefix cache (and a draft model's KV) for both.
+            await run_level(engine, c, args.max_tokens, prompts=args.prompts)
+            runs: dict[bool, list[Level]] = {False: [], True: []}
+            for on in (False, True, True, False):
+                run = await run_level(engine, c, args.max_tokens, prompts=args.prompts, speculative=on)
+                runs[on].append(run)
+            level = runs[True][-1]
+            with_spec, without = (sum(r["tokens_per_s"] for r in runs[on]) / 2 for on in (True, False))
+            level["without_speculation"] = round(without, 2)
+            level["speculative_speedup"] = round(with_spec / without, 3)
             levels.append(level)
         speculative = engine.snapshot().speculative
         prefill = await run_prefill(engine, args.prefill) if args.prefill else None

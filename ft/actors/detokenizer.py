@@ -52,8 +52,8 @@ class DetokenizerActor:
         task_status.started()
         async for outs in self.inbox:
             routed: dict[int, RequestEntry] = {}
-            # A choice's consecutive tokens in one step (accepted drafts) go out as one delta:
-            # one SSE event per step, not per token (vLLM's output processor does the same).
+            # A choice's consecutive tokens in one step (accepted drafts) go out as one delta,
+            # so the routes stream one chunk for them, not one per token (as vLLM does).
             held: tuple[int, Delta] | None = None  # (uid, delta) not sent yet
             for out in outs:
                 if held is not None and not (

@@ -3,6 +3,8 @@ token ids, finish reasons, usage), the limits land where they would, and every e
 
 from __future__ import annotations
 
+import argparse
+import json
 import logging
 import pathlib
 import re
@@ -338,6 +340,29 @@ async def test_the_edit_bench_also_runs_without_speculation(autojump_clock: trio
         on = await run_level(engine, 1, 40, prompts="edit")
         assert engine.snapshot().speculative.accepted_tokens > 0
     assert off["output_tokens"] == on["output_tokens"]
+
+
+async def test_ft_bench_reports_each_levels_speedup(
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    from ft import bench
+
+    def engine(config: EngineConfig) -> Any:
+        return fake_engine(FakeRunner(text_script(ANSWER)), **SPEC)
+
+    monkeypatch.setattr(bench, "open_engine", engine)
+    parser = argparse.ArgumentParser()
+    bench.add_bench_arguments(parser)
+    argv = "--prompts edit --concurrency 1 2 --max-tokens 40 --speculative-method ngram"
+    await bench.main(parser.parse_args(argv.split()))
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert [level["concurrency"] for level in out["levels"]] == [1, 2]
+    for level in out["levels"]:
+        assert level["output_tokens"] == len(bench.EDIT_PROMPTS) * 40
+        assert level["without_speculation"] > 0 and level["speculative_speedup"] > 0
+    assert out["speculative"]["accepted_tokens"] > 0
 
 
 async def test_a_grammar_row_beside_drafted_rows_keeps_its_mask(tiny_gguf: pathlib.Path) -> None:
