@@ -86,7 +86,7 @@ class EngineConfig:
     # off for a step that would lose by it.
     speculative_method: str | None = None
     speculative_model: str | None = None
-    speculative_tokens: int = 4
+    speculative_tokens: int = 8
     speculative_max_batch: int = 4
     pooling: str = "auto"  # how embeddings pool the prompt's hidden states (see `resolve_pooling`)
     # The prompt cache's disk tier: full KV pages go to files in this directory (owned by one
