@@ -6,7 +6,7 @@ Runs the default model (or `--model`) over `../shared/bench/prompts.py`'s edit p
 `side_by_side.py --cells c1e` does (greedy, EOS banned, `--max-tokens` each, one at a time)
 with `--speculative-method ngram`, recording the engine's own decode-step times by rows fed
 (`StepCosts`). It then replays those exact outputs through `NgramIndex`/`DraftLength` under a
-grid of policies (most drafted tokens, shortest n-gram, pauses on or off), with every step
+grid of policies (most drafted tokens, shortest n-gram), with every step
 costing the measured t(1 + drafts), and prints the speed-up each policy gives over the same
 outputs decoded one token a step. The replay ignores the cost gate, so it is an upper bound
 for the policy: what acceptance and the step's cost curve allow, before any gate or overhead.
@@ -65,8 +65,7 @@ async def measure(
 
 
 def replay(
-    prompts: list[list[int]], outputs: list[list[int]], step_s: dict[int, float], max_tokens: int, min_n: int,
-    pauses: bool,
+    prompts: list[list[int]], outputs: list[list[int]], step_s: dict[int, float], max_tokens: int, min_n: int
 ) -> Replay:  # fmt: skip
     """Every output decoded under one draft policy, each step costing `step_s[rows]`."""
     steps = verifications = drafted = accepted = 0
@@ -77,7 +76,7 @@ def replay(
         length = DraftLength(max_tokens)
         known = 1
         while known < len(output):
-            proposal = index.propose(length.current) if (length.take_turn() or not pauses) else []
+            proposal = index.propose(length.current)
             hits = 0
             while (
                 hits < len(proposal) and known + hits < len(output) and proposal[hits] == output[known + hits]
@@ -115,12 +114,11 @@ def main() -> None:
     plain = sum(len(output) - 1 for output in outputs) * step_s[1]
     for max_tokens in (4, 8, 16):
         for min_n in (1, 2, 3):
-            for pauses in (True, False):
-                r = replay(prompt_ids, outputs, step_s, max_tokens, min_n, pauses)
-                print(
-                    f"max {max_tokens:2d} min_n {min_n} pauses {pauses!s:5}: steps {r.steps} verifications "
-                    f"{r.verifications} drafted {r.drafted} accepted {r.accepted} -> {plain / r.seconds:.2f}x"
-                )
+            r = replay(prompt_ids, outputs, step_s, max_tokens, min_n)
+            print(
+                f"max {max_tokens:2d} min_n {min_n}: steps {r.steps} verifications "
+                f"{r.verifications} drafted {r.drafted} accepted {r.accepted} -> {plain / r.seconds:.2f}x"
+            )
 
 
 if __name__ == "__main__":

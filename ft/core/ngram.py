@@ -13,12 +13,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-# Longest and shortest suffix looked up. Measured on `ft bench`'s edit prompts (default model,
-# greedy, 397 tokens, 4 drafted at most): down to 1-grams, 364 drafted and 181 accepted (50%);
-# down to 2-grams, 296 drafted and 166 accepted (56%): the 1-grams' extra drafts were 78%
-# refused, rows verified for little.
+# Longest and shortest suffix looked up. A single token recurs far more often than what
+# followed it does, so a match of one token drafts at most `ONE_TOKEN_MATCH_DRAFTS`. Replayed
+# over the c1e outputs (tools/sim_ngram_bound.py: default model, greedy, EOS banned, 8 drafts at
+# most, each step costing the engine's measured time by rows): 2-grams and up 1.73x; 1-grams
+# and up drafting their whole length 1.53x; 1-grams and up drafting one token 1.81x. In the
+# engine, same process, alternating: 1.58x -> 1.71x (mean of six pairs).
 MAX_NGRAM = 3
-MIN_NGRAM = 2
+MIN_NGRAM = 1
+ONE_TOKEN_MATCH_DRAFTS = 1
 
 
 @dataclass(eq=False, slots=True)
@@ -43,7 +46,8 @@ class NgramIndex:
             tokens.append(token)
 
     def propose(self, max_tokens: int) -> list[int]:
-        """Up to `max_tokens` tokens that followed the longest earlier match of the suffix."""
+        """Up to `max_tokens` tokens that followed the longest earlier match of the suffix
+        (`ONE_TOKEN_MATCH_DRAFTS` when that match is a single token)."""
         tokens = self.tokens
         if max_tokens < 1:
             return []
@@ -52,11 +56,9 @@ class NgramIndex:
                 continue
             start = self.follows.get(tuple(tokens[-n:]))
             if start is not None:
-                return tokens[start : start + max_tokens]
+                length = max_tokens if n > 1 else min(max_tokens, ONE_TOKEN_MATCH_DRAFTS)
+                return tokens[start : start + length]
         return []
-
-
-MAX_PAUSE_STEPS = 64  # the longest a sequence whose drafts keep failing waits to draft again
 
 
 @dataclass(eq=False, slots=True)
@@ -64,25 +66,18 @@ class DraftLength:
     """A sequence's draft length: doubled (to `max_tokens`) when every draft was accepted, else
     one past what was accepted, so a sequence whose drafts fail costs one extra row a step.
 
-    After two verifications in a row that kept nothing, the sequence stops drafting for 2 steps,
-    then 4, 8, ... up to `MAX_PAUSE_STEPS` while they keep failing: text that repeats its
-    n-grams without repeating what followed them stops paying for verify rows.
+    Whether even that row pays is the scheduler's cost model's call (`StepCosts`), from the
+    sequence's acceptance so far: a sequence whose drafts keep failing stops drafting there.
+    (Pauses after failed drafts, 2, 4, ... 64 steps, measured worse once a verify row was
+    cheap: 1.61x against 1.81x in the replay above, as they also stopped the drafts that would
+    have been kept.)
     """
 
     max_tokens: int
     current: int = 0
-    num_misses: int = 0  # verifications in a row that accepted nothing
-    pause: int = 0  # steps left without drafting
 
     def __post_init__(self) -> None:
         self.current = self.current or self.max_tokens
-
-    def take_turn(self) -> bool:
-        """Whether to draft this step (a paused sequence counts the step down)."""
-        if self.pause > 0:
-            self.pause -= 1
-            return False
-        return True
 
     def update(self, num_drafted: int, num_accepted: int) -> None:
         """Fold in one verification's result."""
@@ -92,6 +87,3 @@ class DraftLength:
             self.current = min(self.max_tokens, 2 * self.current)
         else:
             self.current = max(1, num_accepted + 1)
-        self.num_misses = self.num_misses + 1 if num_accepted == 0 else 0
-        if self.num_misses >= 2:
-            self.pause = min(MAX_PAUSE_STEPS, 1 << (self.num_misses - 1))

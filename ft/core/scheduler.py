@@ -583,8 +583,6 @@ class Scheduler:
             if seq.drafter is None:
                 seq.drafter = NgramIndex()
             seq.drafter.extend(seq.tokens(len(seq.drafter.tokens), seq.num_tokens))
-        if not seq.draft_length.take_turn():
-            return []
         assert seq.params.max_tokens is not None
         room = min(
             seq.params.max_tokens - len(seq.output_ids), self.max_model_len - seq.num_tokens
