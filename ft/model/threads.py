@@ -5,10 +5,11 @@ workers and whatever else runs there. Two OpenMP threads are fastest on a quiet 
 when another process keeps one core busy each barrier waits for a descheduled thread and a step
 took up to 7x longer than with one thread. So the runner times every step, keeps the last
 few seconds per row for each thread count and batch-size bucket, uses the one whose median is
-lower, and now and then tries the other so that a change in load is noticed. Each count is
-measured `MIN_SAMPLES` times before the first choice: with one measurement each and a moving
-average, one noisy step kept a bucket on the slower count for a hundred steps (73 of 262
-one-row steps of a quiet 1B decode ran on one thread). A try costs what the slower choice
+lower, and now and then tries the other so that a change in load is noticed. A count decides
+only once it has `MIN_SAMPLES` measurements: with one measurement each and a moving average,
+one noisy step kept a bucket on the slower count for a hundred steps (73 of 262 one-row steps
+of a quiet 1B decode ran on one thread); a count that looks slower after one is not measured
+further until its next try. A try costs what the slower choice
 costs, so tries are spaced in proportion to how much slower it was: under heavy contention a
 two-thread step took 2.6 s against 20 ms for one thread, and trying it every 32 steps stalled
 streams for seconds.
@@ -51,12 +52,25 @@ class ThreadChooser:
         bucket = _bucket(rows)
         count = self._steps.get(bucket, 0)
         self._steps[bucket] = count + 1
+
         # NOTE: the most threads first: the first steps of a bucket are often its only ones
-        # (a burst's prefill), and on a quiet machine more threads are the faster choice.
-        untried = [n for n in self.choices if len(self._cost.get((bucket, n), ())) < MIN_SAMPLES]
+        # (a burst's prefill), and on a quiet machine more threads are the faster choice. They
+        # are measured `MIN_SAMPLES` times; every other count then once, and again only while
+        # it looks faster, until it has as many: a slower count costs a bucket two steps (its
+        # cold one and one measured), not `MIN_SAMPLES` + 1 (of 8 one-client prompts, 4 were
+        # prefilled on one thread at twice the time).
+        def measured(n: int) -> int:
+            return len(self._cost.get((bucket, n), ()))
+
+        most = max(self.choices)
+        if measured(most) < MIN_SAMPLES:
+            return most
+        untried = [n for n in self.choices if measured(n) == 0]
         if untried:
             return max(untried)
         ranked = sorted(self.choices, key=lambda n: self._estimate(bucket, n))
+        if measured(ranked[0]) < MIN_SAMPLES:  # looks faster: measured more before it decides
+            return ranked[0]
         if len(ranked) == 1 or count < self._next_try.setdefault(bucket, count + EXPLORE_EVERY):
             return ranked[0]
         ratio = self._estimate(bucket, ranked[1]) / max(self._estimate(bucket, ranked[0]), 1e-9)

@@ -17,13 +17,24 @@ def run_steps(chooser: ThreadChooser, rows: int, cost: dict[int, float], steps: 
 
 
 def test_tries_each_count_then_keeps_the_faster() -> None:
-    """The first steps measure every count a few times (most threads first; a count's first
-    step is not counted: cold); afterwards the faster one runs all but the tries."""
+    """The first steps measure the most threads a few times, then the other count once (a
+    count's first step is not counted: cold); it is slower, so the faster one runs all but the
+    tries."""
     chooser = ThreadChooser((1, 2))
     picks = run_steps(chooser, 16, {1: 0.004, 2: 0.002}, 400)
-    first = 2 * (1 + MIN_SAMPLES)
-    assert picks[:first] == [2] * (1 + MIN_SAMPLES) + [1] * (1 + MIN_SAMPLES)
+    first = 1 + MIN_SAMPLES + 2
+    assert picks[:first] == [2] * (1 + MIN_SAMPLES) + [1] * 2
     assert picks[first:].count(1) <= 400 // EXPLORE_EVERY + 1
+
+
+def test_a_count_that_looks_faster_is_measured_before_it_decides() -> None:
+    """Fewer threads faster (a busy neighbour): one measurement makes it the candidate, and it
+    runs from then on, its first `MIN_SAMPLES` measurements included."""
+    chooser = ThreadChooser((1, 2))
+    picks = run_steps(chooser, 1, {1: 0.002, 2: 0.004}, 300)
+    assert picks[: 1 + MIN_SAMPLES] == [2] * (1 + MIN_SAMPLES)
+    assert picks[1 + MIN_SAMPLES : 1 + MIN_SAMPLES + 1 + MIN_SAMPLES] == [1] * (1 + MIN_SAMPLES)
+    assert picks[-200:].count(1) >= 198
 
 
 def test_one_noisy_measurement_does_not_decide() -> None:
@@ -50,7 +61,7 @@ def test_a_much_slower_choice_is_tried_rarely() -> None:
     once in 5000 steps (spacing capped at 4096), not every 128."""
     chooser = ThreadChooser((1, 2))
     picks = run_steps(chooser, 1, {1: 0.01, 2: 1.0}, 5000)
-    assert 1 <= picks[2 * (1 + MIN_SAMPLES) :].count(2) <= 2
+    assert 1 <= picks[1 + MIN_SAMPLES + 2 :].count(2) <= 2
 
 
 def test_contention_turns_the_choice_to_one_thread() -> None:
