@@ -24,8 +24,12 @@ from dataclasses import dataclass, field
 # Measurements kept per row count; the estimate is their median. A busy neighbour made single
 # steps 10x slower (docs/performance.md): a mean would follow those, the median does not.
 WINDOW = 9
-# Steps in a row decided alike before the other choice is taken once (and measured).
+# Steps in a row decided alike before the other choice is taken once (and measured); doubled,
+# up to MAX_RETRY_EVERY, each time the choice after the retry is the one before it. A retry of
+# a draft model that never agrees costs its catch-up over the tokens since it last drafted and
+# a forward: every 16 steps that was 12% of a 1B target's decode (0 of 153 drafts accepted).
 RETRY_EVERY = 16
+MAX_RETRY_EVERY = 1024
 
 
 def expected_accepted(num_drafts: int, rate: float) -> float:
@@ -64,8 +68,9 @@ class StepCosts:
     step_s: dict[int, deque[float]] = field(default_factory=dict)
     # drafting sequences -> the last `WINDOW` seconds per draft-model forward
     draft_forward_s: dict[int, deque[float]] = field(default_factory=dict)
-    # decodes -> (the last decision, how many steps in a row it was taken)
-    streak: dict[int, tuple[bool, int]] = field(default_factory=dict)
+    # decodes -> (the last decision, how many steps in a row it was taken, steps between
+    # retries, whether the last step was a retry)
+    streak: dict[int, tuple[bool, int, int, bool]] = field(default_factory=dict)
 
     def observe(self, num_rows: int, seconds: float, draft_s: float = 0.0, num_forwards: int = 0,
                 num_drafting: int = 0) -> None:  # fmt: skip
@@ -91,7 +96,8 @@ class StepCosts:
 
         Unmeasured costs are measured first: a step without drafts when t(D) is unknown, with
         them when the rest is. After `RETRY_EVERY` steps in a row decided alike, the other
-        choice is taken once, so both sides' measurements stay current.
+        choice is taken once, so both sides' measurements stay current; after each retry that
+        changed nothing, twice as many steps (up to `MAX_RETRY_EVERY`).
         """
         plain = _interpolate(self.step_s, num_decodes)
         if plain is None:
@@ -104,10 +110,15 @@ class StepCosts:
         if verify is None or drafting is None:
             return True
         decided = num_expected * plain / num_decodes > verify - plain + drafting
-        streak = self.streak.get(num_decodes, (decided, 0))
-        count = streak[1] + 1 if streak[0] == decided else 1
-        if count > RETRY_EVERY:
-            self.streak[num_decodes] = (not decided, 1)
+        last, count, spacing, retried = self.streak.get(num_decodes, (decided, 0, RETRY_EVERY, False))
+        if decided != last:  # the measurements changed the decision: retries start over
+            count, spacing = 1, RETRY_EVERY
+        elif retried:  # the retry changed nothing: wait twice as long for the next
+            count, spacing = 1, min(MAX_RETRY_EVERY, 2 * spacing)
+        else:
+            count += 1
+        if count > spacing:
+            self.streak[num_decodes] = (decided, 0, spacing, True)
             return not decided
-        self.streak[num_decodes] = (decided, count)
+        self.streak[num_decodes] = (decided, count, spacing, False)
         return decided

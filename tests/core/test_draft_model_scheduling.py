@@ -9,7 +9,7 @@ import pytest
 from ft.core.batch import Sampled, SeqWork
 from ft.core.kv import PagePool
 from ft.core.scheduler import Scheduler
-from ft.core.spec_cost import RETRY_EVERY, WINDOW, StepCosts, expected_accepted
+from ft.core.spec_cost import MAX_RETRY_EVERY, RETRY_EVERY, WINDOW, StepCosts, expected_accepted
 from ft.messages import SeqFailed, StepDone, TokenOut
 from ft.params import SamplingParams
 
@@ -285,13 +285,27 @@ def test_unmeasured_row_counts_are_interpolated_between_measured_ones() -> None:
     assert costs.pays(2, 4, 0.9)
 
 
-def test_a_decision_that_stays_the_same_is_tried_the_other_way_now_and_then() -> None:
+def test_a_decision_that_stays_the_same_is_tried_the_other_way_less_and_less_often() -> None:
     costs = StepCosts()
     costs.observe(1, 0.010)
     costs.observe(5, 0.050)  # verifying is far too dear
-    decisions = [costs.pays(1, 4, 0.5) for _ in range(3 * (RETRY_EVERY + 1))]
-    assert decisions.count(True) == 3  # once every RETRY_EVERY + 1 steps
-    assert decisions[RETRY_EVERY] and not any(decisions[:RETRY_EVERY])
+    decisions = [costs.pays(1, 4, 0.5) for _ in range(200)]
+    # after RETRY_EVERY steps, then twice as many after each retry that changed nothing
+    first, second = RETRY_EVERY, RETRY_EVERY + 1 + 2 * RETRY_EVERY
+    assert [i for i, d in enumerate(decisions) if d] == [first, second, second + 1 + 4 * RETRY_EVERY]
+    assert not costs.pays(1, 4, 0.5)
+    assert costs.pays(1, 4, 10.0)  # the measurements changed the decision: retries start over
+    decisions = [costs.pays(1, 4, 10.0) for _ in range(RETRY_EVERY + 1)]
+    assert decisions.index(False) == RETRY_EVERY - 1
+
+
+def test_retries_are_never_further_apart_than_the_cap() -> None:
+    costs = StepCosts()
+    costs.observe(1, 0.010)
+    costs.observe(5, 0.050)
+    retries = [i for i in range(6000) if costs.pays(1, 4, 0.5)]
+    gaps = [b - a for a, b in zip(retries, retries[1:], strict=False)]
+    assert gaps[-1] == MAX_RETRY_EVERY + 1 and max(gaps) == MAX_RETRY_EVERY + 1
 
 
 def make_costs(plain: float, verify: float) -> StepCosts:
