@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 # Longest and shortest suffix looked up. A single token recurs far more often than what
 # followed it does, so a match of one token drafts at most `ONE_TOKEN_MATCH_DRAFTS`. Replayed
 # over the c1e outputs (tools/sim_ngram_bound.py: default model, greedy, EOS banned, 8 drafts at
-# most, each step costing the engine's measured time by rows): 2-grams and up 1.73x; 1-grams
-# and up drafting their whole length 1.53x; 1-grams and up drafting one token 1.81x. In the
-# engine, same process, alternating: 1.58x -> 1.71x (mean of six pairs).
+# most, each step costing the engine's measured time by rows, no pauses): 2-grams and up 1.76x;
+# 1-grams and up drafting their whole length 1.79x, drafting one token 1.81x. In the engine
+# (with the pauses gone too), same process, alternating: 1.58x -> 1.71x (mean of six pairs).
 MAX_NGRAM = 3
 MIN_NGRAM = 1
 ONE_TOKEN_MATCH_DRAFTS = 1
@@ -69,7 +69,7 @@ class DraftLength:
     Whether even that row pays is the scheduler's cost model's call (`StepCosts`), from the
     sequence's acceptance so far: a sequence whose drafts keep failing stops drafting there.
     (Pauses after failed drafts, 2, 4, ... 64 steps, measured worse once a verify row was
-    cheap: 1.61x against 1.81x in the replay above, as they also stopped the drafts that would
+    cheap: 1.62x against 1.81x in the replay above, as they also stopped the drafts that would
     have been kept.)
     """
 
