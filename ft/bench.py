@@ -20,7 +20,8 @@ typo, reformat), greedy and ended by the model, where prompt-lookup drafts are a
 untimed (its prompts then come from the prefix cache, so no level's figures include their
 prefill), then with speculation off, on, on, off (the per-request switch); the level reports
 the last on-run's figures plus `without_speculation` and `speculative_speedup` (the means'
-ratio), and the JSON line the speculative counters.
+ratio), and the JSON line the engine's speculative counters (every run's, the untimed ones
+included).
 
 `--prefill N` also times one N-token prompt (fresh token ids, so no prefix-cache hit) to its
 first token: prompt tokens/s, the figure `llama-bench -p N` reports.

@@ -8,11 +8,11 @@ few seconds per row for each thread count and batch-size bucket, uses the one wh
 lower, and now and then tries the other so that a change in load is noticed. A count decides
 only once it has `MIN_SAMPLES` measurements: with one measurement each and a moving average,
 one noisy step kept a bucket on the slower count for a hundred steps (73 of 262 one-row steps
-of a quiet 1B decode ran on one thread); a count that looks slower after one is not measured
-further until its next try. A try costs what the slower choice
-costs, so tries are spaced in proportion to how much slower it was: under heavy contention a
-two-thread step took 2.6 s against 20 ms for one thread, and trying it every 32 steps stalled
-streams for seconds.
+of a quiet 1B decode ran on one thread); a count that looks slower after one is measured again
+every `RECHECK_EVERY` steps until it has as many, so one noisy step cannot keep it out either.
+A try costs what the slower choice costs, so tries are spaced in proportion to how much slower
+it was: under heavy contention a two-thread step took 2.6 s against 20 ms for one thread, and
+trying it every 32 steps stalled streams for seconds.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ EXPLORE_EVERY = 128  # steps of a bucket between two tries of the slower choice,
 MAX_SPACING = 4096  # at most this many steps between two tries
 WINDOW = 5  # measurements kept per bucket and thread count; the estimate is their median
 MIN_SAMPLES = 3  # measured steps of every count of a bucket before its first choice
+RECHECK_EVERY = 16  # steps between tries of a count judged slower on fewer than MIN_SAMPLES
 
 
 def _bucket(rows: int) -> int:
@@ -71,8 +72,16 @@ class ThreadChooser:
         ranked = sorted(self.choices, key=lambda n: self._estimate(bucket, n))
         if measured(ranked[0]) < MIN_SAMPLES:  # looks faster: measured more before it decides
             return ranked[0]
-        if len(ranked) == 1 or count < self._next_try.setdefault(bucket, count + EXPLORE_EVERY):
+        if len(ranked) == 1:
             return ranked[0]
+        # A count judged slower on fewer than MIN_SAMPLES measurements (one may be a noisy
+        # step) is tried again soon, and its estimate does not space the tries yet.
+        settled = measured(ranked[1]) >= MIN_SAMPLES
+        if count < self._next_try.setdefault(bucket, count + (EXPLORE_EVERY if settled else RECHECK_EVERY)):
+            return ranked[0]
+        if not settled:
+            self._next_try[bucket] = count + RECHECK_EVERY
+            return ranked[1]
         ratio = self._estimate(bucket, ranked[1]) / max(self._estimate(bucket, ranked[0]), 1e-9)
         self._next_try[bucket] = count + min(MAX_SPACING, int(EXPLORE_EVERY * max(1.0, ratio)))
         return ranked[1]

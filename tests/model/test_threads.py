@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from ft.model.threads import EXPLORE_EVERY, MIN_SAMPLES, ThreadChooser, thread_choices
+from ft.model.threads import EXPLORE_EVERY, MIN_SAMPLES, RECHECK_EVERY, ThreadChooser, thread_choices
 
 
 def run_steps(chooser: ThreadChooser, rows: int, cost: dict[int, float], steps: int) -> list[int]:
@@ -46,6 +46,18 @@ def test_one_noisy_measurement_does_not_decide() -> None:
     chooser.record(1, 2, 10 * cost[2])  # the noisy one
     picks = run_steps(chooser, 1, cost, 200)
     assert picks[-150:].count(2) >= 148
+
+
+def test_one_noisy_measurement_of_the_other_count_does_not_keep_it_out() -> None:
+    """One thread is faster (a busy neighbour) but its first measured step is a 10x spike: it
+    is measured again within `RECHECK_EVERY` steps and takes over, not after `EXPLORE_EVERY`."""
+    chooser = ThreadChooser((1, 2))
+    cost = {1: 0.010, 2: 0.040}
+    picks = run_steps(chooser, 1, cost, 1 + MIN_SAMPLES)  # two threads measured first
+    chooser.record(1, 1, cost[1])  # cold
+    chooser.record(1, 1, 10 * cost[1])  # the spike
+    picks = run_steps(chooser, 1, cost, 300)
+    assert picks[2 * RECHECK_EVERY + MIN_SAMPLES :].count(1) >= 300 - 2 * RECHECK_EVERY - MIN_SAMPLES - 2
 
 
 def test_a_cold_first_step_does_not_lock_in_the_slower_count() -> None:
