@@ -117,6 +117,16 @@ def test_per_layer_arrays_of_one_value_load_like_the_scalar(
     assert_refused(load(prober, tiny.set(key, ARRAY, short), tmp_path / "short.gguf"), key, "per layer")
 
 
+@pytest.mark.parametrize("context", [1, 2])
+def test_a_context_of_a_token_or_two_loads_and_runs_within_it(
+    prober: Prober, tiny: RawGGUF, tmp_path: pathlib.Path, context: int
+) -> None:
+    """(The corpus drew `llama.context_length = 1`: the probe then fed past it.)"""
+    outcome = load(prober, u32("llama.context_length", context)(tiny), tmp_path / "c.gguf")
+    assert outcome.kind == "loaded", outcome.detail
+    assert_clean(outcome)
+
+
 def test_alignment_zero_is_a_named_error(prober: Prober, tiny: RawGGUF, tmp_path: pathlib.Path) -> None:
     """`general.alignment = 0` (a ZeroDivisionError before) names the key."""
     assert_refused(load(prober, u32("general.alignment", 0)(tiny), tmp_path / "a.gguf"), "general.alignment")
