@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -18,6 +19,14 @@ PROMPT = "\r\n> "
 pytestmark = pytest.mark.slow
 
 
+def default_signals() -> None:
+    """In the child before it runs: SIGINT and SIGTERM as a terminal's shell leaves them. An
+    ignored signal stays ignored across exec, and one that the test process ignores (something
+    earlier in the suite set it so) made `ft generate` deaf to Ctrl-C: it ran to its end, 0."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 def spawn(*args: str) -> pexpect.spawn:
     """`ft ARGS...` in a pseudo-terminal, greedy and short."""
     return pexpect.spawn(
@@ -27,6 +36,7 @@ def spawn(*args: str) -> pexpect.spawn:
         encoding="utf-8",
         timeout=180,
         dimensions=(40, 400),
+        preexec_fn=default_signals,
     )
 
 
