@@ -56,13 +56,14 @@ def probe(path: str, dtype: str, steps: int, kv_cache_dtype: str = "auto") -> di
     tokens: list[int] = []
     feed, start = list(ids), 0
     pages = tuple(range(8))
-    for _ in range(min(steps, context - len(ids) + 1)):
+    room = context - len(ids) + 1  # tokens the context leaves to generate (the last fed at its end)
+    for _ in range(min(steps, room)):
         work = SeqWork(0, tuple(feed), start, pages, True, params, len(tokens))
         (sampled,) = runner.step([work])
         tokens.append(sampled.token_id)
         start += len(feed)
         feed = [sampled.token_id]
-    return {"outcome": "loaded", "tokens": tokens, "vocab_size": parts.vocab_size}
+    return {"outcome": "loaded", "tokens": tokens, "vocab_size": parts.vocab_size, "room": room}
 
 
 def native_lies(path: str) -> dict[str, object]:
@@ -227,14 +228,16 @@ class Outcome:
     detail: str
     tokens: tuple[int, ...] = ()
     vocab_size: int = 0
+    room: int = 0  # tokens the file's context left to generate after the prompt
 
 
 def assert_clean(outcome: Outcome) -> None:
     """A named error, or a load whose generation produced in-vocabulary tokens."""
     assert outcome.kind in ("loaded", "refused"), f"{outcome.kind}: {outcome.detail}"
     if outcome.kind == "loaded":
-        # (fewer than the 3 asked when the file's context ends first)
-        assert 1 <= len(outcome.tokens) <= 3 and all(0 <= t < outcome.vocab_size for t in outcome.tokens)
+        # the 3 asked, fewer only when the file's context ends first
+        assert len(outcome.tokens) == min(3, outcome.room)
+        assert all(0 <= t < outcome.vocab_size for t in outcome.tokens)
 
 
 def assert_refused(outcome: Outcome, *names: str) -> None:
@@ -309,6 +312,7 @@ class Prober:
             answer.get("message", ""),
             tuple(answer.get("tokens", ())),
             int(answer.get("vocab_size", 0)),
+            int(answer.get("room", 0)),
         )
 
     def close(self) -> None:
