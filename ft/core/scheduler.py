@@ -507,7 +507,8 @@ class Scheduler:
     def _decode_works(self, decoding: list[Sequence]) -> list[SeqWork]:
         """One work per decoding sequence: its last token, and the drafts to verify after it
         when this step speculates (at most `speculative_max_batch` decodes, and the cost model
-        says the drafts' expected gain outweighs their cost)."""
+        says the drafts' expected gain outweighs their cost); a draft model that lags is fed a
+        chunk of what it lacks instead."""
         speculate = 0 < len(decoding) <= self.speculative_max_batch and self.speculative_tokens > 0
         proposals: dict[int, list[int] | int] = {}  # seq id -> n-gram drafts | model drafts
         if speculate:
@@ -521,6 +522,9 @@ class Scheduler:
         for seq in decoding:
             pos = seq.num_tokens - 1
             proposal = proposals.get(seq.seq_id, [])
+            if isinstance(proposal, int) and seq.num_tokens - seq.num_draft_computed > self.draft_catch_up:
+                works.append(self._catch_up(seq))  # its draft model drafts once it has caught up
+                continue
             if isinstance(proposal, int):  # the draft model drafts `proposal` tokens
                 k = self._take_draft_pages(seq, proposal)
                 feed = tuple(seq.tokens(seq.num_draft_computed, pos + 1)) if k else ()
@@ -531,18 +535,16 @@ class Scheduler:
                 continue
             drafts = proposal[: self._take_draft_pages(seq, len(proposal))]
             work = self._work(seq, [seq.token_at(pos), *drafts], pos, sample=True, num_draft=len(drafts))
-            if speculate and self.draft_model and seq.params.can_speculate:
-                work = self._catch_up(seq, work)
             works.append(work)
         return works
 
-    def _catch_up(self, seq: Sequence, work: SeqWork) -> SeqWork:
-        """`work` feeding the draft model the next `draft_catch_up` tokens its KV lacks, when it
-        lags by more (it drafts nothing until it is within that of the sequence's end)."""
+    def _catch_up(self, seq: Sequence) -> SeqWork:
+        """`seq`'s decode, feeding its draft model the next `draft_catch_up` tokens its KV lacks
+        (it lags by more: it drafts nothing until it is within that of the sequence's end)."""
+        pos = seq.num_tokens - 1
         start = seq.num_draft_computed
-        if seq.num_tokens - start <= self.draft_catch_up:
-            return work
         feed = tuple(seq.tokens(start, start + self.draft_catch_up))
+        work = self._work(seq, [seq.token_at(pos)], pos, sample=True)
         return replace(work, draft_feed=feed, draft_pos=start)
 
     def _pays(self, decoding: list[Sequence], proposals: dict[int, list[int] | int]) -> bool:
@@ -569,7 +571,9 @@ class Scheduler:
 
         A draft never runs past `max_tokens` or the context: the step then gives at most the
         tokens the sequence may still produce. A draft model whose KV lags by more than
-        `draft_catch_up` tokens drafts nothing: the lag is fed first (`_catch_up`).
+        `draft_catch_up` tokens proposes all the same, but a step that takes the proposal feeds
+        it the lag first (`_catch_up`), drafting nothing: so the draft model is fed only while
+        drafting pays, and costs nothing while the cost model keeps it off.
         """
         if not seq.params.can_speculate or seq.is_pooling:
             return []
@@ -589,8 +593,7 @@ class Scheduler:
         )  # tokens it may still produce; the step gives one more than it drafts
         limit = min(seq.draft_length.current, room - 1)
         if self.draft_model:
-            lag = seq.num_tokens - seq.num_draft_computed
-            return max(0, limit) if lag <= self.draft_catch_up else 0
+            return max(0, limit)
         assert seq.drafter is not None
         return seq.drafter.propose(limit)
 
@@ -806,10 +809,14 @@ class Scheduler:
             return
         if any(len(w.token_ids) - w.num_draft != 1 or w.start_pos < w.num_prompt_tokens for w in batch.works):
             return
-        if any(len(w.draft_feed) > 1 for w in batch.works):
-            return  # a draft model's catch-up is not what drafting costs
-        forwards = max((w.num_model_draft for w in batch.works), default=0)
         rows = sum(len(w.token_ids) + w.num_model_draft for w in batch.works)
+        if any(len(w.draft_feed) > 1 for w in batch.works):
+            # A draft model's catch-up is not what drafting costs, but the target's time is
+            # its time (each request's first drafts come with a catch-up: were that step not
+            # measured, the verify rows would stay unmeasured, and measured first every time).
+            self.costs.observe(rows, done.duration_s, done.draft_s)
+            return
+        forwards = max((w.num_model_draft for w in batch.works), default=0)
         drafting = sum(1 for w in batch.works if w.num_model_draft)
         self.costs.observe(rows, done.duration_s, done.draft_s, forwards, drafting)
 

@@ -348,3 +348,21 @@ def test_the_scheduler_measures_decode_steps_into_its_cost_model() -> None:
     rows = 1 + batch.works[0].num_draft
     s.on_step_done(batch, StepDone(batch.step, (Sampled(0, 99),), duration_s=0.02))
     assert costs.estimate(rows) == 0.02
+
+
+@pytest.mark.parametrize(("verify_s", "fed"), [(0.0101, True), (0.5, False)])
+def test_a_lagging_draft_model_is_fed_only_while_drafting_pays(verify_s: float, fed: bool) -> None:
+    """A draft model the cost model keeps off is not fed the prompt in chunks (its catch-up
+    was the whole cost of a draft model that never agrees: 0 of 123 drafts accepted on a 1B
+    target, 2% of its decode), except on the cost model's rare retries."""
+    costs = make_costs(0.010, verify_s)
+    costs.observe(5, verify_s + 0.001, draft_s=0.001, num_forwards=4, num_drafting=1)  # measured
+    s = make(max_prefill_tokens=32, costs=costs)  # 8 tokens a catch-up
+    s.add(1, list(range(1, 41)), SamplingParams(max_tokens=2 * RETRY_EVERY, ignore_eos=True))
+    tokens, models = run_all(s, [])
+    assert len(tokens[1, 0]) == 2 * RETRY_EVERY
+    feeds = [len(w.draft_feed) for w in models.works if w.draft_feed]
+    if fed:  # 41 tokens behind after the prefill: 8 a step, then it drafts
+        assert feeds[:5] == [8] * 5 and s.num_draft_tokens > 0
+    else:  # the one retry in 31 steps fed one chunk; nothing drafted
+        assert feeds == [8] and s.num_draft_tokens == 0
