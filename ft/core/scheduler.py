@@ -75,6 +75,11 @@ class Finish:
 NOT_FINISHED = Finish(None)
 
 
+def _num_drafts(proposal: list[int] | int) -> int:
+    """Tokens a proposal drafts: its n-gram drafts, or what the draft model is asked for."""
+    return proposal if isinstance(proposal, int) else len(proposal)
+
+
 def pages_for(num_tokens: int, page_size: int) -> int:
     """Pages needed to hold `num_tokens` tokens."""
     return -(-num_tokens // page_size)
@@ -516,8 +521,8 @@ class Scheduler:
                 proposal = self._propose(seq)
                 if proposal:
                     proposals[seq.seq_id] = proposal
-        if proposals and self.costs is not None and not self._pays(decoding, proposals):
-            proposals = {}
+        if proposals and self.costs is not None:
+            proposals = self._worth(decoding, proposals)
         works = []
         for seq in decoding:
             pos = seq.num_tokens - 1
@@ -547,23 +552,53 @@ class Scheduler:
         work = self._work(seq, [seq.token_at(pos)], pos, sample=True)
         return replace(work, draft_feed=feed, draft_pos=start)
 
-    def _pays(self, decoding: list[Sequence], proposals: dict[int, list[int] | int]) -> bool:
-        """Whether the proposed drafts are expected to save more than they cost (`StepCosts`)."""
+    def _worth(
+        self, decoding: list[Sequence], proposals: dict[int, list[int] | int]
+    ) -> dict[int, list[int] | int]:
+        """The proposals worth drafting (`StepCosts`): those of the sequences whose own expected
+        gain beats the verify rows they add, if the step's drafts together pay; when no
+        sequence's does on its own, the step's gate decides for all of them."""
         assert self.costs is not None
         # Each draft is accepted (given the ones before it were) at the sequence's own rate,
         # shrunk toward the engine's: (accepted + 2 * engine rate) / (accepted + refusals + 2).
         overall = (self.num_accepted_tokens + 1) / (self.num_accepted_tokens + self.num_refusals + 2)
         by_id = {seq.seq_id: seq for seq in decoding}
-        expected = 0.0
-        num_drafted = 0
+        expected: dict[int, float] = {}
         for seq_id, proposal in proposals.items():
             seq = by_id[seq_id]
-            k = proposal if isinstance(proposal, int) else len(proposal)
             rate = (seq.num_accepted + 2 * overall) / (seq.num_accepted + seq.num_refusals + 2)
-            expected += expected_accepted(k, rate)
-            num_drafted += k
+            expected[seq_id] = expected_accepted(_num_drafts(proposal), rate)
+        # None kept on its own: the step's gate decides for all of them (its retries are how a
+        # sequence refused for a while gets to show that its drafts pay again).
+        kept = {seq_id: proposals[seq_id] for seq_id in self._kept(len(decoding), proposals, expected)}
+        candidates = kept or proposals
+        return candidates if self._step_pays(len(decoding), candidates, expected) else {}
+
+    def _kept(
+        self, num_decodes: int, proposals: dict[int, list[int] | int], expected: dict[int, float]
+    ) -> set[int]:
+        """The sequences whose own expected gain beats their share of the verify rows' cost
+        (all of them while that cost is unmeasured). A draft model's forwards are shared by
+        every drafting sequence, so only the target's rows are counted here."""
+        assert self.costs is not None
+        num_drafted = sum(_num_drafts(p) for p in proposals.values())
+        plain = self.costs.estimate(num_decodes)
+        verify = self.costs.estimate(num_decodes + num_drafted)
+        if plain is None or verify is None:
+            return set(proposals)
+        per_row = (verify - plain) / num_drafted
+        per_token = plain / num_decodes
+        return {i for i, p in proposals.items() if expected[i] * per_token > _num_drafts(p) * per_row}
+
+    def _step_pays(
+        self, num_decodes: int, proposals: dict[int, list[int] | int], expected: dict[int, float]
+    ) -> bool:
+        """Whether the step's drafts, all together, pay (`StepCosts.pays`, retries included)."""
+        assert self.costs is not None
+        num_drafted = sum(_num_drafts(p) for p in proposals.values())
+        gain = sum(expected[seq_id] for seq_id in proposals)
         forwards = max((p for p in proposals.values() if isinstance(p, int)), default=0)
-        return self.costs.pays(len(decoding), num_drafted, expected, forwards, len(proposals))
+        return self.costs.pays(num_decodes, num_drafted, gain, forwards, len(proposals))
 
     def _propose(self, seq: Sequence) -> list[int] | int:
         """What `seq` would draft this step: n-gram drafts, or how many tokens the draft model

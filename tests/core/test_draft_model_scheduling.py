@@ -366,3 +366,30 @@ def test_a_lagging_draft_model_is_fed_only_while_drafting_pays(verify_s: float, 
         assert feeds[:5] == [8] * 5 and s.num_draft_tokens > 0
     else:  # the one retry in 31 steps fed one chunk; nothing drafted
         assert feeds == [8] and s.num_draft_tokens == 0
+
+
+def test_a_sequence_whose_drafts_fail_does_not_draft_beside_one_whose_drafts_pay() -> None:
+    """The step's gate decides for all its drafts at once: one request refusing every draft
+    beside one accepting them all would cost a verify row a step. Its own expected gain is
+    weighed against the rows it adds, so only the other drafts."""
+    costs = StepCosts()
+    costs.observe(2, 0.010)
+    costs.observe(10, 0.012)  # 0.25 ms a verify row; 5 ms a token without drafts
+    s = make(draft_model=False, costs=costs)
+    prompt = [11, 12, 13, 14, 11, 12]  # "13 14 11 12" is drafted after the next "13"
+    s.add(1, prompt, SamplingParams(max_tokens=20))
+    s.add(2, prompt, SamplingParams(max_tokens=20))
+    batch = s.schedule()
+    assert batch is not None
+    s.on_step_done(batch, StepDone(batch.step, (Sampled(0, 13), Sampled(1, 13))))
+    good, bad = s.running[0], s.running[1]
+    good.num_accepted, good.num_refusals = 40, 2
+    bad.num_accepted, bad.num_refusals = 0, 40
+    batch = s.schedule()
+    assert batch is not None
+    drafts = {w.seq_id: w.num_draft for w in batch.works}
+    assert drafts[0] > 0 and drafts[1] == 0
+    # Alone, the bad one is the step's gate's to decide: it refuses (and retries now and then).
+    good.num_accepted, good.num_refusals = 0, 40
+    batch2 = s.schedule()
+    assert batch2 is not None and all(w.num_draft == 0 for w in batch2.works)
