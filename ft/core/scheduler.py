@@ -572,7 +572,12 @@ class Scheduler:
         # sequence refused for a while gets to show that its drafts pay again).
         kept = {seq_id: proposals[seq_id] for seq_id in self._kept(len(decoding), proposals, expected)}
         candidates = kept or proposals
-        return candidates if self._step_pays(len(decoding), candidates, expected) else {}
+        lag = sum(
+            by_id[seq_id].num_tokens - by_id[seq_id].num_draft_computed
+            for seq_id, proposal in candidates.items()
+            if isinstance(proposal, int)
+        )
+        return candidates if self._step_pays(len(decoding), candidates, expected, lag) else {}
 
     def _kept(
         self, num_decodes: int, proposals: dict[int, list[int] | int], expected: dict[int, float]
@@ -591,14 +596,15 @@ class Scheduler:
         return {i for i, p in proposals.items() if expected[i] * per_token > _num_drafts(p) * per_row}
 
     def _step_pays(
-        self, num_decodes: int, proposals: dict[int, list[int] | int], expected: dict[int, float]
+        self, num_decodes: int, proposals: dict[int, list[int] | int], expected: dict[int, float], lag: int
     ) -> bool:
-        """Whether the step's drafts, all together, pay (`StepCosts.pays`, retries included)."""
+        """Whether the step's drafts, all together, pay (`StepCosts.pays`, retries included);
+        `lag`: the tokens their draft models must be fed before they draft."""
         assert self.costs is not None
         num_drafted = sum(_num_drafts(p) for p in proposals.values())
         gain = sum(expected[seq_id] for seq_id in proposals)
         forwards = max((p for p in proposals.values() if isinstance(p, int)), default=0)
-        return self.costs.pays(num_decodes, num_drafted, gain, forwards, len(proposals))
+        return self.costs.pays(num_decodes, num_drafted, gain, forwards, len(proposals), lag)
 
     def _propose(self, seq: Sequence) -> list[int] | int:
         """What `seq` would draft this step: n-gram drafts, or how many tokens the draft model
@@ -850,6 +856,7 @@ class Scheduler:
             # its time (each request's first drafts come with a catch-up: were that step not
             # measured, the verify rows would stay unmeasured, and measured first every time).
             self.costs.observe(rows, done.duration_s, done.draft_s)
+            self.costs.observe_catch_up(sum(len(w.draft_feed) for w in batch.works), done.draft_s)
             return
         forwards = max((w.num_model_draft for w in batch.works), default=0)
         drafting = sum(1 for w in batch.works if w.num_model_draft)

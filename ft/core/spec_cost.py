@@ -30,6 +30,12 @@ WINDOW = 9
 # a forward: every 16 steps that was 12% of a 1B target's decode (0 of 153 drafts accepted).
 RETRY_EVERY = 16
 MAX_RETRY_EVERY = 1024
+# A retry that must first feed a draft model the tokens it lags by (it is not fed while drafting
+# does not pay) waits until the steps since the last one took this many times that feed: so
+# such retries cost at most ~1% (a running request's lag grows a token a step, so in practice
+# they happen as new requests arrive). Feeding them every 16 .. 1024 steps was 2.8% of a 1B
+# target's decode with the default model drafting and never agreeing.
+CATCH_UP_BUDGET = 100
 
 
 def expected_accepted(num_drafts: int, rate: float) -> float:
@@ -68,6 +74,8 @@ class StepCosts:
     step_s: dict[int, deque[float]] = field(default_factory=dict)
     # drafting sequences -> the last `WINDOW` seconds per draft-model forward
     draft_forward_s: dict[int, deque[float]] = field(default_factory=dict)
+    # the last `WINDOW` seconds per token of a draft model's catch-up (its lag, fed in chunks)
+    catch_up_s: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))
     # decodes -> (the last decision, how many steps in a row it was taken, steps between
     # retries, whether the last step was a retry)
     streak: dict[int, tuple[bool, int, int, bool]] = field(default_factory=dict)
@@ -82,22 +90,30 @@ class StepCosts:
         if num_forwards and num_drafting:
             _add(self.draft_forward_s, num_drafting, draft_s / num_forwards)
 
+    def observe_catch_up(self, num_tokens: int, seconds: float) -> None:
+        """Fold in a step that fed draft models `num_tokens` tokens of catch-up in `seconds`."""
+        if num_tokens > 0 and seconds > 0.0:
+            self.catch_up_s.append(seconds / num_tokens)
+
     def estimate(self, num_rows: int) -> float | None:
         """The target's time for a decode-only step of `num_rows` rows (None: unmeasured)."""
         return _interpolate(self.step_s, num_rows)
 
     def pays(
         self, num_decodes: int, num_drafted: int, num_expected: float, num_forwards: int = 0,
-        num_drafting: int = 0,
+        num_drafting: int = 0, num_catch_up: int = 0,
     ) -> bool:  # fmt: skip
         """Whether drafting `num_drafted` rows for `num_decodes` decoding sequences (`num_drafting`
         of them drafting), `num_expected` drafts expected accepted, saves more than it costs
-        (`num_forwards` draft-model forwards; 0 for free drafts).
+        (`num_forwards` draft-model forwards; 0 for free drafts; `num_catch_up` tokens the draft
+        models lag by, fed before they draft).
 
         Unmeasured costs are measured first: a step without drafts when t(D) is unknown, with
         them when the rest is. After `RETRY_EVERY` steps in a row decided alike, the other
         choice is taken once, so both sides' measurements stay current; after each retry that
-        changed nothing, twice as many steps (up to `MAX_RETRY_EVERY`).
+        changed nothing, twice as many steps (up to `MAX_RETRY_EVERY`). A retry to drafting
+        whose catch-up would cost more than 1 / `CATCH_UP_BUDGET` of the steps since the last
+        waits (the streak goes on).
         """
         plain = _interpolate(self.step_s, num_decodes)
         if plain is None:
@@ -117,8 +133,15 @@ class StepCosts:
             count, spacing = 1, min(MAX_RETRY_EVERY, 2 * spacing)
         else:
             count += 1
-        if count > spacing:
+        if count > spacing and (decided or not self._catch_up_waits(count * plain, num_catch_up)):
             self.streak[num_decodes] = (decided, 0, spacing, True)
             return not decided
         self.streak[num_decodes] = (decided, count, spacing, False)
         return decided
+
+    def _catch_up_waits(self, since_s: float, num_tokens: int) -> bool:
+        """Whether feeding draft models `num_tokens` tokens of catch-up costs more than
+        1 / `CATCH_UP_BUDGET` of `since_s` (unmeasured: it does not, so it gets measured)."""
+        if not num_tokens or not self.catch_up_s:
+            return False
+        return CATCH_UP_BUDGET * num_tokens * _median(self.catch_up_s) > since_s

@@ -9,7 +9,14 @@ import pytest
 from ft.core.batch import Sampled, SeqWork
 from ft.core.kv import PagePool
 from ft.core.scheduler import Scheduler
-from ft.core.spec_cost import MAX_RETRY_EVERY, RETRY_EVERY, WINDOW, StepCosts, expected_accepted
+from ft.core.spec_cost import (
+    CATCH_UP_BUDGET,
+    MAX_RETRY_EVERY,
+    RETRY_EVERY,
+    WINDOW,
+    StepCosts,
+    expected_accepted,
+)
 from ft.messages import SeqFailed, StepDone, TokenOut
 from ft.params import SamplingParams
 
@@ -297,6 +304,27 @@ def test_a_decision_that_stays_the_same_is_tried_the_other_way_less_and_less_oft
     assert costs.pays(1, 4, 10.0)  # the measurements changed the decision: retries start over
     decisions = [costs.pays(1, 4, 10.0) for _ in range(RETRY_EVERY + 1)]
     assert decisions.index(False) == RETRY_EVERY - 1
+
+
+def test_a_retry_that_must_feed_a_lagging_draft_model_waits_until_it_costs_a_hundredth() -> None:
+    def refusing() -> StepCosts:
+        costs = StepCosts()
+        costs.observe(1, 0.010)
+        costs.observe(5, 0.050)  # verifying is far too dear
+        costs.observe_catch_up(100, 0.10035)  # ~1 ms a token of catch-up
+        return costs
+
+    # 100 tokens behind: 0.10035 s to feed, so not before 100 x that = 1,003.5 steps of 10 ms
+    assert CATCH_UP_BUDGET == 100
+    costs = refusing()
+    decisions = [costs.pays(1, 4, 0.5, num_catch_up=100) for _ in range(1200)]
+    assert [i + 1 for i, d in enumerate(decisions) if d] == [1004]
+    # one token behind (a draft model that was never refused): retries as without one
+    costs = refusing()
+    decisions = [costs.pays(1, 4, 0.5, num_catch_up=1) for _ in range(RETRY_EVERY + 1)]
+    assert [i for i, d in enumerate(decisions) if d] == [RETRY_EVERY]
+    # drafting that pays is never held back by its catch-up (only retries to drafting are)
+    assert costs.pays(1, 4, 10.0, num_catch_up=10_000)
 
 
 def test_retries_are_never_further_apart_than_the_cap() -> None:
