@@ -10,6 +10,7 @@ grid of policies (most drafted tokens, shortest n-gram), with every step
 costing the measured t(1 + drafts), and prints the speed-up each policy gives over the same
 outputs decoded one token a step. The replay ignores the cost gate, so it is an upper bound
 for the policy: what acceptance and the step's cost curve allow, before any gate or overhead.
+Last, `hindsight`'s bound for any drafter that copies from earlier in the context.
 """
 
 from __future__ import annotations
@@ -95,6 +96,41 @@ def replay(
     return Replay(steps, verifications, drafted, accepted, seconds)
 
 
+def hindsight(
+    prompts: list[list[int]], outputs: list[list[int]], step_s: dict[int, float], max_tokens: int, min_n: int
+) -> Replay:  # fmt: skip
+    """The bound no lookup drafter passes: each step drafts, from whichever earlier occurrence
+    of the last `min_n` tokens continues the output furthest, exactly the tokens that will be
+    accepted (up to `max_tokens`; knowing which occurrence and where to stop takes the future)."""
+    steps = accepted = 0
+    seconds = 0.0
+    for prompt, output in zip(prompts, outputs, strict=True):
+        context = [*prompt, output[0]]
+        known = 1
+        while known < len(output):
+            best = 0
+            tail = context[-min_n:]
+            for start in range(min_n, len(context)):
+                if context[start - min_n : start] != tail:
+                    continue
+                hits = 0
+                while (
+                    hits < max_tokens
+                    and known + hits < len(output)
+                    and start + hits < len(context)
+                    and context[start + hits] == output[known + hits]
+                ):
+                    hits += 1
+                best = max(best, hits)
+            gained = min(best + 1, len(output) - known)
+            context += output[known : known + gained]
+            known += gained
+            steps += 1
+            accepted += best
+            seconds += step_s[1 + best]
+    return Replay(steps, steps, accepted, accepted, seconds)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -119,6 +155,12 @@ def main() -> None:
                 f"max {max_tokens:2d} min_n {min_n}: steps {r.steps} verifications "
                 f"{r.verifications} drafted {r.drafted} accepted {r.accepted} -> {plain / r.seconds:.2f}x"
             )
+    for min_n in (1, 2, 3):
+        r = hindsight(prompt_ids, outputs, step_s, 8, min_n)
+        print(
+            f"hindsight bound, max 8, the last {min_n} token(s) matched: steps {r.steps} "
+            f"accepted {r.accepted} -> {plain / r.seconds:.2f}x"
+        )
 
 
 if __name__ == "__main__":
