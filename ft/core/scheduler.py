@@ -49,7 +49,7 @@ from ft.core.batch import (
 from ft.core.kv import PagePool, page_hash
 from ft.core.ngram import DraftLength, NgramIndex
 from ft.core.sequence import SeqStatus, Sequence
-from ft.core.spec_cost import StepCosts, expected_accepted
+from ft.core.spec_cost import MAX_RETRY_EVERY, RETRY_EVERY, StepCosts, expected_accepted
 from ft.errors import ContextLengthExceeded, InvalidRequest
 from ft.params import SamplingParams, mix_seed
 
@@ -411,7 +411,7 @@ class Scheduler:
             seq.page_ids, seq.num_dropped = [], 0
             seq.num_lost = max(seq.num_lost, seq.num_computed)
             seq.num_computed = seq.num_registered = 0
-            seq.num_draft_computed = 0
+            seq.num_draft_computed, seq.catching_up = 0, False
             seq.num_preemptions += 1
             seq.status = SeqStatus.PREEMPTED
         if group:
@@ -522,12 +522,19 @@ class Scheduler:
                 if proposal:
                     proposals[seq.seq_id] = proposal
         if proposals and self.costs is not None:
-            proposals = self._worth(decoding, proposals)
+            # A draft model let through while it lags is fed until it drafts once (what the
+            # gate let through is a measurement of its drafts, and one chunk would measure none).
+            feeding = {seq.seq_id for seq in decoding if seq.catching_up and seq.seq_id in proposals}
+            asked = {i: p for i, p in proposals.items() if i not in feeding}
+            let = self._worth(decoding, asked) if asked else {}
+            proposals = {i: p for i, p in proposals.items() if i in let or i in feeding}
         works = []
         for seq in decoding:
             pos = seq.num_tokens - 1
             proposal = proposals.get(seq.seq_id, [])
+            seq.catching_up = False
             if isinstance(proposal, int) and seq.num_tokens - seq.num_draft_computed > self.draft_catch_up:
+                seq.catching_up = True
                 works.append(self._catch_up(seq))  # its draft model drafts once it has caught up
                 continue
             if isinstance(proposal, int):  # the draft model drafts `proposal` tokens
@@ -556,8 +563,9 @@ class Scheduler:
         self, decoding: list[Sequence], proposals: dict[int, list[int] | int]
     ) -> dict[int, list[int] | int]:
         """The proposals worth drafting (`StepCosts`): those of the sequences whose own expected
-        gain beats the verify rows they add, if the step's drafts together pay; when no
-        sequence's does on its own, the step's gate decides for all of them."""
+        gain beats the verify rows they add, if the step's drafts together pay (with, now and
+        then, one passed over); when no sequence's does on its own, the step's gate decides for
+        all of them."""
         assert self.costs is not None
         # Each draft is accepted (given the ones before it were) at the sequence's own rate,
         # shrunk toward the engine's: (accepted + 2 * engine rate) / (accepted + refusals + 2).
@@ -568,32 +576,57 @@ class Scheduler:
             seq = by_id[seq_id]
             rate = (seq.num_accepted + 2 * overall) / (seq.num_accepted + seq.num_refusals + 2)
             expected[seq_id] = expected_accepted(_num_drafts(proposal), rate)
-        # None kept on its own: the step's gate decides for all of them (its retries are how a
-        # sequence refused for a while gets to show that its drafts pay again).
-        kept = {seq_id: proposals[seq_id] for seq_id in self._kept(len(decoding), proposals, expected)}
-        candidates = kept or proposals
+        kept, passed = self._kept(decoding, proposals, expected)
+        candidates = {seq_id: proposals[seq_id] for seq_id in kept}
+        # What their draft models lag by beyond the token or two a drafting step feeds anyway.
         lag = sum(
-            by_id[seq_id].num_tokens - by_id[seq_id].num_draft_computed
+            max(0, by_id[seq_id].num_tokens - by_id[seq_id].num_draft_computed - 2)
             for seq_id, proposal in candidates.items()
             if isinstance(proposal, int)
         )
-        return candidates if self._step_pays(len(decoding), candidates, expected, lag) else {}
+        if not self._step_pays(len(decoding), candidates, expected, lag):
+            return {}
+        # One passed over is let through once, beside drafts that pay, after `RETRY_EVERY` such
+        # steps in a row, then twice as many (up to `MAX_RETRY_EVERY`) while it stays passed
+        # over: so its acceptance is measured again.
+        for seq in passed:
+            if seq.num_passed_over > seq.retry_passed_over:
+                seq.num_passed_over = 0
+                seq.retry_passed_over = min(MAX_RETRY_EVERY, 2 * seq.retry_passed_over)
+                candidates[seq.seq_id] = proposals[seq.seq_id]
+        return candidates
 
     def _kept(
-        self, num_decodes: int, proposals: dict[int, list[int] | int], expected: dict[int, float]
-    ) -> set[int]:
+        self, decoding: list[Sequence], proposals: dict[int, list[int] | int], expected: dict[int, float]
+    ) -> tuple[set[int], list[Sequence]]:
         """The sequences whose own expected gain beats their share of the verify rows' cost
-        (all of them while that cost is unmeasured). A draft model's forwards are shared by
-        every drafting sequence, so only the target's rows are counted here."""
+        (all of them while that cost is unmeasured, or when none's does: the step's gate then
+        decides for all, its retries included), and those passed over beside them (counted in
+        `Sequence.num_passed_over`). A draft model's forwards are shared by every drafting
+        sequence, so only the target's rows are counted here."""
         assert self.costs is not None
         num_drafted = sum(_num_drafts(p) for p in proposals.values())
-        plain = self.costs.estimate(num_decodes)
-        verify = self.costs.estimate(num_decodes + num_drafted)
+        plain = self.costs.estimate(len(decoding))
+        verify = self.costs.estimate(len(decoding) + num_drafted)
         if plain is None or verify is None:
-            return set(proposals)
+            return set(proposals), []
         per_row = (verify - plain) / num_drafted
-        per_token = plain / num_decodes
-        return {i for i, p in proposals.items() if expected[i] * per_token > _num_drafts(p) * per_row}
+        per_token = plain / len(decoding)
+        proposing = [seq for seq in decoding if seq.seq_id in proposals]
+        kept = {
+            seq.seq_id
+            for seq in proposing
+            if expected[seq.seq_id] * per_token > _num_drafts(proposals[seq.seq_id]) * per_row
+        }
+        if not kept:
+            return set(proposals), []
+        passed = [seq for seq in proposing if seq.seq_id not in kept]
+        for seq in proposing:
+            if seq.seq_id in kept:
+                seq.num_passed_over, seq.retry_passed_over = 0, RETRY_EVERY
+            else:
+                seq.num_passed_over += 1
+        return kept, passed
 
     def _step_pays(
         self, num_decodes: int, proposals: dict[int, list[int] | int], expected: dict[int, float], lag: int
@@ -613,8 +646,8 @@ class Scheduler:
         A draft never runs past `max_tokens` or the context: the step then gives at most the
         tokens the sequence may still produce. A draft model whose KV lags by more than
         `draft_catch_up` tokens proposes all the same, but a step that takes the proposal feeds
-        it the lag first (`_catch_up`), drafting nothing: so the draft model is fed only while
-        drafting pays, and costs nothing while the cost model keeps it off.
+        it the lag first (`_catch_up`), drafting nothing, until it drafts: so the draft model is
+        fed only while drafting pays or the cost model retries it (`CATCH_UP_BUDGET`).
         """
         if not seq.params.can_speculate or seq.is_pooling:
             return []
@@ -851,12 +884,16 @@ class Scheduler:
         if any(len(w.token_ids) - w.num_draft != 1 or w.start_pos < w.num_prompt_tokens for w in batch.works):
             return
         rows = sum(len(w.token_ids) + w.num_model_draft for w in batch.works)
-        if any(len(w.draft_feed) > 1 for w in batch.works):
-            # A draft model's catch-up is not what drafting costs, but the target's time is
-            # its time (each request's first drafts come with a catch-up: were that step not
-            # measured, the verify rows would stay unmeasured, and measured first every time).
+        # A drafting work feeds its draft model one or two tokens (two after a draft accepted
+        # whole); more, or a feed without drafts, is a catch-up.
+        catching_up = [w for w in batch.works if w.draft_feed and not w.num_model_draft]
+        if catching_up or any(len(w.draft_feed) > 2 for w in batch.works):
+            # A catch-up is not what drafting costs, but the target's time is its time (each
+            # request's first drafts come with a catch-up: were that step not measured, the
+            # verify rows would stay unmeasured, and measured first every time).
             self.costs.observe(rows, done.duration_s, done.draft_s)
-            self.costs.observe_catch_up(sum(len(w.draft_feed) for w in batch.works), done.draft_s)
+            if catching_up and not any(w.num_model_draft for w in batch.works):
+                self.costs.observe_catch_up(sum(len(w.draft_feed) for w in catching_up), done.draft_s)
             return
         forwards = max((w.num_model_draft for w in batch.works), default=0)
         drafting = sum(1 for w in batch.works if w.num_model_draft)

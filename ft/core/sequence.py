@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from ft.core.spec_cost import RETRY_EVERY
 from ft.params import SamplingParams
 
 if TYPE_CHECKING:
@@ -54,6 +55,11 @@ class Sequence:
     num_accepted: int = 0
     num_refusals: int = 0  # verifications that refused one of its drafts
     num_draft_computed: int = 0  # leading tokens whose KV the draft model holds (a draft model)
+    catching_up: bool = False  # its draft model, once let through, is fed until it drafts
+    # Steps in a row its own drafts were judged not worth their rows beside others' that were,
+    # and how many such steps before it is let through once to be measured again.
+    num_passed_over: int = 0
+    retry_passed_over: int = RETRY_EVERY
     # A pooling request: the sum of the hidden states pooled so far, and the positions before
     # `num_pooled` it holds (mean: every one summed; cls: position 0; last: set when done).
     pool_sum: list[float] = field(default_factory=list)

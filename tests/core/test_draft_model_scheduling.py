@@ -4,11 +4,15 @@ preemption), pages for the drafts, and the measured cost model that turns drafti
 
 from __future__ import annotations
 
+import sys
+from dataclasses import replace
+
 import pytest
 
-from ft.core.batch import Sampled, SeqWork
+from ft.core.batch import Batch, Sampled, SeqWork
 from ft.core.kv import PagePool
 from ft.core.scheduler import Scheduler
+from ft.core.sequence import Sequence
 from ft.core.spec_cost import (
     CATCH_UP_BUDGET,
     MAX_RETRY_EVERY,
@@ -382,7 +386,8 @@ def test_the_scheduler_measures_decode_steps_into_its_cost_model() -> None:
 def test_a_lagging_draft_model_is_fed_only_while_drafting_pays(verify_s: float, fed: bool) -> None:
     """A draft model the cost model keeps off is not fed the prompt in chunks (its catch-up
     was the whole cost of a draft model that never agrees: 0 of 123 drafts accepted on a 1B
-    target, 2% of its decode), except on the cost model's rare retries."""
+    target, 2% of its decode), except on the cost model's rare retries: then it is fed until
+    it drafts once, so the retry measures its drafts."""
     costs = make_costs(0.010, verify_s)
     costs.observe(5, verify_s + 0.001, draft_s=0.001, num_forwards=4, num_drafting=1)  # measured
     s = make(max_prefill_tokens=32, costs=costs)  # 8 tokens a catch-up
@@ -392,8 +397,10 @@ def test_a_lagging_draft_model_is_fed_only_while_drafting_pays(verify_s: float, 
     feeds = [len(w.draft_feed) for w in models.works if w.draft_feed]
     if fed:  # 41 tokens behind after the prefill: 8 a step, then it drafts
         assert feeds[:5] == [8] * 5 and s.num_draft_tokens > 0
-    else:  # the one retry in 31 steps fed one chunk; nothing drafted
-        assert feeds == [8] and s.num_draft_tokens == 0
+    else:  # the one retry in 31 steps (its 17th decode) fed the lag in chunks, then drafted
+        drafting = [(w.start_pos, len(w.draft_feed), w.num_model_draft) for w in models.works if w.draft_feed]
+        assert drafting[0][0] == 40 + RETRY_EVERY and feeds == [8] * 8
+        assert [k for *_, k in drafting] == [0] * 7 + [4] and s.num_verifications == 1
 
 
 def test_a_sequence_whose_drafts_fail_does_not_draft_beside_one_whose_drafts_pay() -> None:
@@ -417,7 +424,66 @@ def test_a_sequence_whose_drafts_fail_does_not_draft_beside_one_whose_drafts_pay
     assert batch is not None
     drafts = {w.seq_id: w.num_draft for w in batch.works}
     assert drafts[0] > 0 and drafts[1] == 0
-    # Alone, the bad one is the step's gate's to decide: it refuses (and retries now and then).
+    # When neither pays on its own, the step's gate decides for both: it refuses (and retries
+    # now and then).
     good.num_accepted, good.num_refusals = 0, 40
     batch2 = s.schedule()
     assert batch2 is not None and all(w.num_draft == 0 for w in batch2.works)
+
+
+def test_a_sequence_passed_over_beside_others_is_let_through_now_and_then() -> None:
+    """So that its acceptance is measured again: after RETRY_EVERY steps passed over, then
+    twice as many each time (the step's own gate retrying on the same cadence must not
+    swallow those steps)."""
+    costs = StepCosts()
+    costs.observe(2, 0.010)
+    costs.observe(10, 0.012)
+    s = make(draft_model=False, costs=costs)
+    params = SamplingParams(max_tokens=20)
+    good, bad = Sequence(0, 1, 0, [1, 2], params), Sequence(1, 2, 0, [1, 2], params)
+    good.num_accepted, good.num_refusals = 400, 20
+    bad.num_accepted, bad.num_refusals = 0, 40
+    s.num_accepted_tokens, s.num_refusals = 400, 30
+    steps = [s._worth([good, bad], {0: [5, 6, 7, 8], 1: [5]}) for _ in range(1000)]
+    assert sum(1 in step for step in steps) == 5  # steps 17, 50, 115, 244, 501 (spacing 16 .. 256)
+    assert sum(0 in step for step in steps) >= 990  # only the gate's own retries skip a step
+
+
+def test_a_request_the_engine_gave_up_on_drafts_once_a_retry_feeds_its_draft_model(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Earlier requests' drafts all failed, so the gate refuses this one's from the start, while
+    its draft model lags behind a long prompt; this one's drafts would all be accepted. A
+    retry feeds its draft model until it drafts (one chunk a retry never caught up: it drafted
+    nothing in 1,500 tokens), and once its drafts are seen to pay it keeps drafting."""
+    monkeypatch.setattr(sys.modules[__name__], "drafted_token", next_token)  # always agrees
+    costs = StepCosts()
+    costs.observe(1, 0.010)
+    costs.observe(5, 0.012)  # 0.5 ms a verify row
+    costs.observe(5, 0.0125, draft_s=0.002, num_forwards=4, num_drafting=1)  # 0.5 ms a draft forward
+    s = make(max_prefill_tokens=32, max_model_len=2048, num_pages=600, costs=costs)  # 8 a catch-up
+    s.num_accepted_tokens, s.num_refusals = 0, 100
+    prompt = list(range(1, 61))
+    tokens, models = run_all(s, [(prompt, SamplingParams(max_tokens=1500, ignore_eos=True))])
+    assert len(tokens[1, 0]) == 1500
+    assert s.num_accepted_tokens > 1000 and len(models.works) < 700
+
+
+def test_a_step_feeding_a_catch_up_or_drafts_measures_each_as_what_it_is() -> None:
+    """Catch-up seconds per token come only from steps that fed catch-ups and drafted nothing;
+    a drafting work's usual one- or two-token feed is drafting (measured per forward)."""
+    costs = StepCosts()
+    s = make(costs=costs)
+    s.add(1, [11, 12, 13, 14, 11, 12], SamplingParams(max_tokens=20))
+    batch = s.schedule()
+    assert batch is not None
+    s.on_step_done(batch, StepDone(batch.step, (Sampled(0, 13),)))
+    decode = s.schedule()  # a decode work to vary
+    assert decode is not None
+    work = replace(decode.works[0], draft_feed=(), num_model_draft=0)
+    catch_up = replace(work, draft_feed=tuple(range(40)), draft_pos=0)
+    drafting = replace(work, draft_feed=(12, 13), draft_pos=5, num_model_draft=4)
+    for works, draft_s in (((drafting,), 0.004), ((catch_up,), 0.020), ((catch_up, drafting), 0.030)):
+        s._observe_costs(Batch(9, works, (), ()), StepDone(9, (), duration_s=0.05, draft_s=draft_s))
+    assert list(costs.catch_up_s) == [pytest.approx(0.020 / 40)]
+    assert {rows: list(v) for rows, v in costs.draft_forward_s.items()} == {1: [pytest.approx(0.001)]}
