@@ -884,19 +884,21 @@ class Scheduler:
         if any(len(w.token_ids) - w.num_draft != 1 or w.start_pos < w.num_prompt_tokens for w in batch.works):
             return
         rows = sum(len(w.token_ids) + w.num_model_draft for w in batch.works)
+        forwards = max((w.num_model_draft for w in batch.works), default=0)
+        drafting = sum(1 for w in batch.works if w.num_model_draft)
         # A drafting work feeds its draft model one or two tokens (two after a draft accepted
         # whole); more, or a feed without drafts, is a catch-up.
-        catching_up = [w for w in batch.works if w.draft_feed and not w.num_model_draft]
-        if catching_up or any(len(w.draft_feed) > 2 for w in batch.works):
+        catching_up = [
+            w for w in batch.works if len(w.draft_feed) > 2 or (w.draft_feed and not w.num_model_draft)
+        ]
+        if catching_up:
             # A catch-up is not what drafting costs, but the target's time is its time (each
             # request's first drafts come with a catch-up: were that step not measured, the
             # verify rows would stay unmeasured, and measured first every time).
             self.costs.observe(rows, done.duration_s, done.draft_s)
-            if catching_up and not any(w.num_model_draft for w in batch.works):
-                self.costs.observe_catch_up(sum(len(w.draft_feed) for w in catching_up), done.draft_s)
+            fed = sum(len(w.draft_feed) for w in catching_up)
+            self.costs.observe_catch_up(fed, done.draft_s, forwards, drafting)
             return
-        forwards = max((w.num_model_draft for w in batch.works), default=0)
-        drafting = sum(1 for w in batch.works if w.num_model_draft)
         self.costs.observe(rows, done.duration_s, done.draft_s, forwards, drafting)
 
     def _trim_pages(self, seq: Sequence) -> None:

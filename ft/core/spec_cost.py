@@ -90,9 +90,21 @@ class StepCosts:
         if num_forwards and num_drafting:
             _add(self.draft_forward_s, num_drafting, draft_s / num_forwards)
 
-    def observe_catch_up(self, num_tokens: int, seconds: float) -> None:
-        """Fold in a step that fed draft models `num_tokens` tokens of catch-up in `seconds`."""
-        if num_tokens > 0 and seconds > 0.0:
+    def observe_catch_up(
+        self, num_tokens: int, seconds: float, num_forwards: int = 0, num_drafting: int = 0
+    ) -> None:
+        """Fold in a step that fed draft models `num_tokens` tokens of catch-up, drafting in
+        `num_forwards` forwards for `num_drafting` sequences, in `seconds` in all (the drafting's
+        share is taken out at its measured time per forward, or as a token's each unmeasured)."""
+        if num_tokens < 1 or seconds <= 0.0:
+            return
+        if num_forwards:
+            per_forward = _interpolate(self.draft_forward_s, num_drafting)
+            if per_forward is None:
+                seconds *= num_tokens / (num_tokens + num_forwards)
+            else:
+                seconds -= num_forwards * per_forward
+        if seconds > 0.0:
             self.catch_up_s.append(seconds / num_tokens)
 
     def estimate(self, num_rows: int) -> float | None:

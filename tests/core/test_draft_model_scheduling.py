@@ -470,8 +470,8 @@ def test_a_request_the_engine_gave_up_on_drafts_once_a_retry_feeds_its_draft_mod
 
 
 def test_a_step_feeding_a_catch_up_or_drafts_measures_each_as_what_it_is() -> None:
-    """Catch-up seconds per token come only from steps that fed catch-ups and drafted nothing;
-    a drafting work's usual one- or two-token feed is drafting (measured per forward)."""
+    """A drafting work's usual one- or two-token feed is drafting (measured per forward); a
+    step that fed catch-ups gives catch-up seconds per token, less its drafting's share."""
     costs = StepCosts()
     s = make(costs=costs)
     s.add(1, [11, 12, 13, 14, 11, 12], SamplingParams(max_tokens=20))
@@ -485,5 +485,5 @@ def test_a_step_feeding_a_catch_up_or_drafts_measures_each_as_what_it_is() -> No
     drafting = replace(work, draft_feed=(12, 13), draft_pos=5, num_model_draft=4)
     for works, draft_s in (((drafting,), 0.004), ((catch_up,), 0.020), ((catch_up, drafting), 0.030)):
         s._observe_costs(Batch(9, works, (), ()), StepDone(9, (), duration_s=0.05, draft_s=draft_s))
-    assert list(costs.catch_up_s) == [pytest.approx(0.020 / 40)]
+    assert list(costs.catch_up_s) == [pytest.approx(0.020 / 40), pytest.approx((0.030 - 4 * 0.001) / 40)]
     assert {rows: list(v) for rows, v in costs.draft_forward_s.items()} == {1: [pytest.approx(0.001)]}
