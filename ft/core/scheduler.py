@@ -135,7 +135,7 @@ class Scheduler:
         # n-gram index; its KV lags each sequence's and is fed what it lacks, at most this many
         # tokens a step (a quarter of the prefill budget, as prefill chunks beside decodes).
         self.draft_model = draft_model
-        self.draft_catch_up = max(1, max_prefill_tokens // 4)
+        self.draft_catch_up = max(2, max_prefill_tokens // 4)  # (past 1: a lag a step outgrows)
         # The measured cost model that turns speculation off for a step when it would cost more
         # than it saves (None: draft in every step of at most `speculative_max_batch` decodes).
         self.costs = costs
@@ -411,7 +411,7 @@ class Scheduler:
             seq.page_ids, seq.num_dropped = [], 0
             seq.num_lost = max(seq.num_lost, seq.num_computed)
             seq.num_computed = seq.num_registered = 0
-            seq.num_draft_computed, seq.catching_up = 0, False
+            seq.num_draft_computed, seq.catching_up, seq.num_passed_over = 0, False, 0
             seq.num_preemptions += 1
             seq.status = SeqStatus.PREEMPTED
         if group:
@@ -564,8 +564,8 @@ class Scheduler:
     ) -> dict[int, list[int] | int]:
         """The proposals worth drafting (`StepCosts`): those of the sequences whose own expected
         gain beats the verify rows they add, if the step's drafts together pay (with, now and
-        then, one passed over); when no sequence's does on its own, the step's gate decides for
-        all of them."""
+        then, those passed over); when no sequence's does on its own, the step's gate decides
+        for all of them."""
         assert self.costs is not None
         # Each draft is accepted (given the ones before it were) at the sequence's own rate,
         # shrunk toward the engine's: (accepted + 2 * engine rate) / (accepted + refusals + 2).
@@ -578,22 +578,27 @@ class Scheduler:
             expected[seq_id] = expected_accepted(_num_drafts(proposal), rate)
         kept, passed = self._kept(decoding, proposals, expected)
         candidates = {seq_id: proposals[seq_id] for seq_id in kept}
-        # What their draft models lag by beyond the token or two a drafting step feeds anyway.
-        lag = sum(
-            max(0, by_id[seq_id].num_tokens - by_id[seq_id].num_draft_computed - 2)
-            for seq_id, proposal in candidates.items()
-            if isinstance(proposal, int)
-        )
-        if not self._step_pays(len(decoding), candidates, expected, lag):
+
+        def lag(seq_id: int) -> int:
+            """What its draft model lags by beyond the token or two a drafting step feeds."""
+            if not isinstance(proposals[seq_id], int):
+                return 0
+            return max(0, by_id[seq_id].num_tokens - by_id[seq_id].num_draft_computed - 2)
+
+        if not self._step_pays(len(decoding), candidates, expected, sum(map(lag, candidates))):
             return {}
         # One passed over is let through once, beside drafts that pay, after `RETRY_EVERY` such
-        # steps in a row, then twice as many (up to `MAX_RETRY_EVERY`) while it stays passed
-        # over: so its acceptance is measured again.
+        # steps, then twice as many (up to `MAX_RETRY_EVERY`) while it stays passed over, so its
+        # acceptance is measured again; a draft model's catch-up within `CATCH_UP_BUDGET`.
+        plain = self.costs.estimate(len(decoding)) or 0.0
         for seq in passed:
-            if seq.num_passed_over > seq.retry_passed_over:
-                seq.num_passed_over = 0
-                seq.retry_passed_over = min(MAX_RETRY_EVERY, 2 * seq.retry_passed_over)
-                candidates[seq.seq_id] = proposals[seq.seq_id]
+            if seq.num_passed_over <= seq.retry_passed_over:
+                continue
+            if self.costs.catch_up_waits(seq.num_passed_over * plain, lag(seq.seq_id)):
+                continue
+            seq.num_passed_over = 0
+            seq.retry_passed_over = min(MAX_RETRY_EVERY, 2 * seq.retry_passed_over)
+            candidates[seq.seq_id] = proposals[seq.seq_id]
         return candidates
 
     def _kept(

@@ -56,8 +56,8 @@ class Sequence:
     num_refusals: int = 0  # verifications that refused one of its drafts
     num_draft_computed: int = 0  # leading tokens whose KV the draft model holds (a draft model)
     catching_up: bool = False  # its draft model, once let through, is fed until it drafts
-    # Steps in a row its own drafts were judged not worth their rows beside others' that were,
-    # and how many such steps before it is let through once to be measured again.
+    # Steps its own drafts were judged not worth their rows beside others' that were, since it
+    # last drafted, and how many such steps before it is let through once to be measured again.
     num_passed_over: int = 0
     retry_passed_over: int = RETRY_EVERY
     # A pooling request: the sum of the hidden states pooled so far, and the positions before

@@ -36,6 +36,9 @@ MAX_RETRY_EVERY = 1024
 # they happen as new requests arrive). Feeding them every 16 .. 1024 steps was 2.8% of a 1B
 # target's decode with the default model drafting and never agreeing.
 CATCH_UP_BUDGET = 100
+# A catch-up fed with drafting is measured only when its tokens outnumber the drafting
+# forwards this many times (their share is taken out at their measured time).
+CATCH_UP_PER_FORWARD = 8
 
 
 def expected_accepted(num_drafts: int, rate: float) -> float:
@@ -94,16 +97,17 @@ class StepCosts:
         self, num_tokens: int, seconds: float, num_forwards: int = 0, num_drafting: int = 0
     ) -> None:
         """Fold in a step that fed draft models `num_tokens` tokens of catch-up, drafting in
-        `num_forwards` forwards for `num_drafting` sequences, in `seconds` in all (the drafting's
-        share is taken out at its measured time per forward, or as a token's each unmeasured)."""
+        `num_forwards` forwards for `num_drafting` sequences, in `seconds` in all. The drafting's
+        share is taken out at its measured time per forward; a step whose drafting is
+        unmeasured, or weighs more than an eighth of its feed (what is left would be mostly
+        noise), is not folded in."""
         if num_tokens < 1 or seconds <= 0.0:
             return
         if num_forwards:
             per_forward = _interpolate(self.draft_forward_s, num_drafting)
-            if per_forward is None:
-                seconds *= num_tokens / (num_tokens + num_forwards)
-            else:
-                seconds -= num_forwards * per_forward
+            if per_forward is None or num_tokens < CATCH_UP_PER_FORWARD * num_forwards:
+                return
+            seconds -= num_forwards * per_forward
         if seconds > 0.0:
             self.catch_up_s.append(seconds / num_tokens)
 
@@ -145,13 +149,13 @@ class StepCosts:
             count, spacing = 1, min(MAX_RETRY_EVERY, 2 * spacing)
         else:
             count += 1
-        if count > spacing and (decided or not self._catch_up_waits(count * plain, num_catch_up)):
+        if count > spacing and (decided or not self.catch_up_waits(count * plain, num_catch_up)):
             self.streak[num_decodes] = (decided, 0, spacing, True)
             return not decided
         self.streak[num_decodes] = (decided, count, spacing, False)
         return decided
 
-    def _catch_up_waits(self, since_s: float, num_tokens: int) -> bool:
+    def catch_up_waits(self, since_s: float, num_tokens: int) -> bool:
         """Whether feeding draft models `num_tokens` tokens of catch-up costs more than
         1 / `CATCH_UP_BUDGET` of `since_s` (unmeasured: it does not, so it gets measured)."""
         if not num_tokens or not self.catch_up_s:

@@ -487,3 +487,58 @@ def test_a_step_feeding_a_catch_up_or_drafts_measures_each_as_what_it_is() -> No
         s._observe_costs(Batch(9, works, (), ()), StepDone(9, (), duration_s=0.05, draft_s=draft_s))
     assert list(costs.catch_up_s) == [pytest.approx(0.020 / 40), pytest.approx((0.030 - 4 * 0.001) / 40)]
     assert {rows: list(v) for rows, v in costs.draft_forward_s.items()} == {1: [pytest.approx(0.001)]}
+
+
+def test_a_catch_up_fed_with_drafting_is_measured_only_when_the_feed_dominates() -> None:
+    costs = StepCosts()
+    costs.observe_catch_up(40, 0.030, num_forwards=4, num_drafting=1)  # drafting unmeasured
+    assert not costs.catch_up_s
+    costs.observe(5, 0.014, draft_s=0.004, num_forwards=4, num_drafting=1)  # 1 ms a forward
+    costs.observe_catch_up(24, 0.010, num_forwards=4, num_drafting=1)  # mostly the forwards
+    assert not costs.catch_up_s
+    costs.observe_catch_up(40, 0.024, num_forwards=4, num_drafting=1)
+    assert list(costs.catch_up_s) == [pytest.approx(0.020 / 40)]
+
+
+def test_a_preempted_sequence_stops_catching_up_and_waits_for_the_gate_again() -> None:
+    costs = make_costs(0.010, 0.5)  # drafting never pays
+    costs.observe(5, 0.501, draft_s=0.001, num_forwards=4, num_drafting=1)
+    s = make(max_prefill_tokens=32, costs=costs)
+    s.add(1, list(range(1, 41)), SamplingParams(max_tokens=40, ignore_eos=True))
+    models = Models(4)
+    while not any(w.draft_feed for w in models.works):  # the gate's retry starts a catch-up
+        models.step(s)
+    seq = s.running[0]
+    assert seq.catching_up
+    s.preempt(1)
+    assert not seq.catching_up and seq.num_draft_computed == 0
+    start = len(models.works)
+    for _ in range(8):  # recomputed, then decoding again: its draft model is not fed
+        models.step(s)
+    assert not any(w.draft_feed for w in models.works[start:])
+
+
+def test_a_draft_model_passed_over_beside_others_is_retried_within_the_catch_up_budget() -> None:
+    """Passed over, its draft model is not fed, so its lag grows a token a step: letting it
+    through every 16, 32, ... steps would feed it about a token a step. It waits as the gate's
+    retries do, until its catch-up costs at most 1 / CATCH_UP_BUDGET of the steps since."""
+    costs = StepCosts()
+    costs.observe(2, 0.010)
+    costs.observe(10, 0.012)
+    costs.observe_catch_up(100, 0.05)  # 0.5 ms a token: 10% of a step's 5 ms a token
+    s = make(costs=costs)
+    params = SamplingParams(max_tokens=2000)
+    good, bad = Sequence(0, 1, 0, [1, 2], params), Sequence(1, 2, 0, [1, 2], params)
+    good.num_accepted, good.num_refusals = 400, 20
+    bad.num_accepted, bad.num_refusals = 0, 40
+    s.num_accepted_tokens, s.num_refusals = 400, 30
+    let = []
+    for step in range(600):
+        good.num_draft_computed = good.num_tokens - 1  # caught up: it drafts every step
+        if s._worth([good, bad], {0: [5, 6, 7, 8], 1: 1}).get(1):
+            let.append(step)
+        bad.output_ids.append(9)  # both grow a token a step; only the good one is fed
+        good.output_ids.append(9)
+    assert let == []  # 0.5 ms x 100 a token of lag never fits in the 10 ms steps since
+    bad.num_draft_computed = bad.num_tokens - 1  # caught up (say, a new request)
+    assert any(s._worth([good, bad], {0: [5, 6, 7, 8], 1: 1}).get(1) for _ in range(40))
