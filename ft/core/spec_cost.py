@@ -141,7 +141,11 @@ class StepCosts:
             drafting = None if per_forward is None else per_forward * num_forwards
         if verify is None or drafting is None:
             return True
-        decided = num_expected * plain / num_decodes > verify - plain + drafting
+        # NOTE: more rows never make a step faster: a verify step measured faster than a plain
+        # one is noise (the two medians were measured at different times: under a neighbour's
+        # load a stale t(D + R) below a fresh t(D) kept a draft model that never agrees drafting
+        # 499 steps of 1,024), so the rows cost at least nothing.
+        decided = num_expected * plain / num_decodes > max(0.0, verify - plain) + drafting
         last, count, spacing, retried = self.streak.get(num_decodes, (decided, 0, RETRY_EVERY, False))
         if decided != last:  # the measurements changed the decision: retries start over
             count, spacing = 1, RETRY_EVERY

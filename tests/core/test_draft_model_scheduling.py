@@ -542,3 +542,14 @@ def test_a_draft_model_passed_over_beside_others_is_retried_within_the_catch_up_
     assert let == []  # 0.5 ms x 100 a token of lag never fits in the 10 ms steps since
     bad.num_draft_computed = bad.num_tokens - 1  # caught up (say, a new request)
     assert any(s._worth([good, bad], {0: [5, 6, 7, 8], 1: 1}).get(1) for _ in range(40))
+
+
+def test_a_verify_step_measured_faster_than_a_plain_one_does_not_make_drafts_free() -> None:
+    """The two medians are measured at different times: under a neighbour's load a stale
+    t(1 + drafts) below a fresh t(1) made drafts look as if they saved time by themselves."""
+    costs = StepCosts()
+    costs.observe(1, 0.030)  # measured under load
+    costs.observe(5, 0.020, draft_s=0.004, num_forwards=4, num_drafting=1)  # measured quiet
+    costs.observe(5, 0.016)
+    assert not costs.pays(1, 4, 0.01, num_forwards=4, num_drafting=1)  # 0.3 ms < 4 ms drafting
+    assert not costs.pays(1, 4, 0.0)  # free n-gram drafts, nothing expected: no gain either
