@@ -98,16 +98,20 @@ class StepCosts:
     ) -> None:
         """Fold in a step that fed draft models `num_tokens` tokens of catch-up, drafting in
         `num_forwards` forwards for `num_drafting` sequences, in `seconds` in all. The drafting's
-        share is taken out at its measured time per forward; a step whose drafting is
-        unmeasured, or weighs more than an eighth of its feed (what is left would be mostly
-        noise), is not folded in."""
+        share is taken out at its measured time per forward (a step whose forwards outnumber an
+        eighth of its feed is not folded in: what is left would be mostly noise); unmeasured,
+        at a token's time each, which overstates the catch-up's cost (so retries wait longer,
+        never shorter: each request's first drafts come before any forward was measured)."""
         if num_tokens < 1 or seconds <= 0.0:
             return
         if num_forwards:
             per_forward = _interpolate(self.draft_forward_s, num_drafting)
-            if per_forward is None or num_tokens < CATCH_UP_PER_FORWARD * num_forwards:
+            if per_forward is None:
+                seconds *= num_tokens / (num_tokens + num_forwards)
+            elif num_tokens < CATCH_UP_PER_FORWARD * num_forwards:
                 return
-            seconds -= num_forwards * per_forward
+            else:
+                seconds -= num_forwards * per_forward
         if seconds > 0.0:
             self.catch_up_s.append(seconds / num_tokens)
 

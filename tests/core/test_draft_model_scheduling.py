@@ -491,8 +491,9 @@ def test_a_step_feeding_a_catch_up_or_drafts_measures_each_as_what_it_is() -> No
 
 def test_a_catch_up_fed_with_drafting_is_measured_only_when_the_feed_dominates() -> None:
     costs = StepCosts()
-    costs.observe_catch_up(40, 0.030, num_forwards=4, num_drafting=1)  # drafting unmeasured
-    assert not costs.catch_up_s
+    costs.observe_catch_up(36, 0.040, num_forwards=4, num_drafting=1)  # drafting unmeasured
+    assert list(costs.catch_up_s) == [pytest.approx(0.036 / 36)]  # forwards as tokens: dearer
+    costs.catch_up_s.clear()
     costs.observe(5, 0.014, draft_s=0.004, num_forwards=4, num_drafting=1)  # 1 ms a forward
     costs.observe_catch_up(24, 0.010, num_forwards=4, num_drafting=1)  # mostly the forwards
     assert not costs.catch_up_s
