@@ -6,14 +6,16 @@ free). Without drafts it costs t(D) and gives D tokens; with them it gives D + E
 expected to be accepted. Speculation pays when the tokens it adds are worth more than the time
 it adds:
 
-    E * t(D) / D  >  t(D + R) - t(D) + draft time
+    E * t(D) / D  >  max(0, t(D + R) - t(D)) + draft time
 
 `StepCosts` keeps the median of the last few measurements of t by rows fed, measured on steps
-that only decode (a prefill chunk's rows are not decode rows' cost), and of a draft model's
-time per forward by the rows it drafts for. What was never measured is measured first, and a batch size whose
-decision stays the same is tried the other way now and then, so one noisy measurement cannot
-turn speculation off for good (nor on for good: t(D) is re-measured the same way). Tests
-inject measurements with `observe` to make the decisions deterministic.
+that only decode (a prefill chunk's rows are not decode rows' cost), of a draft model's time
+per forward by the rows it drafts for, and of its catch-up's time per token. What was never
+measured is measured first, and a batch size whose decision stays the same is tried the other
+way now and then, so one noisy measurement cannot turn speculation off for good (nor on for
+good: t(D) is re-measured the same way); a retry that must first feed a draft model what it
+lags by waits until that is cheap beside the steps since the last. Tests inject measurements
+with `observe` to make the decisions deterministic.
 """
 
 from __future__ import annotations
