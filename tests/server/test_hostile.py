@@ -11,7 +11,7 @@ import trio
 
 from ft.server import ServerSettings
 from ft.server.openai.format import MAX_ECHO_TOKENS
-from tests.support.server import fake_server, health_watch, wait_idle
+from tests.support.server import fake_server, health_watch, loop_load, wait_idle
 
 USER = [{"role": "user", "content": "hi"}]
 CHAT = {"messages": USER, "max_tokens": 2}
@@ -306,15 +306,17 @@ async def test_echo_amplification_is_400_naming_the_limit(client: httpx.AsyncCli
 
 
 async def test_a_large_echo_is_built_off_the_loop() -> None:
-    """A large echo response is built off the event loop: /health keeps answering."""
-    # 16 x 1000 x n 8: half the limit (no logprobs: a scored echo is tested for the loop in
-    # tests/server/openai/test_prompt_logprobs.py)
+    """A large echo response is built off the event loop: no step on the loop takes a fair part
+    of the build, and /health keeps answering."""
+    # 16 x 1000 x n 16: just under the limit, 2^18 (no logprobs: a scored echo is tested for the
+    # loop in tests/server/openai/test_openai_prompt_logprobs.py)
     prompts = [[65 + i] * 1000 for i in range(16)]
-    body = {"prompt": prompts, "n": 8, "echo": True, "max_tokens": 1}
+    body = {"prompt": prompts, "n": 16, "echo": True, "max_tokens": 1}
     async with fake_server(num_pages=4096) as s, httpx.AsyncClient(base_url=s.base_url, timeout=60) as c:
-        async with health_watch(s.base_url) as latencies:
+        async with health_watch(s.base_url) as latencies, loop_load() as load:
             r = await c.post("/v1/completions", json=body)
             assert r.status_code == 200, r.text
-        assert len(r.json()["choices"]) == 128
+        assert len(r.json()["choices"]) == 256
         assert len(r.json()["choices"][0]["text"]) == 1001
+        assert load.longest_step_s < load.off_loop_s / 2, load
         assert max(latencies) < 0.5, max(latencies)

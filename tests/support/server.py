@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import gc
 import json
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
-from dataclasses import fields, replace
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import httpx
@@ -84,22 +86,84 @@ async def health_watch(base_url: str, period_s: float = 0.02) -> AsyncIterator[l
     """Poll `/health` in the background while the block runs; yield the latencies (seconds).
 
     On leaving, waits for two more answers, so a poll stuck behind a blocked loop is counted.
+    The block runs with the heap frozen (`frozen_heap`), as `ft serve` runs once its model
+    has loaded.
     """
     latencies: list[float] = []
-    async with httpx.AsyncClient(base_url=base_url, timeout=60) as c, trio.open_nursery() as nursery:
+    with frozen_heap():
+        async with httpx.AsyncClient(base_url=base_url, timeout=60) as c, trio.open_nursery() as nursery:
 
-        async def poll() -> None:
-            while True:
-                started = trio.current_time()
-                assert (await c.get("/health")).status_code == 200
-                latencies.append(trio.current_time() - started)
-                await trio.sleep(period_s)
+            async def poll() -> None:
+                while True:
+                    started = trio.current_time()
+                    assert (await c.get("/health")).status_code == 200
+                    latencies.append(trio.current_time() - started)
+                    await trio.sleep(period_s)
 
-        nursery.start_soon(poll)
-        while not latencies:
-            await trio.sleep(0.005)
-        yield latencies
-        seen = len(latencies)
-        while len(latencies) < seen + 2:
-            await trio.sleep(0.005)
-        nursery.cancel_scope.cancel()
+            nursery.start_soon(poll)
+            while not latencies:
+                await trio.sleep(0.005)
+            yield latencies
+            seen = len(latencies)
+            while len(latencies) < seen + 2:
+                await trio.sleep(0.005)
+            nursery.cancel_scope.cancel()
+
+
+@contextmanager
+def frozen_heap() -> Iterator[None]:
+    """The block runs with every object alive at its start in the collector's permanent
+    generation (`gc.freeze`), as `ft serve` freezes its startup heap: a full collection of this
+    test process's heap (torch, transformers and a thousand tests: 0.3-0.7 s) would stall the
+    loop that a latency test measures, as it never does in a server. Unfrozen on leaving."""
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
+@dataclass
+class LoopLoad:
+    """The CPU time (seconds) a block spent on the event loop's thread, and off it."""
+
+    longest_step_s: float = 0.0  # the most one task step took on the loop's thread
+    longest_task: str = ""  # the task that took that step
+    off_loop_s: float = 0.0  # the rest of the process: worker threads
+
+
+class _StepTimer(trio.abc.Instrument):
+    """Measures each task step's CPU time on the loop's thread (waiting for the GIL is not CPU:
+    a step that waits on a worker holding it is not charged for the worker's work)."""
+
+    def __init__(self, load: LoopLoad) -> None:
+        self.load = load
+        self.started = time.thread_time()  # the step that adds the instrument started before it
+
+    def before_task_step(self, task: trio.lowlevel.Task) -> None:
+        self.started = time.thread_time()
+
+    def after_task_step(self, task: trio.lowlevel.Task) -> None:
+        spent = time.thread_time() - self.started
+        if spent > self.load.longest_step_s:
+            self.load.longest_step_s, self.load.longest_task = spent, task.name
+
+
+@asynccontextmanager
+async def loop_load() -> AsyncIterator[LoopLoad]:
+    """Measure the block's work on and off the event loop (filled in on leaving).
+
+    "Built off the loop" is then a ratio, true on any CPU: the longest step on the loop is a
+    small part of what the workers did, where a body built on the loop is one step as long as
+    the build. (A wall-clock bound on /health cannot tell: here a 112k-entry body takes 0.1 s
+    to build, within any bound a noisy CI machine leaves room for.)
+    """
+    load = LoopLoad()
+    timer = _StepTimer(load)
+    process_started, loop_started = time.process_time(), time.thread_time()
+    trio.lowlevel.add_instrument(timer)
+    try:
+        yield load
+    finally:
+        trio.lowlevel.remove_instrument(timer)
+        load.off_loop_s = (time.process_time() - process_started) - (time.thread_time() - loop_started)

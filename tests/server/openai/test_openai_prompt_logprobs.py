@@ -7,7 +7,7 @@ import httpx
 import pytest
 import trio
 
-from tests.support.server import fake_server, health_watch, parse_sse
+from tests.support.server import fake_server, health_watch, loop_load, parse_sse
 
 PROMPT = "Paris is"  # the fake model's byte tokenizer: one token per byte (and no BOS)
 
@@ -71,16 +71,18 @@ async def test_logprobs_without_echo_do_not_score_the_prompt() -> None:
 
 async def test_a_large_scored_echo_keeps_health_answering() -> None:
     """A scored echo near the entry limit (16 x 1000 prompt tokens, logprobs 5: 112k entries)
-    is built off the loop: /health keeps answering."""
+    is built off the loop: no step on the loop takes a fair part of the build, and /health
+    keeps answering."""
     prompts = [[65 + i] * 1000 for i in range(16)]
     body = {"prompt": prompts, "echo": True, "logprobs": 5, "max_tokens": 0}
     async with fake_server(num_pages=4096) as s, httpx.AsyncClient(base_url=s.base_url, timeout=60) as c:
-        async with health_watch(s.base_url) as latencies:
+        async with health_watch(s.base_url) as latencies, loop_load() as load:
             with trio.fail_after(60):
                 r = await c.post("/v1/completions", json=body)
             assert r.status_code == 200, r.text
         choice = r.json()["choices"][0]
         assert len(choice["logprobs"]["token_logprobs"]) == 1000
+        assert load.longest_step_s < load.off_loop_s / 2, load
         assert max(latencies) < 0.5, max(latencies)
 
 
