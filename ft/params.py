@@ -80,7 +80,9 @@ class SamplingParams:
     field, so the embedded API refuses what the HTTP edge refuses.
     """
 
-    max_tokens: int | None = None  # None: up to the end of the context
+    # None: up to the end of the context. 0: the prompt only (scored with `prompt_logprobs`),
+    # nothing generated: each choice's one delta has no token and finishes with "length".
+    max_tokens: int | None = None
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: disabled
@@ -109,7 +111,7 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None:
-            _integer("max_tokens", self.max_tokens, 1, MAX_TOKENS_LIMIT)
+            _integer("max_tokens", self.max_tokens, 0, MAX_TOKENS_LIMIT)
         _finite("temperature", self.temperature, 0.0, 100.0)
         _finite("top_p", self.top_p, 0.0, 1.0)
         if self.top_p == 0.0:

@@ -176,7 +176,10 @@ class Scheduler:
             return self._check_pooling_fits(num_prompt_tokens)
         if params.n > self.max_running:
             raise InvalidRequest(f"n={params.n} exceeds max_running_requests={self.max_running}", param="n")
-        room = self.max_model_len - num_prompt_tokens
+        # max_tokens 0 (the prompt scored, nothing generated) needs no room past the prompt: one
+        # token is sampled to end the prefill, never fed, and the request's stream drops it.
+        is_prompt_only = params.max_tokens == 0
+        room = self.max_model_len - num_prompt_tokens + is_prompt_only
         if room < 1:
             raise ContextLengthExceeded(
                 f"the prompt has {num_prompt_tokens} tokens; this model's maximum context "
@@ -197,7 +200,7 @@ class Scheduler:
                 + (f" (n={params.n} sequences share it)" if params.n > 1 else "")
             )
         if params.max_tokens is not None:
-            max_tokens = min(max_tokens, params.max_tokens)
+            max_tokens = min(max_tokens, max(1, params.max_tokens))
         return max_tokens
 
     def _check_pooling_fits(self, num_prompt_tokens: int) -> int:

@@ -227,7 +227,8 @@ class Engine:
         uid = next(self._uids)
         # Bounded by the most events a request can receive: PromptReady, a Delta per token
         # for each choice, and one Failed.
-        bound = params.n * ((params.max_tokens or self.max_model_len) + 1) + 2
+        tokens = self.max_model_len if params.max_tokens is None else max(1, params.max_tokens)
+        bound = params.n * (tokens + 1) + 2
         send, recv = trio.open_memory_channel[Any](bound)
         entry = RequestEntry(
             uid, params, send, trio.current_time(), request_id=request_id or random_id("req-")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import trio
 
@@ -73,6 +73,8 @@ class RequestStream:
         delta = await self._next_delta()
         if delta is None:
             raise StopAsyncIteration
+        if self.params.max_tokens == 0:
+            delta = prompt_only(delta)
         self.num_completion_tokens += len(delta.token_ids)
         self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
         if delta.finish_reason is not None:
@@ -122,3 +124,11 @@ class RequestStream:
         async for delta in self:
             choices[delta.index].add(delta)
         return choices
+
+
+def prompt_only(delta: Delta) -> Delta:
+    """`delta` of a request with `max_tokens` 0, less the token sampled to end its prefill (the
+    scheduler samples one to finish a sequence; the caller asked for none): its prompt
+    logprobs, and "length" as its finish unless it was aborted."""
+    finish = None if delta.finish_reason is None else "abort" if delta.finish_reason == "abort" else "length"
+    return replace(delta, text="", token_ids=(), logprobs=(), finish_reason=finish, stop_reason=None)

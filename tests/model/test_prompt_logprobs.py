@@ -11,6 +11,7 @@ import torch
 from ft.core.batch import Sampled, Scored, SeqWork, StepDone, TokenOut, TokenScore
 from ft.core.kv import PagePool
 from ft.core.scheduler import Scheduler
+from ft.errors import ContextLengthExceeded
 from ft.model.loader import load_model
 from ft.model.runners import build_runner
 from ft.model.torch_runner import TorchRunner
@@ -148,3 +149,20 @@ def test_scores_survive_a_preemption_after_the_first_token(
         assert len(mine) == 30
         assert_scores_match(mine[0].prompt_logprobs, reference)
         assert all(o.prompt_logprobs == () for o in mine[1:])
+
+
+def test_a_prompt_that_fills_the_context_is_scored_with_max_tokens_zero(
+    model_dir: pathlib.Path, reference: torch.Tensor
+) -> None:
+    """max_tokens 0 (lm-eval's loglikelihood, its prompt cut to the model's length) needs no room
+    past the prompt: a prompt of exactly the context is scored by the real model, where a
+    request that generates a token is refused. The one token sampled to end the prefill is the
+    scheduler's; the request's stream drops it (tests/engine/test_prompt_only.py)."""
+    s = Scheduler(PagePool(7, 4), max_running=4, max_model_len=len(PROMPT), max_prefill_tokens=8,
+                  eos_token_ids=[1])  # fmt: skip
+    with pytest.raises(ContextLengthExceeded):
+        s.add(1, list(PROMPT), SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=TOP))
+    s.add(2, list(PROMPT), SamplingParams(temperature=0.0, max_tokens=0, prompt_logprobs=TOP))
+    (out,) = drive(s, make_runner(model_dir, num_pages=7))
+    assert out.finish_reason == "length"
+    assert_scores_match(out.prompt_logprobs, reference)

@@ -8,7 +8,6 @@ request's lifecycle (static checks, scopes, heartbeats, in-stream errors) is
 from __future__ import annotations
 
 import time
-from dataclasses import replace
 from typing import Any
 
 from quart import Response
@@ -203,9 +202,7 @@ class TextCompletion(OpenAIGeneration):
             if isinstance(p, list):
                 ctx.check_token_ids(p, "prompt" if len(req.prompt) == 1 else f"prompt[{i}]")
         # max_tokens 0 (lm-eval's loglikelihood requests): the prompt echoed, nothing generated.
-        # The engine samples one token to finish the prefill; it is dropped here.
-        self.is_echo_only = req.max_tokens == 0
-        if self.is_echo_only and not req.echo:
+        if req.max_tokens == 0 and not req.echo:
             raise InvalidRequest(
                 "max_tokens 0 generates nothing: it is accepted with echo (the prompt, and with "
                 "logprobs the prompt's logprobs)",
@@ -214,7 +211,7 @@ class TextCompletion(OpenAIGeneration):
         self.params = sampling_params(
             ctx,
             req,
-            max_tokens=1 if self.is_echo_only else req.max_tokens,
+            max_tokens=req.max_tokens,
             logprobs=req.logprobs is not None,
             top_logprobs=req.logprobs or 0,
             grammar=openai_output(req),
@@ -234,17 +231,9 @@ class TextCompletion(OpenAIGeneration):
         self.token_texts = TokenTexts(ctx.engine.detokenize)  # shared by the choices' echoes
         self.offsets: dict[int, CompletionLogprobs] = {}
 
-    def end(self, u: Usage) -> list[bytes]:
-        """The usage chunk when asked for, then `[DONE]`."""
-        return super().end(self.usage(u))
-
     def prompt_text(self, prompt: PromptItem) -> str:
         """The prompt as text (for `echo`)."""
         return prompt if isinstance(prompt, str) else self.ctx.engine.detokenize(prompt)
-
-    def usage(self, u: Usage) -> Usage:
-        """`u`, less the token sampled and dropped for `max_tokens: 0`."""
-        return replace(u, completion_tokens=0) if self.is_echo_only else u
 
     def body(self, done: Generated) -> dict[str, Any]:
         """The non-streamed `text_completion` object."""
@@ -253,7 +242,7 @@ class TextCompletion(OpenAIGeneration):
             for k, choices in enumerate(done.choices)
             for c in choices
         ]
-        return self._object(out) | {"usage": usage(self.usage(done.usage))}
+        return self._object(out) | {"usage": usage(done.usage)}
 
     def echo_logprobs(
         self, lp: CompletionLogprobs, prompt_ids: tuple[int, ...], choice: Choice
@@ -266,12 +255,12 @@ class TextCompletion(OpenAIGeneration):
         self, k: int, prompt: PromptItem, prompt_ids: tuple[int, ...], c: Choice
     ) -> dict[str, Any]:
         """One non-streamed choice."""
-        text, logprobs = ("", None) if self.is_echo_only else (c.text, None)
+        text, logprobs = c.text, None
         echo = self.prompt_text(prompt) if self.req.echo else ""
         if self.params.logprobs:
             lp = CompletionLogprobs()
             logprobs = self.echo_logprobs(lp, prompt_ids, c) if echo else lp.add_prompt([])
-            logprobs = CompletionLogprobs.merge(logprobs, lp.add([] if self.is_echo_only else c.logprobs))
+            logprobs = CompletionLogprobs.merge(logprobs, lp.add(c.logprobs))
         return {
             "index": k * self.params.n + c.index,
             "text": echo + text,
@@ -290,7 +279,7 @@ class TextCompletion(OpenAIGeneration):
         """Every prompt's choices, interleaved as they arrive (prompt `k`'s at `k * n + i`)."""
         frames = []
         index = k * self.params.n + delta.index
-        text = "" if self.is_echo_only else delta.text
+        text = delta.text
         is_first = index not in self.started
         if is_first:
             self.started.add(index)
@@ -303,7 +292,7 @@ class TextCompletion(OpenAIGeneration):
             if is_first and self.req.echo:
                 choice = Choice(delta.index, prompt_logprobs=list(delta.prompt_logprobs))
                 lps = self.echo_logprobs(lp, self.prompt_ids[k], choice)
-            lps = CompletionLogprobs.merge(lps, lp.add(() if self.is_echo_only else delta.logprobs))
+            lps = CompletionLogprobs.merge(lps, lp.add(delta.logprobs))
         if text or (lps and lps["tokens"]):
             frames.append(self.chunk(index, text, logprobs=lps))
         if delta.finish_reason is not None:

@@ -4,7 +4,6 @@ fake model: the shapes, `max_tokens: 0`, streaming. The numbers: tests/model/tes
 from __future__ import annotations
 
 import httpx
-import pytest
 import trio
 
 from tests.support.server import fake_server, health_watch, loop_load, parse_sse
@@ -86,11 +85,6 @@ async def test_a_large_scored_echo_keeps_health_answering() -> None:
         assert max(latencies) < 0.5, max(latencies)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="review finding: max_tokens 0 is served as max_tokens 1, so check_fits wants one token "
-    "of room past the prompt and a context-filling prompt is refused though nothing is generated",
-)
 async def test_max_tokens_zero_scores_a_prompt_that_fills_the_context() -> None:
     """lm-eval's loglikelihood truncates each request to the model's length (`inp[-max_length:]`)
     and sends it with echo, logprobs and max_tokens 0: a prompt of exactly the context is scored
