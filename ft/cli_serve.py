@@ -443,7 +443,7 @@ def run_serve(args: argparse.Namespace) -> int:
         return 2
     setup_logging(settings.log_level, settings.log_format)
     try:
-        trio.run(partial(serve, engine, settings, router=router))
+        trio.run(partial(serve, engine, settings, router=router, freeze_heap=True))
     except EngineFailed as e:
         # A supervisor restarts a server that exits non-zero; the ranks are already stopped.
         print(f"ft serve: the engine failed: {e}", file=sys.stderr, flush=True)
