@@ -132,9 +132,9 @@ def test_brackets_inside_arguments_cost_linear_time() -> None:
     delta, parse in well under a second."""
     parser = make_tool_call_parser("granite")
     events = parser.feed('<|tool_call|>[{"name": "f", "arguments": {"a": "')
-    started = time.perf_counter()
+    started = time.thread_time()  # CPU: a neighbour's load is not the parser's
     for _ in range(4000):
         events += parser.feed("]}")
     events += parser.feed('"}}]') + parser.finish()
-    assert time.perf_counter() - started < 0.5
+    assert time.thread_time() - started < 0.5
     assert [type(e) for e in events] == [ToolCallStart, ToolCallArgsDelta, ToolCallEnd]

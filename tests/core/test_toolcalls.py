@@ -198,11 +198,11 @@ def test_hermes_closing_tags_inside_an_argument_cost_linear_time() -> None:
     its start: thousands of them, streamed one by one, parse in well under a second."""
     parser = make_tool_call_parser("hermes")
     events = parser.feed('<tool_call>\n{"name": "f", "arguments": {"a": "')
-    started = time.perf_counter()
+    started = time.thread_time()  # CPU: a neighbour's load is not the parser's
     for _ in range(4000):
         events += parser.feed("</tool_call>")
     events += parser.feed('"}}\n</tool_call>') + parser.finish()
-    assert time.perf_counter() - started < 0.5
+    assert time.thread_time() - started < 0.5
     assert [type(e) for e in events] == [ToolCallStart, ToolCallArgsDelta, ToolCallEnd]
 
 

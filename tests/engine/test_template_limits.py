@@ -180,7 +180,7 @@ async def test_stopping_the_engine_kills_a_busy_worker_and_aborts_its_requests()
                 await trio.sleep(0.5)
                 start = trio.current_time()
                 await engine.prepare_stop(drain_timeout_s=0.2, abort_timeout_s=0.2)
-                assert trio.current_time() - start < 2.0
+                assert trio.current_time() - start < 5.0  # ~0.5 s; before: never
             assert outcomes == [RequestAborted, RequestAborted]
         assert busy and all(is_gone(pid) for pid in busy)
 
@@ -195,7 +195,7 @@ async def test_leaving_the_engine_kills_a_busy_worker_at_once() -> None:
                 await trio.sleep(0.5)
                 start = trio.current_time()
                 nursery.cancel_scope.cancel()
-        assert trio.current_time() - start < 2.0
+        assert trio.current_time() - start < 5.0  # ~0.5 s; before: never
         assert busy and all(is_gone(pid) for pid in busy)
 
 

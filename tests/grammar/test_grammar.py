@@ -227,7 +227,7 @@ async def test_hostile_grammars_are_refused_quickly(tmp_path: pathlib.Path) -> N
         with pytest.raises(InvalidRequest) as err:
             await g.get(hostile)
         assert err.value.param == hostile.param
-        assert time.perf_counter() - started < 2.0, hostile
+        assert time.perf_counter() - started < 5.0, hostile  # ~0.2-0.5 s; before: minutes
 
 
 async def test_a_schema_that_crashes_the_compiler_costs_a_worker_not_the_server(

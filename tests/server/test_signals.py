@@ -52,7 +52,9 @@ async def test_sigterm_drains_then_aborts_and_exits_zero() -> None:
                 while not (await lines.__anext__()).startswith("data: "):
                     pass
                 proc.send_signal(signal.SIGTERM)
-                await trio.sleep(0.1)
+                with trio.fail_after(10):  # the server's loop takes the signal when it can
+                    while (await c.get("/health/ready")).status_code != 503:
+                        await trio.sleep(0.02)
                 refused = await c.post("/v1/chat/completions", json={"messages": USER})
                 assert refused.status_code == 503
                 rest = [line async for line in lines if line.startswith("data: ")]

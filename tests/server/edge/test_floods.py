@@ -13,7 +13,7 @@ import trio
 
 from ft.server import RunningServer
 from tests.support.engine import fake_hooks
-from tests.support.server import fake_server, running_server, wait_idle
+from tests.support.server import fake_server, frozen_heap, running_server, wait_idle
 
 NUM_BODIES = 100
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
@@ -35,7 +35,7 @@ async def flood(server: RunningServer, body: bytes, tmp_path: Path) -> list[floa
     url = urlsplit(server.base_url)
     argv = [sys.executable, "-m", "tests.support.flood"]
     argv += [str(url.hostname), str(url.port), "/v1/chat/completions", str(body_file), str(NUM_BODIES)]
-    with trio.fail_after(180):
+    with trio.fail_after(180), frozen_heap():  # as `ft serve` runs
         done = await trio.run_process(argv, capture_stdout=True, cwd=Path(__file__).parents[3])
     result = json.loads(done.stdout)
     assert result["statuses"] == [200] * NUM_BODIES, result["statuses"]
@@ -45,13 +45,13 @@ async def flood(server: RunningServer, body: bytes, tmp_path: Path) -> list[floa
 def assert_loop_free(latencies: list[float]) -> None:
     # NOTE: p99, not the maximum: the first probe races 100 connections opening at once, which
     # costs the loop what 100 tiny requests cost (0.3-0.5 s on a loaded 2-core machine). Before
-    # the fix p99 was 6.7-29.8 s there.
-    assert p99(latencies) < 0.5, (p99(latencies), max(latencies))
+    # the fix p99 was 6.7-29.8 s there; 2 s leaves a slower CPU room and still tells.
+    assert p99(latencies) < 2.0, (p99(latencies), max(latencies))
 
 
 @pytest.mark.slow  # ~30 s: 100 MB through the server
 async def test_health_answers_while_100_large_bodies_arrive(tmp_path: Path) -> None:
-    """100 concurrent ~1 MB bodies with an unknown field keep `/health` p99 under 0.5 s."""
+    """100 concurrent ~1 MB bodies with an unknown field keep `/health` p99 under 2 s."""
     async with fake_server() as s:
         assert_loop_free(await flood(s, UNKNOWN_FIELD, tmp_path))
         async with httpx.AsyncClient(base_url=s.base_url) as c:
@@ -61,6 +61,6 @@ async def test_health_answers_while_100_large_bodies_arrive(tmp_path: Path) -> N
 @pytest.mark.slow
 async def test_health_answers_while_100_large_template_kwargs_are_tokenized(tmp_path: Path) -> None:
     """100 concurrent ~1 MB `chat_template_kwargs` (encoded for the tokenizer's worker processes)
-    keep `/health` p99 under 0.5 s."""
+    keep `/health` p99 under 2 s."""
     async with running_server(hooks=fake_hooks(executor=None)) as s:
         assert_loop_free(await flood(s, TEMPLATE_KWARGS, tmp_path))

@@ -156,7 +156,7 @@ async def test_cleartext_http2_is_refused_by_default(server: RunningServer) -> N
 async def test_http2_is_served_with_the_flag() -> None:
     """With --http2, cleartext HTTP/2 is served."""
     async with fake_server(settings=settings(http2=True)) as s:
-        out = await raw_exchange(s.base_url, H2_PREFACE + H2_SETTINGS, timeout_s=0.5)
+        out = await raw_exchange(s.base_url, H2_PREFACE + H2_SETTINGS, timeout_s=2.0)
     assert out[3:4] == b"\x04"  # the server's first frame is its SETTINGS
 
 

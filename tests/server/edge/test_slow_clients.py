@@ -4,12 +4,14 @@ timeout, and a stopping server waits for no socket."""
 from __future__ import annotations
 
 import json
+import logging
 import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import replace
 
 import httpx
+import pytest
 import trio
 import trio.testing
 from hypercorn.events import Closed, Event, RawData
@@ -70,9 +72,10 @@ async def test_a_stream_whose_client_stops_reading_is_aborted_after_the_send_tim
             assert stats["requests"]["aborted"] == 1
 
 
-async def test_a_non_streamed_body_the_client_does_not_read_is_cut() -> None:
+async def test_a_non_streamed_body_the_client_does_not_read_is_cut(caplog: pytest.LogCaptureFixture) -> None:
     """A large non-streamed body whose client never reads: the write is cut after the send
     timeout and the connection closed (the client finds a truncated body, then the end)."""
+    caplog.set_level(logging.INFO, logger="ft.server")
     async with endless_server(send_timeout_s=0.5) as server:
         body = {"prompt": "hi", "max_tokens": 3000, "ignore_eos": True, "n": 4, "logprobs": 5}
         sock = await request_and_never_read(server.base_url, "/v1/completions", body)
@@ -80,7 +83,9 @@ async def test_a_non_streamed_body_the_client_does_not_read_is_cut() -> None:
             with trio.fail_after(30):
                 while server.engine.snapshot().requests.completed < 1:
                     await trio.sleep(0.05)
-            await trio.sleep(1.5)  # reading nothing for longer than the send timeout
+            with trio.fail_after(30):  # reading nothing until the server cuts the write
+                while not any("read nothing" in r.getMessage() for r in caplog.records):
+                    await trio.sleep(0.05)
             received = b""
             with trio.fail_after(10):  # before: the whole body, then a kept-alive connection
                 while chunk := await sock.recv(1 << 20):

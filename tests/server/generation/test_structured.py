@@ -129,9 +129,10 @@ async def test_a_request_that_leaves_frees_its_matchers() -> None:
 
         engine.compile_grammar = compile_spy  # type: ignore[method-assign]
         params = SamplingParams(max_tokens=200, n=3, grammar=spec.regex("[a-z ]+", "x"))
-        with trio.move_on_after(0.05):
-            async with engine.open_request(PromptSpec(text="hello"), params=params) as stream:
-                await stream.collect()
+        async with engine.open_request(PromptSpec(text="hello"), params=params) as stream:
+            with trio.fail_after(10):
+                async for _ in stream:
+                    break  # a first token: every choice is running; the request leaves
         assert len(spy.handed) == 3
         with trio.fail_after(2):
             while any(sys.getrefcount(m) > 3 for m in spy.handed):  # list + loop var + argument
