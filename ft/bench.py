@@ -37,7 +37,14 @@ from typing import NotRequired, TypedDict
 
 import trio
 
-from ft.config import ENGINE_DEFAULTS, KV_CACHE_DTYPES, EngineConfig, add_model_arguments, model_config_fields
+from ft.config import (
+    ENGINE_DEFAULTS,
+    KV_CACHE_DTYPES,
+    EngineConfig,
+    add_model_arguments,
+    model_config_fields,
+    positive_int,
+)
 from ft.engine.engine import Engine, open_engine
 from ft.grammar import spec
 from ft.grammar.spec import GrammarSpec
@@ -293,7 +300,7 @@ async def compare_structured(engine: Engine, concurrency: int, max_tokens: int) 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of `ft bench`."""
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
-    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--max-tokens", type=positive_int, default=128)
     parser.add_argument(
         "--prompts",
         choices=sorted(PROMPT_SETS),

@@ -14,7 +14,7 @@ import trio
 
 from ft.bench import add_bench_arguments, run_bench
 from ft.cli_serve import add_serve_arguments, run_serve
-from ft.config import EngineConfig, add_model_arguments, model_config_fields
+from ft.config import EngineConfig, add_model_arguments, model_config_fields, positive_int
 from ft.errors import FtError
 from ft.params import SamplingParams
 from ft.prompt import PromptSpec
@@ -30,7 +30,7 @@ def _version() -> str:
 
 
 def _add_sampling_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--max-tokens", type=positive_int, default=128)
     p.add_argument("--temperature", type=float, default=0.7)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)

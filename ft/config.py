@@ -225,6 +225,15 @@ def resolve_pooling(configured: str, from_model: str | None, *, can_rank: bool =
 ENGINE_DEFAULTS = EngineConfig()
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: an integer of at least 1 (`--max-tokens` of a command that generates:
+    0, the prompt scored and nothing generated, is the embedded API's and `/v1/completions`')."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def add_model_arguments(parser: argparse.ArgumentParser | Any, *, several: bool = False) -> None:
     """Add the model options every command takes (`--model`, `--dtype`, `--quantize`,
     `--max-model-len`, `--device`, `--enforce-eager`, `--tensor-parallel-size`,

@@ -170,3 +170,18 @@ def test_prompt_cache_flags_reach_the_config() -> None:
     args = parser.parse_args(["--prompt-cache-dir", "/var/cache/ft", "--prompt-cache-size", "512M"])
     engine, _ = configs_from_args(args)
     assert engine.prompt_cache_dir == "/var/cache/ft" and engine.prompt_cache_size == 512 << 20
+
+
+@pytest.mark.parametrize("command", [["generate", "hi"], ["chat"], ["bench"]])
+def test_commands_that_generate_refuse_max_tokens_zero(
+    command: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--max-tokens 0` (the prompt scored, nothing generated: the embedded API's and
+    `/v1/completions`' with echo) would print nothing, or divide by zero in `ft bench`: an
+    argparse error, status 2, before anything loads."""
+    from ft.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main([command[0], "--max-tokens", "0", *command[1:]])
+    assert exit_info.value.code == 2
+    assert "--max-tokens: must be at least 1, got 0" in capsys.readouterr().err

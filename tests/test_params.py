@@ -39,3 +39,11 @@ def test_only_grammar_requests_and_the_switch_keep_speculation_off() -> None:
     assert SamplingParams(presence_penalty=1.0, logit_bias={1: 2.0}, temperature=0.5).can_speculate
     assert not SamplingParams(speculative=False).can_speculate
     assert SamplingParams(grammar=spec.regex("a+", "guided_regex")).can_speculate  # masked per draft
+
+
+def test_max_tokens_zero_is_the_prompt_only_and_below_it_is_refused() -> None:
+    """0 is a request that scores its prompt and generates nothing; -1 names the field."""
+    assert SamplingParams(max_tokens=0).max_tokens == 0
+    with pytest.raises(InvalidRequest) as info:
+        SamplingParams(max_tokens=-1)
+    assert info.value.param == "max_tokens"

@@ -340,7 +340,8 @@ async def collect(streams: Sequence[RequestStream], n: int, record: RequestRecor
 
 
 def _note_output(record: RequestRecord, got: MuxResult) -> None:
-    if any(delta.token_ids for _, delta in got.deltas):
+    # a prompt scored with nothing generated (max_tokens 0) answers with its prompt's scores
+    if any(delta.token_ids or delta.prompt_logprobs for _, delta in got.deltas):
         record.saw_token()
 
 

@@ -214,7 +214,7 @@ class TextCompletion(OpenAIGeneration):
             max_tokens=req.max_tokens,
             logprobs=req.logprobs is not None,
             top_logprobs=req.logprobs or 0,
-            grammar=openai_output(req),
+            grammar=None if req.max_tokens == 0 else openai_output(req),  # nothing to constrain
             # echo with logprobs scores the prompt too (vLLM's shape, what lm-eval reads)
             prompt_logprobs=req.logprobs if req.echo else None,
         )

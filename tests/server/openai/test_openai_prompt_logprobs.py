@@ -98,3 +98,14 @@ async def test_max_tokens_zero_scores_a_prompt_that_fills_the_context() -> None:
             r = await c.post("/v1/completions", json=body)
         assert r.status_code == 200, r.text[:500]
         assert len(r.json()["choices"][0]["logprobs"]["tokens"]) == context
+
+
+async def test_max_tokens_zero_ignores_a_grammar_it_would_not_use() -> None:
+    """Nothing is generated, so nothing is constrained: a `response_format` beside max_tokens 0
+    costs no compile and changes nothing."""
+    schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}
+    async with fake_server() as s, httpx.AsyncClient(base_url=s.base_url) as c:
+        r = await complete(c, echo=True, logprobs=1, max_tokens=0, response_format=schema)
+        assert r.status_code == 200, r.text
+        (choice,) = r.json()["choices"]
+        assert choice["text"] == PROMPT and r.json()["usage"]["completion_tokens"] == 0
