@@ -129,6 +129,6 @@ class RequestStream:
 def prompt_only(delta: Delta) -> Delta:
     """`delta` of a request with `max_tokens` 0, less the token sampled to end its prefill (the
     scheduler samples one to finish a sequence; the caller asked for none): its prompt
-    logprobs, and "length" as its finish unless it was aborted."""
-    finish = None if delta.finish_reason is None else "abort" if delta.finish_reason == "abort" else "length"
+    logprobs, and "length" as its finish (what that token was is not the caller's)."""
+    finish = None if delta.finish_reason is None else "length"
     return replace(delta, text="", token_ids=(), logprobs=(), finish_reason=finish, stop_reason=None)
