@@ -9,14 +9,16 @@ still reuse their prefix.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import httpx
 import pytest
 
+from ft.config import EngineConfig
 from ft.server.edge.tenants import MAX_API_KEYS, Tenants, tenant_id
 from ft.server.settings import ServerSettings
-from tests.support.server import fake_server
+from tests.support.server import TEST_SETTINGS, fake_server, running_server
 
 PIN = "4821"
 WRONG = ["0000", "1234", "4820", "4801", "9821", "4721", "4822", "5821", "4800"]
@@ -62,6 +64,20 @@ async def test_with_two_api_keys_one_cannot_probe_the_others_prompt() -> None:
         # Prefix reuse is unchanged for the key that wrote the pages.
         again = await cached_tokens(c, "key-a", PIN)
         assert again >= 128 and again > seen[PIN]
+
+
+@pytest.mark.slow  # the real default model
+async def test_on_the_default_model_a_second_key_cannot_probe_the_first_keys_prompt() -> None:
+    settings = replace(TEST_SETTINGS, api_keys=("key-a", "key-b"))
+    async with (
+        running_server(EngineConfig(compute_threads=1), settings=settings) as s,
+        httpx.AsyncClient(base_url=s.base_url, timeout=120) as c,
+    ):
+        assert await cached_tokens(c, "key-a", PIN) == 0
+        seen = await probe(c, "key-b")
+        assert not leaks(seen), seen
+        again = await cached_tokens(c, "key-a", PIN)
+        assert again > seen[PIN] and again >= 32
 
 
 async def test_with_one_key_a_cache_salt_keeps_callers_apart() -> None:
