@@ -23,11 +23,13 @@ from ft.config import (
 from ft.core.reasoning import REASONING_PARSERS
 from ft.core.toolcalls import TOOL_CALL_PARSERS
 from ft.logs import LOG_FORMATS, setup_logging
+from ft.server.edge.tenants import MAX_API_KEYS
 from ft.server.models import RouterSettings, ServedModel, discover_models, parse_model_option
 from ft.server.settings import LOG_LEVELS, ServerSettings
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 _UNITS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}
+MAX_API_KEY_FILE_BYTES = 1 << 20
 
 
 def parse_size(text: str) -> int:
@@ -45,6 +47,23 @@ def format_size(size: int) -> str:
         if size and size % 1024**power == 0:
             return f"{size // 1024**power}{unit}"
     return str(size)
+
+
+def read_api_key_file(path: str) -> tuple[str, ...]:
+    """The API keys in `path`: one a line, surrounding spaces stripped, blank lines and lines
+    starting with `#` skipped. Raises `argparse.ArgumentTypeError` (the message never holds a
+    key)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read(MAX_API_KEY_FILE_BYTES + 1)
+    except (OSError, UnicodeDecodeError) as e:
+        raise argparse.ArgumentTypeError(f"cannot read API keys from {path!r}: {type(e).__name__}") from None
+    if len(lines) > MAX_API_KEY_FILE_BYTES:
+        raise argparse.ArgumentTypeError(f"{path!r} is over {MAX_API_KEY_FILE_BYTES} bytes")
+    keys = tuple(k for k in (line.strip() for line in lines.splitlines()) if k and not k.startswith("#"))
+    if len(keys) > MAX_API_KEYS:
+        raise argparse.ArgumentTypeError(f"{path!r} holds {len(keys)} keys; at most {MAX_API_KEYS}")
+    return keys
 
 
 def _origins(text: str) -> tuple[str, ...]:
@@ -254,8 +273,19 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     http.add_argument(
         "--api-key",
         metavar="KEY",
-        default=os.environ.get("FT_API_KEY", _S.api_key),
-        help="require 'Authorization: Bearer KEY'; /health and /metrics stay open (default: $FT_API_KEY)",
+        action="append",
+        default=None,
+        help="require 'Authorization: Bearer KEY'; /health and /metrics stay open; repeat it (or "
+        "--api-key-file) for several keys, each a tenant with its own prefix cache "
+        "(default: $FT_API_KEY)",
+    )
+    http.add_argument(
+        "--api-key-file",
+        metavar="FILE",
+        type=read_api_key_file,
+        default=_S.api_keys,
+        help=f"more API keys, one a line ('#' starts a comment line), at most {MAX_API_KEYS} in all "
+        "(default: none)",
     )
     http.add_argument(
         "--admin-key",
@@ -369,6 +399,12 @@ def router_from_args(args: argparse.Namespace) -> RouterSettings | None:
     )
 
 
+def api_keys_from_args(args: argparse.Namespace) -> tuple[str, ...]:
+    """Every `--api-key` (else `$FT_API_KEY`), then the `--api-key-file`'s keys."""
+    given = args.api_key if args.api_key is not None else [os.environ.get("FT_API_KEY", "")]
+    return tuple(k for k in given if k) + tuple(args.api_key_file)
+
+
 def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerSettings]:
     """The engine config and server settings `args` describe (with several models, the config
     each model's is made from). Raises `ValueError`."""
@@ -401,7 +437,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerSet
     settings = ServerSettings(
         host=args.host,
         port=args.port,
-        api_key=args.api_key or None,
+        api_keys=api_keys_from_args(args),
         admin_key=args.admin_key or None,
         http2=args.http2,
         cors_origins=args.cors_origins,

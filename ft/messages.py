@@ -65,6 +65,7 @@ class Enqueue:
     prompt_ids: tuple[int, ...]
     params: SamplingParams
     grammar: Grammar | None = None
+    cache_partition: bytes | None = None  # its prefix-cache partition (`PromptSpec.cache_partition`)
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import pathlib
 
 import pytest
 
 from ft.bench import add_bench_arguments
-from ft.cli_serve import add_serve_arguments, configs_from_args
+from ft.cli_serve import add_serve_arguments, configs_from_args, read_api_key_file
 from ft.config import EngineConfig
 from ft.server.settings import ServerSettings
 
@@ -185,3 +186,37 @@ def test_commands_that_generate_refuse_max_tokens_zero(
         main([command[0], "--max-tokens", "0", *command[1:]])
     assert exit_info.value.code == 2
     assert "--max-tokens: must be at least 1, got 0" in capsys.readouterr().err
+
+
+def test_ft_serve_takes_several_api_keys_from_flags_and_a_file(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    keys = tmp_path / "keys"
+    keys.write_text("# the team's keys\nkey-c\n\n  key-d  \n#key-e is retired\n", encoding="utf-8")
+    monkeypatch.setenv("FT_API_KEY", "from-env")
+    _, settings = configs_from_args(
+        serve_args("--api-key", "key-a", "--api-key=key-b", "--api-key-file", str(keys))
+    )
+    assert settings.all_api_keys == ("key-a", "key-b", "key-c", "key-d")  # --api-key wins over the env
+    assert configs_from_args(serve_args())[1].all_api_keys == ("from-env",)
+    assert configs_from_args(serve_args("--api-key-file", str(keys)))[1].all_api_keys == (
+        "from-env",
+        "key-c",
+        "key-d",
+    )
+    monkeypatch.delenv("FT_API_KEY")
+    assert configs_from_args(serve_args())[1].all_api_keys == ()
+
+
+def test_an_api_key_file_past_the_bound_or_unreadable_is_refused_without_its_keys(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    many = tmp_path / "many"
+    many.write_text("".join(f"secret-{i}\n" for i in range(4097)), encoding="utf-8")
+    for path in (many, tmp_path / "missing"):
+        with pytest.raises(SystemExit) as e:
+            serve_args("--api-key-file", str(path))
+        assert e.value.code == 2
+        err = capsys.readouterr().err
+        assert "--api-key-file" in err and "secret-" not in err
+    assert "4097 keys" in str(pytest.raises(argparse.ArgumentTypeError, read_api_key_file, str(many)).value)

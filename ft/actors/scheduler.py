@@ -55,11 +55,11 @@ class SchedulerActor:
         task_status.started()
         async for msg in self.inbox:
             match msg:
-                case Enqueue(uid=uid, prompt_ids=ids, params=params, grammar=grammar):
+                case Enqueue(uid=uid, prompt_ids=ids, params=params, grammar=grammar, cache_partition=part):
                     entry = self.registry.get(uid)
                     if entry is not None:
                         try:
-                            self.core.add(uid, list(ids), params, grammar)
+                            self.core.add(uid, list(ids), params, grammar, cache_partition=part)
                         except FtError as e:
                             log.debug("uid %d: refused: %s", uid, e, extra=entry.log_extra)
                             self.registry.fail(uid, e)

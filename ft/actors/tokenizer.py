@@ -70,7 +70,8 @@ class TokenizerActor:
         entry.prompt_ids = tuple(ids)  # left context for the request's detokenizers
         log.debug("uid %d: tokenized, %d prompt tokens", msg.uid, len(ids), extra=entry.log_extra)
         entry.send.send_nowait(PromptReady(entry.prompt_ids))
-        self.scheduler.send_nowait(Enqueue(msg.uid, tuple(ids), msg.params, msg.grammar))
+        partition = msg.prompt.cache_partition
+        self.scheduler.send_nowait(Enqueue(msg.uid, tuple(ids), msg.params, msg.grammar, partition))
 
     async def tokenize(self, prompt: PromptSpec) -> list[int]:
         """Token ids for a prompt (rendered and tokenized in a worker). Raises `FtError`."""

@@ -4,8 +4,11 @@ A page is *used* while some sequence holds it, *cached* while no sequence holds 
 content (a full page of tokens after a known prefix) is remembered for reuse, and *free*
 otherwise. Cached pages are evicted least recently released first when free ones run out.
 
-A page's hash names its whole chain (every token up to the page's end), and is the same in every
-process: the prompt cache's disk tier (`ft.core.prompt_cache`) files pages under it.
+A page's hash names its whole chain (every token up to the page's end) and its partition, and is
+the same in every process: the prompt cache's disk tier (`ft.core.prompt_cache`) files pages under
+it. A partition (`partition_root`: one per tenant and cache salt) is the first page's parent, so
+pages of different partitions never match, in the pool or on disk; the shared partition's first
+parent is None, the hashes pages always had.
 
 With a draft model (speculative decoding) a page also holds the draft's KV, written only when
 the draft was fed the page's tokens: the pool remembers which pages have it (`mark_drafted`),
@@ -20,12 +23,29 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 HASH_BYTES = 16  # 128-bit page hashes: a chain key on disk must not collide across restarts
+_PARTITION_PERSON = b"ft-cache-salt"  # a partition's root is never any page's hash
+
+
+def partition_root(salt: bytes | str | None) -> int | None:
+    """The parent hash of the first page of `salt`'s partition of the prefix cache.
+
+    None (no salt) is the shared partition: its first page has no parent, so its hashes are the
+    ones pages had before partitions existed and a disk tier written then still matches. Any
+    other salt (an empty one included) names its own partition, a blake2b of the salt under a
+    personalization no page hash uses.
+    """
+    if salt is None:
+        return None
+    data = salt.encode("utf-8", "surrogatepass") if isinstance(salt, str) else salt
+    digest = hashlib.blake2b(data, digest_size=HASH_BYTES, person=_PARTITION_PERSON).digest()
+    return int.from_bytes(digest, "little")
 
 
 def page_hash(parent: int | None, tokens: Sequence[int]) -> int:
-    """Hash of a full page of `tokens` following the page whose hash is `parent` (None: the
-    first page): blake2b over the parent's hash and the token ids, stable across processes
-    (Python's `hash()` is salted per process)."""
+    """Hash of a full page of `tokens` following the page whose hash is `parent` (for the first
+    page, its partition's root: `partition_root`, None in the shared partition): blake2b over
+    the parent's hash and the token ids, stable across processes (Python's `hash()` is salted
+    per process)."""
     head = b"\0" * (1 + HASH_BYTES) if parent is None else b"\1" + parent.to_bytes(HASH_BYTES, "little")
     body = struct.pack(f"<{len(tokens)}q", *tokens)
     return int.from_bytes(hashlib.blake2b(head + body, digest_size=HASH_BYTES).digest(), "little")

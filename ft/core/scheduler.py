@@ -46,7 +46,7 @@ from ft.core.batch import (
     StepDone,
     TokenOut,
 )
-from ft.core.kv import PagePool, page_hash
+from ft.core.kv import PagePool, page_hash, partition_root
 from ft.core.ngram import DraftLength, NgramIndex
 from ft.core.sequence import SeqStatus, Sequence
 from ft.core.spec_cost import MAX_RETRY_EVERY, RETRY_EVERY, StepCosts, expected_accepted
@@ -220,15 +220,26 @@ class Scheduler:
         return 1  # `max_tokens` resolved to one, though nothing is sampled
 
     def add(
-        self, uid: int, prompt_ids: list[int], params: SamplingParams, grammar: Grammar | None = None
+        self,
+        uid: int,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        grammar: Grammar | None = None,
+        *,
+        cache_partition: bytes | None = None,
     ) -> None:
         """Queue request `uid`; each choice follows its own copy of `grammar` when given.
+
+        `cache_partition` names the prefix-cache partition its pages are matched and registered
+        in (None: the shared one; `PromptSpec.cache_partition`): a request never reuses a page
+        another partition computed.
 
         Raises `InvalidRequest` when it can never fit.
         """
         max_tokens = self.check_fits(len(prompt_ids), params)
         if max_tokens != params.max_tokens:
             params = replace(params, max_tokens=max_tokens)
+        root = partition_root(cache_partition)
         group = []
         for index in range(params.n):
             # Each choice samples its own stream; choice 0 keeps the seed as given, so a seeded
@@ -239,7 +250,11 @@ class Scheduler:
                 else replace(params, seed=mix_seed(params.seed, index))
             )
             matcher = grammar.matcher() if grammar is not None else None
-            group.append(Sequence(self._next_seq_id, uid, index, list(prompt_ids), seeded, matcher=matcher))
+            group.append(
+                Sequence(
+                    self._next_seq_id, uid, index, list(prompt_ids), seeded, matcher=matcher, hash_root=root
+                )
+            )
             self._next_seq_id += 1
         self.waiting.append(group)
 
@@ -359,13 +374,20 @@ class Scheduler:
         """Content hashes of the sequence's full pages before its last token (kept on `seq`).
 
         The last token is always recomputed (its logits are needed), so only pages wholly
-        before it are reusable. Hashes depend on content only, so they survive a preemption.
+        before it are reusable. Hashes depend on content and partition only, so they survive a preemption.
         """
+        num_pages = (seq.num_tokens - 1) // self.pool.page_size
+        return self._page_hashes(seq, num_pages)[:num_pages]
+
+    def _page_hashes(self, seq: Sequence, num_pages: int) -> list[int]:
+        """`seq.page_hashes`, extended to its first `num_pages` full pages: each page's chain
+        hash, the first's parent its partition's root (the one place page hashes are made)."""
         size = self.pool.page_size
         hashes = seq.page_hashes
-        for i in range(len(hashes), (seq.num_tokens - 1) // size):
-            hashes.append(page_hash(hashes[-1] if hashes else None, seq.tokens(i * size, (i + 1) * size)))
-        return hashes[: (seq.num_tokens - 1) // size]
+        for i in range(len(hashes), num_pages):
+            parent = hashes[-1] if hashes else seq.hash_root
+            hashes.append(page_hash(parent, seq.tokens(i * size, (i + 1) * size)))
+        return hashes
 
     # --- preemption --------------------------------------------------------------------------
 
@@ -934,9 +956,7 @@ class Scheduler:
         full = min(seq.num_computed // size, len(seq.page_ids))
         if seq.num_registered >= full:
             return
-        hashes = seq.page_hashes
-        for i in range(len(hashes), full):
-            hashes.append(page_hash(hashes[-1] if hashes else None, seq.tokens(i * size, (i + 1) * size)))
+        hashes = self._page_hashes(seq, full)
         for i in range(max(seq.num_registered, seq.num_dropped), full):  # a placeholder is no content
             if self.pool.register(seq.page_ids[i], hashes[i]) and self.disk is not None:
                 if not self.disk.contains(hashes[i]):

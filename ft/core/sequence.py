@@ -39,6 +39,9 @@ class Sequence:
     # back to the pool: their `page_ids` entries are placeholders, never read for their content.
     num_dropped: int = 0
     page_hashes: list[int] = field(default_factory=list)  # content hashes of leading full pages
+    # The first page's parent hash: its request's prefix-cache partition (`kv.partition_root`;
+    # None: the shared one), so pages of other partitions never match its hashes.
+    hash_root: int | None = None
     num_registered: int = 0  # leading pages registered in the prefix cache
     num_computed: int = 0  # tokens whose KV is in the cache
     num_cached_prompt: int = 0  # prompt tokens the prefix cache supplied at its first admission

@@ -31,7 +31,7 @@ from ft.server.edge.auth import authorize
 from ft.server.edge.http_errors import HttpError, internal_error
 from ft.server.edge.protocol import FtHypercornConfig
 from ft.server.edge.slow_clients import SendDeadlines
-from ft.server.edge.tracing import Tracing
+from ft.server.edge.tracing import Tracing, current_record
 from ft.server.generation.context import ServerContext, error_response
 from ft.server.models import ModelRouter, RouterSettings
 from ft.server.openai import routes as openai_routes
@@ -99,7 +99,7 @@ def _install_edge(app: QuartTrio, ctx: ServerContext) -> None:
 
     @app.before_request
     async def authenticate() -> None:
-        authorize(request, settings)
+        current_record().tenant = authorize(request, settings, ctx.tenants).tenant
 
     @app.after_request
     async def cors(response: Response) -> Response:

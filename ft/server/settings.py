@@ -8,6 +8,7 @@ from ft.core.reasoning import REASONING_PARSERS
 from ft.core.toolcalls import TOOL_CALL_PARSERS
 from ft.logs import LOG_FORMATS
 from ft.server.edge.slow_clients import DEFAULT_SEND_TIMEOUT_S
+from ft.server.edge.tenants import MAX_API_KEYS
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
@@ -16,7 +17,10 @@ LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 class ServerSettings:
     """How the server listens, authenticates and frames responses.
 
-    `api_key` None disables auth. `admin_key` set lets admin routes be called from anywhere
+    `api_keys` are the keys a request may carry, each its own tenant when there are several
+    (`ft.server.edge.tenants`: the prefix cache is partitioned per key); `api_key` is one more,
+    first among them (`all_api_keys`; none at all disables auth). At most 4096 keys, none
+    empty; a key given twice is one key. `admin_key` set lets admin routes be called from anywhere
     with that key; None keeps them to loopback callers that did not come through a proxy.
     `cors_origins` empty sends no CORS headers; `("*",)` allows any origin (never for admin
     routes). `strict_model_names` refuses (404 `model_not_found`) a request whose `model` is not
@@ -33,13 +37,14 @@ class ServerSettings:
     `log_prompts` adds prompts and outputs to the end-of-request log lines.
     `send_timeout_s`: a connection whose client accepts no bytes for that long is closed (a
     client that stops reading is a client that left: its request is aborted).
-    `metrics_require_key` puts `/metrics` behind `api_key` (open by default, like `/health`).
+    `metrics_require_key` puts `/metrics` behind the API keys (open by default, like `/health`).
     `web_ui` serves the chat page at `/` (`ft.server.web`); off, `/` answers the JSON status.
     """
 
     host: str = "127.0.0.1"
     port: int = 1941
     api_key: str | None = None
+    api_keys: tuple[str, ...] = ()
     cors_origins: tuple[str, ...] = ()
     max_body_bytes: int = 4 * 1024 * 1024
     sse_heartbeat_s: float = 2.0
@@ -62,6 +67,10 @@ class ServerSettings:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty (omit it to disable auth)")
+        if not all(self.api_keys):
+            raise ValueError("api_keys must not hold an empty key")
+        if len(self.all_api_keys) > MAX_API_KEYS:
+            raise ValueError(f"at most {MAX_API_KEYS} API keys, got {len(self.all_api_keys)}")
         if self.admin_key is not None and not self.admin_key:
             raise ValueError("admin_key must not be empty (omit it to keep admin loopback-only)")
         if not 1024 <= self.max_body_bytes <= 1 << 30:
@@ -82,3 +91,9 @@ class ServerSettings:
             raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}")
         if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
             raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}")
+
+    @property
+    def all_api_keys(self) -> tuple[str, ...]:
+        """Every key a request may carry: `api_key` first, then `api_keys`, each once."""
+        first = (self.api_key,) if self.api_key is not None else ()
+        return tuple(dict.fromkeys(first + self.api_keys))

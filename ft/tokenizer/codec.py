@@ -95,9 +95,10 @@ class TokenizeJob:
     prompt: PromptSpec
 
 
-# A prompt's fields go by name (a new one travels with no edit here), but for its token ids:
-# the tokenizer actor answers a prompt of ids itself, without a job.
-_LOCAL_FIELDS = frozenset({"token_ids"})
+# A prompt's fields go by name (a new one travels with no edit here), but for its token ids (the
+# tokenizer actor answers a prompt of ids itself, without a job) and its prefix-cache partition
+# (the scheduler's, not the template's: a worker never sees who sent a prompt).
+_LOCAL_FIELDS = frozenset({"token_ids", "cache_salt", "tenant"})
 # The request field a refusal names for a record field, where the two differ.
 _PARAMS = {"text": "prompt"}
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ft.core.kv import PagePool, page_hash
+from ft.core.kv import PagePool, page_hash, partition_root
 
 
 def test_allocate_and_release_returns_every_page() -> None:
@@ -69,3 +69,32 @@ def test_double_release_is_caught() -> None:
     pool.release(pages)
     with pytest.raises(AssertionError):
         pool.release(pages)
+
+
+def test_no_salt_is_the_shared_partition_whose_hashes_are_unchanged() -> None:
+    """The shared partition's first page has no parent: the chain hashes a disk tier written
+    before partitions existed filed its pages under (pinned)."""
+    assert partition_root(None) is None
+    first = page_hash(partition_root(None), [1, 2, 3, 4])
+    assert first == 0xCA658F67433A5C683EF79832080BF540
+    assert page_hash(first, [5, 6, 7, 8]) == 0xA7885ED53F9A901EE5403B979AE77992
+
+
+def test_each_salt_roots_its_own_chain() -> None:
+    roots = {partition_root(salt) for salt in ("a", "b", "", "A")}
+    assert len(roots) == 4 and None not in roots
+    assert partition_root("a") == partition_root(b"a")  # text is its UTF-8 bytes
+    firsts = {page_hash(root, [1, 2, 3, 4]) for root in (None, *roots)}
+    assert len(firsts) == 5  # the same tokens, five pages that never match one another
+    assert all(page_hash(None, [t]) not in roots for t in range(64))
+
+
+def test_pages_of_another_partition_never_match() -> None:
+    pool = PagePool(4, 2)
+    a, b = partition_root("tenant a"), partition_root("tenant b")
+    (page,) = pool.allocate(1)
+    pool.register(page, page_hash(a, [1, 2]))
+    pool.release([page])
+    assert pool.match_prefix([page_hash(b, [1, 2])]) == []
+    assert pool.match_prefix([page_hash(None, [1, 2])]) == []
+    assert pool.match_prefix([page_hash(a, [1, 2])]) == [page]

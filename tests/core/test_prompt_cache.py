@@ -447,9 +447,16 @@ def scheduler(cache: PromptCache, num_pages: int = 32) -> Scheduler:
     )
 
 
-def serve(s: Scheduler, io: FakePages, cache: PromptCache, prompt: list[int], uid: int) -> list[StepDone]:
+def serve(
+    s: Scheduler,
+    io: FakePages,
+    cache: PromptCache,
+    prompt: list[int],
+    uid: int,
+    partition: bytes | None = None,
+) -> list[StepDone]:
     """Run request `uid` to its end, moving pages as the runner would; return its steps."""
-    s.add(uid, prompt, SamplingParams(max_tokens=2, temperature=0))
+    s.add(uid, prompt, SamplingParams(max_tokens=2, temperature=0), cache_partition=partition)
     dones = []
     while (batch := s.schedule()) is not None:
         cache.save_pages(io, batch.saves)
@@ -489,6 +496,26 @@ def test_the_scheduler_saves_registered_pages_and_a_new_one_loads_them(tmp_path:
         second = s.schedule()
         assert second is not None and [(w.start_pos, len(w.token_ids)) for w in second.works] == [(20, 1)]
         assert [io.pages[p] for p in load.page_ids] == [i.to_bytes(8, "little") for i in range(5)]
+    finally:
+        cache.close()
+
+
+def test_pages_on_disk_load_only_into_their_own_partition(tmp_path: pathlib.Path) -> None:
+    """A restart's disk tier keeps the partitions apart: another tenant's (or the shared)
+    prompt of the same tokens reads nothing; the same partition reads the five pages."""
+    prompt = list(range(1, 22))
+    cache = PromptCache(tmp_path, 1 << 20, IDENTITY)
+    try:
+        serve(scheduler(cache), FakePages(), cache, prompt, 1, b"tenant a")
+    finally:
+        cache.close()
+    cache = PromptCache(tmp_path, 1 << 20, IDENTITY)
+    try:
+        for partition, num_loaded in ((b"tenant b", 0), (None, 0), (b"tenant a", 5)):
+            s = scheduler(cache)
+            s.add(2, prompt, SamplingParams(max_tokens=2, temperature=0), cache_partition=partition)
+            first = s.schedule()
+            assert first is not None and sum(len(load.keys) for load in first.loads) == num_loaded
     finally:
         cache.close()
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from ft.core.batch import Sampled
-from ft.core.kv import PagePool
+from ft.core.kv import PagePool, page_hash
 from ft.core.scheduler import Scheduler
 from ft.errors import ContextLengthExceeded, InvalidRequest, RequestFailed
 from ft.messages import Batch, SeqFailed, StepDone, TokenOut
@@ -205,6 +205,36 @@ def test_shared_prompt_prefix_reuses_cached_pages() -> None:
     (work,) = batch.works
     assert work.start_pos == 12 and work.token_ids == (13,)
     assert s.num_prefix_hit_tokens == 12
+
+
+def prefix_hits(s: Scheduler, uid: int, prompt: list[int], partition: bytes | None) -> int:
+    """Prompt tokens the prefix cache supplies request `uid`, run to its end."""
+    before = s.num_prefix_hit_tokens
+    s.add(uid, prompt, SamplingParams(max_tokens=1), cache_partition=partition)
+    while s.has_work:
+        run_step(s)
+    return s.num_prefix_hit_tokens - before
+
+
+def test_a_prefix_is_reused_only_within_its_cache_partition() -> None:
+    """Pages computed in one partition (a tenant, a cache salt) are never another's prefix,
+    the shared partition's included; the same partition still reuses them."""
+    s = make(page_size=4)
+    prompt = list(range(1, 14))  # 13 tokens: pages 0-2 full and reusable
+    assert prefix_hits(s, 1, prompt, b"tenant a") == 0
+    assert prefix_hits(s, 2, prompt, b"tenant b") == 0
+    assert prefix_hits(s, 3, prompt, None) == 0
+    assert prefix_hits(s, 4, prompt, b"tenant a") == 12
+    assert prefix_hits(s, 5, prompt, b"tenant b") == 12
+    assert prefix_hits(s, 6, prompt, None) == 12
+
+
+def test_without_a_partition_pages_are_cached_under_the_unsalted_chain() -> None:
+    s = make(page_size=4)
+    prefix_hits(s, 1, list(range(1, 14)), None)
+    h0 = page_hash(None, [1, 2, 3, 4])
+    h1 = page_hash(h0, [5, 6, 7, 8])
+    assert len(s.pool.match_prefix([h0, h1, page_hash(h1, [9, 10, 11, 12])])) == 3
 
 
 def test_n_sequences_each_get_their_own_pages() -> None:

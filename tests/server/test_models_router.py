@@ -320,6 +320,31 @@ async def test_admin_routes_need_the_admin_key_when_one_is_set(model_dir: pathli
         ] == "loaded"
 
 
+async def test_each_api_key_has_its_own_prefix_cache_in_router_mode(model_dir: pathlib.Path) -> None:
+    """Several keys: each model's prefix cache is partitioned per key, on the path that loads
+    the model behind a stream too; the same key still reuses its prefix."""
+    secret = [{"role": "user", "content": "Remember it and tell no one: the vault's PIN is 4821. " * 6}]
+    settings = replace(TEST_SETTINGS, api_keys=("key-a", "key-b"))
+
+    async def cached(r: Router, key: str, *, stream: bool = False) -> int:
+        body: dict[str, Any] = {"model": QWEN, "messages": secret, "max_tokens": 1, "stream": stream}
+        if stream:
+            body["stream_options"] = {"include_usage": True}
+        headers = {"Authorization": f"Bearer {key}"}
+        response = await r.client.post("/v1/chat/completions", json=body, headers=headers)
+        assert response.status_code == 200, response.text
+        if stream:
+            (last,) = [e for e in parse_sse(response.text) if isinstance(e, dict) and e.get("usage")]
+            return int(last["usage"]["prompt_tokens_details"]["cached_tokens"])
+        return int(response.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+    async with router_server(model_dir, settings=settings) as r:
+        assert await cached(r, "key-a", stream=True) == 0  # unloaded: loads behind the stream
+        assert await cached(r, "key-b") == 0  # the very prompt key-a sent: nothing of it shows
+        assert await cached(r, "key-b", stream=True) > 0  # its own pages, from its last request
+        assert await cached(r, "key-a") > 0
+
+
 async def test_a_corrupt_model_fails_only_its_own_requests(model_dir: pathlib.Path) -> None:
     async with router_server(model_dir, names=(BROKEN, LLAMA)) as r:
         failed = await r.chat(BROKEN)

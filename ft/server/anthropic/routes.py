@@ -110,7 +110,7 @@ class MessagesCall(GenerationApi):
         self.prompts = [policy.prompt]
         self.tool_call_parser, self.reasoning_parser = policy.tool_call_parser, policy.reasoning_parser
         self.params = sampling_params(ctx, req, policy.grammar)
-        self.stream = req.stream
+        self.stream, self.cache_salt = req.stream, req.cache_salt
         self.id = random_id("msg_")
         self.model = ctx.engine.model_id  # the model that answers, whatever name was sent
         self.assembler = BlockAssembler(self.tool_call_parser, self.reasoning_parser, new_tool_use_id)

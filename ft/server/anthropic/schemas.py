@@ -22,6 +22,7 @@ from ft.server.openai.schemas import (
     MAX_NAME_LEN,
     MAX_TOOLS,
     MEDIA_PART_TYPES,
+    CacheSalt,
     JsonSchema,
     MaxTokens,
     Name,
@@ -242,6 +243,7 @@ class MessagesRequest(PromptFields):
     output_format: OutputFormat | None = None
     # ft's own, as on the OpenAI routes: false turns speculative decoding off for this request.
     speculative: bool = True
+    cache_salt: CacheSalt | None = None  # vLLM's, as on the OpenAI routes
 
 
 class CountTokensRequest(PromptFields):

@@ -1,8 +1,9 @@
-"""Who may call what: the API key, and the admin routes' stricter rules (see docs/security.md).
+"""Who may call what: the API keys, and the admin routes' stricter rules (see docs/security.md).
 
 Every route but the probes, the chat page's static files (`ft.server.web.WEB_PATHS`, unless
 `--no-web-ui`; the calls the page makes need the key) and `/metrics` (unless
-`--metrics-require-key`) needs `--api-key` when one is set. Admin routes (`/v1/admin/...`, and
+`--metrics-require-key`) needs one of the `--api-key`s when any is set; the key it carries
+makes its tenant (`ft.server.edge.tenants`). Admin routes (`/v1/admin/...`, and
 `ADMIN_PATHS`: loading and unloading models) change the server's state, so they also refuse
 what a web page or a proxied client could send:
 
@@ -24,6 +25,7 @@ from typing import Any
 from quart import Request
 
 from ft.server.edge.http_errors import HttpError
+from ft.server.edge.tenants import ONE_TENANT, Caller, Tenants
 from ft.server.settings import ServerSettings
 from ft.server.web import WEB_PATHS
 
@@ -37,21 +39,30 @@ ADMIN_PATHS = frozenset({"/v1/models/load", "/v1/models/unload", "/models/load",
 FORWARDING_HEADERS = ("Forwarded", "X-Forwarded-For", "X-Forwarded-Host", "X-Real-Ip")
 
 
-def authorize(request: Request, settings: ServerSettings) -> None:
-    """Raise 401/403 unless the current request may reach its route."""
+def authorize(request: Request, settings: ServerSettings, tenants: Tenants) -> Caller:
+    """Raise 401/403 unless the current request may reach its route; return its caller (its
+    tenant: the API key's, where several keys are served)."""
     if request.method == "OPTIONS" or request.path in PROBE_PATHS:
-        return
+        return ONE_TENANT
     if request.path == METRICS_PATH and not settings.metrics_require_key:
-        return
+        return ONE_TENANT
     if settings.web_ui and request.method in ("GET", "HEAD") and request.path in WEB_PATHS:
-        return  # static files that hold no data; the page asks for the key for its API calls
+        return ONE_TENANT  # static files that hold no data; the page's API calls send the key
     if request.path.startswith(ADMIN_PREFIX) or request.path in ADMIN_PATHS:
-        authorize_admin(request, settings)
-    elif settings.api_key is not None and not key_matches(presented_key(request), settings.api_key):
+        authorize_admin(request, settings, tenants)
+        return ONE_TENANT
+    return api_caller(request, tenants)
+
+
+def api_caller(request: Request, tenants: Tenants) -> Caller:
+    """The caller the request's API key makes; raise 401 when keys are set and it has none of them."""
+    caller = tenants.identify(presented_key(request))
+    if caller is None:
         raise _unauthorized("invalid or missing API key (send 'Authorization: Bearer <key>')")
+    return caller
 
 
-def authorize_admin(request: Request, settings: ServerSettings) -> None:
+def authorize_admin(request: Request, settings: ServerSettings, tenants: Tenants) -> None:
     """Raise 401/403 unless the current request may use an admin route (rules above)."""
     origin = request.headers.get("Origin")
     if origin is not None and origin not in settings.cors_origins:
@@ -67,8 +78,7 @@ def authorize_admin(request: Request, settings: ServerSettings) -> None:
         raise _forbidden("admin routes are only served to loopback callers (or with --admin-key)")
     if any(name in request.headers for name in FORWARDING_HEADERS):
         raise _forbidden("this request came through a proxy; admin routes behind a proxy need --admin-key")
-    if settings.api_key is not None and not key_matches(presented_key(request), settings.api_key):
-        raise _unauthorized("invalid or missing API key (send 'Authorization: Bearer <key>')")
+    api_caller(request, tenants)
 
 
 def presented_key(request: Request) -> bytes | None:
@@ -85,7 +95,8 @@ def presented_key(request: Request) -> bytes | None:
 
 
 def key_matches(given: bytes | None, expected: str) -> bool:
-    """Constant-time comparison of a presented key with the configured one."""
+    """Constant-time comparison of a presented key with the configured one (the admin key;
+    the API keys are `Tenants.identify`'s)."""
     return given is not None and hmac.compare_digest(given, expected.encode("utf-8"))
 
 

@@ -65,6 +65,7 @@ class RequestRecord:
     route: str | None = None  # the generation route that served it (metrics label); else None
     stream: bool = False
     model: str | None = None  # router mode: the model the request named (metrics label)
+    tenant: str | None = None  # who sent it (`ft.server.edge.tenants`: None with one API key or none)
     prompt_tokens: int = 0
     output_tokens: int = 0
     cached_tokens: int = 0

@@ -29,6 +29,7 @@ from ft.server.edge.http_errors import (
     error_headers,
     openai_error_body,
 )
+from ft.server.edge.tenants import Tenants
 from ft.server.edge.tracing import current_record
 from ft.server.metrics import ServerMetrics
 from ft.server.models import ModelRouter, ModelSlot
@@ -56,9 +57,11 @@ class ServerContext:
     error_formats: list[tuple[str, ErrorFormatter]] = field(default_factory=list)
     started_at: float = field(default_factory=time.time)
     metrics: ServerMetrics = field(init=False)
+    tenants: Tenants = field(init=False)  # the API keys, and who each one is
     other_model_names: set[str] = field(default_factory=set)  # logged once each, up to a bound
 
     def __post_init__(self) -> None:
+        self.tenants = Tenants(self.settings.all_api_keys)
         if self.router is not None:
             router = self.router
             self.metrics = ServerMetrics(router.engines, router.default.name)

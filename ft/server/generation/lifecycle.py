@@ -82,7 +82,8 @@ class GenerationApi:
     """What one API supplies to the lifecycle; a subclass parses its body in `__init__`.
 
     `prompts` are opened as one engine request each (completions may send several), with
-    `params`. Stream methods return the frames to send, so none of them holds anything across
+    `params`, in the prefix-cache partition of the caller's tenant and the body's `cache_salt`.
+    Stream methods return the frames to send, so none of them holds anything across
     a `yield`.
     """
 
@@ -93,6 +94,7 @@ class GenerationApi:
     heartbeat: bytes = HEARTBEAT
     is_body_large: bool = False  # the client chooses its size (echo, logprobs): build it off the loop
     tool_calls: bool = False  # set once a tool call was parsed out of the output (for the metrics)
+    cache_salt: str | None = None  # the body's `cache_salt` (its prefix-cache partition, with the tenant)
 
     def start(self, usage: Usage) -> list[bytes]:
         """Frames after `: connected`, before the request opens (`usage` counts the prompt)."""
@@ -255,7 +257,7 @@ async def _respond(
     record.prompt_tokens = sum(len(ids) for ids in prompt_ids)
     if api.stream:
         return sse_response(stream_body(ctx, api, prompt_ids, record, admission))
-    async with open_requests(ctx, api.params, prompt_ids, record, admission) as streams:
+    async with open_requests(ctx, api, prompt_ids, record, admission) as streams:
         choices = await collect(streams, api.params.n, record)
     done = Generated(prompt_ids, choices, Usage.of(streams))
     if ctx.settings.log_prompts:
@@ -300,22 +302,23 @@ async def prepare(
 @asynccontextmanager
 async def open_requests(
     ctx: ServerContext,
-    params: SamplingParams,
+    api: GenerationApi,
     prompt_ids: list[tuple[int, ...]],
     record: RequestRecord,
     admission: Admission,
 ) -> AsyncIterator[list[RequestStream]]:
     """One engine request scope per prompt (named by the record's id, under the HTTP request's
-    `admission`), all closed when the block exits; then the record gets their output counts
-    and finish reasons (synchronously)."""
+    `admission`, in the prefix-cache partition of the record's tenant and `api.cache_salt`),
+    all closed when the block exits; then the record gets their output counts and finish
+    reasons (synchronously)."""
     streams: list[RequestStream] = []
     try:
         async with AsyncExitStack() as stack:
             open_request = ctx.engine.open_request
             for ids in prompt_ids:
                 scope = open_request(
-                    PromptSpec(token_ids=ids),
-                    params=params,
+                    PromptSpec(token_ids=ids, cache_salt=api.cache_salt, tenant=record.tenant),
+                    params=api.params,
                     request_id=record.request_id,
                     admission=admission,
                 )
@@ -373,7 +376,7 @@ async def _events(
     try:
         for frame in api.start(Usage(sum(len(ids) for ids in prompt_ids))):
             yield frame
-        async with open_requests(ctx, api.params, prompt_ids, record, admission) as streams:
+        async with open_requests(ctx, api, prompt_ids, record, admission) as streams:
             mux = DeltaMux(streams)
             while not mux.is_done:
                 got = await mux.next(ctx.settings.sse_heartbeat_s)

@@ -133,6 +133,7 @@ class ChatCompletion(OpenAIGeneration):
         )
         self.prompts = [self.policy.prompt]
         self.stream, self.include_usage = req.stream, req.include_usage
+        self.cache_salt = req.cache_salt
         self.is_body_large = self.params.logprobs  # n x tokens x top_logprobs entries
         self.id = openai_id("chatcmpl")
         self.created = int(time.time())
@@ -223,6 +224,7 @@ class TextCompletion(OpenAIGeneration):
             PromptSpec(text=p) if isinstance(p, str) else PromptSpec(token_ids=p) for p in req.prompt
         ]
         self.stream, self.include_usage = req.stream, req.include_usage
+        self.cache_salt = req.cache_salt
         self.is_body_large = req.echo or self.params.logprobs  # as large as the client asks
         self.id = openai_id("cmpl")
         self.created = int(time.time())

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
@@ -22,6 +23,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from ft.config import DEFAULT_ABORT_TIMEOUT_S, DEFAULT_DRAIN_TIMEOUT_S
+from ft.errors import InvalidRequest
 from ft.params import (
     MAX_LOGIT_BIAS,
     MAX_N,
@@ -30,6 +32,7 @@ from ft.params import (
     MAX_TOKENS_LIMIT,
     MAX_TOP_LOGPROBS,
 )
+from ft.prompt import check_cache_salt
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_MESSAGES = 4096
@@ -62,6 +65,18 @@ def _str_to_list(value: Any) -> Any:
 
 
 StopList = Annotated[list[StopString], BeforeValidator(_str_to_list), Field(max_length=MAX_STOP_STRINGS)]
+
+
+def _cache_salt(value: str) -> str:
+    try:
+        return check_cache_salt(value)
+    except InvalidRequest as e:
+        raise PydanticCustomError("cache_salt", e.message) from None
+
+
+# vLLM's `cache_salt` (every API that fills the prefix cache takes it): the request's pages are
+# reused only by requests of the same tenant and salt (`PromptSpec.cache_partition`).
+CacheSalt = Annotated[str, AfterValidator(_cache_salt)]
 
 
 class StrictModel(BaseModel):
@@ -209,6 +224,7 @@ class SamplingFields(StrictModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: Annotated[str, Field(max_length=MAX_NAME_LEN)] | None = None
+    cache_salt: CacheSalt | None = None
     # Structured output: OpenAI's `response_format`, and vLLM's fields (completions too).
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None

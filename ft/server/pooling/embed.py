@@ -108,8 +108,10 @@ async def embed(
     *,
     truncate: int | None = None,
     dimensions: int | None = None,
+    cache_salt: str | None = None,
 ) -> Pooled:
     """Pool each input (see the module docstring); return its unit vectors and the usage.
+    Its pages are reused only by requests of its tenant and `cache_salt`.
 
     Raises:
         FtError: an input cannot be tokenized, does not fit, or failed; the engine refuses (503).
@@ -132,7 +134,7 @@ async def embed(
             _fit(ctx, await _token_ids(ctx, i, admission), params, truncate, i.param) for i in inputs
         ]
         record.prompt_tokens = sum(len(ids) for ids in prompt_ids)
-        vectors, cached = await _pool_all(ctx, params, prompt_ids, record, admission)
+        vectors, cached = await _pool_all(ctx, params, prompt_ids, record, admission, cache_salt)
     finally:
         if not record.release_at_end(admission.release):
             admission.release()  # no HTTP request to hold it (embedded use): released now
@@ -145,8 +147,11 @@ async def embed(
     return Pooled(units, record.prompt_tokens, cached)
 
 
-async def rank(ctx: ServerContext, pairs: list[Pair], *, truncate: int | None = None) -> Ranked:
-    """Score each pair with the engine's reranker (see the module docstring).
+async def rank(
+    ctx: ServerContext, pairs: list[Pair], *, truncate: int | None = None, cache_salt: str | None = None
+) -> Ranked:
+    """Score each pair with the engine's reranker (see the module docstring), in the prefix-cache
+    partition of its tenant and `cache_salt`.
 
     Raises:
         FtError: a pair cannot be tokenized, does not fit, or failed; the engine refuses (503).
@@ -168,7 +173,7 @@ async def rank(ctx: ServerContext, pairs: list[Pair], *, truncate: int | None = 
             for p in pairs
         ]
         record.prompt_tokens = sum(len(ids) for ids in prompt_ids)
-        outputs, cached = await _pool_all(ctx, params, prompt_ids, record, admission)
+        outputs, cached = await _pool_all(ctx, params, prompt_ids, record, admission, cache_salt)
     finally:
         if not record.release_at_end(admission.release):
             admission.release()
@@ -237,6 +242,7 @@ async def _pool_all(
     prompt_ids: list[tuple[int, ...]],
     record: RequestRecord,
     admission: Admission,
+    cache_salt: str | None,
 ) -> tuple[list[tuple[float, ...]], int]:
     """Each input's pooled vector (one scope each, a bounded number open); the cached tokens.
 
@@ -252,7 +258,7 @@ async def _pool_all(
         try:
             async with window:
                 scope = engine.open_request(
-                    PromptSpec(token_ids=prompt_ids[k]),
+                    PromptSpec(token_ids=prompt_ids[k], cache_salt=cache_salt, tenant=record.tenant),
                     params=params,
                     request_id=record.request_id,
                     admission=admission,

@@ -45,7 +45,11 @@ def register(app: QuartTrio, ctx: ServerContext) -> None:
         one = isinstance(req.input, str) or isinstance(req.input[0], int)
         items: list[Any] = [req.input] if one else list(req.input)
         pooled = await embed(
-            view, inputs_of(items, "input"), truncate=req.truncate_prompt_tokens, dimensions=req.dimensions
+            view,
+            inputs_of(items, "input"),
+            truncate=req.truncate_prompt_tokens,
+            dimensions=req.dimensions,
+            cache_salt=req.cache_salt,
         )
         return await answer(pooled.vectors, lambda: embeddings_body(view, pooled, req.encoding_format))
 
@@ -58,11 +62,14 @@ def register(app: QuartTrio, ctx: ServerContext) -> None:
         texts = [d if isinstance(d, str) else d.text for d in req.documents]
         if view.engine.pooling == "rank":
             pairs = [Pair(req.query, t, f"documents[{k}]") for k, t in enumerate(texts)]
-            ranked = await rank(view, pairs, truncate=req.truncate_prompt_tokens)
+            ranked = await rank(view, pairs, truncate=req.truncate_prompt_tokens, cache_salt=req.cache_salt)
             return await answer(pairs, lambda: rerank_body(view, req, texts, ranked.scores, ranked))
         query = Input(PromptSpec(text=req.query), "query")
         pooled = await embed(
-            view, [query, *inputs_of(texts, "documents", many=True)], truncate=req.truncate_prompt_tokens
+            view,
+            [query, *inputs_of(texts, "documents", many=True)],
+            truncate=req.truncate_prompt_tokens,
+            cache_salt=req.cache_salt,
         )
         scores = [cosine(pooled.vectors[0], d) for d in pooled.vectors[1:]]
         return await answer(pooled.vectors, lambda: rerank_body(view, req, texts, scores, pooled))
@@ -85,13 +92,13 @@ def register(app: QuartTrio, ctx: ServerContext) -> None:
         if view.engine.pooling == "rank":
             name = "text_2[{}]" if isinstance(req.text_2, list) else "text_2"
             pairs = [Pair(left[k if len(left) > 1 else 0], t, name.format(k)) for k, t in enumerate(right)]
-            ranked = await rank(view, pairs, truncate=req.truncate_prompt_tokens)
+            ranked = await rank(view, pairs, truncate=req.truncate_prompt_tokens, cache_salt=req.cache_salt)
             return await answer(pairs, lambda: score_body(view, ranked.scores, ranked))
         inputs = [
             *inputs_of(left, "text_1", many=isinstance(req.text_1, list)),
             *inputs_of(right, "text_2", many=isinstance(req.text_2, list)),
         ]
-        pooled = await embed(view, inputs, truncate=req.truncate_prompt_tokens)
+        pooled = await embed(view, inputs, truncate=req.truncate_prompt_tokens, cache_salt=req.cache_salt)
         lefts, rights = pooled.vectors[: len(left)], pooled.vectors[len(left) :]
 
         def build() -> dict[str, Any]:

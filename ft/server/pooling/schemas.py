@@ -8,7 +8,7 @@ from typing import Annotated, Literal
 from pydantic import AfterValidator, Field, ValidationInfo, field_validator
 from pydantic_core import PydanticCustomError
 
-from ft.server.openai.schemas import StrictModel, TokenId
+from ft.server.openai.schemas import CacheSalt, StrictModel, TokenId
 
 # The most inputs one request may embed (OpenAI's limit): a larger batch is a 400 before any work.
 MAX_INPUTS = 2048
@@ -53,6 +53,7 @@ class EmbeddingRequest(StrictModel):
     dimensions: Annotated[int, Field(ge=1)] | None = None
     user: str | None = None  # accepted and ignored, as a local server has no users to track
     truncate_prompt_tokens: Truncate | None = None
+    cache_salt: CacheSalt | None = None  # as on the generation routes: pooling fills the cache too
 
     @field_validator("input")
     @classmethod
@@ -76,6 +77,7 @@ class RerankRequest(StrictModel):
     top_n: Annotated[int, Field(ge=0)] | None = None  # None or 0: every document
     return_documents: bool = True
     truncate_prompt_tokens: Truncate | None = None
+    cache_salt: CacheSalt | None = None
 
     @field_validator("query")
     @classmethod
@@ -100,6 +102,7 @@ class ScoreRequest(StrictModel):
     text_2: str | list[str]
     model: str | None = None
     truncate_prompt_tokens: Truncate | None = None
+    cache_salt: CacheSalt | None = None
 
     @field_validator("text_1", "text_2")
     @classmethod

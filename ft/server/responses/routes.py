@@ -159,7 +159,7 @@ class ResponseCall(GenerationApi):
             grammar=policy.grammar,
             speculative=req.speculative,
         )
-        self.stream = req.stream
+        self.stream, self.cache_salt = req.stream, req.cache_salt
         self.id = random_id("resp_", 32)
         self.created = int(time.time())
         self.model = ctx.engine.model_id  # the model that answers, whatever name was sent

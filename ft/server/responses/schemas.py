@@ -21,6 +21,7 @@ from ft.server.openai.schemas import (
     MAX_MESSAGES,
     MAX_NAME_LEN,
     MAX_TOOLS,
+    CacheSalt,
     JsonSchema,
     MaxTokens,
     Name,
@@ -363,6 +364,7 @@ class ResponsesRequest(StrictModel):
     stream: bool = False
     # ft's own, as on the OpenAI routes: false turns speculative decoding off for this request.
     speculative: bool = True
+    cache_salt: CacheSalt | None = None  # vLLM's, as on the OpenAI routes
     metadata: (
         Annotated[
             dict[
