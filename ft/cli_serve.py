@@ -315,6 +315,29 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"largest request body, else 413 (default: {format_size(_S.max_body_bytes)})",
     )
     http.add_argument(
+        "--response-store-max-entries",
+        metavar="N",
+        type=int,
+        default=_S.response_store_max_entries,
+        help="the most responses /v1/responses keeps for GET and previous_response_id; the least "
+        "recently used go first (default: %(default)s)",
+    )
+    http.add_argument(
+        "--response-store-size",
+        metavar="SIZE",
+        type=parse_size,
+        default=_S.response_store_bytes,
+        help="the most bytes of JSON the stored responses hold in all, e.g. 256MiB; the least "
+        f"recently used go first (default: {format_size(_S.response_store_bytes)})",
+    )
+    http.add_argument(
+        "--response-store-max-age",
+        metavar="S",
+        type=float,
+        default=_S.response_store_max_age_s,
+        help="seconds a stored response is kept; then it is gone, as if deleted (default: %(default)g)",
+    )
+    http.add_argument(
         "--sse-heartbeat-s",
         metavar="S",
         type=float,
@@ -442,6 +465,9 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerSet
         http2=args.http2,
         cors_origins=args.cors_origins,
         max_body_bytes=args.max_body_bytes,
+        response_store_max_entries=args.response_store_max_entries,
+        response_store_bytes=args.response_store_size,
+        response_store_max_age_s=args.response_store_max_age,
         sse_heartbeat_s=args.sse_heartbeat_s,
         send_timeout_s=args.send_timeout,
         drain_timeout_s=args.drain_timeout,

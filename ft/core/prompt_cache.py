@@ -15,7 +15,13 @@ A file is `header | payload | crc32(header + payload)`; the header holds a magic
 version, the identity, the key and the payload's length. Files are written to a temporary name,
 fsynced and renamed, so a reader never sees a torn file under a page's name; any file that does
 not check out (truncated, corrupted, foreign, another version, not a regular file) is deleted
-when read and reported as a miss: never served, never an exception.
+when read and reported as a miss: never served, never an exception. A cache file is opened
+without following a symlink and without blocking (`READ_FLAGS`: a FIFO, a device or a socket in
+a page's place opens at once or not at all), and read only when `fstat` says it is a regular
+file of the size a page's file has; a temporary file is created `O_EXCL`, so nothing already
+under its name (a FIFO that would block the writer) is written to. The lock file and the
+version directory must be a regular file and a directory: anything else in their place (a
+symlink, a FIFO) stops the start with `PromptCacheRefused`, naming it.
 
 The directory's cache files never exceed `max_bytes`: room is made before a file is written by
 deleting the least recently used files (by the order of writes and reads, from their mtimes at
@@ -26,11 +32,13 @@ bounded in bytes; a page that finds the queue full is dropped, never waited for.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import logging
 import os
 import re
+import stat
 import struct
 import threading
 import time
@@ -61,10 +69,35 @@ _FILE = re.compile(r"([0-9a-f]{32})\.kv")
 # Bytes of page copies the writer's queue holds at most; past it new pages are dropped.
 MAX_PENDING_BYTES = 64 << 20
 CLOSE_TIMEOUT_S = 10.0  # how long `close` lets the writer finish what is queued
+# How a cache file is opened for reading: never through a symlink, never waiting (opening a FIFO
+# blocked until a writer came: a request waited 60 s), never as a controlling terminal.
+READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+# A temporary file is always a new regular file: nothing already under its name is opened.
+WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+LOCK_FLAGS = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
 
 
 class PromptCacheBusy(RuntimeError):
     """Another process owns the prompt cache directory."""
+
+
+class PromptCacheRefused(OSError):
+    """Something other than a regular file (or a directory) is where the cache keeps its lock
+    (or its pages' directory): the directory is not used."""
+
+
+def file_kind(mode: int) -> str:
+    """What a `stat` mode is, in words ("a FIFO", "a symlink")."""
+    kinds = (
+        (stat.S_ISLNK, "a symlink"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISREG, "a regular file"),
+    )
+    return next((name for is_kind, name in kinds if is_kind(mode)), "not a regular file")
 
 
 def cache_identity(description: str) -> bytes:
@@ -202,6 +235,12 @@ class PromptCache:
         try:
             self.own_dir = os.path.join(self.directory, f"v{FORMAT_VERSION}-{identity.hex()}")
             os.makedirs(self.own_dir, exist_ok=True)
+            mode = os.lstat(self.own_dir).st_mode
+            if not stat.S_ISDIR(mode):
+                raise PromptCacheRefused(
+                    f"the prompt cache's page directory {self.own_dir} is {file_kind(mode)}, not a "
+                    "directory; remove it or give another --prompt-cache-dir"
+                )
             self._scan()
             with self._mutex:
                 doomed = self._make_room(0)
@@ -232,14 +271,12 @@ class PromptCache:
 
     def read(self, key: int, expected_bytes: int | None = None) -> memoryview | None:
         """Page `key`'s payload (writable), or None: no file, or one that does not check out
-        (deleted). A hit becomes the most recently used file."""
+        (deleted), or whose payload is not `expected_bytes` long. A hit becomes the most
+        recently used file. Never blocks on what is in the file's place (see `READ_FLAGS`)."""
         path = self._path(key)
         with self._mutex:
             known = key in self._keys
-        payload = self._read_file(path, key) if known else None
-        if payload is not None and expected_bytes is not None and payload.nbytes != expected_bytes:
-            payload = None
-            self._discard(path, corrupt=True)
+        payload = self._read_file(path, key, expected_bytes) if known else None
         with self._mutex:
             if payload is None:
                 self.misses += 1
@@ -248,27 +285,32 @@ class PromptCache:
             self.bytes_read += HEADER.size + payload.nbytes + TRAILER.size
             if path in self._files:
                 self._files.move_to_end(path)
-        with contextlib.suppress(OSError):
-            os.utime(path)  # the LRU order the next start reads
         return payload
 
-    def _read_file(self, path: str, key: int) -> memoryview | None:
+    def _read_file(self, path: str, key: int, expected_bytes: int | None) -> memoryview | None:
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except OSError:  # gone (evicted meanwhile), a symlink, no permission
+            fd = os.open(path, READ_FLAGS)
+        except OSError:  # gone (evicted meanwhile), a symlink, a socket, no permission
             self._discard(path, corrupt=os.path.lexists(path))
             return None
-        buf, size, got = bytearray(), 0, -1
+        payload = None
         try:
-            size = os.fstat(fd).st_size
-            buf = bytearray(size)
-            with open(fd, "rb", closefd=False) as f:
-                got = f.readinto(buf)
-        except OSError:  # a directory where the file should be, an I/O error
-            got = -1
+            st = os.fstat(fd)
+            size = st.st_size
+            expected_size = None if expected_bytes is None else HEADER.size + expected_bytes + TRAILER.size
+            is_sized = size == expected_size if expected_size is not None else size <= self.max_bytes
+            if stat.S_ISREG(st.st_mode) and is_sized:
+                buf = bytearray(size)
+                with open(fd, "rb", closefd=False) as f:
+                    got = f.readinto(buf)
+                payload = decode_page(buf, self.identity, key) if got == size else None
+            if payload is not None:
+                with contextlib.suppress(OSError):
+                    os.utime(fd)  # the LRU order the next start reads
+        except OSError:  # an I/O error
+            payload = None
         finally:
             os.close(fd)
-        payload = decode_page(buf, self.identity, key) if got == size else None
         if payload is None:
             self._discard(path, corrupt=True)
         return payload
@@ -316,7 +358,7 @@ class PromptCache:
         _unlink_all(doomed)  # before the new file exists: the directory stays within the bound
         tmp = f"{path}.{os.getpid()}{TMP_SUFFIX}"
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+            fd = os.open(tmp, WRITE_FLAGS, 0o644)
             try:
                 for piece in pieces:
                     view = memoryview(piece).cast("B")
@@ -327,8 +369,9 @@ class PromptCache:
                 os.close(fd)
             os.replace(tmp, path)
         except OSError as e:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
+            if not isinstance(e, FileExistsError):  # another's file under the name: not ours to delete
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
             with self._mutex:
                 self._bytes -= total
                 self.write_errors += 1
@@ -505,12 +548,21 @@ def lock_directory(directory: str | os.PathLike[str]) -> int:
 
     Raises:
         PromptCacheBusy: another process holds it (the message names the directory and pid).
+        PromptCacheRefused: the lock file is not a regular file (a symlink, a FIFO, a directory).
     """
     directory = os.path.abspath(directory)
     os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, LOCK_NAME)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
     try:
+        fd = os.open(path, LOCK_FLAGS, 0o644)
+    except OSError as e:
+        if e.errno not in (errno.ELOOP, errno.EISDIR, errno.ENXIO, errno.EOPNOTSUPP):
+            raise
+        raise _refused_lock(path, os.lstat(path).st_mode) from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise _refused_lock(path, mode)
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         try:
@@ -527,3 +579,10 @@ def lock_directory(directory: str | os.PathLike[str]) -> int:
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     return fd
+
+
+def _refused_lock(path: str, mode: int) -> PromptCacheRefused:
+    return PromptCacheRefused(
+        f"the prompt cache's lock file {path} is {file_kind(mode)}, not a regular file; "
+        "remove it or give another --prompt-cache-dir"
+    )

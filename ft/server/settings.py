@@ -9,6 +9,7 @@ from ft.core.toolcalls import TOOL_CALL_PARSERS
 from ft.logs import LOG_FORMATS
 from ft.server.edge.slow_clients import DEFAULT_SEND_TIMEOUT_S
 from ft.server.edge.tenants import MAX_API_KEYS
+from ft.server.responses.store import DEFAULT_MAX_AGE_S, DEFAULT_MAX_BYTES, DEFAULT_MAX_ENTRIES
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
@@ -39,6 +40,9 @@ class ServerSettings:
     client that stops reading is a client that left: its request is aborted).
     `metrics_require_key` puts `/metrics` behind the API keys (open by default, like `/health`).
     `web_ui` serves the chat page at `/` (`ft.server.web`); off, `/` answers the JSON status.
+    `response_store_*` bound the `/v1/responses` store (`ft.server.responses.store`): at most
+    `max_entries` responses and `bytes` of JSON in all (least recently used out first), none
+    kept past `max_age_s` seconds (oldest out first).
     """
 
     host: str = "127.0.0.1"
@@ -61,6 +65,9 @@ class ServerSettings:
     admin_key: str | None = None
     http2: bool = False
     web_ui: bool = True
+    response_store_max_entries: int = DEFAULT_MAX_ENTRIES
+    response_store_bytes: int = DEFAULT_MAX_BYTES
+    response_store_max_age_s: float = DEFAULT_MAX_AGE_S
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -91,6 +98,17 @@ class ServerSettings:
             raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}")
         if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
             raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}")
+        if not 1 <= self.response_store_max_entries <= 1 << 20:
+            raise ValueError(
+                f"response_store_max_entries must be in 1..2**20, got {self.response_store_max_entries}"
+            )
+        if not 1024 <= self.response_store_bytes <= 1 << 40:
+            raise ValueError(f"response_store_bytes must be in 1024..2**40, got {self.response_store_bytes}")
+        if not 1 <= self.response_store_max_age_s <= 366 * 86400:
+            raise ValueError(
+                f"response_store_max_age_s must be in 1..{366 * 86400} (a year), "
+                f"got {self.response_store_max_age_s}"
+            )
 
     @property
     def all_api_keys(self) -> tuple[str, ...]:

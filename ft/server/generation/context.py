@@ -12,7 +12,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Generic, NamedTuple, TypeVar
 
 import trio
 from pydantic import BaseModel, ValidationError
@@ -219,9 +219,18 @@ def parse_model(model: type[M], body: Any) -> M:
         raise InvalidRequest("the request body is nested too deeply") from None
 
 
-async def read_request(ctx: ServerContext, model: type[M], *, allow_empty: bool = False) -> M:
+class SizedRequest(NamedTuple, Generic[M]):
+    """A validated request body and its size in bytes (to size the work that follows it)."""
+
+    body: M
+    num_bytes: int
+
+
+async def read_sized_request(
+    ctx: ServerContext, model: type[M], *, allow_empty: bool = False
+) -> SizedRequest[M]:
     """Read, parse and validate the current request's JSON body (an empty one is `{}` when
-    `allow_empty`).
+    `allow_empty`); with its size.
 
     Raises 415 unless the body is declared as JSON, 413 past the size limit, 400 for the rest.
     A large body is parsed and validated in a thread: that work is linear in its size.
@@ -229,9 +238,14 @@ async def read_request(ctx: ServerContext, model: type[M], *, allow_empty: bool 
     require_json_content_type(request)
     data = await read_body(request, ctx.settings.max_body_bytes)
     if allow_empty and not data.strip():
-        return parse_model(model, {})
+        return SizedRequest(parse_model(model, {}), len(data))
     result: M = await run_sized(len(data), _parse_body, model, data)
-    return result
+    return SizedRequest(result, len(data))
+
+
+async def read_request(ctx: ServerContext, model: type[M], *, allow_empty: bool = False) -> M:
+    """Read, parse and validate the current request's JSON body (see `read_sized_request`)."""
+    return (await read_sized_request(ctx, model, allow_empty=allow_empty)).body
 
 
 def _parse_body(model: type[M], data: bytes) -> M:

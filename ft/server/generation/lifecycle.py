@@ -92,7 +92,9 @@ class GenerationApi:
     stream: bool
     prompt_ids: list[tuple[int, ...]]  # each prompt's token ids, set once they are known
     heartbeat: bytes = HEARTBEAT
-    is_body_large: bool = False  # the client chooses its size (echo, logprobs): build it off the loop
+    # The client chooses its size (echo, logprobs, a stored conversation): the body, or a
+    # stream's last frames, are built off the loop.
+    is_body_large: bool = False
     tool_calls: bool = False  # set once a tool call was parsed out of the output (for the metrics)
     cache_salt: str | None = None  # the body's `cache_salt` (its prefix-cache partition, with the tenant)
 
@@ -392,7 +394,8 @@ async def _events(
                         frames = api.delta(k, delta)
                     for frame in frames:
                         yield frame
-        ending = api.end(Usage.of(streams))
+        usage = Usage.of(streams)
+        ending = await trio.to_thread.run_sync(api.end, usage) if api.is_body_large else api.end(usage)
     except FtError as e:
         record.error = e
         ending = api.error(e)

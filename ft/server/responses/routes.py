@@ -2,10 +2,10 @@
 /v1/responses/{id}` of a stored one.
 
 A response is stored unless the request says `store: false` (OpenAI's default), in a bounded
-in-memory store (`ft.server.responses.store`); `previous_response_id` continues a stored one's
-conversation. The tools the model is offered, and the item types its calls come back as, are
-`ft.server.responses.tools`; input and output items are `ft.server.responses.items`. Errors are
-in OpenAI's shape.
+in-memory store of JSON bytes (`ft.server.responses.store`); `previous_response_id` continues a
+stored one's conversation, decoded off the loop after the body's parsing. The tools the model
+is offered, and the item types its calls come back as, are `ft.server.responses.tools`; input
+and output items are `ft.server.responses.items`. Errors are in OpenAI's shape.
 
 A streamed response is a sequence of named events, each with a monotonic `sequence_number`:
 `response.created`, `response.in_progress`, then per output item `response.output_item.added`,
@@ -28,10 +28,11 @@ from typing import Any
 from quart import Response, request
 from quart_trio import QuartTrio
 
-from ft.errors import FtError
+from ft.errors import FtError, InvalidRequest
 from ft.ids import random_id
 from ft.messages import Delta
 from ft.prompt import PromptSpec
+from ft.server.edge.body import run_sized
 from ft.server.edge.http_errors import HttpError
 from ft.server.generation import lifecycle
 from ft.server.generation.assemble import (
@@ -42,7 +43,7 @@ from ft.server.generation.assemble import (
     BlockStart,
     BlockStop,
 )
-from ft.server.generation.context import ServerContext, json_response, read_request
+from ft.server.generation.context import ServerContext, json_response, read_sized_request
 from ft.server.generation.lifecycle import Generated, GenerationApi, Usage, respond_model
 from ft.server.generation.policy import output_policy
 from ft.server.generation.sse import sse_event
@@ -50,7 +51,13 @@ from ft.server.generation.structured import responses_output
 from ft.server.generation.tools import ToolChoice
 from ft.server.responses.items import input_messages, output_item, output_messages, output_text
 from ft.server.responses.schemas import FunctionChoice, ResponsesRequest
-from ft.server.responses.store import ResponseStore
+from ft.server.responses.store import (
+    Conversation,
+    ResponseStore,
+    StoredResponse,
+    continue_conversation,
+    stored,
+)
 from ft.server.responses.tools import custom_input, offered_tools
 
 ITEM_ID_PREFIXES = {"thinking": "rs_", "text": "msg_", "tool_call": "fc_"}
@@ -60,14 +67,29 @@ ENCRYPTED_REASONING = "reasoning.encrypted_content"
 
 def register(app: QuartTrio, ctx: ServerContext) -> None:
     """Add the Responses routes to `app`."""
-
-    store = ResponseStore()
+    settings = ctx.settings
+    store = ResponseStore(
+        max_entries=settings.response_store_max_entries,
+        max_bytes=settings.response_store_bytes,
+        max_age_s=settings.response_store_max_age_s,
+    )
 
     @app.post("/v1/responses")
     async def create_response() -> Response:
-        req = await read_request(ctx, ResponsesRequest)
+        req, num_bytes = await read_sized_request(ctx, ResponsesRequest)
+        earlier = None
+        if req.previous_response_id is not None:
+            earlier = store.get(req.previous_response_id)
+            if earlier is None:
+                raise previous_not_found(req.previous_response_id)
+            num_bytes += earlier.num_bytes
+        conversation = await run_sized(num_bytes, request_conversation, req, earlier, store.max_entry_bytes)
         return await respond_model(
-            ctx, req.model, lambda view: ResponseCall(view, req, store), stream=req.stream, shape=ResponseCall
+            ctx,
+            req.model,
+            lambda view: ResponseCall(view, req, conversation, store),
+            stream=req.stream,
+            shape=ResponseCall,
         )
 
     @app.route("/v1/responses/<response_id>", methods=["GET", "DELETE"])
@@ -76,7 +98,7 @@ def register(app: QuartTrio, ctx: ServerContext) -> None:
             if store.delete(response_id):
                 return json_response({"id": response_id, "object": "response", "deleted": True})
         elif (entry := store.get(response_id)) is not None:
-            return json_response(entry.response)
+            return Response(entry.response, status=200, content_type="application/json")
         raise HttpError(
             404,
             f"no stored response '{response_id[:64]}' (not stored, deleted, or evicted from "
@@ -89,20 +111,35 @@ def register(app: QuartTrio, ctx: ServerContext) -> None:
 # --- request -> engine -----------------------------------------------------------------------
 
 
-def template_messages(
-    req: ResponsesRequest, store: ResponseStore
-) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """The chat-template messages of `req`, and the conversation (without `instructions`,
-    which OpenAI does not carry over) that a stored response keeps.
+def previous_not_found(response_id: str) -> InvalidRequest:
+    """The 400 for a `previous_response_id` the store does not hold."""
+    return InvalidRequest(
+        f"previous response '{response_id[:64]}' not found: it was not stored "
+        "(store: false), was deleted, was evicted from this server's bounded store, or expired",
+        param="previous_response_id",
+        code="previous_response_not_found",
+    )
+
+
+def request_conversation(
+    req: ResponsesRequest, earlier: StoredResponse | None, max_entry_bytes: int
+) -> Conversation:
+    """The conversation of `req` (without `instructions`, which OpenAI does not carry over):
+    `earlier`'s turns, then its input; encoded to be stored unless it says `store: false`.
+    Linear in both (run with the body's parsing, off the loop).
 
     Raises:
-        InvalidRequest: `previous_response_id` names no stored response, or too long a one.
+        InvalidRequest: continuing `earlier` makes too long a conversation.
     """
-    conversation = input_messages(req.input)
-    if req.previous_response_id is not None:
-        conversation = store.history(req.previous_response_id, conversation)
+    return continue_conversation(
+        earlier, input_messages(req.input), is_stored=req.store is not False, max_entry_bytes=max_entry_bytes
+    )
+
+
+def template_messages(req: ResponsesRequest, conversation: Conversation) -> list[dict[str, Any]]:
+    """The chat-template messages of `req`: its `instructions`, then its conversation."""
     system = [{"role": "system", "content": req.instructions}] if req.instructions else []
-    return [*system, *conversation], conversation
+    return [*system, *conversation.messages]
 
 
 def responses_tool_choice(req: ResponsesRequest) -> ToolChoice:
@@ -138,14 +175,20 @@ def cut_block(blocks: list[Block], finish_events: list[BlockEvent], is_cut: bool
 class ResponseCall(GenerationApi):
     """One `/v1/responses` request, from validated body to response."""
 
-    def __init__(self, ctx: ServerContext, req: ResponsesRequest, store: ResponseStore) -> None:
-        self.ctx, self.req, self.store = ctx, req, store
+    def __init__(
+        self, ctx: ServerContext, req: ResponsesRequest, conversation: Conversation, store: ResponseStore
+    ) -> None:
+        self.ctx, self.req, self.conversation, self.store = ctx, req, conversation, store
         ctx.check_model(req.model)
         self.is_stored = req.store is not False
+        # NOTE: a stored response is encoded with its body, off the loop (the conversation is
+        # the client's size); `finished` runs in `body` and in `end`.
+        self.is_body_large = self.is_stored
         self.include_encrypted = ENCRYPTED_REASONING in (req.include or ())
         self.tools = offered_tools(req.tools)
-        messages, self.conversation = template_messages(req, store)
-        prompt = PromptSpec(messages=messages, tools=self.tools.definitions or None)
+        prompt = PromptSpec(
+            messages=template_messages(req, conversation), tools=self.tools.definitions or None
+        )
         self.text_format = req.text.format if req.text is not None else None
         policy = output_policy(ctx, prompt, responses_tool_choice(req), responses_output(self.text_format))
         self.prompts = [policy.prompt]
@@ -191,10 +234,11 @@ class ResponseCall(GenerationApi):
         ]
 
     def finished(self, response: dict[str, Any]) -> dict[str, Any]:
-        """`response` (completed or incomplete), stored first unless the request said not to."""
+        """`response` (completed or incomplete), stored first unless the request said not to
+        (`"store": false` when it is too large to keep)."""
         if self.is_stored:
-            conversation = [*self.conversation, *output_messages(response["output"])]
-            if not self.store.put(self.id, response, conversation):
+            entry = stored(response, self.conversation, output_messages(response["output"]))
+            if entry is None or not self.store.put(self.id, entry):
                 response["store"] = False
         return response
 

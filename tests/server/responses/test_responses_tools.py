@@ -12,11 +12,10 @@ import pytest
 import trio
 
 from ft.engine.fake import FakeRunner, text_script
-from ft.errors import InvalidRequest
 from ft.server import RunningServer
 from ft.server.openai.schemas import MAX_TOOLS
 from ft.server.responses.schemas import MAX_GRAMMAR_LEN, ResponsesRequest
-from ft.server.responses.store import MAX_HISTORY_MESSAGES, ResponseStore
+from ft.server.responses.store import MAX_HISTORY_MESSAGES
 from ft.server.responses.tools import offered_tools
 from tests.support.scripts import ANSWER, QUESTION, events_of
 from tests.support.server import fake_server, wait_idle
@@ -213,35 +212,6 @@ async def test_store_false_and_streamed_responses() -> None:
         completed = events_of(r.text)[-1][1]["response"]
         got = await c.get(f"/v1/responses/{completed['id']}")
         assert got.status_code == 200 and got.json()["output"] == completed["output"]
-
-
-def test_store_evicts_least_recently_used_past_its_bounds() -> None:
-    """The store keeps at most max_entries and max_bytes; the least recently used go first."""
-    store = ResponseStore(max_entries=2, max_bytes=10_000)
-    message = [{"role": "user", "content": "x" * 100}]
-    for name in ("a", "b"):
-        assert store.put(name, {"id": name}, message)
-    assert store.get("a") is not None  # now b is the least recently used
-    assert store.put("c", {"id": "c"}, message)
-    assert store.get("b") is None and store.get("a") is not None
-    assert not store.put("huge", {"id": "huge"}, [{"role": "user", "content": "x" * 20_000}])
-    assert store.statistics().num_entries == 2
-    store.put("d", {"id": "d"}, [{"role": "user", "content": "x" * 9_000}])
-    assert store.statistics().num_bytes <= 10_000
-
-
-def test_store_history_is_bounded() -> None:
-    """A conversation continued past MAX_HISTORY_MESSAGES messages or max_entry_bytes is refused."""
-    store = ResponseStore(max_entry_bytes=50_000)
-    store.put("long", {"id": "long"}, [{"role": "user", "content": "x"}] * MAX_HISTORY_MESSAGES)
-    with pytest.raises(InvalidRequest) as info:
-        store.history("long", [{"role": "user", "content": "one more"}])
-    assert info.value.param == "previous_response_id"
-    store.put("big", {"id": "big"}, [{"role": "user", "content": "x" * 40_000}])
-    with pytest.raises(InvalidRequest):
-        store.history("big", [{"role": "user", "content": "y" * 20_000}])
-    with pytest.raises(InvalidRequest):
-        store.history("nope", [])
 
 
 # --- hostile variants ------------------------------------------------------------------------
