@@ -3,9 +3,11 @@
 
 A response is stored unless the request says `store: false` (OpenAI's default), in a bounded
 in-memory store of JSON bytes (`ft.server.responses.store`); `previous_response_id` continues a
-stored one's conversation, decoded off the loop after the body's parsing. The tools the model
-is offered, and the item types its calls come back as, are `ft.server.responses.tools`; input
-and output items are `ft.server.responses.items`. Errors are in OpenAI's shape.
+stored one's conversation, decoded off the loop after the body's parsing. A stored response is
+its tenant's (the caller's API key, where several are served): to any other it is not there.
+The tools the model is offered, and the item types its calls come back as, are
+`ft.server.responses.tools`; input and output items are `ft.server.responses.items`. Errors are
+in OpenAI's shape.
 
 A streamed response is a sequence of named events, each with a monotonic `sequence_number`:
 `response.created`, `response.in_progress`, then per output item `response.output_item.added`,
@@ -34,6 +36,7 @@ from ft.messages import Delta
 from ft.prompt import PromptSpec
 from ft.server.edge.body import run_sized
 from ft.server.edge.http_errors import HttpError
+from ft.server.edge.tracing import current_record
 from ft.server.generation import lifecycle
 from ft.server.generation.assemble import (
     Block,
@@ -77,9 +80,10 @@ def register(app: QuartTrio, ctx: ServerContext) -> None:
     @app.post("/v1/responses")
     async def create_response() -> Response:
         req, num_bytes = await read_sized_request(ctx, ResponsesRequest)
+        owner = current_record().tenant
         earlier = None
         if req.previous_response_id is not None:
-            earlier = store.get(req.previous_response_id)
+            earlier = store.get(req.previous_response_id, owner=owner)
             if earlier is None:
                 raise previous_not_found(req.previous_response_id)
             num_bytes += earlier.num_bytes
@@ -87,22 +91,25 @@ def register(app: QuartTrio, ctx: ServerContext) -> None:
         return await respond_model(
             ctx,
             req.model,
-            lambda view: ResponseCall(view, req, conversation, store),
+            lambda view: ResponseCall(view, req, conversation, store, owner),
             stream=req.stream,
             shape=ResponseCall,
         )
 
     @app.route("/v1/responses/<response_id>", methods=["GET", "DELETE"])
     async def stored_response(response_id: str) -> Response:
+        # NOTE: another tenant's response is answered as one never stored, so its id tells
+        # nothing (the store finds nothing for another owner).
+        owner = current_record().tenant
         if request.method == "DELETE":
-            if store.delete(response_id):
+            if store.delete(response_id, owner=owner):
                 return json_response({"id": response_id, "object": "response", "deleted": True})
-        elif (entry := store.get(response_id)) is not None:
+        elif (entry := store.get(response_id, owner=owner)) is not None:
             return Response(entry.response, status=200, content_type="application/json")
         raise HttpError(
             404,
-            f"no stored response '{response_id[:64]}' (not stored, deleted, or evicted from "
-            "this server's bounded in-memory store)",
+            f"no stored response '{response_id[:64]}' (not stored, deleted, evicted from this "
+            "server's bounded in-memory store, or stored with another API key)",
             param="response_id",
             code="not_found",
         )
@@ -115,7 +122,8 @@ def previous_not_found(response_id: str) -> InvalidRequest:
     """The 400 for a `previous_response_id` the store does not hold."""
     return InvalidRequest(
         f"previous response '{response_id[:64]}' not found: it was not stored "
-        "(store: false), was deleted, was evicted from this server's bounded store, or expired",
+        "(store: false), was deleted, was evicted from this server's bounded store, expired, "
+        "or was stored with another API key",
         param="previous_response_id",
         code="previous_response_not_found",
     )
@@ -173,12 +181,19 @@ def cut_block(blocks: list[Block], finish_events: list[BlockEvent], is_cut: bool
 
 
 class ResponseCall(GenerationApi):
-    """One `/v1/responses` request, from validated body to response."""
+    """One `/v1/responses` request, from validated body to response, stored as `owner`'s (the
+    caller's tenant)."""
 
     def __init__(
-        self, ctx: ServerContext, req: ResponsesRequest, conversation: Conversation, store: ResponseStore
+        self,
+        ctx: ServerContext,
+        req: ResponsesRequest,
+        conversation: Conversation,
+        store: ResponseStore,
+        owner: str | None,
     ) -> None:
         self.ctx, self.req, self.conversation, self.store = ctx, req, conversation, store
+        self.owner = owner
         ctx.check_model(req.model)
         self.is_stored = req.store is not False
         # NOTE: a stored response is encoded with its body, off the loop (the conversation is
@@ -238,7 +253,7 @@ class ResponseCall(GenerationApi):
         (`"store": false` when it is too large to keep)."""
         if self.is_stored:
             entry = stored(response, self.conversation, output_messages(response["output"]))
-            if entry is None or not self.store.put(self.id, entry):
+            if entry is None or not self.store.put(self.id, entry, owner=self.owner):
                 response["store"] = False
         return response
 

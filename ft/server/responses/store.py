@@ -20,6 +20,10 @@ conversation is at most `MAX_HISTORY_MESSAGES` messages and `max_entry_bytes` (c
 either is a 400; a new response past them is served, not stored). Nothing survives a restart.
 Thread-safe: each call holds a lock for dictionary work only (an eviction pops entries, no call
 encodes or decodes anything).
+
+A stored response belongs to its `owner` (the tenant that made it, `ft.server.edge.tenants`;
+None with one API key or none): `get` and `delete` by any other owner find nothing, exactly as
+for an id never stored, and leave the entry as it was (not even its recency changes).
 """
 
 from __future__ import annotations
@@ -88,6 +92,7 @@ class StoreStatistics:
 @dataclass(frozen=True, slots=True)
 class _Slot:
     entry: StoredResponse
+    owner: str | None
     expires_at: float
 
 
@@ -114,18 +119,20 @@ class ResponseStore:
         self._by_age: OrderedDict[str, float] = OrderedDict()  # id -> expiry, oldest first
         self._num_bytes = 0
 
-    def get(self, response_id: str) -> StoredResponse | None:
-        """The stored response `response_id` (now the most recently used), or None."""
+    def get(self, response_id: str, *, owner: str | None) -> StoredResponse | None:
+        """The stored response `response_id` of `owner` (now the most recently used), or None
+        (also when another owner stored it)."""
         with self._lock:
             self._expire()
             slot = self._entries.get(response_id)
-            if slot is None:
+            if slot is None or slot.owner != owner:
                 return None
             self._entries.move_to_end(response_id)
             return slot.entry
 
-    def put(self, response_id: str, entry: StoredResponse) -> bool:
-        """Store a finished response; False when it is too large to keep (see `is_storable`).
+    def put(self, response_id: str, entry: StoredResponse, *, owner: str | None) -> bool:
+        """Store a finished response of `owner`; False when it is too large to keep (see
+        `is_storable`).
 
         Evicts the oldest past `max_age_s`, then the least recently used past `max_entries` /
         `max_bytes`.
@@ -134,7 +141,7 @@ class ResponseStore:
             return False
         with self._lock:
             self._pop(response_id)
-            self._entries[response_id] = _Slot(entry, self._clock() + self.max_age_s)
+            self._entries[response_id] = _Slot(entry, owner, self._clock() + self.max_age_s)
             self._by_age[response_id] = self._entries[response_id].expires_at
             self._num_bytes += entry.num_bytes
             self._expire()
@@ -142,10 +149,12 @@ class ResponseStore:
                 self._pop(next(iter(self._entries)))
         return True
 
-    def delete(self, response_id: str) -> bool:
-        """Forget response `response_id`; False when it was not stored."""
+    def delete(self, response_id: str, *, owner: str | None) -> bool:
+        """Forget response `response_id` of `owner`; False (and nothing forgotten) when `owner`
+        has no such response stored."""
         with self._lock:
-            return self._pop(response_id)
+            slot = self._entries.get(response_id)
+            return slot is not None and slot.owner == owner and self._pop(response_id)
 
     def is_storable(self, num_bytes: int, num_messages: int) -> bool:
         """Whether a response of `num_bytes` whose conversation has `num_messages` may be kept."""

@@ -9,6 +9,7 @@ still reuse their prefix.
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from typing import Any
 
@@ -210,3 +211,63 @@ def test_api_keys_are_bounded_and_never_empty() -> None:
     with pytest.raises(ValueError, match="empty"):
         ServerSettings(api_keys=("a", ""))
     assert ServerSettings(api_key="a", api_keys=("b", "a")).all_api_keys == ("a", "b")
+
+
+KEY_A, KEY_B = {"Authorization": "Bearer key-a"}, {"Authorization": "Bearer key-b"}
+
+
+async def stored_response(c: httpx.AsyncClient, headers: dict[str, str], *, stream: bool) -> str:
+    """The id of a response stored by the caller of `headers` (streamed or not)."""
+    body = {"input": "hi", "max_output_tokens": 2, "stream": stream}
+    r = await c.post("/v1/responses", json=body, headers=headers)
+    assert r.status_code == 200, r.text
+    if not stream:
+        return str(r.json()["id"])
+    events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: ")]
+    assert events[-1]["type"] in ("response.completed", "response.incomplete"), events[-1]
+    return str(events[-1]["response"]["id"])
+
+
+def continuing(previous: str) -> dict[str, Any]:
+    return {"previous_response_id": previous, "input": "more", "max_output_tokens": 2}
+
+
+async def ask(c: httpx.AsyncClient, how: str, response_id: str, headers: dict[str, str]) -> httpx.Response:
+    """GET, DELETE or continue (`previous_response_id`) the stored response `response_id`."""
+    if how == "continue":
+        return await c.post("/v1/responses", json=continuing(response_id), headers=headers)
+    return await c.request(how, f"/v1/responses/{response_id}", headers=headers)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_stored_response_is_read_deleted_and_continued_only_by_its_own_key(stream: bool) -> None:
+    """Key B holding key A's response id gets what an unknown id gets (so it cannot tell the
+    response exists), and its DELETE deletes nothing; key A's calls work as before."""
+    unknown = "resp_" + "0" * 32
+    async with (
+        fake_server(api_keys=("key-a", "key-b")) as s,
+        httpx.AsyncClient(base_url=s.base_url, timeout=30) as c,
+    ):
+        response_id = await stored_response(c, KEY_A, stream=stream)
+        mine = await ask(c, "GET", response_id, KEY_A)
+        assert mine.status_code == 200 and mine.json()["id"] == response_id, mine.text
+        for how in ("GET", "DELETE", "continue"):
+            theirs = await ask(c, how, response_id, KEY_B)
+            never = await ask(c, how, unknown, KEY_B)
+            assert theirs.status_code == never.status_code != 200, (how, theirs.text)
+            assert theirs.json() == json.loads(never.text.replace(unknown, response_id)), how
+        assert (await ask(c, "GET", response_id, KEY_A)).json() == mine.json()
+        more = await ask(c, "continue", response_id, KEY_A)
+        assert more.status_code == 200 and more.json()["previous_response_id"] == response_id
+        assert (await ask(c, "GET", more.json()["id"], KEY_B)).status_code == 404  # A's too
+        deleted = await ask(c, "DELETE", response_id, KEY_A)
+        assert deleted.status_code == 200 and deleted.json()["deleted"] is True
+        assert (await ask(c, "GET", response_id, KEY_A)).status_code == 404
+
+
+async def test_with_one_key_a_stored_response_is_every_callers_as_before() -> None:
+    shared = {"Authorization": "Bearer shared"}
+    async with fake_server(api_key="shared") as s, httpx.AsyncClient(base_url=s.base_url, timeout=30) as c:
+        response_id = await stored_response(c, shared, stream=False)
+        for how in ("GET", "continue", "DELETE"):
+            assert (await ask(c, how, response_id, shared)).status_code == 200, how

@@ -60,10 +60,14 @@ def entry(messages: list[dict[str, Any]], response: dict[str, Any] | None = None
 def test_the_store_keeps_at_most_max_entries_the_least_recently_used_out_first() -> None:
     store = ResponseStore(max_entries=2)
     for name in ("a", "b"):
-        assert store.put(name, entry(USER))
-    assert store.get("a") is not None  # now b is the least recently used
-    assert store.put("c", entry(USER))
-    assert store.get("b") is None and store.get("a") is not None and store.get("c") is not None
+        assert store.put(name, entry(USER), owner=None)
+    assert store.get("a", owner=None) is not None  # now b is the least recently used
+    assert store.put("c", entry(USER), owner=None)
+    assert (
+        store.get("b", owner=None) is None
+        and store.get("a", owner=None) is not None
+        and store.get("c", owner=None) is not None
+    )
     assert store.statistics().num_entries == 2
 
 
@@ -71,10 +75,10 @@ def test_the_store_keeps_at_most_max_bytes_counting_the_bytes_it_holds() -> None
     one = entry([{"role": "user", "content": "x" * 3000}])
     store = ResponseStore(max_bytes=3 * one.num_bytes + 10)
     for name in ("a", "b", "c", "d"):
-        assert store.put(name, one)
-    assert store.get("a") is None and store.get("d") is not None
+        assert store.put(name, one, owner=None)
+    assert store.get("a", owner=None) is None and store.get("d", owner=None) is not None
     assert store.statistics().num_entries == 3 and store.statistics().num_bytes == 3 * one.num_bytes
-    assert store.delete("b") and not store.delete("b")
+    assert store.delete("b", owner=None) and not store.delete("b", owner=None)
     assert store.statistics().num_bytes == 2 * one.num_bytes
 
 
@@ -82,23 +86,38 @@ def test_a_response_past_max_age_is_gone_the_oldest_first() -> None:
     """Age counts from the put; a read makes a response recently used, not younger."""
     clock = FakeClock()
     store = ResponseStore(max_age_s=100.0, clock=clock)
-    assert store.put("old", entry(USER))
+    assert store.put("old", entry(USER), owner=None)
     clock.now += 60
-    assert store.put("young", entry(USER))
+    assert store.put("young", entry(USER), owner=None)
     clock.now += 39
-    assert store.get("old") is not None
+    assert store.get("old", owner=None) is not None
     clock.now += 1
-    assert store.get("old") is None and store.get("young") is not None
+    assert store.get("old", owner=None) is None and store.get("young", owner=None) is not None
     assert store.statistics().num_entries == 1
     clock.now += 60
     assert store.statistics() == store.statistics().__class__(0, 0)
-    assert store.put("old", entry(USER)) and store.get("old") is not None  # stored again: a new age
+    assert (
+        store.put("old", entry(USER), owner=None) and store.get("old", owner=None) is not None
+    )  # stored again: a new age
+
+
+def test_another_owner_finds_nothing_and_changes_nothing() -> None:
+    """A response is its owner's: any other owner (None included) gets and deletes nothing,
+    and its attempts do not make the response recently used."""
+    store = ResponseStore(max_entries=2)
+    assert store.put("a", entry(USER), owner="tenant-a")
+    assert store.put("b", entry(USER), owner="tenant-a")
+    for other in ("tenant-b", None):
+        assert store.get("a", owner=other) is None and not store.delete("a", owner=other)
+    assert store.put("c", entry(USER), owner="tenant-b")  # "a" is still the least recently used
+    assert store.get("a", owner="tenant-a") is None and store.get("b", owner="tenant-a") is not None
+    assert store.get("c", owner="tenant-b") is not None and store.delete("c", owner="tenant-b")
 
 
 def test_a_response_too_large_to_keep_is_not_stored() -> None:
     store = ResponseStore(max_entry_bytes=1000)
-    assert not store.put("huge", entry([{"role": "user", "content": "x" * 2000}]))
-    assert store.get("huge") is None and store.statistics().num_entries == 0
+    assert not store.put("huge", entry([{"role": "user", "content": "x" * 2000}]), owner=None)
+    assert store.get("huge", owner=None) is None and store.statistics().num_entries == 0
     too_long = continue_conversation(
         None, [{"role": "user", "content": "x" * 2000}], is_stored=True, max_entry_bytes=1000
     )
@@ -146,7 +165,7 @@ def test_the_store_holds_json_bytes_and_counts_exactly_them() -> None:
     overhead = sys.getsizeof(b"")
     assert sum(sys.getsizeof(p) - overhead for p in parts) == record.num_bytes
     store = ResponseStore()
-    assert store.put("r", record) and store.statistics().num_bytes == record.num_bytes
+    assert store.put("r", record, owner=None) and store.statistics().num_bytes == record.num_bytes
     assert json.loads(record.response) == {"id": "r", "x": "é"}
 
 
