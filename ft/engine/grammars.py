@@ -12,7 +12,8 @@ Each request then builds its own template from the text in a thread (`build_gram
 what one request's output explores is freed with it (see `ft.grammar.compiled`).
 
 New specs compiling or waiting for a worker are bounded (`max_compiles`, and a share of them
-for each named client): past it a new spec is refused with `Overloaded` (503, Retry-After).
+for each named client): past it a new spec is refused with `Overloaded` (503, Retry-After),
+but for a named client's first one.
 The workers go to the waiting compile of the client that used them least recently
 (`FairLimiter`, a refusal weighing four times its time), and a compile that crashes or
 outlives its deadline starts its worker's replacement in its own slot: so another client's
@@ -157,13 +158,14 @@ class Grammars:
         """A new grammar of `spec` for one request (its template built in a thread).
 
         `client` names who asks (an API key, a peer address), so one client cannot hold
-        more than `max_compiles_per_client` of the compile queue; None is unnamed.
+        more than `max_compiles_per_client` of the compile queue, and its first new spec is
+        let in past a full queue; None is unnamed.
 
         Raises:
             InvalidRequest: the grammar is invalid, exceeds the limits, takes longer than the
                 deadline or crashes its compiler (naming `spec.param`).
-            Overloaded: the spec is new and `max_compiles` new specs (or the client's share)
-                are compiling already, or no compile worker could start.
+            Overloaded: the spec is new and `max_compiles` new specs (and one of the client's)
+                or the client's share are compiling already, or no compile worker could start.
         """
         text = await self.check(spec, client=client)
         built = await trio.to_thread.run_sync(self._build, spec, text)
@@ -199,7 +201,11 @@ class Grammars:
         return hit.text
 
     def _admit(self, client: str | None) -> None:
-        if len(self._pending) >= self.max_compiles:
+        # A named client with nothing compiling gets in past the bound: the fair queue puts it
+        # next, so a queue that other clients filled costs it no wait (one spec per client:
+        # the engine's admission bounds how many requests, and so clients, are in flight).
+        is_first = client is not None and self._pending_by_client[client] == 0
+        if len(self._pending) >= self.max_compiles and not is_first:
             raise Overloaded(f"{len(self._pending)} new grammars are compiling; retry later")
         if client is not None and self._pending_by_client[client] >= self.max_compiles_per_client:
             raise Overloaded("this client's new grammars are compiling; retry later")
