@@ -24,6 +24,7 @@ from ft.core.prompt_cache import PromptCache
 from ft.core.scheduler import Scheduler
 from ft.engine.admission import Admission, Admissions
 from ft.engine.drain import Drain
+from ft.engine.grammars import GrammarStatistics
 from ft.engine.lifetime import EngineState, Running, WorkerJobs, refusal, run
 from ft.engine.loading import EngineHooks
 from ft.engine.observe import EngineSnapshot, snapshot
@@ -338,6 +339,14 @@ class Engine:
             EngineStopping: the engine has not started.
         """
         return self._started().tokenizer_actor.statistics()
+
+    def grammar_statistics(self) -> GrammarStatistics:
+        """What the grammar compiles did (compiles, compiling now, restarts) and their slots.
+
+        Raises:
+            EngineStopping: the engine has not started.
+        """
+        return self._started().grammars.statistics()
 
     def check_fits(self, num_prompt_tokens: int, params: SamplingParams) -> None:
         """Raise what admission would refuse a prompt of this size for, whatever the load.

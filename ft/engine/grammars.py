@@ -34,6 +34,7 @@ import trio
 import trio_parallel
 
 from ft.actors.fair_limiter import FairLimiter
+from ft.core.fair_share import FairShareStatistics
 from ft.errors import InvalidRequest, Overloaded
 from ft.grammar.compiled import Grammar, build_grammar, grammar_tokenizer
 from ft.grammar.spec import GrammarSpec
@@ -77,6 +78,17 @@ class Checked:
     def num_bytes(self) -> int:
         """Memory it holds (its string's)."""
         return sys.getsizeof(self.text if self.text is not None else self.refusal)
+
+
+@dataclass(frozen=True, slots=True)
+class GrammarStatistics:
+    """What the grammars did: compiles run (cache misses), new specs compiling or waiting now,
+    compile workers started again after a compile crashed or was killed, the slots now."""
+
+    num_compiled: int
+    num_compiling: int
+    num_worker_restarts: int
+    slots: FairShareStatistics
 
 
 class Grammars:
@@ -129,6 +141,12 @@ class Grammars:
     def num_compiling(self) -> int:
         """New specs compiling or waiting for a worker (what admission may count)."""
         return len(self._pending)
+
+    def statistics(self) -> GrammarStatistics:
+        """Compiles so far, compiling now, restarts, and the compile slots."""
+        return GrammarStatistics(
+            self.num_compiled, self.num_compiling, self.num_worker_restarts, self._workers.statistics()
+        )
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Keep this object's own compile workers until cancelled (then they are closed).
