@@ -12,16 +12,19 @@ import tempfile
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import trio
 
 from ft.actors.registry import Registry, RequestEntry
+from ft.actors.tokenizer import TokenizerStatistics
 from ft.config import DEFAULT_ABORT_TIMEOUT_S, DEFAULT_DRAIN_TIMEOUT_S, EngineConfig
 from ft.core.prompt_cache import PromptCache
 from ft.core.scheduler import Scheduler
 from ft.engine.admission import Admission, Admissions
 from ft.engine.drain import Drain
+from ft.engine.grammars import GrammarStatistics
 from ft.engine.lifetime import EngineState, Running, WorkerJobs, refusal, run
 from ft.engine.loading import EngineHooks
 from ft.engine.observe import EngineSnapshot, snapshot
@@ -294,6 +297,8 @@ class Engine:
         prompt: PromptSpec,
         *,
         admission: Admission | None = None,
+        client: str | None = None,
+        max_tokens: int | None = None,
     ) -> list[int]:
         """Token ids of `prompt`, its messages rendered (no request is registered).
 
@@ -302,22 +307,46 @@ class Engine:
         `Tokenize` jobs do). Without one (`/v1/tokenize`), the call shares the workers with
         generation, so it is admitted like a request (503 while loading, stopping or with a full
         queue) and at most `tokenizer_workers` run at once; one more is refused with
-        `Overloaded` rather than queued behind them.
+        `Overloaded` rather than queued behind them. `client` names who asks (a peer address):
+        waiting jobs get the workers by how little their clients used them recently.
+        `max_tokens`: a prompt known to have more tokens than this (by its bytes, or by the
+        slices of a long text tokenized so far) is refused before the rest is tokenized; a
+        generation route passes the context length.
 
         Raises:
             InvalidRequest: the prompt cannot be rendered or encoded.
+            ContextLengthExceeded: the prompt has more than `max_tokens` tokens.
             EngineStopping: loading, stopping (without an admission), or failed.
             Overloaded: without an admission, the queue or the tokenize slots are full.
         """
+        tokenize = partial(
+            self._started().tokenizer_actor.tokenize, prompt, client=client, max_tokens=max_tokens
+        )
         if admission is not None:
-            return await self._started().tokenizer_actor.tokenize(prompt)
+            return await tokenize()
         slots = self._tokenize_slots
         with self.counting_rejections(Overloaded):
             self.check_admission()
             if slots.borrowed_tokens >= slots.total_tokens:
                 raise Overloaded(f"{slots.total_tokens} tokenize requests are running; retry later")
         async with slots:
-            return await self._started().tokenizer_actor.tokenize(prompt)
+            return await tokenize()
+
+    def tokenizer_statistics(self) -> TokenizerStatistics:
+        """What the tokenizer workers did (jobs, characters tokenized, restarts) and their slots.
+
+        Raises:
+            EngineStopping: the engine has not started.
+        """
+        return self._started().tokenizer_actor.statistics()
+
+    def grammar_statistics(self) -> GrammarStatistics:
+        """What the grammar compiles did (compiles, compiling now, restarts) and their slots.
+
+        Raises:
+            EngineStopping: the engine has not started.
+        """
+        return self._started().grammars.statistics()
 
     def check_fits(self, num_prompt_tokens: int, params: SamplingParams) -> None:
         """Raise what admission would refuse a prompt of this size for, whatever the load.

@@ -13,7 +13,11 @@ what one request's output explores is freed with it (see `ft.grammar.compiled`).
 
 New specs compiling or waiting for a worker are bounded (`max_compiles`, and a share of them
 for each named client): past it a new spec is refused with `Overloaded` (503, Retry-After),
-so a flood of slow or crashing schemas cannot queue a tiny one behind minutes of work.
+but for a named client's first one.
+The workers go to the waiting compile of the client that used them least recently
+(`FairLimiter`, a refusal weighing four times its time), and a compile that crashes or
+outlives its deadline starts its worker's replacement in its own slot: so another client's
+new spec waits for the compiles running, not for a flood of crashing ones and their restarts.
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ import cbor2
 import trio
 import trio_parallel
 
+from ft.actors.fair_limiter import FairLimiter
+from ft.core.fair_share import FairShareStatistics
 from ft.errors import InvalidRequest, Overloaded
 from ft.grammar.compiled import Grammar, build_grammar, grammar_tokenizer
 from ft.grammar.spec import GrammarSpec
@@ -74,6 +80,17 @@ class Checked:
         return sys.getsizeof(self.text if self.text is not None else self.refusal)
 
 
+@dataclass(frozen=True, slots=True)
+class GrammarStatistics:
+    """What the grammars did: compiles run (cache misses), new specs compiling or waiting now,
+    compile workers started again after a compile crashed or was killed, the slots now."""
+
+    num_compiled: int
+    num_compiling: int
+    num_worker_restarts: int
+    slots: FairShareStatistics
+
+
 class Grammars:
     """Grammars by spec, for one model's tokenizer.
 
@@ -101,8 +118,9 @@ class Grammars:
         self._context: trio_parallel.WorkerContext | None = None
         self._timeout_s = timeout_s
         # NOTE: at most as many compilations as the executor has workers, so that a burst of
-        # new specs waits here, before its deadline starts, and is not refused for queueing.
-        self._workers = trio.CapacityLimiter(workers)
+        # new specs waits here, before its deadline starts, and is not refused for queueing;
+        # the next one to compile is the one of the client that used the workers least.
+        self._workers = FairLimiter(workers)
         # NOTE: a client may send several new schemas at once (an evaluation's seven, all in
         # parallel): with 4 on 2 workers, one client's seventh got 503. 16 compiles of at most
         # `timeout_s` each keep a new spec's wait bounded (behind a flood of crashing ones too).
@@ -114,6 +132,7 @@ class Grammars:
         self._pending_by_client: Counter[str] = Counter()
         self.num_retained_bytes = 0  # what the cache holds: sources and texts, measured
         self.num_compiled = 0  # compilations run (cache misses), for tests and stats
+        self.num_worker_restarts = 0  # workers started again after a compile crashed or was killed
 
     def __len__(self) -> int:
         return len(self._cache)
@@ -122,6 +141,12 @@ class Grammars:
     def num_compiling(self) -> int:
         """New specs compiling or waiting for a worker (what admission may count)."""
         return len(self._pending)
+
+    def statistics(self) -> GrammarStatistics:
+        """Compiles so far, compiling now, restarts, and the compile slots."""
+        return GrammarStatistics(
+            self.num_compiled, self.num_compiling, self.num_worker_restarts, self._workers.statistics()
+        )
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Keep this object's own compile workers until cancelled (then they are closed).
@@ -151,13 +176,14 @@ class Grammars:
         """A new grammar of `spec` for one request (its template built in a thread).
 
         `client` names who asks (an API key, a peer address), so one client cannot hold
-        more than `max_compiles_per_client` of the compile queue; None is unnamed.
+        more than `max_compiles_per_client` of the compile queue, and its first new spec is
+        let in past a full queue; None is unnamed.
 
         Raises:
             InvalidRequest: the grammar is invalid, exceeds the limits, takes longer than the
                 deadline or crashes its compiler (naming `spec.param`).
-            Overloaded: the spec is new and `max_compiles` new specs (or the client's share)
-                are compiling already, or no compile worker could start.
+            Overloaded: the spec is new and `max_compiles` new specs (and one of the client's)
+                or the client's share are compiling already, or no compile worker could start.
         """
         text = await self.check(spec, client=client)
         built = await trio.to_thread.run_sync(self._build, spec, text)
@@ -179,7 +205,7 @@ class Grammars:
             if client is not None:
                 self._pending_by_client[client] += 1
             try:
-                hit = await self._compile(spec)
+                hit = await self._compile(spec, client)
                 self._remember(spec.key, hit)
             finally:
                 del self._pending[spec.key]
@@ -193,7 +219,11 @@ class Grammars:
         return hit.text
 
     def _admit(self, client: str | None) -> None:
-        if len(self._pending) >= self.max_compiles:
+        # A named client with nothing compiling gets in past the bound: the fair queue puts it
+        # next, so a queue that other clients filled costs it no wait (one spec per client:
+        # the engine's admission bounds how many requests, and so clients, are in flight).
+        is_first = client is not None and self._pending_by_client[client] == 0
+        if len(self._pending) >= self.max_compiles and not is_first:
             raise Overloaded(f"{len(self._pending)} new grammars are compiling; retry later")
         if client is not None and self._pending_by_client[client] >= self.max_compiles_per_client:
             raise Overloaded("this client's new grammars are compiling; retry later")
@@ -209,31 +239,47 @@ class Grammars:
     def _is_over_budget(self) -> bool:
         return len(self._cache) > CACHE_SIZE or self.num_retained_bytes > CACHE_BYTES
 
-    async def _compile(self, spec: GrammarSpec) -> Checked:
+    async def _compile(self, spec: GrammarSpec, client: str | None) -> Checked:
         self.num_compiled += 1
         payload = grammar_payload(spec, self._spec_path, self._vocab_size)
-        async with self._workers:
+        async with self._workers.slot(client) as slot:
             # NOTE: a worker that is new (the first, or one a crash or a deadline killed)
             # spawns and loads the tokenizer first: 1-5 s on a loaded machine, which is not
             # the grammar's to pay. The check then runs in the warm worker (trio-parallel
             # reuses the last one freed).
-            warm = cbor2.dumps({"spec_path": self._spec_path, "vocab_size": self._vocab_size})
-            with trio.move_on_after(WARM_TIMEOUT_S) as warming:
-                try:
-                    await self._executor(warm_grammar_job, warm)
-                except trio_parallel.BrokenWorkerError:
-                    warming.cancel()
-            if warming.cancelled_caught:  # not the grammar's fault: nothing is remembered
+            if not await self._warm():  # not the grammar's fault: nothing is remembered
                 raise Overloaded("the grammar compilers cannot start; retry later")
-            with trio.move_on_after(self._timeout_s):
-                try:
-                    answer = cbor2.loads(await self._executor(self._check_job, payload))
-                except trio_parallel.BrokenWorkerError:
-                    return Checked(None, CRASHED)
-                if "error" in answer:
-                    return Checked(None, str(answer["error"]))
-                return Checked(str(answer["grammar"]))
-            return Checked(None, f"the grammar took longer than {self._timeout_s:g} s to compile")
+            checked, killed = await self._check(payload)
+            if checked.text is None:
+                slot.failed = True
+            if killed:
+                # The replacement starts in this compile's slot: its client pays for it, and
+                # the next client's compile finds a warm worker.
+                self.num_worker_restarts += 1
+                await self._warm()
+            return checked
+
+    async def _warm(self) -> bool:
+        """Start a worker and load the tokenizer in it if none is warm; False if it failed."""
+        warm = cbor2.dumps({"spec_path": self._spec_path, "vocab_size": self._vocab_size})
+        with trio.move_on_after(WARM_TIMEOUT_S) as warming:
+            try:
+                await self._executor(warm_grammar_job, warm)
+            except trio_parallel.BrokenWorkerError:
+                warming.cancel()
+        return not warming.cancelled_caught
+
+    async def _check(self, payload: bytes) -> tuple[Checked, bool]:
+        """The check's answer, and whether its worker died or was killed at the deadline."""
+        with trio.move_on_after(self._timeout_s):
+            try:
+                answer = cbor2.loads(await self._executor(self._check_job, payload))
+            except trio_parallel.BrokenWorkerError:
+                return Checked(None, CRASHED), True
+            if "error" in answer:
+                return Checked(None, str(answer["error"])), False
+            return Checked(str(answer["grammar"])), False
+        return Checked(None, f"the grammar took longer than {self._timeout_s:g} s to compile"), True
 
     def _build(self, spec: GrammarSpec, text: str) -> Grammar | str:
         try:

@@ -19,6 +19,7 @@ import trio_parallel
 from tokenizers import Tokenizer
 
 from ft.actors.detokenizer import DetokenizerActor
+from ft.actors.fair_limiter import FairLimiter
 from ft.actors.runner import RunnerActor
 from ft.actors.scheduler import SchedulerActor
 from ft.actors.tokenizer import TokenizerActor
@@ -282,6 +283,8 @@ async def _load_and_start(
         vocab_size=parts.vocab_size,
         executor=executor,
         job=hooks.tokenize_job or tokenize_job,
+        limiter=FairLimiter(cfg.tokenizer_workers),
+        max_prompt_tokens=engine.max_model_len,
     )
     await nursery.start(tokenizer_actor.run)
     await nursery.start(

@@ -21,6 +21,7 @@ from quart_trio import QuartTrio
 from ft.config import DEFAULT_ABORT_TIMEOUT_S, MAX_SERVED_NAME_LEN
 from ft.engine.engine import EngineState
 from ft.prompt import PromptSpec
+from ft.server.edge.auth import current_client
 from ft.server.edge.http_errors import HttpError
 from ft.server.generation.context import ServerContext, json_response, read_request
 from ft.server.generation.policy import template_prompt
@@ -141,7 +142,7 @@ def _register_tokens(app: QuartTrio, ctx: ServerContext) -> None:
             raise HttpError(400, "give exactly one of prompt or messages", param="prompt")
         view = await ctx.for_model(req.model)
         _check_ready(view)
-        ids = await view.engine.tokenize(tokenize_prompt(req))
+        ids = await view.engine.tokenize(tokenize_prompt(req), client=current_client())
         return json_response({"tokens": ids, "count": len(ids), "max_model_len": view.engine.max_model_len})
 
     @app.post("/v1/detokenize")

@@ -12,7 +12,7 @@ from typing import Any
 
 import cbor2
 
-from ft.errors import InvalidRequest
+from ft.errors import ContextLengthExceeded, InvalidRequest
 from ft.prompt import PromptSpec
 
 INT64_MIN, UINT64_MAX = -(2**63), 2**64 - 1
@@ -20,6 +20,7 @@ INT64_MIN, UINT64_MAX = -(2**63), 2**64 - 1
 # a millisecond); a larger one in a thread (see `is_small_job`).
 INLINE_JOB_VALUES = 4096
 INLINE_JOB_CHARS = 256 * 1024
+TOO_LONG = "context_length_exceeded"  # a refusal's code that decodes as `ContextLengthExceeded`
 
 
 def is_small_job(prompt: PromptSpec) -> bool:
@@ -89,10 +90,15 @@ def _wide_int(path: str) -> InvalidRequest:
 
 @dataclass(frozen=True, slots=True)
 class TokenizeJob:
-    """One tokenizer job as it crosses the process boundary; rebuilt whole on the worker side."""
+    """One tokenizer job as it crosses the process boundary; rebuilt whole on the worker side.
+
+    `max_tokens`: a text that must have more tokens than this (by its bytes,
+    `ft.tokenizer.bounds`) is refused before it is tokenized; None: no bound.
+    """
 
     spec_path: str
     prompt: PromptSpec
+    max_tokens: int | None = None
 
 
 # A prompt's fields go by name (a new one travels with no edit here), but for its token ids (the
@@ -109,11 +115,32 @@ def _wire_fields(prompt: PromptSpec) -> dict[str, Any]:
 
 @dataclass(frozen=True, slots=True)
 class TokenizeResult:
-    """A worker's answer: token ids, or the refusal's message and the field it names."""
+    """A worker's answer: token ids, or the refusal's message, the field it names and its code.
+
+    A long text comes back with the ids of its first slice only, the `rest` of its text and
+    the offsets in `rest` where it may be cut (`ft.tokenizer.bounds.cut_points`): the caller
+    tokenizes the rest a slice at a time (`encode_slice_job`). `num_chars`: the characters this
+    job tokenized. `retired`: the worker is replaced after this job (it ran out of memory).
+    """
 
     ids: list[int] | None = None
     error: str | None = None
     param: str | None = None
+    code: str | None = None
+    rest: str | None = None
+    cuts: list[int] | None = None
+    num_chars: int = 0
+    retired: bool = False
+
+    def checked_ids(self) -> list[int]:
+        """The ids. Raises `InvalidRequest` (`ContextLengthExceeded` for its code) when the
+        worker refused the job."""
+        if self.error is not None:
+            if self.code == TOO_LONG:
+                raise ContextLengthExceeded(self.error, param=self.param)
+            raise InvalidRequest(self.error, param=self.param)
+        assert self.ids is not None
+        return self.ids
 
 
 def _fields(record: TokenizeResult) -> dict[str, Any]:
@@ -123,7 +150,7 @@ def _fields(record: TokenizeResult) -> dict[str, Any]:
 _ENCODE_ERRORS = (UnicodeEncodeError, cbor2.CBOREncodeError, ValueError, TypeError)
 
 
-def encode_job(prompt: PromptSpec, spec_path: str) -> bytes:
+def encode_job(prompt: PromptSpec, spec_path: str, max_tokens: int | None = None) -> bytes:
     """Encode a tokenize job. Raises `InvalidRequest` naming the field that cannot be sent.
 
     Linear in the job's size (a 0.9 MB list of integers takes tens of milliseconds): callers
@@ -133,7 +160,7 @@ def encode_job(prompt: PromptSpec, spec_path: str) -> bytes:
     for name, value in payload.items():
         _check_ints(value, _PARAMS.get(name, name))
     try:
-        return cbor2.dumps({"spec_path": spec_path, "prompt": payload})
+        return cbor2.dumps({"spec_path": spec_path, "prompt": payload, "max_tokens": max_tokens})
     except _ENCODE_ERRORS as e:
         field = _unencodable_field(payload)
         raise InvalidRequest(f"{field or 'the request'} cannot be encoded: {_reason(e)}", param=field) from e
@@ -158,20 +185,35 @@ def _reason(e: Exception) -> str:
 def decode_job(payload: bytes) -> TokenizeJob:
     """Decode a job on the worker side: its prompt rebuilt as the `PromptSpec` it was."""
     job = cbor2.loads(payload)
-    return TokenizeJob(job["spec_path"], PromptSpec(**job["prompt"]))
+    return TokenizeJob(job["spec_path"], PromptSpec(**job["prompt"]), job.get("max_tokens"))
+
+
+def encode_slice_job(spec_path: str, text: str) -> bytes:
+    """Encode the job of tokenizing one slice of a long text (`TokenizeResult.rest`)."""
+    return cbor2.dumps({"spec_path": spec_path, "text": text})
+
+
+def decode_slice_job(payload: bytes) -> tuple[str, str]:
+    """The spec path and the text of a slice job."""
+    job = cbor2.loads(payload)
+    return str(job["spec_path"]), str(job["text"])
 
 
 def encode_result(
-    ids: list[int] | None = None, *, error: str | None = None, param: str | None = None
+    ids: list[int] | None = None,
+    *,
+    error: str | None = None,
+    param: str | None = None,
+    code: str | None = None,
+    rest: str | None = None,
+    cuts: list[int] | None = None,
+    num_chars: int = 0,
+    retired: bool = False,
 ) -> bytes:
-    """Encode a worker's answer: token ids, or an error message with the field it names."""
-    return cbor2.dumps(_fields(TokenizeResult(ids, error, param)))
+    """Encode a worker's answer (`TokenizeResult`'s fields)."""
+    return cbor2.dumps(_fields(TokenizeResult(ids, error, param, code, rest, cuts, num_chars, retired)))
 
 
-def decode_result(payload: bytes) -> list[int]:
-    """Decode a worker's answer; raise `InvalidRequest` when the worker refused the job."""
-    result = TokenizeResult(**cbor2.loads(payload))
-    if result.error is not None:
-        raise InvalidRequest(result.error, param=result.param)
-    assert result.ids is not None
-    return result.ids
+def decode_result(payload: bytes) -> TokenizeResult:
+    """Decode a worker's answer (`TokenizeResult.checked_ids` raises its refusal)."""
+    return TokenizeResult(**cbor2.loads(payload))

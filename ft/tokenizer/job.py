@@ -23,7 +23,8 @@ from tokenizers import Tokenizer
 from ft.errors import InvalidRequest
 from ft.grammar.spec import GrammarSpec
 from ft.prompt import PromptSpec
-from ft.tokenizer.codec import decode_job, encode_result
+from ft.tokenizer.bounds import TextBounds, cut_points, text_bounds, too_long
+from ft.tokenizer.codec import TOO_LONG, decode_job, decode_slice_job, encode_result
 from ft.tokenizer.spec import TokenizerSpec
 from ft.tokenizer.template import TemplateTimeout, render_chat
 
@@ -85,6 +86,7 @@ SAMPLE_TOOLS = [
 ]
 
 _loaded: dict[str, tuple[Tokenizer, TokenizerSpec]] = {}
+_bounds: dict[str, TextBounds] = {}
 _template_timeout_s: float | None = None  # set in a worker by `init_worker`; None: no deadline
 _must_retire = False  # the worker ran out of memory: replace it after this job
 
@@ -177,6 +179,14 @@ def load_spec(spec_path: str) -> tuple[Tokenizer, TokenizerSpec]:
     return hit
 
 
+def load_bounds(spec_path: str) -> TextBounds:
+    """The text bounds of a spec file's tokenizer, cached per process by file path."""
+    hit = _bounds.get(spec_path)
+    if hit is None:
+        hit = _bounds[spec_path] = text_bounds(load_spec(spec_path)[1].tokenizer_json)
+    return hit
+
+
 def render_prompt(prompt: PromptSpec, spec: TokenizerSpec) -> tuple[str, bool]:
     """The text to tokenize, and whether a BOS token must be prepended to it."""
     if prompt.messages is None:
@@ -208,31 +218,67 @@ def render_prompt(prompt: PromptSpec, spec: TokenizerSpec) -> tuple[str, bool]:
 
 
 def tokenize_job(payload: bytes) -> bytes:
-    """Worker entry point: CBOR job in, CBOR token ids (or a refusal) out."""
+    """Worker entry point: CBOR job in, CBOR token ids (or a refusal) out.
+
+    A text that must have more than the job's `max_tokens` tokens by its bytes is refused
+    before it is tokenized; a long one is tokenized up to its first cut only, and its rest
+    returned to be tokenized a slice at a time (`ft.tokenizer.bounds`, `tokenize_slice_job`).
+    """
     job = decode_job(payload)
     tokenizer, spec = load_spec(job.spec_path)
+    bounds = load_bounds(job.spec_path)
     prompt = job.prompt
     param = prompt.param
     try:
         with _render_deadline():
             text, add_bos = render_prompt(prompt, spec)
         # (`surrogatepass`: a lone surrogate, which JSON may carry, is counted here, not refused.)
-        if len(text) > MAX_TEXT_BYTES or len(text.encode("utf-8", "surrogatepass")) > MAX_TEXT_BYTES:
+        encoded = text.encode("utf-8", "surrogatepass") if len(text) <= MAX_TEXT_BYTES else None
+        if encoded is None or len(encoded) > MAX_TEXT_BYTES:
             what = "the chat template rendered" if prompt.is_chat else "the prompt is"
             raise InvalidRequest(f"{what} more than {MAX_TEXT_BYTES} bytes of text", param=param)
-        ids: list[int] = tokenizer.encode(text, add_special_tokens=False).ids
+        if job.max_tokens is not None and (at_least := bounds.min_tokens(encoded)) > job.max_tokens:
+            how = f"{len(encoded)} bytes of text, at most {bounds.max_token_bytes} bytes a token"
+            return encode_result(error=too_long(at_least, job.max_tokens, how), param=param, code=TOO_LONG)
+        del encoded
+        cuts = cut_points(text, tokenizer, bounds)
+        first = text[: cuts[0]] if cuts else text
+        ids: list[int] = tokenizer.encode(first, add_special_tokens=False).ids
     except InvalidRequest as e:
         return encode_result(error=e.message, param=e.param)
     except TemplateTimeout:
         return encode_result(error=_timeout_message(), param=param)
     except MemoryError:
         what = "rendering the chat template" if prompt.is_chat else "the prompt"
-        return encode_result(error=_out_of_memory_message(what), param=param)
+        return encode_result(error=_out_of_memory_message(what), param=param, retired=True)
     if add_bos and spec.bos_token is not None:
         bos = tokenizer.token_to_id(spec.bos_token)
         if bos is not None and (not ids or ids[0] != bos):
             ids.insert(0, bos)
-    return encode_result(ids)
+    if not cuts:
+        return encode_result(ids, num_chars=len(text))
+    rest = [cut - cuts[0] for cut in cuts[1:]]
+    return encode_result(ids, rest=text[cuts[0] :], cuts=rest, num_chars=len(first))
+
+
+def tokenize_slice_job(payload: bytes) -> bytes:
+    """Worker entry point: tokenize one slice of a long text (cut where `cut_points` allows)."""
+    spec_path, text = decode_slice_job(payload)
+    tokenizer, _ = load_spec(spec_path)
+    try:
+        ids: list[int] = tokenizer.encode(text, add_special_tokens=False).ids
+    except MemoryError:
+        return encode_result(error=_out_of_memory_message("the prompt"), param="prompt", retired=True)
+    return encode_result(ids, num_chars=len(text))
+
+
+def warm_tokenizer_job(payload: bytes) -> bytes:
+    """Worker entry point: load the tokenizer and its bounds (a new worker's start, paid by the
+    job whose crash or deadline it replaces). CBOR in: `spec_path`; out: an empty map."""
+    spec_path = cbor2.loads(payload)["spec_path"]
+    load_spec(spec_path)
+    load_bounds(spec_path)
+    return cbor2.dumps({})
 
 
 def check_template_job(payload: bytes) -> bytes:

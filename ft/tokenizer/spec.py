@@ -45,6 +45,13 @@ PRE_TOKENIZER_SPLITS: dict[str, tuple[str, ...]] = {
         ("starcoder", "refact", "smollm", "command-r", "codeshell", "exaone"), (_DIGITS_SPLIT, _GPT2_SPLIT)
     ),
 }
+# The splits above and GPT-2's that cut words: each piece of theirs ends after a letter that
+# a space and a letter follow (`ft.tokenizer.bounds` cuts long texts there); the digit split
+# cuts only around digits, so it keeps those places.
+WORD_SPLITS = frozenset(
+    {*(s for splits in PRE_TOKENIZER_SPLITS.values() for s in splits), _GPT2_SPLIT} - {_DIGITS_SPLIT}
+)
+KNOWN_SPLITS = WORD_SPLITS | {_DIGITS_SPLIT}
 # Types llama.cpp splits as GPT-2 does, ft's fallback too (a file without the key is "default").
 GPT2_PRE_TOKENIZERS = frozenset(
     ("default", "gpt-2", "phi-2", "olmo", "mpt", "jais", "roberta-bpe", "granite-docling", "trillion")

@@ -60,9 +60,9 @@ async def test_large_jobs_are_encoded_off_the_event_loop(monkeypatch: pytest.Mon
     threads: list[threading.Thread] = []
     real = tokenizer_actor.encode_job
 
-    def recorded(prompt: PromptSpec, spec_path: str) -> bytes:
+    def recorded(prompt: PromptSpec, spec_path: str, max_tokens: int | None = None) -> bytes:
         threads.append(threading.current_thread())
-        return real(prompt, spec_path)
+        return real(prompt, spec_path, max_tokens)
 
     monkeypatch.setattr(tokenizer_actor, "encode_job", recorded)
     with trio.fail_after(30):

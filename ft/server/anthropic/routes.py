@@ -37,6 +37,7 @@ from ft.server.anthropic.format import (
     usage,
 )
 from ft.server.anthropic.schemas import CountTokensRequest, MessagesRequest
+from ft.server.edge.auth import current_client
 from ft.server.generation.assemble import BlockAssembler, assemble_blocks
 from ft.server.generation.context import ServerContext, json_response, read_request
 from ft.server.generation.lifecycle import Generated, GenerationApi, Usage, respond_model
@@ -88,7 +89,7 @@ def register(app: QuartTrio, ctx: ServerContext) -> None:
         req = await read_request(ctx, CountTokensRequest)
         view = await ctx.for_model(req.model)
         prompt = messages_prompt(req, system_turns=view.engine.template_renders_mid_system)
-        ids = await view.engine.tokenize(template_prompt(prompt, tool_choice(req)))
+        ids = await view.engine.tokenize(template_prompt(prompt, tool_choice(req)), client=current_client())
         return json_response({"input_tokens": len(ids)})
 
 

@@ -22,7 +22,7 @@ import hmac
 import ipaddress
 from typing import Any
 
-from quart import Request
+from quart import Request, has_request_context, request
 
 from ft.server.edge.http_errors import HttpError
 from ft.server.edge.tenants import ONE_TENANT, Caller, Tenants
@@ -92,6 +92,17 @@ def presented_key(request: Request) -> bytes | None:
     if auth[:7].lower() == "bearer ":
         given = auth[7:].strip()
     return None if given is None else given.encode("latin-1", errors="replace")
+
+
+def current_client() -> str | None:
+    """Whom the current HTTP request counts against where clients share workers (tokenizing,
+    grammar compiles: `ft.actors.fair_limiter`): its peer's address, without the port; None
+    outside a request (embedded use). One API key serves every client, so it tells none apart;
+    behind a proxy every client is the proxy."""
+    if not has_request_context():
+        return None
+    client = request.scope.get("client")
+    return str(client[0]) if client else None
 
 
 def key_matches(given: bytes | None, expected: str) -> bool:

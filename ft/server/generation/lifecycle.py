@@ -35,10 +35,11 @@ from quart import Response, has_request_context, request
 
 from ft.engine.engine import Admission
 from ft.engine.stream import Choice, RequestStream
-from ft.errors import FtError
+from ft.errors import ContextLengthExceeded, FtError
 from ft.messages import Delta
 from ft.params import SamplingParams
 from ft.prompt import PromptSpec
+from ft.server.edge.auth import current_client
 from ft.server.edge.http_errors import internal_error
 from ft.server.edge.tracing import RequestRecord, current_record
 from ft.server.generation.context import ServerContext, json_response, json_response_off_loop
@@ -289,14 +290,18 @@ async def prepare(
         FtError: the prompt cannot be rendered or encoded, or can never fit (a 4xx).
     """
     engine = ctx.engine
+    client = current_client()
     if prompt.token_ids is not None:
         ids: Sequence[int] = prompt.token_ids  # checked against the vocabulary by the route
     else:
-        ids = await engine.tokenize(prompt, admission=admission)
+        # A prompt past the context never fits: refused as soon as that is known.
+        with engine.counting_rejections(ContextLengthExceeded):
+            ids = await engine.tokenize(
+                prompt, admission=admission, client=client, max_tokens=engine.max_model_len
+            )
     with engine.counting_rejections():
         engine.check_fits(len(ids), params)
         if params.grammar is not None:
-            client = request.remote_addr if has_request_context() else None
             await engine.check_grammar(params.grammar, client=client)
     return tuple(ids)
 

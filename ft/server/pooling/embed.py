@@ -32,10 +32,11 @@ import trio
 from quart import has_request_context, request
 
 from ft.engine.engine import Admission
-from ft.errors import FtError, InvalidRequest
+from ft.errors import ContextLengthExceeded, FtError, InvalidRequest
 from ft.model.rerank import RankFormat
 from ft.params import SamplingParams
 from ft.prompt import PromptSpec
+from ft.server.edge.auth import current_client
 from ft.server.edge.tracing import RequestRecord, current_record
 from ft.server.generation.context import ServerContext
 
@@ -131,7 +132,8 @@ async def embed(
                 param="dimensions",
             )
         prompt_ids = [
-            _fit(ctx, await _token_ids(ctx, i, admission), params, truncate, i.param) for i in inputs
+            _fit(ctx, await _token_ids(ctx, i, admission, truncate), params, truncate, i.param)
+            for i in inputs
         ]
         record.prompt_tokens = sum(len(ids) for ids in prompt_ids)
         vectors, cached = await _pool_all(ctx, params, prompt_ids, record, admission, cache_salt)
@@ -169,7 +171,7 @@ async def rank(
     try:
         parts: dict[str, tuple[int, ...]] = {}  # each text's tokens, once (rerank: one query)
         prompt_ids = [
-            _fit(ctx, await _pair_ids(ctx, fmt, p, parts, admission), params, truncate, p.param)
+            _fit(ctx, await _pair_ids(ctx, fmt, p, parts, admission, truncate), params, truncate, p.param)
             for p in pairs
         ]
         record.prompt_tokens = sum(len(ids) for ids in prompt_ids)
@@ -186,31 +188,55 @@ def is_large(inputs: Sequence[object]) -> bool:
 
 
 async def _pair_ids(
-    ctx: ServerContext, fmt: RankFormat, pair: Pair, parts: dict[str, tuple[int, ...]], admission: Admission
+    ctx: ServerContext,
+    fmt: RankFormat,
+    pair: Pair,
+    parts: dict[str, tuple[int, ...]],
+    admission: Admission,
+    truncate: int | None,
 ) -> tuple[int, ...]:
     """`pair` as one sequence's token ids, in the reranker's format (`RankFormat`)."""
-    engine = ctx.engine
     try:
         if fmt.template is not None:
             text = fmt.render(pair.query, pair.document)
-            return tuple(await engine.tokenize(PromptSpec(text=text, add_bos=False), admission=admission))
+            return await _tokenized(ctx, PromptSpec(text=text, add_bos=False), admission, truncate)
         for text in (pair.query, pair.document):
             if text not in parts:
                 spec = PromptSpec(text=text, add_bos=False)
-                parts[text] = tuple(await engine.tokenize(spec, admission=admission))
+                parts[text] = await _tokenized(ctx, spec, admission, truncate)
     except InvalidRequest as e:
         e.param = pair.param
         raise
     return tuple(fmt.pair_ids(parts[pair.query], parts[pair.document]))
 
 
-async def _token_ids(ctx: ServerContext, item: Input, admission: Admission) -> tuple[int, ...]:
+async def _token_ids(
+    ctx: ServerContext, item: Input, admission: Admission, truncate: int | None
+) -> tuple[int, ...]:
     """`item`'s token ids: given (checked against the vocabulary) or tokenized."""
     if item.prompt.token_ids is not None:
         ids = tuple(item.prompt.token_ids)
         ctx.check_token_ids(list(ids), item.param)
         return ids
-    return tuple(await ctx.engine.tokenize(item.prompt, admission=admission))
+    try:
+        return await _tokenized(ctx, item.prompt, admission, truncate)
+    except ContextLengthExceeded as e:
+        e.param = item.param
+        raise
+
+
+async def _tokenized(
+    ctx: ServerContext, prompt: PromptSpec, admission: Admission, truncate: int | None
+) -> tuple[int, ...]:
+    """`prompt`'s ids; without `truncate`, one past the context is refused as soon as that is
+    known (its bytes, its first slices), before the rest is tokenized."""
+    engine = ctx.engine
+    max_tokens = engine.max_model_len if truncate is None else None
+    with engine.counting_rejections(ContextLengthExceeded):
+        ids = await engine.tokenize(
+            prompt, admission=admission, client=current_client(), max_tokens=max_tokens
+        )
+    return tuple(ids)
 
 
 def _fit(
