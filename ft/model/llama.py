@@ -20,6 +20,7 @@ from ft.model.attention import AttentionMetadata, paged_attention, write_kv
 from ft.model.moe import SparseMoE, fuse_experts, moe_prefix
 
 if TYPE_CHECKING:
+    from ft.core.batch import Heartbeat
     from ft.model.architectures import Architecture
 
 ROPE_SCALING_TYPES = ("linear", "llama3", "longrope")
@@ -691,8 +692,9 @@ class LlamaForCausalLM(nn.Module):
         k_caches: torch.Tensor,  # [layers, num_slots, kv_heads, head_dim]
         v_caches: torch.Tensor,
         meta: AttentionMetadata,
+        heartbeat: Heartbeat | None = None,
     ) -> torch.Tensor:
-        """Hidden states after the final norm, `[T, hidden]`."""
+        """Hidden states after the final norm, `[T, hidden]`; `heartbeat` beats once a layer."""
         x = self.embed_tokens(input_ids)  # [T, hidden]
         if self.config.embed_scale:  # NOTE: the factor rounded to the embedding's dtype, as transformers does
             x = x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)
@@ -705,6 +707,8 @@ class LlamaForCausalLM(nn.Module):
         for i, layer in enumerate(self.layers):
             layer_cos, layer_sin = local if layer.window else (cos, sin)
             x = layer(x, layer_cos, layer_sin, k_caches[i], v_caches[i], meta)
+            if heartbeat is not None:
+                heartbeat.beat()
         out: torch.Tensor = self.norm(x)
         return out
 
