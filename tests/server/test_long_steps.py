@@ -1,5 +1,7 @@
-"""A step longer than `--step-timeout` that makes progress is a slow step, not a hung one: on the
-real default model, over HTTP, the request is answered and the server keeps serving."""
+"""Long steps on the real default model, over HTTP: a step longer than `--step-timeout` that
+makes progress is a slow step, not a hung one (the request is answered, the server keeps
+serving); a prompt scored for its logprobs is fed in chunks whose cost, scoring included, fits
+the prefill budget."""
 
 from __future__ import annotations
 
@@ -10,6 +12,8 @@ import pytest
 import trio
 
 from ft.config import EngineConfig
+from ft.core.batch import SeqWork
+from ft.engine.loading import EngineHooks
 from ft.model import kernels
 from ft.model.quantized_llama import QuantizedLlama
 from tests.support.server import running_server
@@ -57,3 +61,26 @@ async def test_a_step_past_the_timeout_whose_layers_progress_is_answered(
         assert (await client.get("/health/ready")).status_code == 200
         again = await client.post("/v1/completions", json=body | {"echo": False})
         assert again.status_code == 200 and again.json()["choices"][0]["text"]
+
+
+async def test_a_scored_prompt_is_fed_in_chunks_whose_cost_fits_the_prefill_budget() -> None:
+    """Echo with logprobs scores every prompt position, each through the 49k-row lm_head (0.27
+    of a token through the 30 layers, in multiply-adds): with a 64-token budget the scored
+    chunks are 50 tokens, not 64, and a plain prompt's are still 64."""
+    works: list[SeqWork] = []
+    cfg = EngineConfig(num_pages=64, max_prefill_tokens=64)
+    async with (
+        running_server(cfg, hooks=EngineHooks(before_step=works.extend)) as s,
+        httpx.AsyncClient(base_url=s.base_url, timeout=120) as client,
+    ):
+        for prompt, echo in (("one two three " * 50, True), ("four five six " * 50, False)):
+            body = {"prompt": prompt, "max_tokens": 1, "echo": echo, "logprobs": 1}
+            with trio.fail_after(120):
+                r = await client.post("/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+    scored = [w for w in works if w.score_ids]
+    plain = [w for w in works if not w.score_ids and len(w.token_ids) > 1]
+    assert len(scored) >= 3 and all(len(w.score_ids) == len(w.token_ids) for w in scored[:-1])
+    assert [len(w.token_ids) for w in scored[:-1]] == [50] * (len(scored) - 1)  # before: 64
+    assert all(len(w.token_ids) + 0.27 * len(w.score_ids) <= 64 for w in scored)
+    assert len(plain) >= 3 and [len(w.token_ids) for w in plain[:-1]] == [64] * (len(plain) - 1)
