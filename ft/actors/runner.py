@@ -11,6 +11,7 @@ import trio
 
 from ft.core.batch import (
     ConstraintError,
+    Heartbeat,
     PoolSum,
     RowsFailed,
     Runner,
@@ -39,7 +40,8 @@ class RunnerActor:
     later one fail whole (the engine fails the requests, whose scopes free their pages), and no
     step runs again. `halt` is the same decision taken outside (the engine's watchdog: a step
     that never returns, a rank process that died): it also gives up the step in flight.
-    `step_started_at` and `num_steps` are what the watchdog reads.
+    `step_started_at`, `num_steps` and `progress` (the runner's `Heartbeat`, beaten inside a
+    step) are what the watchdog reads.
 
     With a `prompt_cache` (the disk tier), a batch's page saves and loads run in a thread
     before its step: saves copy pages out before the step can write them, loads fill the
@@ -67,6 +69,13 @@ class RunnerActor:
         self.step_started_at: float | None = None  # trio time the step in flight began
         self.num_steps = 0  # steps done (each sent its StepDone)
         self._step_scope: trio.CancelScope | None = None
+
+    @property
+    def progress(self) -> int:
+        """Beats of the runner's heartbeat so far (0 for a runner without one: only whole
+        steps then count as progress)."""
+        heartbeat: Heartbeat | None = getattr(self.runner, "heartbeat", None)
+        return heartbeat.beats if heartbeat is not None else 0
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Run batches until the inbox closes."""

@@ -128,6 +128,24 @@ class PoolSum:
 StepOutput = Sampled | Scored | PoolSum  # what a runner's step returns, per work
 
 
+class Heartbeat:
+    """A count a forward pass bumps as it goes (once a layer, once a block of scored rows), so
+    the engine's watchdog tells a slow step (the count moves) from a hung one (it stops).
+
+    A runner that has one exposes it as `heartbeat`. One writer (the step's thread) and readers
+    that only compare it: a plain int, no lock, nothing read back from a device.
+    """
+
+    __slots__ = ("beats",)
+
+    def __init__(self) -> None:
+        self.beats = 0
+
+    def beat(self) -> None:
+        """One more piece of the step done."""
+        self.beats += 1
+
+
 class Runner(Protocol):
     """Runs model steps over a paged KV cache. `step` is synchronous and runs in a thread."""
 

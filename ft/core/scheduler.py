@@ -59,6 +59,9 @@ if TYPE_CHECKING:
 
 # Fewest leading tokens worth a read from the disk tier: a load costs a step of its own.
 DEFAULT_DISK_MIN_TOKENS = 64
+# The most a scored prompt position may cost beside feeding it, in fed tokens: a step's least
+# budget (a quarter of the least max_prefill_tokens, 16) still pays for one scored token.
+MAX_SCORE_COST = 3.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +106,7 @@ class Scheduler:
         draft_model: bool = False,
         costs: StepCosts | None = None,
         kv_window: int = 0,
+        score_cost: float = 0.0,
         disk: PromptCache | None = None,
         disk_min_tokens: int = DEFAULT_DISK_MIN_TOKENS,
     ) -> None:
@@ -145,6 +149,11 @@ class Scheduler:
         # return to the pool as a sequence passes them (`_drop_out_of_window`).
         self.kv_window = kv_window
         self.num_dropped_pages = 0
+        # What scoring a prompt position (prompt logprobs: its logits over the vocabulary) costs
+        # beside feeding it, in fed tokens (`LlamaConfig.score_cost`): a scored position takes
+        # 1 + score_cost of a step's prefill budget, so a step that scores does about the work
+        # of a plain prefill step.
+        self.score_cost = min(max(score_cost, 0.0), MAX_SCORE_COST)
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.num_verifications = 0  # decode works that carried drafts
@@ -515,17 +524,18 @@ class Scheduler:
         # NOTE: a step that also decodes takes a quarter of the prefill budget, so that streams
         # already running pause for at most a short chunk while new prompts arrive (16 clients
         # with 460-token prompts: inter-token p99 was 12x its median with 512-token chunks).
-        budget = self.max_prefill_tokens // 4 if works else self.max_prefill_tokens
+        budget: float = self.max_prefill_tokens // 4 if works else self.max_prefill_tokens
         for seq in self.running.values():
-            if budget <= 0:
+            if budget < 1:
                 break
             if seq.is_prefilling and not seq.num_loading:
-                remaining = seq.num_tokens - seq.num_computed
-                chunk = min(remaining, budget)
+                chunk, cost = self._prefill_chunk(seq, budget)
+                if not chunk:
+                    continue
                 start = seq.num_computed
                 tokens = seq.tokens(start, start + chunk)
-                works.append(self._work(seq, tokens, start, sample=chunk == remaining))
-                budget -= chunk
+                works.append(self._work(seq, tokens, start, sample=start + chunk == seq.num_tokens))
+                budget -= cost
         saves, loads = tuple(self._saves.values()), tuple(self._loads)
         self._saves.clear()
         self._loads.clear()
@@ -533,6 +543,25 @@ class Scheduler:
             return None
         self._step += 1
         return Batch(self._step, tuple(works), saves, loads)
+
+    def _prefill_chunk(self, seq: Sequence, budget: float) -> tuple[int, float]:
+        """The most of `seq`'s next prefill tokens that `budget` pays for, and their cost: a token
+        costs 1, a scored one (prompt logprobs) 1 + `score_cost`."""
+        start = seq.num_computed
+        chunk = min(seq.num_tokens - start, int(budget))
+        offset, scored = self._score_span(seq, start, start + chunk)
+        cost = chunk + self.score_cost * len(scored)
+        if cost <= budget:
+            return chunk, cost
+        # The chunk is `offset` plain tokens, the scored ones, then plain ones again (the prompt's
+        # last position, a recompute's generated tokens): cut it where the budget runs out.
+        scored_cost = len(scored) * (1 + self.score_cost)
+        if offset + scored_cost <= budget:
+            chunk = offset + len(scored) + int(budget - offset - scored_cost)
+        else:
+            chunk = offset + int((budget - offset) / (1 + self.score_cost))
+        num_scored = min(len(scored), max(0, chunk - offset))
+        return chunk, chunk + self.score_cost * num_scored
 
     def _decode_works(self, decoding: list[Sequence]) -> list[SeqWork]:
         """One work per decoding sequence: its last token, and the drafts to verify after it

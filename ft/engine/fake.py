@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 import trio
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-from ft.core.batch import PoolSum, Sampled, Scored, SeqWork, StepOutput, TokenScore
+from ft.core.batch import Heartbeat, PoolSum, Sampled, Scored, SeqWork, StepOutput, TokenScore
 from ft.tokenizer.spec import TokenizerSpec, bytes_to_unicode
 
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -87,7 +87,10 @@ def text_script(text: str) -> Script:
 
 @dataclass
 class FakeRunner:
-    """Scripted tokens, `step_s` of (trio) time per step; `hangs`: steps that never return."""
+    """Scripted tokens, `step_s` of (trio) time per step; `hangs`: steps that never return.
+
+    With `beat_s`, a step's `step_s` pass in pieces of `beat_s`, its `heartbeat` beating after
+    each, as a real forward beats once a layer (a long step that makes progress)."""
 
     script: Script = field(default_factory=lambda: text_script("Hello from the fake model."))
     step_s: float = 0.01
@@ -97,10 +100,18 @@ class FakeRunner:
     steps: list[list[SeqWork]] = field(default_factory=list)
     record: bool = False
     hangs: bool = False  # set: steps never return (a hung kernel or rank), for the watchdog
+    beat_s: float = 0.0
+    heartbeat: Heartbeat = field(default_factory=Heartbeat)
 
     async def astep(self, works: list[SeqWork]) -> list[StepOutput]:
         """One fake step: check page coverage, wait `step_s`, emit scripted tokens."""
-        await trio.sleep(self.step_s)
+        if self.beat_s > 0:
+            end = trio.current_time() + self.step_s
+            while (left := end - trio.current_time()) > 0:
+                await trio.sleep(min(self.beat_s, left))
+                self.heartbeat.beat()
+        else:
+            await trio.sleep(self.step_s)
         if self.hangs:
             await trio.sleep_forever()
         return self.step(works)

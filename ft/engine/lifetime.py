@@ -255,6 +255,7 @@ async def _load_and_start(
         draft_model=cfg.speculative_method == "draft",
         costs=hooks.step_costs(),
         kv_window=parts.kv_window,
+        score_cost=parts.score_cost,
         disk=engine.prompt_cache,
         disk_min_tokens=cfg.prompt_cache_min_tokens,
     )

@@ -57,6 +57,9 @@ class ModelParts:
     # The tool-call format the model family writes (Phi-4-mini: phi4_mini_json, Granite: granite),
     # which the server parses when it was configured with none (else hermes).
     tool_call_parser: str | None = None
+    # What scoring a prompt position costs beside feeding it, in fed tokens
+    # (`LlamaConfig.score_cost`): the scheduler shortens a scored prefill chunk by it.
+    score_cost: float = 0.0
     # What a KV page's bytes depend on besides its tokens and the page size (the model file,
     # dtypes, shapes, the kernels' build): the prompt cache's disk tier keys its files by it.
     # None: this model's pages cannot go to disk.
@@ -217,6 +220,7 @@ def load_torch_model(
         reasoning_parser=by_name(loaded.config.architecture).reasoning_parser,
         kv_window=loaded.config.sliding_window if loaded.config.is_all_windowed else 0,
         tool_call_parser=by_name(loaded.config.architecture).tool_call_parser,
+        score_cost=loaded.config.score_cost,
         kv_identity=kv_identity(),
         plan=run,
     )

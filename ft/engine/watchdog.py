@@ -1,17 +1,26 @@
-"""The step watchdog: fails the engine when work waits and no step completes in time, or when
-the model says it can run no more (a tensor-parallel rank process died).
+"""The step watchdog: fails the engine when work waits and nothing moves in time (no step
+completes, and the step in flight makes no progress), or when the model says it can run no more
+(a tensor-parallel rank process died).
 
 One task in the engine's nursery, whatever the model runs on (one CPU process, CUDA, ranks):
-it reads the runner actor's `step_started_at` / `num_steps` and the scheduler core's pending
-work every `period_s`, so it catches a step that never returns (a hung kernel or collective) and
-a scheduler that stops scheduling while requests wait alike. It decides; the engine acts
-(`on_stall`: fail every request, turn to its error state, `ft serve` exits 1).
+it reads the runner actor's `step_started_at` / `num_steps` / `progress` and the scheduler
+core's pending work every `period_s`, so it catches a step that stops moving (a hung kernel or
+collective) and a scheduler that stops scheduling while requests wait alike. It decides; the
+engine acts (`on_stall`: fail every request, turn to its error state, `ft serve` exits 1).
 
-NOTE: the step timeout measures whole steps (forward, collectives, sampling and the grammar
-masks computed beside them), not time spent waiting for work. A constrained step's masks have a
-deadline of their own, far below the default 60 s: a grammar over it fails its own request
-inside the step, so a slow grammar is never taken for a hung rank. Slow steps that each
-complete are progress, not a stall, however long a request takes.
+`progress` is the runner's heartbeat, beaten by the forward pass once a layer and once a block
+of scored rows: a step that runs past the timeout while it beats (a long prompt on a loaded
+machine) is slow, not hung, and is left to finish. Only a step whose heartbeat has not moved
+for `step_timeout_s` is a stall. A runner without a heartbeat (progress stays 0) is judged by
+whole steps alone.
+
+NOTE: the step timeout measures time without progress inside steps (forward, collectives,
+sampling and the grammar masks computed beside them), not time spent waiting for work. A
+constrained step's masks have a deadline of their own, far below the default 60 s: a grammar
+over it fails its own request inside the step, so a slow grammar is never taken for a hung
+rank. Slow steps that each complete are progress, not a stall, however long a request takes.
+On CUDA the layers beat as they are queued, ahead of the device: a kernel that hangs stops the
+beats at the step's next wait on the device.
 """
 
 from __future__ import annotations
@@ -33,6 +42,11 @@ class StepClock(Protocol):
 
     step_started_at: float | None
     num_steps: int
+
+    @property
+    def progress(self) -> int:
+        """Heartbeat beats inside steps so far (0 when the runner has none)."""
+        ...
 
 
 class PendingWork(Protocol):
@@ -67,7 +81,8 @@ class Watchdog:
         self.model_failure = model_failure
         self.period_s = min(CHECK_PERIOD_S, step_timeout_s / 4)
         self._seen_steps = runner.num_steps
-        self._progress_at = trio.current_time()  # when work last moved (a step done, or idle)
+        self._seen_progress = runner.progress
+        self._progress_at = trio.current_time()  # when work last moved (a step done or beating, or idle)
         self._checked_at = self._progress_at
         self._was_late = False  # the last check came late and did not judge
 
@@ -95,8 +110,9 @@ class Watchdog:
         if started is None and not self.core.has_work:
             self._progress_at = now  # idle: nothing to wait for
             return None
-        if self.runner.num_steps != self._seen_steps:
-            self._seen_steps, self._progress_at = self.runner.num_steps, now
+        num_steps, progress = self.runner.num_steps, self.runner.progress
+        if num_steps != self._seen_steps or progress != self._seen_progress:
+            self._seen_steps, self._seen_progress, self._progress_at = num_steps, progress, now
             return None
         if is_late:
             return None
@@ -106,7 +122,10 @@ class Watchdog:
             return None
         num_requests = self.core.num_running_requests + self.core.num_waiting_requests
         if started is not None:
-            why = f"a step has run for {now - started:.1f} s: the model or a tensor-parallel rank hangs"
+            why = (
+                f"a step has run for {now - started:.1f} s, the last {now - since:.1f} s without "
+                "progress: the model or a tensor-parallel rank hangs"
+            )
         else:
             why = "none was scheduled: the scheduler is stuck"
         return f"no step completed for {self.step_timeout_s:g} s while {num_requests} requests wait ({why})"

@@ -234,5 +234,6 @@ class GraphedRunner(FloatRunner):
         if len(token_ids) == len(works):  # a decode step
             graphed = self.graphs.run(token_ids, positions, [w.page_ids for w in works])
             if graphed is not None:
+                self.heartbeat.beat()  # the captured layers cannot beat: once a replay
                 return graphed
         return super()._hidden(works, token_ids, positions)

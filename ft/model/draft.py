@@ -186,6 +186,7 @@ class SpeculativeRunner:
         if (draft.num_pages, draft.page_size) != (target.num_pages, target.page_size):
             raise ValueError("the draft model's KV cache must have the target's pages")
         self.target = target
+        draft.heartbeat = self.heartbeat = target.heartbeat  # either model's forward is progress
         self.drafter = DraftModel(draft)
         self.kv_dtype = target.kv_dtype
         self.last_draft_s = 0.0

@@ -124,5 +124,6 @@ class FloatRunner(TorchRunner):
             self.k_cache,
             self.v_cache,
             meta,
+            self.heartbeat,
         )  # [T, hidden]
         return hidden

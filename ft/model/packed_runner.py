@@ -45,7 +45,7 @@ class PackedRunner(TorchRunner):
     def _hidden(self, works: list[SeqWork], token_ids: list[int], positions: list[int]) -> torch.Tensor:
         ids = torch.tensor(token_ids, dtype=torch.long)  # the packed path is CPU-only
         index = self._step_index(works, positions)
-        return self.packed.forward(ids, index, self.k_cache, self.v_cache, self._page_size)
+        return self.packed.forward(ids, index, self.k_cache, self.v_cache, self._page_size, self.heartbeat)
 
     def _step_index(self, works: list[SeqWork], positions: list[int]) -> StepIndex:
         page = self._page_size

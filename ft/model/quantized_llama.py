@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ft.core.batch import Heartbeat
 from ft.model import kernels
 from ft.model.llama import LlamaConfig, rope_attention_scale, rope_inv_freq, rope_local_inv_freq
 from ft.model.packed_moe import PackedExperts
@@ -184,8 +185,10 @@ class QuantizedLlama:
         k_caches: torch.Tensor,  # [layers, num_slots, kv_heads, head_dim] float32/float16/bfloat16,
         v_caches: torch.Tensor,  # or q8_0 blocks: uint8 [layers, num_slots, kv_heads, head_dim // 32 * 34]
         page_size: int,
+        heartbeat: Heartbeat | None = None,
     ) -> torch.Tensor:
-        """Hidden states after the final norm, `[T, hidden]`; writes the tokens' KV."""
+        """Hidden states after the final norm, `[T, hidden]`; writes the tokens' KV. `heartbeat`
+        beats once a layer."""
         kv_type = kernels.kv_code_of(k_caches)
         c = self.config
         x = kernels.dequantize_rows(self.embed, input_ids)  # [T, hidden]
@@ -230,6 +233,8 @@ class QuantizedLlama:
             experts = self.experts[i]
             if experts is not None:  # the layer stopped after attention: its routed MLP
                 experts.forward(x)
+            if heartbeat is not None:
+                heartbeat.beat()
         out = torch.empty_like(x)
         kernels.check(self.lib, self.lib.ft_rms_norm(
             x.data_ptr(), num_tokens, hidden, hidden, self.norm.data_ptr(), self.norm.numel(), c.rms_norm_eps,

@@ -10,7 +10,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from ft.core.batch import PoolSum, RowsFailed, Scored, SeqWork, StepOutput
+from ft.core.batch import Heartbeat, PoolSum, RowsFailed, Scored, SeqWork, StepOutput
 from ft.model import kernels
 from ft.model.llama import LlamaConfig
 from ft.model.loader import LoadedModel
@@ -68,6 +68,9 @@ class TorchRunner:
     one rank's runner: it holds that rank's heads, MLP columns, kv heads and vocabulary slice.
     Rank 0's `forward` broadcasts each step's description first; the other ranks run `follow`,
     which runs the same forwards until rank 0 sends "stop" (`close`).
+
+    `heartbeat` beats once a layer and once a block of scored rows, however the hidden states
+    are computed: the engine's watchdog reads it to tell a long step from a hung one.
     """
 
     def __init__(
@@ -93,6 +96,7 @@ class TorchRunner:
         self.device = device or torch.device("cpu")
         self.ranks = ranks
         self._lock = threading.Lock()  # one forward (one sequence of collectives) at a time
+        self.heartbeat = Heartbeat()
         self._page_size = page_size
         self._num_pages = num_pages
         # A reranker's head, applied to rank-pooled rows (`_pool`); None: the model has none.
@@ -333,6 +337,7 @@ class TorchRunner:
                     targets = list(work.score_ids[lo : lo + SCORE_ROWS])
                     logits = self._lm_head(hidden[first + lo : first + lo + len(targets)])  # [S, vocab]
                     scores += score_tokens(logits, targets, top)
+                    self.heartbeat.beat()
                 out.append(Scored(work.seq_id, tuple(scores)))
             base += len(work.token_ids)
         return out

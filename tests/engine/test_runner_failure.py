@@ -273,6 +273,7 @@ class _Steps:
 
     step_started_at: float | None = None
     num_steps: int = 0
+    progress: int = 0
 
 
 @dataclasses.dataclass
