@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import signal
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -52,6 +53,22 @@ def open_chat(max_tokens: int) -> Iterator[pexpect.spawn]:
         child.close(force=True)
 
 
+def exit_status(child: pexpect.spawn, guard_s: float = 60) -> int | None:
+    """The status `child` exits with on its own once its output has ended (EOF read).
+
+    NOTE: `close()` on a live child waits 0.1 s, then sends SIGHUP and SIGINT: a process still
+    tearing down (threads, torch) on a loaded machine was killed by them and read as a failure.
+    `guard_s` only guards against a child that never exits.
+    """
+    deadline = time.monotonic() + guard_s
+    while child.isalive():
+        assert time.monotonic() < deadline, f"the child still runs {guard_s} s after its output ended"
+        time.sleep(0.05)
+    child.close()
+    status: int | None = child.exitstatus
+    return status
+
+
 def ask(child: pexpect.spawn, line: str, timeout: float = 120) -> str:
     """Send `line`; return the answer printed before the next prompt."""
     child.sendline(line)
@@ -64,8 +81,7 @@ def test_generate_prints_the_completion_and_exits_zero() -> None:
     """`ft generate` prints the completion (greedy, as the README shows) and exits 0."""
     child = spawn("generate", "The capital of France is", "--max-tokens", "4")
     child.expect(pexpect.EOF)
-    child.close()
-    assert child.exitstatus == 0
+    assert exit_status(child) == 0
     assert "Paris" in str(child.before)
 
 
@@ -86,8 +102,7 @@ def test_generate_streams_and_ctrl_c_stops_it() -> None:
     assert child.isalive()
     child.sendintr()
     child.expect(pexpect.EOF, timeout=20)
-    child.close()
-    assert child.exitstatus == 130
+    assert exit_status(child) == 130
     assert "Traceback" not in str(child.before)
 
 
@@ -96,6 +111,7 @@ def test_chat_keeps_the_history_until_reset() -> None:
     exactly as `ft generate --chat` answers it alone (greedy)."""
     alone = spawn("generate", QUESTION, "--chat", "--max-tokens", "24")
     alone.expect(pexpect.EOF)
+    assert exit_status(alone) == 0
     alone_answer = str(alone.before).strip().splitlines()[-1].strip()
     with open_chat(24) as chat:
         ask(chat, "Hello! I like trains.")
@@ -108,8 +124,7 @@ def test_chat_keeps_the_history_until_reset() -> None:
         assert with_history != fresh
         chat.sendline("")
         chat.expect(pexpect.EOF)
-        chat.close()
-        assert chat.exitstatus == 0
+        assert exit_status(chat) == 0
 
 
 def test_ctrl_c_stops_an_answer_and_the_chat_goes_on() -> None:
@@ -125,5 +140,4 @@ def test_ctrl_c_stops_an_answer_and_the_chat_goes_on() -> None:
         assert ask(chat, QUESTION)
         chat.sendintr()
         chat.expect(pexpect.EOF)
-        chat.close()
-        assert chat.exitstatus == 0
+        assert exit_status(chat) == 0

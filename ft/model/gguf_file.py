@@ -6,6 +6,7 @@ seconds on a 49k-token vocabulary; this reads the same file in a fraction of tha
 A GGUF is untrusted input: every count, length, type, dimension and offset is checked against
 the bytes that are actually there before it is used, so any file reads in time and memory
 bounded by its length, and a malformed one raises `ModelFileError` naming the key or tensor.
+Each tensor's data must lie in the file, aligned, on bytes no other tensor claims.
 """
 
 from __future__ import annotations
@@ -90,7 +91,8 @@ class GGUFFile:
 
     Raises:
         ModelFileError: the file is not a well-formed GGUF (truncated, a count or length larger
-            than the file, an unknown type, a tensor outside the data section, ...).
+            than the file, an unknown type, a tensor outside the data section or overlapping
+            another, ...).
     """
 
     def __init__(self, path: pathlib.Path) -> None:
@@ -144,6 +146,8 @@ class GGUFFile:
                     f"tensor {info.name}: {info.nbytes} bytes at offset {info.offset} run past the end "
                     f"of the file ({len(self.buf)} bytes; truncated download?)"
                 )
+        _check_disjoint(infos)
+        for info in infos:
             raw = self.buf[start + info.offset : start + info.offset + info.nbytes]
             self._spans[info.name] = (start + info.offset, info.nbytes)
             self.tensors.append(GGUFTensor(info.name, info.tensor_type, info.shape, _shaped(raw, info)))
@@ -291,6 +295,29 @@ class GGUFFile:
         if self.kinds[key] != _STRING:
             raise ModelFileError(f"metadata key {key!r}: expected a string, found {self.fields[key]!r:.80}")
         return str(self.fields[key])
+
+
+def _check_disjoint(infos: list[_Info]) -> None:
+    """No two tensors share a byte of the data section (sorted by offset: O(n log n)).
+
+    NOTE: a writer gives each tensor its own bytes (llama.cpp even requires each to start where
+    the one before it ends, padded); an offset moved onto a neighbour's bytes reads them as
+    weights (a norm of 1e30 read from packed blocks), and the model then generates garbage until
+    its context ends instead of failing.
+
+    Raises:
+        ModelFileError: naming both tensors and their byte ranges.
+    """
+    furthest: _Info | None = None  # of the tensors so far, the one whose data ends last
+    for info in sorted((i for i in infos if i.nbytes), key=lambda i: i.offset):
+        if furthest is not None and info.offset < furthest.offset + furthest.nbytes:
+            raise ModelFileError(
+                f"tensor {info.name}: its data (bytes {info.offset} to {info.offset + info.nbytes} of the "
+                f"data section) overlaps tensor {furthest.name}'s ({furthest.offset} to "
+                f"{furthest.offset + furthest.nbytes}); each tensor must have bytes of its own"
+            )
+        if furthest is None or info.offset + info.nbytes > furthest.offset + furthest.nbytes:
+            furthest = info
 
 
 def _shaped(raw: np.ndarray, info: _Info) -> np.ndarray:
