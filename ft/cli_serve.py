@@ -51,16 +51,18 @@ def format_size(size: int) -> str:
 
 def read_api_key_file(path: str) -> tuple[str, ...]:
     """The API keys in `path`: one a line, surrounding spaces stripped, blank lines and lines
-    starting with `#` skipped. Raises `argparse.ArgumentTypeError` (the message never holds a
-    key)."""
+    starting with `#` skipped, a leading BOM dropped; a file with no key is refused. Raises
+    `argparse.ArgumentTypeError` (the message never holds a key)."""
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8-sig") as f:  # a leading BOM is not part of a key
             lines = f.read(MAX_API_KEY_FILE_BYTES + 1)
     except (OSError, UnicodeDecodeError) as e:
         raise argparse.ArgumentTypeError(f"cannot read API keys from {path!r}: {type(e).__name__}") from None
     if len(lines) > MAX_API_KEY_FILE_BYTES:
         raise argparse.ArgumentTypeError(f"{path!r} is over {MAX_API_KEY_FILE_BYTES} bytes")
     keys = tuple(k for k in (line.strip() for line in lines.splitlines()) if k and not k.startswith("#"))
+    if not keys:  # NOTE: a file with no keys must not turn authentication off
+        raise argparse.ArgumentTypeError(f"{path!r} holds no API key")
     if len(keys) > MAX_API_KEYS:
         raise argparse.ArgumentTypeError(f"{path!r} holds {len(keys)} keys; at most {MAX_API_KEYS}")
     return keys

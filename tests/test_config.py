@@ -220,3 +220,17 @@ def test_an_api_key_file_past_the_bound_or_unreadable_is_refused_without_its_key
         err = capsys.readouterr().err
         assert "--api-key-file" in err and "secret-" not in err
     assert "4097 keys" in str(pytest.raises(argparse.ArgumentTypeError, read_api_key_file, str(many)).value)
+
+
+def test_an_api_key_file_without_keys_is_refused_not_an_open_server(tmp_path: pathlib.Path) -> None:
+    for text in ("", "\n\n", "# all keys rotated out\n"):
+        path = tmp_path / "keys"
+        path.write_text(text)
+        with pytest.raises(argparse.ArgumentTypeError, match="no API key"):
+            read_api_key_file(str(path))
+
+
+def test_an_api_key_file_saved_with_a_bom_reads_its_first_key(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "keys"
+    path.write_bytes("\ufeffalpha\r\n# note\r\nbeta\r\n".encode())
+    assert read_api_key_file(str(path)) == ("alpha", "beta")
