@@ -24,6 +24,7 @@ from ft.params import SamplingParams
 from ft.prompt import PromptSpec
 from tests.engine.test_request_scope import assert_nothing_held
 from tests.support.engine import fake_engine, fake_parts
+from tests.support.watchdog import Pending, Steps
 
 
 async def test_a_runner_failure_fails_every_request_and_frees_their_pages(
@@ -267,30 +268,12 @@ async def test_a_model_that_dies_while_idle_fails_the_engine_at_once(
             await engine.generate("late", SamplingParams(max_tokens=3))
 
 
-@dataclasses.dataclass
-class _Steps:
-    """The runner actor as the watchdog reads it."""
-
-    step_started_at: float | None = None
-    num_steps: int = 0
-    progress: int = 0
-
-
-@dataclasses.dataclass
-class _Pending:
-    """The scheduler core as the watchdog reads it: one request running."""
-
-    has_work: bool = True
-    num_running_requests: int = 1
-    num_waiting_requests: int = 0
-
-
 async def test_a_step_that_ended_while_the_loop_was_blocked_is_no_stall() -> None:
     """A step whose thread returned while the event loop was blocked past the step timeout is
     not yet counted when the watchdog wakes (the runner's task has not run): the watchdog waits
     one period before it judges, and a step that really hangs is still a stall."""
     stalls: list[str] = []
-    runner, core = _Steps(), _Pending()
+    runner, core = Steps(), Pending()
     watchdog = Watchdog(runner, core, step_timeout_s=10, on_stall=stalls.append)
     t0 = trio.current_time()
     runner.step_started_at = t0

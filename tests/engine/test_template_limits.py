@@ -5,21 +5,18 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Any
 
 import psutil
 import pytest
 import trio
 
-from ft.config import EngineConfig
 from ft.engine import lifetime
 from ft.engine.engine import Engine
-from ft.engine.fake import CHATML, FakeRunner
-from ft.engine.loading import ModelParts
+from ft.engine.fake import CHATML
 from ft.errors import InvalidRequest, RequestAborted
 from ft.prompt import PromptSpec
-from tests.support.engine import fake_engine, fake_parts
+from tests.support.engine import fake_engine, with_template
 from tests.support.faulty_worker import HANG, faulty_tokenize_job
 
 NESTED_LOOPS = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
@@ -33,17 +30,6 @@ HOSTILE = (
     "{% set last = messages[-1]['content'] %}"
     f"{{% if last == 'loop' %}}{NESTED_LOOPS}{{% elif last == 'grow' %}}{DOUBLING}{{% endif %}}" + CHATML
 )
-
-
-def with_template(template: str) -> Callable[[EngineConfig], ModelParts]:
-    """The fake model, its tokenizer carrying `template`."""
-    load = fake_parts(FakeRunner())
-
-    def load_with_template(config: EngineConfig) -> ModelParts:
-        parts = load(config)
-        return replace(parts, tokenizer=replace(parts.tokenizer, chat_template=template))
-
-    return load_with_template
 
 
 def chat(content: str) -> list[dict[str, Any]]:

@@ -3,8 +3,6 @@ past the step timeout while its forward beats is left to finish; one whose beats
 
 from __future__ import annotations
 
-import dataclasses
-
 import trio
 import trio.testing
 
@@ -13,30 +11,13 @@ from ft.engine.fake import FakeRunner, text_script
 from ft.engine.watchdog import Watchdog
 from ft.params import SamplingParams
 from tests.support.engine import fake_engine
-
-
-@dataclasses.dataclass
-class _Steps:
-    """The runner actor as the watchdog reads it."""
-
-    step_started_at: float | None = None
-    num_steps: int = 0
-    progress: int = 0
-
-
-@dataclasses.dataclass
-class _Pending:
-    """The scheduler core as the watchdog reads it: one request running."""
-
-    has_work: bool = True
-    num_running_requests: int = 1
-    num_waiting_requests: int = 0
+from tests.support.watchdog import Pending, Steps
 
 
 async def test_a_step_past_the_timeout_is_no_stall_while_its_heartbeat_moves() -> None:
     """A step that beats every 2 s runs for 10 x the 10 s timeout unjudged; once its beats
     stop, it is a stall one timeout later (within a check period)."""
-    runner, core = _Steps(), _Pending()
+    runner, core = Steps(), Pending()
     watchdog = Watchdog(runner, core, step_timeout_s=10, on_stall=lambda _: None)
     t0 = trio.current_time()
     runner.step_started_at, now = t0, t0
@@ -55,7 +36,7 @@ async def test_a_step_past_the_timeout_is_no_stall_while_its_heartbeat_moves() -
 async def test_a_step_that_never_beats_is_a_stall_after_the_timeout() -> None:
     """Without beats (a runner with no heartbeat, or a forward hung in its first layer) the
     timeout counts from the step's start, as before."""
-    runner, core = _Steps(), _Pending()
+    runner, core = Steps(), Pending()
     watchdog = Watchdog(runner, core, step_timeout_s=10, on_stall=lambda _: None)
     t0 = trio.current_time()
     runner.step_started_at, now = t0, t0

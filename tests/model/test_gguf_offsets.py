@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 import pathlib
-from collections.abc import Iterator
 
 import pytest
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
@@ -22,14 +21,6 @@ from tests.support.gguf_files import RawGGUF, TensorInfo
 from tests.support.gguf_probe import Prober, assert_clean, assert_refused
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="no C++ compiler for the kernels")
-
-
-@pytest.fixture(scope="module")
-def prober() -> Iterator[Prober]:
-    """One probe process for the module's cases (restarted after any that kills it)."""
-    p = Prober()
-    yield p
-    p.close()
 
 
 def nbytes(t: TensorInfo) -> int:

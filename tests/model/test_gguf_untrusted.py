@@ -12,7 +12,6 @@ from __future__ import annotations
 import math
 import pathlib
 import struct
-from collections.abc import Iterator
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -46,14 +45,6 @@ from tests.support.gguf_files import (
 from tests.support.gguf_probe import Outcome, Prober, assert_clean, assert_refused
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="no C++ compiler for the kernels")
-
-
-@pytest.fixture(scope="module")
-def prober() -> Iterator[Prober]:
-    """One probe process for the module's cases (restarted after any that kills it)."""
-    p = Prober()
-    yield p
-    p.close()
 
 
 def load(prober: Prober, raw: RawGGUF, path: pathlib.Path, dtype: str = "auto", **write: int) -> Outcome:

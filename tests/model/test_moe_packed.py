@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import pathlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -268,13 +268,6 @@ def test_the_kernel_refuses_whole_qk_norms_of_the_wrong_width(tmp_path: pathlib.
     runner.packed.layers[1].args.k_norm_len = 32 + 1
     with pytest.raises(kernels.KernelError, match="whole q/k norms of 128 and 33"):
         runner.forward([SeqWork(0, PROMPT[:4], 0, PAGES, True, GREEDY, 0)])
-
-
-@pytest.fixture(scope="module")
-def prober() -> Iterator[Prober]:
-    p = Prober()
-    yield p
-    p.close()
 
 
 def _u32(key: str, value: int) -> Callable[[RawGGUF], RawGGUF]:

@@ -9,7 +9,6 @@ loopback address (127.0.0.2, 127.0.0.3, ...), which Linux routes like 127.0.0.1.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Any
 
 import httpx
@@ -17,12 +16,11 @@ import pytest
 import trio
 
 from ft.config import EngineConfig
-from ft.engine.fake import CHATML, FakeRunner
-from ft.engine.loading import ModelParts
+from ft.engine.fake import CHATML
 from ft.model.gguf_loader import gguf_tokenizer, open_gguf
 from ft.model.pull import default_model_path
 from ft.server import RunningServer
-from tests.support.engine import fake_hooks, fake_parts
+from tests.support.engine import fake_hooks, with_template
 from tests.support.server import running_server
 
 HOSTILE, HONEST = "127.0.0.2", "127.0.0.3"
@@ -39,17 +37,6 @@ def client_from(address: str, server: RunningServer) -> httpx.AsyncClient:
 
 def chat(content: str, **extra: Any) -> dict[str, Any]:
     return {"messages": [{"role": "user", "content": content}], "max_tokens": 1} | extra
-
-
-def with_template(template: str) -> Callable[[EngineConfig], ModelParts]:
-    """The fake model, its tokenizer carrying `template`."""
-    load = fake_parts(FakeRunner())
-
-    def load_with_template(config: EngineConfig) -> ModelParts:
-        parts = load(config)
-        return replace(parts, tokenizer=replace(parts.tokenizer, chat_template=template))
-
-    return load_with_template
 
 
 def crashing_schema(k: int) -> dict[str, Any]:

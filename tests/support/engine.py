@@ -35,6 +35,17 @@ def fake_parts(runner: FakeRunner, context_length: int = 2048) -> Callable[[Engi
     return load
 
 
+def with_template(template: str) -> Callable[[EngineConfig], ModelParts]:
+    """The fake model, its tokenizer carrying the chat template `template`."""
+    load = fake_parts(FakeRunner())
+
+    def load_with_template(config: EngineConfig) -> ModelParts:
+        parts = load(config)
+        return replace(parts, tokenizer=replace(parts.tokenizer, chat_template=template))
+
+    return load_with_template
+
+
 def fake_hooks(
     runner: FakeRunner | None = None,
     *,
