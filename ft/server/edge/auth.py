@@ -26,6 +26,7 @@ from quart import Request, has_request_context, request
 
 from ft.server.edge.http_errors import HttpError
 from ft.server.edge.tenants import ONE_TENANT, Caller, Tenants
+from ft.server.edge.tracing import current_record
 from ft.server.settings import ServerSettings
 from ft.server.web import WEB_PATHS
 
@@ -96,11 +97,14 @@ def presented_key(request: Request) -> bytes | None:
 
 def current_client() -> str | None:
     """Whom the current HTTP request counts against where clients share workers (tokenizing,
-    grammar compiles: `ft.actors.fair_limiter`): its peer's address, without the port; None
-    outside a request (embedded use). One API key serves every client, so it tells none apart;
-    behind a proxy every client is the proxy."""
+    grammar compiles: `ft.actors.fair_limiter`): its tenant where several API keys tell callers
+    apart, else its peer's address without the port (behind a proxy every client is the
+    proxy); None outside a request (embedded use)."""
     if not has_request_context():
         return None
+    tenant = current_record().tenant
+    if tenant is not None:
+        return f"tenant:{tenant}"
     client = request.scope.get("client")
     return str(client[0]) if client else None
 

@@ -271,3 +271,15 @@ async def test_with_one_key_a_stored_response_is_every_callers_as_before() -> No
         response_id = await stored_response(c, shared, stream=False)
         for how in ("GET", "continue", "DELETE"):
             assert (await ask(c, how, response_id, shared)).status_code == 200, how
+
+
+async def test_with_several_keys_the_workers_are_shared_by_key_not_by_address() -> None:
+    """Two keys from one address are two clients of the fair queue (`current_client`); one
+    key's refusals then wait behind the other key's work, not beside it."""
+    async with (
+        fake_server(api_keys=("key-a", "key-b")) as s,
+        httpx.AsyncClient(base_url=s.base_url, timeout=30) as c,
+    ):
+        for key in ("key-a", "key-b"):
+            await cached_tokens(c, key, PIN)
+        assert s.engine.tokenizer_statistics().slots.num_clients == 2
