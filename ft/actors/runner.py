@@ -19,6 +19,7 @@ from ft.core.batch import (
     Sampled,
     Scored,
     SeqWork,
+    StateRunner,
     StepOutput,
 )
 from ft.core.prompt_cache import PageIO
@@ -101,6 +102,8 @@ class RunnerActor:
                         loaded = await trio.to_thread.run_sync(
                             self._move_pages, batch, abandon_on_cancel=True
                         )
+                    if batch.state_copies:
+                        await trio.to_thread.run_sync(self._copy_states, batch, abandon_on_cancel=True)
                     if works:
                         sampled = await self._run_isolated(works, failed)
             except RunnerFailure as e:
@@ -146,6 +149,17 @@ class RunnerActor:
             # pages is counted as loaded, so the step recomputes (overwrites) all of them.
             log.exception("prompt cache: loading pages failed")
             return ()
+
+    def _copy_states(self, batch: Batch) -> None:
+        """The batch's recurrent state copies (in the step's thread, before it). A copy that
+        fails leaves states no sequence can trust: no further step can run."""
+        runner = self.runner
+        if not isinstance(runner, StateRunner):
+            raise RunnerFailure("a batch copies recurrent states but the runner holds none")
+        try:
+            runner.copy_states(batch.state_copies)
+        except Exception as e:
+            raise RunnerFailure(f"copying recurrent states failed: {e}") from e
 
     async def _run_isolated(
         self, works: list[SeqWork], failed: list[tuple[int, FtError]]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from ft.errors import FtError
 from ft.params import SamplingParams
@@ -45,6 +45,13 @@ class SeqWork:
     `num_pool_rows` (pooling requests): the hidden states (after the final norm) of the fed
     tokens `pool_offset .. pool_offset + num_pool_rows - 1` are summed; the runner returns one
     `PoolSum`. A pooling work never samples.
+
+    `state_slot` (a model with recurrent layers: DeltaNet, short convolutions, Mamba): the slot
+    of the runner's recurrent state that holds this sequence's state after its first
+    `start_pos` tokens (a work at `start_pos` 0 starts from the zero state, whatever the slot
+    held); after a step that succeeded as a whole it holds the state after the last fed token.
+    A step that raises leaves every slot as it was, so rerunning its works alone is exact.
+    -1: the model has no recurrent layers.
     """
 
     seq_id: int
@@ -65,6 +72,7 @@ class SeqWork:
     draft_feed: tuple[int, ...] = ()
     draft_pos: int = 0
     num_model_draft: int = 0
+    state_slot: int = -1
 
 
 class ConstraintError(Exception):
@@ -169,6 +177,19 @@ class Runner(Protocol):
         ...
 
 
+@runtime_checkable
+class StateRunner(Protocol):
+    """A runner of a model with recurrent layers: `num_state_slots` slots of per-sequence state
+    (`SeqWork.state_slot`), and the copies between them that a `Batch` asks for."""
+
+    @property
+    def num_state_slots(self) -> int: ...
+
+    def copy_states(self, copies: Sequence[StateCopy]) -> None:
+        """Run `copies` in order (synchronous, in the step's thread, before the step's works)."""
+        ...
+
+
 @dataclass(frozen=True, slots=True)
 class PageSave:
     """The prompt cache's disk tier: copy page `page_id` (full, its chain hash `key`) out before
@@ -190,14 +211,25 @@ class PageLoad:
 
 
 @dataclass(frozen=True, slots=True)
+class StateCopy:
+    """Copy recurrent state slot `src` into slot `dst` (a snapshot taken of a sequence's state,
+    or a sequence's state restored from one)."""
+
+    src: int
+    dst: int
+
+
+@dataclass(frozen=True, slots=True)
 class Batch:
-    """One step's work for the runner: first the disk tier's `saves`, then its `loads`, then
-    the `works` (which may be empty when only pages move)."""
+    """One step's work for the runner: first the disk tier's `saves`, then its `loads`, then the
+    recurrent `state_copies` in order, then the `works` (which may be empty when only pages or
+    states move)."""
 
     step: int
     works: tuple[SeqWork, ...]
     saves: tuple[PageSave, ...] = ()
     loads: tuple[PageLoad, ...] = ()
+    state_copies: tuple[StateCopy, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -66,6 +66,11 @@ class ModelParts:
     kv_identity: str | None = None
     # How the model runs (`ft.model.plan`), shown in `/v1/stats`; None: a test's fake model.
     plan: ExecutionPlan | None = None
+    # A model with recurrent layers (DeltaNet, short convolutions, Mamba): how many per-sequence
+    # state slots its runner holds (`ft.core.batch.StateRunner`: every running sequence's, then
+    # the snapshots the prefix cache keeps) and the bytes of one. 0: attention only.
+    num_state_slots: int = 0
+    state_slot_bytes: int = 0
 
 
 @dataclass(frozen=True)
