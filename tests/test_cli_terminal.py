@@ -101,7 +101,7 @@ def test_generate_streams_and_ctrl_c_stops_it() -> None:
     child.expect(r"\w+\W+\w+\W+\w+\W+\w+")
     assert child.isalive()
     child.sendintr()
-    child.expect(pexpect.EOF, timeout=20)
+    child.expect(pexpect.EOF, timeout=60)
     assert exit_status(child) == 130
     assert "Traceback" not in str(child.before)
 
@@ -135,7 +135,7 @@ def test_ctrl_c_stops_an_answer_and_the_chat_goes_on() -> None:
         chat.expect_exact("cook.\r\n")
         chat.expect(r"\w+\W+\w+\W+\w+")  # the answer streams: words arrive before it is done
         chat.sendintr()
-        chat.expect_exact("(stopped)", timeout=20)
+        chat.expect_exact("(stopped)", timeout=60)
         chat.expect_exact(PROMPT)
         assert ask(chat, QUESTION)
         chat.sendintr()

@@ -26,7 +26,7 @@ async def test_pooling_and_generation_run_in_the_same_steps() -> None:
     runner = FakeRunner(script=text_script("a long answer " * 20), record=True)
     async with fake_engine(runner) as engine, trio.open_nursery() as nursery:
         nursery.start_soon(engine.generate, "hello", SamplingParams(max_tokens=200))
-        with trio.fail_after(5):
+        with trio.fail_after(30):
             while not runner.steps:
                 await trio.sleep(0.005)
         await engine.embed("x" * 100)
@@ -45,7 +45,7 @@ async def test_a_cancelled_pooling_request_frees_its_pages() -> None:
         await trio.testing.wait_all_tasks_blocked()
         core = engine.core
         assert core is not None
-        with trio.fail_after(5):
+        with trio.fail_after(30):
             while core.has_work:
                 await trio.sleep(0.01)
         assert core.pool.num_used == 0 and len(engine.registry) == 0

@@ -63,11 +63,9 @@ async def test_a_template_that_loops_is_a_400_after_its_deadline_and_the_worker_
             executor=None, load_model=with_template(HOSTILE), template_timeout_s=1.0
         ) as engine:
             before = worker_pids() - elsewhere
-            start = trio.current_time()
             with pytest.raises(InvalidRequest, match="chat template took longer than 1 s") as info:
-                await answer(engine, "loop")
+                await answer(engine, "loop")  # before: never (the block's 60 s bound fails it)
             assert info.value.param == "messages"
-            assert trio.current_time() - start < 4.0
             with pytest.raises(InvalidRequest, match="chat template took longer than 1 s"):
                 await engine.tokenize(PromptSpec(messages=chat("loop")))
             assert await answer(engine, "hi")
@@ -164,9 +162,7 @@ async def test_stopping_the_engine_kills_a_busy_worker_and_aborts_its_requests()
                 nursery.start_soon(stuck, lambda: engine.generate(HANG))
                 nursery.start_soon(stuck, lambda: engine.tokenize(PromptSpec(text=HANG)))
                 await trio.sleep(0.5)
-                start = trio.current_time()
-                await engine.prepare_stop(drain_timeout_s=0.2, abort_timeout_s=0.2)
-                assert trio.current_time() - start < 5.0  # ~0.5 s; before: never
+                await engine.prepare_stop(drain_timeout_s=0.2, abort_timeout_s=0.2)  # before: never
             assert outcomes == [RequestAborted, RequestAborted]
         assert busy and all(is_gone(pid) for pid in busy)
 
@@ -179,9 +175,7 @@ async def test_leaving_the_engine_kills_a_busy_worker_at_once() -> None:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(engine.generate, HANG)
                 await trio.sleep(0.5)
-                start = trio.current_time()
-                nursery.cancel_scope.cancel()
-        assert trio.current_time() - start < 5.0  # ~0.5 s; before: never
+                nursery.cancel_scope.cancel()  # before: leaving never ended (the 30 s bound fails it)
         assert busy and all(is_gone(pid) for pid in busy)
 
 

@@ -7,7 +7,6 @@ import json
 import os
 import pathlib
 import random
-import time
 from collections.abc import Callable
 
 import cbor2
@@ -218,16 +217,16 @@ HOSTILE = [
 
 
 async def test_hostile_grammars_are_refused_quickly(tmp_path: pathlib.Path) -> None:
-    """Invalid grammars and ones that explode llguidance's limits are `InvalidRequest`s in well
-    under a second each, naming the field."""
-    g = grammars(tmp_path)
+    """Invalid grammars and ones that explode llguidance's limits are `InvalidRequest`s naming
+    the field, refused by the checks and limits (~0.2-0.5 s each), not by the compile deadline:
+    one of a minute (before: minutes), so that a loaded machine's slowness is not a refusal."""
+    g = grammars(tmp_path, timeout_s=60.0)
     await g.get(spec.json_object("x"))  # spawn the worker and build its tokenizer first
     for hostile in HOSTILE:
-        started = time.perf_counter()
         with pytest.raises(InvalidRequest) as err:
             await g.get(hostile)
         assert err.value.param == hostile.param
-        assert time.perf_counter() - started < 5.0, hostile  # ~0.2-0.5 s; before: minutes
+        assert "to compile" not in str(err.value), (hostile, err.value)  # not the deadline's refusal
 
 
 async def test_a_schema_that_crashes_the_compiler_costs_a_worker_not_the_server(
@@ -248,9 +247,12 @@ async def test_a_schema_that_crashes_the_compiler_costs_a_worker_not_the_server(
     assert await g.get(spec.regex("[ab]+", "x"))
 
 
-async def test_a_compiler_past_its_deadline_is_a_400(tmp_path: pathlib.Path) -> None:
+async def test_a_compiler_past_its_deadline_is_a_400(
+    tmp_path: pathlib.Path, autojump_clock: trio.testing.MockClock
+) -> None:
     """A compilation that outlives `timeout_s` is cancelled (the worker would be killed); the
-    worker's start and tokenizer load do not count (a cold worker is not the grammar's fault)."""
+    worker's start and tokenizer load do not count (a cold worker is not the grammar's fault).
+    Mock time: the compile itself runs inline and takes none of it, however loaded the machine."""
 
     async def never(job: Callable[[bytes], bytes], payload: bytes) -> bytes:
         if job is warm_grammar_job:
@@ -269,9 +271,11 @@ async def test_a_compiler_past_its_deadline_is_a_400(tmp_path: pathlib.Path) -> 
     assert await grammars(tmp_path, executor=cold, timeout_s=0.2).get(spec.json_object("x"))
 
 
-async def test_the_deadline_runs_from_when_a_worker_is_free(tmp_path: pathlib.Path) -> None:
+async def test_the_deadline_runs_from_when_a_worker_is_free(
+    tmp_path: pathlib.Path, autojump_clock: trio.testing.MockClock
+) -> None:
     """A burst of new specs queued for the workers is not refused (and the refusal cached)
-    for the time spent waiting: each gets `timeout_s` of its own compiling."""
+    for the time spent waiting: each gets `timeout_s` of its own compiling (mock time)."""
     one_worker = trio.CapacityLimiter(1)
 
     async def slow(job: Callable[[bytes], bytes], payload: bytes) -> bytes:
@@ -357,13 +361,13 @@ async def test_a_full_compile_queue_refuses_new_specs_and_each_client_gets_a_sha
         for i in range(2):
             nursery.start_soon(functools.partial(g.get, spec.regex(f"a{i}", "x"), client="flood"))
         await trio.testing.wait_all_tasks_blocked()
-        with trio.fail_after(1), pytest.raises(Overloaded):
+        with trio.fail_after(30), pytest.raises(Overloaded):
             await g.get(spec.regex("a9", "x"), client="flood")
         for i in range(2):
             nursery.start_soon(functools.partial(g.get, spec.regex(f"b{i}", "x"), client="other"))
         await trio.testing.wait_all_tasks_blocked()
         assert g.num_compiling == 4
-        with trio.fail_after(1), pytest.raises(Overloaded) as err:
+        with trio.fail_after(30), pytest.raises(Overloaded) as err:
             await g.get(spec.regex("tiny", "x"))
         assert err.value.status == 503
         release.set()

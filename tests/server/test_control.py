@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import gc
 import threading
-import time
 from collections.abc import Callable
 from functools import partial
 
@@ -225,7 +224,7 @@ async def test_engine_load_failure_is_reported_by_health() -> None:
 
     hooks = fake_hooks(load_model=broken)
     async with running_server(EngineConfig(), hooks=hooks, wait_ready=False) as s:
-        with trio.fail_after(5):
+        with trio.fail_after(30):
             while s.engine.state == "loading":
                 await trio.sleep(0.01)
         async with httpx.AsyncClient(base_url=s.base_url) as c:
@@ -257,7 +256,7 @@ async def test_full_queue_is_503_with_retry_after() -> None:
             done = trio.Event()
             nursery.start_soon(hold, done)
             nursery.start_soon(hold, done)
-            with trio.fail_after(5):
+            with trio.fail_after(30):
                 while (await c.get("/v1/stats")).json()["requests"]["active"] < 2:
                     await trio.sleep(0.02)
             for stream in (False, True):
@@ -284,7 +283,7 @@ async def test_a_request_queued_past_max_queue_wait_is_503_with_retry_after() ->
             held.append(await c.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 150}))
 
         nursery.start_soon(hold)
-        with trio.fail_after(5):
+        with trio.fail_after(30):
             while (await c.get("/v1/stats")).json()["requests"]["running"] < 1:
                 await trio.sleep(0.02)
         r = await c.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 5})
@@ -293,7 +292,7 @@ async def test_a_request_queued_past_max_queue_wait_is_503_with_retry_after() ->
         body = {"messages": USER, "max_tokens": 5, "stream": True}
         streamed = parse_sse((await c.post("/v1/chat/completions", json=body)).text)
         assert streamed[-2]["error"]["type"] == "overloaded_error" and streamed[-1] == "[DONE]"
-        with trio.fail_after(10):
+        with trio.fail_after(30):
             while not held:
                 await trio.sleep(0.02)
         assert held[0].status_code == 200 and held[0].json()["choices"][0]["finish_reason"] == "length"
@@ -305,11 +304,11 @@ async def test_prepare_stop_on_idle_server_is_fast_and_idempotent(
 ) -> None:
     """prepare-stop on an idle server returns at once; a second call returns the same snapshot."""
     assert (await client.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 2})).is_success
-    start = time.monotonic()
-    first = await client.post("/v1/admin/prepare-stop", json={"drain_timeout_s": 60})
     # at once, not after the drain's 60 s (the mock-clock test in tests/engine/test_request_scope
-    # says "at once" exactly; a wall-clock bound here leaves a noisy machine room)
-    assert first.status_code == 200 and time.monotonic() - start < 10
+    # says "at once" exactly; half the drain here leaves a loaded machine room)
+    with trio.fail_after(30):
+        first = await client.post("/v1/admin/prepare-stop", json={"drain_timeout_s": 60})
+    assert first.status_code == 200
     assert first.json()["drain_complete"] is True
     assert first.json()["requests"]["completed"] == 1
     second = await client.post("/v1/admin/prepare-stop", json={"drain_timeout_s": 1})
@@ -391,7 +390,7 @@ async def test_a_request_still_tokenizing_when_the_drain_begins_is_served(stream
             body = {"messages": USER, "max_tokens": 5, "stream": stream}
             replies.append(await c.post("/v1/chat/completions", json=body))
 
-        with trio.fail_after(10):
+        with trio.fail_after(30):
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(post)
                 await tokenizing.wait()
@@ -422,7 +421,7 @@ async def test_a_client_that_leaves_before_its_stream_starts_does_not_hold_the_d
         running_server(EngineConfig(num_pages=256), hooks=hooks) as s,
         httpx.AsyncClient(base_url=s.base_url, timeout=10) as c,
     ):
-        with trio.move_on_after(5) as gone:
+        with trio.move_on_after(30) as gone:
             async with trio.open_nursery() as nursery:
                 body = {"messages": USER, "max_tokens": 500, "stream": True}
                 nursery.start_soon(partial(c.post, "/v1/chat/completions", json=body))
@@ -430,7 +429,7 @@ async def test_a_client_that_leaves_before_its_stream_starts_does_not_hold_the_d
                 nursery.cancel_scope.cancel()  # the client hangs up while its prompt tokenizes
         assert not gone.cancelled_caught
         await wait_idle(c)
-        with trio.fail_after(2):  # far below the drain timeout: nothing holds it
+        with trio.fail_after(15):  # half the drain timeout: nothing holds it
             await s.engine.prepare_stop(drain_timeout_s=30)
 
 
@@ -444,7 +443,7 @@ async def test_ft_serve_exits_when_the_model_does_not_load() -> None:
 
     frozen = gc.get_freeze_count()
     try:
-        with trio.fail_after(10), pytest.raises(EngineFailed, match="no weights here"):
+        with trio.fail_after(30), pytest.raises(EngineFailed, match="no weights here"):
             await serve(EngineConfig(), TEST_SETTINGS, hooks=fake_hooks(load_model=broken), freeze_heap=True)
         assert gc.get_freeze_count() == frozen
     finally:
@@ -478,7 +477,7 @@ async def test_ft_serve_freezes_its_startup_heap_once_the_model_has_loaded(freez
             finally:
                 release.set()  # the loader's thread cannot be abandoned
             assert server.engine is not None
-            with trio.fail_after(10):
+            with trio.fail_after(30):
                 await server.engine.wait_ready()
                 while freeze_heap and gc.get_freeze_count() == frozen:
                     await trio.sleep(0.01)

@@ -281,16 +281,17 @@ def _responses_body() -> str:
 
 
 async def test_hostile_bodies_do_not_block_the_event_loop() -> None:
-    """Bodies built to be slow to check keep /health answering at once."""
+    """Bodies built to be slow to check keep /health answering: no step on the loop spends half
+    a second of CPU on one (CPU: a loaded machine's wait is no stall)."""
     paths = {"chat": "/v1/chat/completions", "responses": "/v1/responses"}
     async with fake_server() as s, httpx.AsyncClient(base_url=s.base_url, timeout=60) as c:
         for route, body in HOSTILE_BODIES:
             content = (body if body is not None else _responses_body()).encode()
-            async with health_watch(s.base_url) as latencies:
-                with trio.fail_after(10):
+            async with health_watch(s.base_url), loop_load() as load:
+                with trio.fail_after(30):
                     r = await c.post(paths[route], content=content, headers=JSON)
                 assert r.status_code in (200, 400), r.text
-            assert max(latencies) < 0.5, (route, len(content), max(latencies))
+            assert load.longest_step_s < 0.5, (route, len(content), load)
         await wait_idle(c)
 
 
@@ -313,10 +314,9 @@ async def test_a_large_echo_is_built_off_the_loop() -> None:
     prompts = [[65 + i] * 1000 for i in range(16)]
     body = {"prompt": prompts, "n": 16, "echo": True, "max_tokens": 1}
     async with fake_server(num_pages=4096) as s, httpx.AsyncClient(base_url=s.base_url, timeout=60) as c:
-        async with health_watch(s.base_url) as latencies, loop_load() as load:
+        async with health_watch(s.base_url), loop_load() as load:
             r = await c.post("/v1/completions", json=body)
             assert r.status_code == 200, r.text
         assert len(r.json()["choices"]) == 256
         assert len(r.json()["choices"][0]["text"]) == 1001
-        assert load.longest_step_s < load.off_loop_s / 2, load
-        assert max(latencies) < 0.5, max(latencies)
+        assert load.longest_step_s < load.off_loop_s / 2, load  # CPU, measured in this run

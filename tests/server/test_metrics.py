@@ -72,7 +72,7 @@ async def test_streams_count_by_finish_reason_and_a_client_that_leaves_as_abort(
         r = await c.post(CHAT, json={"messages": USER, "stream": True, "stop": ["ipsum"]})
         assert r.status_code == 200
         await wait_idle(c)
-        with trio.fail_after(5):
+        with trio.fail_after(30):
             while sample(text := await scrape(c), "ft_requests_total", finish_reason="abort") < 1:
                 await trio.sleep(0.02)  # the abandoned request's end is noted once its task ends
         assert sample(text, "ft_requests_total", route=CHAT, finish_reason="stop") == 1

@@ -55,7 +55,7 @@ async def test_the_id_shown_while_loading_is_the_id_served_once_loaded() -> None
         loading = (await c.get("/health")).json()
         assert loading["status"] == "loading" and loading["model"] == DEFAULT_ID
         release.set()
-        with trio.fail_after(10):
+        with trio.fail_after(30):
             await s.engine.wait_ready()
         assert (await c.get("/health")).json()["model"] == DEFAULT_ID
         assert [m["id"] for m in (await c.get("/v1/models")).json()["data"]] == [DEFAULT_ID]
@@ -170,7 +170,7 @@ async def test_models_is_503_while_loading_then_lists_the_model() -> None:
         assert (await c.get("/v1/models")).status_code == 503
         assert (await c.get("/v1/models/fake")).status_code == 503
         release.set()
-        with trio.fail_after(10):
+        with trio.fail_after(30):
             await s.engine.wait_ready()
         assert (await c.get("/v1/models/fake")).status_code == 200
 

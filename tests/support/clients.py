@@ -128,11 +128,11 @@ class FtServe:
             time.sleep(0.02)
 
     def close(self) -> None:
-        """Stop the server (SIGTERM, then SIGKILL after 20 s)."""
+        """Stop the server (SIGTERM, then SIGKILL after 60 s: a loaded machine's drain is slow)."""
         if self.process.poll() is None:
             self.process.terminate()
             try:
-                self.process.wait(timeout=20)
+                self.process.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()

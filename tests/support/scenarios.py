@@ -108,36 +108,53 @@ async def sdk_bad_parameter(base_url: str) -> None:
 
 
 async def connected_before_slow_prefill(base_url: str, prompt: str) -> None:
-    """A streamed request gets `: connected` within 1 s, however long its prefill takes."""
+    """A streamed request gets `: connected` on its own, before its prefill ends: the first
+    bytes hold no token, and they come in well under half the time the first token takes (two
+    times of one run, slowed alike by a loaded machine; a stream that waited for the prefill
+    would have them together)."""
     body = {"messages": [{"role": "user", "content": prompt}], "stream": True, "max_tokens": 4}
-    async with httpx.AsyncClient(base_url=base_url, timeout=30) as c:
+    async with httpx.AsyncClient(base_url=base_url, timeout=120) as c:
         start = time.monotonic()
         with frozen_heap():  # as `ft serve` runs: no full collection of this process's heap
             async with c.stream("POST", "/v1/chat/completions", json=body) as response:
                 assert response.status_code == 200
                 assert response.headers["content-type"].startswith("text/event-stream")
-                first = await response.aiter_raw().__anext__()
-                elapsed = time.monotonic() - start
-            assert first.startswith(b": connected\n\n")
-            assert elapsed < 1.0, f"first bytes after {elapsed:.2f} s"
-        await wait_idle(c, timeout_s=10)
+                chunks = response.aiter_raw()
+                first = await chunks.__anext__()
+                connected_s = time.monotonic() - start
+                seen = first
+                while b"data: " not in seen:
+                    seen += await chunks.__anext__()
+                first_token_s = time.monotonic() - start
+            assert first.startswith(b": connected\n\n") and b"data: " not in first
+            assert connected_s < first_token_s / 2, (connected_s, first_token_s)
+        await wait_idle(c)
 
 
 async def control_plane_answers_while_streaming(base_url: str) -> None:
-    """`/health` and `/v1/models` answer in under 1 s while a generation streams."""
+    """`/health` and `/v1/models` answer while a generation streams, not after it: each answer
+    comes while the stream is still giving tokens (an order, which a loaded machine keeps)."""
     body = {"messages": CHAT, "stream": True, "max_tokens": 200, "ignore_eos": True}
+    ended = trio.Event()
     async with httpx.AsyncClient(base_url=base_url, timeout=30) as c:
         async with c.stream("POST", "/v1/chat/completions", json=body) as response:
             lines = response.aiter_lines()
             while not (await lines.__anext__()).startswith("data: "):
                 pass  # generation is under way
+
+            async def read_to_the_end() -> None:
+                async for line in lines:
+                    if line == "data: [DONE]":
+                        ended.set()
+
             with frozen_heap():  # as `ft serve` runs: no full collection of this process's heap
-                for path in ("/health", "/v1/models", "/health", "/v1/models"):
-                    start = time.monotonic()
-                    r = await c.get(path)
-                    assert r.status_code == 200
-                    assert time.monotonic() - start < 1.0
-        await wait_idle(c, timeout_s=10)
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(read_to_the_end)
+                    for path in ("/health", "/v1/models", "/health", "/v1/models"):
+                        r = await c.get(path)
+                        assert r.status_code == 200
+                        assert not ended.is_set(), f"{path} answered only once the stream had ended"
+        await wait_idle(c)
 
 
 async def two_requests_one_slot(base_url: str) -> None:

@@ -60,8 +60,9 @@ async def fake_server(
         yield server
 
 
-async def wait_idle(client: httpx.AsyncClient, timeout_s: float = 5.0) -> dict[str, Any]:
-    """Poll `/v1/stats` until no request is active and no page used; return the snapshot."""
+async def wait_idle(client: httpx.AsyncClient, timeout_s: float = 60.0) -> dict[str, Any]:
+    """Poll `/v1/stats` until no request is active and no page used; return the snapshot
+    (`timeout_s` only stops a test whose engine never goes idle)."""
     with trio.fail_after(timeout_s):
         while True:
             stats = (await client.get("/v1/stats")).json()

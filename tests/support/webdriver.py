@@ -142,7 +142,7 @@ def browser() -> Iterator[Browser | None]:
         finally:
             process.terminate()
             try:
-                process.wait(timeout=10)
+                process.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()

@@ -68,9 +68,9 @@ def test_a_400000_character_token_loads_in_well_under_a_second() -> None:
     tokens, scores = sentencepiece_like_vocab()
     tokens.append("a" * 400_000)
     scores.append(0.0)
-    start = time.perf_counter()
+    start = time.process_time()  # CPU: a neighbour's load is not the loader's
     tok = sentencepiece_bpe_from_gguf(tokens, scores, None, [1] * len(tokens))
-    assert time.perf_counter() - start < 1.0
+    assert time.process_time() - start < 1.0
     merges = json.loads(tok.to_str())["model"]["merges"]
     assert all(len("".join(m) if isinstance(m, list) else m) < 1000 for m in merges)
     assert tok.encode("the", add_special_tokens=False).tokens == ["▁the"]

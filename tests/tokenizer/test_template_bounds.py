@@ -15,17 +15,17 @@ USER = [{"role": "user", "content": "hi"}]
 
 def test_a_huge_power_is_refused_at_once_instead_of_hanging() -> None:
     """`{{ 7 ** 77777777 }}` ran for minutes (jinja folded it while compiling the template)."""
-    start = time.perf_counter()
+    start = time.thread_time()  # CPU: a neighbour's load is not the template's
     with pytest.raises(InvalidRequest, match="chat template error.*power") as info:
         render_chat("{{ 7 ** 77777777 }}", USER)
-    assert time.perf_counter() - start < 1.0
+    assert time.thread_time() - start < 1.0
     assert info.value.param == "messages"
 
 
 def test_a_huge_power_is_not_folded_while_compiling() -> None:
-    start = time.perf_counter()
+    start = time.thread_time()
     compile_template("{% if false %}{{ 9 ** 99999999 }}{% endif %}")
-    assert time.perf_counter() - start < 1.0
+    assert time.thread_time() - start < 1.0
 
 
 def test_a_huge_repeat_is_refused_without_allocating_it() -> None:

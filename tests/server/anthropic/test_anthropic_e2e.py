@@ -43,7 +43,7 @@ async def test_sdk_messages_streamed_equals_unstreamed_at_temperature_0() -> Non
                     model=model, max_tokens=8, messages=USER, extra_body={"top_k": -5}
                 )
         async with httpx.AsyncClient(base_url=s.base_url) as c:
-            await wait_idle(c, timeout_s=10)
+            await wait_idle(c)
 
 
 class Colour(pydantic.BaseModel):

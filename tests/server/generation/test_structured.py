@@ -17,7 +17,7 @@ from ft.params import SamplingParams
 from ft.prompt import PromptSpec
 from ft.server import RunningServer
 from tests.support.engine import fake_engine
-from tests.support.server import fake_server, health_watch, wait_idle
+from tests.support.server import fake_server, health_watch, loop_load, wait_idle
 
 USER = [{"role": "user", "content": "hi"}]
 TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
@@ -98,12 +98,13 @@ async def test_responses_echo_the_text_format(client: httpx.AsyncClient) -> None
 async def test_hostile_grammars_do_not_stall_the_loop(
     server: RunningServer, client: httpx.AsyncClient
 ) -> None:
-    """Compiling happens in a worker: /health answers while hostile grammars are refused."""
-    async with health_watch(server.base_url) as latencies:
+    """Compiling happens in a worker: /health answers while hostile grammars are refused, and
+    no step on the loop spends half a second of CPU (CPU: a loaded machine's wait is no stall)."""
+    async with health_watch(server.base_url), loop_load() as load:
         for pattern in ["(x{500}){500}", "(a{1000}){1000}", "[a-z]{1,60000}@(b{300}){300}"]:
             r = await client.post("/v1/chat/completions", json={"messages": USER, "guided_regex": pattern})
             assert r.status_code in (200, 400)
-    assert max(latencies) < 0.5
+    assert load.longest_step_s < 0.5, load
 
 
 class SpyGrammar(Grammar):
@@ -134,7 +135,7 @@ async def test_a_request_that_leaves_frees_its_matchers() -> None:
                 async for _ in stream:
                     break  # a first token: every choice is running; the request leaves
         assert len(spy.handed) == 3
-        with trio.fail_after(2):
+        with trio.fail_after(30):
             while any(sys.getrefcount(m) > 3 for m in spy.handed):  # list + loop var + argument
                 await trio.sleep(0.01)
         assert engine.core is not None and not engine.core.running and not engine.core.waiting

@@ -171,8 +171,12 @@ async def test_a_client_that_leaves_frees_its_scopes() -> None:
         fake_server(FakeRunner(step_s=0.2), max_prefill_tokens=16) as s,
         httpx.AsyncClient(base_url=s.base_url, timeout=10) as c,
     ):
-        with trio.move_on_after(0.5):
-            await c.post("/v1/embeddings", json={"input": ["z" * 200] * 8})
+        async with trio.open_nursery() as nursery:  # the client leaves once its request is in
+            nursery.start_soon(partial(c.post, "/v1/embeddings", json={"input": ["z" * 200] * 8}))
+            with trio.fail_after(30):
+                while (await c.get("/v1/stats")).json()["requests"]["active"] == 0:
+                    await trio.sleep(0.01)
+            nursery.cancel_scope.cancel()
         stats = await wait_idle(c)
         assert stats["requests"]["aborted"] >= 1 and stats["requests"]["completed"] == 0
 
@@ -286,7 +290,7 @@ async def test_a_full_queue_refuses_an_embedding_with_503() -> None:
         trio.open_nursery() as nursery,
     ):
         nursery.start_soon(partial(c.post, "/v1/completions", json={"prompt": "hi", "max_tokens": 50}))
-        with trio.fail_after(5):
+        with trio.fail_after(30):
             while (await c.get("/v1/stats")).json()["requests"]["active"] == 0:
                 await trio.sleep(0.01)
         r = await c.post("/v1/embeddings", json={"input": "x"})

@@ -37,4 +37,4 @@ async def test_sdk_responses_streamed_equals_unstreamed_at_temperature_0() -> No
             with pytest.raises(openai.BadRequestError):
                 await client.responses.create(model=model, input=QUESTION, temperature=-1)
         async with httpx.AsyncClient(base_url=s.base_url) as c:
-            await wait_idle(c, timeout_s=10)
+            await wait_idle(c)
