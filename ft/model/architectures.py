@@ -233,6 +233,11 @@ OLMOE = Architecture(
     moe=True,
     gguf_expert_weights_norm=False,
     gguf_layer_extra=QK_NORM_NAMES | MOE_NAMES,
+    gguf_converter_losses=(
+        ConverterLoss(
+            "norm_topk_prob", "expert_weights_norm", "the top-k routing weights as the softmax gave them"
+        ),
+    ),
 )
 
 GEMMA2 = Architecture(

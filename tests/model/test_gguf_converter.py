@@ -9,12 +9,14 @@ that `/v1/completions` returns over real HTTP do too.
 
 A setting the converter does not write runs as llama.cpp runs it, and the load warns: a
 Qwen3-MoE checkpoint with `norm_topk_prob` false converts to the one with it true (llama.cpp
-always renormalizes), a SmolLM3 with `no_rope_layer_interval` 2 to the one with 4 (llama.cpp
-hard-codes it) and a Mistral with a `sliding_window` to the one without.
+always renormalizes), an OLMoE with it true to the one with it false (llama.cpp never does), a
+SmolLM3 with `no_rope_layer_interval` 2 to the one with 4 (llama.cpp hard-codes it) and a
+Mistral with a `sliding_window` to the one without.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import pathlib
 from dataclasses import dataclass
@@ -56,8 +58,13 @@ CASES = {
     "qwen3": Case("qwen3", {}, "qwen2"),
     "qwen3_moe": Case("qwen3_moe", {"norm_topk_prob": True}, "qwen2"),
     "smollm3": Case("smollm3", {"num_hidden_layers": 4, "tie_word_embeddings": True}, "smollm"),
+    # (OLMoE's converter writes an epsilon of 1e-5 whatever the checkpoint's: OLMoE's own)
+    "olmoe": Case("olmoe", {"rms_norm_eps": 1e-5}, "olmo"),
     "qwen3_moe_unnormalized": Case(
         "qwen3_moe", {"norm_topk_prob": False}, "qwen2", runs_as={"norm_topk_prob": True}
+    ),
+    "olmoe_normalized": Case(
+        "olmoe", {"rms_norm_eps": 1e-5, "norm_topk_prob": True}, "olmo", runs_as={"norm_topk_prob": False}
     ),
     "smollm3_interval_2": Case(
         "smollm3", {"no_rope_layer_interval": 2}, "smollm", runs_as={"no_rope_layer_interval": 4}
@@ -66,8 +73,9 @@ CASES = {
         "mistral", {"sliding_window": WINDOW}, "llama-bpe", runs_as={"sliding_window": None}
     ),
 }  # fmt: skip
-MATCHING = ("llama", "qwen3", "qwen3_moe", "smollm3")
-LOSSY = {"qwen3_moe_unnormalized": "norm_topk_prob", "smollm3_interval_2": "no_rope_layers",
+MATCHING = ("llama", "qwen3", "qwen3_moe", "smollm3", "olmoe")
+LOSSY = {"qwen3_moe_unnormalized": "norm_topk_prob", "olmoe_normalized": "norm_topk_prob",
+         "smollm3_interval_2": "no_rope_layers",
          "mistral_windowed": "sliding_window"}  # fmt: skip
 
 
@@ -82,6 +90,8 @@ def build(case: Case, overrides: dict[str, Any] | None = None) -> Any:
     )  # fmt: skip
     if case.model_type == "qwen3_moe":
         fields |= dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
+    if case.model_type == "olmoe":
+        fields |= dict(num_experts=8, num_experts_per_tok=2, intermediate_size=32)
     fields |= case.fields | (overrides or {})
     torch.manual_seed(0)
     config = transformers.AutoConfig.for_model(case.model_type, **fields)
@@ -105,6 +115,14 @@ def converted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, pathlib.Pat
     for name, case in CASES.items():
         # the directory names the model: a "llama" GGUF named Mistral is Mistral
         checkpoint = save_dir(root / f"tiny-{name.replace('_', '-')}", build(case))
+        tokenizer_config = (
+            checkpoint / "tokenizer_config.json"
+        )  # (not the family's class: OLMoE's adds tokens)
+        tokenizer_config.write_text(
+            json.dumps(
+                json.loads(tokenizer_config.read_text()) | {"tokenizer_class": "PreTrainedTokenizerFast"}
+            )
+        )
         jobs.append(Conversion(checkpoint, root / f"{name}.gguf", case.pre))
     convert(converter, jobs)
     return {name: job.outfile for name, job in zip(CASES, jobs, strict=True)}
@@ -142,7 +160,7 @@ def test_converted_gguf_matches_transformers(
     diff = (got - expected).abs().max().item()
     print(f"{name}: max |d logprob| {diff:.3g} over {STEPS} steps")
     assert diff < TOLERANCE
-    if name in ("llama", "qwen3"):  # (Qwen3-MoE's and SmolLM3's files cannot say their settings)
+    if name in ("llama", "qwen3"):  # (the MoEs' and SmolLM3's files cannot say their settings)
         assert not [r for r in caplog.records if "converter does not write" in r.getMessage()]
 
 

@@ -109,9 +109,11 @@ def convert(converter: pathlib.Path, conversions: list[Conversion]) -> None:
     """Each checkpoint written by llama.cpp's converter as a float32 GGUF, in one child process.
 
     Raises:
-        subprocess.CalledProcessError: the converter failed (its output in the exception).
+        RuntimeError: the converter failed (the message ends with its last output).
     """
     jobs = json.dumps([[str(c.checkpoint), str(c.outfile), c.pre] for c in conversions])
-    subprocess.run(
-        [sys.executable, "-c", _DRIVER, str(converter), jobs], check=True, capture_output=True, timeout=600
+    done = subprocess.run(
+        [sys.executable, "-c", _DRIVER, str(converter), jobs], capture_output=True, text=True, timeout=600
     )
+    if done.returncode:
+        raise RuntimeError(f"{converter} failed ({done.returncode}):\n{done.stderr[-3000:]}")
