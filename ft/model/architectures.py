@@ -66,17 +66,20 @@ class ConverterLoss:
     """A `config.json` setting llama.cpp's converter does not write into the family's GGUFs,
     which llama.cpp (and so ft) replaces by a rule of its own: `setting` names the checkpoint's
     setting, `key` the GGUF key (after `{arch}.`) that would say it (None: llama.cpp reads none),
-    `assumed` what runs instead. A checkpoint whose setting differs converts to another model."""
+    `assumed` what runs instead. A checkpoint whose setting differs converts to another model.
+    `warns`: said as a warning at load (a setting published checkpoints use, the window);
+    otherwise logged as info (what llama.cpp assumes is what the published checkpoints have)."""
 
     setting: str
     key: str | None
     assumed: str
+    warns: bool = False
 
 
 # Mistral's and Mixtral's converter (llama.cpp's `LlamaModel`) writes no window; llama.cpp's
 # `llama` architecture attends everything.
 NO_WINDOW = ConverterLoss(
-    "sliding_window", "attention.sliding_window", "every layer attends the whole context"
+    "sliding_window", "attention.sliding_window", "every layer attends the whole context", warns=True
 )
 
 

@@ -611,7 +611,8 @@ def load_gguf(
         check_tensors(reader, config, packed=quantized)
         check_vocabulary(config, len(tokens))
         for loss in converter_losses(reader, by_name(config.architecture)):
-            log.warning(
+            log.log(
+                logging.WARNING if loss.warns else logging.INFO,
                 "%s: the checkpoint's %r is not in this GGUF (llama.cpp's converter does not write it): "
                 "%s, as llama.cpp runs it; converted from a checkpoint with another %r, it differs from it",
                 path.name, loss.setting, loss.assumed, loss.setting,
