@@ -62,6 +62,28 @@ FUSED_NAMES = {
 
 
 @dataclass(frozen=True, slots=True)
+class ConverterLoss:
+    """A `config.json` setting llama.cpp's converter does not write into the family's GGUFs,
+    which llama.cpp (and so ft) replaces by a rule of its own: `setting` names the checkpoint's
+    setting, `key` the GGUF key (after `{arch}.`) that would say it (None: llama.cpp reads none),
+    `assumed` what runs instead. A checkpoint whose setting differs converts to another model.
+    `warns`: said as a warning at load (a setting published checkpoints use, the window);
+    otherwise logged as info (what llama.cpp assumes is what the published checkpoints have)."""
+
+    setting: str
+    key: str | None
+    assumed: str
+    warns: bool = False
+
+
+# Mistral's and Mixtral's converter (llama.cpp's `LlamaModel`) writes no window; llama.cpp's
+# `llama` architecture attends everything.
+NO_WINDOW = ConverterLoss(
+    "sliding_window", "attention.sliding_window", "every layer attends the whole context", warns=True
+)
+
+
+@dataclass(frozen=True, slots=True)
 class Architecture:
     """One model family: the names it answers to and the blocks it is made of.
 
@@ -79,7 +101,8 @@ class Architecture:
     converter interleaved by rotary pairs (undone at load); `gguf_fused` says its GGUFs hold
     q|k|v as one `attn_qkv` and gate|up as one `ffn_up` (Phi-3), split by rows at load;
     `gguf_no_rope_interval` n: every n-th layer has no rotary (SmolLM3: llama.cpp hard-codes
-    4, no GGUF key says it).
+    4, no GGUF key says it); `gguf_converter_losses` the checkpoint settings its GGUFs do not
+    carry (`ConverterLoss`: the loader warns when a file does not say them).
 
     `gemma` is Gemma's blocks: the embedding scaled by sqrt(hidden), GeGLU, `(1 + weight)`
     norms (llama.cpp's converter adds the 1 to the GGUF's norms), norms on the attention's and
@@ -129,6 +152,7 @@ class Architecture:
     gguf_fused: bool = False
     gguf_no_rope_interval: int = 0
     tool_call_parser: str | None = None  # the tool-call format its template asks for (None: hermes)
+    gguf_converter_losses: tuple[ConverterLoss, ...] = ()
 
     @property
     def gguf_layer_names(self) -> dict[str, str]:
@@ -150,6 +174,7 @@ MISTRAL = Architecture(
     gguf_names=("mistral",),  # llama.cpp writes most Mistral files as "llama": see `by_gguf`
     gguf_permuted_qk=("llama",),
     windowed=True,  # Mistral 7B v0.1's 4096 on every layer
+    gguf_converter_losses=(NO_WINDOW,),
 )
 QWEN2 = Architecture(
     name="qwen2",
@@ -178,6 +203,11 @@ QWEN3_MOE = Architecture(
     moe=True,
     gguf_layer_extra=QK_NORM_NAMES | MOE_NAMES,
     reasoning_parser="think",
+    # llama.cpp's qwen3moe graph always renormalizes (every published Qwen3-MoE says
+    # norm_topk_prob true; transformers' default is false); its converter writes no key.
+    gguf_converter_losses=(
+        ConverterLoss("norm_topk_prob", "expert_weights_norm", "the top-k routing weights renormalized"),
+    ),
 )
 # Mixtral: Mistral's attention (its `sliding_window` on every layer, as Mistral's), experts of
 # `intermediate_size`, always renormalized top-k (the softmax over the k chosen logits);
@@ -192,6 +222,7 @@ MIXTRAL = Architecture(
     gguf_permuted_qk=("llama",),
     gguf_layer_extra=MOE_NAMES,
     windowed=True,
+    gguf_converter_losses=(NO_WINDOW,),
 )
 # OLMoE: RMSNorm over the whole q and k projections, softmax over every expert then top-k,
 # not renormalized unless `norm_topk_prob` (llama.cpp never renormalizes it).
@@ -205,6 +236,11 @@ OLMOE = Architecture(
     moe=True,
     gguf_expert_weights_norm=False,
     gguf_layer_extra=QK_NORM_NAMES | MOE_NAMES,
+    gguf_converter_losses=(
+        ConverterLoss(
+            "norm_topk_prob", "expert_weights_norm", "the top-k routing weights as the softmax gave them"
+        ),
+    ),
 )
 
 GEMMA2 = Architecture(
@@ -276,6 +312,9 @@ SMOLLM3 = Architecture(
     gguf_permuted_qk=("smollm3",),
     gguf_no_rope_interval=4,
     reasoning_parser="think",
+    gguf_converter_losses=(
+        ConverterLoss("no_rope_layers", None, "every 4th layer without rotary (SmolLM3-3B's interval)"),
+    ),
 )
 # Granite (3.x dense): embedding, residual, attention and logit multipliers
 GRANITE = Architecture(

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from gguf.quants import dequantize
 
-from ft.model.architectures import GGUF_GLOBAL_NAMES, Architecture, by_gguf, by_name
+from ft.model.architectures import GGUF_GLOBAL_NAMES, Architecture, ConverterLoss, by_gguf, by_name
 from ft.model.gguf_check import check_tensors, check_vocabulary, num_labels
 from ft.model.gguf_file import GGUFFile, GGUFTensor, ModelFileError
 from ft.model.kernels import expert_views, repacked
@@ -610,6 +610,13 @@ def load_gguf(
         config = gguf_config(reader, {t.name for t in reader.tensors}, len(tokens))
         check_tensors(reader, config, packed=quantized)
         check_vocabulary(config, len(tokens))
+        for loss in converter_losses(reader, by_name(config.architecture)):
+            log.log(
+                logging.WARNING if loss.warns else logging.INFO,
+                "%s: the checkpoint's %r is not in this GGUF (llama.cpp's converter does not write it): "
+                "%s, as llama.cpp runs it; converted from a checkpoint with another %r, it differs from it",
+                path.name, loss.setting, loss.assumed, loss.setting,
+            )  # fmt: skip
         spec = gguf_tokenizer(reader, config.max_position_embeddings)
         sd, freq_factors = gguf_tensors(
             reader, config, str(reader.text("general.architecture")), dtype, progress, quantized
@@ -619,6 +626,17 @@ def load_gguf(
     if freq_factors is not None:
         config = LlamaConfig(**{**_fields(config), "rope_freq_factors": freq_factors})
     return config, sd, spec, path.stem
+
+
+def converter_losses(meta: GGUFFile, family: Architecture) -> list[ConverterLoss]:
+    """The settings of `family`'s checkpoints that `meta` does not say (`ConverterLoss`), which
+    run as llama.cpp assumes them."""
+    arch = meta.text("general.architecture")
+    return [
+        loss
+        for loss in family.gguf_converter_losses
+        if loss.key is None or f"{arch}.{loss.key}" not in meta.fields
+    ]
 
 
 def token_list(meta: GGUFFile) -> list[str]:

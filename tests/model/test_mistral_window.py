@@ -9,6 +9,7 @@ converter does); the packed path stays within int8 tolerance of the float path o
 from __future__ import annotations
 
 import json
+import logging
 import pathlib
 from typing import Any
 
@@ -79,7 +80,8 @@ def write_mistral_gguf(path: pathlib.Path, model: Any, qtype: GGMLQuantizationTy
     w.add_value_length(c.head_dim)
     w.add_rope_freq_base(float(c.rope_parameters["rope_theta"]))
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
-    w.add_sliding_window(c.sliding_window)
+    if c.sliding_window:
+        w.add_sliding_window(c.sliding_window)
     w.add_tokenizer_model("gpt2")
     w.add_token_list(tokens)
     w.add_token_types(types)
@@ -164,6 +166,23 @@ def test_a_llama_gguf_keeps_every_position(hf_model: Any, tmp_path: pathlib.Path
 
     RawGGUF.read(path).set("general.name", STRING, string("tiny llama")).write(tmp_path / "llama.gguf")
     assert load_model(tmp_path / "llama.gguf", torch.float32).config.sliding_window == 0
+
+
+@pytest.mark.parametrize("window", [WINDOW, None], ids=["key", "no-key"])
+def test_a_mistral_gguf_without_the_window_key_warns_that_the_converter_drops_it(
+    tmp_path: pathlib.Path, caplog: pytest.LogCaptureFixture, window: int | None
+) -> None:
+    """llama.cpp's converter writes no `llama.attention.sliding_window`: such a file attends
+    everything (as llama.cpp does) and its load says so; one with the key says nothing."""
+    path = write_mistral_gguf(
+        tmp_path / "mistral.gguf", mistral_model(sliding_window=window), GGMLQuantizationType.F32
+    )
+    with caplog.at_level(logging.WARNING, logger="ft.model"):
+        config = load_model(path, torch.float32).config
+    warnings = [r.getMessage() for r in caplog.records if "'sliding_window'" in r.getMessage()]
+    assert config.architecture == "mistral" and config.sliding_window == (window or 0)
+    assert len(warnings) == (window is None)
+    assert all("converter does not write it" in w and "whole context" in w for w in warnings)
 
 
 def serve(

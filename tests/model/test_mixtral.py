@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import pathlib
 from typing import Any
 
@@ -165,6 +166,18 @@ def test_a_gguf_with_a_sliding_window_matches_transformers_on_its_weights(
     assert loaded.config.architecture == "mixtral" and loaded.config.sliding_window == WINDOW
     _, logits = generate(build_runner(loaded, num_pages=32, page_size=4, dtype=torch.float32), PROMPT, 1)
     assert (logits - _last_logits(_dequantized(loaded, windowed_model.config))).abs().max().item() < 1e-4
+
+
+def test_a_mixtral_gguf_without_the_window_key_warns_that_the_converter_drops_it(
+    hf_model: Any, windowed_model: Any, tmp_path: pathlib.Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """As Mistral's: llama.cpp's converter writes no window; a file with the key says nothing."""
+    for model, warns in ((hf_model, True), (windowed_model, False)):
+        caplog.clear()
+        path = write_moe_gguf(tmp_path / f"mixtral-{warns}.Q8_0.gguf", model)
+        with caplog.at_level(logging.WARNING, logger="ft.model"):
+            assert load_model(path, torch.float32).config.architecture == "mixtral"
+        assert any("'sliding_window'" in r.getMessage() for r in caplog.records) == warns
 
 
 @pytest.mark.skipif(not kernels.available(), reason="no C++ compiler for the packed kernels")
