@@ -22,17 +22,19 @@ not depend on where its steps split it. Granite 4.0-H's limit is (0, inf): nothi
 
 from __future__ import annotations
 
+import functools
+import itertools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ft.model.recurrent import StateSpan
-from ft.model.ssd import ScanInput, plan_chunks, ssd_chunked, ssd_step
+from ft.model.ssd import ChunkPlan, ScanInput, plan_chunks, ssd_chunked, ssd_step
 
 # The scan's cost per token grows with the chunk (its diagonal blocks are chunk x chunk), and a
 # chunk's padding is wasted work; past this size longer chunks only save loop steps.
@@ -142,6 +144,108 @@ def mamba2_weights_from_hf(tensors: Mapping[str, torch.Tensor], prefix: str) -> 
     return out
 
 
+class StepIndex(NamedTuple):
+    """Where a step's spans sit; the same for every Mamba-2 layer of the step (`step_index`).
+
+    Rows are taken span after span (`rows`: their batch rows, `R` in all). The convolution reads a
+    buffer of every span's k-1 past inputs followed by the spans' rows: `taps[j]` is the buffer
+    row of tap j for each row, `tail` each span's last k-1 inputs (its next conv state). Decode
+    spans (one row) and prefill spans are scanned apart; `fresh_*` are positions within each
+    group, and `place[i]` says where span i's final states are (prefill?, position)."""
+
+    rows: torch.Tensor  # [R] int64
+    in_order: bool  # rows == arange(T)
+    slots: torch.Tensor  # [S]
+    fresh: torch.Tensor  # span ids, [<= S]
+    taps: torch.Tensor  # [k, R] into the conv buffer
+    tail: torch.Tensor  # [S, k-1] into the conv buffer
+    decode_rows: torch.Tensor  # [Sd] span-order row of each decode span
+    decode_slots: torch.Tensor  # [Sd]
+    decode_fresh: torch.Tensor  # positions in the decode group
+    prefill_slots: torch.Tensor  # [Sp]
+    prefill_fresh: torch.Tensor  # positions in the prefill group
+    plan: ChunkPlan | None
+    place: tuple[tuple[bool, int], ...]
+
+
+@functools.lru_cache(maxsize=8)
+def step_index(
+    spans: tuple[StateSpan, ...], num_rows: int, conv_kernel: int, chunk_size: int, device: torch.device
+) -> StepIndex:
+    """The `StepIndex` of `spans` over a batch of `num_rows` rows. Cached: the layers of a step
+    (and steady decode steps, whose spans repeat) share one.
+
+    Raises:
+        ValueError: a span without rows, or past the batch.
+    """
+    for s in spans:
+        if s.num_rows < 1 or s.row_start < 0 or s.row_start + s.num_rows > num_rows:
+            raise ValueError(f"mamba2: span {s} does not fit a batch of {num_rows} rows")
+
+    def longs(values: Sequence[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=device)
+
+    k = conv_kernel
+    num_spans = len(spans)
+    starts, lengths = longs([s.row_start for s in spans]), longs([s.num_rows for s in spans])
+    span = torch.repeat_interleave(torch.arange(num_spans, device=device), lengths)  # [R]
+    first = torch.cumsum(lengths, 0) - lengths  # each span's first row, in span order
+    offset = torch.arange(len(span), device=device) - first[span]
+    rows = starts[span] + offset
+
+    def at(owner: torch.Tensor, time: torch.Tensor) -> torch.Tensor:
+        # The buffer row of `time` (from the span's first row; -(k-1) is its oldest past input).
+        return torch.where(
+            time >= 0, num_spans * (k - 1) + first[owner] + time, owner * (k - 1) + (k - 1) + time
+        )
+
+    taps = torch.stack([at(span, offset - (k - 1) + j) for j in range(k)])
+    tail_time = lengths[:, None] - (k - 1) + torch.arange(k - 1, device=device)  # [S, k-1]
+    tail = at(torch.arange(num_spans, device=device)[:, None].expand_as(tail_time), tail_time)
+
+    decode = [i for i, s in enumerate(spans) if s.num_rows == 1]
+    prefill = [i for i, s in enumerate(spans) if s.num_rows > 1]
+    first_rows = [0, *itertools.accumulate(s.num_rows for s in spans)]
+    place = [(False, 0)] * num_spans
+    for j, i in enumerate(decode):
+        place[i] = (False, j)
+    for j, i in enumerate(prefill):
+        place[i] = (True, j)
+    plan = None
+    if prefill:
+        plan = plan_chunks(
+            [first_rows[i] for i in prefill],
+            [spans[i].num_rows for i in prefill],
+            len(span),
+            chunk_size,
+            device,
+        )
+    return StepIndex(
+        rows=rows,
+        in_order=[s.row_start for s in spans] == first_rows[:-1] and first_rows[-1] == num_rows,
+        slots=longs([s.slot for s in spans]),
+        fresh=longs([i for i, s in enumerate(spans) if s.fresh]),
+        taps=taps,
+        tail=tail,
+        decode_rows=longs([first_rows[i] for i in decode]),
+        decode_slots=longs([spans[i].slot for i in decode]),
+        decode_fresh=longs([j for j, i in enumerate(decode) if spans[i].fresh]),
+        prefill_slots=longs([spans[i].slot for i in prefill]),
+        prefill_fresh=longs([j for j, i in enumerate(prefill) if spans[i].fresh]),
+        plan=plan,
+        place=tuple(place),
+    )
+
+
+def _read_states(slot_states: torch.Tensor, slots: torch.Tensor, fresh: torch.Tensor) -> torch.Tensor:
+    """A copy of `slot_states[slots]` in float32, zero at the positions `fresh` (whatever the
+    slot held there, NaN included)."""
+    states = slot_states[slots].float()
+    if len(fresh):
+        states.index_fill_(0, fresh, 0.0)
+    return states
+
+
 class Mamba2Mixer(nn.Module):
     """Mamba-2's mixer over a step's spans (`RecurrentMixer`); its states per sequence are
     `(conv [k-1, conv_dim], ssm [heads, head_dim, d_state])`, float32."""
@@ -171,105 +275,70 @@ class Mamba2Mixer(nn.Module):
         row. `states`: the slot tensors `[slots, k-1, conv_dim]`, `[slots, heads, head_dim,
         d_state]`, read only. Rows outside every span come out as the projections of zero."""
         c = self.config
-        device = x.device
+        index = step_index(tuple(spans), x.shape[0], c.conv_kernel, c.chunk_size, x.device)
         conv_slots, ssm_slots = states
-        slots = torch.tensor([s.slot for s in spans], dtype=torch.long, device=device)
-        fresh = torch.tensor([s.fresh for s in spans], dtype=torch.bool, device=device)
-        starts = torch.tensor([s.row_start for s in spans], dtype=torch.long, device=device)
-        lengths = torch.tensor([s.num_rows for s in spans], dtype=torch.long, device=device)
 
         projected = self.in_proj(x)
         gate, xbc, dt = projected.split([c.inner_size, c.conv_dim, c.num_heads], dim=-1)
-        rows, xbc, conv_out = self._convolve(xbc.float(), slots, fresh, starts, lengths, conv_slots)
-        xs, B, C = xbc.split([c.inner_size, c.num_groups * c.state_size, c.num_groups * c.state_size], -1)
-        dt = F.softplus(dt[rows].float() + self.dt_bias.float())
-        dt = dt.clamp(c.time_step_min, c.time_step_max)
-        num_rows = len(rows)
+        if not index.in_order:
+            xbc, dt = xbc[index.rows], dt[index.rows]
+        conv_out, conv_states = self._convolve(xbc.float(), index, conv_slots)
+        xs, B, C = conv_out.split(
+            [c.inner_size, c.num_groups * c.state_size, c.num_groups * c.state_size], -1
+        )
+        dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(c.time_step_min, c.time_step_max)
+        num_rows = len(index.rows)
         inp = ScanInput(
             xs.reshape(num_rows, c.num_heads, c.head_dim),
             dt,
             B.reshape(num_rows, c.num_groups, c.state_size),
             C.reshape(num_rows, c.num_groups, c.state_size),
         )
-        y, ssm_out = self._scan(inp, spans, slots, fresh, lengths, ssm_slots)
+        y, decode_states, prefill_states = self._scan(inp, index, ssm_slots)
 
-        full = y.new_zeros(x.shape[0], c.inner_size)
-        full[rows] = y.reshape(num_rows, c.inner_size)
-        out = self.out_proj(self._gated_norm(full, gate).to(x.dtype))
-        return out, [(conv_out[i], ssm_out[i]) for i in range(len(spans))]
+        y = y.reshape(num_rows, c.inner_size)
+        if not index.in_order:
+            y = y.new_zeros(x.shape[0], c.inner_size).index_copy_(0, index.rows, y)
+        out = self.out_proj(self._gated_norm(y, gate).to(x.dtype))
+        new_states: list[tuple[torch.Tensor, ...]] = []
+        for i, (is_prefill, j) in enumerate(index.place):
+            new_states.append((conv_states[i], (prefill_states if is_prefill else decode_states)[j]))
+        return out, new_states
 
     def _convolve(
-        self,
-        xbc: torch.Tensor,
-        slots: torch.Tensor,
-        fresh: torch.Tensor,
-        starts: torch.Tensor,
-        lengths: torch.Tensor,
-        conv_slots: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The causal convolution of every span's rows over its own past, then silu.
-
-        Returns the spans' rows of the batch in span order `[R]`, their outputs `[R, conv_dim]`,
-        and each span's new conv state `[S, k-1, conv_dim]`.
-        """
+        self, xbc: torch.Tensor, index: StepIndex, conv_slots: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The causal convolution of every span's rows `[R, conv_dim]` over its own past, then
+        silu; and each span's new conv state `[S, k-1, conv_dim]`."""
         k = self.config.conv_kernel
-        num_spans = len(slots)
-        past = conv_slots[slots].float()  # [S, k-1, conv_dim], a copy
-        past = torch.where(fresh[:, None, None], 0.0, past)
-        # One buffer holds every span's past rows, then the batch's rows: tap j of a row at
-        # offset i of span s reads time i - (k-1) + j, which is either in the batch or in s's past.
-        buffer = torch.cat([past.reshape(num_spans * (k - 1), -1), xbc])
-        device = xbc.device
-        span = torch.repeat_interleave(torch.arange(num_spans, device=device), lengths)  # [R]
-        offset = torch.arange(len(span), device=device) - (torch.cumsum(lengths, 0) - lengths)[span]
-        rows = starts[span] + offset
-
-        def at(owner: torch.Tensor, time: torch.Tensor) -> torch.Tensor:
-            # Buffer index of `time` (relative to the span's first row, from -(k-1)) of a span.
-            return torch.where(
-                time >= 0, num_spans * (k - 1) + starts[owner] + time, owner * (k - 1) + (k - 1) + time
-            )
-
+        past = _read_states(conv_slots, index.slots, index.fresh)  # [S, k-1, conv_dim]
+        buffer = torch.cat([past.reshape(-1, xbc.shape[1]), xbc])
         weight = self.conv_weight.float()
-        out = buffer[at(span, offset - (k - 1))] * weight[:, 0]
+        out = buffer[index.taps[0]] * weight[:, 0]
         for j in range(1, k):
-            out = out + buffer[at(span, offset - (k - 1) + j)] * weight[:, j]
+            out = out.addcmul_(buffer[index.taps[j]], weight[:, j])
         if self.conv_bias is not None:
             out = out + self.conv_bias.float()
-        tail = lengths[:, None] - (k - 1) + torch.arange(k - 1, device=device)  # [S, k-1]
-        owners = torch.arange(num_spans, device=device)[:, None].expand_as(tail)
-        return rows, F.silu(out), buffer[at(owners, tail)]
+        return F.silu(out), buffer[index.tail]
 
     def _scan(
-        self,
-        inp: ScanInput,
-        spans: Sequence[StateSpan],
-        slots: torch.Tensor,
-        fresh: torch.Tensor,
-        lengths: torch.Tensor,
-        ssm_slots: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self, inp: ScanInput, index: StepIndex, ssm_slots: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The spans' scans: decode spans in one recurrent step, the others chunked together.
-        Returns y `[R, heads, head_dim]` and each span's final state `[S, heads, head_dim, d_state]`."""
-        device = inp.x.device
+        Returns y `[R, heads, head_dim]` and the final states of the decode and of the prefill
+        spans, `[Sd | Sp, heads, head_dim, d_state]`."""
         A, D = self.A.float(), self.D.float()
-        initial = ssm_slots[slots].float()  # [S, H, P, N], a copy
-        initial = torch.where(fresh[:, None, None, None], 0.0, initial)
-        first_row = torch.cumsum(lengths, 0) - lengths  # each span's first row in span order
-        is_decode = torch.tensor([s.num_rows == 1 for s in spans], dtype=torch.bool, device=device)
-        decode = torch.nonzero(is_decode).flatten()
-        prefill = torch.nonzero(~is_decode).flatten()
-
         y = torch.zeros_like(inp.x)
-        final = torch.empty_like(initial)
-        if len(prefill):
-            plan = plan_chunks(first_row[prefill], lengths[prefill], len(inp.x), self.config.chunk_size)
-            y, final[prefill] = ssd_chunked(inp, A, D, initial[prefill], plan)
-        if len(decode):
-            rows = first_row[decode]
+        prefill_states = decode_states = inp.x.new_empty(0)
+        if index.plan is not None:
+            initial = _read_states(ssm_slots, index.prefill_slots, index.prefill_fresh)
+            y, prefill_states = ssd_chunked(inp, A, D, initial, index.plan)
+        if len(index.decode_rows):
+            rows = index.decode_rows
+            initial = _read_states(ssm_slots, index.decode_slots, index.decode_fresh)
             step_in = ScanInput(inp.x[rows], inp.dt[rows], inp.B[rows], inp.C[rows])
-            y[rows], final[decode] = ssd_step(step_in, A, D, initial[decode])
-        return y, final
+            y[rows], decode_states = ssd_step(step_in, A, D, initial)
+        return y, decode_states, prefill_states
 
     def _gated_norm(self, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """RMSNorm of `y * silu(gate)` over each group of `inner / num_groups` channels."""

@@ -17,6 +17,8 @@ chunks or split across steps agrees to float32 precision, not bitwise.
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -51,7 +53,7 @@ def ssd_step(
     xdt = xdt.view(num_rows, num_groups, per_group, head_dim)
     # The state update, by group so B is never repeated over the heads: [R, G, hg, P, N].
     dbx = xdt[..., None] * inp.B[:, :, None, None, :]
-    new_state = state * decay[..., None, None] + dbx.view(num_rows, num_heads, head_dim, d_state)
+    new_state = dbx.view(num_rows, num_heads, head_dim, d_state).addcmul_(state, decay[..., None, None])
     y = torch.einsum(
         "rgjpn,rgn->rgjp", new_state.view(num_rows, num_groups, per_group, head_dim, d_state), inp.C
     )
@@ -83,21 +85,22 @@ class ChunkPlan(NamedTuple):
     chunks: torch.Tensor  # [S, max_chunks] int64
 
 
-def plan_chunks(starts: torch.Tensor, lengths: torch.Tensor, num_rows: int, chunk_size: int) -> ChunkPlan:
+def plan_chunks(
+    starts: Sequence[int], lengths: Sequence[int], num_rows: int, chunk_size: int, device: torch.device
+) -> ChunkPlan:
     """The chunk layout of S sequences whose rows are `[starts[s], starts[s] + lengths[s])` of `R`
     (`num_rows`) input rows; each sequence starts a new chunk and pads its last one."""
-    device = starts.device
-    num_chunks_per = (lengths + chunk_size - 1) // chunk_size  # [S]
-    first_chunk = torch.cumsum(num_chunks_per, 0) - num_chunks_per
-    seq = torch.arange(len(lengths), device=device)
-    owner = torch.repeat_interleave(seq, num_chunks_per)  # [num_chunks]
-    index_in_seq = torch.arange(len(owner), device=device) - first_chunk[owner]
+    counts = [(n + chunk_size - 1) // chunk_size for n in lengths]
+    owner = torch.tensor([s for s, n in enumerate(counts) for _ in range(n)], dtype=torch.long, device=device)
+    index_in_seq = torch.tensor([j for n in counts for j in range(n)], dtype=torch.long, device=device)
+    start_of = torch.tensor(starts, dtype=torch.long, device=device)
+    length_of = torch.tensor(lengths, dtype=torch.long, device=device)
     pos = index_in_seq[:, None] * chunk_size + torch.arange(chunk_size, device=device)  # [num_chunks, L]
-    rows = torch.where(pos < lengths[owner, None], starts[owner, None] + pos, num_rows)
-    max_chunks = int(num_chunks_per.max()) if len(lengths) else 0
-    j = torch.arange(max_chunks, device=device)
-    chunks = torch.where(j < num_chunks_per[:, None], first_chunk[:, None] + j, len(owner))
-    return ChunkPlan(rows, chunks)
+    rows = torch.where(pos < length_of[owner, None], start_of[owner, None] + pos, num_rows)
+    firsts = [0, *itertools.accumulate(counts)]
+    num_chunks, width = firsts[-1], max(counts, default=0)
+    chunks = [[firsts[s] + j if j < n else num_chunks for j in range(width)] for s, n in enumerate(counts)]
+    return ChunkPlan(rows, torch.tensor(chunks, dtype=torch.long, device=device).view(len(counts), width))
 
 
 def ssd_chunked(

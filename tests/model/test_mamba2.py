@@ -143,9 +143,11 @@ def test_any_split_of_a_sequence_matches_one_call(cuts: list[int]) -> None:
 
 
 @pytest.mark.parametrize("num_groups", [1, 2])
-def test_one_call_of_several_sequences_matches_each_alone(num_groups: int) -> None:
-    """Prefills, continuations and decodes of four sequences in one step, in mixed order and
-    slots, each against transformers running that sequence alone with its cache."""
+@pytest.mark.parametrize("listed_in_row_order", [True, False])
+def test_one_call_of_several_sequences_matches_each_alone(num_groups: int, listed_in_row_order: bool) -> None:
+    """Prefills, continuations and decodes of five sequences in one step, in mixed order and
+    slots, each against transformers running that sequence alone with its cache: the outputs
+    and the states the step returns."""
     pair = _pair(num_groups, num_heads=4)
     histories = {0: _inputs(9, 10), 1: _inputs(5, 11), 5: _inputs(17, 12)}  # slot -> earlier rows
     slots = _slots(pair.ours)
@@ -160,14 +162,17 @@ def test_one_call_of_several_sequences_matches_each_alone(num_groups: int) -> No
             StateSpan(slot=slot, row_start=start, num_rows=len(new[slot]), fresh=slot not in histories)
         )
         start += len(new[slot])
-    got = _run(pair.ours, torch.cat([new[s] for s in order]), spans, slots)
+    listed = spans if listed_in_row_order else spans[::-1]
+    got = _run(pair.ours, torch.cat([new[s] for s in order]), listed, slots)
 
     for span in spans:
         past = histories.get(span.slot, torch.empty(0, HIDDEN))
         full = torch.cat([past, new[span.slot]])
-        expected, _ = _reference(pair, full, [len(past)] if len(past) else [])
+        expected, cache = _reference(pair, full, [len(past)] if len(past) else [])
         rows = slice(span.row_start, span.row_start + span.num_rows)
         torch.testing.assert_close(got[rows], expected[len(past) :], **TOL)
+        torch.testing.assert_close(slots[0][span.slot], cache.get_conv_state(0)[0, :, 1:].T, **TOL)
+        torch.testing.assert_close(slots[1][span.slot], cache.get_recurrent_state(0)[0], **TOL)
 
 
 def test_fresh_span_ignores_what_its_slot_holds() -> None:
