@@ -78,10 +78,11 @@ class ChunkPlan(NamedTuple):
     """Where each sequence's rows go in the chunked layout.
 
     `rows[c, l]` is the input row at position l of chunk c (`R`, one past the last row, for the
-    padding after a sequence's last row); `chunks[s, j]` is sequence s's j-th chunk (`num_chunks`
-    once the sequence has no more)."""
+    padding after a sequence's last row; `rows_or_zero` has 0 there); `chunks[s, j]` is sequence
+    s's j-th chunk (`num_chunks` once the sequence has no more)."""
 
     rows: torch.Tensor  # [num_chunks, chunk_size] int64
+    rows_or_zero: torch.Tensor  # [num_chunks, chunk_size] int64
     chunks: torch.Tensor  # [S, max_chunks] int64
 
 
@@ -100,7 +101,11 @@ def plan_chunks(
     firsts = [0, *itertools.accumulate(counts)]
     num_chunks, width = firsts[-1], max(counts, default=0)
     chunks = [[firsts[s] + j if j < n else num_chunks for j in range(width)] for s, n in enumerate(counts)]
-    return ChunkPlan(rows, torch.tensor(chunks, dtype=torch.long, device=device).view(len(counts), width))
+    return ChunkPlan(
+        rows,
+        rows.masked_fill(rows == num_rows, 0),
+        torch.tensor(chunks, dtype=torch.long, device=device).view(len(counts), width),
+    )
 
 
 def ssd_chunked(
@@ -121,12 +126,10 @@ def ssd_chunked(
     per_group = num_heads // num_groups
     num_chunks, length = plan.rows.shape
 
-    def chunked(t: torch.Tensor) -> torch.Tensor:
-        # Padding rows read zeros: dt = 0 there, so they neither decay nor add to the state.
-        padded = torch.cat([t, t.new_zeros(1, *t.shape[1:])])
-        return padded[plan.rows]  # [num_chunks, L, ...]
-
-    x, dt, B, C = chunked(inp.x), chunked(inp.dt), chunked(inp.B), chunked(inp.C)
+    # Padding positions read row 0 but dt = 0: they neither decay nor add to the state, and
+    # their outputs are dropped.
+    x, B, C = inp.x[plan.rows_or_zero], inp.B[plan.rows_or_zero], inp.C[plan.rows_or_zero]
+    dt = torch.cat([inp.dt, inp.dt.new_zeros(1, num_heads)])[plan.rows]  # [c, L, H]
     xdt = x * dt[..., None]  # [c, L, H, P]
     a = (dt * A).transpose(1, 2)  # [c, H, L]
     a_cum = torch.cumsum(a, dim=-1)  # [c, H, L]
