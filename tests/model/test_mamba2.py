@@ -6,6 +6,7 @@ writes them once a step has succeeded.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Sequence
@@ -116,6 +117,16 @@ def test_fresh_span_of_several_chunks_matches_transformers(num_groups: int) -> N
         expected = pair.theirs(x[None])[0]
     got = _run(pair.ours, x, [StateSpan(slot=3, row_start=0, num_rows=29, fresh=True)], _slots(pair.ours))
     torch.testing.assert_close(got, expected, **TOL)
+
+
+@pytest.mark.parametrize("chunk_size", [1, 5, 64])
+def test_chunk_size_changes_only_the_rounding(chunk_size: int) -> None:
+    pair = _pair(2)
+    x = _inputs(29, 1)
+    other = Mamba2Mixer(dataclasses.replace(pair.ours.config, chunk_size=chunk_size))
+    other.load_state_dict(pair.ours.state_dict())
+    got = _run(other, x, [StateSpan(slot=0, row_start=0, num_rows=29, fresh=True)], _slots(other))
+    torch.testing.assert_close(got, _whole(2, 29, 1), **TOL)
 
 
 @pytest.mark.parametrize("num_groups", [1, 2])
