@@ -28,24 +28,24 @@ def recurrent_step(
     v: torch.Tensor,  # [B, H, dv]
     g: torch.Tensor,  # [B, H] log decay (<= 0)
     beta: torch.Tensor,  # [B, H]
-    state: torch.Tensor,  # [B, H, dk, dv]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token of each of B sequences → (outputs `[B, H, dv]`, new states `[B, H, dk, dv]`).
+    state: torch.Tensor,  # [B, H, dk, dv] contiguous, updated in place
+) -> torch.Tensor:
+    """One token of each of B sequences → outputs `[B, H, dv]`; `state` becomes the states
+    after it (pass a copy: the mixer's gathered one).
 
-    The states are read once (k and q against the old state in one product) and written once (the
-    decayed state plus the rank-one update): decode is bound by the states' bytes (2 MiB a
-    sequence and layer at Qwen3.5-9B's shape), so passes over them are what it costs.
+    Decode is bound by the states' bytes (2 MiB a sequence and layer at Qwen3.5-9B's shape), so
+    the step costs its passes over them: one read (k and q against the old state in one product)
+    and two in-place updates (the decay, then the rank-one write), no new state tensor.
     """
     batch, heads, dk, dv = state.shape
     a = g.exp()[..., None]  # [B, H, 1]
     read = torch.matmul(torch.stack((k, q), dim=-2), state)  # [B, H, 2, dv]: k^T S, q^T S
     delta = (v - a * read[..., 0, :]) * beta[..., None]  # [B, H, dv]
-    new = state * a[..., None]  # [B, H, dk, dv]
-    flat = new.view(batch * heads, dk, dv)
-    flat.baddbmm_(k.reshape(batch * heads, dk, 1), delta.reshape(batch * heads, 1, dv))
+    state.mul_(a[..., None])
+    state.view(batch * heads, dk, dv).baddbmm_(k.reshape(-1, dk, 1), delta.reshape(-1, 1, dv))
     # o = S_new^T q = a (S^T q) + (q . k) delta, without reading the new state again
-    out = a * read[..., 1, :] + (q * k).sum(-1, keepdim=True) * delta  # [B, H, dv]
-    return out, new
+    out: torch.Tensor = a * read[..., 1, :] + (q * k).sum(-1, keepdim=True) * delta  # [B, H, dv]
+    return out
 
 
 def chunk_rule(

@@ -149,8 +149,7 @@ class GatedDeltaNet(nn.Module):
             window = torch.cat((conv_in, mixed[rows][:, None]), dim=1)  # [B, K, conv_dim]
             conv_out = F.silu((window * weight).sum(1))  # [B, conv_dim]
             q, k, v = self._heads(conv_out)
-            out, state = recurrent_step(q, k, v, g[rows], beta[rows], state)
-            core[rows] = out
+            core[rows] = recurrent_step(q, k, v, g[rows], beta[rows], state)  # state updated
             for j, i in enumerate(decodes):
                 new_states[i] = (window[j, 1:], state[j])
 
