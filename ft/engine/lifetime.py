@@ -23,11 +23,12 @@ from ft.actors.fair_limiter import FairLimiter
 from ft.actors.runner import RunnerActor
 from ft.actors.scheduler import SchedulerActor
 from ft.actors.tokenizer import TokenizerActor
-from ft.config import EngineConfig, resolve_pooling
+from ft.config import RECURRENT_REFUSAL, EngineConfig, resolve_pooling
 from ft.core.batch import Runner
 from ft.core.kv import PagePool
 from ft.core.prompt_cache import PageIO, PromptCache, cache_identity, lock_directory
 from ft.core.scheduler import Scheduler
+from ft.core.state import StatePool
 from ft.engine.grammars import Grammars
 from ft.engine.loading import ModelParts, load_torch_model
 from ft.engine.observe import log_summaries, stamp_tokens
@@ -212,6 +213,8 @@ async def _load_and_start(
     hooks = engine.hooks
     parts = await trio.to_thread.run_sync(load, cfg)
     engine._close_model = parts.close
+    if parts.num_state_slots:
+        check_recurrent(cfg)
     engine.load_progress = 0.9
     spec = parts.tokenizer
     engine.max_model_len = min(cfg.max_model_len or spec.context_length, spec.context_length)
@@ -258,6 +261,7 @@ async def _load_and_start(
         score_cost=parts.score_cost,
         disk=engine.prompt_cache,
         disk_min_tokens=cfg.prompt_cache_min_tokens,
+        states=StatePool(parts.num_state_slots, cfg.max_running_requests) if parts.num_state_slots else None,
     )
     # Unbounded inboxes, each bounded by what feeds it: every live request posts one
     # Tokenize and O(1) scheduler commands; one StepDone and one detokenizer tuple per step.
@@ -349,6 +353,19 @@ async def _load_and_start(
     engine.load_progress = 1.0
     if engine.state == EngineState.LOADING:  # a drain that began while loading stands
         engine.state = EngineState.READY
+
+
+def check_recurrent(cfg: EngineConfig) -> None:
+    """Refuse what a model with recurrent layers cannot run with (`ft.model.plan` refuses the
+    same for a model file before its weights load; this holds for any model).
+
+    Raises:
+        ValueError: speculative decoding or the prompt cache's disk tier was asked for.
+    """
+    if cfg.speculative_method is not None:
+        raise ValueError(f"{RECURRENT_REFUSAL}: speculative decoding (--speculative-method)")
+    if cfg.prompt_cache_dir is not None:
+        raise ValueError(f"{RECURRENT_REFUSAL}: the prompt cache's disk tier (--prompt-cache-dir)")
 
 
 def open_prompt_cache(cfg: EngineConfig, parts: ModelParts, runner: Runner, lock_fd: int) -> PromptCache:
