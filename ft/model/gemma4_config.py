@@ -90,9 +90,10 @@ class Gemma4Config(LlamaConfig):
                 not 0 <= source <= i
                 or self.kv_sources[source] != source
                 or self.is_sliding(source) != self.is_sliding(i)
+                or (self.layer_head_dims[source], self.layer_kv_heads[source]) != (head_dim, kv_heads)
             ):
                 raise ValueError(
-                    f"Gemma 4 layer {i}: its KV source {source} is not an earlier layer of its type"
+                    f"Gemma 4 layer {i}: its KV source {source} is not an earlier layer of its type and shape"
                 )
         if self.per_layer_input_size < 0 or (self.per_layer_input_size and self.per_layer_vocab_size < 1):
             raise ValueError("Gemma 4: per-layer embeddings need a positive width and vocabulary")

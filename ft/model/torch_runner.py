@@ -104,13 +104,13 @@ class TorchRunner:
         self.classifier = loaded.classifier.to(self.device) if loaded.classifier is not None else None
         c = loaded.config
         self.kv_dtype: kernels.KVDtype = kv_dtype or dtype
-        self.kv_shapes = c.kv_shapes  # the layers that store KV (`ft.model.kv_layout`)
+        shapes = c.kv_shapes  # the layers that store KV (`ft.model.kv_layout`)
         if ranks is not None:
-            if not kv_layout.is_uniform(self.kv_shapes):
+            if not kv_layout.is_uniform(shapes):
                 raise ValueError(f"{c.architecture}'s layers of different KV shapes run in one process")
-            self.kv_shapes = ((local_config(c, ranks.shard).num_kv_heads, c.head_dim),) * c.num_layers
+            shapes = ((local_config(c, ranks.shard).num_kv_heads, c.head_dim),) * c.num_layers
         _, storage = kernels.kv_cache_layout(self.kv_dtype, c.head_dim)  # raises for q8_0 on odd heads
-        shape = kv_layout.cache_shape(self.kv_shapes, num_pages * page_size, self.kv_dtype)
+        shape = kv_layout.cache_shape(shapes, num_pages * page_size, self.kv_dtype)
         if self.device.type == "cpu":
             self.k_cache = lazy_zeros(shape, storage)
             self.v_cache = lazy_zeros(shape, storage)
