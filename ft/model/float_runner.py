@@ -10,9 +10,11 @@ import torch.utils.mkldnn
 
 from ft.config import Q8_0_KV_PATH, QUANTIZATIONS
 from ft.core.batch import SeqWork
-from ft.model import kernels
+from ft.model import gemma4, kernels
+from ft.model.architectures import by_name
 from ft.model.attention import SeqSpan, build_metadata
-from ft.model.llama import build_model
+from ft.model.gemma4_config import Gemma4Config
+from ft.model.llama import LlamaForCausalLM, build_model
 from ft.model.loader import LoadedModel
 from ft.model.parallel.group import RankGroup
 from ft.model.parallel.shard import build_rank_model
@@ -59,9 +61,10 @@ def quantize_linears(model: torch.nn.Module) -> None:
 
 
 class FloatRunner(TorchRunner):
-    """Steps through a torch `LlamaForCausalLM` on `device` (the CPU or CUDA, eager), in
-    `dtype`, or with fbgemm's int8 linears (`quantize`, CPU only). Under tensor parallelism it
-    holds one rank's shard and its lm_head's logits are gathered over the ranks."""
+    """Steps through a torch `LlamaForCausalLM` (Gemma 4: `gemma4.Gemma4ForCausalLM`, in one
+    process) on `device` (the CPU or CUDA, eager), in `dtype`, or with fbgemm's int8 linears
+    (`quantize`, CPU only). Under tensor parallelism it holds one rank's shard and its
+    lm_head's logits are gathered over the ranks."""
 
     def __init__(
         self,
@@ -91,7 +94,13 @@ class FloatRunner(TorchRunner):
             ranks=ranks,
         )
         on_cpu = self.device.type == "cpu"
-        if ranks is None:
+        self.model: LlamaForCausalLM | gemma4.Gemma4ForCausalLM
+        if by_name(self.config.architecture).decoder == "gemma4":
+            if ranks is not None:
+                raise ValueError("Gemma 4 runs in one process (no tensor parallelism yet)")
+            assert isinstance(self.config, Gemma4Config)
+            self.model = gemma4.build_model(self.config, loaded.state_dict, dtype, device=self.device)  # type: ignore[arg-type]
+        elif ranks is None:
             self.model = build_model(self.config, loaded.state_dict, dtype, device=self.device)  # type: ignore[arg-type]
         else:
             self.model = build_rank_model(self.config, loaded.state_dict, dtype, ranks)  # type: ignore[arg-type]

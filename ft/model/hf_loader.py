@@ -17,6 +17,11 @@ from ft.model.rerank import RankFormat
 from ft.tokenizer.spec import TokenizerSpec, tokenizer_json_of
 
 GENERATION_KEYS = ("temperature", "top_p", "top_k", "repetition_penalty")
+# a multimodal checkpoint's weights that are not its text model's own names
+MULTIMODAL_PREFIXES = (
+    "model.language_model.", "model.vision", "model.multi_modal", "model.audio", "model.embed_vision",
+    "model.embed_audio",
+)  # fmt: skip
 
 
 def _read_json(path: pathlib.Path) -> dict[str, Any]:
@@ -94,12 +99,10 @@ def hf_state_dict(
 
 
 def _text_weight(key: str, prefixes: tuple[tuple[str, str], ...]) -> str | None:
-    """A multimodal checkpoint's weight under its text model's name, or None (the vision tower,
-    the projector: not run). A checkpoint of the text model alone keeps its names."""
-    if key.startswith("model.") and not key.startswith(
-        ("model.language_model.", "model.vision", "model.multi_modal")
-    ):
-        return key  # Gemma3ForCausalLM's own
+    """A multimodal checkpoint's weight under its text model's name, or None (the vision and
+    audio towers, their projectors: not run). A checkpoint of the text model alone keeps its names."""
+    if key.startswith("model.") and not key.startswith(MULTIMODAL_PREFIXES):
+        return key  # Gemma3ForCausalLM's (Gemma4ForCausalLM's) own
     for old, new in prefixes:
         if key.startswith(old):
             return new + key.removeprefix(old)

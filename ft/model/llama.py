@@ -180,6 +180,12 @@ class LlamaConfig:
         return self.num_kv_heads * self.head_dim
 
     @property
+    def kv_shapes(self) -> tuple[tuple[int, int], ...]:
+        """`(kv_heads, head_dim)` of each layer that stores keys and values, in layer order
+        (`ft.model.kv_layout`): every layer, of one shape (Gemma 4's differ)."""
+        return ((self.num_kv_heads, self.head_dim),) * self.num_layers
+
+    @property
     def score_cost(self) -> float:
         """What scoring a position (its row through the lm_head, for prompt logprobs) costs beside
         feeding a token through the layers, in multiply-adds: 0.27 on the default model."""
@@ -210,6 +216,10 @@ class LlamaConfig:
         from ft.model.architectures import by_hf
 
         arch = by_hf(cfg)
+        if arch.decoder == "gemma4":
+            from ft.model.gemma4_config import gemma4_config
+
+            return gemma4_config(cfg)
         if arch.gemma:
             return cls._from_hf_gemma(cfg)
         if cfg.get("use_sliding_window"):

@@ -288,6 +288,8 @@ def plan(config: EngineConfig, header: ModelHeader, draft: ModelHeader | None = 
         kv_dtype = dtype
 
     # Ranks.
+    if world > 1 and header.family.decoder != "llama":
+        raise ConfigError(f"--tensor-parallel-size {world}: {header.family.name} runs in one process")
     if world > 1:
         try:
             check_shardable(c, world)
@@ -301,6 +303,8 @@ def plan(config: EngineConfig, header: ModelHeader, draft: ModelHeader | None = 
             reasons.append("eager: tensor-parallel steps' all_reduce calls are not captured")
         elif c.num_experts:
             reasons.append("eager: expert layers size their work from the routing (a host sync)")
+        elif header.family.decoder != "llama":
+            reasons.append(f"eager: {header.family.name}'s decode steps are not captured in graphs")
         else:
             cuda_graphs = True
 

@@ -13,6 +13,7 @@ from typing import Literal
 import torch
 
 from ft.model import kernels
+from ft.model.architectures import by_name
 from ft.model.loader import LoadedModel
 from ft.model.parallel.group import RankGroup
 from ft.model.quant import QuantTensor
@@ -40,6 +41,7 @@ def runner_kind(
         and world == 1
         and quantize is None
         and not loaded.config.num_experts
+        and by_name(loaded.config.architecture).decoder == "llama"
     ):
         return "graphed"
     return "float"

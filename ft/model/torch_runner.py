@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from ft.core.batch import Heartbeat, PoolSum, RowsFailed, Scored, SeqWork, StepOutput
-from ft.model import kernels
+from ft.model import kernels, kv_layout
 from ft.model.llama import LlamaConfig
 from ft.model.loader import LoadedModel
 from ft.model.masks import StepMasks
@@ -57,7 +57,8 @@ class TorchRunner:
     """What every runner shares: batched steps of a Llama-family model over `num_pages` KV pages
     of `page_size` slots, sampling, prompt scoring, pooling, and the pages in and out.
 
-    The KV cache is two tensors `[num_layers, num_pages * page_size, kv_heads, head_dim]`; the
+    The KV cache is two tensors `[num_layers, num_pages * page_size, kv_heads, head_dim]` (a
+    model whose layers store KV of different shapes: `[1, slots, 1, width]`, `kv_layout`); the
     scheduler owns which pages a sequence uses and passes them in each `SeqWork`. How the
     hidden states of a step are computed is the subclass's (`_hidden`): `PackedRunner` (the
     GGUF's blocks through the native kernels), `FloatRunner` (a torch model) and
@@ -102,10 +103,14 @@ class TorchRunner:
         # A reranker's head, applied to rank-pooled rows (`_pool`); None: the model has none.
         self.classifier = loaded.classifier.to(self.device) if loaded.classifier is not None else None
         c = loaded.config
-        kv_heads = local_config(c, ranks.shard).num_kv_heads if ranks is not None else c.num_kv_heads
         self.kv_dtype: kernels.KVDtype = kv_dtype or dtype
-        last, storage = kernels.kv_cache_layout(self.kv_dtype, c.head_dim)  # raises for q8_0 on odd heads
-        shape = (c.num_layers, num_pages * page_size, kv_heads, last)
+        shapes = c.kv_shapes  # the layers that store KV (`ft.model.kv_layout`)
+        if ranks is not None:
+            if not kv_layout.is_uniform(shapes):
+                raise ValueError(f"{c.architecture}'s layers of different KV shapes run in one process")
+            shapes = ((local_config(c, ranks.shard).num_kv_heads, c.head_dim),) * c.num_layers
+        _, storage = kernels.kv_cache_layout(self.kv_dtype, c.head_dim)  # raises for q8_0 on odd heads
+        shape = kv_layout.cache_shape(shapes, num_pages * page_size, self.kv_dtype)
         if self.device.type == "cpu":
             self.k_cache = lazy_zeros(shape, storage)
             self.v_cache = lazy_zeros(shape, storage)
@@ -128,11 +133,11 @@ class TorchRunner:
 
     @staticmethod
     def bytes_per_page(config: LlamaConfig, page_size: int, dtype: kernels.KVDtype, world: int = 1) -> int:
-        """KV bytes one page takes across all layers (keys and values) on the busiest of `world`
-        ranks (the first ranks take one more kv head when the heads do not divide evenly); a
-        q8_0 head takes 34 bytes per 32 elements (float16: 64)."""
-        kv_heads = -(-config.num_kv_heads // world)
-        return 2 * config.num_layers * page_size * kv_heads * kernels.kv_head_bytes(dtype, config.head_dim)
+        """KV bytes one page takes across the layers that store KV (keys and values; Gemma 4's
+        KV-sharing layers store none) on the busiest of `world` ranks (the first ranks take one
+        more kv head when the heads do not divide evenly); a q8_0 head takes 34 bytes per 32
+        elements (float16: 64)."""
+        return page_size * kv_layout.bytes_per_slot(config.kv_shapes, dtype, world)
 
     @property
     def page_payload_bytes(self) -> int:
