@@ -363,9 +363,9 @@ def check_recurrent(cfg: EngineConfig) -> None:
         ValueError: speculative decoding or the prompt cache's disk tier was asked for.
     """
     if cfg.speculative_method is not None:
-        raise ValueError(f"{RECURRENT_REFUSAL}: speculative decoding (--speculative-method)")
+        raise ValueError(f"speculative decoding (--speculative-method) is {RECURRENT_REFUSAL}")
     if cfg.prompt_cache_dir is not None:
-        raise ValueError(f"{RECURRENT_REFUSAL}: the prompt cache's disk tier (--prompt-cache-dir)")
+        raise ValueError(f"the prompt cache's disk tier (--prompt-cache-dir) is {RECURRENT_REFUSAL}")
 
 
 def open_prompt_cache(cfg: EngineConfig, parts: ModelParts, runner: Runner, lock_fd: int) -> PromptCache:
