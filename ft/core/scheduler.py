@@ -22,7 +22,7 @@ also holds a state slot. Its prefix-cache hits reuse KV only up to a page whose 
 is held (restored into its slot); a prefill chunk that would cross the prompt's last full page
 boundary before its last token is cut there, and the state is snapshotted there after the
 step, so the next turn of a conversation finds it. The other choices of an `n` > 1 request wait
-for choice 0 to get there, then take its state and pages (`_fork`) instead of computing them.
+for choice 0 to get there, then take its state and pages (`state.fork`) instead of computing them.
 
 On a model whose every layer is windowed (`kv_window`), a sequence holds at most
 `window_pages` whatever its length (the pages behind the window go back, and it is given pages
@@ -57,7 +57,7 @@ from ft.core.kv import PagePool, page_hash, partition_root
 from ft.core.ngram import DraftLength, NgramIndex
 from ft.core.sequence import SeqStatus, Sequence
 from ft.core.spec_cost import MAX_RETRY_EVERY, RETRY_EVERY, StepCosts, expected_accepted
-from ft.core.state import StatePool
+from ft.core.state import StatePool, fork, plan_forks, release_slot, state_boundary, take_slot
 from ft.errors import ContextLengthExceeded, InvalidRequest
 from ft.params import SamplingParams, mix_seed
 
@@ -339,38 +339,10 @@ class Scheduler:
             seq.status = SeqStatus.RUNNING
             self.running[seq.seq_id] = seq
             if self.states is not None:
-                self._take_state_slot(seq)
-        if self.states is not None and len(group) > 1:
-            self._plan_forks(group)
+                take_slot(self.states, seq, size)
+        if self.states is not None and len(group) > 1 and not self.kv_window:
+            plan_forks(group, size)
         return True
-
-    def _take_state_slot(self, seq: Sequence) -> None:
-        """Give `seq` (being admitted) a state slot; restore the snapshot its prefix ends at."""
-        assert self.states is not None
-        seq.state_slot = self.states.allocate()
-        if seq.num_computed:  # its matched pages end where a snapshot is held
-            self.states.restore(seq.page_hashes[seq.num_computed // self.pool.page_size - 1], seq.state_slot)
-
-    def _state_boundary(self, seq: Sequence) -> int:
-        """Where `seq`'s state is snapshotted and the other choices of its request fork from it:
-        the prompt's last full-page boundary before its last token (0: none). The next turn of
-        a conversation extends the prompt, and a request sent again recomputes its last token."""
-        size = self.pool.page_size
-        return (len(seq.prompt_ids) - 1) // size * size
-
-    def _plan_forks(self, group: list[Sequence]) -> None:
-        """Choices 1.. of a request on a hybrid wait for choice 0 to compute their shared
-        prompt up to its state boundary, then take its state and pages there (`_fork`). Not
-        with prompt logprobs (each choice scores its own copy), pooling or windows."""
-        parent = group[0]
-        boundary = self._state_boundary(parent)
-        if parent.num_computed >= boundary or self.kv_window:
-            return
-        if parent.wants_prompt_scores or parent.is_pooling:
-            return
-        for child in group[1:]:
-            if child.num_computed < boundary:
-                child.fork_from = parent.seq_id
 
     def _is_forking(self, seq: Sequence) -> bool:
         """Whether `seq` waits to fork from another choice (which is still running)."""
@@ -378,24 +350,10 @@ class Scheduler:
             seq.fork_from = None  # (defensive: the group is preempted and aborted as one)
         return seq.fork_from is not None
 
-    def _fork(self, child: Sequence, parent: Sequence, boundary: int) -> None:
-        """`child` takes `parent`'s state and its prompt's pages up to `boundary` (full pages,
-        never written again, now held by both); its own pages there go back."""
-        assert self.states is not None
-        size = self.pool.page_size
-        first, n = child.num_computed // size, boundary // size
-        shared = parent.page_ids[first:n]
-        self.pool.share(shared)
-        self.pool.release(child.page_ids[first:n])
-        child.page_ids[first:n] = shared
-        child.num_computed = boundary
-        child.fork_from = None
-        self.states.fork(parent.state_slot, child.state_slot)
-
     def _at_state_boundary(self, seq: Sequence) -> None:
         """After a step that ended at `seq`'s state boundary: snapshot its state there (the next
         batch copies it before its works advance it), and fork the choices waiting for it."""
-        boundary = self._state_boundary(seq)
+        boundary = state_boundary(seq, self.pool.page_size)
         if not boundary or seq.num_computed != boundary:
             return
         assert self.states is not None
@@ -403,12 +361,12 @@ class Scheduler:
         if self.enable_prefix_caching:
             self.states.snapshot(seq.state_slot, self._page_hashes(seq, n)[n - 1])
         for child in [s for s in self.running.values() if s.fork_from == seq.seq_id]:
-            self._fork(child, seq, boundary)
+            fork(child, seq, boundary, self.pool, self.states)
 
     def _state_cut(self, seq: Sequence) -> float:
         """The most tokens `seq`'s next prefill chunk may feed: up to its state boundary when
         the chunk would cross it and a snapshot or a fork is taken there (else no limit)."""
-        boundary = self._state_boundary(seq)
+        boundary = state_boundary(seq, self.pool.page_size)
         if self.states is None or seq.num_computed >= boundary:
             return float("inf")
         if self.enable_prefix_caching or any(s.fork_from == seq.seq_id for s in self.running.values()):
@@ -553,7 +511,8 @@ class Scheduler:
             seq.num_lost = max(seq.num_lost, seq.num_computed)
             seq.num_computed = seq.num_registered = 0
             seq.num_draft_computed, seq.catching_up, seq.num_passed_over = 0, False, 0
-            self._release_state_slot(seq)
+            if self.states is not None:
+                release_slot(self.states, seq)
             seq.num_preemptions += 1
             seq.status = SeqStatus.PREEMPTED
         if group:
@@ -597,12 +556,8 @@ class Scheduler:
         del self.running[seq.seq_id]
         self.pool.release(seq.page_ids[seq.num_dropped :])
         seq.page_ids, seq.num_dropped = [], 0
-        self._release_state_slot(seq)
-
-    def _release_state_slot(self, seq: Sequence) -> None:
-        if self.states is not None and seq.state_slot >= 0:
-            self.states.release(seq.state_slot)
-        seq.state_slot, seq.fork_from = -1, None
+        if self.states is not None:
+            release_slot(self.states, seq)
 
     # --- stepping ----------------------------------------------------------------------------
 

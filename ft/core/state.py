@@ -22,9 +22,11 @@ and a fresh sequence's work ignores what its slot held (`SeqWork.state_slot`).
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Sequence as Seq
 
 from ft.core.batch import StateCopy
+from ft.core.kv import PagePool
+from ft.core.sequence import Sequence
 
 
 class StatePool:
@@ -71,7 +73,7 @@ class StatePool:
         assert 0 <= slot < self.num_slots and slot not in self._free, f"state slot {slot} released twice"
         self._free.append(slot)
 
-    def longest_snapshot(self, hashes: Sequence[int]) -> int:
+    def longest_snapshot(self, hashes: Seq[int]) -> int:
         """The most leading pages of `hashes` (a sequence's chain) that end where a snapshot
         was taken: the KV a hybrid can reuse (0: none)."""
         for n in range(len(hashes), 0, -1):
@@ -119,3 +121,54 @@ class StatePool:
         _, slot = self._snapshots.popitem(last=False)
         self._free.append(slot)
         self.num_evicted += 1
+
+
+# --- sequences' slots (the scheduler's calls) ----------------------------------------------------
+
+
+def take_slot(states: StatePool, seq: Sequence, page_size: int) -> None:
+    """Give `seq` (being admitted) a slot, and queue the restore of the snapshot its matched
+    prefix ends at (`seq.num_computed` tokens: their pages end where one is held)."""
+    seq.state_slot = states.allocate()
+    if seq.num_computed:
+        states.restore(seq.page_hashes[seq.num_computed // page_size - 1], seq.state_slot)
+
+
+def release_slot(states: StatePool, seq: Sequence) -> None:
+    """`seq`'s slot back (it ended, failed or was preempted), and no fork waits any more."""
+    if seq.state_slot >= 0:
+        states.release(seq.state_slot)
+    seq.state_slot, seq.fork_from = -1, None
+
+
+def state_boundary(seq: Sequence, page_size: int) -> int:
+    """Where `seq`'s state is snapshotted and its request's other choices fork from it: the
+    prompt's last full-page boundary before its last token (0: none). The next turn of a
+    conversation extends the prompt; a prompt sent again recomputes its last token."""
+    return (len(seq.prompt_ids) - 1) // page_size * page_size
+
+
+def plan_forks(group: list[Sequence], page_size: int) -> None:
+    """Choices 1.. of a request (just admitted) wait for choice 0 to compute their shared prompt
+    up to its state boundary, then take its state and pages there (`fork`). Not with prompt
+    logprobs (each choice scores its own copy) or pooling."""
+    parent = group[0]
+    boundary = state_boundary(parent, page_size)
+    if parent.num_computed >= boundary or parent.wants_prompt_scores or parent.is_pooling:
+        return
+    for child in group[1:]:
+        if child.num_computed < boundary:
+            child.fork_from = parent.seq_id
+
+
+def fork(child: Sequence, parent: Sequence, boundary: int, pages: PagePool, states: StatePool) -> None:
+    """`child` takes `parent`'s state and its prompt's pages up to `boundary` (full pages, never
+    written again, now held by both); its own pages there go back."""
+    first, n = child.num_computed // pages.page_size, boundary // pages.page_size
+    shared = parent.page_ids[first:n]
+    pages.share(shared)
+    pages.release(child.page_ids[first:n])
+    child.page_ids[first:n] = shared
+    child.num_computed = boundary
+    child.fork_from = None
+    states.fork(parent.state_slot, child.state_slot)

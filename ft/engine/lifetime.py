@@ -223,8 +223,9 @@ async def _load_and_start(
             f"max_model_len {cfg.max_model_len} exceeds the model's context {spec.context_length}"
         )
     engine.kv_page_bytes = parts.bytes_per_page(cfg.page_size)
+    engine.state_slot_bytes = parts.state_slot_bytes
     engine.model_plan = parts.plan
-    num_pages = cfg.num_pages or max(2, cfg.kv_cache_memory // engine.kv_page_bytes)
+    num_pages = cfg.num_pages or kv_budget_pages(cfg, parts, engine.kv_page_bytes)
     runner = await trio.to_thread.run_sync(parts.make_runner, num_pages, cfg.page_size)
     engine.kv_cache_bytes = num_pages * parts.bytes_per_page(cfg.page_size)
     kv_dtype = getattr(runner, "kv_dtype", None)
@@ -355,6 +356,34 @@ async def _load_and_start(
         engine.state = EngineState.READY
 
 
+def kv_budget_pages(cfg: EngineConfig, parts: ModelParts, page_bytes: int) -> int:
+    """The KV pages `--kv-cache-memory` holds once a hybrid model's recurrent state slots (one
+    per running sequence and the snapshots', `ModelParts.num_state_slots`) are taken out of it.
+
+    Raises:
+        ValueError: the budget cannot hold the slots and two pages.
+    """
+    state_bytes = parts.num_state_slots * parts.state_slot_bytes
+    if not state_bytes:
+        return max(2, cfg.kv_cache_memory // page_bytes)
+    if cfg.kv_cache_memory - state_bytes < 2 * page_bytes:
+        raise ValueError(
+            f"--kv-cache-memory {cfg.kv_cache_memory} bytes cannot hold the recurrent state: "
+            f"{parts.num_state_slots} slots (--max-running-requests {cfg.max_running_requests} + "
+            f"--state-snapshots {cfg.state_snapshots}) of {parts.state_slot_bytes} bytes take "
+            f"{state_bytes} bytes, and two KV pages {2 * page_bytes} more"
+        )
+    pages = (cfg.kv_cache_memory - state_bytes) // page_bytes
+    log.info(
+        "recurrent state: %d slots of %d bytes (%d MiB) out of the KV budget; %d KV pages",
+        parts.num_state_slots,
+        parts.state_slot_bytes,
+        state_bytes >> 20,
+        pages,
+    )
+    return pages
+
+
 def check_recurrent(cfg: EngineConfig) -> None:
     """Refuse what a model with recurrent layers cannot run with (`ft.model.plan` refuses the
     same for a model file before its weights load; this holds for any model).
@@ -363,9 +392,9 @@ def check_recurrent(cfg: EngineConfig) -> None:
         ValueError: speculative decoding or the prompt cache's disk tier was asked for.
     """
     if cfg.speculative_method is not None:
-        raise ValueError(f"{RECURRENT_REFUSAL}: speculative decoding (--speculative-method)")
+        raise ValueError(f"speculative decoding (--speculative-method) is {RECURRENT_REFUSAL}")
     if cfg.prompt_cache_dir is not None:
-        raise ValueError(f"{RECURRENT_REFUSAL}: the prompt cache's disk tier (--prompt-cache-dir)")
+        raise ValueError(f"the prompt cache's disk tier (--prompt-cache-dir) is {RECURRENT_REFUSAL}")
 
 
 def open_prompt_cache(cfg: EngineConfig, parts: ModelParts, runner: Runner, lock_fd: int) -> PromptCache:

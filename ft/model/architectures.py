@@ -125,6 +125,10 @@ class Architecture:
     every family but one) or "gemma4" (`ft.model.gemma4`: layers of their own head sizes, KV
     shared across layers, per-layer embeddings; float weights, one process, eager);
     `gguf_refusal`, when set, is why its GGUFs do not load (said at load).
+    `mixer` names the recurrent mixer of a hybrid family's non-attention layers
+    (`ft.model.hybrid.MIXERS`; its `config.json` is read by `hybrid.HF_CONFIGS`), None for a
+    family that only attends; `hf_weight_renames` are the (old, new) parts of its Hugging Face
+    weight names renamed at load to the Llama family's (`mlp.gate_proj`, `self_attn.o_proj`, ...).
     """
 
     name: str
@@ -160,6 +164,14 @@ class Architecture:
     gguf_converter_losses: tuple[ConverterLoss, ...] = ()
     decoder: str = "llama"
     gguf_refusal: str = ""
+    mixer: str | None = None
+    hf_weight_renames: tuple[tuple[str, str], ...] = ()
+
+    def hf_weight_name(self, name: str) -> str:
+        """A Hugging Face weight's name as the loader files it (`hf_weight_renames` applied)."""
+        for old, new in self.hf_weight_renames:
+            name = name.replace(old, new)
+        return name
 
     @property
     def gguf_layer_names(self) -> dict[str, str]:
@@ -349,9 +361,32 @@ GRANITE = Architecture(
     tool_call_parser="granite",
 )
 
+# LFM2: short convolutions (a recurrent state per sequence, `ft.model.short_conv`) and, between
+# them, attention layers with per-head q/k RMSNorm; safetensors only (its GGUFs are refused).
+LFM2 = Architecture(
+    name="lfm2",
+    hf_model_types=("lfm2",),
+    hf_architectures=("Lfm2ForCausalLM",),
+    gguf_names=(),
+    qk_norm=True,
+    packed=False,
+    mixer="short_conv",
+    hf_weight_renames=(
+        (".self_attn.out_proj.", ".self_attn.o_proj."),
+        (".self_attn.q_layernorm.", ".self_attn.q_norm."),
+        (".self_attn.k_layernorm.", ".self_attn.k_norm."),
+        (".feed_forward.w1.", ".mlp.gate_proj."),
+        (".feed_forward.w3.", ".mlp.up_proj."),
+        (".feed_forward.w2.", ".mlp.down_proj."),
+        (".operator_norm.", ".input_layernorm."),
+        (".ffn_norm.", ".post_attention_layernorm."),
+        ("model.embedding_norm.", "model.norm."),  # (the final norm, after the last layer)
+    ),
+)
+
 ARCHITECTURES: tuple[Architecture, ...] = (
     LLAMA, MISTRAL, QWEN2, QWEN3, QWEN3_MOE, MIXTRAL, OLMOE, GEMMA2, GEMMA3, GEMMA4, PHI3, SMOLLM3,
-    GRANITE,
+    GRANITE, LFM2,
 )  # fmt: skip
 
 

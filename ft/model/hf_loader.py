@@ -86,7 +86,8 @@ def hf_state_dict(
         files = sorted(p.name for p in directory.glob("*.safetensors"))
     if not files:
         raise ValueError(f"{directory} has no *.safetensors files")
-    prefixes = by_hf(_read_json(directory / "config.json")).hf_weight_prefixes
+    family = by_hf(_read_json(directory / "config.json"))
+    prefixes = family.hf_weight_prefixes
     sd: dict[str, torch.Tensor] = {}
     for i, name in enumerate(files):
         if progress is not None:
@@ -94,7 +95,7 @@ def hf_state_dict(
         for key, tensor in load_file(str(directory / name)).items():
             text_key = _text_weight(key, prefixes) if prefixes else key
             if text_key is not None:
-                sd[text_key] = tensor.to(dtype)
+                sd[family.hf_weight_name(text_key)] = tensor.to(dtype)
     return sd
 
 
