@@ -1,5 +1,5 @@
-"""Hybrid decoders: attention layers and recurrent layers in one stack (LFM2; later Qwen3.5's
-Gated DeltaNet and Granite 4.0-H's Mamba-2).
+"""Hybrid decoders: attention layers and recurrent layers in one stack (LFM2's short
+convolutions, Granite 4.0-H's Mamba-2; later Qwen3.5's Gated DeltaNet).
 
 Each layer's kind is `LlamaConfig.layer_types[i]`: "attention" is the Llama-family
 `DecoderLayer` (its past in the KV pages), any other names a row of `MIXERS`, a recurrent
@@ -10,14 +10,15 @@ step's spans; the model returns the new states and the runner writes them once t
 has succeeded.
 
 Adding a mixer is one `MixerKind` row: its layer-kind name, how to build it from the config
-(its own settings are `LlamaConfig` fields) and its module's name in Hugging Face checkpoints.
+(its own settings are `LlamaConfig` fields), its module's name in Hugging Face checkpoints and,
+where the checkpoint's names or forms are not the module's, how its weights convert.
 A family whose `config.json` lists its layers its own way adds its parser to `HF_CONFIGS`.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
@@ -25,7 +26,9 @@ import torch
 from torch import nn
 
 from ft.model.attention import AttentionMetadata
+from ft.model.granite_hybrid import granite_hybrid_config
 from ft.model.llama import ATTENTION, DecoderLayer, LlamaConfig, LlamaForCausalLM, Reduce
+from ft.model.mamba2 import Mamba2Mixer, mamba2_weights_from_hf
 from ft.model.recurrent import RecurrentMixer, StateSpan
 from ft.model.short_conv import ShortConv
 
@@ -34,24 +37,36 @@ if TYPE_CHECKING:
     from ft.model.architectures import Architecture
 
 StateList = list[tuple[torch.Tensor, ...]]  # one entry per span: a layer's state tensors after it
+# (a checkpoint's tensors, the mixer's prefix in it) -> the mixer's state dict
+HFWeights = Callable[[Mapping[str, torch.Tensor], str], dict[str, torch.Tensor]]
 
 
 @dataclass(frozen=True, slots=True)
 class MixerKind:
     """One kind of recurrent layer: its name in `LlamaConfig.layer_types`, how its mixer is
     built (`build(config, layer index)`, an `nn.Module` that is a `RecurrentMixer`), and the
-    name of its module under `model.layers.N.` in Hugging Face checkpoints (its weights keep
-    their names below it: `model.layers.N.<hf_module>.X` is the mixer's `X`)."""
+    name of its module under `model.layers.N.` in Hugging Face checkpoints. `hf_weights` maps
+    the checkpoint's tensors under `model.layers.N.<hf_module>.` to the mixer's state dict
+    (None: they keep their names below it, `model.layers.N.<hf_module>.X` is the mixer's `X`)."""
 
     name: str
     build: Callable[[LlamaConfig, int], nn.Module]
     hf_module: str
+    hf_weights: HFWeights | None = None
+
+
+def _mamba2(config: LlamaConfig, index: int) -> nn.Module:
+    """Granite 4.0-H's Mamba-2 mixer, of the shapes `config.mamba` holds."""
+    if config.mamba is None:
+        raise ValueError(f"layer {index} is a Mamba-2 layer, but the config has no Mamba-2 shapes")
+    return Mamba2Mixer(config.mamba)
 
 
 MIXERS: dict[str, MixerKind] = {
     kind.name: kind
     for kind in (
         MixerKind("short_conv", ShortConv, "conv"),  # LFM2
+        MixerKind("mamba2", _mamba2, "mamba", mamba2_weights_from_hf),  # Granite 4.0-H
     )
 }
 
@@ -138,9 +153,13 @@ def _mixer(module: object) -> RecurrentMixer:
 def mixer_weights(config: LlamaConfig, sd: dict[str, torch.Tensor], layer: int) -> dict[str, torch.Tensor]:
     """Recurrent layer `layer`'s mixer weights from a Hugging Face state dict, under the fused
     layout's names (`layers.N.mixer.X`)."""
-    prefix = f"model.layers.{layer}.{MIXERS[config.layer_types[layer]].hf_module}."
-    out = f"layers.{layer}.mixer."
-    return {out + k.removeprefix(prefix): w for k, w in sd.items() if k.startswith(prefix)}
+    kind = MIXERS[config.layer_types[layer]]
+    prefix = f"model.layers.{layer}.{kind.hf_module}."
+    if kind.hf_weights is not None:
+        weights = kind.hf_weights(sd, prefix)
+    else:
+        weights = {k.removeprefix(prefix): w for k, w in sd.items() if k.startswith(prefix)}
+    return {f"layers.{layer}.mixer.{k}": w for k, w in weights.items()}
 
 
 def state_shapes(config: LlamaConfig) -> list[tuple[tuple[int, ...], ...]]:
@@ -220,4 +239,7 @@ def _lfm2_config(arch: Architecture, cfg: dict[str, Any]) -> LlamaConfig:
     )
 
 
-HF_CONFIGS: dict[str, Callable[[Architecture, dict[str, Any]], LlamaConfig]] = {"lfm2": _lfm2_config}
+HF_CONFIGS: dict[str, Callable[[Architecture, dict[str, Any]], LlamaConfig]] = {
+    "lfm2": _lfm2_config,
+    "granite_hybrid": granite_hybrid_config,
+}
