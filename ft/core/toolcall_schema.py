@@ -1,0 +1,145 @@
+"""Typing a tool call's raw parameter values by the tool's JSON schema.
+
+Formats that write arguments as text (Qwen3-Coder's and Qwen3.5's XML: `<parameter=days>\\n3\\n
+</parameter>`) say nothing of types: `3` is a number only because the tool's schema says the
+parameter is one. `ToolSchemas` looks a parameter's schema up among the request's tools, and
+`typed_value` reads the text as that type, as vLLM's `qwen3_coder` parser does: a string stays
+the text; an integer, number or boolean is read as one; an object or array as JSON (or, failing
+that, as a Python literal, which models sometimes write: `{'a': 1}`); whatever does not read as
+its type stays the text (vLLM does too, except a boolean, which it makes `false`). `null` is
+None unless the parameter can only be a string. A parameter the schema does not describe, or
+one with no type, is a string.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import math
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from ft.core.toolcall_events import load_json
+from ft.params import has_lone_surrogate
+
+# A type's spellings in tool schemas (vLLM reads these; the Qwen3-Coder template shows the type
+# to the model as written), each by its prefix or whole name.
+_KIND_PREFIXES: tuple[tuple[str, str], ...] = (
+    ("int", "integer"), ("uint", "integer"), ("long", "integer"), ("short", "integer"),
+    ("unsigned", "integer"), ("num", "number"), ("float", "number"), ("double", "number"),
+    ("bool", "boolean"), ("binary", "boolean"), ("dict", "object"), ("object", "object"),
+    ("list", "array"), ("arr", "array"), ("null", "null"),
+)  # fmt: skip
+_JSON_KINDS = {bool: "boolean", int: "integer", float: "number", str: "string", dict: "object", list: "array"}
+_INTEGER = re.compile(r"[-+]?[0-9]+")
+MAX_SCHEMA_DEPTH = 4  # anyOf / oneOf read this deep for the types a parameter may take
+MAX_LITERAL_CHARS = 1 << 16  # a longer value is not tried as a Python literal (only as JSON)
+
+
+class ToolSchemas:
+    """The parameter schemas of a request's tools (OpenAI's function shape), by function name."""
+
+    def __init__(self, tools: Sequence[Mapping[str, Any]] = ()) -> None:
+        self._properties: dict[str, Mapping[str, Any]] = {}
+        for tool in tools:
+            function = tool.get("function")
+            if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
+                continue
+            params = function.get("parameters")
+            props = params.get("properties") if isinstance(params, Mapping) else None
+            self._properties.setdefault(function["name"], props if isinstance(props, Mapping) else {})
+
+    def parameter(self, function: str, name: str) -> object:
+        """The schema of parameter `name` of `function` (None when no tool describes it)."""
+        return self._properties.get(function, {}).get(name)
+
+
+def kinds_of(schema: object, depth: int = 0) -> list[str]:
+    """The JSON types `schema` allows, in its order: its `type`, its `anyOf` / `oneOf`
+    members' types, the types of its `enum` / `const` values; [] when it says none."""
+    if not isinstance(schema, Mapping) or depth > MAX_SCHEMA_DEPTH:
+        return []
+    declared = schema.get("type")
+    names = [declared] if isinstance(declared, str) else declared if isinstance(declared, list) else []
+    kinds = [_kind(n) for n in names if isinstance(n, str)]
+    for key in ("anyOf", "oneOf"):
+        members = schema.get(key)
+        for member in members if isinstance(members, list) else ():
+            kinds += kinds_of(member, depth + 1)
+    values = schema.get("enum")
+    values = list(values) if isinstance(values, list) else []
+    if "const" in schema:
+        values.append(schema["const"])
+    kinds += ["null" if v is None else _JSON_KINDS.get(type(v), "string") for v in values]
+    return list(dict.fromkeys(kinds))
+
+
+def _kind(name: str) -> str:
+    name = name.strip().lower()
+    for prefix, kind in _KIND_PREFIXES:
+        if name.startswith(prefix):
+            return kind
+    return "string"  # string, str, text, varchar, char, enum, and any name not known
+
+
+def typed_value(raw: str, schema: object) -> object:
+    """`raw`, a parameter's text, read as the type `schema` gives it (see the module docstring)."""
+    kinds = kinds_of(schema) or ["string"]
+    text = raw.strip()
+    if text == "null" and kinds != ["string"]:
+        return None
+    for kind in kinds:
+        value = _read(text, kind)
+        if value is not _NOT_READ:
+            return value
+    return raw
+
+
+_NOT_READ = object()
+
+
+def _read(text: str, kind: str) -> object:
+    """`text` as a value of JSON type `kind`, or `_NOT_READ`."""
+    if kind == "integer":
+        if _INTEGER.fullmatch(text):
+            try:
+                return int(text)
+            except ValueError:  # more digits than Python converts
+                return _NOT_READ
+        return _NOT_READ
+    if kind == "number":
+        value = _json(text)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            return value
+        return _NOT_READ
+    if kind == "boolean":
+        lowered = text.lower()
+        return lowered == "true" if lowered in ("true", "false") else _NOT_READ
+    if kind in ("object", "array"):
+        wanted = dict if kind == "object" else list
+        value = _json(text)
+        if value is _NOT_READ and len(text) <= MAX_LITERAL_CHARS:
+            value = _literal(text)
+        return value if isinstance(value, wanted) else _NOT_READ
+    return _NOT_READ  # string: the caller keeps the raw text
+
+
+def _json(text: str) -> object:
+    """`text` as JSON that can be sent back as JSON (finite numbers, no lone surrogates)."""
+    try:
+        value = load_json(text)
+        sent = json.dumps(value, ensure_ascii=False, allow_nan=False)
+    except (ValueError, RecursionError):  # NOTE: deep nesting is model output too
+        return _NOT_READ
+    return _NOT_READ if has_lone_surrogate(sent) else value
+
+
+def _literal(text: str) -> object:
+    """`text` as a Python literal (`{'a': True}`) that is valid JSON once converted."""
+    try:
+        value = ast.literal_eval(text)
+        sent = json.dumps(value, ensure_ascii=False, allow_nan=False)
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        return _NOT_READ
+    return _NOT_READ if has_lone_surrogate(sent) else json.loads(sent)  # tuples become lists
