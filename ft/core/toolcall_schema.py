@@ -41,18 +41,46 @@ class ToolSchemas:
     """The parameter schemas of a request's tools (OpenAI's function shape), by function name."""
 
     def __init__(self, tools: Sequence[Mapping[str, Any]] = ()) -> None:
-        self._properties: dict[str, Mapping[str, Any]] = {}
+        self._parameters: dict[str, Mapping[str, Any]] = {}
         for tool in tools:
             function = tool.get("function")
             if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
                 continue
             params = function.get("parameters")
-            props = params.get("properties") if isinstance(params, Mapping) else None
-            self._properties.setdefault(function["name"], props if isinstance(props, Mapping) else {})
+            self._parameters.setdefault(function["name"], params if isinstance(params, Mapping) else {})
 
     def parameter(self, function: str, name: str) -> object:
         """The schema of parameter `name` of `function` (None when no tool describes it)."""
-        return self._properties.get(function, {}).get(name)
+        return parameter_schema(self._parameters.get(function, {}), name)
+
+
+def properties_of(parameters: object) -> Mapping[str, Any]:
+    """A tool's parameters' `properties` ({} when it has none)."""
+    props = parameters.get("properties") if isinstance(parameters, Mapping) else None
+    return props if isinstance(props, Mapping) else {}
+
+
+def parameter_schema(parameters: object, name: str) -> object:
+    """Parameter `name`'s schema in a tool's `parameters`, a local `$ref` (`#/$defs/...`,
+    as pydantic writes them) resolved once; None when the parameters do not describe it."""
+    schema = properties_of(parameters).get(name)
+    ref = schema.get("$ref") if isinstance(schema, Mapping) else None
+    if isinstance(ref, str) and isinstance(parameters, Mapping):
+        for key in ("$defs", "definitions"):
+            prefix = f"#/{key}/"
+            defs = parameters.get(key)
+            if ref.startswith(prefix) and isinstance(defs, Mapping):
+                target = defs.get(ref[len(prefix) :])
+                if isinstance(target, Mapping):
+                    return target
+    return schema
+
+
+def is_text(schema: object) -> bool:
+    """Whether a parameter of `schema` is written as text (it may be a string, or its schema
+    says no type): else it is written as JSON. The grammar of a forced call writes it so."""
+    kinds = kinds_of(schema)
+    return not kinds or "string" in kinds
 
 
 def kinds_of(schema: object, depth: int = 0) -> list[str]:
