@@ -287,6 +287,19 @@ class Llama3JsonParser:
 TOOL_CALL_PARSERS: tuple[str, ...] = ("hermes", "llama3_json", "phi4_mini_json", "granite", "qwen3_coder")
 
 
+def template_tool_call_parser(chat_template: str | None) -> str | None:
+    """The tool-call format a chat template teaches, where it spells one unmistakably: the
+    `<function=` and `<parameter=` tags of Qwen3-Coder's XML (its template, Qwen3.5's and
+    Qwen3-Next's); else None (the family's format, or hermes, applies).
+
+    NOTE: Qwen3-Coder is a Qwen3-MoE checkpoint, the architecture of the JSON-calling Qwen3
+    models: only its template tells the two apart.
+    """
+    if chat_template is not None and "<function=" in chat_template and "<parameter=" in chat_template:
+        return "qwen3_coder"
+    return None
+
+
 def make_tool_call_parser(
     name: str | None,
     *,

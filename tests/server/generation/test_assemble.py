@@ -114,13 +114,9 @@ def test_chat_message_with_tool_calls_and_reasoning() -> None:
 
 def test_chat_message_with_only_a_call_has_null_content() -> None:
     """A chat message with only a call has null content."""
-    message, reason = ChatAssembler(HERMES).message(
-        Choice(0, text=CALL, finish_reason="stop")
-    )
+    message, reason = ChatAssembler(HERMES).message(Choice(0, text=CALL, finish_reason="stop"))
     assert message["content"] is None and reason == "tool_calls"
-    plain, reason = ChatAssembler(HERMES).message(
-        Choice(0, text="hi", finish_reason="length")
-    )
+    plain, reason = ChatAssembler(HERMES).message(Choice(0, text="hi", finish_reason="length"))
     assert plain == {"role": "assistant", "content": "hi"} and reason == "length"
 
 
@@ -161,9 +157,7 @@ CUT = "Let me check. " + CALL + "\n" + CALL[: len(CALL) // 2]  # the second call
 def test_a_call_cut_by_max_tokens_is_dropped_from_every_shape() -> None:
     """Cut by max_tokens, a call's fragment is never text: chat message and deltas, blocks;
     the complete call before it stays, and the finish reason stays `length`."""
-    message, reason = ChatAssembler(HERMES).message(
-        Choice(0, text=CUT, finish_reason="length")
-    )
+    message, reason = ChatAssembler(HERMES).message(Choice(0, text=CUT, finish_reason="length"))
     assert reason == "length"
     assert message["content"] == "Let me check. " and len(message["tool_calls"]) == 1
     asm = ChatAssembler(HERMES)
