@@ -14,7 +14,7 @@ A parameter's value is raw text (one newline after its tag and one before `</par
 the format's, not the value's), typed by the tool's schema (`ft.core.toolcall_schema`): the
 parser is given the request's tools. A value may hold anything, newlines, `<`, tags, even
 `</parameter>` itself: it ends only at a `</parameter>` followed (after whitespace) by the next
-`<parameter=` or by `</function>`. A call is complete at `</function>` (the `</tool_call>` after
+`<parameter=`, by `</function>` or by `</tool_call>`. A call is complete at `</function>` (the `</tool_call>` after
 it is optional, as is the `<tool_call>` before `<function=`: models drop either), or at a
 `</tool_call>` where a parameter or `</function>` was due.
 
