@@ -21,19 +21,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ft.core.toolcall_events import load_json
+from ft.grammar.tool_parameters import kinds_of, parameter_schema
 from ft.params import has_lone_surrogate
 
-# A type's spellings in tool schemas (vLLM reads these; the Qwen3-Coder template shows the type
-# to the model as written), each by its prefix or whole name.
-_KIND_PREFIXES: tuple[tuple[str, str], ...] = (
-    ("int", "integer"), ("uint", "integer"), ("long", "integer"), ("short", "integer"),
-    ("unsigned", "integer"), ("num", "number"), ("float", "number"), ("double", "number"),
-    ("bool", "boolean"), ("binary", "boolean"), ("dict", "object"), ("object", "object"),
-    ("list", "array"), ("arr", "array"), ("null", "null"),
-)  # fmt: skip
-_JSON_KINDS = {bool: "boolean", int: "integer", float: "number", str: "string", dict: "object", list: "array"}
 _INTEGER = re.compile(r"[-+]?[0-9]+")
-MAX_SCHEMA_DEPTH = 4  # anyOf / oneOf read this deep for the types a parameter may take
 MAX_LITERAL_CHARS = 1 << 16  # a longer value is not tried as a Python literal (only as JSON)
 
 
@@ -52,63 +43,6 @@ class ToolSchemas:
     def parameter(self, function: str, name: str) -> object:
         """The schema of parameter `name` of `function` (None when no tool describes it)."""
         return parameter_schema(self._parameters.get(function, {}), name)
-
-
-def properties_of(parameters: object) -> Mapping[str, Any]:
-    """A tool's parameters' `properties` ({} when it has none)."""
-    props = parameters.get("properties") if isinstance(parameters, Mapping) else None
-    return props if isinstance(props, Mapping) else {}
-
-
-def parameter_schema(parameters: object, name: str) -> object:
-    """Parameter `name`'s schema in a tool's `parameters`, a local `$ref` (`#/$defs/...`,
-    as pydantic writes them) resolved once; None when the parameters do not describe it."""
-    schema = properties_of(parameters).get(name)
-    ref = schema.get("$ref") if isinstance(schema, Mapping) else None
-    if isinstance(ref, str) and isinstance(parameters, Mapping):
-        for key in ("$defs", "definitions"):
-            prefix = f"#/{key}/"
-            defs = parameters.get(key)
-            if ref.startswith(prefix) and isinstance(defs, Mapping):
-                target = defs.get(ref[len(prefix) :])
-                if isinstance(target, Mapping):
-                    return target
-    return schema
-
-
-def is_text(schema: object) -> bool:
-    """Whether a parameter of `schema` is written as text (it may be a string, or its schema
-    says no type): else it is written as JSON. The grammar of a forced call writes it so."""
-    kinds = kinds_of(schema)
-    return not kinds or "string" in kinds
-
-
-def kinds_of(schema: object, depth: int = 0) -> list[str]:
-    """The JSON types `schema` allows, in its order: its `type`, its `anyOf` / `oneOf`
-    members' types, the types of its `enum` / `const` values; [] when it says none."""
-    if not isinstance(schema, Mapping) or depth > MAX_SCHEMA_DEPTH:
-        return []
-    declared = schema.get("type")
-    names = [declared] if isinstance(declared, str) else declared if isinstance(declared, list) else []
-    kinds = [_kind(n) for n in names if isinstance(n, str)]
-    for key in ("anyOf", "oneOf"):
-        members = schema.get(key)
-        for member in members if isinstance(members, list) else ():
-            kinds += kinds_of(member, depth + 1)
-    values = schema.get("enum")
-    values = list(values) if isinstance(values, list) else []
-    if "const" in schema:
-        values.append(schema["const"])
-    kinds += ["null" if v is None else _JSON_KINDS.get(type(v), "string") for v in values]
-    return list(dict.fromkeys(kinds))
-
-
-def _kind(name: str) -> str:
-    name = name.strip().lower()
-    for prefix, kind in _KIND_PREFIXES:
-        if name.startswith(prefix):
-            return kind
-    return "string"  # string, str, text, varchar, char, enum, and any name not known
 
 
 def typed_value(raw: str, schema: object) -> object:

@@ -14,9 +14,9 @@ A parameter's value is raw text (one newline after its tag and one before `</par
 the format's, not the value's), typed by the tool's schema (`ft.core.toolcall_schema`): the
 parser is given the request's tools. A value may hold anything, newlines, `<`, tags, even
 `</parameter>` itself: it ends only at a `</parameter>` followed (after whitespace) by the next
-`<parameter=`, by `</function>` or by `</tool_call>`. A call is complete at `</function>` (the `</tool_call>` after
-it is optional, as is the `<tool_call>` before `<function=`: models drop either), or at a
-`</tool_call>` where a parameter or `</function>` was due.
+`<parameter=`, by `</function>` or by `</tool_call>`. A call is complete at `</function>` (the
+`</tool_call>` after it is optional, as is the `<tool_call>` before `<function=`: models drop
+either), or at a `</tool_call>` where a parameter or `</function>` was due.
 
 As the other formats (`ft.core.toolcalls`), text outside calls streams as soon as it cannot be a
 tag's start, a call is emitted whole once complete, whitespace between calls is dropped, a call

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from ft.errors import InvalidRequest
+from ft.grammar.tool_parameters import is_text, parameter_schema, properties_of
 
 GrammarKind = Literal["json_schema", "regex", "grammar", "choice", "lark"]
 KINDS: tuple[GrammarKind, ...] = ("json_schema", "regex", "grammar", "choice", "lark")
@@ -181,9 +182,6 @@ def _xml_call_rules(chosen: list[dict[str, Any]]) -> list[str]:
     template writes them: each parameter the schema lists, in its order, the required ones
     always; a string's value as text (one of its `enum`, if it has one), any other as JSON
     following the parameter's schema."""
-    # NOTE: imported here: `ft.params` imports this module, and the parser's package imports it.
-    from ft.core.toolcall_schema import parameter_schema, properties_of
-
     rules = ["body: " + " | ".join(f"call_{i}" for i in range(len(chosen))), _XML_TEXT]
     for i, t in enumerate(chosen):
         function = t.get("function")
@@ -203,8 +201,6 @@ def _xml_call_rules(chosen: list[dict[str, Any]]) -> list[str]:
 
 def _xml_value(schema: object, parameters: object) -> str:
     """The grammar of one XML parameter value and its closing tag."""
-    from ft.core.toolcall_schema import is_text  # NOTE: see `_xml_call_rules`
-
     close = json.dumps("\n</parameter>\n")
     if is_text(schema):
         options = schema.get("enum") if isinstance(schema, dict) else None
