@@ -96,7 +96,10 @@ class Architecture:
     llama.cpp's default for the family); `packed`
     says the packed GGUF kernels run its layers (otherwise its GGUFs load as floats);
     `reasoning_parser` is the server's reasoning format for it when none is configured, and
-    `tool_call_parser` its tool-call format (None: hermes);
+    `tool_call_parser` its tool-call format (one of `ft.core.toolcalls.TOOL_CALL_PARSERS`;
+    None: the one its chat template spells, else hermes: a family of Qwen3-Coder's XML calls,
+    Qwen3.5's or Qwen3-Next's, names `qwen3_coder`, a Qwen3.5 also `reasoning_parser="think"`,
+    whose template opens the block itself);
     `gguf_permuted_qk` names the GGUF architectures whose q/k rows llama.cpp's
     converter interleaved by rotary pairs (undone at load); `gguf_fused` says its GGUFs hold
     q|k|v as one `attn_qkv` and gate|up as one `ffn_up` (Phi-3), split by rows at load;
