@@ -370,9 +370,12 @@ LFM2 = Architecture(
     name="lfm2",
     hf_model_types=("lfm2",),
     hf_architectures=("Lfm2ForCausalLM",),
-    gguf_names=(),
+    gguf_names=("lfm2",),
     qk_norm=True,
     packed=False,
+    gguf_refusal=(
+        "LFM2 GGUFs are not supported yet (ft runs LFM2 from its Hugging Face safetensors directory)"
+    ),
     mixer="short_conv",
     hf_weight_renames=(
         (".self_attn.out_proj.", ".self_attn.o_proj."),
