@@ -96,8 +96,8 @@ def granite_hybrid_config(arch: Architecture, cfg: dict[str, Any]) -> LlamaConfi
         attention_multiplier=_multiplier(cfg, "attention_multiplier", name),
         logits_scaling=_multiplier(cfg, "logits_scaling", name),
         **routed,
-        mamba=Mamba2Config.from_hf(cfg) if "mamba2" in kinds else None,
         layer_types=kinds,
+        mixer_config=Mamba2Config.from_hf(cfg) if "mamba2" in kinds else None,
     )
 
 

@@ -10,8 +10,8 @@ step's spans; the model returns the new states and the runner writes them once t
 has succeeded.
 
 Adding a mixer is one `MixerKind` row: its layer-kind name, how to build it from the config
-(its own settings are `LlamaConfig` fields), its module's name in Hugging Face checkpoints and,
-where the checkpoint's names or forms are not the module's, how its weights convert.
+(its own settings are one record, `LlamaConfig.mixer_config`), its module's name in Hugging
+Face checkpoints and, if they need renaming or fusing, the map of its weights.
 A family whose `config.json` lists its layers its own way adds its parser to `HF_CONFIGS`.
 """
 
@@ -28,45 +28,57 @@ from torch import nn
 from ft.model.attention import AttentionMetadata
 from ft.model.granite_hybrid import granite_hybrid_config
 from ft.model.llama import ATTENTION, DecoderLayer, LlamaConfig, LlamaForCausalLM, Reduce
-from ft.model.mamba2 import Mamba2Mixer, mamba2_weights_from_hf
+from ft.model.mamba2 import Mamba2Config, Mamba2Mixer, mamba2_weights_from_hf
 from ft.model.recurrent import RecurrentMixer, StateSpan
-from ft.model.short_conv import ShortConv
+from ft.model.short_conv import ShortConv, ShortConvConfig
 
 if TYPE_CHECKING:
     from ft.core.batch import Heartbeat
     from ft.model.architectures import Architecture
 
 StateList = list[tuple[torch.Tensor, ...]]  # one entry per span: a layer's state tensors after it
-# (a checkpoint's tensors, the mixer's prefix in it) -> the mixer's state dict
-HFWeights = Callable[[Mapping[str, torch.Tensor], str], dict[str, torch.Tensor]]
+
+
+HfWeights = Callable[[LlamaConfig, Mapping[str, torch.Tensor], str], dict[str, torch.Tensor]]
 
 
 @dataclass(frozen=True, slots=True)
 class MixerKind:
-    """One kind of recurrent layer: its name in `LlamaConfig.layer_types`, how its mixer is
-    built (`build(config, layer index)`, an `nn.Module` that is a `RecurrentMixer`), and the
-    name of its module under `model.layers.N.` in Hugging Face checkpoints. `hf_weights` maps
-    the checkpoint's tensors under `model.layers.N.<hf_module>.` to the mixer's state dict
-    (None: they keep their names below it, `model.layers.N.<hf_module>.X` is the mixer's `X`)."""
+    """One kind of recurrent layer: its name in `LlamaConfig.layer_types`; how its mixer is
+    built (`build(config, layer index)`: an `nn.Module` that is a `RecurrentMixer`, its own
+    settings read from `config.mixer_config`); the name of its module under `model.layers.N.`
+    in Hugging Face checkpoints; and `hf_weights(config, state dict, "model.layers.N.<module>.")`
+    → the mixer's own state dict, None when its weights keep their names below the module
+    (`model.layers.N.<hf_module>.X` is the mixer's `X`)."""
 
     name: str
     build: Callable[[LlamaConfig, int], nn.Module]
     hf_module: str
-    hf_weights: HFWeights | None = None
+    hf_weights: HfWeights | None = None
 
 
 def _mamba2(config: LlamaConfig, index: int) -> nn.Module:
-    """Granite 4.0-H's Mamba-2 mixer, of the shapes `config.mamba` holds."""
-    if config.mamba is None:
-        raise ValueError(f"layer {index} is a Mamba-2 layer, but the config has no Mamba-2 shapes")
-    return Mamba2Mixer(config.mamba)
+    """Granite 4.0-H's Mamba-2 mixer, of the shapes `config.mixer_config` holds."""
+    settings = config.mixer_config
+    if not isinstance(settings, Mamba2Config):
+        raise ValueError(
+            f"layer {index}: a Mamba-2 layer's settings are not a Mamba2Config: {settings!r:.80}"
+        )
+    return Mamba2Mixer(settings)
+
+
+def _mamba2_weights(
+    config: LlamaConfig, sd: Mapping[str, torch.Tensor], prefix: str
+) -> dict[str, torch.Tensor]:
+    """A Mamba-2 layer's checkpoint weights as its mixer's (`conv1d.weight` squeezed, `A_log` as A)."""
+    return mamba2_weights_from_hf(sd, prefix)
 
 
 MIXERS: dict[str, MixerKind] = {
     kind.name: kind
     for kind in (
         MixerKind("short_conv", ShortConv, "conv"),  # LFM2
-        MixerKind("mamba2", _mamba2, "mamba", mamba2_weights_from_hf),  # Granite 4.0-H
+        MixerKind("mamba2", _mamba2, "mamba", _mamba2_weights),  # Granite 4.0-H
     )
 }
 
@@ -155,11 +167,12 @@ def mixer_weights(config: LlamaConfig, sd: dict[str, torch.Tensor], layer: int) 
     layout's names (`layers.N.mixer.X`)."""
     kind = MIXERS[config.layer_types[layer]]
     prefix = f"model.layers.{layer}.{kind.hf_module}."
-    if kind.hf_weights is not None:
-        weights = kind.hf_weights(sd, prefix)
-    else:
-        weights = {k.removeprefix(prefix): w for k, w in sd.items() if k.startswith(prefix)}
-    return {f"layers.{layer}.mixer.{k}": w for k, w in weights.items()}
+    own = (
+        kind.hf_weights(config, sd, prefix)
+        if kind.hf_weights is not None
+        else {k.removeprefix(prefix): w for k, w in sd.items() if k.startswith(prefix)}
+    )
+    return {f"layers.{layer}.mixer.{k}": w for k, w in own.items()}
 
 
 def state_shapes(config: LlamaConfig) -> list[tuple[tuple[int, ...], ...]]:
@@ -233,9 +246,8 @@ def _lfm2_config(arch: Architecture, cfg: dict[str, Any]) -> LlamaConfig:
         tie_word_embeddings=bool(cfg.get("tie_embedding", cfg.get("tie_word_embeddings", True))),
         qk_norm=arch.qk_norm,
         architecture=arch.name,
-        conv_kernel=int(cfg.get("conv_L_cache", 3)),
-        conv_bias=bool(cfg.get("conv_bias", False)),
         layer_types=tuple(LFM2_LAYER_KINDS[t] for t in types),
+        mixer_config=ShortConvConfig(int(cfg.get("conv_L_cache", 3)), bool(cfg.get("conv_bias", False))),
     )
 
 

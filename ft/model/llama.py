@@ -23,7 +23,6 @@ from ft.model.moe import SparseMoE, fuse_experts, moe_prefix
 if TYPE_CHECKING:
     from ft.core.batch import Heartbeat
     from ft.model.architectures import Architecture
-    from ft.model.mamba2 import Mamba2Config
 
 ROPE_SCALING_TYPES = ("linear", "llama3", "longrope")
 ATTENTION = "attention"  # a layer kind (`LlamaConfig.layer_types`); the others are recurrent mixers'
@@ -89,11 +88,11 @@ class LlamaConfig:
     attention_multiplier: float = 0.0  # the softmax scale, 0: 1 / sqrt(head_dim) (Granite)
     logits_scaling: float = 1.0  # the logits divided by it (Granite)
     # Hybrid models (`ft.model.hybrid`): each layer's kind, "attention" or a recurrent mixer's
-    # (`hybrid.MIXERS`: "short_conv"); empty: every layer attends. A mixer's own settings:
-    conv_kernel: int = 0  # LFM2's short convolution: its kernel (`conv_L_cache`)
-    conv_bias: bool = False  # and whether its projections and convolution have biases
-    mamba: Mamba2Config | None = None  # Granite 4.0-H's Mamba-2 layers ("mamba2"): their shapes
+    # (`hybrid.MIXERS`: "short_conv", "mamba2"); empty: every layer attends. `mixer_config` is the
+    # mixers' own settings, a frozen record of the mixer's module (LFM2: `ShortConvConfig`,
+    # Granite 4.0-H: `Mamba2Config`).
     layer_types: tuple[str, ...] = ()
+    mixer_config: object | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

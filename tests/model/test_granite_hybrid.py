@@ -23,6 +23,7 @@ from ft.model.architectures import by_gguf
 from ft.model.hf_loader import hf_config
 from ft.model.hybrid import state_slot_bytes
 from ft.model.loader import LoadedModel, load_model
+from ft.model.mamba2 import Mamba2Config
 from ft.model.runners import build_runner
 from ft.model.torch_runner import TorchRunner
 from tests.support.tiny_granite_hybrid import granite_hybrid_model, save_granite_hybrid_dir
@@ -73,21 +74,22 @@ def test_the_config_reads_layer_kinds_experts_multipliers_and_mamba_shapes(
     loaded: LoadedModel, variant: str
 ) -> None:
     c = loaded.config
-    assert c.architecture == "granite_hybrid" and c.is_hybrid and c.mamba is not None
+    m = c.mixer_config
+    assert c.architecture == "granite_hybrid" and c.is_hybrid and isinstance(m, Mamba2Config)
     assert (c.embedding_multiplier, c.residual_multiplier) == (12.0, 0.22)
     assert (c.attention_multiplier, c.logits_scaling) == (0.0078125, 6.0)
     assert c.intermediate_size == 48  # the shared MLP's
-    assert (c.mamba.state_size, c.mamba.chunk_size, c.mamba.conv_kernel) == (16, 8, 4)
+    assert (m.state_size, m.chunk_size, m.conv_kernel) == (16, 8, 4)
     if variant == "moe":
         assert c.layer_types == ("mamba2", "attention", "mamba2", "attention")
         assert (c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size) == (4, 2, 32)
         assert c.shared_mlp and c.norm_topk_prob and c.no_rope_layers == ()
-        assert (c.mamba.num_heads, c.mamba.head_dim, c.mamba.num_groups) == (8, 16, 2)
+        assert (m.num_heads, m.head_dim, m.num_groups) == (8, 16, 2)
     else:
         assert c.layer_types == ("mamba2", "mamba2", "attention", "mamba2")
         assert c.num_experts == 0 and not c.shared_mlp
         assert c.no_rope_layers == (0, 1, 2, 3)  # attention without rotary
-        assert (c.mamba.num_heads, c.mamba.head_dim, c.mamba.num_groups) == (4, 32, 1)
+        assert (m.num_heads, m.head_dim, m.num_groups) == (4, 32, 1)
 
 
 def test_the_published_spellings_read_as_transformers_writes_them(
@@ -112,8 +114,8 @@ def test_kv_pages_hold_the_attention_layers_and_slots_the_mamba_states(
     c = loaded.config
     runner = runner_of(loaded)
     assert runner.k_cache.shape[0] == c.num_kv_layers == (2 if variant == "moe" else 1)
-    m = c.mamba
-    assert m is not None
+    m = c.mixer_config
+    assert isinstance(m, Mamba2Config)
     per_layer = (m.conv_kernel - 1) * m.conv_dim + m.num_heads * m.head_dim * m.state_size
     mamba_layers = c.num_layers - c.num_kv_layers
     assert runner.states is not None
@@ -171,7 +173,7 @@ def test_a_granite_4_of_attention_layers_only_runs_without_state(tmp_path: pathl
     no recurrent layer, no state slot, the shared MLP as its MLP."""
     hf = granite_hybrid_model("dense", layer_types=["attention"] * 4)
     loaded = load_model(save_granite_hybrid_dir(tmp_path / "micro", hf), torch.float32)
-    assert not loaded.config.is_hybrid and loaded.config.mamba is None
+    assert not loaded.config.is_hybrid and loaded.config.mixer_config is None
     runner = build_runner(loaded, num_pages=32, page_size=4, dtype=torch.float32)
     assert runner.states is None
     ref = reference(hf, PROMPT, 3)
