@@ -3,8 +3,9 @@ Qwen3 (per-head q/k RMSNorm), the mixtures of experts Qwen3-MoE, Mixtral and OLM
 RMSNorm; experts from `moe.py`), Gemma 2/3 (flags: GeGLU, post norms, soft-caps, windows),
 Phi-3/Phi-4-mini (partial rotary, longrope), SmolLM3 (layers without rotary) and Granite
 (embedding, residual, attention and logit multipliers); which blocks a family uses is its
-`architectures` entry. A hybrid model (LFM2) has recurrent layers among these attention ones:
-their kinds are `LlamaConfig.layer_types`, and `ft.model.hybrid` builds the stack."""
+`architectures` entry. A hybrid model (LFM2, Granite 4.0-H: its experts beside a shared MLP,
+`LlamaConfig.shared_mlp`) has recurrent layers among these attention ones: their kinds are
+`LlamaConfig.layer_types`, and `ft.model.hybrid` builds the stack."""
 
 from __future__ import annotations
 
