@@ -132,7 +132,9 @@ class Architecture:
     `mixer` names the recurrent mixer of a hybrid family's non-attention layers
     (`ft.model.hybrid.MIXERS`; its `config.json` is read by `hybrid.HF_CONFIGS`), None for a
     family that only attends; `hf_weight_renames` are the (old, new) parts of its Hugging Face
-    weight names renamed at load to the Llama family's (`mlp.gate_proj`, `self_attn.o_proj`, ...).
+    weight names renamed at load to the Llama family's (`mlp.gate_proj`, `self_attn.o_proj`, ...);
+    `hf_float32_weights` parts of the names of weights read in float32 whatever the dtype (a
+    mixer's small parameters, which its module keeps in float32: `float32_parameters`).
     """
 
     name: str
@@ -171,6 +173,7 @@ class Architecture:
     gguf_refusal: str = ""
     mixer: str | None = None
     hf_weight_renames: tuple[tuple[str, str], ...] = ()
+    hf_float32_weights: tuple[str, ...] = ()
 
     def hf_weight_name(self, name: str) -> str:
         """A Hugging Face weight's name as the loader files it (`hf_weight_renames` applied)."""
@@ -408,9 +411,34 @@ LFM2 = Architecture(
     ),
 )
 
+# Granite 4.0-H (transformers' `granitemoehybrid`): Mamba-2 layers (`ft.model.mamba2`) and
+# attention layers without rotary, each followed by routed experts plus a shared MLP (or the
+# shared MLP alone), Granite's multipliers; safetensors only. Its template asks for hermes tool
+# calls (`<tool_call>`), not Granite 3's `<|tool_call|>`.
+GRANITE_HYBRID = Architecture(
+    name="granite_hybrid",
+    hf_model_types=("granitemoehybrid",),
+    hf_architectures=("GraniteMoeHybridForCausalLM",),
+    gguf_names=("granitehybrid",),
+    packed=False,
+    gguf_refusal=(
+        "Granite 4.0-H GGUFs are not supported yet (ft runs Granite 4.0-H from its Hugging Face "
+        "safetensors directory)"
+    ),
+    mixer="mamba2",
+    hf_weight_renames=(
+        (".block_sparse_moe.router.layer.", ".mlp.gate."),
+        (".block_sparse_moe.input_linear.weight", ".mlp.experts.gate_up_proj"),  # [E, 2I, H], gate first
+        (".block_sparse_moe.output_linear.weight", ".mlp.experts.down_proj"),  # [E, H, I]
+        (".shared_mlp.input_linear.", ".mlp.gate_up_proj."),  # gate | up, as Phi-3's
+        (".shared_mlp.output_linear.", ".mlp.down_proj."),
+    ),
+    hf_float32_weights=(".mamba.A_log", ".mamba.D", ".mamba.dt_bias", ".mamba.conv1d.", ".mamba.norm."),
+)
+
 ARCHITECTURES: tuple[Architecture, ...] = (
     LLAMA, MISTRAL, QWEN2, QWEN3, QWEN3_MOE, MIXTRAL, OLMOE, GEMMA2, GEMMA3, GEMMA4, PHI3, SMOLLM3,
-    GRANITE, LFM2,
+    GRANITE, LFM2, GRANITE_HYBRID,
 )  # fmt: skip
 
 

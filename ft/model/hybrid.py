@@ -1,5 +1,5 @@
-"""Hybrid decoders: attention layers and recurrent layers in one stack (LFM2; later Qwen3.5's
-Gated DeltaNet and Granite 4.0-H's Mamba-2).
+"""Hybrid decoders: attention layers and recurrent layers in one stack (LFM2's short
+convolutions, Granite 4.0-H's Mamba-2; later Qwen3.5's Gated DeltaNet).
 
 Each layer's kind is `LlamaConfig.layer_types[i]`: "attention" is the Llama-family
 `DecoderLayer` (its past in the KV pages), any other names a row of `MIXERS`, a recurrent
@@ -26,7 +26,9 @@ import torch
 from torch import nn
 
 from ft.model.attention import AttentionMetadata
+from ft.model.granite_hybrid import granite_hybrid_config
 from ft.model.llama import ATTENTION, DecoderLayer, LlamaConfig, LlamaForCausalLM, Reduce
+from ft.model.mamba2 import Mamba2Config, Mamba2Mixer, mamba2_weights_from_hf
 from ft.model.recurrent import RecurrentMixer, StateSpan
 from ft.model.short_conv import ShortConv, ShortConvConfig
 
@@ -55,10 +57,28 @@ class MixerKind:
     hf_weights: HfWeights | None = None
 
 
+def _mamba2(config: LlamaConfig, index: int) -> nn.Module:
+    """Granite 4.0-H's Mamba-2 mixer, of the shapes `config.mixer_config` holds."""
+    settings = config.mixer_config
+    if not isinstance(settings, Mamba2Config):
+        raise ValueError(
+            f"layer {index}: a Mamba-2 layer's settings are not a Mamba2Config: {settings!r:.80}"
+        )
+    return Mamba2Mixer(settings)
+
+
+def _mamba2_weights(
+    config: LlamaConfig, sd: Mapping[str, torch.Tensor], prefix: str
+) -> dict[str, torch.Tensor]:
+    """A Mamba-2 layer's checkpoint weights as its mixer's (`conv1d.weight` squeezed, `A_log` as A)."""
+    return mamba2_weights_from_hf(sd, prefix)
+
+
 MIXERS: dict[str, MixerKind] = {
     kind.name: kind
     for kind in (
         MixerKind("short_conv", ShortConv, "conv"),  # LFM2
+        MixerKind("mamba2", _mamba2, "mamba", _mamba2_weights),  # Granite 4.0-H
     )
 }
 
@@ -231,4 +251,7 @@ def _lfm2_config(arch: Architecture, cfg: dict[str, Any]) -> LlamaConfig:
     )
 
 
-HF_CONFIGS: dict[str, Callable[[Architecture, dict[str, Any]], LlamaConfig]] = {"lfm2": _lfm2_config}
+HF_CONFIGS: dict[str, Callable[[Architecture, dict[str, Any]], LlamaConfig]] = {
+    "lfm2": _lfm2_config,
+    "granite_hybrid": granite_hybrid_config,
+}
