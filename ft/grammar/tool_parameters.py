@@ -32,7 +32,12 @@ def properties_of(parameters: object) -> Mapping[str, Any]:
 def parameter_schema(parameters: object, name: str) -> object:
     """Parameter `name`'s schema in a tool's `parameters`, a local `$ref` (`#/$defs/...`,
     as pydantic writes them) resolved once; None when the parameters do not describe it."""
-    schema = properties_of(parameters).get(name)
+    return resolved(properties_of(parameters).get(name), parameters)
+
+
+def resolved(schema: object, parameters: object) -> object:
+    """`schema`, or what its local `$ref` names among the definitions of `parameters` (the
+    tool's parameters, whose `$defs` / `definitions` every nested `$ref` points into)."""
     ref = schema.get("$ref") if isinstance(schema, Mapping) else None
     if isinstance(ref, str) and isinstance(parameters, Mapping):
         for key in ("$defs", "definitions"):
