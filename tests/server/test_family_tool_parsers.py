@@ -50,6 +50,7 @@ def test_the_families_name_their_formats() -> None:
     assert by_name("phi3").tool_call_parser == "phi4_mini_json"
     assert by_name("granite").tool_call_parser == "granite"
     assert by_name("smollm3").tool_call_parser is None  # <tool_call> JSON: hermes
+    assert by_name("gemma4").tool_call_parser == by_name("gemma4").reasoning_parser == "gemma4"
 
 
 def test_every_family_names_known_formats() -> None:
