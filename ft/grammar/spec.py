@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from ft.errors import InvalidRequest
+from ft.grammar.gemma4_calls import gemma4_call_rules
 from ft.grammar.tool_parameters import is_text, parameter_schema, properties_of
 
 GrammarKind = Literal["json_schema", "regex", "grammar", "choice", "lark"]
@@ -21,7 +22,7 @@ KINDS: tuple[GrammarKind, ...] = ("json_schema", "regex", "grammar", "choice", "
 MAX_SOURCE_CHARS = 1 << 20  # a request body is at most a few MiB; a grammar far less
 MAX_CHOICES = 4096
 # the tool-call parsers a grammar can target
-TOOL_CALL_FORMATS = ("hermes", "llama3_json", "phi4_mini_json", "granite", "qwen3_coder")
+TOOL_CALL_FORMATS = ("hermes", "llama3_json", "phi4_mini_json", "granite", "qwen3_coder", "gemma4")
 
 # JSON is generated compactly but readably, with no free whitespace: a small model at
 # temperature 1 given "any whitespace" can emit newlines until `max_tokens`.
@@ -137,6 +138,10 @@ def tool_calls(
         rules = _xml_call_rules(chosen)
         call, sep = "body", '"\\n"'
         rules.insert(0, f"calls: {call} ({sep} {call})*" if parallel else f"calls: {call}")
+        return _with_answer(rules, otherwise)
+    if parser == "gemma4":  # its notation, not JSON; calls follow each other with nothing between
+        rules = gemma4_call_rules(chosen)
+        rules.insert(0, "calls: body+" if parallel else "calls: body")
         return _with_answer(rules, otherwise)
     # NOTE: each call's arguments are their own `%json` schema, so that a tool's `$ref`s
     # (`#/$defs/...`, as pydantic writes them) resolve against its parameters, not a wrapper.
