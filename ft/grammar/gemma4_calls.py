@@ -12,6 +12,12 @@ alternatives. An object whose schema lists no `properties` (not even `{}`), a sc
 no type, or one nested past `MAX_SCHEMA_DEPTH`, takes any value of the notation.
 `ft.core.gemma4_arguments` reads all of these back as written, typed by the same schemas
 (`ft.grammar.tool_parameters`).
+
+The markers are tokens of their own in Gemma 4's vocabulary: the grammar writes each one the
+vocabulary holds (`markers`) as that token, as the model was trained to write it (llguidance
+takes an added token for a special one, never for its text, so a text literal would not match
+it; a string is then the quote token, text without the quote's text, the quote token). A
+vocabulary without them (a byte tokenizer) gets the markers as text.
 """
 
 from __future__ import annotations
@@ -25,15 +31,21 @@ from typing import Any
 from ft.grammar.tool_parameters import kinds_of, properties_of, resolved
 
 QUOTE = '<|"|>'
+START, END = "<|tool_call>", "<tool_call|>"
 MAX_SCHEMA_DEPTH = 8  # deeper (or recursive) schemas take any value of the notation
-# A string value with its markers: exactly two `<|"|>` (they cannot overlap), at its ends.
-_STRING = r'G_STRING: /<\|"\|>(?s:.*)<\|"\|>/ & ~/(?s:.*<\|"\|>.*<\|"\|>.*<\|"\|>.*)/'
+# A string with its markers as text: exactly two `<|"|>` (they cannot overlap), at its ends, in
+# one terminal (a terminal that ended where a literal begins would have to know it ends there).
+_STRING_TEXT = [
+    "g_string: G_STRING",
+    r'G_STRING: /<\|"\|>(?s:.*)<\|"\|>/ & ~/(?s:.*<\|"\|>.*<\|"\|>.*<\|"\|>.*)/',
+]
+# ... and with the quote a token: text without the quote's text between two of them.
+_STRING_TOKENS = [f"g_string: {QUOTE} G_TEXT {QUOTE}", r'G_TEXT: /(?s:.*)/ & ~/(?s:.*<\|"\|>.*)/']
 # Any value of the notation, for a schema that says nothing of its shape.
 _ANY = [
-    _STRING,
     r"G_NUMBER: /-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][-+]?[0-9]+)?/",
     r"G_KEY: /[A-Za-z_][A-Za-z0-9_]*/",
-    'g_value: G_STRING | G_NUMBER | "true" | "false" | "null" | g_object | g_array',
+    'g_value: g_string | G_NUMBER | "true" | "false" | "null" | g_object | g_array',
     'g_object: "{" g_members "}"',
     'g_members: (g_pair ("," g_pair)*)?',
     'g_pair: G_KEY ":" g_value',
@@ -43,25 +55,39 @@ _BARE_KEY = re.compile(r'[^:{}\[\],"<\s]+')  # what `gemma4_arguments` reads bac
 _NUMBER_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
 
 
-def gemma4_call_rules(chosen: list[dict[str, Any]]) -> list[str]:
-    """Rules of Gemma 4's calls (`body`: one call of one of `chosen`)."""
-    rules = _Rules()
+def gemma4_call_rules(chosen: list[dict[str, Any]], markers: frozenset[str] = frozenset()) -> list[str]:
+    """Rules of Gemma 4's calls (`body`: one call of one of `chosen`), each of `markers` (those
+    the vocabulary holds as tokens) written as its token."""
+    rules = _Rules(markers)
     calls = []
     for tool in chosen:
         function = tool.get("function")
         function = function if isinstance(function, Mapping) else {}
         params = function.get("parameters")
         members = rules.members(params, params, depth=0)
-        head = json.dumps(f"<|tool_call>call:{function.get('name')}{{")
-        calls.append(rules.add(f"{head} {members} " + json.dumps("}<tool_call|>")))
-    return ["body: " + " | ".join(calls), *_ANY, *rules.lines]
+        name = json.dumps(f"call:{function.get('name')}{{")
+        head = f"{rules.marker(START)} {name}"
+        calls.append(rules.add(f'{head} {members} "}}" {rules.marker(END)}'))
+    strings = _STRING_TOKENS if QUOTE in markers else _STRING_TEXT
+    return ["body: " + " | ".join(calls), *strings, *_ANY, *rules.lines]
 
 
 class _Rules:
-    """Named rules, numbered as they are made."""
+    """Named rules, numbered as they are made, over a vocabulary holding `markers` as tokens."""
 
-    def __init__(self) -> None:
+    def __init__(self, markers: frozenset[str]) -> None:
         self.lines: list[str] = []
+        self._markers = markers
+
+    def marker(self, text: str) -> str:
+        """A marker as its token where the vocabulary holds it, else as text."""
+        return text if text in self._markers else json.dumps(text)
+
+    def quoted(self, text: str) -> str:
+        """`text` between two quote markers."""
+        if QUOTE not in self._markers:
+            return json.dumps(QUOTE + text + QUOTE)
+        return f"{QUOTE} {json.dumps(text)} {QUOTE}" if text else f"{QUOTE} {QUOTE}"
 
     def add(self, expression: str) -> str:
         """A new rule for `expression`; its name."""
@@ -94,15 +120,15 @@ class _Rules:
         return first
 
     def _pair(self, key: str, schema: object, root: object, depth: int) -> str:
-        written = key if _BARE_KEY.fullmatch(key) else QUOTE + key + QUOTE
-        return f"{json.dumps(written + ':')} {self.value(schema, root, depth + 1)}"
+        written = json.dumps(key + ":") if _BARE_KEY.fullmatch(key) else f'{self.quoted(key)} ":"'
+        return f"{written} {self.value(schema, root, depth + 1)}"
 
     def value(self, schema: object, root: object, depth: int) -> str:
         """A rule (or terminal) of one value of `schema`."""
         schema = resolved(schema, root)
         if not isinstance(schema, Mapping) or depth > MAX_SCHEMA_DEPTH:
             return "g_value"
-        options = _constants(schema)
+        options = self._constants(schema)
         if options is not None:
             return self.add(" | ".join(options))
         members = [m for key in ("anyOf", "oneOf") for m in _list(schema.get(key))]
@@ -119,7 +145,7 @@ class _Rules:
         """One value of JSON type `kind` under `schema`'s constraints."""
         kind = kinds_of({"type": kind})[0]  # a type's spelling (`int`, `str`, ...) as its JSON type
         if kind == "string":
-            return "G_STRING"
+            return "g_string"
         if kind in ("integer", "number"):
             bounds = {k: schema[k] for k in _NUMBER_BOUNDS if k in schema}
             return self.add(f"%json {json.dumps({'type': kind} | bounds)}")
@@ -134,26 +160,29 @@ class _Rules:
             return "g_object"
         return self.add(f'"{{" {self.members(schema, root, depth)} "}}"')
 
-
-def _constants(schema: Mapping[str, Any]) -> list[str] | None:
-    """The literals of an `enum` / `const` schema in the notation (None: it has neither)."""
-    values = (
-        _list(schema.get("enum")) if "enum" in schema else [schema["const"]] if "const" in schema else None
-    )
-    if not values:
-        return None
-    literals = []
-    for value in values:
-        if isinstance(value, str):
-            if QUOTE not in value:
-                literals.append(json.dumps(QUOTE + value + QUOTE))
-        elif (
-            value is None
-            or isinstance(value, (bool, int))
-            or (isinstance(value, float) and math.isfinite(value))
-        ):
-            literals.append(json.dumps(json.dumps(value)))
-    return literals or None
+    def _constants(self, schema: Mapping[str, Any]) -> list[str] | None:
+        """The literals of an `enum` / `const` schema in the notation (None: it has neither)."""
+        values = (
+            _list(schema.get("enum"))
+            if "enum" in schema
+            else [schema["const"]]
+            if "const" in schema
+            else None
+        )
+        if not values:
+            return None
+        literals = []
+        for value in values:
+            if isinstance(value, str):
+                if QUOTE not in value:
+                    literals.append(self.quoted(value))
+            elif (
+                value is None
+                or isinstance(value, (bool, int))
+                or (isinstance(value, float) and math.isfinite(value))
+            ):
+                literals.append(json.dumps(json.dumps(value)))
+        return literals or None
 
 
 def _lists_properties(schema: object) -> bool:

@@ -288,7 +288,7 @@ def _merges_from_scores(tokens: list[str], scores: list[float]) -> list[tuple[st
 # markers of Phi-4-mini's and Granite's vocabularies, which the tool-call parsers read
 # (`ft.core.toolcall_lists`), and Gemma 4's call, string and thought-channel markers
 # (`ft.core.toolcall_gemma4`, `ft.core.reasoning`). Encoding still maps their text to the one
-# token, and a grammar can write them as that token (llguidance reads them as text).
+# token.
 TEXT_MARKERS = (
     "<|tool_call|>", "<|/tool_call|>", "<|tool_call>", "<tool_call|>", '<|"|>', "<|channel>", "<channel|>",
 )  # fmt: skip

@@ -97,7 +97,7 @@ def output_policy(
     tools = list(prompt.tools) if prompt.tools is not None else None
     config = ctx.settings
     parser = tool_call_parser_name(config.tool_call_parser or ctx.engine.tool_call_parser, tools is not None)
-    grammar = output_grammar(tools, choice, parser, answer)
+    grammar = output_grammar(tools, choice, parser, answer, ctx.engine.marker_tokens)
     if prompt.continue_final_message and grammar is not None:
         raise InvalidRequest(
             "a final message to continue (an assistant prefill) cannot be used with structured "
