@@ -85,10 +85,10 @@ class LlamaConfig:
     attention_multiplier: float = 0.0  # the softmax scale, 0: 1 / sqrt(head_dim) (Granite)
     logits_scaling: float = 1.0  # the logits divided by it (Granite)
     # Hybrid models (`ft.model.hybrid`): each layer's kind, "attention" or a recurrent mixer's
-    # (`hybrid.MIXERS`: "short_conv"); empty: every layer attends. A mixer's own settings:
-    conv_kernel: int = 0  # LFM2's short convolution: its kernel (`conv_L_cache`)
-    conv_bias: bool = False  # and whether its projections and convolution have biases
+    # (`hybrid.MIXERS`: "short_conv"); empty: every layer attends. `mixer_config` is the
+    # mixers' own settings, a frozen record of the mixer's module (LFM2: `ShortConvConfig`).
     layer_types: tuple[str, ...] = ()
+    mixer_config: object | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
