@@ -128,7 +128,9 @@ class Architecture:
     `mixer` names the recurrent mixer of a hybrid family's non-attention layers
     (`ft.model.hybrid.MIXERS`; its `config.json` is read by `hybrid.HF_CONFIGS`), None for a
     family that only attends; `hf_weight_renames` are the (old, new) parts of its Hugging Face
-    weight names renamed at load to the Llama family's (`mlp.gate_proj`, `self_attn.o_proj`, ...).
+    weight names renamed at load to the Llama family's (`mlp.gate_proj`, `self_attn.o_proj`, ...);
+    `hybrid_attention` names what a hybrid's attention layers and norms are
+    (`ft.model.hybrid.ATTENTIONS`: "llama", the Llama family's; "gated", Qwen3.5's).
     """
 
     name: str
@@ -166,6 +168,7 @@ class Architecture:
     gguf_refusal: str = ""
     mixer: str | None = None
     hf_weight_renames: tuple[tuple[str, str], ...] = ()
+    hybrid_attention: str = "llama"
 
     def hf_weight_name(self, name: str) -> str:
         """A Hugging Face weight's name as the loader files it (`hf_weight_renames` applied)."""
@@ -384,9 +387,52 @@ LFM2 = Architecture(
     ),
 )
 
+# Qwen3.5 (dense), Qwen3.5-MoE and Qwen3-Next: three Gated DeltaNet layers (`ft.model.deltanet`)
+# to each gated attention layer, (1 + w) norms (`ft.model.qwen35`); the MoE families' experts
+# have a shared expert beside them. Qwen3.5's checkpoints are multimodal (the text model under
+# `model.language_model.`, the vision tower left out); the multi-token prediction head (`mtp.*`)
+# is not run. Safetensors only.
+QWEN35_TEXT = (("model.language_model.", "model."), ("lm_head.", "lm_head."))
+QWEN3_5 = Architecture(
+    name="qwen3_5",
+    hf_model_types=("qwen3_5", "qwen3_5_text"),
+    hf_architectures=("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"),
+    gguf_names=(),
+    packed=False,
+    reasoning_parser="think",
+    hf_weight_prefixes=QWEN35_TEXT,
+    mixer="gated_deltanet",
+    hybrid_attention="gated",
+)
+QWEN3_5_MOE = Architecture(
+    name="qwen3_5_moe",
+    hf_model_types=("qwen3_5_moe", "qwen3_5_moe_text"),
+    hf_architectures=("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration"),
+    gguf_names=(),
+    moe=True,
+    router_renormalizes=True,  # transformers' `Qwen3_5MoeTopKRouter` always does
+    packed=False,
+    reasoning_parser="think",
+    hf_weight_prefixes=QWEN35_TEXT,
+    mixer="gated_deltanet",
+    hybrid_attention="gated",
+)
+QWEN3_NEXT = Architecture(
+    name="qwen3_next",
+    hf_model_types=("qwen3_next",),
+    hf_architectures=("Qwen3NextForCausalLM",),
+    gguf_names=(),
+    moe=True,
+    packed=False,
+    reasoning_parser="think",
+    hf_weight_prefixes=QWEN35_TEXT,
+    mixer="gated_deltanet",
+    hybrid_attention="gated",
+)
+
 ARCHITECTURES: tuple[Architecture, ...] = (
     LLAMA, MISTRAL, QWEN2, QWEN3, QWEN3_MOE, MIXTRAL, OLMOE, GEMMA2, GEMMA3, GEMMA4, PHI3, SMOLLM3,
-    GRANITE, LFM2,
+    GRANITE, LFM2, QWEN3_5, QWEN3_5_MOE, QWEN3_NEXT,
 )  # fmt: skip
 
 
