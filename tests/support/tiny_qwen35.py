@@ -145,3 +145,27 @@ def save_vlm_dir(directory: Any, model: Any) -> Any:
     vlm.model.language_model.load_state_dict(model.model.state_dict())
     vlm.lm_head.load_state_dict(model.lm_head.state_dict())
     return save_dir(directory, vlm.eval())
+
+
+def transformers_text(model: Any, directory: Any, prompt: list[int], max_tokens: int) -> str:
+    """transformers' greedy continuation of `prompt` (up to its EOS, hidden), as the server's
+    detokenizer writes those tokens (a byte completing the prompt's last character is the
+    prompt's: decoded after the prompt's tail)."""
+    from tokenizers import Tokenizer
+
+    from ft.actors.detokenizer import CONTEXT_TOKENS
+    from ft.core.detok import SeqDetokenizer
+    from tests.support.tiny_families import EOS
+
+    tok = Tokenizer.from_file(str(directory / "tokenizer.json"))
+    eos = tok.token_to_id(EOS)
+    ids = list(prompt)
+    with torch.inference_mode():
+        for _ in range(max_tokens):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+            if ids[-1] == eos:
+                break
+    out = ids[len(prompt) :]
+    detok = SeqDetokenizer(lambda t: str(tok.decode(list(t))), (), prompt[-CONTEXT_TOKENS:])
+    pieces = [detok.add(t, is_last=i == len(out) - 1, is_hidden=t == eos)[0] for i, t in enumerate(out)]
+    return "".join(pieces)
