@@ -149,14 +149,15 @@ class MixerLayer(DecoderLayer):
 
 
 class AttentionLayer(DecoderLayer):
-    """An attention layer whose attention is its family's own module (`AttentionKind.build`,
-    named `attention`): the input norm, that attention over the layer's KV caches, the
-    residual, and the MLP (or experts) as any layer's."""
+    """An attention layer whose attention is its family's own module (`AttentionKind.build`'s,
+    `attention`): the input norm, that attention over the layer's KV caches, the residual, and
+    the MLP (or experts) as any layer's."""
 
-    def __init__(self, config: LlamaConfig, reduce: Reduce | None, index: int, kind: AttentionKind) -> None:
-        super().__init__(config, reduce, index, attention=False, norm=kind.norm)
-        assert kind.build is not None  # (the Llama family's attention is `DecoderLayer`'s)
-        self.attention = kind.build(config)
+    def __init__(
+        self, config: LlamaConfig, reduce: Reduce | None, index: int, norm: NormFactory, attention: nn.Module
+    ) -> None:
+        super().__init__(config, reduce, index, attention=False, norm=norm)
+        self.attention = attention
 
     def forward(
         self,
@@ -189,7 +190,7 @@ class HybridForCausalLM(LlamaForCausalLM):
             return MixerLayer(config, reduce, index, kind.norm)
         if kind.build is None:
             return DecoderLayer(config, reduce, index, norm=kind.norm)
-        return AttentionLayer(config, reduce, index, kind)
+        return AttentionLayer(config, reduce, index, kind.norm, kind.build(config))
 
     def state_shapes(self) -> list[tuple[tuple[int, ...], ...]]:
         """Each recurrent layer's state shapes for one sequence, in layer order."""
