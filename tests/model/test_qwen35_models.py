@@ -158,6 +158,7 @@ def _qwen35_9b(**text: Any) -> dict[str, Any]:
             "vocab_size": 248320, "max_position_embeddings": 262144,
             "rope_parameters": {
                 "rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25,
+                "mrope_section": [11, 11, 10], "mrope_interleaved": True,
             },
             **text,
         },
