@@ -96,7 +96,10 @@ class Architecture:
     llama.cpp's default for the family); `packed`
     says the packed GGUF kernels run its layers (otherwise its GGUFs load as floats);
     `reasoning_parser` is the server's reasoning format for it when none is configured, and
-    `tool_call_parser` its tool-call format (None: hermes);
+    `tool_call_parser` its tool-call format (one of `ft.core.toolcalls.TOOL_CALL_PARSERS`;
+    None: the one its chat template spells, else hermes: a family of Qwen3-Coder's XML calls,
+    Qwen3.5's or Qwen3-Next's, names `qwen3_coder`, a Qwen3.5 also `reasoning_parser="think"`,
+    whose template opens the block itself);
     `gguf_permuted_qk` names the GGUF architectures whose q/k rows llama.cpp's
     converter interleaved by rotary pairs (undone at load); `gguf_fused` says its GGUFs hold
     q|k|v as one `attn_qkv` and gate|up as one `ffn_up` (Phi-3), split by rows at load;
@@ -112,7 +115,8 @@ class Architecture:
     `set_swa_pattern(n)`; 0: every layer is windowed); `local_rope_theta` the windowed layers'
     rotary base when the config gives none (a GGUF never does: llama.cpp's value);
     `end_of_turn` the token the family's chat template closes a turn with, a stop token
-    beside the file's eos (llama.cpp's EOT); `gguf_window` the window of a GGUF without
+    beside the file's eos (llama.cpp's EOT), `gguf_stop_texts` further tokens a GGUF of it
+    stops at, found by their text as llama.cpp finds them; `gguf_window` the window of a GGUF without
     `{arch}.attention.sliding_window` (llama.cpp's default; -1: the key is required);
     `gguf_softcaps` llama.cpp's attention and final soft-caps when the file has none;
     `gguf_wide_query_scale_layers` the layer counts (the 27B models) whose query scale
@@ -155,6 +159,7 @@ class Architecture:
     sliding_period: int = 0
     local_rope_theta: float = 0.0
     end_of_turn: str | None = None
+    gguf_stop_texts: tuple[str, ...] = ()
     gguf_window: int = 0
     gguf_softcaps: tuple[float, float] = (0.0, 0.0)
     gguf_wide_query_scale_layers: tuple[int, ...] = ()
@@ -314,6 +319,8 @@ GEMMA3 = Architecture(
 
 # Gemma 4's text models (`ft.model.gemma4_config`): sliding and global layers of different head
 # sizes, per-layer embeddings on the E models, KV shared by the last layers, optional experts.
+# Its GGUFs (`ft.model.gguf_gemma4`) run dequantized on the same decoder; what the converter
+# does not write runs as llama.cpp's Gemma 4 graph runs it.
 GEMMA4 = Architecture(
     name="gemma4",
     hf_model_types=("gemma4_text", "gemma4"),
@@ -321,10 +328,24 @@ GEMMA4 = Architecture(
     gguf_names=("gemma4",),
     packed=False,
     windowed=True,
+    end_of_turn="<turn|>",
+    gguf_stop_texts=("<|tool_response>",),  # llama.cpp ends Gemma 4's generation there too
     hf_weight_prefixes=(("model.language_model.", "model."), ("lm_head.", "lm_head.")),
     decoder="gemma4",
-    gguf_refusal=(
-        "Gemma 4 GGUFs are not supported yet (ft runs Gemma 4 from its Hugging Face safetensors directory)"
+    gguf_converter_losses=(
+        ConverterLoss(
+            "hidden_activation", None, "GELU (tanh) in the MLP, the experts and the per-layer gate"
+        ),
+        # (written when the checkpoint sets one; transformers' default is none)
+        ConverterLoss("final_logit_softcapping", "final_logit_softcapping", "the logits soft-capped at 30"),
+        ConverterLoss(
+            "rope_parameters.full_attention.factor",
+            "rope.scaling.factor",
+            "the global layers' rotary unscaled",
+        ),
+        ConverterLoss(
+            "rope_parameters.sliding_attention", None, "the sliding layers' rotary over every pair, unscaled"
+        ),
     ),
 )
 
@@ -370,9 +391,12 @@ LFM2 = Architecture(
     name="lfm2",
     hf_model_types=("lfm2",),
     hf_architectures=("Lfm2ForCausalLM",),
-    gguf_names=(),
+    gguf_names=("lfm2",),
     qk_norm=True,
     packed=False,
+    gguf_refusal=(
+        "LFM2 GGUFs are not supported yet (ft runs LFM2 from its Hugging Face safetensors directory)"
+    ),
     mixer="short_conv",
     hf_weight_renames=(
         (".self_attn.out_proj.", ".self_attn.o_proj."),
@@ -389,9 +413,9 @@ LFM2 = Architecture(
 
 # Qwen3.5 (dense), Qwen3.5-MoE and Qwen3-Next: three Gated DeltaNet layers (`ft.model.deltanet`)
 # to each gated attention layer, (1 + w) norms (`ft.model.qwen35`); the MoE families' experts
-# have a shared expert beside them. Qwen3.5's checkpoints are multimodal (the text model under
-# `model.language_model.`, the vision tower left out); the multi-token prediction head (`mtp.*`)
-# is not run. Safetensors only.
+# have a shared expert beside them; tool calls in Qwen3-Coder's XML (`ft.core.toolcall_xml`).
+# Qwen3.5's checkpoints are multimodal (the text model under `model.language_model.`, the
+# vision tower left out); the multi-token prediction head (`mtp.*`) is not run. Safetensors only.
 QWEN35_TEXT = (("model.language_model.", "model."), ("lm_head.", "lm_head."))
 QWEN3_5 = Architecture(
     name="qwen3_5",
@@ -400,6 +424,7 @@ QWEN3_5 = Architecture(
     gguf_names=(),
     packed=False,
     reasoning_parser="think",
+    tool_call_parser="qwen3_coder",
     hf_weight_prefixes=QWEN35_TEXT,
     mixer="gated_deltanet",
     hybrid_attention="gated",
@@ -413,6 +438,7 @@ QWEN3_5_MOE = Architecture(
     router_renormalizes=True,  # transformers' `Qwen3_5MoeTopKRouter` always does
     packed=False,
     reasoning_parser="think",
+    tool_call_parser="qwen3_coder",
     hf_weight_prefixes=QWEN35_TEXT,
     mixer="gated_deltanet",
     hybrid_attention="gated",
@@ -425,6 +451,7 @@ QWEN3_NEXT = Architecture(
     moe=True,
     packed=False,
     reasoning_parser="think",
+    tool_call_parser="qwen3_coder",
     hf_weight_prefixes=QWEN35_TEXT,
     mixer="gated_deltanet",
     hybrid_attention="gated",

@@ -76,7 +76,9 @@ def test_the_config_reads_the_layers_the_deltanet_and_the_experts(family: tuple[
         assert (c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size) == (4, 2, 32)
         assert c.shared_expert_intermediate_size == 48 and c.norm_topk_prob
         assert c.mlp_only_layers == ((2,) if c.architecture == "qwen3_next" else ())
-    assert c.architecture == by_hf(hf_model.config.to_dict()).name
+    family = by_hf(hf_model.config.to_dict())
+    assert c.architecture == family.name
+    assert (family.reasoning_parser, family.tool_call_parser) == ("think", "qwen3_coder")
 
 
 @pytest.mark.parametrize("chunk", [48, 0])

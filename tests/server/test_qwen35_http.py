@@ -11,6 +11,7 @@ transformers continues that prompt. After each, no state slot is held but snapsh
 
 from __future__ import annotations
 
+import json
 import pathlib
 from typing import Any
 
@@ -22,7 +23,7 @@ from tokenizers import Tokenizer
 
 from ft.config import EngineConfig
 from ft.tokenizer.template import render_chat
-from tests.support.chat_templates import QWEN35
+from tests.support.qwen_xml_template import QWEN35
 from tests.support.server import running_server, wait_idle
 from tests.support.tiny_families import save_dir
 from tests.support.tiny_qwen35 import qwen35_model, transformers_text
@@ -39,11 +40,15 @@ MESSAGES = [{"role": "user", "content": "Hello there, tell me about the hello"}]
 def served(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> tuple[Any, pathlib.Path]:
-    """transformers' model and its checkpoint directory (with Qwen3.5's chat template)."""
+    """transformers' model and its checkpoint directory (with Qwen3.5's published chat template)."""
     torch.set_num_threads(1)
     model = qwen35_model(request.param, seed=3)
-    directory = tmp_path_factory.mktemp(request.param) / f"tiny-{request.param}"
-    return model, save_dir(directory, model, template="qwen-3.5")
+    directory = save_dir(tmp_path_factory.mktemp(request.param) / f"tiny-{request.param}", model)
+    tokenizer_config = directory / "tokenizer_config.json"
+    tokenizer_config.write_text(
+        json.dumps(json.loads(tokenizer_config.read_text()) | {"chat_template": QWEN35})
+    )
+    return model, directory
 
 
 def config(model_dir: pathlib.Path, **overrides: Any) -> EngineConfig:

@@ -479,29 +479,6 @@ SMOLLM3 = """{# ───── defaults ───── #}
 {%- endif -%}
 """
 
-# Qwen3.5's turns and generation prompt (its tool blocks left out): thinking is on unless
-# `enable_thinking` is false, and the prompt then leaves a `<think>` block open for the model;
-# off, it writes the block closed and empty.
-QWEN35 = """{%- for message in messages %}
-    {%- if message.role == "assistant" %}
-        {%- set content = message.content %}
-        {%- if '</think>' in content %}
-            {%- set content = content.split('</think>')[-1].lstrip('\\n') %}
-        {%- endif %}
-        {{- '<|im_start|>assistant\\n' + content + '<|im_end|>\\n' }}
-    {%- else %}
-        {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}
-    {%- endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}
-    {{- '<|im_start|>assistant\\n' }}
-    {%- if enable_thinking is defined and enable_thinking is false %}
-        {{- '<think>\\n\\n</think>\\n\\n' }}
-    {%- else %}
-        {{- '<think>\\n' }}
-    {%- endif %}
-{%- endif %}"""
-
 # String repetition, loop.index, namespace and tojson(indent) in one (the kind tool templates use).
 INDENTED = """{%- macro render(obj, indent=0) -%}{%- for k, v in obj.items() -%}{{ '  ' * indent }}{{ k }}: {% if v is mapping %}
 {{ render(v, indent + 1) }}{% else %}{{ v | tojson }}
@@ -526,6 +503,5 @@ TEMPLATES = {
     "phi-4-mini": PHI4_MINI,
     "deepseek-r1": DEEPSEEK_R1,
     "smollm3": SMOLLM3,
-    "qwen-3.5": QWEN35,
     "indented-tools": INDENTED,
 }
