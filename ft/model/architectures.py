@@ -133,6 +133,8 @@ class Architecture:
     (`ft.model.hybrid.MIXERS`; its `config.json` is read by `hybrid.HF_CONFIGS`), None for a
     family that only attends; `hf_weight_renames` are the (old, new) parts of its Hugging Face
     weight names renamed at load to the Llama family's (`mlp.gate_proj`, `self_attn.o_proj`, ...);
+    `hf_float32_weights` parts of the names of weights read in float32 whatever the dtype (a
+    mixer's small parameters, which its module keeps in float32: `float32_parameters`).
     `hybrid_attention` names what a hybrid's attention layers and norms are
     (`ft.model.hybrid.ATTENTIONS`: "llama", the Llama family's; "gated", Qwen3.5's).
     """
@@ -173,6 +175,7 @@ class Architecture:
     gguf_refusal: str = ""
     mixer: str | None = None
     hf_weight_renames: tuple[tuple[str, str], ...] = ()
+    hf_float32_weights: tuple[str, ...] = ()
     hybrid_attention: str = "llama"
 
     def hf_weight_name(self, name: str) -> str:
@@ -411,12 +414,38 @@ LFM2 = Architecture(
     ),
 )
 
+# Granite 4.0-H (transformers' `granitemoehybrid`): Mamba-2 layers (`ft.model.mamba2`) and
+# attention layers without rotary, each followed by routed experts plus a shared MLP (or the
+# shared MLP alone), Granite's multipliers; safetensors only. Its template asks for hermes tool
+# calls (`<tool_call>`), not Granite 3's `<|tool_call|>`.
+GRANITE_HYBRID = Architecture(
+    name="granite_hybrid",
+    hf_model_types=("granitemoehybrid",),
+    hf_architectures=("GraniteMoeHybridForCausalLM",),
+    gguf_names=("granitehybrid",),
+    packed=False,
+    gguf_refusal=(
+        "Granite 4.0-H GGUFs are not supported yet (ft runs Granite 4.0-H from its Hugging Face "
+        "safetensors directory)"
+    ),
+    mixer="mamba2",
+    hf_weight_renames=(
+        (".block_sparse_moe.router.layer.", ".mlp.gate."),
+        (".block_sparse_moe.input_linear.weight", ".mlp.experts.gate_up_proj"),  # [E, 2I, H], gate first
+        (".block_sparse_moe.output_linear.weight", ".mlp.experts.down_proj"),  # [E, H, I]
+        (".shared_mlp.input_linear.", ".mlp.gate_up_proj."),  # gate | up, as Phi-3's
+        (".shared_mlp.output_linear.", ".mlp.down_proj."),
+    ),
+    hf_float32_weights=(".mamba.A_log", ".mamba.D", ".mamba.dt_bias", ".mamba.conv1d.", ".mamba.norm."),
+)
+
 # Qwen3.5 (dense), Qwen3.5-MoE and Qwen3-Next: three Gated DeltaNet layers (`ft.model.deltanet`)
 # to each gated attention layer, (1 + w) norms (`ft.model.qwen35`); the MoE families' experts
 # have a shared expert beside them; tool calls in Qwen3-Coder's XML (`ft.core.toolcall_xml`).
 # Qwen3.5's checkpoints are multimodal (the text model under `model.language_model.`, the
 # vision tower left out); the multi-token prediction head (`mtp.*`) is not run. Safetensors only.
 QWEN35_TEXT = (("model.language_model.", "model."), ("lm_head.", "lm_head."))
+QWEN35_FLOAT32 = (".linear_attn.A_log", ".linear_attn.dt_bias", ".linear_attn.conv1d.", ".linear_attn.norm.")
 QWEN3_5 = Architecture(
     name="qwen3_5",
     hf_model_types=("qwen3_5", "qwen3_5_text"),
@@ -427,6 +456,7 @@ QWEN3_5 = Architecture(
     tool_call_parser="qwen3_coder",
     hf_weight_prefixes=QWEN35_TEXT,
     mixer="gated_deltanet",
+    hf_float32_weights=QWEN35_FLOAT32,
     hybrid_attention="gated",
 )
 QWEN3_5_MOE = Architecture(
@@ -441,6 +471,7 @@ QWEN3_5_MOE = Architecture(
     tool_call_parser="qwen3_coder",
     hf_weight_prefixes=QWEN35_TEXT,
     mixer="gated_deltanet",
+    hf_float32_weights=QWEN35_FLOAT32,
     hybrid_attention="gated",
 )
 QWEN3_NEXT = Architecture(
@@ -454,12 +485,13 @@ QWEN3_NEXT = Architecture(
     tool_call_parser="qwen3_coder",
     hf_weight_prefixes=QWEN35_TEXT,
     mixer="gated_deltanet",
+    hf_float32_weights=QWEN35_FLOAT32,
     hybrid_attention="gated",
 )
 
 ARCHITECTURES: tuple[Architecture, ...] = (
     LLAMA, MISTRAL, QWEN2, QWEN3, QWEN3_MOE, MIXTRAL, OLMOE, GEMMA2, GEMMA3, GEMMA4, PHI3, SMOLLM3,
-    GRANITE, LFM2, QWEN3_5, QWEN3_5_MOE, QWEN3_NEXT,
+    GRANITE, LFM2, GRANITE_HYBRID, QWEN3_5, QWEN3_5_MOE, QWEN3_NEXT,
 )  # fmt: skip
 
 

@@ -1,13 +1,13 @@
 """Hybrid decoders: attention layers and recurrent layers in one stack (LFM2's short
-convolutions; Qwen3.5's, Qwen3.5-MoE's and Qwen3-Next's Gated DeltaNet; later Granite 4.0-H's
-Mamba-2).
+convolutions, Granite 4.0-H's Mamba-2, and Qwen3.5's, Qwen3.5-MoE's and Qwen3-Next's Gated
+DeltaNet).
 
 Each layer's kind is `LlamaConfig.layer_types[i]`: "attention" attends over the KV pages, any
 other names a row of `MIXERS`, a recurrent mixer (`ft.model.recurrent.RecurrentMixer`) that
 takes the attention's place in a `MixerLayer`, between the same input norm, residual and MLP.
 What the attention layers and the norms are is the family's `AttentionKind` (its entry's
 `hybrid_attention`, a row of `ATTENTIONS`): the Llama family's `DecoderLayer` and RMSNorm
-(LFM2), or a module of its own in an `AttentionLayer` and its own norm (Qwen3.5's gated
+(LFM2, Granite 4.0-H), or a module of its own in an `AttentionLayer` and its own norm (Qwen3.5's gated
 attention and (1 + w) norms). A mixer's past is a fixed-size state per
 sequence, which the runner holds in slots (`recurrent.StateTensors`) and passes in with the
 step's spans; the model returns the new states and the runner writes them once the whole step
@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from ft.model.attention import AttentionMetadata
+from ft.model.granite_hybrid import granite_hybrid_config
 from ft.model.llama import (
     ATTENTION,
     DecoderLayer,
@@ -39,6 +40,7 @@ from ft.model.llama import (
     Reduce,
     RMSNorm,
 )
+from ft.model.mamba2 import Mamba2Config, Mamba2Mixer, mamba2_weights_from_hf
 from ft.model.qwen35 import (
     DELTANET,
     GatedAttention,
@@ -76,10 +78,28 @@ class MixerKind:
     hf_weights: HfWeights | None = None
 
 
+def _mamba2(config: LlamaConfig, index: int) -> nn.Module:
+    """Granite 4.0-H's Mamba-2 mixer, of the shapes `config.mixer_config` holds."""
+    settings = config.mixer_config
+    if not isinstance(settings, Mamba2Config):
+        raise ValueError(
+            f"layer {index}: a Mamba-2 layer's settings are not a Mamba2Config: {settings!r:.80}"
+        )
+    return Mamba2Mixer(settings)
+
+
+def _mamba2_weights(
+    config: LlamaConfig, sd: Mapping[str, torch.Tensor], prefix: str
+) -> dict[str, torch.Tensor]:
+    """A Mamba-2 layer's checkpoint weights as its mixer's (`conv1d.weight` squeezed, `A_log` as A)."""
+    return mamba2_weights_from_hf(sd, prefix)
+
+
 MIXERS: dict[str, MixerKind] = {
     kind.name: kind
     for kind in (
         MixerKind("short_conv", ShortConv, "conv"),  # LFM2
+        MixerKind("mamba2", _mamba2, "mamba", _mamba2_weights),  # Granite 4.0-H
         MixerKind(DELTANET, deltanet_mixer, "linear_attn", deltanet_weights),  # Qwen3.5, Qwen3-Next
     )
 }
@@ -103,7 +123,7 @@ class AttentionKind:
 ATTENTIONS: dict[str, AttentionKind] = {
     kind.name: kind
     for kind in (
-        AttentionKind("llama", RMSNorm),  # LFM2
+        AttentionKind("llama", RMSNorm),  # LFM2, Granite 4.0-H
         # Qwen3.5, Qwen3.5-MoE, Qwen3-Next: a gated query, (1 + w) norms in float32
         AttentionKind("gated", OffsetRMSNorm, GatedAttention, hf_attention_weights),
     )
@@ -337,6 +357,7 @@ def _lfm2_config(arch: Architecture, cfg: dict[str, Any]) -> LlamaConfig:
 
 HF_CONFIGS: dict[str, Callable[[Architecture, dict[str, Any]], LlamaConfig]] = {
     "lfm2": _lfm2_config,
+    "granite_hybrid": granite_hybrid_config,
     "qwen3_5": qwen35_config,
     "qwen3_5_moe": qwen35_config,
     "qwen3_next": qwen35_config,
