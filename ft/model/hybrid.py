@@ -7,8 +7,8 @@ other names a row of `MIXERS`, a recurrent mixer (`ft.model.recurrent.RecurrentM
 takes the attention's place in a `MixerLayer`, between the same input norm, residual and MLP.
 What the attention layers and the norms are is the family's `AttentionKind` (its entry's
 `hybrid_attention`, a row of `ATTENTIONS`): the Llama family's `DecoderLayer` and RMSNorm
-(LFM2, Granite 4.0-H), or a module of its own in an `AttentionLayer` and its own norm (Qwen3.5's gated
-attention and (1 + w) norms). A mixer's past is a fixed-size state per
+(LFM2, Granite 4.0-H), or a module of its own in an `AttentionLayer` and a norm of its own
+(Qwen3.5's gated attention and (1 + w) norms). A mixer's past is a fixed-size state per
 sequence, which the runner holds in slots (`recurrent.StateTensors`) and passes in with the
 step's spans; the model returns the new states and the runner writes them once the whole step
 has succeeded.
