@@ -229,7 +229,7 @@ def _phi_smollm_granite(
                     f"tensor {name}: expected shape [{rotary_dim // 2}] (one per rotary pair), "
                     f"found {list(tensor.shape)}"
                 )
-            scaling[key] = [float(v) for v in _dequantized(tensor).flatten().tolist()]
+            scaling[key] = [float(v) for v in dequantized(tensor).flatten().tolist()]
         attn_factor_key = f"{arch}.rope.scaling.attn_factor"
         if attn_factor_key in meta.fields:  # else computed from the context, as the converter does
             scaling["attention_factor"] = meta.number(attn_factor_key, 1e-6, 1e6, 1.0)
@@ -329,10 +329,10 @@ def as_stored(tensor: GGUFTensor) -> QuantTensor:
         raw = np.ascontiguousarray(tensor.data).view(np.uint8).reshape(tensor.data.shape[0], -1)
         data = torch.from_numpy(np.array(raw, copy=True))
         return QuantTensor(data, int(tensor.tensor_type), cols)
-    return to_q8_0(_dequantized(tensor).reshape(-1, cols))
+    return to_q8_0(dequantized(tensor).reshape(-1, cols))
 
 
-def _dequantized(tensor: GGUFTensor) -> np.ndarray:
+def dequantized(tensor: GGUFTensor) -> np.ndarray:
     """The tensor's values as a float32 array.
 
     Raises:
@@ -376,7 +376,7 @@ def gguf_tensors(
             continue
         heads = _permuted_heads(tensor.name, config) if permuted else None
         if tensor.name.startswith("cls."):  # a reranker's head: float32, under its GGUF name
-            sd[tensor.name] = torch.from_numpy(_dequantized(tensor))
+            sd[tensor.name] = torch.from_numpy(dequantized(tensor))
             reader.release(tensor)
             continue
         if quantized and len(tensor.shape) == 3:  # an expert stack: one packed view per expert
@@ -397,7 +397,7 @@ def gguf_tensors(
                 sd[name] = repacked(part)
             reader.release(tensor)
             continue
-        w = torch.from_numpy(_dequantized(tensor))
+        w = torch.from_numpy(dequantized(tensor))
         if tensor.name == "rope_freqs.weight":
             freq_factors = tuple(float(x) for x in w.flatten().tolist())
             continue
@@ -438,7 +438,7 @@ def _expert_views(tensor: GGUFTensor, stacked_name: str) -> dict[str, QuantTenso
 def _dequantized_part(tensor: GGUFTensor, expert: int) -> np.ndarray:
     """Expert `expert` of a stack of a type the kernels do not multiply, as float32."""
     part = GGUFTensor(tensor.name, tensor.tensor_type, tensor.shape[1:], tensor.data[expert])
-    return _dequantized(part)
+    return dequantized(part)
 
 
 def split_fused(
