@@ -56,6 +56,11 @@ def gguf_config(meta: GGUFFile, tensor_names: set[str], vocab_size: int) -> Llam
     arch = meta.text("general.architecture")
     if arch is None:
         raise ModelFileError("GGUF file lacks required metadata key 'general.architecture'")
+    from ft.model.gguf_hybrid import refusal  # (here, not at the top: it imports this module)
+
+    hybrid = refusal(arch)
+    if hybrid is not None:  # its own translation, `gguf_hybrid.load_hybrid_gguf`
+        raise ModelFileError(hybrid)
     try:
         family = by_gguf(
             arch, str(meta.text("general.name", "") or ""), f"{arch}.expert_count" in meta.fields

@@ -195,10 +195,9 @@ def common_config(meta: GGUFFile, keys: Keys, num_layers: int) -> Config:
         "max_position_embeddings": keys.integer("context_length", 1, 1 << 24, default=2048),
         "tie_word_embeddings": all(t.name != "output.weight" for t in meta.tensors),
     }
-    for name in ("bos", "eos", "padding"):
-        key = f"tokenizer.ggml.{name}_token_id"
-        if key in meta.fields:
-            cfg[f"{name.replace('padding', 'pad')}_token_id"] = meta.integer(key, 0, num_tokens - 1)
+    for name, hf in (("bos", "bos"), ("eos", "eos"), ("padding", "pad")):  # (None: the file has none,
+        key = f"tokenizer.ggml.{name}_token_id"  # not the family's default)
+        cfg[f"{hf}_token_id"] = meta.integer(key, 0, num_tokens - 1) if key in meta.fields else None
     return cfg
 
 

@@ -18,8 +18,8 @@ attention's 1/sqrt(head size).
 
 NOTE: the converter finds the attention layers by `layer_types` "attention" (the published
 configs' name). A config that transformers 5 rewrote ("full_attention") converts to a file
-whose every layer reads as Mamba-2 while attention tensors are present: refused here as
-unexpected tensors.
+whose every layer reads as Mamba-2 while its attention layers hold attention tensors:
+refused here (an attention layer's Mamba-2 tensors are missing).
 """
 
 from __future__ import annotations

@@ -125,15 +125,10 @@ def qwen_config(meta: GGUFFile, arch: str) -> Config:
         "moe_intermediate_size": keys.integer("expert_feed_forward_length", 1, MAX_WIDTH),
         "shared_expert_intermediate_size": keys.integer("expert_shared_feed_forward_length", 1, MAX_WIDTH),
     }
-    if arch == "qwen3next":  # its layers without experts (`mlp_only_layers`) have a dense MLP
-        names = {t.name for t in meta.tensors}
-        dense = [i for i in range(num_layers) if f"blk.{i}.ffn_gate_inp.weight" not in names]
-        cfg |= {
-            "norm_topk_prob": keys.flag("expert_weights_norm", True),
-            "decoder_sparse_step": 1,
-            "mlp_only_layers": dense,
-        }
-        if dense or keys.has("feed_forward_length"):
+    if arch == "qwen3next":  # (llama.cpp's qwen3next has experts on every layer)
+        cfg |= {"norm_topk_prob": keys.flag("expert_weights_norm", True), "decoder_sparse_step": 1,
+                "mlp_only_layers": []}  # fmt: skip
+        if keys.has("feed_forward_length"):  # (the dense width no layer uses)
             cfg["intermediate_size"] = keys.integer("feed_forward_length", 1, MAX_WIDTH)
     return cfg
 
@@ -262,7 +257,7 @@ def _qkvz(qkv: torch.Tensor, z: torch.Tensor, num_k: int, dk: int, v_per_k: int)
 def _mlp(cfg: Config, i: int, hf: str) -> list[Piece]:
     """The dense MLP, or the routed experts with their gated shared expert."""
     h, p, m = cfg["hidden_size"], f"blk.{i}.", hf + "mlp."
-    if "num_experts" not in cfg or i in cfg.get("mlp_only_layers", ()):
+    if "num_experts" not in cfg:
         ff = cfg["intermediate_size"]
         return [
             same(p + "ffn_gate.weight", (ff, h), m + "gate_proj.weight"),
