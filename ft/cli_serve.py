@@ -213,6 +213,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="reuse the KV pages of prompt prefixes already computed (default: on)",
     )
     engine.add_argument(
+        "--state-snapshots",
+        metavar="N",
+        type=int,
+        default=_E.state_snapshots,
+        help="models with recurrent layers (LFM2): snapshots of sequences' states kept for prefix "
+        "reuse, beside one slot per running request; 0 turns their prefix cache off (default: %(default)s)",
+    )
+    engine.add_argument(
         "--prompt-cache-dir",
         metavar="DIR",
         default=_E.prompt_cache_dir,
@@ -452,6 +460,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerSet
         max_queued_requests=args.max_queued_requests,
         max_queue_wait_s=args.max_queue_wait,
         enable_prefix_caching=args.enable_prefix_caching,
+        state_snapshots=args.state_snapshots,
         prompt_cache_dir=args.prompt_cache_dir,
         prompt_cache_size=args.prompt_cache_size,
         tokenizer_workers=args.tokenizer_workers,

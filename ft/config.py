@@ -34,6 +34,11 @@ DEFAULT_ABORT_TIMEOUT_S = 3.0
 # on disk worth a read (a load takes a step of its own; below it they are prefilled).
 DEFAULT_PROMPT_CACHE_SIZE = 4 << 30
 DEFAULT_PROMPT_CACHE_MIN_TOKENS = 64
+# A model with recurrent layers: snapshots of sequences' states kept for prefix reuse (their
+# slots beside one per running sequence, out of the KV budget); 0 turns its prefix cache off.
+DEFAULT_STATE_SNAPSHOTS = 16
+MAX_STATE_SNAPSHOTS = 4096
+RECURRENT_REFUSAL = "not supported for models with recurrent layers"  # how each refusal begins
 MAX_SERVED_NAME_LEN = 256  # a request's `model` is at most this long too
 
 
@@ -96,6 +101,10 @@ class EngineConfig:
     prompt_cache_dir: str | None = None
     prompt_cache_size: int = DEFAULT_PROMPT_CACHE_SIZE
     prompt_cache_min_tokens: int = DEFAULT_PROMPT_CACHE_MIN_TOKENS
+    # A model with recurrent layers (LFM2's short convolutions, DeltaNet, Mamba): the slots for
+    # snapshots of sequences' states at page boundaries, beyond one per running sequence; a
+    # prefix-cache hit on such a model reuses KV only up to a snapshot (0: no prefix reuse).
+    state_snapshots: int = DEFAULT_STATE_SNAPSHOTS
 
     def __post_init__(self) -> None:
         for name in self.served_names:
@@ -183,6 +192,10 @@ class EngineConfig:
         if not 1 <= self.prompt_cache_min_tokens <= 1 << 20:
             raise ValueError(
                 f"prompt_cache_min_tokens must be in 1..1048576, got {self.prompt_cache_min_tokens}"
+            )
+        if not 0 <= self.state_snapshots <= MAX_STATE_SNAPSHOTS:
+            raise ValueError(
+                f"state_snapshots must be in 0..{MAX_STATE_SNAPSHOTS}, got {self.state_snapshots}"
             )
         if not 1 <= self.speculative_max_batch <= 1024:
             raise ValueError(f"speculative_max_batch must be in 1..1024, got {self.speculative_max_batch}")

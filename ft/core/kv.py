@@ -131,6 +131,13 @@ class PagePool:
             pages.append(page)
         return pages
 
+    def share(self, pages: Sequence[int]) -> None:
+        """One more reference to each of `pages` (held): another sequence reads them too (a
+        choice of `n` forked after its request's shared prompt)."""
+        for page in pages:
+            assert self._refs[page] > 0, f"page {page} is not held"
+            self._refs[page] += 1
+
     def register(self, page: int, h: int) -> bool:
         """Remember that `page` (held, full) holds the content hashed `h`; False when the page
         or the content is known already (another page holds the same content)."""

@@ -17,6 +17,13 @@ refuses any request whose whole budget could not fit the pool alone, so the olde
 always gets its next page and advances every step. The queue is FIFO with preempted requests
 at its head, so nothing admitted later overtakes an earlier request: every request finishes.
 
+On a model with recurrent layers (a hybrid: `states`, `ft.core.state`) each running sequence
+also holds a state slot. Its prefix-cache hits reuse KV only up to a page whose state snapshot
+is held (restored into its slot); a prefill chunk that would cross the prompt's last full page
+boundary before its last token is cut there, and the state is snapshotted there after the
+step, so the next turn of a conversation finds it. The other choices of an `n` > 1 request wait
+for choice 0 to get there, then take its state and pages (`state.fork`) instead of computing them.
+
 On a model whose every layer is windowed (`kv_window`), a sequence holds at most
 `window_pages` whatever its length (the pages behind the window go back, and it is given pages
 a step ahead, never the whole prompt's at once), so that is the budget `check_fits` counts
@@ -50,6 +57,7 @@ from ft.core.kv import PagePool, page_hash, partition_root
 from ft.core.ngram import DraftLength, NgramIndex
 from ft.core.sequence import SeqStatus, Sequence
 from ft.core.spec_cost import MAX_RETRY_EVERY, RETRY_EVERY, StepCosts, expected_accepted
+from ft.core.state import StatePool, fork, plan_forks, release_slot, state_boundary, take_slot
 from ft.errors import ContextLengthExceeded, InvalidRequest
 from ft.params import SamplingParams, mix_seed
 
@@ -109,6 +117,7 @@ class Scheduler:
         score_cost: float = 0.0,
         disk: PromptCache | None = None,
         disk_min_tokens: int = DEFAULT_DISK_MIN_TOKENS,
+        states: StatePool | None = None,
     ) -> None:
         self.pool = pool
         self.max_running = max_running
@@ -167,6 +176,18 @@ class Scheduler:
         self.num_disk_hit_tokens = 0  # prompt tokens read from disk (also in num_prefix_hit_tokens)
         if disk is not None:
             pool.on_evict = self._on_evict
+        # A hybrid model's recurrent state slots (None: attention only). Its prefix cache reuses
+        # KV only where a snapshot of the state is held: with no snapshots, nothing is reused.
+        self.states = states
+        if states is not None:
+            if states.max_running != max_running:
+                raise ValueError(f"state slots for {states.max_running} running sequences, not {max_running}")
+            if disk is not None or speculative_tokens or draft_model:
+                raise ValueError(
+                    "the prompt cache's disk tier and speculative decoding are not supported for "
+                    "models with recurrent layers"
+                )
+            self.enable_prefix_caching = enable_prefix_caching and states.max_snapshots > 0
 
     # --- admission ---------------------------------------------------------------------------
 
@@ -271,6 +292,8 @@ class Scheduler:
         """Admit all of a request's sequences, or none: nothing is held unless all fit."""
         if len(self.running) + len(group) > self.max_running:
             return False
+        if self.states is not None and not self.states.can_allocate(len(group)):
+            return False
         size = self.pool.page_size
         found = [self._match_prefix(seq) for seq in group]
         matched = [m for m, _ in found]
@@ -288,6 +311,10 @@ class Scheduler:
             for m, d in zip(matched, behind, strict=True):
                 self.pool.release(m[d:])
             return False
+        if self.states is not None:  # the snapshots to restore are the last a slot evicts
+            for seq, m in zip(group, matched, strict=True):
+                if m:
+                    self.states.touch(seq.page_hashes[len(m) - 1])
         for seq, (m, on_disk), n, d in zip(group, found, fresh, behind, strict=True):
             held = m[d:] + self.pool.allocate(n)
             seq.page_ids = [held[0]] * d + held
@@ -311,7 +338,40 @@ class Scheduler:
                 seq.num_lost = 0
             seq.status = SeqStatus.RUNNING
             self.running[seq.seq_id] = seq
+            if self.states is not None:
+                take_slot(self.states, seq, size)
+        if self.states is not None and len(group) > 1 and not self.kv_window:
+            plan_forks(group, size)
         return True
+
+    def _is_forking(self, seq: Sequence) -> bool:
+        """Whether `seq` waits to fork from another choice (which is still running)."""
+        if seq.fork_from is not None and seq.fork_from not in self.running:
+            seq.fork_from = None  # (defensive: the group is preempted and aborted as one)
+        return seq.fork_from is not None
+
+    def _at_state_boundary(self, seq: Sequence) -> None:
+        """After a step that ended at `seq`'s state boundary: snapshot its state there (the next
+        batch copies it before its works advance it), and fork the choices waiting for it."""
+        boundary = state_boundary(seq, self.pool.page_size)
+        if not boundary or seq.num_computed != boundary:
+            return
+        assert self.states is not None
+        n = boundary // self.pool.page_size
+        if self.enable_prefix_caching:
+            self.states.snapshot(seq.state_slot, self._page_hashes(seq, n)[n - 1])
+        for child in [s for s in self.running.values() if s.fork_from == seq.seq_id]:
+            fork(child, seq, boundary, self.pool, self.states)
+
+    def _state_cut(self, seq: Sequence) -> float:
+        """The most tokens `seq`'s next prefill chunk may feed: up to its state boundary when
+        the chunk would cross it and a snapshot or a fork is taken there (else no limit)."""
+        boundary = state_boundary(seq, self.pool.page_size)
+        if self.states is None or seq.num_computed >= boundary:
+            return float("inf")
+        if self.enable_prefix_caching or any(s.fork_from == seq.seq_id for s in self.running.values()):
+            return boundary - seq.num_computed
+        return float("inf")
 
     def _match_prefix(self, seq: Sequence) -> tuple[list[int], list[int]]:
         """The cached pages `seq` can start from, and the keys of the pages after them to read
@@ -331,6 +391,11 @@ class Scheduler:
         if seq.is_pooling:  # a cached page has no hidden states to pool either
             keep = min(keep, seq.num_reusable_pooled // self.pool.page_size)
         matched = self.pool.match_prefix(hashes[:keep])
+        if self.states is not None:
+            # The recurrent layers' past is not in the pages: reuse them only up to a snapshot.
+            n = self.states.longest_snapshot(hashes[: len(matched)])
+            self.pool.release(matched[n:])
+            return matched[:n], []
         on_disk: list[int] = []
         if self.disk is not None and len(matched) < keep:
             rest = hashes[len(matched) : keep]
@@ -446,6 +511,8 @@ class Scheduler:
             seq.num_lost = max(seq.num_lost, seq.num_computed)
             seq.num_computed = seq.num_registered = 0
             seq.num_draft_computed, seq.catching_up, seq.num_passed_over = 0, False, 0
+            if self.states is not None:
+                release_slot(self.states, seq)
             seq.num_preemptions += 1
             seq.status = SeqStatus.PREEMPTED
         if group:
@@ -489,6 +556,8 @@ class Scheduler:
         del self.running[seq.seq_id]
         self.pool.release(seq.page_ids[seq.num_dropped :])
         seq.page_ids, seq.num_dropped = [], 0
+        if self.states is not None:
+            release_slot(self.states, seq)
 
     # --- stepping ----------------------------------------------------------------------------
 
@@ -519,7 +588,11 @@ class Scheduler:
         if not self._grow():
             while self.waiting and self._try_admit(self.waiting[0]):
                 self.waiting.popleft()
-        decoding = [seq for seq in self.running.values() if not seq.is_prefilling and not seq.num_loading]
+        decoding = [
+            seq
+            for seq in self.running.values()
+            if not seq.is_prefilling and not seq.num_loading and not self._is_forking(seq)
+        ]
         works = self._decode_works(decoding)
         # NOTE: a step that also decodes takes a quarter of the prefill budget, so that streams
         # already running pause for at most a short chunk while new prompts arrive (16 clients
@@ -528,8 +601,8 @@ class Scheduler:
         for seq in self.running.values():
             if budget < 1:
                 break
-            if seq.is_prefilling and not seq.num_loading:
-                chunk, cost = self._prefill_chunk(seq, budget)
+            if seq.is_prefilling and not seq.num_loading and not self._is_forking(seq):
+                chunk, cost = self._prefill_chunk(seq, min(budget, self._state_cut(seq)))
                 if not chunk:
                     continue
                 start = seq.num_computed
@@ -539,10 +612,11 @@ class Scheduler:
         saves, loads = tuple(self._saves.values()), tuple(self._loads)
         self._saves.clear()
         self._loads.clear()
-        if not works and not saves and not loads:
+        copies = self.states.take_copies() if self.states is not None else ()
+        if not works and not saves and not loads and not copies:
             return None
         self._step += 1
-        return Batch(self._step, tuple(works), saves, loads)
+        return Batch(self._step, tuple(works), saves, loads, copies)
 
     def _prefill_chunk(self, seq: Sequence, budget: float) -> tuple[int, float]:
         """The most of `seq`'s next prefill tokens that `budget` pays for, and their cost: a token
@@ -767,6 +841,7 @@ class Scheduler:
             num_draft=num_draft,
             pool_offset=pool_offset,
             num_pool_rows=num_pool_rows,
+            state_slot=seq.state_slot,
         )
 
     @staticmethod
@@ -864,6 +939,8 @@ class Scheduler:
                 seq.draft_length.update(num_drafts, num_accepted)
             self._register_full_pages(seq)
             self._drop_out_of_window(seq)
+            if self.states is not None:
+                self._at_state_boundary(seq)
             if seq.is_pooling:
                 embedded = self._fold_pooled(seq, work, pooled.get(work.seq_id))
                 if embedded is not None:

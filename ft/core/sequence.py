@@ -63,6 +63,11 @@ class Sequence:
     # last drafted, and how many such steps before it is let through once to be measured again.
     num_passed_over: int = 0
     retry_passed_over: int = RETRY_EVERY
+    # A model with recurrent layers (`ft.core.state`): the state slot it holds while running
+    # (-1: none), and, for a choice of `n` > 1, the choice whose state and prompt pages it takes
+    # once that one has computed their shared prompt's full pages (None: it computes its own).
+    state_slot: int = -1
+    fork_from: int | None = None
     # A pooling request: the sum of the hidden states pooled so far, and the positions before
     # `num_pooled` it holds (mean: every one summed; cls: position 0; last: set when done).
     pool_sum: list[float] = field(default_factory=list)

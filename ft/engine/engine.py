@@ -88,6 +88,7 @@ class Engine:
         self._failed = trio.Event()  # set when the model failed to load or its runner failed
         self._close_model: Callable[[bool], None] | None = None
         self.kv_page_bytes = 0  # bytes of one KV page, once loaded
+        self.state_slot_bytes = 0  # a hybrid model's bytes of one recurrent state slot, once loaded
         self.prompt_cache: PromptCache | None = None  # the disk tier, once started (closed with it)
         self._tmpdir = tempfile.TemporaryDirectory(prefix="ft-")
 

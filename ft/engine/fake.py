@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 import trio
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-from ft.core.batch import Heartbeat, PoolSum, Sampled, Scored, SeqWork, StepOutput, TokenScore
+from ft.core.batch import Heartbeat, PoolSum, Sampled, Scored, SeqWork, StateCopy, StepOutput, TokenScore
 from ft.tokenizer.spec import TokenizerSpec, bytes_to_unicode
 
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -90,7 +90,12 @@ class FakeRunner:
     """Scripted tokens, `step_s` of (trio) time per step; `hangs`: steps that never return.
 
     With `beat_s`, a step's `step_s` pass in pieces of `beat_s`, its `heartbeat` beating after
-    each, as a real forward beats once a layer (a long step that makes progress)."""
+    each, as a real forward beats once a layer (a long step that makes progress).
+
+    `recurrent`: the model has recurrent layers (`ft.core.batch.StateRunner`, its slots counted
+    by the engine's config); each slot's state is the tokens fed into it, and a work whose slot
+    does not hold exactly `start_pos` of them (or an unwritten slot) is noted in `state_faults`
+    (raising would only fail the request, which a test may expect for other reasons)."""
 
     script: Script = field(default_factory=lambda: text_script("Hello from the fake model."))
     step_s: float = 0.01
@@ -102,6 +107,18 @@ class FakeRunner:
     hangs: bool = False  # set: steps never return (a hung kernel or rank), for the watchdog
     beat_s: float = 0.0
     heartbeat: Heartbeat = field(default_factory=Heartbeat)
+    recurrent: bool = False
+    num_state_slots: int = 0
+    states: dict[int, tuple[int, ...]] = field(default_factory=dict)  # unwritten: absent
+    state_faults: list[str] = field(default_factory=list)
+
+    def copy_states(self, copies: list[StateCopy] | tuple[StateCopy, ...]) -> None:
+        """Run a batch's state copies, in order."""
+        for copy in copies:
+            if copy.src in self.states:
+                self.states[copy.dst] = self.states[copy.src]
+            else:
+                self.states.pop(copy.dst, None)
 
     async def astep(self, works: list[SeqWork]) -> list[StepOutput]:
         """One fake step: check page coverage, wait `step_s`, emit scripted tokens."""
@@ -121,6 +138,8 @@ class FakeRunner:
         is `fake_hidden(token, position)`."""
         if self.record:
             self.steps.append(works)
+        if self.recurrent:
+            self._advance_states(works)
         out: list[StepOutput] = []
         for w in works:
             end = w.start_pos + len(w.token_ids)
@@ -149,3 +168,17 @@ class FakeRunner:
                 ]
                 out.append(PoolSum(w.seq_id, tuple(float(sum(col)) for col in zip(*rows, strict=True))))
         return out
+
+    def _advance_states(self, works: list[SeqWork]) -> None:
+        written = {}
+        for w in works:
+            if not 0 <= w.state_slot < self.num_state_slots:
+                self.state_faults.append(f"seq {w.seq_id}: state slot {w.state_slot}")
+                continue
+            before = self.states.get(w.state_slot) if w.start_pos else ()
+            if before is None or len(before) != w.start_pos:
+                got = "nothing" if before is None else f"{len(before)} tokens"
+                self.state_faults.append(f"seq {w.seq_id} at {w.start_pos}: its slot holds {got}")
+                before = ()
+            written[w.state_slot] = before + w.token_ids
+        self.states.update(written)

@@ -23,11 +23,12 @@ from ft.actors.fair_limiter import FairLimiter
 from ft.actors.runner import RunnerActor
 from ft.actors.scheduler import SchedulerActor
 from ft.actors.tokenizer import TokenizerActor
-from ft.config import EngineConfig, resolve_pooling
+from ft.config import RECURRENT_REFUSAL, EngineConfig, resolve_pooling
 from ft.core.batch import Runner
 from ft.core.kv import PagePool
 from ft.core.prompt_cache import PageIO, PromptCache, cache_identity, lock_directory
 from ft.core.scheduler import Scheduler
+from ft.core.state import StatePool
 from ft.engine.grammars import Grammars
 from ft.engine.loading import ModelParts, load_torch_model
 from ft.engine.observe import log_summaries, stamp_tokens
@@ -212,6 +213,8 @@ async def _load_and_start(
     hooks = engine.hooks
     parts = await trio.to_thread.run_sync(load, cfg)
     engine._close_model = parts.close
+    if parts.num_state_slots:
+        check_recurrent(cfg)
     engine.load_progress = 0.9
     spec = parts.tokenizer
     engine.max_model_len = min(cfg.max_model_len or spec.context_length, spec.context_length)
@@ -220,8 +223,9 @@ async def _load_and_start(
             f"max_model_len {cfg.max_model_len} exceeds the model's context {spec.context_length}"
         )
     engine.kv_page_bytes = parts.bytes_per_page(cfg.page_size)
+    engine.state_slot_bytes = parts.state_slot_bytes
     engine.model_plan = parts.plan
-    num_pages = cfg.num_pages or max(2, cfg.kv_cache_memory // engine.kv_page_bytes)
+    num_pages = cfg.num_pages or kv_budget_pages(cfg, parts, engine.kv_page_bytes)
     runner = await trio.to_thread.run_sync(parts.make_runner, num_pages, cfg.page_size)
     engine.kv_cache_bytes = num_pages * parts.bytes_per_page(cfg.page_size)
     kv_dtype = getattr(runner, "kv_dtype", None)
@@ -258,6 +262,7 @@ async def _load_and_start(
         score_cost=parts.score_cost,
         disk=engine.prompt_cache,
         disk_min_tokens=cfg.prompt_cache_min_tokens,
+        states=StatePool(parts.num_state_slots, cfg.max_running_requests) if parts.num_state_slots else None,
     )
     # Unbounded inboxes, each bounded by what feeds it: every live request posts one
     # Tokenize and O(1) scheduler commands; one StepDone and one detokenizer tuple per step.
@@ -349,6 +354,47 @@ async def _load_and_start(
     engine.load_progress = 1.0
     if engine.state == EngineState.LOADING:  # a drain that began while loading stands
         engine.state = EngineState.READY
+
+
+def kv_budget_pages(cfg: EngineConfig, parts: ModelParts, page_bytes: int) -> int:
+    """The KV pages `--kv-cache-memory` holds once a hybrid model's recurrent state slots (one
+    per running sequence and the snapshots', `ModelParts.num_state_slots`) are taken out of it.
+
+    Raises:
+        ValueError: the budget cannot hold the slots and two pages.
+    """
+    state_bytes = parts.num_state_slots * parts.state_slot_bytes
+    if not state_bytes:
+        return max(2, cfg.kv_cache_memory // page_bytes)
+    if cfg.kv_cache_memory - state_bytes < 2 * page_bytes:
+        raise ValueError(
+            f"--kv-cache-memory {cfg.kv_cache_memory} bytes cannot hold the recurrent state: "
+            f"{parts.num_state_slots} slots (--max-running-requests {cfg.max_running_requests} + "
+            f"--state-snapshots {cfg.state_snapshots}) of {parts.state_slot_bytes} bytes take "
+            f"{state_bytes} bytes, and two KV pages {2 * page_bytes} more"
+        )
+    pages = (cfg.kv_cache_memory - state_bytes) // page_bytes
+    log.info(
+        "recurrent state: %d slots of %d bytes (%d MiB) out of the KV budget; %d KV pages",
+        parts.num_state_slots,
+        parts.state_slot_bytes,
+        state_bytes >> 20,
+        pages,
+    )
+    return pages
+
+
+def check_recurrent(cfg: EngineConfig) -> None:
+    """Refuse what a model with recurrent layers cannot run with (`ft.model.plan` refuses the
+    same for a model file before its weights load; this holds for any model).
+
+    Raises:
+        ValueError: speculative decoding or the prompt cache's disk tier was asked for.
+    """
+    if cfg.speculative_method is not None:
+        raise ValueError(f"speculative decoding (--speculative-method) is {RECURRENT_REFUSAL}")
+    if cfg.prompt_cache_dir is not None:
+        raise ValueError(f"the prompt cache's disk tier (--prompt-cache-dir) is {RECURRENT_REFUSAL}")
 
 
 def open_prompt_cache(cfg: EngineConfig, parts: ModelParts, runner: Runner, lock_fd: int) -> PromptCache:

@@ -108,6 +108,7 @@ def load_torch_model(
     from ft.model import kernels
     from ft.model.architectures import by_name
     from ft.model.dtypes import resolve_dtype
+    from ft.model.hybrid import state_slot_bytes
     from ft.model.loader import load_model
     from ft.model.plan import plan as make_plan
     from ft.model.plan import read_header
@@ -153,6 +154,8 @@ def load_torch_model(
         if procs is not None:
             rank_launch.abandon(procs)
         raise
+    # A hybrid's state slots: one per running sequence, then the snapshots (`ft.core.state`).
+    num_state_slots = config.max_running_requests + config.state_snapshots if loaded.config.is_hybrid else 0
     kv_dtype: kernels.KVDtype = dtype
     if run.kv_dtype == kernels.Q8_0_KV:
         kv_dtype = kernels.Q8_0_KV
@@ -180,6 +183,7 @@ def load_torch_model(
             device=device,
             ranks=ranks,
             kind=run.runner,  # the plan's: packed, float or graphed
+            num_state_slots=num_state_slots,
         )
         built.append(runner)
         return runner
@@ -228,6 +232,8 @@ def load_torch_model(
         score_cost=loaded.config.score_cost,
         kv_identity=kv_identity(),
         plan=run,
+        num_state_slots=num_state_slots,
+        state_slot_bytes=state_slot_bytes(loaded.config) if num_state_slots else 0,
     )
 
 

@@ -167,6 +167,35 @@ class PromptCacheTiers:
 
 
 @dataclass(frozen=True, slots=True)
+class RecurrentStateStats:
+    """A model with recurrent layers' state slots (all zero for one that only attends): slots
+    in all, held by running sequences, holding snapshots; snapshots restored (prefix-cache hits)
+    and taken since the start; the bytes of one slot."""
+
+    slots: int
+    in_use: int
+    snapshots: int
+    snapshot_hits: int
+    snapshots_taken: int
+    slot_bytes: int
+
+    @classmethod
+    def of(cls, engine: Engine) -> RecurrentStateStats:
+        """The state slots of `engine` now (zeros before it has started)."""
+        states = engine.core.states if engine.core is not None else None
+        if states is None:
+            return cls(0, 0, 0, 0, 0, 0)
+        return cls(
+            slots=states.num_slots,
+            in_use=states.num_in_use,
+            snapshots=states.num_snapshots,
+            snapshot_hits=states.num_hits,
+            snapshots_taken=states.num_taken,
+            slot_bytes=engine.state_slot_bytes,
+        )
+
+
+@dataclass(frozen=True, slots=True)
 class RequestStats:
     """Request gauges (derived from the registry now) and totals since the start."""
 
@@ -208,6 +237,7 @@ class EngineSnapshot:
     requests: RequestStats
     process: ProcessStats
     prompt_cache: PromptCacheTiers
+    recurrent_state: RecurrentStateStats
     drain_complete: bool | None = None
 
     def as_json(self) -> dict[str, Any]:
@@ -270,6 +300,7 @@ def snapshot(engine: Engine) -> EngineSnapshot:
         ),
         process=ProcessStats(rss_bytes=_rss_bytes()),
         prompt_cache=PromptCacheTiers.of(engine),
+        recurrent_state=RecurrentStateStats.of(engine),
     )
 
 

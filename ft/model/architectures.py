@@ -120,6 +120,15 @@ class Architecture:
     `query_pre_attn_scalar`). `hf_text_defaults` reads a multimodal checkpoint's text model: its
     `text_config` over these defaults (transformers', which hub configs leave out), its weights
     renamed by `hf_weight_prefixes` and every other weight (the vision tower) left out.
+
+    `decoder` names the module whose torch model runs the family: "llama" (`ft.model.llama`,
+    every family but one) or "gemma4" (`ft.model.gemma4`: layers of their own head sizes, KV
+    shared across layers, per-layer embeddings; float weights, one process, eager);
+    `gguf_refusal`, when set, is why its GGUFs do not load (said at load).
+    `mixer` names the recurrent mixer of a hybrid family's non-attention layers
+    (`ft.model.hybrid.MIXERS`; its `config.json` is read by `hybrid.HF_CONFIGS`), None for a
+    family that only attends; `hf_weight_renames` are the (old, new) parts of its Hugging Face
+    weight names renamed at load to the Llama family's (`mlp.gate_proj`, `self_attn.o_proj`, ...).
     """
 
     name: str
@@ -153,6 +162,16 @@ class Architecture:
     gguf_no_rope_interval: int = 0
     tool_call_parser: str | None = None  # the tool-call format its template asks for (None: hermes)
     gguf_converter_losses: tuple[ConverterLoss, ...] = ()
+    decoder: str = "llama"
+    gguf_refusal: str = ""
+    mixer: str | None = None
+    hf_weight_renames: tuple[tuple[str, str], ...] = ()
+
+    def hf_weight_name(self, name: str) -> str:
+        """A Hugging Face weight's name as the loader files it (`hf_weight_renames` applied)."""
+        for old, new in self.hf_weight_renames:
+            name = name.replace(old, new)
+        return name
 
     @property
     def gguf_layer_names(self) -> dict[str, str]:
@@ -290,6 +309,22 @@ GEMMA3 = Architecture(
     ),
 )
 
+# Gemma 4's text models (`ft.model.gemma4_config`): sliding and global layers of different head
+# sizes, per-layer embeddings on the E models, KV shared by the last layers, optional experts.
+GEMMA4 = Architecture(
+    name="gemma4",
+    hf_model_types=("gemma4_text", "gemma4"),
+    hf_architectures=("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"),
+    gguf_names=("gemma4",),
+    packed=False,
+    windowed=True,
+    hf_weight_prefixes=(("model.language_model.", "model."), ("lm_head.", "lm_head.")),
+    decoder="gemma4",
+    gguf_refusal=(
+        "Gemma 4 GGUFs are not supported yet (ft runs Gemma 4 from its Hugging Face safetensors directory)"
+    ),
+)
+
 # Phi-3 / Phi-4-mini: fused projections, partial rotary, longrope (`LlamaConfig.from_hf`)
 PHI3 = Architecture(
     name="phi3",
@@ -326,8 +361,32 @@ GRANITE = Architecture(
     tool_call_parser="granite",
 )
 
+# LFM2: short convolutions (a recurrent state per sequence, `ft.model.short_conv`) and, between
+# them, attention layers with per-head q/k RMSNorm; safetensors only (its GGUFs are refused).
+LFM2 = Architecture(
+    name="lfm2",
+    hf_model_types=("lfm2",),
+    hf_architectures=("Lfm2ForCausalLM",),
+    gguf_names=(),
+    qk_norm=True,
+    packed=False,
+    mixer="short_conv",
+    hf_weight_renames=(
+        (".self_attn.out_proj.", ".self_attn.o_proj."),
+        (".self_attn.q_layernorm.", ".self_attn.q_norm."),
+        (".self_attn.k_layernorm.", ".self_attn.k_norm."),
+        (".feed_forward.w1.", ".mlp.gate_proj."),
+        (".feed_forward.w3.", ".mlp.up_proj."),
+        (".feed_forward.w2.", ".mlp.down_proj."),
+        (".operator_norm.", ".input_layernorm."),
+        (".ffn_norm.", ".post_attention_layernorm."),
+        ("model.embedding_norm.", "model.norm."),  # (the final norm, after the last layer)
+    ),
+)
+
 ARCHITECTURES: tuple[Architecture, ...] = (
-    LLAMA, MISTRAL, QWEN2, QWEN3, QWEN3_MOE, MIXTRAL, OLMOE, GEMMA2, GEMMA3, PHI3, SMOLLM3, GRANITE,
+    LLAMA, MISTRAL, QWEN2, QWEN3, QWEN3_MOE, MIXTRAL, OLMOE, GEMMA2, GEMMA3, GEMMA4, PHI3, SMOLLM3,
+    GRANITE, LFM2,
 )  # fmt: skip
 
 
@@ -373,6 +432,8 @@ def by_gguf(gguf_arch: str, model_name: str = "", has_experts: bool = False) -> 
     """
     for arch in ARCHITECTURES:
         if gguf_arch in arch.gguf_names:
+            if arch.gguf_refusal:
+                raise ValueError(arch.gguf_refusal)
             if arch is LLAMA and has_experts:
                 return MIXTRAL
             if arch is LLAMA and "mistral" in model_name.lower():

@@ -24,6 +24,7 @@ import torch
 
 from ft.core.batch import SeqWork
 from ft.model import kernels
+from ft.model.architectures import by_name
 from ft.model.attention import AttentionMetadata
 from ft.model.float_runner import FloatRunner
 from ft.model.llama import LlamaForCausalLM
@@ -212,6 +213,8 @@ class GraphedRunner(FloatRunner):
             raise ValueError("CUDA graphs need a CUDA device")
         if loaded.config.num_experts:
             raise ValueError("expert layers cannot be captured in CUDA graphs")
+        if by_name(loaded.config.architecture).decoder != "llama":
+            raise ValueError(f"{loaded.config.architecture}'s decode steps are not captured in CUDA graphs")
         super().__init__(
             loaded,
             num_pages=num_pages,
@@ -221,6 +224,7 @@ class GraphedRunner(FloatRunner):
             kv_dtype=kv_dtype,
             device=device,
         )
+        assert isinstance(self.model, LlamaForCausalLM)  # (Gemma 4's was refused above)
         self.graphs = DecodeGraphs(
             self.model,
             self.k_cache,

@@ -10,14 +10,18 @@ import torch.utils.mkldnn
 
 from ft.config import Q8_0_KV_PATH, QUANTIZATIONS
 from ft.core.batch import SeqWork
-from ft.model import kernels
+from ft.model import gemma4, kernels
+from ft.model.architectures import by_name
 from ft.model.attention import SeqSpan, build_metadata
-from ft.model.llama import build_model
+from ft.model.gemma4_config import Gemma4Config
+from ft.model.hybrid import HybridForCausalLM
+from ft.model.llama import LlamaForCausalLM, build_model
 from ft.model.loader import LoadedModel
 from ft.model.parallel.group import RankGroup
 from ft.model.parallel.shard import build_rank_model
 from ft.model.parallel.steps import gathered_lm_head
 from ft.model.quant import QuantTensor
+from ft.model.recurrent import StateTensors
 from ft.model.torch_runner import TorchRunner
 
 
@@ -59,9 +63,11 @@ def quantize_linears(model: torch.nn.Module) -> None:
 
 
 class FloatRunner(TorchRunner):
-    """Steps through a torch `LlamaForCausalLM` on `device` (the CPU or CUDA, eager), in
-    `dtype`, or with fbgemm's int8 linears (`quantize`, CPU only). Under tensor parallelism it
-    holds one rank's shard and its lm_head's logits are gathered over the ranks."""
+    """Steps through a torch `LlamaForCausalLM` (Gemma 4: `gemma4.Gemma4ForCausalLM`, in one
+    process) on `device` (the CPU or CUDA, eager), in `dtype`, or with fbgemm's int8 linears
+    (`quantize`, CPU only). Under tensor parallelism it holds one rank's shard and its
+    lm_head's logits are gathered over the ranks. A hybrid model
+    (`ft.model.hybrid`) holds `num_state_slots` recurrent state slots beside its KV pages."""
 
     def __init__(
         self,
@@ -75,11 +81,14 @@ class FloatRunner(TorchRunner):
         kv_dtype: kernels.KVDtype | None = None,
         device: torch.device | None = None,
         ranks: RankGroup | None = None,
+        num_state_slots: int = 0,
     ) -> None:
         if any(isinstance(v, QuantTensor) for v in loaded.state_dict.values()):
             raise ValueError("weights kept as stored run on the packed runner")
         if (kv_dtype or dtype) == kernels.Q8_0_KV:
             raise ValueError(Q8_0_KV_PATH)
+        if ranks is not None and loaded.config.is_hybrid:
+            raise ValueError("tensor parallelism is not supported for models with recurrent layers")
         super().__init__(
             loaded,
             num_pages=num_pages,
@@ -89,12 +98,21 @@ class FloatRunner(TorchRunner):
             kv_dtype=kv_dtype,
             device=device,
             ranks=ranks,
+            num_state_slots=num_state_slots,
         )
         on_cpu = self.device.type == "cpu"
-        if ranks is None:
+        self.model: LlamaForCausalLM | gemma4.Gemma4ForCausalLM
+        if by_name(self.config.architecture).decoder == "gemma4":
+            if ranks is not None:
+                raise ValueError("Gemma 4 runs in one process (no tensor parallelism yet)")
+            assert isinstance(self.config, Gemma4Config)
+            self.model = gemma4.build_model(self.config, loaded.state_dict, dtype, device=self.device)  # type: ignore[arg-type]
+        elif ranks is None:
             self.model = build_model(self.config, loaded.state_dict, dtype, device=self.device)  # type: ignore[arg-type]
         else:
             self.model = build_rank_model(self.config, loaded.state_dict, dtype, ranks)  # type: ignore[arg-type]
+        if isinstance(self.model, HybridForCausalLM):
+            self.states = StateTensors(self.model.state_shapes(), num_state_slots, self.device)
         if quantize is not None:
             if quantize not in QUANTIZATIONS or dtype != torch.float32 or not on_cpu:
                 raise ValueError(
@@ -110,7 +128,30 @@ class FloatRunner(TorchRunner):
 
     def _hidden(self, works: list[SeqWork], token_ids: list[int], positions: list[int]) -> torch.Tensor:
         spans = [SeqSpan(w.start_pos, len(w.token_ids), w.page_ids) for w in works]
-        return self._forward_torch(token_ids, positions, spans)
+        if self.states is None:
+            return self._forward_torch(token_ids, positions, spans)
+        state_spans = StateTensors.spans(works)
+        meta = build_metadata(spans, self._page_size, self.config.sliding_window)
+        if self.device.type != "cpu":
+            meta = meta.to(self.device)
+        hidden, new = self.model(
+            *self._token_tensors(token_ids, positions),
+            self.k_cache,
+            self.v_cache,
+            meta,
+            state_spans,
+            self.states.layers,
+            self.heartbeat,
+        )  # [T, hidden], and per recurrent layer each span's states
+        self._new_states = (state_spans, new)  # written once the whole step has succeeded
+        out: torch.Tensor = hidden
+        return out
+
+    def _token_tensors(self, token_ids: list[int], positions: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        return (
+            torch.tensor(token_ids, dtype=torch.long).to(self.device, non_blocking=True),
+            torch.tensor(positions, dtype=torch.long).to(self.device, non_blocking=True),
+        )
 
     def _forward_torch(
         self, token_ids: list[int], positions: list[int], spans: list[SeqSpan]
@@ -119,8 +160,7 @@ class FloatRunner(TorchRunner):
         if self.device.type != "cpu":
             meta = meta.to(self.device)
         hidden: torch.Tensor = self.model(
-            torch.tensor(token_ids, dtype=torch.long).to(self.device, non_blocking=True),
-            torch.tensor(positions, dtype=torch.long).to(self.device, non_blocking=True),
+            *self._token_tensors(token_ids, positions),
             self.k_cache,
             self.v_cache,
             meta,

@@ -17,6 +17,11 @@ from ft.model.rerank import RankFormat
 from ft.tokenizer.spec import TokenizerSpec, tokenizer_json_of
 
 GENERATION_KEYS = ("temperature", "top_p", "top_k", "repetition_penalty")
+# a multimodal checkpoint's weights that are not its text model's own names
+MULTIMODAL_PREFIXES = (
+    "model.language_model.", "model.vision", "model.multi_modal", "model.audio", "model.embed_vision",
+    "model.embed_audio",
+)  # fmt: skip
 
 
 def _read_json(path: pathlib.Path) -> dict[str, Any]:
@@ -81,7 +86,8 @@ def hf_state_dict(
         files = sorted(p.name for p in directory.glob("*.safetensors"))
     if not files:
         raise ValueError(f"{directory} has no *.safetensors files")
-    prefixes = by_hf(_read_json(directory / "config.json")).hf_weight_prefixes
+    family = by_hf(_read_json(directory / "config.json"))
+    prefixes = family.hf_weight_prefixes
     sd: dict[str, torch.Tensor] = {}
     for i, name in enumerate(files):
         if progress is not None:
@@ -89,17 +95,15 @@ def hf_state_dict(
         for key, tensor in load_file(str(directory / name)).items():
             text_key = _text_weight(key, prefixes) if prefixes else key
             if text_key is not None:
-                sd[text_key] = tensor.to(dtype)
+                sd[family.hf_weight_name(text_key)] = tensor.to(dtype)
     return sd
 
 
 def _text_weight(key: str, prefixes: tuple[tuple[str, str], ...]) -> str | None:
-    """A multimodal checkpoint's weight under its text model's name, or None (the vision tower,
-    the projector: not run). A checkpoint of the text model alone keeps its names."""
-    if key.startswith("model.") and not key.startswith(
-        ("model.language_model.", "model.vision", "model.multi_modal")
-    ):
-        return key  # Gemma3ForCausalLM's own
+    """A multimodal checkpoint's weight under its text model's name, or None (the vision and
+    audio towers, their projectors: not run). A checkpoint of the text model alone keeps its names."""
+    if key.startswith("model.") and not key.startswith(MULTIMODAL_PREFIXES):
+        return key  # Gemma3ForCausalLM's (Gemma4ForCausalLM's) own
     for old, new in prefixes:
         if key.startswith(old):
             return new + key.removeprefix(old)

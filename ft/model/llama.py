@@ -3,7 +3,8 @@ Qwen3 (per-head q/k RMSNorm), the mixtures of experts Qwen3-MoE, Mixtral and OLM
 RMSNorm; experts from `moe.py`), Gemma 2/3 (flags: GeGLU, post norms, soft-caps, windows),
 Phi-3/Phi-4-mini (partial rotary, longrope), SmolLM3 (layers without rotary) and Granite
 (embedding, residual, attention and logit multipliers); which blocks a family uses is its
-`architectures` entry."""
+`architectures` entry. A hybrid model (LFM2) has recurrent layers among these attention ones:
+their kinds are `LlamaConfig.layer_types`, and `ft.model.hybrid` builds the stack."""
 
 from __future__ import annotations
 
@@ -24,10 +25,12 @@ if TYPE_CHECKING:
     from ft.model.architectures import Architecture
 
 ROPE_SCALING_TYPES = ("linear", "llama3", "longrope")
+ATTENTION = "attention"  # a layer kind (`LlamaConfig.layer_types`); the others are recurrent mixers'
 HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
 
 
 Progress = Callable[[float], None]  # called with the fraction of weights loaded
+Rotary = tuple[torch.Tensor, torch.Tensor]  # cos and sin `[T, 1, rotary_dim]`
 Reduce = Callable[[torch.Tensor], torch.Tensor]  # sums a row-parallel output over the ranks
 
 
@@ -81,6 +84,11 @@ class LlamaConfig:
     residual_multiplier: float = 1.0  # each residual branch scaled before its add (Granite)
     attention_multiplier: float = 0.0  # the softmax scale, 0: 1 / sqrt(head_dim) (Granite)
     logits_scaling: float = 1.0  # the logits divided by it (Granite)
+    # Hybrid models (`ft.model.hybrid`): each layer's kind, "attention" or a recurrent mixer's
+    # (`hybrid.MIXERS`: "short_conv"); empty: every layer attends. A mixer's own settings:
+    conv_kernel: int = 0  # LFM2's short convolution: its kernel (`conv_L_cache`)
+    conv_bias: bool = False  # and whether its projections and convolution have biases
+    layer_types: tuple[str, ...] = ()
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -112,6 +120,10 @@ class LlamaConfig:
         if self.rotary_dim == self.head_dim:
             object.__setattr__(self, "rotary_dim", 0)  # one spelling of "the whole head"
         self._check_phi_smollm_granite()
+        if self.layer_types:
+            from ft.model.hybrid import check_layer_types
+
+            check_layer_types(self)
         if self.rope_scaling is not None:
             kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
             if kind == "su":  # Phi-3's first name for longrope
@@ -165,6 +177,20 @@ class LlamaConfig:
         context = self.rope_context or self.max_position_embeddings
         return context > int(scaling["original_max_position_embeddings"])
 
+    def is_attention_layer(self, layer: int) -> bool:
+        """Whether layer `layer` attends (its past in KV pages), rather than being recurrent."""
+        return not self.layer_types or self.layer_types[layer] == ATTENTION
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Whether some layer is recurrent (a per-sequence state instead of KV)."""
+        return not all(self.is_attention_layer(i) for i in range(self.num_layers))
+
+    @property
+    def num_kv_layers(self) -> int:
+        """The layers whose keys and values the KV pages hold (the attention layers)."""
+        return sum(self.is_attention_layer(i) for i in range(self.num_layers))
+
     def is_moe_layer(self, layer: int) -> bool:
         """Whether layer `layer`'s MLP is the routed experts."""
         return bool(self.num_experts) and layer not in self.mlp_only_layers
@@ -178,6 +204,13 @@ class LlamaConfig:
     def kv_size(self) -> int:
         """Width of the key (and of the value) projection."""
         return self.num_kv_heads * self.head_dim
+
+    @property
+    def kv_shapes(self) -> tuple[tuple[int, int], ...]:
+        """`(kv_heads, head_dim)` of each layer that stores keys and values, in layer order
+        (`ft.model.kv_layout`): every attention layer (a hybrid's recurrent layers store none),
+        of one shape (Gemma 4's differ)."""
+        return ((self.num_kv_heads, self.head_dim),) * self.num_kv_layers
 
     @property
     def score_cost(self) -> float:
@@ -210,8 +243,16 @@ class LlamaConfig:
         from ft.model.architectures import by_hf
 
         arch = by_hf(cfg)
+        if arch.decoder == "gemma4":
+            from ft.model.gemma4_config import gemma4_config
+
+            return gemma4_config(cfg)
         if arch.gemma:
             return cls._from_hf_gemma(cfg)
+        if arch.mixer is not None:
+            from ft.model.hybrid import hybrid_config
+
+            return hybrid_config(arch, cfg)
         if cfg.get("use_sliding_window"):
             raise ValueError(
                 f"{arch.name} with use_sliding_window is not supported (sliding-window attention)"
@@ -591,9 +632,13 @@ class DecoderLayer(nn.Module):
     Under tensor parallelism `config` holds this rank's heads and MLP columns, and `reduce`
     sums the row-parallel `o_proj` and `down_proj` outputs over the ranks (and OLMoE's whole-q/k
     norm statistics). `index` is this layer's place in the stack (its MLP, its window).
+    `attention` False builds the norms and the MLP only (`feed_forward`): a hybrid's recurrent
+    layer puts its mixer where the attention would be (`ft.model.hybrid.MixerLayer`).
     """
 
-    def __init__(self, config: LlamaConfig, reduce: Reduce | None = None, index: int = 0) -> None:
+    def __init__(
+        self, config: LlamaConfig, reduce: Reduce | None = None, index: int = 0, *, attention: bool = True
+    ) -> None:
         super().__init__()
         self.config = config
         self.reduce = reduce
@@ -609,12 +654,14 @@ class DecoderLayer(nn.Module):
         # post_attention_layernorm and post_feedforward_layernorm)
         self.attn_out_norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if config.post_norms else None
         self.mlp_out_norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if config.post_norms else None
-        qkv_out = config.q_size + 2 * config.kv_size
-        self.qkv_proj = nn.Linear(config.hidden_size, qkv_out, bias=config.attention_bias)
-        q_width, k_width = (config.q_size, config.kv_size) if config.qk_norm_whole else (config.head_dim,) * 2
-        self.q_norm = RMSNorm(q_width, config.rms_norm_eps) if config.qk_norm else None
-        self.k_norm = RMSNorm(k_width, config.rms_norm_eps) if config.qk_norm else None
-        self.o_proj = nn.Linear(config.q_size, config.hidden_size, bias=False)
+        if attention:
+            qkv_out = config.q_size + 2 * config.kv_size
+            self.qkv_proj = nn.Linear(config.hidden_size, qkv_out, bias=config.attention_bias)
+            whole = config.qk_norm_whole
+            q_width, k_width = (config.q_size, config.kv_size) if whole else (config.head_dim,) * 2
+            self.q_norm = RMSNorm(q_width, config.rms_norm_eps) if config.qk_norm else None
+            self.k_norm = RMSNorm(k_width, config.rms_norm_eps) if config.qk_norm else None
+            self.o_proj = nn.Linear(config.q_size, config.hidden_size, bias=False)
         self.moe = SparseMoE(config) if config.is_moe_layer(index) else None
         if self.moe is None:
             self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
@@ -658,6 +705,12 @@ class DecoderLayer(nn.Module):
         o = self.o_proj(attn)  # [T, hidden] (this rank's heads' share under TP)
         o = o if self.reduce is None else self.reduce(o)
         h = x + self._residual(o if self.attn_out_norm is None else self.attn_out_norm(o))
+        return self.feed_forward(h)
+
+    def feed_forward(self, h: torch.Tensor) -> torch.Tensor:
+        """The MLP (or the routed experts) after the mixer, with its norm and residual:
+        `h` `[T, hidden]` → the layer's output."""
+        c = self.config
         normed = self.post_attention_layernorm(h)
         if self.moe is not None:
             d = self.moe(normed)  # [T, hidden]
@@ -687,13 +740,31 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, reduce, i) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(self._make_layer(config, reduce, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, lm_head_rows or config.vocab_size, bias=False)
         self.inv_freq: torch.Tensor
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
         self.local_inv_freq: torch.Tensor | None = rope_local_inv_freq(config)  # the windowed layers'
         self.rope_scale = rope_attention_scale(config)
+
+    def _make_layer(self, config: LlamaConfig, reduce: Reduce | None, index: int) -> nn.Module:
+        """Layer `index` of the stack (a hybrid's model builds its recurrent ones)."""
+        return DecoderLayer(config, reduce, index)
+
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, Rotary, Rotary]:
+        """The embeddings `[T, hidden]` of `input_ids` `[T]`, and the rotary tables (cos, sin)
+        at `positions` of the global layers and of the windowed ones."""
+        x = self.embed_tokens(input_ids)  # [T, hidden]
+        if self.config.embed_scale:  # NOTE: the factor rounded to the embedding's dtype, as transformers does
+            x = x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)
+        if self.config.embedding_multiplier != 1.0:
+            x = x * self.config.embedding_multiplier
+        rotary = rope_cos_sin(self.inv_freq, positions, x.dtype, self.rope_scale)
+        local = rotary
+        if self.local_inv_freq is not None:
+            local = rope_cos_sin(self.local_inv_freq.to(positions.device), positions, x.dtype)
+        return x, rotary, local
 
     def forward(
         self,
@@ -705,15 +776,7 @@ class LlamaForCausalLM(nn.Module):
         heartbeat: Heartbeat | None = None,
     ) -> torch.Tensor:
         """Hidden states after the final norm, `[T, hidden]`; `heartbeat` beats once a layer."""
-        x = self.embed_tokens(input_ids)  # [T, hidden]
-        if self.config.embed_scale:  # NOTE: the factor rounded to the embedding's dtype, as transformers does
-            x = x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)
-        if self.config.embedding_multiplier != 1.0:
-            x = x * self.config.embedding_multiplier
-        cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype, self.rope_scale)
-        local = cos, sin
-        if self.local_inv_freq is not None:
-            local = rope_cos_sin(self.local_inv_freq.to(positions.device), positions, x.dtype)
+        x, (cos, sin), local = self.embed(input_ids, positions)
         for i, layer in enumerate(self.layers):
             layer_cos, layer_sin = local if layer.window else (cos, sin)
             x = layer(x, layer_cos, layer_sin, k_caches[i], v_caches[i], meta)
@@ -756,22 +819,12 @@ def fuse_hf_state_dict(config: LlamaConfig, sd: dict[str, torch.Tensor]) -> dict
             out[o + "mlp_out_norm.weight"] = norm(p + "post_feedforward_layernorm.weight")
         else:
             out[o + "post_attention_layernorm.weight"] = norm(p + "post_attention_layernorm.weight")
-        fused_qkv = sd.get(attn + "qkv_proj.weight")  # Phi-3 stores q|k|v fused
-        out[o + "qkv_proj.weight"] = (
-            fused_qkv
-            if fused_qkv is not None
-            else torch.cat(
-                [sd[attn + "q_proj.weight"], sd[attn + "k_proj.weight"], sd[attn + "v_proj.weight"]]
-            )
-        )
-        if config.attention_bias:
-            out[o + "qkv_proj.bias"] = torch.cat(
-                [sd[attn + "q_proj.bias"], sd[attn + "k_proj.bias"], sd[attn + "v_proj.bias"]]
-            )
-        if config.qk_norm:
-            out[o + "q_norm.weight"] = norm(attn + "q_norm.weight")
-            out[o + "k_norm.weight"] = norm(attn + "k_norm.weight")
-        out[o + "o_proj.weight"] = sd[attn + "o_proj.weight"]
+        if config.is_attention_layer(i):
+            out |= _fuse_attention(config, sd, attn, o, norm)
+        else:  # a hybrid's recurrent layer: its mixer's weights
+            from ft.model.hybrid import mixer_weights
+
+            out |= mixer_weights(config, sd, i)
         if config.is_moe_layer(i):
             out |= {o + "moe." + k: w for k, w in fuse_experts(sd, mlp, config.num_experts).items()}
             continue
@@ -782,6 +835,33 @@ def fuse_hf_state_dict(config: LlamaConfig, sd: dict[str, torch.Tensor]) -> dict
             else torch.cat([sd[mlp + "gate_proj.weight"], sd[mlp + "up_proj.weight"]])
         )
         out[o + "down_proj.weight"] = sd[mlp + "down_proj.weight"]
+    return out
+
+
+def _fuse_attention(
+    config: LlamaConfig,
+    sd: dict[str, torch.Tensor],
+    attn: str,
+    o: str,
+    norm: Callable[[str], torch.Tensor],
+) -> dict[str, torch.Tensor]:
+    """One layer's attention weights (Hugging Face names under `attn`) in the fused layout
+    (module names under `o`)."""
+    out: dict[str, torch.Tensor] = {}
+    fused_qkv = sd.get(attn + "qkv_proj.weight")  # Phi-3 stores q|k|v fused
+    out[o + "qkv_proj.weight"] = (
+        fused_qkv
+        if fused_qkv is not None
+        else torch.cat([sd[attn + "q_proj.weight"], sd[attn + "k_proj.weight"], sd[attn + "v_proj.weight"]])
+    )
+    if config.attention_bias:
+        out[o + "qkv_proj.bias"] = torch.cat(
+            [sd[attn + "q_proj.bias"], sd[attn + "k_proj.bias"], sd[attn + "v_proj.bias"]]
+        )
+    if config.qk_norm:
+        out[o + "q_norm.weight"] = norm(attn + "q_norm.weight")
+        out[o + "k_norm.weight"] = norm(attn + "k_norm.weight")
+    out[o + "o_proj.weight"] = sd[attn + "o_proj.weight"]
     return out
 
 
@@ -815,8 +895,13 @@ def assemble_model(
     a rank holds. The rotary tables are `config`'s (every rank's are the whole model's).
     """
     device = device or torch.device("cpu")
+    model_class = LlamaForCausalLM
+    if config.is_hybrid:
+        from ft.model.hybrid import HybridForCausalLM
+
+        model_class = HybridForCausalLM
     with torch.device("meta"):
-        model = LlamaForCausalLM(local or config, reduce, lm_head_rows)
+        model = model_class(local or config, reduce, lm_head_rows)
     model.load_state_dict(
         {k: v.to(device=device, dtype=dtype).contiguous() for k, v in fused.items()}, assign=True, strict=True
     )

@@ -18,7 +18,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ft.config import Q8_0_KV_PATH, EngineConfig, resolve_pooling
+from ft.config import Q8_0_KV_PATH, RECURRENT_REFUSAL, EngineConfig, resolve_pooling
 from ft.model.architectures import Architecture, by_name
 from ft.model.gguf_file import ModelFileError
 from ft.model.llama import LlamaConfig
@@ -209,6 +209,8 @@ def plan(config: EngineConfig, header: ModelHeader, draft: ModelHeader | None = 
     world = config.tensor_parallel_size
     reasons: list[str] = []
     has_cuda = torch.cuda.is_available()
+    if c.is_hybrid:
+        _check_recurrent(config, header)
 
     # Device.
     device = config.device
@@ -288,6 +290,8 @@ def plan(config: EngineConfig, header: ModelHeader, draft: ModelHeader | None = 
         kv_dtype = dtype
 
     # Ranks.
+    if world > 1 and header.family.decoder != "llama":
+        raise ConfigError(f"--tensor-parallel-size {world}: {header.family.name} runs in one process")
     if world > 1:
         try:
             check_shardable(c, world)
@@ -301,6 +305,10 @@ def plan(config: EngineConfig, header: ModelHeader, draft: ModelHeader | None = 
             reasons.append("eager: tensor-parallel steps' all_reduce calls are not captured")
         elif c.num_experts:
             reasons.append("eager: expert layers size their work from the routing (a host sync)")
+        elif header.family.decoder != "llama":
+            reasons.append(f"eager: {header.family.name}'s decode steps are not captured in graphs")
+        elif c.is_hybrid:
+            reasons.append("eager: the recurrent layers' states are not captured in graphs")
         else:
             cuda_graphs = True
 
@@ -345,6 +353,27 @@ def plan(config: EngineConfig, header: ModelHeader, draft: ModelHeader | None = 
         reasons=tuple(reasons),
         draft=draft_plan,
     )
+
+
+def _check_recurrent(config: EngineConfig, header: ModelHeader) -> None:
+    """Refuse what a model with recurrent layers (`LlamaConfig.is_hybrid`) cannot run with.
+
+    Raises:
+        ConfigError: speculative decoding, the disk tier or tensor parallelism was asked for.
+    """
+    name = header.family.name
+    if config.speculative_method is not None:
+        raise ConfigError(
+            f"--speculative-method {config.speculative_method}: speculative decoding is "
+            f"{RECURRENT_REFUSAL} ({name})"
+        )
+    if config.prompt_cache_dir is not None:
+        raise ConfigError(f"--prompt-cache-dir: the prompt cache's disk tier is {RECURRENT_REFUSAL} ({name})")
+    if config.tensor_parallel_size > 1:
+        raise ConfigError(
+            f"--tensor-parallel-size {config.tensor_parallel_size}: tensor parallelism is "
+            f"{RECURRENT_REFUSAL} ({name})"
+        )
 
 
 def plan_draft(path: str, draft: ModelHeader, device: str) -> DraftPlan:

@@ -5,13 +5,14 @@ hidden states (`ft.model.runners`)."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from ft.core.batch import Heartbeat, PoolSum, RowsFailed, Scored, SeqWork, StepOutput
-from ft.model import kernels
+from ft.core.batch import Heartbeat, PoolSum, RowsFailed, Scored, SeqWork, StateCopy, StepOutput
+from ft.model import kernels, kv_layout
 from ft.model.llama import LlamaConfig
 from ft.model.loader import LoadedModel
 from ft.model.masks import StepMasks
@@ -22,6 +23,9 @@ from ft.model.sampler import sample, score_tokens
 from ft.model.speculative import sample_with_drafts
 from ft.model.threads import ThreadChooser, thread_choices
 from ft.params import first_outside_vocab
+
+if TYPE_CHECKING:
+    from ft.model.recurrent import StateSpan, StateTensors
 
 
 def softcapped(
@@ -57,8 +61,14 @@ class TorchRunner:
     """What every runner shares: batched steps of a Llama-family model over `num_pages` KV pages
     of `page_size` slots, sampling, prompt scoring, pooling, and the pages in and out.
 
-    The KV cache is two tensors `[num_layers, num_pages * page_size, kv_heads, head_dim]`; the
-    scheduler owns which pages a sequence uses and passes them in each `SeqWork`. How the
+    The KV cache is two tensors `[num_layers, num_pages * page_size, kv_heads, head_dim]` (a
+    model whose layers store KV of different shapes: `[1, slots, 1, width]`, `kv_layout`; a
+    hybrid model's attention layers only); the scheduler owns which pages a sequence uses and
+    passes them in each `SeqWork`. A hybrid model's recurrent layers keep their states in
+    `num_state_slots` slots (`states`, a `StateTensors` the subclass makes with its model; it is
+    a `ft.core.batch.StateRunner` then): the subclass's forward leaves the new states in
+    `_new_states`, written only once the step has succeeded, so a failed step leaves every slot
+    as it was and the runner actor's per-sequence rerun is exact. How the
     hidden states of a step are computed is the subclass's (`_hidden`): `PackedRunner` (the
     GGUF's blocks through the native kernels), `FloatRunner` (a torch model) and
     `GraphedRunner` (a float model whose decode steps replay CUDA graphs); `build_runner`
@@ -84,6 +94,7 @@ class TorchRunner:
         kv_dtype: kernels.KVDtype | None = None,
         device: torch.device | None = None,
         ranks: RankGroup | None = None,
+        num_state_slots: int = 0,
     ) -> None:
         if num_pages < 1 or page_size < 1:
             raise ValueError(f"num_pages and page_size must be positive, got {num_pages}, {page_size}")
@@ -99,13 +110,22 @@ class TorchRunner:
         self.heartbeat = Heartbeat()
         self._page_size = page_size
         self._num_pages = num_pages
+        if loaded.config.is_hybrid and num_state_slots < 1:
+            raise ValueError("a model with recurrent layers needs recurrent state slots (num_state_slots)")
+        self._num_state_slots = num_state_slots if loaded.config.is_hybrid else 0
+        self.states: StateTensors | None = None  # the subclass's, when the model is a hybrid
+        self._new_states: tuple[list[StateSpan], list[list[tuple[torch.Tensor, ...]]]] | None = None
         # A reranker's head, applied to rank-pooled rows (`_pool`); None: the model has none.
         self.classifier = loaded.classifier.to(self.device) if loaded.classifier is not None else None
         c = loaded.config
-        kv_heads = local_config(c, ranks.shard).num_kv_heads if ranks is not None else c.num_kv_heads
         self.kv_dtype: kernels.KVDtype = kv_dtype or dtype
-        last, storage = kernels.kv_cache_layout(self.kv_dtype, c.head_dim)  # raises for q8_0 on odd heads
-        shape = (c.num_layers, num_pages * page_size, kv_heads, last)
+        shapes = c.kv_shapes  # the layers that store KV (`ft.model.kv_layout`)
+        if ranks is not None:
+            if not kv_layout.is_uniform(shapes):
+                raise ValueError(f"{c.architecture}'s layers of different KV shapes run in one process")
+            shapes = ((local_config(c, ranks.shard).num_kv_heads, c.head_dim),) * c.num_kv_layers
+        _, storage = kernels.kv_cache_layout(self.kv_dtype, c.head_dim)  # raises for q8_0 on odd heads
+        shape = kv_layout.cache_shape(shapes, num_pages * page_size, self.kv_dtype)
         if self.device.type == "cpu":
             self.k_cache = lazy_zeros(shape, storage)
             self.v_cache = lazy_zeros(shape, storage)
@@ -128,11 +148,32 @@ class TorchRunner:
 
     @staticmethod
     def bytes_per_page(config: LlamaConfig, page_size: int, dtype: kernels.KVDtype, world: int = 1) -> int:
-        """KV bytes one page takes across all layers (keys and values) on the busiest of `world`
-        ranks (the first ranks take one more kv head when the heads do not divide evenly); a
-        q8_0 head takes 34 bytes per 32 elements (float16: 64)."""
-        kv_heads = -(-config.num_kv_heads // world)
-        return 2 * config.num_layers * page_size * kv_heads * kernels.kv_head_bytes(dtype, config.head_dim)
+        """KV bytes one page takes across the layers that store KV (keys and values; Gemma 4's
+        KV-sharing layers store none) on the busiest of `world` ranks (the first ranks take one
+        more kv head when the heads do not divide evenly); a q8_0 head takes 34 bytes per 32
+        elements (float16: 64)."""
+        return page_size * kv_layout.bytes_per_slot(config.kv_shapes, dtype, world)
+
+    @property
+    def num_state_slots(self) -> int:
+        """Recurrent state slots held (0: the model has no recurrent layers)."""
+        return self._num_state_slots
+
+    def copy_states(self, copies: Sequence[StateCopy]) -> None:
+        """Run a batch's recurrent state copies, in order (`ft.core.batch.StateRunner`).
+
+        Raises:
+            ValueError: the model has no recurrent layers, or a slot is out of range.
+        """
+        if self.states is None:
+            raise ValueError("the model has no recurrent layers: no states to copy")
+        self.states.copy(copies)
+
+    def _commit_states(self) -> None:
+        """Write the states the last forward returned into their slots (the step succeeded)."""
+        if self._new_states is not None and self.states is not None:
+            self.states.write(*self._new_states)
+        self._new_states = None
 
     @property
     def page_payload_bytes(self) -> int:
@@ -192,6 +233,8 @@ class TorchRunner:
         bad = first_outside_vocab(work.token_ids, self.config.vocab_size)
         if bad is not None:
             raise ValueError(f"seq {work.seq_id}: token id {bad} outside the vocabulary")
+        if self.states is not None and not 0 <= work.state_slot < self._num_state_slots:
+            raise ValueError(f"seq {work.seq_id}: state slot {work.state_slot} of {self._num_state_slots}")
 
     def step(
         self, works: list[SeqWork], draft_probs: dict[int, torch.Tensor] | None = None
@@ -205,7 +248,16 @@ class TorchRunner:
         with self._threads.timed(sum(len(w.token_ids) for w in works)) as threads:
             if threads != torch.get_num_threads():
                 torch.set_num_threads(threads)
-            return self._step(works, draft_probs)
+            try:
+                out = self._step(works, draft_probs)
+            except RowsFailed:
+                self._commit_states()  # the step ran: its other rows go on from it
+                raise
+            except BaseException:
+                self._new_states = None  # a failed step leaves every state slot as it was
+                raise
+            self._commit_states()
+            return out
 
     def _step(
         self, works: list[SeqWork], draft_probs: dict[int, torch.Tensor] | None = None
@@ -238,9 +290,16 @@ class TorchRunner:
         return [*sampled, *scored]
 
     def forward(self, works: list[SeqWork]) -> torch.Tensor | None:
-        """Feed every work's tokens (writing their KV); logits `[R, vocab]` of the sampling rows
-        (a work with drafts has one per draft and one for the token before them)."""
-        return self._forward_locked(works)[0]
+        """Feed every work's tokens (writing their KV and recurrent states); logits `[R, vocab]`
+        of the sampling rows (a work with drafts has one per draft and one for the token before
+        them)."""
+        try:
+            logits = self._forward_locked(works)[0]
+        except BaseException:
+            self._new_states = None
+            raise
+        self._commit_states()
+        return logits
 
     def _forward_locked(self, works: list[SeqWork]) -> tuple[torch.Tensor | None, list[Scored | PoolSum]]:
         """`forward`, and the `Scored` of the works with `score_ids`, the `PoolSum` of the
@@ -249,6 +308,8 @@ class TorchRunner:
             return None, []
         for work in works:
             self._check(work)
+        if self.states is not None and len({w.state_slot for w in works}) < len(works):
+            raise ValueError("two works of one step share a recurrent state slot")
         with self._lock:
             if self.ranks is None:
                 return self._forward(works)

@@ -173,6 +173,15 @@ class EngineCollector(Collector):
             yield counter(
                 "ft_prompt_cache_disk_evicted", "Page files deleted to stay within the bound.", disk.evicted
             )
+        state = snap.recurrent_state
+        if state.slots:  # a model with recurrent layers
+            yield gauge("ft_state_slots", "Recurrent state slots (running + snapshots).", state.slots)
+            yield gauge("ft_state_slots_in_use", "State slots held by running sequences.", state.in_use)
+            yield gauge("ft_state_snapshots", "State snapshots held for prefix reuse.", state.snapshots)
+            yield counter(
+                "ft_state_snapshot_hits", "Prefix-cache hits that restored a snapshot.", state.snapshot_hits
+            )
+            yield counter("ft_state_snapshots_taken", "State snapshots taken.", state.snapshots_taken)
         yield counter("ft_preemptions", "Requests preempted to free KV pages.", sched.preemptions)
         yield counter("ft_recomputed_tokens", "Tokens recomputed after preemptions.", sched.recomputed_tokens)
         yield counter(

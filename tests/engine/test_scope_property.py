@@ -84,13 +84,15 @@ async def scenario(
     num_pages: int,
     admission: str,
     load_model: Callable[[EngineConfig], ModelParts] | None = None,
+    recurrent: bool = False,
     **config: Any,
 ) -> int:
     """Run `reqs`; check nothing is held after; return how many preemptions happened.
 
-    `load_model` replaces the scripted fake runner (whose text the answers are checked against).
+    `load_model` replaces the scripted fake runner (whose text the answers are checked against);
+    `recurrent` gives the fake model recurrent state slots, each work's checked by the runner.
     """
-    runner = FakeRunner(text_script(TEXT), step_s=0.03)
+    runner = FakeRunner(text_script(TEXT), step_s=0.03, recurrent=recurrent)
     scripted = load_model is None
 
     async with fake_engine(
@@ -158,6 +160,9 @@ async def scenario(
         assert not engine.core.running and not engine.core.waiting
         assert engine.core.pool.num_used == 0
         assert engine.snapshot().requests.active == 0
+        if recurrent:
+            assert runner.state_faults == []
+            assert engine.core.states is not None and engine.core.states.num_in_use == 0
         return engine.core.num_preemptions
 
 
@@ -203,6 +208,35 @@ def test_preemption_under_pressure_with_cancels_and_faults_leaks_nothing(
         max_running,
         num_pages,
         "need",
+        clock=trio.testing.MockClock(autojump_threshold=0),
+    )
+    event(f"preempted: {preemptions > 0}")
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    reqs=st.lists(pressure_plans, min_size=3, max_size=10),
+    max_running=st.integers(2, 4),
+    tightness=st.floats(1.0, 1.25),
+    snapshots=st.integers(0, 4),
+)
+def test_a_model_with_recurrent_state_leaks_no_slot(
+    reqs: list[Plan], max_running: int, tightness: float, snapshots: int
+) -> None:
+    """The same mix on a model with recurrent layers: every work finds its state slot holding
+    exactly the tokens before it (restored snapshots, forked choices, recomputes after a
+    preemption), and once every request has ended only snapshots hold slots."""
+    budgets = [min(p.n, max_running) * -(-(p.prompt_len + 1 + p.max_tokens) // PAGE_SIZE) for p in reqs]
+    preemptions = trio.run(
+        partial(
+            scenario,
+            reqs,
+            max_running,
+            max(8, int(tightness * max(budgets))),
+            "need",
+            recurrent=True,
+            state_snapshots=snapshots,
+        ),
         clock=trio.testing.MockClock(autojump_threshold=0),
     )
     event(f"preempted: {preemptions > 0}")

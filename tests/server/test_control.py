@@ -88,6 +88,7 @@ STATS_KEYS = {
     ],
     "process": ["rss_bytes"],
     "prompt_cache": ["ram", "disk"],
+    "recurrent_state": ["slots", "in_use", "snapshots", "snapshot_hits", "snapshots_taken", "slot_bytes"],
 }
 
 

@@ -23,6 +23,8 @@ def fake_parts(runner: FakeRunner, context_length: int = 2048) -> Callable[[Engi
             runner.num_pages, runner.page_size = num_pages, page_size
             return runner
 
+        if runner.recurrent:  # as the real loader sizes them: running slots plus snapshots
+            runner.num_state_slots = config.max_running_requests + config.state_snapshots
         return ModelParts(
             tokenizer=byte_tokenizer_spec(context_length),
             make_runner=make,
@@ -30,6 +32,8 @@ def fake_parts(runner: FakeRunner, context_length: int = 2048) -> Callable[[Engi
             vocab_size=runner.vocab_size,
             generation_defaults={},
             hidden_size=FAKE_HIDDEN,
+            num_state_slots=runner.num_state_slots,
+            state_slot_bytes=64 if runner.recurrent else 0,
         )
 
     return load
