@@ -56,11 +56,10 @@ def gguf_config(meta: GGUFFile, tensor_names: set[str], vocab_size: int) -> Llam
     arch = meta.text("general.architecture")
     if arch is None:
         raise ModelFileError("GGUF file lacks required metadata key 'general.architecture'")
-    from ft.model.gguf_hybrid import refusal  # (here, not at the top: it imports this module)
+    from ft.model import gguf_hybrid  # (here, not at the top: it imports this module)
 
-    hybrid = refusal(arch)
-    if hybrid is not None:  # its own translation, `gguf_hybrid.load_hybrid_gguf`
-        raise ModelFileError(hybrid)
+    if arch in gguf_hybrid.FAMILIES:  # read as its Hugging Face checkpoint would be
+        return gguf_hybrid.llama_config(meta)
     try:
         family = by_gguf(
             arch, str(meta.text("general.name", "") or ""), f"{arch}.expert_count" in meta.fields
@@ -610,6 +609,11 @@ def load_gguf(
         ModelFileError: the file is malformed, or its tensors disagree with its metadata.
     """
     reader = open_gguf(path)
+    from ft.model import gguf_hybrid
+
+    if gguf_hybrid.family_of(reader) is not None:  # dequantized, as its checkpoint would load
+        config, floats, spec = gguf_hybrid.load_runnable(path, dtype, progress)
+        return config, dict(floats), spec, path.stem
     try:
         tokens = token_list(reader)
         config = gguf_config(reader, {t.name for t in reader.tensors}, len(tokens))

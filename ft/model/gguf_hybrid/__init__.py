@@ -20,13 +20,14 @@ from typing import NamedTuple
 
 import torch
 
-from ft.model.architectures import ConverterLoss
+from ft.model.architectures import ConverterLoss, by_hf, by_name
 from ft.model.gguf_file import GGUFFile, ModelFileError
 from ft.model.gguf_hybrid.common import Config, Piece, build_state_dict, check_pieces
 from ft.model.gguf_hybrid.granite import GRANITE_LOSSES, granite_config, granite_pieces
 from ft.model.gguf_hybrid.lfm2 import lfm2_config, lfm2_pieces
 from ft.model.gguf_hybrid.qwen import qwen_config, qwen_pieces
 from ft.model.gguf_loader import gguf_tokenizer, open_gguf
+from ft.model.llama import LlamaConfig, Progress
 from ft.tokenizer.spec import TokenizerSpec
 
 log = logging.getLogger("ft.model")
@@ -34,12 +35,14 @@ log = logging.getLogger("ft.model")
 
 @dataclass(frozen=True, slots=True)
 class HybridFamily:
-    """One hybrid GGUF architecture: its family's name for messages, its checkpoint's
-    `config.json` from the metadata (`config(meta, arch)`), the pieces that make the checkpoint's
-    tensors from that config, and the checkpoint settings the converter does not write
-    (`ConverterLoss`: they read back as llama.cpp runs them)."""
+    """One hybrid GGUF architecture: its family's name for messages, its checkpoint's class
+    (`hf_architecture`, the `config.json`'s `architectures`), that `config.json` from the metadata
+    (`config(meta, arch)`), the pieces that make the checkpoint's tensors from that config, and
+    the checkpoint settings the converter does not write (`ConverterLoss`: they read back as
+    llama.cpp runs them)."""
 
     title: str
+    hf_architecture: str
     config: Callable[[GGUFFile, str], Config]
     pieces: Callable[[Config], list[Piece]]
     losses: tuple[ConverterLoss, ...] = ()
@@ -47,11 +50,13 @@ class HybridFamily:
 
 _NORM_TOPK = ConverterLoss("norm_topk_prob", "expert_weights_norm", "the top-k routing weights renormalized")
 FAMILIES: dict[str, HybridFamily] = {
-    "qwen35": HybridFamily("Qwen3.5", qwen_config, qwen_pieces),
-    "qwen35moe": HybridFamily("Qwen3.5-MoE", qwen_config, qwen_pieces),
-    "qwen3next": HybridFamily("Qwen3-Next", qwen_config, qwen_pieces, (_NORM_TOPK,)),
-    "lfm2": HybridFamily("LFM2", lfm2_config, lfm2_pieces),
-    "granitehybrid": HybridFamily("Granite 4.0-H", granite_config, granite_pieces, GRANITE_LOSSES),
+    "qwen35": HybridFamily("Qwen3.5", "Qwen3_5ForCausalLM", qwen_config, qwen_pieces),
+    "qwen35moe": HybridFamily("Qwen3.5-MoE", "Qwen3_5MoeForCausalLM", qwen_config, qwen_pieces),
+    "qwen3next": HybridFamily("Qwen3-Next", "Qwen3NextForCausalLM", qwen_config, qwen_pieces, (_NORM_TOPK,)),
+    "lfm2": HybridFamily("LFM2", "Lfm2ForCausalLM", lfm2_config, lfm2_pieces),
+    "granitehybrid": HybridFamily(
+        "Granite 4.0-H", "GraniteMoeHybridForCausalLM", granite_config, granite_pieces, GRANITE_LOSSES
+    ),
 }
 
 
@@ -87,7 +92,12 @@ def hf_config_from_gguf(meta: GGUFFile) -> Config:
 
 
 def hf_tensors_from_gguf(
-    meta: GGUFFile, config: Config, dtype: torch.dtype = torch.float32, *, mtp: bool = False
+    meta: GGUFFile,
+    config: Config,
+    dtype: torch.dtype = torch.float32,
+    *,
+    mtp: bool = False,
+    progress: Progress | None = None,
 ) -> dict[str, torch.Tensor]:
     """The checkpoint's tensors (its safetensors' names) of a hybrid GGUF whose metadata gave
     `config` (`hf_config_from_gguf`), dequantized to `dtype`; with `mtp`, the multi-token
@@ -100,16 +110,17 @@ def hf_tensors_from_gguf(
     """
     family = family_of(meta)
     if family is None:
-        raise ModelFileError(
-            f"GGUF architecture {meta.text('general.architecture')!r} is not a hybrid family"
-        )
+        arch = meta.text("general.architecture")
+        raise ModelFileError(f"GGUF architecture {arch!r} is not a hybrid family")
     pieces = family.pieces(config)
     blocks = config["num_hidden_layers"] + config.get("mtp_num_hidden_layers", 0)
     check_pieces(meta, pieces, blocks, _described(family, config))
-    return build_state_dict(meta, pieces, dtype, mtp=mtp)
+    return build_state_dict(meta, pieces, dtype, mtp=mtp, progress=progress)
 
 
-def load_hybrid_gguf(path: pathlib.Path, dtype: torch.dtype = torch.float32) -> HybridGGUF:
+def load_hybrid_gguf(
+    path: pathlib.Path, dtype: torch.dtype = torch.float32, progress: Progress | None = None
+) -> HybridGGUF:
     """A hybrid GGUF's config dict, state dict and tokenizer, as its Hugging Face checkpoint
     would give them; each setting the converter dropped is logged (`ConverterLoss`).
 
@@ -129,22 +140,67 @@ def load_hybrid_gguf(path: pathlib.Path, dtype: torch.dtype = torch.float32) -> 
                     "%s: the checkpoint's %r is not in this GGUF (llama.cpp's converter does not write "
                     "it): %s, as llama.cpp runs it", path.name, loss.setting, loss.assumed,
                 )  # fmt: skip
-        state_dict = hf_tensors_from_gguf(meta, config, dtype)
+        state_dict = hf_tensors_from_gguf(meta, config, dtype, progress=progress)
         tokenizer = gguf_tokenizer(meta, config["max_position_embeddings"])
     except ModelFileError as e:
         raise ModelFileError(f"{path}: {e}") from None
     return HybridGGUF(config, state_dict, tokenizer)
 
 
-def refusal(arch: str) -> str | None:
-    """Why a GGUF of hybrid architecture `arch` does not run yet (None: not a hybrid family's)."""
-    family = FAMILIES.get(arch)
-    if family is None:
-        return None
-    return (
-        f"GGUF architecture {arch!r} is {family.title}, a hybrid model (attention and recurrent layers): "
-        "ft reads its weights but does not run hybrid models yet"
-    )
+def llama_config(meta: GGUFFile) -> LlamaConfig:
+    """The config ft runs a hybrid GGUF with: its checkpoint's `config.json` read as ft reads
+    one (`LlamaConfig.from_hf`), from the metadata alone.
+
+    Raises:
+        ModelFileError: the metadata is wrong, or ft does not run the family yet (naming it).
+    """
+    family = family_of(meta)
+    assert family is not None
+    cfg = hf_config_from_gguf(meta)
+    try:
+        by_hf(cfg)
+    except ValueError:
+        raise ModelFileError(
+            f"GGUF architecture {meta.text('general.architecture')!r} is {family.title}, a hybrid model "
+            "(attention and recurrent layers) ft does not run yet: its weights read, its layers do not "
+            f"(ft runs the hybrid families {', '.join(running_titles())})"
+        ) from None
+    try:
+        return LlamaConfig.from_hf(cfg)
+    except ValueError as e:
+        raise ModelFileError(f"{family.title} metadata: {e}") from None
+
+
+def load_runnable(
+    path: pathlib.Path, dtype: torch.dtype, progress: Progress | None = None
+) -> tuple[LlamaConfig, dict[str, torch.Tensor], TokenizerSpec]:
+    """A hybrid GGUF as ft loads its Hugging Face checkpoint: `llama_config` (refusing a family
+    ft does not run before a tensor is read), the tensors dequantized under the names the
+    family's safetensors load under (`Architecture.hf_weight_name`), the tokenizer.
+
+    Raises:
+        ModelFileError: as `llama_config` and `load_hybrid_gguf`.
+    """
+    try:
+        config = llama_config(open_gguf(path))
+    except ModelFileError as e:
+        raise ModelFileError(f"{path}: {e}") from None
+    hybrid = load_hybrid_gguf(path, dtype, progress)
+    family = by_name(config.architecture)
+    state_dict = {family.hf_weight_name(k): v for k, v in hybrid.state_dict.items()}
+    return config, state_dict, hybrid.tokenizer
+
+
+def running_titles() -> list[str]:
+    """The hybrid families whose GGUFs ft runs (those the registry loads from safetensors)."""
+    out = []
+    for family in FAMILIES.values():
+        try:
+            by_hf({"architectures": [family.hf_architecture]})
+        except ValueError:
+            continue
+        out.append(family.title)
+    return out
 
 
 def _described(family: HybridFamily, c: Config) -> str:

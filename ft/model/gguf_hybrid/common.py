@@ -19,6 +19,7 @@ import torch
 
 from ft.model.gguf_file import GGUFFile, GGUFTensor, ModelFileError
 from ft.model.gguf_loader import MAX_HEADS, MAX_LAYERS, MAX_VOCAB, MAX_WIDTH, dequantized
+from ft.model.llama import Progress
 
 Shape = tuple[int, ...]
 Config = dict[str, Any]
@@ -285,13 +286,16 @@ def check_pieces(meta: GGUFFile, pieces: Iterable[Piece], num_blocks: int, descr
 
 
 def build_state_dict(
-    meta: GGUFFile, pieces: Iterable[Piece], dtype: torch.dtype, *, mtp: bool
+    meta: GGUFFile, pieces: list[Piece], dtype: torch.dtype, *, mtp: bool, progress: Progress | None = None
 ) -> dict[str, torch.Tensor]:
     """The Hugging Face state dict the (checked) pieces make, in `dtype`, each GGUF tensor
-    dequantized when its piece is built and its mapped pages released after."""
+    dequantized when its piece is built and its mapped pages released after (`progress`: called
+    with the fraction of pieces built)."""
     found = {t.name: t for t in meta.tensors}
     sd: dict[str, torch.Tensor] = {}
-    for piece in pieces:
+    for i, piece in enumerate(pieces):
+        if progress is not None:
+            progress(i / len(pieces))
         if piece.mtp and not mtp:
             continue
         sources = [found[name] for name, _ in piece.sources]
