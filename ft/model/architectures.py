@@ -362,7 +362,8 @@ GRANITE = Architecture(
 )
 
 # LFM2: short convolutions (a recurrent state per sequence, `ft.model.short_conv`) and, between
-# them, attention layers with per-head q/k RMSNorm; safetensors only (its GGUFs are refused).
+# them, attention layers with per-head q/k RMSNorm; its GGUFs read back into the checkpoint's
+# form by `ft.model.gguf_hybrid` (no `gguf_names`: the Llama GGUF loader never reads them).
 LFM2 = Architecture(
     name="lfm2",
     hf_model_types=("lfm2",),
