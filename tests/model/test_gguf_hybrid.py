@@ -234,6 +234,13 @@ LIES = {
         r"tensor blk\.1\.ssm_in\.weight is missing \(the metadata describes Granite 4\.0-H: 4 layers "
         r"\(0 attention",
     ),
+    "heads of one dimension": (
+        "qwen35",
+        lambda r: r.drop("qwen35.attention.key_length").set(
+            "qwen35.attention.head_count", U32, scalar(U32, 64)
+        ),
+        "'qwen35.attention.key_length' is absent and hidden / heads is 1",
+    ),
     "more tokens than the embedding has rows": (
         "qwen35",
         lambda r: r.set("tokenizer.ggml.tokens", ARRAY, array(STRING, [string(f"t{i}") for i in range(300)])),

@@ -72,14 +72,22 @@ def qwen_config(meta: GGUFFile, arch: str) -> Config:
             f"metadata key {keys.key('attention.head_count_kv')!r}: {num_kv} does not divide the "
             f"{num_heads} heads of {keys.key('attention.head_count')!r}"
         )
+    # (llama.cpp's default head size; a default is not range-checked, so the result is)
     head_dim = keys.integer("attention.key_length", 2, MAX_HEAD_DIM, default=cfg["hidden_size"] // num_heads)
+    if not 2 <= head_dim <= MAX_HEAD_DIM:
+        raise ModelFileError(
+            f"metadata key {keys.key('attention.key_length')!r} is absent and hidden / heads is {head_dim}"
+        )
     if keys.integer("attention.value_length", 1, MAX_HEAD_DIM, default=head_dim) != head_dim:
         raise ModelFileError(
             f"metadata key {keys.key('attention.value_length')!r}: expected the key size {head_dim}"
         )
     rotary = keys.integer("rope.dimension_count", 2, head_dim, default=head_dim // 4)
-    if rotary % 2:
-        raise ModelFileError(f"metadata key {keys.key('rope.dimension_count')!r}: {rotary} is odd")
+    if rotary % 2 or rotary < 2:
+        key = keys.key("rope.dimension_count")
+        raise ModelFileError(
+            f"metadata key {key!r}: {rotary} rotary dimensions (expected an even count, at least 2)"
+        )
     rope: dict[str, object] = {
         "rope_type": "default",
         "rope_theta": rope_theta(keys),
