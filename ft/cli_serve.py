@@ -104,14 +104,15 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         choices=TOOL_CALL_PARSERS,
         default=_S.tool_call_parser,
         help="the format tool calls are parsed out of chat output in (default: the model "
-        "family's, else hermes, when a request has tools)",
+        "family's, else the one its chat template spells (qwen3_coder for Qwen3-Coder's and "
+        "Qwen3.5's XML), else hermes, when a request has tools)",
     )
     model.add_argument(
         "--reasoning-parser",
         choices=REASONING_PARSERS,
         default=_S.reasoning_parser,
         help="split reasoning out of chat output with this parser (default: the model family's: "
-        "think for Qwen3, else none)",
+        "think for Qwen3, else none (think for a prompt whose template leaves <think> open))",
     )
 
     models = parser.add_argument_group("several models (router mode)")

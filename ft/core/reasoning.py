@@ -4,6 +4,11 @@ One reasoning block per output, as Qwen3 and DeepSeek-R1 write it. The tags are 
 with the newlines just inside them and just after `</think>` (as the Qwen3 chat template does
 when it replays a turn). Partial tags at a delta's end are held back, so the events never depend
 on how the output was split into deltas.
+
+A template may open the block itself (Qwen3.5's and the Qwen3 thinking models' generation
+prompt ends with `<think>\n`): the model's output then begins inside its reasoning and only
+writes `</think>`. `leaves_reasoning_open` tells such a prompt, and the parser starts in
+reasoning (`starts_in_reasoning`).
 """
 
 from __future__ import annotations
@@ -130,6 +135,16 @@ class ReasoningParser:
         if text:
             out.append(kind(text))
         self._buf = self._buf[len(self._buf) - keep :]
+
+
+def leaves_reasoning_open(prompt_end: str) -> bool:
+    """Whether a rendered prompt ending in `prompt_end` leaves a reasoning block open for the
+    model: it ends with `<think>` (and whitespace).
+
+    NOTE: only its very end counts, not any `<think>` after the last `</think>`: a user who
+    writes `<think>` in a question would otherwise turn a plain answer into reasoning.
+    """
+    return prompt_end.rstrip().endswith(OPEN_TAG)
 
 
 REASONING_PARSERS: tuple[str, ...] = ("think", "deepseek_r1")

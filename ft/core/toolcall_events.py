@@ -3,7 +3,8 @@
 The events (`TextDelta`, `ToolCallStart`, `ToolCallArgsDelta`, `ToolCallEnd`), the
 `ToolCallParser` protocol the formats in `ft.core.toolcalls` implement, reading a call object
 out of JSON (`call_from_json`: strict, no NaN, no lone surrogates), numbering calls
-(`CallEmitter`), the string scanner that tells whether JSON text ends inside a string
+(`CallEmitter`), the text around calls with whitespace-only runs held at a call boundary
+(`TextAroundCalls`), the string scanner that tells whether JSON text ends inside a string
 (`StringScan`), and the no-format `PassthroughParser`.
 """
 
@@ -124,6 +125,44 @@ class CallEmitter:
             ToolCallArgsDelta(index, arguments),
             ToolCallEnd(index, arguments),
         ]
+
+
+class TextAroundCalls:
+    """Text outside calls, whitespace-only runs at a call boundary held back.
+
+    At the start of the output and after each call, text that is only whitespace waits: it is
+    dropped when a call follows it (so `content` is not just the newlines between calls), sent
+    once other text follows, and at the end sent only if no call came (`finish`). The held
+    runs are kept as pieces, so a flood of newlines costs linear time.
+    """
+
+    def __init__(self) -> None:
+        self._held: list[str] = []
+        self._is_at_boundary = True
+
+    def emit(self, text: str, out: list[ToolEvent]) -> None:
+        """Append `text` (maybe held back) to `out`."""
+        if not text:
+            return
+        if self._is_at_boundary:
+            if text.isspace():
+                self._held.append(text)
+                return
+            text = "".join(self._held) + text
+            self._held.clear()
+            self._is_at_boundary = False
+        out.append(TextDelta(text))
+
+    def call_emitted(self) -> None:
+        """A call was emitted: the whitespace before it goes, and a new boundary begins."""
+        self._held.clear()
+        self._is_at_boundary = True
+
+    def finish(self, out: list[ToolEvent], *, keep: bool) -> None:
+        """End of output: the held whitespace is sent when `keep` (no call came, none dropped)."""
+        if keep and self._held:
+            out.append(TextDelta("".join(self._held)))
+        self._held.clear()
 
 
 class PassthroughParser:

@@ -1,8 +1,9 @@
 """Streaming tool-call parsers: model text deltas in, text and tool-call events out (the events
 and the pieces the formats share are `ft.core.toolcall_events`).
 
-Each family (`hermes`, `llama3_json`; `phi4_mini_json` and `granite` in `toolcall_lists`) is a
-small synchronous state machine. Text outside calls
+Each family (`hermes`, `llama3_json`; `phi4_mini_json` and `granite` in `toolcall_lists`;
+`qwen3_coder`, XML whose values the tools' schemas type, in `toolcall_xml`) is a small
+synchronous state machine. Text outside calls
 streams as soon as it cannot be the start of a call; a call is emitted once its JSON is complete
 and valid (`ToolCallStart`, one `ToolCallArgsDelta` with the whole arguments string,
 `ToolCallEnd`), so the events never depend on how the output was split into deltas. A call that
@@ -18,13 +19,15 @@ client never saw any of it either.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from ft.core.suffix import held_suffix_len
 from ft.core.toolcall_events import (
     CallEmitter,
     PassthroughParser,
     StringScan,
+    TextAroundCalls,
     TextDelta,
     ToolCallEnd,
     ToolCallParser,
@@ -34,6 +37,7 @@ from ft.core.toolcall_events import (
     new_tool_call_id,
 )
 from ft.core.toolcall_lists import GRANITE_MARKERS, PHI4_MINI_MARKERS, MarkedJsonParser
+from ft.core.toolcall_xml import XmlToolCallParser
 
 
 class HermesParser:
@@ -55,8 +59,7 @@ class HermesParser:
         self._is_in_call = False
         self._end_search_from = 0
         self._string_scan = StringScan()  # over the open call's JSON, for a tag inside a string
-        self._is_at_boundary = True
-        self._held_whitespace = ""
+        self._text = TextAroundCalls()
 
     @property
     def has_tool_calls(self) -> bool:
@@ -112,9 +115,7 @@ class HermesParser:
         else:
             self._emit_text(self._buf, out)
         self._buf = ""
-        if self._held_whitespace and not self.has_tool_calls and not is_dropped:
-            out.append(TextDelta(self._held_whitespace))
-        self._held_whitespace = ""
+        self._text.finish(out, keep=not self.has_tool_calls and not is_dropped)
         return out
 
     def _close_call(self, body: str, end_tag: str, out: list[ToolEvent]) -> None:
@@ -122,21 +123,11 @@ class HermesParser:
         if call is None:
             self._emit_text(self.START + body + end_tag, out)
             return
-        self._held_whitespace = ""
-        self._is_at_boundary = True
+        self._text.call_emitted()
         out.extend(self._calls.emit(*call))
 
     def _emit_text(self, text: str, out: list[ToolEvent]) -> None:
-        if not text:
-            return
-        if self._is_at_boundary:
-            if text.isspace():
-                self._held_whitespace += text
-                return
-            text = self._held_whitespace + text
-            self._held_whitespace = ""
-            self._is_at_boundary = False
-        out.append(TextDelta(text))
+        self._text.emit(text, out)
 
 
 _JSON_WHITESPACE = " \t\r\n"
@@ -293,17 +284,35 @@ class Llama3JsonParser:
         return [TextDelta(text)] if text else []
 
 
-TOOL_CALL_PARSERS: tuple[str, ...] = ("hermes", "llama3_json", "phi4_mini_json", "granite")
+TOOL_CALL_PARSERS: tuple[str, ...] = ("hermes", "llama3_json", "phi4_mini_json", "granite", "qwen3_coder")
+
+
+def template_tool_call_parser(chat_template: str | None) -> str | None:
+    """The tool-call format a chat template teaches, where it spells one unmistakably: the
+    `<function=` and `<parameter=` tags of Qwen3-Coder's XML (its template, Qwen3.5's and
+    Qwen3-Next's); else None (the family's format, or hermes, applies).
+
+    NOTE: Qwen3-Coder is a Qwen3-MoE checkpoint, the architecture of the JSON-calling Qwen3
+    models: only its template tells the two apart.
+    """
+    if chat_template is not None and "<function=" in chat_template and "<parameter=" in chat_template:
+        return "qwen3_coder"
+    return None
 
 
 def make_tool_call_parser(
-    name: str | None, *, id_factory: Callable[[], str] = new_tool_call_id
+    name: str | None,
+    *,
+    id_factory: Callable[[], str] = new_tool_call_id,
+    tools: Sequence[Mapping[str, Any]] = (),
 ) -> ToolCallParser:
     """Build the parser for a tool-call format.
 
     Args:
         name: one of `TOOL_CALL_PARSERS`, or None for plain text passthrough.
         id_factory: makes call ids; tests inject a deterministic one.
+        tools: the request's tool definitions (OpenAI's function shape), whose parameter
+            schemas type the values of a format that writes them as text (`qwen3_coder`).
     Raises:
         ValueError: `name` is not a known format.
     """
@@ -317,12 +326,16 @@ def make_tool_call_parser(
         return MarkedJsonParser(PHI4_MINI_MARKERS, id_factory)
     if name == "granite":  # Granite 3.x: <|tool_call|>[...]
         return MarkedJsonParser(GRANITE_MARKERS, id_factory)
+    if name == "qwen3_coder":  # Qwen3-Coder, Qwen3.5, Qwen3-Next: <tool_call><function=...>
+        return XmlToolCallParser(tools, id_factory)
     raise ValueError(f"unknown tool-call parser {name!r}; known: {', '.join(TOOL_CALL_PARSERS)}")
 
 
-def parse_tool_calls(text: str, name: str | None) -> tuple[str, list[tuple[str, str]]]:
+def parse_tool_calls(
+    text: str, name: str | None, tools: Sequence[Mapping[str, Any]] = ()
+) -> tuple[str, list[tuple[str, str]]]:
     """Parse a whole output: (content text, [(function name, arguments JSON)])."""
-    parser = make_tool_call_parser(name)
+    parser = make_tool_call_parser(name, tools=tools)
     content: list[str] = []
     calls: list[tuple[str, str]] = []
     for event in parser.feed(text) + parser.finish():

@@ -72,7 +72,8 @@ class Engine:
         self.model_plan: ExecutionPlan | None = None  # how the model runs, once loaded
         self.generation_defaults: dict[str, float | int] = {}
         self.reasoning_parser: str | None = None  # the model family's `<think>` format, once loaded
-        self.tool_call_parser: str | None = None  # the model family's tool-call format, once loaded
+        # the model family's tool-call format (else the one its chat template spells), once loaded
+        self.tool_call_parser: str | None = None
         self.hidden_size = 0  # the width of a pooled embedding, once loaded
         self.kv_cache_bytes = 0  # the KV pool's size (pages x bytes per page), once loaded
         self.pooling = "last"  # how embedding requests pool (`config.pooling` resolved at load)

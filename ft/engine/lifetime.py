@@ -29,6 +29,7 @@ from ft.core.kv import PagePool
 from ft.core.prompt_cache import PageIO, PromptCache, cache_identity, lock_directory
 from ft.core.scheduler import Scheduler
 from ft.core.state import StatePool
+from ft.core.toolcalls import template_tool_call_parser
 from ft.engine.grammars import Grammars
 from ft.engine.loading import ModelParts, load_torch_model
 from ft.engine.observe import log_summaries, stamp_tokens
@@ -234,7 +235,7 @@ async def _load_and_start(
     engine.vocab_size = parts.vocab_size
     engine.generation_defaults = parts.generation_defaults
     engine.reasoning_parser = parts.reasoning_parser
-    engine.tool_call_parser = parts.tool_call_parser
+    engine.tool_call_parser = parts.tool_call_parser or template_tool_call_parser(spec.chat_template)
     engine.hidden_size = parts.hidden_size
     engine.pooling = resolve_pooling(cfg.pooling, parts.pooling, can_rank=parts.rank_format is not None)
     engine.rank_format = parts.rank_format

@@ -14,12 +14,14 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from ft.errors import InvalidRequest
+from ft.grammar.tool_parameters import is_text, parameter_schema, properties_of
 
 GrammarKind = Literal["json_schema", "regex", "grammar", "choice", "lark"]
 KINDS: tuple[GrammarKind, ...] = ("json_schema", "regex", "grammar", "choice", "lark")
 MAX_SOURCE_CHARS = 1 << 20  # a request body is at most a few MiB; a grammar far less
 MAX_CHOICES = 4096
-TOOL_CALL_FORMATS = ("hermes", "llama3_json")  # the tool-call parsers a grammar can target
+# the tool-call parsers a grammar can target
+TOOL_CALL_FORMATS = ("hermes", "llama3_json", "phi4_mini_json", "granite", "qwen3_coder")
 
 # JSON is generated compactly but readably, with no free whitespace: a small model at
 # temperature 1 given "any whitespace" can emit newlines until `max_tokens`.
@@ -131,6 +133,11 @@ def tool_calls(
     chosen = [t for t in tools if name is None or _name(t) == name]
     if not chosen:
         raise InvalidRequest(f"tool_choice names an unknown tool '{name}'", param="tool_choice")
+    if parser == "qwen3_coder":
+        rules = _xml_call_rules(chosen)
+        call, sep = "body", '"\\n"'
+        rules.insert(0, f"calls: {call} ({sep} {call})*" if parallel else f"calls: {call}")
+        return _with_answer(rules, otherwise)
     # NOTE: each call's arguments are their own `%json` schema, so that a tool's `$ref`s
     # (`#/$defs/...`, as pydantic writes them) resolve against its parameters, not a wrapper.
     args_key = "parameters" if parser == "llama3_json" else "arguments"
@@ -149,6 +156,11 @@ def tool_calls(
         else:
             call, sep = '"<tool_call>\\n" body "\\n</tool_call>"', '"\\n"'
         rules.insert(0, f"calls: {call} ({sep} {call})*" if parallel else f"calls: {call}")
+    return _with_answer(rules, otherwise)
+
+
+def _with_answer(rules: list[str], otherwise: GrammarSpec | None) -> GrammarSpec:
+    """The grammar of `rules` (whose `calls` are the calls), or of `otherwise`, a JSON answer."""
     start = "start: calls"
     if otherwise is not None:
         assert otherwise.kind == "json_schema"
@@ -158,6 +170,47 @@ def tool_calls(
         rules.append(f"answer: %json {json_text(alternative)}")
         start = "start: calls | answer"
     return GrammarSpec("lark", "\n".join(["%llguidance {}", start, *rules]), "tools")
+
+
+# A text value of an XML call and the tag that closes it: anything without `</parameter>`, so the
+# parser (`ft.core.toolcall_xml`) reads it back whole.
+_XML_TEXT = r"XML_TEXT: /(?s:.*)\n<\/parameter>\n/ & ~/(?s:.*<\/parameter>.*<\/parameter>.*)/"
+
+
+def _xml_call_rules(chosen: list[dict[str, Any]]) -> list[str]:
+    """Rules of Qwen3-Coder's XML calls (`body`: a call of one of `chosen`), as Qwen3.5's
+    template writes them: each parameter the schema lists, in its order, the required ones
+    always; a string's value as text (one of its `enum`, if it has one), any other as JSON
+    following the parameter's schema."""
+    rules = ["body: " + " | ".join(f"call_{i}" for i in range(len(chosen))), _XML_TEXT]
+    for i, t in enumerate(chosen):
+        function = t.get("function")
+        params = function.get("parameters") if isinstance(function, dict) else None
+        required = params.get("required") if isinstance(params, dict) else None
+        parts = []
+        for j, pname in enumerate(properties_of(params)):
+            schema = parameter_schema(params, pname)
+            rule = f"p_{i}_{j}"
+            parts.append(rule if isinstance(required, list) and pname in required else f"{rule}?")
+            rules.append(f"{rule}: {json.dumps(f'<parameter={pname}>' + chr(10))} v_{i}_{j}")
+            rules.append(f"v_{i}_{j}: {_xml_value(schema, params)}")
+        head = json.dumps(f"<tool_call>\n<function={_name(t)}>\n")
+        rules.append(f"call_{i}: {' '.join([head, *parts])} " + json.dumps("</function>\n</tool_call>"))
+    return rules
+
+
+def _xml_value(schema: object, parameters: object) -> str:
+    """The grammar of one XML parameter value and its closing tag."""
+    close = json.dumps("\n</parameter>\n")
+    if is_text(schema):
+        options = schema.get("enum") if isinstance(schema, dict) else None
+        if isinstance(options, list) and options and all(isinstance(o, str) for o in options):
+            return "(" + " | ".join(json.dumps(o) for o in options) + f") {close}"
+        return "XML_TEXT"
+    assert isinstance(schema, dict)  # a schema with a type that is not a string
+    if isinstance(parameters, dict):  # its `$ref`s resolve against the tool's definitions
+        schema = {k: parameters[k] for k in ("$defs", "definitions") if k in parameters} | schema
+    return f"%json {json_text(schema | {'x-guidance': JSON_OPTIONS})} {close}"
 
 
 def _name(tool: dict[str, Any]) -> str | None:

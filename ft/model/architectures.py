@@ -96,7 +96,10 @@ class Architecture:
     llama.cpp's default for the family); `packed`
     says the packed GGUF kernels run its layers (otherwise its GGUFs load as floats);
     `reasoning_parser` is the server's reasoning format for it when none is configured, and
-    `tool_call_parser` its tool-call format (None: hermes);
+    `tool_call_parser` its tool-call format (one of `ft.core.toolcalls.TOOL_CALL_PARSERS`;
+    None: the one its chat template spells, else hermes: a family of Qwen3-Coder's XML calls,
+    Qwen3.5's or Qwen3-Next's, names `qwen3_coder`, a Qwen3.5 also `reasoning_parser="think"`,
+    whose template opens the block itself);
     `gguf_permuted_qk` names the GGUF architectures whose q/k rows llama.cpp's
     converter interleaved by rotary pairs (undone at load); `gguf_fused` says its GGUFs hold
     q|k|v as one `attn_qkv` and gate|up as one `ffn_up` (Phi-3), split by rows at load;
@@ -112,7 +115,8 @@ class Architecture:
     `set_swa_pattern(n)`; 0: every layer is windowed); `local_rope_theta` the windowed layers'
     rotary base when the config gives none (a GGUF never does: llama.cpp's value);
     `end_of_turn` the token the family's chat template closes a turn with, a stop token
-    beside the file's eos (llama.cpp's EOT); `gguf_window` the window of a GGUF without
+    beside the file's eos (llama.cpp's EOT), `gguf_stop_texts` further tokens a GGUF of it
+    stops at, found by their text as llama.cpp finds them; `gguf_window` the window of a GGUF without
     `{arch}.attention.sliding_window` (llama.cpp's default; -1: the key is required);
     `gguf_softcaps` llama.cpp's attention and final soft-caps when the file has none;
     `gguf_wide_query_scale_layers` the layer counts (the 27B models) whose query scale
@@ -128,7 +132,9 @@ class Architecture:
     `mixer` names the recurrent mixer of a hybrid family's non-attention layers
     (`ft.model.hybrid.MIXERS`; its `config.json` is read by `hybrid.HF_CONFIGS`), None for a
     family that only attends; `hf_weight_renames` are the (old, new) parts of its Hugging Face
-    weight names renamed at load to the Llama family's (`mlp.gate_proj`, `self_attn.o_proj`, ...).
+    weight names renamed at load to the Llama family's (`mlp.gate_proj`, `self_attn.o_proj`, ...);
+    `hf_float32_weights` parts of the names of weights read in float32 whatever the dtype (a
+    mixer's small parameters, which its module keeps in float32: `float32_parameters`).
     """
 
     name: str
@@ -153,6 +159,7 @@ class Architecture:
     sliding_period: int = 0
     local_rope_theta: float = 0.0
     end_of_turn: str | None = None
+    gguf_stop_texts: tuple[str, ...] = ()
     gguf_window: int = 0
     gguf_softcaps: tuple[float, float] = (0.0, 0.0)
     gguf_wide_query_scale_layers: tuple[int, ...] = ()
@@ -166,6 +173,7 @@ class Architecture:
     gguf_refusal: str = ""
     mixer: str | None = None
     hf_weight_renames: tuple[tuple[str, str], ...] = ()
+    hf_float32_weights: tuple[str, ...] = ()
 
     def hf_weight_name(self, name: str) -> str:
         """A Hugging Face weight's name as the loader files it (`hf_weight_renames` applied)."""
@@ -311,6 +319,8 @@ GEMMA3 = Architecture(
 
 # Gemma 4's text models (`ft.model.gemma4_config`): sliding and global layers of different head
 # sizes, per-layer embeddings on the E models, KV shared by the last layers, optional experts.
+# Its GGUFs (`ft.model.gguf_gemma4`) run dequantized on the same decoder; what the converter
+# does not write runs as llama.cpp's Gemma 4 graph runs it.
 GEMMA4 = Architecture(
     name="gemma4",
     hf_model_types=("gemma4_text", "gemma4"),
@@ -318,10 +328,24 @@ GEMMA4 = Architecture(
     gguf_names=("gemma4",),
     packed=False,
     windowed=True,
+    end_of_turn="<turn|>",
+    gguf_stop_texts=("<|tool_response>",),  # llama.cpp ends Gemma 4's generation there too
     hf_weight_prefixes=(("model.language_model.", "model."), ("lm_head.", "lm_head.")),
     decoder="gemma4",
-    gguf_refusal=(
-        "Gemma 4 GGUFs are not supported yet (ft runs Gemma 4 from its Hugging Face safetensors directory)"
+    gguf_converter_losses=(
+        ConverterLoss(
+            "hidden_activation", None, "GELU (tanh) in the MLP, the experts and the per-layer gate"
+        ),
+        # (written when the checkpoint sets one; transformers' default is none)
+        ConverterLoss("final_logit_softcapping", "final_logit_softcapping", "the logits soft-capped at 30"),
+        ConverterLoss(
+            "rope_parameters.full_attention.factor",
+            "rope.scaling.factor",
+            "the global layers' rotary unscaled",
+        ),
+        ConverterLoss(
+            "rope_parameters.sliding_attention", None, "the sliding layers' rotary over every pair, unscaled"
+        ),
     ),
 )
 
@@ -368,9 +392,12 @@ LFM2 = Architecture(
     name="lfm2",
     hf_model_types=("lfm2",),
     hf_architectures=("Lfm2ForCausalLM",),
-    gguf_names=(),
+    gguf_names=("lfm2",),
     qk_norm=True,
     packed=False,
+    gguf_refusal=(
+        "LFM2 GGUFs are not supported yet (ft runs LFM2 from its Hugging Face safetensors directory)"
+    ),
     mixer="short_conv",
     hf_weight_renames=(
         (".self_attn.out_proj.", ".self_attn.o_proj."),
@@ -385,9 +412,34 @@ LFM2 = Architecture(
     ),
 )
 
+# Granite 4.0-H (transformers' `granitemoehybrid`): Mamba-2 layers (`ft.model.mamba2`) and
+# attention layers without rotary, each followed by routed experts plus a shared MLP (or the
+# shared MLP alone), Granite's multipliers; safetensors only. Its template asks for hermes tool
+# calls (`<tool_call>`), not Granite 3's `<|tool_call|>`.
+GRANITE_HYBRID = Architecture(
+    name="granite_hybrid",
+    hf_model_types=("granitemoehybrid",),
+    hf_architectures=("GraniteMoeHybridForCausalLM",),
+    gguf_names=("granitehybrid",),
+    packed=False,
+    gguf_refusal=(
+        "Granite 4.0-H GGUFs are not supported yet (ft runs Granite 4.0-H from its Hugging Face "
+        "safetensors directory)"
+    ),
+    mixer="mamba2",
+    hf_weight_renames=(
+        (".block_sparse_moe.router.layer.", ".mlp.gate."),
+        (".block_sparse_moe.input_linear.weight", ".mlp.experts.gate_up_proj"),  # [E, 2I, H], gate first
+        (".block_sparse_moe.output_linear.weight", ".mlp.experts.down_proj"),  # [E, H, I]
+        (".shared_mlp.input_linear.", ".mlp.gate_up_proj."),  # gate | up, as Phi-3's
+        (".shared_mlp.output_linear.", ".mlp.down_proj."),
+    ),
+    hf_float32_weights=(".mamba.A_log", ".mamba.D", ".mamba.dt_bias", ".mamba.conv1d.", ".mamba.norm."),
+)
+
 ARCHITECTURES: tuple[Architecture, ...] = (
     LLAMA, MISTRAL, QWEN2, QWEN3, QWEN3_MOE, MIXTRAL, OLMOE, GEMMA2, GEMMA3, GEMMA4, PHI3, SMOLLM3,
-    GRANITE, LFM2,
+    GRANITE, LFM2, GRANITE_HYBRID,
 )  # fmt: skip
 
 

@@ -64,7 +64,10 @@ def rope_inv_freq(rope: Rotary, head_dim: int) -> torch.Tensor:
     "default" is the whole head): the turning pairs first, zeros for the pairs that stay."""
     pairs = int(rope.fraction * head_dim // 2)
     turning = 1.0 / (rope.theta ** (torch.arange(0, 2 * pairs, 2, dtype=torch.int64).float() / head_dim))
-    return torch.cat([turning, torch.zeros(head_dim // 2 - pairs)]) / rope.factor
+    inv_freq = torch.cat([turning, torch.zeros(head_dim // 2 - pairs)]) / rope.factor
+    if rope.pair_factors:  # (checked against the head's pairs where they were read)
+        inv_freq = inv_freq / torch.tensor(rope.pair_factors, dtype=torch.float32)
+    return inv_freq
 
 
 class Gemma4Experts(nn.Module):

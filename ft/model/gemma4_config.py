@@ -21,6 +21,7 @@ What the layers make differ from Gemma 3, read as transformers 5 reads it:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,11 +49,15 @@ class Rotary:
     """One layer type's rotary embedding over heads of `head_dim`: the first `fraction` of the
     head's `head_dim / 2` rotary pairs (pair j: dims j and j + head_dim / 2) turn at
     `theta ** (-2j / head_dim) / factor`, the others not at all (transformers' "proportional";
-    "default" is fraction 1, factor 1)."""
+    "default" is fraction 1, factor 1). `pair_factors`, when given (a GGUF's `rope_freqs`: one
+    per pair, as llama.cpp reads them), divide each pair's frequency further: llama.cpp's
+    converter writes the proportional rotary as fraction 1 with factors of 1 for the pairs that
+    turn and 1e30 for the others."""
 
     theta: float
     fraction: float = 1.0
     factor: float = 1.0
+    pair_factors: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +102,14 @@ class Gemma4Config(LlamaConfig):
                 )
         if self.per_layer_input_size < 0 or (self.per_layer_input_size and self.per_layer_vocab_size < 1):
             raise ValueError("Gemma 4: per-layer embeddings need a positive width and vocabulary")
+        for sliding, rope in ((True, self.sliding_rope), (False, self.full_rope)):
+            dims = {self.layer_head_dims[i] for i in range(n) if self.is_sliding(i) == sliding}
+            factors = rope.pair_factors
+            if factors and (dims - {2 * len(factors)} or not all(0 < f < math.inf for f in factors)):
+                raise ValueError(
+                    f"Gemma 4: {len(factors)} rotary pair factors for heads of {sorted(dims)}: expected "
+                    "one positive finite factor per pair"
+                )
 
     def is_sliding(self, layer: int) -> bool:
         """Whether layer `layer` attends a sliding window (else every position)."""

@@ -15,7 +15,9 @@ import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from ft.model.architectures import by_name
+from ft.model.gemma4_config import Gemma4Config
 from ft.model.gguf_file import GGUFFile, GGUFTensor, ModelFileError
+from ft.model.gguf_gemma4 import gemma4_tensor_shapes
 from ft.model.llama import LlamaConfig
 from ft.model.quant import KERNEL_TYPES
 
@@ -73,10 +75,14 @@ def check_tensors(reader: GGUFFile, config: LlamaConfig, *, packed: bool) -> Non
     Raises:
         ModelFileError: naming the tensor (or the metadata key), what was expected and found.
     """
-    expected = expected_shapes(config)
     found = {t.name: t for t in reader.tensors}
-    if "rope_freqs.weight" in found:  # llama3 rotary factors: one per rotary pair
-        expected["rope_freqs.weight"] = (config.rotary_width // 2,)
+    if isinstance(config, Gemma4Config):  # layers of their own shapes (`gguf_gemma4` says them)
+        expected, optional = gemma4_tensor_shapes(config)
+        expected |= {name: shape for name, shape in optional.items() if name in found}
+    else:
+        expected = expected_shapes(config)
+        if "rope_freqs.weight" in found:  # llama3 rotary factors: one per rotary pair
+            expected["rope_freqs.weight"] = (config.rotary_width // 2,)
     for name in ("rope_factors_long.weight", "rope_factors_short.weight"):  # Phi-3's longrope
         if name in found:
             expected[name] = (config.rotary_width // 2,)
@@ -157,6 +163,11 @@ def _summary(c: LlamaConfig) -> str:
         f"hidden {c.hidden_size}, {c.num_heads} heads / {c.num_kv_heads} kv heads of {c.head_dim}, "
         f"ffn {c.intermediate_size}, vocab {c.vocab_size}, {c.num_layers} layers"
         + (f", {c.num_experts} experts of {c.moe_intermediate_size}" if c.num_experts else "")
+        + (
+            f", heads of {sorted(set(c.layer_head_dims))} by layer type"
+            if isinstance(c, Gemma4Config)
+            else ""
+        )
     )
 
 

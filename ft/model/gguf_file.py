@@ -60,6 +60,16 @@ MAX_ALIGNMENT = 1 << 20
 # and 280k merges).
 MAX_METADATA_ITEMS = 1 << 22
 
+# Bounds on a model's numbers in its metadata: far above any real model, low enough that no size
+# derived from them overflows or allocates without bound before the tensors are compared with them.
+MAX_WIDTH = 1 << 20  # hidden size, ffn length
+MAX_HEADS = 1 << 12
+MAX_HEAD_DIM = 1 << 12
+MAX_LAYERS = 1 << 12
+MAX_EXPERTS = 1 << 12
+MAX_VOCAB = 1 << 24
+MAX_CONTEXT = 1 << 24
+
 
 class ModelFileError(ValueError):
     """A model file is malformed or disagrees with itself; the message names the key or tensor

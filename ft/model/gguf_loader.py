@@ -6,6 +6,7 @@ import logging
 import pathlib
 import re
 from collections import Counter
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -13,8 +14,21 @@ import torch
 from gguf.quants import dequantize
 
 from ft.model.architectures import GGUF_GLOBAL_NAMES, Architecture, ConverterLoss, by_gguf, by_name
+from ft.model.gemma4_config import Gemma4Config
 from ft.model.gguf_check import check_tensors, check_vocabulary, num_labels
-from ft.model.gguf_file import GGUFFile, GGUFTensor, ModelFileError
+from ft.model.gguf_file import (  # (the bounds on the metadata's numbers)
+    MAX_CONTEXT,
+    MAX_EXPERTS,
+    MAX_HEAD_DIM,
+    MAX_HEADS,
+    MAX_LAYERS,
+    MAX_VOCAB,
+    MAX_WIDTH,
+    GGUFFile,
+    GGUFTensor,
+    ModelFileError,
+)
+from ft.model.gguf_gemma4 import gemma4_gguf_config, gemma4_state_dict
 from ft.model.kernels import expert_views, repacked
 from ft.model.llama import LlamaConfig, Progress
 from ft.model.quant import KERNEL_TYPES, Q8_0, QuantTensor, to_q8_0
@@ -22,6 +36,7 @@ from ft.model.rerank import RankFormat
 from ft.tokenizer.spec import (
     TokenizerSpec,
     byte_level_bpe_from_gguf,
+    gemma4_from_gguf,
     gemma_from_gguf,
     sentencepiece_bpe_from_gguf,
     special_token_text,
@@ -32,18 +47,9 @@ _BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
 log = logging.getLogger("ft.model")
 
 
-# Bounds on the metadata's numbers: far above any real model, low enough that no size derived
-# from them overflows or allocates without bound before the tensors are compared with them.
-MAX_WIDTH = 1 << 20  # hidden size, ffn length
-MAX_HEADS = 1 << 12
-MAX_HEAD_DIM = 1 << 12
 # llama.cpp's `llama_pooling_type` values (0 none; 4 rank: the last token through the file's
 # classification head, `cls.*`).
 GGUF_POOLINGS = {1: "mean", 2: "cls", 3: "last", 4: "rank"}
-MAX_LAYERS = 1 << 12
-MAX_EXPERTS = 1 << 12
-MAX_VOCAB = 1 << 24
-MAX_CONTEXT = 1 << 24
 
 
 def gguf_config(meta: GGUFFile, tensor_names: set[str], vocab_size: int) -> LlamaConfig:
@@ -66,6 +72,8 @@ def gguf_config(meta: GGUFFile, tensor_names: set[str], vocab_size: int) -> Llam
         )
     except ValueError as e:
         raise ModelFileError(str(e)) from None
+    if family.decoder == "gemma4":  # layers of their own shapes (`gguf_gemma4` reads them)
+        return gemma4_gguf_config(meta, tensor_names, vocab_size)
     num_layers = meta.integer(f"{arch}.block_count", 1, MAX_LAYERS)
     num_heads = _per_layer(meta, f"{arch}.attention.head_count", 1, MAX_HEADS, num_layers)
     hidden = meta.integer(f"{arch}.embedding_length", 1, MAX_WIDTH)
@@ -366,8 +374,13 @@ def gguf_tensors(
     """Tensors under Hugging Face names, and llama3 `rope_freqs` factors if present.
 
     With `quantized`, 2-D weights stay packed (`QuantTensor`); otherwise every tensor is
-    dequantized to `dtype`.
+    dequantized to `dtype` (Gemma 4's always: its decoder runs floats).
     """
+    if isinstance(config, Gemma4Config):
+        floats: dict[str, torch.Tensor | QuantTensor] = dict(
+            gemma4_state_dict(config, _float_tensors(reader, dtype, progress))
+        )
+        return floats, None
     family = by_name(config.architecture)
     permuted = arch in family.gguf_permuted_qk
     sd: dict[str, torch.Tensor | QuantTensor] = {}
@@ -417,6 +430,17 @@ def gguf_tensors(
             ", ".join(f"{n} tensors of {t}" for t, n in sorted(requantized.items())),
         )
     return sd, freq_factors
+
+
+def _float_tensors(
+    reader: GGUFFile, dtype: torch.dtype, progress: Progress | None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of `reader` dequantized to `dtype`, under its GGUF name, released once read."""
+    for i, tensor in enumerate(reader.tensors):
+        if progress is not None:
+            progress(i / len(reader.tensors))
+        yield tensor.name, torch.from_numpy(dequantized(tensor)).to(dtype)
+        reader.release(tensor)
 
 
 def _expert_views(tensor: GGUFTensor, stacked_name: str) -> dict[str, QuantTensor]:
@@ -526,6 +550,11 @@ def gguf_tokenizer(meta: GGUFFile, context_length: int) -> TokenizerSpec:
         if kind == "gpt2":
             tok = byte_level_bpe_from_gguf(tokens, merges or [], token_types, meta.text("tokenizer.ggml.pre"))
             add_bos_default = False
+        elif kind == "gemma4":  # (llama.cpp requires its merges and always adds BOS)
+            if merges is None:
+                raise ModelFileError("GGUF file lacks required metadata key 'tokenizer.ggml.merges'")
+            tok = gemma4_from_gguf(tokens, merges, token_types)
+            add_bos_default = True
         elif kind == "llama" and family is not None and family.gemma and not merges:
             tok = gemma_from_gguf(tokens, token_types)  # no prefix space, merges in file order
             add_bos_default = True
@@ -535,7 +564,7 @@ def gguf_tokenizer(meta: GGUFFile, context_length: int) -> TokenizerSpec:
             add_bos_default = True
         else:
             raise ModelFileError(
-                f"GGUF tokenizer model {kind!r} is not supported (supported: gpt2, llama); "
+                f"GGUF tokenizer model {kind!r} is not supported (supported: gpt2, llama, gemma4); "
                 "use a Hugging Face directory with tokenizer.json instead"
             )
         tokenizer_json = tokenizer_json_of(tok)
@@ -548,9 +577,9 @@ def gguf_tokenizer(meta: GGUFFile, context_length: int) -> TokenizerSpec:
     eot_id = special.get("eot_token_id")
     if eot_id is None and family is not None and family.end_of_turn in tokens:
         eot_id = tokens.index(family.end_of_turn)  # llama.cpp finds Gemma's EOT by its text too
-    if eot_id is not None and eot_id not in eos_ids:
-        eos_ids.append(eot_id)
-    add_bos = meta.get("tokenizer.ggml.add_bos_token")
+    stops = [eot_id] + [tokens.index(t) for t in (family.gguf_stop_texts if family else ()) if t in tokens]
+    eos_ids += [s for s in dict.fromkeys(stops) if s is not None and s not in eos_ids]
+    add_bos = True if kind == "gemma4" else meta.get("tokenizer.ggml.add_bos_token")
     return TokenizerSpec(
         tokenizer_json=tokenizer_json,
         chat_template=meta.text("tokenizer.chat_template"),

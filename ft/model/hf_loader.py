@@ -78,7 +78,8 @@ def hf_rank_format(directory: pathlib.Path, spec: TokenizerSpec, labels: int) ->
 def hf_state_dict(
     directory: pathlib.Path, dtype: torch.dtype, progress: Progress | None = None
 ) -> dict[str, torch.Tensor]:
-    """Every tensor of the (possibly sharded) safetensors checkpoint, cast to `dtype`."""
+    """Every tensor of the (possibly sharded) safetensors checkpoint, cast to `dtype` (those
+    the family names in `hf_float32_weights` to float32)."""
     index = _read_json(directory / "model.safetensors.index.json")
     if index:
         files = sorted(set(index["weight_map"].values()))
@@ -88,6 +89,7 @@ def hf_state_dict(
         raise ValueError(f"{directory} has no *.safetensors files")
     family = by_hf(_read_json(directory / "config.json"))
     prefixes = family.hf_weight_prefixes
+    keep = family.hf_float32_weights
     sd: dict[str, torch.Tensor] = {}
     for i, name in enumerate(files):
         if progress is not None:
@@ -95,7 +97,8 @@ def hf_state_dict(
         for key, tensor in load_file(str(directory / name)).items():
             text_key = _text_weight(key, prefixes) if prefixes else key
             if text_key is not None:
-                sd[family.hf_weight_name(text_key)] = tensor.to(dtype)
+                kept = keep and any(part in key for part in keep)
+                sd[family.hf_weight_name(text_key)] = tensor.to(torch.float32 if kept else dtype)
     return sd
 
 

@@ -1,5 +1,5 @@
-"""Hybrid decoders: attention layers and recurrent layers in one stack (LFM2; later Qwen3.5's
-Gated DeltaNet and Granite 4.0-H's Mamba-2).
+"""Hybrid decoders: attention layers and recurrent layers in one stack (LFM2's short
+convolutions, Granite 4.0-H's Mamba-2; later Qwen3.5's Gated DeltaNet).
 
 Each layer's kind is `LlamaConfig.layer_types[i]`: "attention" is the Llama-family
 `DecoderLayer` (its past in the KV pages), any other names a row of `MIXERS`, a recurrent
@@ -10,14 +10,15 @@ step's spans; the model returns the new states and the runner writes them once t
 has succeeded.
 
 Adding a mixer is one `MixerKind` row: its layer-kind name, how to build it from the config
-(its own settings are `LlamaConfig` fields) and its module's name in Hugging Face checkpoints.
+(its own settings are one record, `LlamaConfig.mixer_config`), its module's name in Hugging
+Face checkpoints and, if they need renaming or fusing, the map of its weights.
 A family whose `config.json` lists its layers its own way adds its parser to `HF_CONFIGS`.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
@@ -25,9 +26,11 @@ import torch
 from torch import nn
 
 from ft.model.attention import AttentionMetadata
+from ft.model.granite_hybrid import granite_hybrid_config
 from ft.model.llama import ATTENTION, DecoderLayer, LlamaConfig, LlamaForCausalLM, Reduce
+from ft.model.mamba2 import Mamba2Config, Mamba2Mixer, mamba2_weights_from_hf
 from ft.model.recurrent import RecurrentMixer, StateSpan
-from ft.model.short_conv import ShortConv
+from ft.model.short_conv import ShortConv, ShortConvConfig
 
 if TYPE_CHECKING:
     from ft.core.batch import Heartbeat
@@ -36,22 +39,46 @@ if TYPE_CHECKING:
 StateList = list[tuple[torch.Tensor, ...]]  # one entry per span: a layer's state tensors after it
 
 
+HfWeights = Callable[[LlamaConfig, Mapping[str, torch.Tensor], str], dict[str, torch.Tensor]]
+
+
 @dataclass(frozen=True, slots=True)
 class MixerKind:
-    """One kind of recurrent layer: its name in `LlamaConfig.layer_types`, how its mixer is
-    built (`build(config, layer index)`, an `nn.Module` that is a `RecurrentMixer`), and the
-    name of its module under `model.layers.N.` in Hugging Face checkpoints (its weights keep
-    their names below it: `model.layers.N.<hf_module>.X` is the mixer's `X`)."""
+    """One kind of recurrent layer: its name in `LlamaConfig.layer_types`; how its mixer is
+    built (`build(config, layer index)`: an `nn.Module` that is a `RecurrentMixer`, its own
+    settings read from `config.mixer_config`); the name of its module under `model.layers.N.`
+    in Hugging Face checkpoints; and `hf_weights(config, state dict, "model.layers.N.<module>.")`
+    → the mixer's own state dict, None when its weights keep their names below the module
+    (`model.layers.N.<hf_module>.X` is the mixer's `X`)."""
 
     name: str
     build: Callable[[LlamaConfig, int], nn.Module]
     hf_module: str
+    hf_weights: HfWeights | None = None
+
+
+def _mamba2(config: LlamaConfig, index: int) -> nn.Module:
+    """Granite 4.0-H's Mamba-2 mixer, of the shapes `config.mixer_config` holds."""
+    settings = config.mixer_config
+    if not isinstance(settings, Mamba2Config):
+        raise ValueError(
+            f"layer {index}: a Mamba-2 layer's settings are not a Mamba2Config: {settings!r:.80}"
+        )
+    return Mamba2Mixer(settings)
+
+
+def _mamba2_weights(
+    config: LlamaConfig, sd: Mapping[str, torch.Tensor], prefix: str
+) -> dict[str, torch.Tensor]:
+    """A Mamba-2 layer's checkpoint weights as its mixer's (`conv1d.weight` squeezed, `A_log` as A)."""
+    return mamba2_weights_from_hf(sd, prefix)
 
 
 MIXERS: dict[str, MixerKind] = {
     kind.name: kind
     for kind in (
         MixerKind("short_conv", ShortConv, "conv"),  # LFM2
+        MixerKind("mamba2", _mamba2, "mamba", _mamba2_weights),  # Granite 4.0-H
     )
 }
 
@@ -138,9 +165,14 @@ def _mixer(module: object) -> RecurrentMixer:
 def mixer_weights(config: LlamaConfig, sd: dict[str, torch.Tensor], layer: int) -> dict[str, torch.Tensor]:
     """Recurrent layer `layer`'s mixer weights from a Hugging Face state dict, under the fused
     layout's names (`layers.N.mixer.X`)."""
-    prefix = f"model.layers.{layer}.{MIXERS[config.layer_types[layer]].hf_module}."
-    out = f"layers.{layer}.mixer."
-    return {out + k.removeprefix(prefix): w for k, w in sd.items() if k.startswith(prefix)}
+    kind = MIXERS[config.layer_types[layer]]
+    prefix = f"model.layers.{layer}.{kind.hf_module}."
+    own = (
+        kind.hf_weights(config, sd, prefix)
+        if kind.hf_weights is not None
+        else {k.removeprefix(prefix): w for k, w in sd.items() if k.startswith(prefix)}
+    )
+    return {f"layers.{layer}.mixer.{k}": w for k, w in own.items()}
 
 
 def state_shapes(config: LlamaConfig) -> list[tuple[tuple[int, ...], ...]]:
@@ -214,10 +246,12 @@ def _lfm2_config(arch: Architecture, cfg: dict[str, Any]) -> LlamaConfig:
         tie_word_embeddings=bool(cfg.get("tie_embedding", cfg.get("tie_word_embeddings", True))),
         qk_norm=arch.qk_norm,
         architecture=arch.name,
-        conv_kernel=int(cfg.get("conv_L_cache", 3)),
-        conv_bias=bool(cfg.get("conv_bias", False)),
         layer_types=tuple(LFM2_LAYER_KINDS[t] for t in types),
+        mixer_config=ShortConvConfig(int(cfg.get("conv_L_cache", 3)), bool(cfg.get("conv_bias", False))),
     )
 
 
-HF_CONFIGS: dict[str, Callable[[Architecture, dict[str, Any]], LlamaConfig]] = {"lfm2": _lfm2_config}
+HF_CONFIGS: dict[str, Callable[[Architecture, dict[str, Any]], LlamaConfig]] = {
+    "lfm2": _lfm2_config,
+    "granite_hybrid": granite_hybrid_config,
+}

@@ -3,8 +3,9 @@ Qwen3 (per-head q/k RMSNorm), the mixtures of experts Qwen3-MoE, Mixtral and OLM
 RMSNorm; experts from `moe.py`), Gemma 2/3 (flags: GeGLU, post norms, soft-caps, windows),
 Phi-3/Phi-4-mini (partial rotary, longrope), SmolLM3 (layers without rotary) and Granite
 (embedding, residual, attention and logit multipliers); which blocks a family uses is its
-`architectures` entry. A hybrid model (LFM2) has recurrent layers among these attention ones:
-their kinds are `LlamaConfig.layer_types`, and `ft.model.hybrid` builds the stack."""
+`architectures` entry. A hybrid model (LFM2, Granite 4.0-H: its experts beside a shared MLP,
+`LlamaConfig.shared_mlp`) has recurrent layers among these attention ones: their kinds are
+`LlamaConfig.layer_types`, and `ft.model.hybrid` builds the stack."""
 
 from __future__ import annotations
 
@@ -63,6 +64,9 @@ class LlamaConfig:
     # `mlp_only_layers` and `decoder_sparse_step`)
     mlp_only_layers: tuple[int, ...] = ()
     qk_norm_whole: bool = False  # OLMoE: q/k RMSNorm over the whole projections, not per head
+    # a routed layer also runs the dense MLP (of `intermediate_size`) and adds its output to the
+    # experts' (Granite 4.0-H's `shared_mlp`)
+    shared_mlp: bool = False
     architecture: str = "llama"
     pooling: str | None = None  # how the file says to pool embeddings (GGUF `{arch}.pooling_type`)
     # Gemma 2/3 and sliding windows (Gemma, Mistral):
@@ -85,10 +89,11 @@ class LlamaConfig:
     attention_multiplier: float = 0.0  # the softmax scale, 0: 1 / sqrt(head_dim) (Granite)
     logits_scaling: float = 1.0  # the logits divided by it (Granite)
     # Hybrid models (`ft.model.hybrid`): each layer's kind, "attention" or a recurrent mixer's
-    # (`hybrid.MIXERS`: "short_conv"); empty: every layer attends. A mixer's own settings:
-    conv_kernel: int = 0  # LFM2's short convolution: its kernel (`conv_L_cache`)
-    conv_bias: bool = False  # and whether its projections and convolution have biases
+    # (`hybrid.MIXERS`: "short_conv", "mamba2"); empty: every layer attends. `mixer_config` is the
+    # mixers' own settings, a frozen record of the mixer's module (LFM2: `ShortConvConfig`,
+    # Granite 4.0-H: `Mamba2Config`).
     layer_types: tuple[str, ...] = ()
+    mixer_config: object | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -105,6 +110,8 @@ class LlamaConfig:
                 f"{self.num_experts_per_tok} experts per token of {self.num_experts} experts of "
                 f"{self.moe_intermediate_size}: expected 1 to {self.num_experts} per token, positive sizes"
             )
+        if self.shared_mlp and not self.num_experts:
+            raise ValueError("a shared MLP beside the experts needs experts")
         if self.hidden_act not in HIDDEN_ACTS:
             raise ValueError(
                 f"hidden activation {self.hidden_act!r} is not supported "
@@ -219,7 +226,8 @@ class LlamaConfig:
         attention = self.hidden_size * (2 * self.q_size + 2 * self.kv_size)  # q, k, v, o
         dense = 3 * self.hidden_size * self.intermediate_size  # gate, up, down
         routed = self.num_experts_per_tok * 3 * self.hidden_size * self.moe_intermediate_size
-        layers = sum(attention + (routed if self.is_moe_layer(i) else dense) for i in range(self.num_layers))
+        moe = routed + (dense if self.shared_mlp else 0)
+        layers = sum(attention + (moe if self.is_moe_layer(i) else dense) for i in range(self.num_layers))
         return self.vocab_size * self.hidden_size / layers
 
     def layer_window(self, layer: int) -> int:
@@ -663,7 +671,7 @@ class DecoderLayer(nn.Module):
             self.k_norm = RMSNorm(k_width, config.rms_norm_eps) if config.qk_norm else None
             self.o_proj = nn.Linear(config.q_size, config.hidden_size, bias=False)
         self.moe = SparseMoE(config) if config.is_moe_layer(index) else None
-        if self.moe is None:
+        if self.moe is None or config.shared_mlp:
             self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
             self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
@@ -712,12 +720,12 @@ class DecoderLayer(nn.Module):
         `h` `[T, hidden]` → the layer's output."""
         c = self.config
         normed = self.post_attention_layernorm(h)
-        if self.moe is not None:
-            d = self.moe(normed)  # [T, hidden]
-        else:
+        d = self.moe(normed) if self.moe is not None else None  # [T, hidden]
+        if d is None or c.shared_mlp:
             gate, up = self.gate_up_proj(normed).chunk(2, dim=-1)
             act = F.silu(gate) if c.hidden_act == "silu" else F.gelu(gate, approximate="tanh")
-            d = self.down_proj(act * up)  # [T, hidden]
+            dense = self.down_proj(act * up)  # [T, hidden]
+            d = dense if d is None else d + dense  # (under TP both are partial sums: one reduce)
         d = d if self.reduce is None else self.reduce(d)
         out: torch.Tensor = h + self._residual(d if self.mlp_out_norm is None else self.mlp_out_norm(d))
         return out
@@ -827,7 +835,8 @@ def fuse_hf_state_dict(config: LlamaConfig, sd: dict[str, torch.Tensor]) -> dict
             out |= mixer_weights(config, sd, i)
         if config.is_moe_layer(i):
             out |= {o + "moe." + k: w for k, w in fuse_experts(sd, mlp, config.num_experts).items()}
-            continue
+            if not config.shared_mlp:
+                continue
         fused_gate_up = sd.get(mlp + "gate_up_proj.weight")  # Phi-3 stores gate|up fused
         out[o + "gate_up_proj.weight"] = (
             fused_gate_up
@@ -902,10 +911,20 @@ def assemble_model(
         model_class = HybridForCausalLM
     with torch.device("meta"):
         model = model_class(local or config, reduce, lm_head_rows)
-    model.load_state_dict(
-        {k: v.to(device=device, dtype=dtype).contiguous() for k, v in fused.items()}, assign=True, strict=True
-    )
+    keep = float32_parameters(model)
+    weights = {k: v.to(device=device, dtype=torch.float32 if k in keep else dtype) for k, v in fused.items()}
+    model.load_state_dict({k: v.contiguous() for k, v in weights.items()}, assign=True, strict=True)
     model.inv_freq = rope_inv_freq(config).to(device)  # buffers made on meta are not in the state dict
     local_freq = rope_local_inv_freq(config)
     model.local_inv_freq = local_freq.to(device) if local_freq is not None else None
     return model.eval()
+
+
+def float32_parameters(model: nn.Module) -> set[str]:
+    """The parameters kept in float32 whatever the model's dtype: those each module names in its
+    `float32_parameters` (a recurrent mixer's decays, convolution and norm)."""
+    return {
+        f"{prefix}.{name}" if prefix else name
+        for prefix, module in model.named_modules()
+        for name in getattr(module, "float32_parameters", ())
+    }

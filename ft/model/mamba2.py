@@ -100,7 +100,7 @@ class Mamba2Config:
             )
         if cfg.get("hidden_act", "silu") != "silu":
             raise ValueError(f"mamba2: the convolution's activation must be silu, got {cfg['hidden_act']!r}")
-        low, high = cfg.get("time_step_limit") or (0.0, math.inf)
+        low, high = (_json_float(v) for v in cfg.get("time_step_limit") or (0.0, math.inf))
         return cls(
             hidden_size=hidden,
             num_heads=num_heads,
@@ -109,12 +109,26 @@ class Mamba2Config:
             num_groups=int(cfg.get("mamba_n_groups", 1)),
             conv_kernel=int(cfg.get("mamba_d_conv", 4)),
             chunk_size=min(int(cfg.get("mamba_chunk_size", 256)), MAX_CHUNK_SIZE),
-            time_step_min=float(low),
-            time_step_max=float(high),
+            time_step_min=low,
+            time_step_max=high,
             norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             conv_bias=bool(cfg.get("mamba_conv_bias", True)),
             proj_bias=bool(cfg.get("mamba_proj_bias", False)),
         )
+
+
+def _json_float(value: Any) -> float:
+    """A number from `config.json`: JSON's own, Python's `Infinity`, or transformers 5's
+    `{"__float__": "Infinity"}` for a value JSON cannot write.
+
+    Raises:
+        ValueError: anything else.
+    """
+    if isinstance(value, dict) and set(value) == {"__float__"}:
+        value = value["__float__"]
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise ValueError(f"mamba2: time_step_limit holds {value!r:.40}, not a number")
+    return float(value)
 
 
 def mamba2_weights_from_hf(tensors: Mapping[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
@@ -250,7 +264,12 @@ def _read_states(slot_states: torch.Tensor, slots: torch.Tensor, fresh: torch.Te
 
 class Mamba2Mixer(nn.Module):
     """Mamba-2's mixer over a step's spans (`RecurrentMixer`); its states per sequence are
-    `(conv [k-1, conv_dim], ssm [heads, head_dim, d_state])`, float32."""
+    `(conv [k-1, conv_dim], ssm [heads, head_dim, d_state])`, float32. Its small parameters stay
+    float32 whatever the model's dtype (`float32_parameters`, read by `llama.assemble_model`):
+    the decays compound over every step of a sequence, and all of them together are a few
+    numbers per channel."""
+
+    float32_parameters = ("conv_weight", "conv_bias", "dt_bias", "A", "D", "norm_weight")
 
     def __init__(self, config: Mamba2Config) -> None:
         super().__init__()

@@ -1,7 +1,7 @@
 """LFM2's short convolution mixer: a gated causal depthwise convolution over a few positions.
 
     B, C, x = in_proj(h)            # [T, hidden] each
-    y = conv(B * x)                 # causal, depthwise, kernel `conv_kernel` (LFM2: 3)
+    y = conv(B * x)                 # causal, depthwise, kernel `ShortConvConfig.kernel` (LFM2: 3)
     out = out_proj(C * y)
 
 The convolution reads each channel's last `kernel` inputs, so a sequence's whole past is the
@@ -13,6 +13,7 @@ spans of a step (one row each) are one batched multiply-add over their windows.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -22,15 +23,31 @@ from ft.model.llama import LlamaConfig
 from ft.model.recurrent import StateSpan
 
 
+@dataclass(frozen=True, slots=True)
+class ShortConvConfig:
+    """A short convolution's settings (`LlamaConfig.mixer_config` of LFM2): its kernel
+    (`conv_L_cache`) and whether its projections and convolution have biases (`conv_bias`)."""
+
+    kernel: int
+    bias: bool = False
+
+    def __post_init__(self) -> None:
+        if self.kernel < 1:
+            raise ValueError(f"a short convolution needs a kernel of at least 1, got {self.kernel}")
+
+
 class ShortConv(nn.Module):
     """The mixer of LFM2's "conv" layers (`ft.model.recurrent.RecurrentMixer`); weights named
     as Hugging Face's `Lfm2ShortConv` (`in_proj`, `conv`, `out_proj`)."""
 
     def __init__(self, config: LlamaConfig, index: int = 0) -> None:
         super().__init__()
-        hidden, kernel, bias = config.hidden_size, config.conv_kernel, config.conv_bias
-        if kernel < 1:
-            raise ValueError(f"layer {index}: a short convolution needs a kernel of at least 1, got {kernel}")
+        settings = config.mixer_config
+        if not isinstance(settings, ShortConvConfig):
+            raise ValueError(
+                f"layer {index}: a short convolution's settings are not a ShortConvConfig: {settings!r:.80}"
+            )
+        hidden, kernel, bias = config.hidden_size, settings.kernel, settings.bias
         self.hidden, self.kernel = hidden, kernel
         self.in_proj = nn.Linear(hidden, 3 * hidden, bias=bias)
         self.conv = nn.Conv1d(hidden, hidden, kernel, groups=hidden, bias=bias)  # weight [hidden, 1, kernel]

@@ -149,9 +149,9 @@ class TorchRunner:
     @staticmethod
     def bytes_per_page(config: LlamaConfig, page_size: int, dtype: kernels.KVDtype, world: int = 1) -> int:
         """KV bytes one page takes across the layers that store KV (keys and values; Gemma 4's
-        KV-sharing layers store none) on the busiest of `world` ranks (the first ranks take one
-        more kv head when the heads do not divide evenly); a q8_0 head takes 34 bytes per 32
-        elements (float16: 64)."""
+        KV-sharing layers and a hybrid's recurrent layers store none) on the busiest of `world`
+        ranks (the first ranks take one more kv head when the heads do not divide evenly); a
+        q8_0 head takes 34 bytes per 32 elements (float16: 64)."""
         return page_size * kv_layout.bytes_per_slot(config.kv_shapes, dtype, world)
 
     @property

@@ -218,6 +218,28 @@ def gemma_from_gguf(tokens: list[str], token_types: list[int]) -> Tokenizer:
     return tok
 
 
+def gemma4_from_gguf(tokens: list[str], merges: list[str], token_types: list[int]) -> Tokenizer:
+    """Gemma 4's BPE from a GGUF (`tokenizer.ggml.model == "gemma4"`), as llama.cpp reads it
+    (its `LLAMA_VOCAB_PRE_TYPE_GEMMA4`): spaces become "▁" (nothing prepended), runs of
+    newlines split from the rest, the file's merges ranked in file order over UTF-8
+    characters, byte fallback to the `<0x..>` tokens."""
+    vocab = {t: i for i, t in enumerate(tokens)}
+    tok = Tokenizer(
+        models.BPE(
+            vocab=vocab,
+            merges=[(m.split(" ", 1)[0], m.split(" ", 1)[1]) for m in merges],  # (each checked to be two)
+            unk_token="<unk>" if "<unk>" in vocab else None,
+            fuse_unk=True,
+            byte_fallback=True,
+        )
+    )
+    tok.normalizer = normalizers.Replace(" ", "▁")
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("\n+"), behavior="isolated")
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    _add_gguf_special_tokens(tok, tokens, token_types, None)
+    return tok
+
+
 def gemma_merges(tokens: list[str]) -> list[tuple[str, str]]:
     """Every split of a token into two tokens, the earlier tokens' first (transformers'
     `generate_merges` with the file's order as scores), bounded as `_merges_from_scores`."""

@@ -11,6 +11,7 @@ from ft.core.reasoning import (
     ContentDelta,
     ReasoningDelta,
     ReasoningEvent,
+    leaves_reasoning_open,
     make_reasoning_parser,
 )
 
@@ -149,3 +150,24 @@ def test_unknown_parser_name_lists_the_known_ones() -> None:
     """An unknown parser name is refused with the list of known ones."""
     with pytest.raises(ValueError, match=r"think.*deepseek_r1"):
         make_reasoning_parser("nope")
+
+
+@pytest.mark.parametrize(
+    ("prompt_end", "is_open"),
+    [
+        ("<|im_start|>assistant\n<think>\n", True),  # Qwen3.5, thinking on
+        ("<｜Assistant｜><think>", True),
+        ("<|im_start|>assistant\n<think>\n\n</think>\n\n", False),  # thinking off: closed
+        ("<|im_start|>assistant\n", False),  # Qwen3: the model opens it itself
+        ("user\nWhat is <think> for?<|im_end|>\n<|im_start|>assistant\n", False),  # a tag in a question
+    ],
+)
+def test_a_prompt_leaves_reasoning_open_when_it_ends_with_think(prompt_end: str, is_open: bool) -> None:
+    """Only a prompt that ends with `<think>` (and whitespace) starts the output in reasoning."""
+    assert leaves_reasoning_open(prompt_end) is is_open
+
+
+def test_output_after_an_open_think_is_reasoning_until_it_closes() -> None:
+    """Started in reasoning (the prompt opened it), the text up to `</think>` is reasoning."""
+    events = run("think", list("Ponder.\n</think>\n\nDone."), starts_in_reasoning=True)
+    assert summarize(events) == ("Ponder.", "Done.")

@@ -21,15 +21,20 @@ import torch
 from ft.config import EngineConfig
 from ft.core.batch import SeqWork
 from ft.model.gemma4_config import Gemma4Config, Rotary, gemma4_config
-from ft.model.loader import LoadedModel, load_model
+from ft.model.loader import load_model
 from ft.model.plan import ConfigError, plan, read_header
-from ft.model.runners import build_runner
 from ft.model.torch_runner import TorchRunner
 from tests.support.tiny_gemma4 import (
+    CHUNK,
+    PAGE_SIZE,
+    PROMPT,
     VARIANTS,
     WINDOW,
+    chunked_then_greedy,
     gemma4_model,
     gemma4_multimodal_model,
+    reference,
+    runner_of,
     save_gemma4_dir,
     text_config,
 )
@@ -37,16 +42,7 @@ from tests.support.tiny_qwen3 import GREEDY, PAGES
 
 transformers = pytest.importorskip("transformers")
 
-PROMPT = tuple((7 + 37 * i) % 320 + 3 for i in range(45))  # ids 3..322 of the tiny vocabulary
-CHUNK = 16
-NEW_TOKENS = 6
 TOLERANCE = 1e-4  # float32 on both sides (measured at most 3e-5, the experts' grouping included)
-PAGE_SIZE = 4
-
-
-def runner_of(loaded: LoadedModel) -> TorchRunner:
-    # NOTE: one thread: the tiny steps gain nothing from two, and a busy machine stalls them
-    return build_runner(loaded, num_pages=32, page_size=PAGE_SIZE, dtype=torch.float32, threads=1)
 
 
 @pytest.fixture(scope="module", params=[*VARIANTS, "multimodal"])
@@ -64,36 +60,6 @@ def hf_model(variant: str) -> Any:
 @pytest.fixture(scope="module")
 def model_dir(variant: str, hf_model: Any, tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
     return save_gemma4_dir(tmp_path_factory.mktemp(variant) / f"tiny-gemma4-{variant}", hf_model)
-
-
-def reference(model: Any) -> tuple[torch.Tensor, list[int], torch.Tensor]:
-    """transformers' logits `[T, vocab]` over the prompt, its greedy tokens, and the logits
-    `[NEW_TOKENS, vocab]` of each of its greedy steps (the prompt and the tokens before)."""
-    with torch.inference_mode():
-        prompt_logits = model(torch.tensor([PROMPT])).logits[0]
-        out = model.generate(
-            torch.tensor([PROMPT]), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0
-        )
-        tokens = out[0, len(PROMPT) :].tolist()
-        steps = model(out[:, :-1]).logits[0, len(PROMPT) - 1 :]
-    return prompt_logits, tokens, steps
-
-
-def chunked_then_greedy(runner: TorchRunner) -> tuple[list[torch.Tensor], list[int], list[torch.Tensor]]:
-    """The prompt fed in chunks of `CHUNK` (each chunk's last logits), then greedy decode steps
-    (their tokens and logits)."""
-    chunk_logits = []
-    for start in range(0, len(PROMPT), CHUNK):
-        logits = runner.forward([SeqWork(0, PROMPT[start : start + CHUNK], start, PAGES, True, GREEDY, 0)])
-        assert logits is not None
-        chunk_logits.append(logits[0])
-    tokens, step_logits = [int(chunk_logits[-1].argmax())], [chunk_logits[-1]]
-    for i in range(1, NEW_TOKENS):
-        logits = runner.forward([SeqWork(0, (tokens[-1],), len(PROMPT) + i - 1, PAGES, True, GREEDY, i)])
-        assert logits is not None
-        tokens.append(int(logits[0].argmax()))
-        step_logits.append(logits[0])
-    return chunk_logits, tokens, step_logits
 
 
 def test_float32_logits_and_greedy_tokens_match_transformers(hf_model: Any, model_dir: pathlib.Path) -> None:
@@ -226,17 +192,7 @@ def test_a_gemma4_config_ft_cannot_run_is_refused_naming_the_key(edit: dict[str,
         gemma4_config(text_config().to_dict() | edit)
 
 
-def test_gemma4_runs_in_one_process_and_its_ggufs_are_refused(tmp_path: pathlib.Path) -> None:
+def test_gemma4_runs_in_one_process(tmp_path: pathlib.Path) -> None:
     (tmp_path / "config.json").write_text(text_config().to_json_string())
     with pytest.raises(ConfigError, match="gemma4 runs in one process"):
         plan(EngineConfig(model=str(tmp_path), tensor_parallel_size=2), read_header(tmp_path))
-    from gguf import GGUFWriter
-
-    writer = GGUFWriter(str(tmp_path / "gemma4.gguf"), "gemma4")
-    writer.add_block_count(1)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    with pytest.raises(ValueError, match="Gemma 4 GGUFs are not supported yet"):
-        load_model(tmp_path / "gemma4.gguf", torch.float32)

@@ -24,6 +24,7 @@ from ft.model.hybrid import state_slot_bytes
 from ft.model.loader import LoadedModel, load_model
 from ft.model.plan import ConfigError, plan, read_header
 from ft.model.runners import build_runner
+from ft.model.short_conv import ShortConvConfig
 from ft.model.torch_runner import TorchRunner
 from tests.support.tiny_lfm2 import GREEDY, greedy, lfm2_model, save_lfm2_dir
 
@@ -64,7 +65,7 @@ def test_the_config_reads_the_layer_kinds_and_the_adjusted_mlp_width(loaded: Loa
     c = loaded.config
     assert c.architecture == "lfm2" and c.is_hybrid
     assert c.layer_types == ("short_conv", "attention", "short_conv", "attention")
-    assert c.num_kv_layers == 2 and c.conv_kernel == 3 and c.qk_norm
+    assert c.num_kv_layers == 2 and c.mixer_config == ShortConvConfig(kernel=3) and c.qk_norm
     assert c.intermediate_size == 128  # int(2 * 192 / 3), rounded up to a multiple of 32
     assert c.tie_word_embeddings
 
@@ -222,5 +223,5 @@ def test_the_plan_runs_it_on_the_float_path_eagerly(lfm2_dir: pathlib.Path) -> N
 
 
 def test_an_lfm2_gguf_is_refused_naming_the_architecture() -> None:
-    with pytest.raises(ValueError, match="GGUF architecture 'lfm2' is not supported"):
+    with pytest.raises(ValueError, match="LFM2 GGUFs are not supported yet"):
         by_gguf("lfm2")

@@ -1,4 +1,5 @@
-"""A tiny random LFM2 (short convolutions between attention layers) served over real HTTP.
+"""Tiny random hybrids served over real HTTP: LFM2 (short convolutions between attention
+layers) and Granite 4.0-H (Mamba-2 layers between attention layers, experts beside a shared MLP).
 
 Every answer is compared with transformers' greedy continuation of the same token ids on the
 same weights: a first request; a second turn that extends the first prompt, which restores the
@@ -26,6 +27,7 @@ from ft.engine.engine import open_engine
 from ft.engine.lifetime import EngineState
 from tests.support.server import running_server, wait_idle
 from tests.support.tiny_families import EOS
+from tests.support.tiny_granite_hybrid import granite_hybrid_model, save_granite_hybrid_dir
 from tests.support.tiny_lfm2 import lfm2_model, save_lfm2_dir
 
 pytest.importorskip("transformers")
@@ -33,17 +35,26 @@ pytest.importorskip("transformers")
 PROMPT = [(i * 7) % 250 + 3 for i in range(40)]  # its last full page before its last token ends at 32
 SECOND_TURN = PROMPT + [(i * 11) % 240 + 5 for i in range(25)]
 MAX_TOKENS = 12
+# one sequence's recurrent state: LFM2's 2 conv layers of 64 channels x 2 inputs; Granite's 2
+# Mamba-2 layers of a conv state (3 x 192) and an SSM state (8 heads x 16 x 16), float32
+SLOT_BYTES = {"tiny-lfm2": 2 * 64 * 2 * 4, "tiny-granite-hybrid": 2 * (3 * 192 + 8 * 16 * 16) * 4}
+
+
+@pytest.fixture(scope="module", params=sorted(SLOT_BYTES))
+def family(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
 
 
 @pytest.fixture(scope="module")
-def hf_model() -> Any:
+def hf_model(family: str) -> Any:
     torch.set_num_threads(1)
-    return lfm2_model(seed=3)
+    return lfm2_model(seed=3) if family == "tiny-lfm2" else granite_hybrid_model("moe", seed=3)
 
 
 @pytest.fixture(scope="module")
-def model_dir(hf_model: Any, tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
-    return save_lfm2_dir(tmp_path_factory.mktemp("lfm2-http") / "tiny-lfm2", hf_model)
+def model_dir(hf_model: Any, family: str, tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    save = save_lfm2_dir if family == "tiny-lfm2" else save_granite_hybrid_dir
+    return save(tmp_path_factory.mktemp("hybrid-http") / family, hf_model)
 
 
 def expected_text(hf_model: Any, model_dir: pathlib.Path, prompt: list[int], n: int = MAX_TOKENS) -> str:
@@ -79,7 +90,7 @@ async def complete(c: httpx.AsyncClient, prompt: list[int], **extra: Any) -> dic
 
 
 async def test_greedy_answers_prefix_hits_and_forks_match_transformers(
-    hf_model: Any, model_dir: pathlib.Path
+    hf_model: Any, model_dir: pathlib.Path, family: str
 ) -> None:
     async with (
         running_server(config(model_dir)) as s,
@@ -100,13 +111,12 @@ async def test_greedy_answers_prefix_hits_and_forks_match_transformers(
         stats = await wait_idle(c)
         state = stats["recurrent_state"]
         assert state["slots"] == 32 + 4 and state["in_use"] == 0
-        assert (
-            state["snapshot_hits"] >= 1 and state["snapshots"] >= 1 and state["slot_bytes"] == 2 * 64 * 2 * 4
-        )
+        slot_bytes = SLOT_BYTES[family]
+        assert state["snapshot_hits"] >= 1 and state["snapshots"] >= 1 and state["slot_bytes"] == slot_bytes
         # the slots came out of the budget before the pages did
-        assert stats["kv"]["total_pages"] == ((4 << 20) - 36 * 1024) // s.engine.kv_page_bytes
+        assert stats["kv"]["total_pages"] == ((4 << 20) - 36 * slot_bytes) // s.engine.kv_page_bytes
         metrics = (await c.get("/metrics")).text
-        assert 'ft_state_slots_in_use{model="tiny-lfm2"} 0.0' in metrics
+        assert f'ft_state_slots_in_use{{model="{family}"}} 0.0' in metrics
         assert "ft_state_snapshot_hits_total" in metrics
 
 
@@ -140,7 +150,7 @@ async def test_requests_preempted_mid_sequence_still_answer_as_transformers(
 @pytest.mark.parametrize(
     ("options", "match"),
     [
-        # 2032 slots of 1 KiB do not fit 1 MiB
+        # 2032 slots (1 KiB or 20.5 KiB) do not fit 1 MiB
         (
             {"kv_cache_memory": 1 << 20, "state_snapshots": 2000},
             "cannot hold the recurrent state: 2032 slots",

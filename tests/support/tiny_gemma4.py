@@ -9,7 +9,8 @@ final soft-cap of 8, no per-layer embeddings. `VARIANTS` add, one at a time, wha
 add: per-layer embeddings, `attention_k_eq_v` (global layers of 1 kv head whose values are
 their keys), 2 KV-sharing layers (one of each type, double-wide MLPs), experts beside the MLP.
 Every weight is random, norms, layer scalars and router scales around 1 (they multiply as
-stored).
+stored). `reference` is transformers' run of `PROMPT` and its greedy steps, `chunked_then_greedy`
+ft's (the prompt in chunks of `CHUNK` on a `runner_of` runner), for the tests to compare.
 """
 
 from __future__ import annotations
@@ -20,7 +21,12 @@ from typing import Any
 
 import torch
 
+from ft.core.batch import SeqWork
+from ft.model.loader import LoadedModel
+from ft.model.runners import build_runner
+from ft.model.torch_runner import TorchRunner
 from tests.support.tiny_gemma import BOS, EOS, gemma_vocab
+from tests.support.tiny_qwen3 import GREEDY, PAGES
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, GLOBAL_HEAD_DIM, FFN = 64, 4, 2, 16, 32, 128
 WINDOW = 8
@@ -32,6 +38,10 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "kv_shared": {"num_kv_shared_layers": 2, "use_double_wide_mlp": True},
     "moe": {"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 32},
 }
+PROMPT = tuple((7 + 37 * i) % 320 + 3 for i in range(45))  # ids 3..322 of the tiny vocabulary
+CHUNK = 16
+NEW_TOKENS = 6
+PAGE_SIZE = 4
 # a turn in Gemma 4's chat format (the tiny vocabulary spells its markers byte by byte)
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<|turn>{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n"
@@ -105,3 +115,38 @@ def save_gemma4_dir(directory: pathlib.Path, model: Any) -> pathlib.Path:
         )
     )
     return directory
+
+
+def runner_of(loaded: LoadedModel) -> TorchRunner:
+    """A float32 runner of 32 pages of `PAGE_SIZE` over `loaded`."""
+    # NOTE: one thread: the tiny steps gain nothing from two, and a busy machine stalls them
+    return build_runner(loaded, num_pages=32, page_size=PAGE_SIZE, dtype=torch.float32, threads=1)
+
+
+def reference(model: Any) -> tuple[torch.Tensor, list[int], torch.Tensor]:
+    """transformers' logits `[T, vocab]` over the prompt, its greedy tokens, and the logits
+    `[NEW_TOKENS, vocab]` of each of its greedy steps (the prompt and the tokens before)."""
+    with torch.inference_mode():
+        prompt_logits = model(torch.tensor([PROMPT])).logits[0]
+        greedy = dict(do_sample=False, pad_token_id=0, eos_token_id=None)  # (past an EOS too)
+        out = model.generate(torch.tensor([PROMPT]), max_new_tokens=NEW_TOKENS, **greedy)
+        tokens = out[0, len(PROMPT) :].tolist()
+        steps = model(out[:, :-1]).logits[0, len(PROMPT) - 1 :]
+    return prompt_logits, tokens, steps
+
+
+def chunked_then_greedy(runner: TorchRunner) -> tuple[list[torch.Tensor], list[int], list[torch.Tensor]]:
+    """The prompt fed in chunks of `CHUNK` (each chunk's last logits), then greedy decode steps
+    (their tokens and logits)."""
+    chunk_logits = []
+    for start in range(0, len(PROMPT), CHUNK):
+        logits = runner.forward([SeqWork(0, PROMPT[start : start + CHUNK], start, PAGES, True, GREEDY, 0)])
+        assert logits is not None
+        chunk_logits.append(logits[0])
+    tokens, step_logits = [int(chunk_logits[-1].argmax())], [chunk_logits[-1]]
+    for i in range(1, NEW_TOKENS):
+        logits = runner.forward([SeqWork(0, (tokens[-1],), len(PROMPT) + i - 1, PAGES, True, GREEDY, i)])
+        assert logits is not None
+        tokens.append(int(logits[0].argmax()))
+        step_logits.append(logits[0])
+    return chunk_logits, tokens, step_logits

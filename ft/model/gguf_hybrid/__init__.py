@@ -97,12 +97,13 @@ def hf_tensors_from_gguf(
     dtype: torch.dtype = torch.float32,
     *,
     mtp: bool = False,
+    float32: tuple[str, ...] = (),
     progress: Progress | None = None,
 ) -> dict[str, torch.Tensor]:
     """The checkpoint's tensors (its safetensors' names) of a hybrid GGUF whose metadata gave
-    `config` (`hf_config_from_gguf`), dequantized to `dtype`; with `mtp`, the multi-token
-    prediction layers' too (`mtp.*`; always checked, built only when asked for: ft does not
-    run them, and transformers drops them at load).
+    `config` (`hf_config_from_gguf`), dequantized to `dtype` (those whose names hold a `float32`
+    part to float32); with `mtp`, the multi-token prediction layers' too (`mtp.*`; always
+    checked, built only when asked for: ft does not run them, and transformers drops them).
 
     Raises:
         ModelFileError: a tensor missing, of another shape than the config gives, left over,
@@ -115,14 +116,18 @@ def hf_tensors_from_gguf(
     pieces = family.pieces(config)
     blocks = config["num_hidden_layers"] + config.get("mtp_num_hidden_layers", 0)
     check_pieces(meta, pieces, blocks, _described(family, config))
-    return build_state_dict(meta, pieces, dtype, mtp=mtp, progress=progress)
+    return build_state_dict(meta, pieces, dtype, mtp=mtp, float32=float32, progress=progress)
 
 
 def load_hybrid_gguf(
-    path: pathlib.Path, dtype: torch.dtype = torch.float32, progress: Progress | None = None
+    path: pathlib.Path,
+    dtype: torch.dtype = torch.float32,
+    progress: Progress | None = None,
+    float32: tuple[str, ...] = (),
 ) -> HybridGGUF:
-    """A hybrid GGUF's config dict, state dict and tokenizer, as its Hugging Face checkpoint
-    would give them; each setting the converter dropped is logged (`ConverterLoss`).
+    """A hybrid GGUF's config dict, state dict (in `dtype`, names holding a `float32` part in
+    float32) and tokenizer, as its Hugging Face checkpoint would give them; each setting the
+    converter dropped is logged (`ConverterLoss`).
 
     Raises:
         ModelFileError: the file is malformed, or its tensors disagree with its metadata (the
@@ -140,7 +145,7 @@ def load_hybrid_gguf(
                     "%s: the checkpoint's %r is not in this GGUF (llama.cpp's converter does not write "
                     "it): %s, as llama.cpp runs it", path.name, loss.setting, loss.assumed,
                 )  # fmt: skip
-        state_dict = hf_tensors_from_gguf(meta, config, dtype, progress=progress)
+        state_dict = hf_tensors_from_gguf(meta, config, dtype, float32=float32, progress=progress)
         tokenizer = gguf_tokenizer(meta, config["max_position_embeddings"])
     except ModelFileError as e:
         raise ModelFileError(f"{path}: {e}") from None
@@ -176,7 +181,8 @@ def load_runnable(
 ) -> tuple[LlamaConfig, dict[str, torch.Tensor], TokenizerSpec]:
     """A hybrid GGUF as ft loads its Hugging Face checkpoint: `llama_config` (refusing a family
     ft does not run before a tensor is read), the tensors dequantized under the names the
-    family's safetensors load under (`Architecture.hf_weight_name`), the tokenizer.
+    family's safetensors load under (`Architecture.hf_weight_name`; its `hf_float32_weights` in
+    float32, as from safetensors), the tokenizer.
 
     Raises:
         ModelFileError: as `llama_config` and `load_hybrid_gguf`.
@@ -185,8 +191,8 @@ def load_runnable(
         config = llama_config(open_gguf(path))
     except ModelFileError as e:
         raise ModelFileError(f"{path}: {e}") from None
-    hybrid = load_hybrid_gguf(path, dtype, progress)
     family = by_name(config.architecture)
+    hybrid = load_hybrid_gguf(path, dtype, progress, family.hf_float32_weights)
     state_dict = {family.hf_weight_name(k): v for k, v in hybrid.state_dict.items()}
     return config, state_dict, hybrid.tokenizer
 

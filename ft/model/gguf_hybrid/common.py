@@ -17,8 +17,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from ft.model.gguf_file import GGUFFile, GGUFTensor, ModelFileError
-from ft.model.gguf_loader import MAX_HEADS, MAX_LAYERS, MAX_VOCAB, MAX_WIDTH, dequantized
+from ft.model.gguf_file import (
+    MAX_HEADS,
+    MAX_LAYERS,
+    MAX_VOCAB,
+    MAX_WIDTH,
+    GGUFFile,
+    GGUFTensor,
+    ModelFileError,
+)
+from ft.model.gguf_loader import dequantized
 from ft.model.llama import Progress
 
 Shape = tuple[int, ...]
@@ -286,11 +294,17 @@ def check_pieces(meta: GGUFFile, pieces: Iterable[Piece], num_blocks: int, descr
 
 
 def build_state_dict(
-    meta: GGUFFile, pieces: list[Piece], dtype: torch.dtype, *, mtp: bool, progress: Progress | None = None
+    meta: GGUFFile,
+    pieces: list[Piece],
+    dtype: torch.dtype,
+    *,
+    mtp: bool,
+    float32: tuple[str, ...] = (),
+    progress: Progress | None = None,
 ) -> dict[str, torch.Tensor]:
-    """The Hugging Face state dict the (checked) pieces make, in `dtype`, each GGUF tensor
-    dequantized when its piece is built and its mapped pages released after (`progress`: called
-    with the fraction of pieces built)."""
+    """The Hugging Face state dict the (checked) pieces make, in `dtype` (a tensor whose name
+    holds one of the `float32` parts in float32), each GGUF tensor dequantized when its piece is
+    built and its mapped pages released after (`progress`: called with the fraction built)."""
     found = {t.name: t for t in meta.tensors}
     sd: dict[str, torch.Tensor] = {}
     for i, piece in enumerate(pieces):
@@ -301,7 +315,8 @@ def build_state_dict(
         sources = [found[name] for name, _ in piece.sources]
         built = piece.build([_floats(t) for t in sources])
         for name, values in built.items():
-            sd[name] = values.to(dtype).contiguous()
+            kept = any(part in name for part in float32)
+            sd[name] = values.to(torch.float32 if kept else dtype).contiguous()
         for tensor in sources:
             meta.release(tensor)
     return sd

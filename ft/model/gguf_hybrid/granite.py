@@ -25,7 +25,7 @@ refused here (an attention layer's Mamba-2 tensors are missing).
 from __future__ import annotations
 
 from ft.model.architectures import ConverterLoss
-from ft.model.gguf_file import GGUFFile, ModelFileError
+from ft.model.gguf_file import MAX_EXPERTS, MAX_HEADS, MAX_WIDTH, GGUFFile, ModelFileError
 from ft.model.gguf_hybrid.common import (
     MAX_CONV_KERNEL,
     MAX_STATE,
@@ -44,7 +44,7 @@ from ft.model.gguf_hybrid.common import (
     rope_theta,
     same,
 )
-from ft.model.gguf_loader import MAX_EXPERTS, MAX_HEADS, MAX_WIDTH, unpermute_rotary
+from ft.model.gguf_loader import unpermute_rotary
 
 GRANITE_LOSSES = (
     ConverterLoss("position_embedding_type", None, "no rotary embedding, as in Granite 4.0-H"),

@@ -12,7 +12,7 @@ fails on the bias), so a file with conv biases is refused as unexpected tensors.
 
 from __future__ import annotations
 
-from ft.model.gguf_file import GGUFFile, ModelFileError
+from ft.model.gguf_file import MAX_WIDTH, GGUFFile, ModelFileError
 from ft.model.gguf_hybrid.common import (
     MAX_CONV_KERNEL,
     Config,
@@ -28,7 +28,6 @@ from ft.model.gguf_hybrid.common import (
     rope_theta,
     same,
 )
-from ft.model.gguf_loader import MAX_WIDTH
 
 
 def lfm2_config(meta: GGUFFile, arch: str) -> Config:

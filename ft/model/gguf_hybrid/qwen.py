@@ -28,7 +28,7 @@ from collections.abc import Callable
 
 import torch
 
-from ft.model.gguf_file import GGUFFile, ModelFileError
+from ft.model.gguf_file import MAX_EXPERTS, MAX_HEAD_DIM, MAX_HEADS, MAX_WIDTH, GGUFFile, ModelFileError
 from ft.model.gguf_hybrid.common import (
     MAX_CONV_KERNEL,
     MAX_STATE,
@@ -47,7 +47,6 @@ from ft.model.gguf_hybrid.common import (
     rope_theta,
     same,
 )
-from ft.model.gguf_loader import MAX_EXPERTS, MAX_HEAD_DIM, MAX_HEADS, MAX_WIDTH
 
 DEFAULT_MROPE_SECTIONS = [11, 11, 10, 0]  # what the converter writes when a checkpoint has none
 HF_NAMES = {  # GGUF architecture -> (model_type, architectures) of the text checkpoint

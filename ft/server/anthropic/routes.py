@@ -18,6 +18,7 @@ continuation, as Anthropic's does. Usage reports the prefix-cache hits as
 
 from __future__ import annotations
 
+from functools import cached_property
 from typing import Any
 
 from quart import Response
@@ -38,7 +39,7 @@ from ft.server.anthropic.format import (
 )
 from ft.server.anthropic.schemas import CountTokensRequest, MessagesRequest
 from ft.server.edge.auth import current_client
-from ft.server.generation.assemble import BlockAssembler, assemble_blocks
+from ft.server.generation.assemble import BlockAssembler, OutputFormat, assemble_blocks
 from ft.server.generation.context import ServerContext, json_response, read_request
 from ft.server.generation.lifecycle import Generated, GenerationApi, Usage, respond_model
 from ft.server.generation.policy import output_policy, template_prompt
@@ -109,13 +110,22 @@ class MessagesCall(GenerationApi):
             prefill_param="messages",
         )
         self.prompts = [policy.prompt]
-        self.tool_call_parser, self.reasoning_parser = policy.tool_call_parser, policy.reasoning_parser
+        self.policy = policy
         self.params = sampling_params(ctx, req, policy.grammar)
         self.stream, self.cache_salt = req.stream, req.cache_salt
         self.id = random_id("msg_")
         self.model = ctx.engine.model_id  # the model that answers, whatever name was sent
-        self.assembler = BlockAssembler(self.tool_call_parser, self.reasoning_parser, new_tool_use_id)
         self.finish: tuple[str | None, str | int | None] = (None, None)
+
+    @cached_property
+    def output_format(self) -> OutputFormat:
+        """How the output is read back (asked once the prompt is rendered: its ids known)."""
+        return self.policy.output_format(self.ctx, self.prompt_ids[0])
+
+    @cached_property
+    def assembler(self) -> BlockAssembler:
+        """The streamed output's blocks."""
+        return BlockAssembler(self.output_format, new_tool_use_id)
 
     def message(
         self, content: list[dict[str, Any]], reason: str | None, sequence: str | None, u: Usage
@@ -137,8 +147,7 @@ class MessagesCall(GenerationApi):
         (choice,) = done.choices[0]
         blocks = assemble_blocks(
             choice.text,
-            tool_call_parser=self.tool_call_parser,
-            reasoning_parser=self.reasoning_parser,
+            self.output_format,
             id_factory=new_tool_use_id,
             is_cut=choice.finish_reason == "length",
         )

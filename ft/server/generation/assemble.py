@@ -1,5 +1,7 @@
 """Turning a choice's streamed text into reasoning, answer text and tool calls, for every API.
 
+What to parse is one record, `OutputFormat`: the tool-call format with the tools whose schemas
+type its values, and the reasoning format, begun inside the block when the prompt left it open.
 Two layers, both synchronous:
 
 - `OutputAssembler` chains the reasoning parser (`<think>…</think>`, when configured) and the
@@ -19,7 +21,7 @@ name), and finish reason `tool_calls`.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -27,22 +29,38 @@ from ft.core.reasoning import ContentDelta, ReasoningDelta, make_reasoning_parse
 from ft.core.toolcall_events import TextDelta, ToolCallArgsDelta, ToolCallEnd, ToolCallStart, new_tool_call_id
 from ft.core.toolcalls import make_tool_call_parser
 from ft.engine.stream import Choice
+from ft.prompt import Message
 
 OutputEvent = ReasoningDelta | TextDelta | ToolCallStart | ToolCallArgsDelta | ToolCallEnd
+
+
+@dataclass(frozen=True, slots=True)
+class OutputFormat:
+    """How a choice's text is read back.
+
+    `tool_call_parser` (None: the request offers no tools) with `tools`, the definitions whose
+    parameter schemas type the values of a format that writes them as text (`qwen3_coder`);
+    `reasoning_parser` (None: no reasoning block), begun inside the block when
+    `opens_in_reasoning` (the prompt ended with an open `<think>`, so the model's output starts
+    in its reasoning and only writes `</think>`).
+    """
+
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
+    tools: Sequence[Message] = ()
+    opens_in_reasoning: bool = False
 
 
 class OutputAssembler:
     """Reasoning parser, then tool-call parser on the answer part; events in output order."""
 
-    def __init__(
-        self,
-        *,
-        tool_call_parser: str | None,
-        reasoning_parser: str | None,
-        id_factory: Callable[[], str] = new_tool_call_id,
-    ) -> None:
-        self._reasoning = make_reasoning_parser(reasoning_parser)
-        self._tools = make_tool_call_parser(tool_call_parser, id_factory=id_factory)
+    def __init__(self, output: OutputFormat, id_factory: Callable[[], str] = new_tool_call_id) -> None:
+        self._reasoning = make_reasoning_parser(
+            output.reasoning_parser, starts_in_reasoning=True if output.opens_in_reasoning else None
+        )
+        self._tools = make_tool_call_parser(
+            output.tool_call_parser, id_factory=id_factory, tools=output.tools
+        )
 
     @property
     def has_tool_calls(self) -> bool:
@@ -119,19 +137,14 @@ BlockEvent = BlockStart | BlockDelta | BlockStop
 class BlockAssembler:
     """Groups a choice's output events into blocks; `blocks` holds every block so far."""
 
-    tool_call_parser: str | None
-    reasoning_parser: str | None
+    output: OutputFormat
     id_factory: Callable[[], str] = new_tool_call_id
     blocks: list[Block] = field(default_factory=list)
     _open: Block | None = None
     _output: OutputAssembler = field(init=False)
 
     def __post_init__(self) -> None:
-        self._output = OutputAssembler(
-            tool_call_parser=self.tool_call_parser,
-            reasoning_parser=self.reasoning_parser,
-            id_factory=self.id_factory,
-        )
+        self._output = OutputAssembler(self.output, self.id_factory)
 
     @property
     def has_tool_calls(self) -> bool:
@@ -195,15 +208,14 @@ class BlockAssembler:
 
 def assemble_blocks(
     text: str,
+    output: OutputFormat,
     *,
-    tool_call_parser: str | None,
-    reasoning_parser: str | None,
     id_factory: Callable[[], str] = new_tool_call_id,
     is_cut: bool = False,
 ) -> list[Block]:
     """The blocks of a whole output (what the streamed events add up to); `is_cut`: the output
     was cut short (finish reason `length`)."""
-    assembler = BlockAssembler(tool_call_parser, reasoning_parser, id_factory)
+    assembler = BlockAssembler(output, id_factory)
     assembler.feed(text)
     assembler.finish(is_cut=is_cut)
     return assembler.blocks
@@ -239,16 +251,13 @@ class ChatAssembler:
     (id, type, name and the complete arguments string), as soon as the call is parsed.
     """
 
-    def __init__(self, *, tool_call_parser: str | None, reasoning_parser: str | None) -> None:
-        self._output = OutputAssembler(tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser)
-        self._tool_call_parser = tool_call_parser
-        self._reasoning_parser = reasoning_parser
+    def __init__(self, output: OutputFormat) -> None:
+        self._format = output
+        self._output = OutputAssembler(output)
 
     def message(self, choice: Choice) -> tuple[dict[str, Any], str | None]:
         """The assistant message of a non-streamed choice, and its finish reason."""
-        output = OutputAssembler(
-            tool_call_parser=self._tool_call_parser, reasoning_parser=self._reasoning_parser
-        )
+        output = OutputAssembler(self._format)
         is_cut = choice.finish_reason == "length"
         fields = self._fields(output.feed(choice.text) + output.finish(is_cut=is_cut))
         calls = fields.get("tool_calls", [])

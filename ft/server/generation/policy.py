@@ -3,16 +3,21 @@
 Each API translates its own spelling of tools, `tool_choice` and the answer format into a
 `PromptSpec` (with every tool it defines), a `ToolChoice` and a `GrammarSpec`; `output_policy`
 then decides what the chat template sees (`apply_tool_choice`), what the output must follow
-(`output_grammar`) and how it is read back (the tool-call and reasoning parsers).
+(`output_grammar`) and how it is read back (the tool-call and reasoning parsers); once the
+prompt is rendered, `OutputPolicy.output_format` says whether its output begins inside a
+reasoning block the template opened.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+from ft.core.reasoning import leaves_reasoning_open
 from ft.errors import InvalidRequest
 from ft.grammar.spec import GrammarSpec
 from ft.prompt import PromptSpec
+from ft.server.generation.assemble import OutputFormat
 from ft.server.generation.context import ServerContext
 from ft.server.generation.structured import reasoning_parser_name
 from ft.server.generation.tools import ToolChoice, apply_tool_choice, output_grammar, tool_call_parser_name
@@ -31,6 +36,27 @@ class OutputPolicy:
     def has_tools(self) -> bool:
         """Whether the template sees tools (so the output may hold tool calls)."""
         return self.prompt.tools is not None
+
+    def output_format(self, ctx: ServerContext, prompt_ids: Sequence[int]) -> OutputFormat:
+        """How the output of the rendered prompt `prompt_ids` is read back.
+
+        A prompt that leaves a `<think>` block open (Qwen3.5 with thinking on) begins the output
+        in reasoning, read with the configured format or, when none is, `think`; under a grammar
+        the output has no reasoning block (the grammar shapes it from its first token).
+        """
+        tail = ctx.engine.detokenize(list(prompt_ids[-PROMPT_TAIL_TOKENS:]))
+        opens = self.grammar is None and leaves_reasoning_open(tail)
+        return OutputFormat(
+            tool_call_parser=self.tool_call_parser,
+            reasoning_parser=self.reasoning_parser or ("think" if opens else None),
+            tools=self.prompt.tools or (),
+            opens_in_reasoning=opens,
+        )
+
+
+# The prompt's last tokens decoded to tell an open `<think>`: the tag and the whitespace after it
+# are a few tokens in any tokenizer (8 in a byte-level one).
+PROMPT_TAIL_TOKENS = 32
 
 
 def template_prompt(prompt: PromptSpec, choice: ToolChoice) -> PromptSpec:

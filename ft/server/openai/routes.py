@@ -8,6 +8,7 @@ request's lifecycle (static checks, scopes, heartbeats, in-stream errors) is
 from __future__ import annotations
 
 import time
+from functools import cached_property
 from typing import Any
 
 from quart import Response
@@ -19,7 +20,7 @@ from ft.ids import random_id
 from ft.messages import Delta
 from ft.params import SamplingParams
 from ft.prompt import PromptSpec
-from ft.server.generation.assemble import ChatAssembler, openai_finish_reason
+from ft.server.generation.assemble import ChatAssembler, OutputFormat, openai_finish_reason
 from ft.server.generation.context import ServerContext, read_request
 from ft.server.generation.lifecycle import Generated, GenerationApi, Usage, respond_model
 from ft.server.generation.policy import output_policy
@@ -150,12 +151,14 @@ class ChatCompletion(OpenAIGeneration):
             out.append({"index": c.index, "message": message, "logprobs": logprobs, "finish_reason": reason})
         return self._object(out, "chat.completion") | {"usage": usage(done.usage)}
 
+    @cached_property
+    def output_format(self) -> OutputFormat:
+        """How the output is read back (asked once the prompt is rendered: its ids known)."""
+        return self.policy.output_format(self.ctx, self.prompt_ids[0])
+
     def chat_output(self) -> ChatAssembler:
         """The output shaper for one choice: text, tool calls and reasoning, as the policy says."""
-        policy = self.policy
-        return ChatAssembler(
-            tool_call_parser=policy.tool_call_parser, reasoning_parser=policy.reasoning_parser
-        )
+        return ChatAssembler(self.output_format)
 
     def chunk(
         self,

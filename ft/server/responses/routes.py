@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from functools import cached_property
 from typing import Any
 
 from quart import Response, request
@@ -45,6 +46,7 @@ from ft.server.generation.assemble import (
     BlockEvent,
     BlockStart,
     BlockStop,
+    OutputFormat,
 )
 from ft.server.generation.context import ServerContext, json_response, read_sized_request
 from ft.server.generation.lifecycle import Generated, GenerationApi, Usage, respond_model
@@ -207,7 +209,7 @@ class ResponseCall(GenerationApi):
         self.text_format = req.text.format if req.text is not None else None
         policy = output_policy(ctx, prompt, responses_tool_choice(req), responses_output(self.text_format))
         self.prompts = [policy.prompt]
-        self.tool_call_parser, self.reasoning_parser = policy.tool_call_parser, policy.reasoning_parser
+        self.policy = policy
         self.params = lifecycle.sampling_params(
             ctx,
             temperature=req.temperature,
@@ -222,9 +224,18 @@ class ResponseCall(GenerationApi):
         self.created = int(time.time())
         self.model = ctx.engine.model_id  # the model that answers, whatever name was sent
         self.item_ids: dict[int, str] = {}
-        self.assembler = BlockAssembler(self.tool_call_parser, self.reasoning_parser)
         self.numbers = itertools.count()
         self.finish_reason: str | None = None
+
+    @cached_property
+    def output_format(self) -> OutputFormat:
+        """How the output is read back (asked once the prompt is rendered: its ids known)."""
+        return self.policy.output_format(self.ctx, self.prompt_ids[0])
+
+    @cached_property
+    def assembler(self) -> BlockAssembler:
+        """The streamed output's blocks."""
+        return BlockAssembler(self.output_format)
 
     def item_id(self, index: int, block: Block) -> str:
         """The id of output item `index` (made on first use)."""
@@ -302,7 +313,7 @@ class ResponseCall(GenerationApi):
         (choice,) = done.choices[0]
         is_incomplete = choice.finish_reason == "length"
         # NOTE: fed and finished apart, as `end` sees them, so both mark the same item incomplete.
-        assembler = BlockAssembler(self.tool_call_parser, self.reasoning_parser)
+        assembler = BlockAssembler(self.output_format)
         assembler.feed(choice.text)
         cut = cut_block(assembler.blocks, assembler.finish(is_cut=is_incomplete), is_incomplete)
         status = "incomplete" if is_incomplete else "completed"

@@ -16,10 +16,13 @@ from ft.server.generation.assemble import (
     BlockStart,
     BlockStop,
     ChatAssembler,
+    OutputFormat,
     assemble_blocks,
 )
 from ft.server.generation.tools import add_system_instruction, function_tool, tool_call_parser_name
 
+HERMES_THINK = OutputFormat("hermes", "think")
+HERMES = OutputFormat("hermes")
 CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
 OUTPUT = "<think>\nThe user wants weather.\n</think>\n\nLet me check. " + CALL + "\n" + CALL
 
@@ -39,9 +42,7 @@ def test_parser_defaults_to_hermes_only_with_tools() -> None:
 
 def test_blocks_of_a_whole_output() -> None:
     """A whole output becomes thinking, text and tool-call blocks in order."""
-    blocks = assemble_blocks(
-        OUTPUT, tool_call_parser="hermes", reasoning_parser="think", id_factory=counter_ids()
-    )  # type: ignore[arg-type]
+    blocks = assemble_blocks(OUTPUT, HERMES_THINK, id_factory=counter_ids())  # type: ignore[arg-type]
     assert blocks == [
         Block("thinking", text="The user wants weather."),
         Block("text", text="Let me check. "),
@@ -52,13 +53,13 @@ def test_blocks_of_a_whole_output() -> None:
 
 def test_without_parsers_everything_is_text() -> None:
     """Without parsers the whole output is one text block."""
-    blocks = assemble_blocks(OUTPUT, tool_call_parser=None, reasoning_parser=None)
+    blocks = assemble_blocks(OUTPUT, OutputFormat())
     assert blocks == [Block("text", text=OUTPUT)]
 
 
 def test_block_events_are_well_formed() -> None:
     """Block events nest: each block starts, gets deltas, stops, in index order."""
-    asm = BlockAssembler("hermes", "think", counter_ids())  # type: ignore[arg-type]
+    asm = BlockAssembler(HERMES_THINK, counter_ids())  # type: ignore[arg-type]
     events = [e for ch in OUTPUT for e in asm.feed(ch)] + asm.finish()
     open_index = None
     for e in events:
@@ -82,7 +83,7 @@ def test_block_events_are_well_formed() -> None:
 def test_blocks_do_not_depend_on_how_output_is_split(cuts: list[int]) -> None:
     """However the output is split, the blocks are the same."""
     bounds = [0, *sorted(cuts), len(OUTPUT)]
-    asm = BlockAssembler("hermes", "think", counter_ids())  # type: ignore[arg-type]
+    asm = BlockAssembler(HERMES_THINK, counter_ids())  # type: ignore[arg-type]
     deltas: dict[int, str] = {}
     for a, b in itertools.pairwise(bounds):
         for e in asm.feed(OUTPUT[a:b]):
@@ -91,9 +92,7 @@ def test_blocks_do_not_depend_on_how_output_is_split(cuts: list[int]) -> None:
     for e in asm.finish():
         if isinstance(e, BlockDelta):
             deltas[e.index] = deltas.get(e.index, "") + e.text
-    whole = assemble_blocks(
-        OUTPUT, tool_call_parser="hermes", reasoning_parser="think", id_factory=counter_ids()
-    )  # type: ignore[arg-type]
+    whole = assemble_blocks(OUTPUT, HERMES_THINK, id_factory=counter_ids())  # type: ignore[arg-type]
     assert asm.blocks == whole
     # the deltas add up to each block's text or arguments
     assert [deltas[i] for i in range(len(whole))] == [b.text or b.arguments for b in whole]
@@ -101,7 +100,7 @@ def test_blocks_do_not_depend_on_how_output_is_split(cuts: list[int]) -> None:
 
 def test_chat_message_with_tool_calls_and_reasoning() -> None:
     """A chat message carries reasoning_content, content and tool_calls, finishing with tool_calls."""
-    asm = ChatAssembler(tool_call_parser="hermes", reasoning_parser="think")
+    asm = ChatAssembler(HERMES_THINK)
     message, reason = asm.message(Choice(0, text=OUTPUT, finish_reason="stop"))
     assert reason == "tool_calls"
     assert message["content"] == "Let me check. "
@@ -115,19 +114,15 @@ def test_chat_message_with_tool_calls_and_reasoning() -> None:
 
 def test_chat_message_with_only_a_call_has_null_content() -> None:
     """A chat message with only a call has null content."""
-    message, reason = ChatAssembler(tool_call_parser="hermes", reasoning_parser=None).message(
-        Choice(0, text=CALL, finish_reason="stop")
-    )
+    message, reason = ChatAssembler(HERMES).message(Choice(0, text=CALL, finish_reason="stop"))
     assert message["content"] is None and reason == "tool_calls"
-    plain, reason = ChatAssembler(tool_call_parser="hermes", reasoning_parser=None).message(
-        Choice(0, text="hi", finish_reason="length")
-    )
+    plain, reason = ChatAssembler(HERMES).message(Choice(0, text="hi", finish_reason="length"))
     assert plain == {"role": "assistant", "content": "hi"} and reason == "length"
 
 
 def test_chat_deltas_stream_tool_calls_with_index() -> None:
     """Streamed chat deltas carry each tool call with its index."""
-    asm = ChatAssembler(tool_call_parser="hermes", reasoning_parser="think")
+    asm = ChatAssembler(HERMES_THINK)
     deltas = [d for ch in OUTPUT if (d := asm.delta(ch)) is not None]
     rest, reason = asm.finish("stop")
     if rest:
@@ -162,18 +157,16 @@ CUT = "Let me check. " + CALL + "\n" + CALL[: len(CALL) // 2]  # the second call
 def test_a_call_cut_by_max_tokens_is_dropped_from_every_shape() -> None:
     """Cut by max_tokens, a call's fragment is never text: chat message and deltas, blocks;
     the complete call before it stays, and the finish reason stays `length`."""
-    message, reason = ChatAssembler(tool_call_parser="hermes", reasoning_parser=None).message(
-        Choice(0, text=CUT, finish_reason="length")
-    )
+    message, reason = ChatAssembler(HERMES).message(Choice(0, text=CUT, finish_reason="length"))
     assert reason == "length"
     assert message["content"] == "Let me check. " and len(message["tool_calls"]) == 1
-    asm = ChatAssembler(tool_call_parser="hermes", reasoning_parser=None)
+    asm = ChatAssembler(HERMES)
     deltas = [d for ch in CUT if (d := asm.delta(ch)) is not None]
     rest, reason = asm.finish("length")
     deltas += [rest] if rest else []
     assert reason == "length"
     assert "".join(d.get("content", "") for d in deltas) == "Let me check. "
     assert len([c for d in deltas for c in d.get("tool_calls", [])]) == 1
-    blocks = assemble_blocks(CUT, tool_call_parser="hermes", reasoning_parser=None, is_cut=True)
+    blocks = assemble_blocks(CUT, HERMES, is_cut=True)
     assert [b.kind for b in blocks] == ["text", "tool_call"]
     assert "<tool_call>" not in blocks[0].text

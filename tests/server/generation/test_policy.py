@@ -10,6 +10,7 @@ import httpx
 import pytest
 import trio
 
+from ft.core.toolcalls import TOOL_CALL_PARSERS
 from ft.server.anthropic.routes import tool_choice as anthropic_tool_choice
 from ft.server.anthropic.schemas import MessagesRequest
 from ft.server.generation.tools import ToolChoice, output_grammar
@@ -95,6 +96,13 @@ def test_required_and_any_are_several_calls_unless_parallel_calls_are_off(
     """`required` / `any` force calls; a second one only while parallel calls are on."""
     assert accepts(choice, WEATHER)
     assert accepts(choice, TWO_CALLS) == several
+
+
+@pytest.mark.parametrize("parser", TOOL_CALL_PARSERS)
+def test_every_tool_call_format_can_be_forced(parser: str) -> None:
+    """A forced choice is a grammar in whichever format the output is parsed in: none is left
+    to an instruction the model may ignore."""
+    assert output_grammar(TOOLS, chat(tool_choice="required"), parser, None) is not None
 
 
 async def test_a_named_tool_choice_without_that_tool_is_a_400_in_every_dialect() -> None:
