@@ -1,8 +1,9 @@
-"""`ft serve --model F.gguf` of an LFM2 GGUF written by llama.cpp's own converter, over real HTTP.
+"""`ft serve --model F.gguf` of LFM2 and Granite 4.0-H GGUFs written by llama.cpp's own
+converter, over real HTTP.
 
-A tiny random LFM2 checkpoint (`tests.support.tiny_hybrids`) is converted by the real
-`convert_hf_to_gguf.py` (skipped saying how to get it when it is not there) to float32 and to
-Q8_0; each file is served (`ft.model.gguf_hybrid`: read back into the checkpoint's form, on the
+Tiny random LFM2 and Granite 4.0-H checkpoints (`tests.support.tiny_hybrids`) are converted by
+the real `convert_hf_to_gguf.py` (skipped saying how to get it when it is not there) to float32
+and to Q8_0; each file is served (`ft.model.gguf_hybrid`: read back into the checkpoint's form, on the
 float path) and `/v1/completions`' greedy tokens and their log-probabilities (top 5 each step)
 match transformers' on the same weights: the checkpoint itself for the float32 file, the Q8_0
 file's dequantized weights (read back, saved as a checkpoint) for the Q8_0 one.
@@ -30,18 +31,23 @@ STEPS = 12
 TOLERANCE = 2e-3  # nats; float32 on both sides agrees to about 1e-5
 
 
+FAMILIES = ("lfm2", "granite")
+
+
 @pytest.fixture(scope="module")
 def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, pathlib.Path]:
-    """The LFM2 checkpoint (`hf`) and its GGUFs (`f32`, `q8_0`)."""
+    """Each family's checkpoint (`lfm2`, `granite`) and GGUFs (`lfm2.f32`, `lfm2.q8_0`, ...)."""
     converter = find_converter()
     if converter is None:
         pytest.skip(HOW_TO_GET)
-    root = tmp_path_factory.mktemp("lfm2-gguf")
-    out = {"hf": save_hybrid(root / "tiny-lfm2", build_hybrid(HYBRIDS["lfm2"]))}
+    root = tmp_path_factory.mktemp("hybrid-gguf")
+    out: dict[str, pathlib.Path] = {}
     jobs = []
-    for outtype in ("f32", "q8_0"):
-        out[outtype] = root / f"tiny-lfm2-{outtype}.gguf"
-        jobs.append(Conversion(out["hf"], out[outtype], "qwen2", outtype))
+    for name in FAMILIES:
+        out[name] = save_hybrid(root / f"tiny-{name}", build_hybrid(HYBRIDS[name]))
+        for outtype in ("f32", "q8_0"):
+            out[f"{name}.{outtype}"] = root / f"tiny-{name}-{outtype}.gguf"
+            jobs.append(Conversion(out[name], out[f"{name}.{outtype}"], "qwen2", outtype))
     convert(converter, jobs)
     return out
 
@@ -72,15 +78,14 @@ def dequantized_checkpoint(gguf: pathlib.Path, directory: pathlib.Path) -> pathl
 
 
 @pytest.mark.parametrize("outtype", ["f32", "q8_0"])
-async def test_a_served_lfm2_gguf_answers_as_transformers(
-    outtype: str, files: dict[str, pathlib.Path], tmp_path: pathlib.Path
+@pytest.mark.parametrize("name", FAMILIES)
+async def test_a_served_hybrid_gguf_answers_as_transformers(
+    name: str, outtype: str, files: dict[str, pathlib.Path], tmp_path: pathlib.Path
 ) -> None:
-    q8_0 = outtype == "q8_0"
-    checkpoint = dequantized_checkpoint(files[outtype], tmp_path / "q8_0") if q8_0 else files["hf"]
+    gguf = files[f"{name}.{outtype}"]
+    checkpoint = dequantized_checkpoint(gguf, tmp_path / "q8_0") if outtype == "q8_0" else files[name]
     tokens, expected = reference(checkpoint)
-    config = EngineConfig(
-        model=str(files[outtype]), dtype="float32", compute_threads=1, kv_cache_memory=4 << 20
-    )
+    config = EngineConfig(model=str(gguf), dtype="float32", compute_threads=1, kv_cache_memory=4 << 20)
     body = {"prompt": PROMPT, "max_tokens": STEPS, "temperature": 0, "logprobs": 5, "ignore_eos": True}
     async with running_server(config) as s, httpx.AsyncClient(base_url=s.base_url, timeout=120) as c:
         r = await c.post("/v1/completions", json=body)
