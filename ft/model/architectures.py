@@ -414,7 +414,8 @@ LFM2 = Architecture(
 
 # Granite 4.0-H (transformers' `granitemoehybrid`): Mamba-2 layers (`ft.model.mamba2`) and
 # attention layers without rotary, each followed by routed experts plus a shared MLP (or the
-# shared MLP alone), Granite's multipliers; safetensors only. Its template asks for hermes tool
+# shared MLP alone), Granite's multipliers; its GGUFs read back into the checkpoint's form by
+# `ft.model.gguf_hybrid`. Its template asks for hermes tool
 # calls (`<tool_call>`), not Granite 3's `<|tool_call|>`.
 GRANITE_HYBRID = Architecture(
     name="granite_hybrid",
