@@ -387,7 +387,7 @@ GRANITE = Architecture(
 
 # LFM2: short convolutions (a recurrent state per sequence, `ft.model.short_conv`) and, between
 # them, attention layers with per-head q/k RMSNorm; its GGUFs read back into the checkpoint's
-# form by `ft.model.gguf_hybrid` (no `gguf_names`: the Llama GGUF loader never reads them).
+# form by `ft.model.gguf_hybrid` (`gguf_loader.gguf_config` sends them there).
 LFM2 = Architecture(
     name="lfm2",
     hf_model_types=("lfm2",),
@@ -395,9 +395,6 @@ LFM2 = Architecture(
     gguf_names=("lfm2",),
     qk_norm=True,
     packed=False,
-    gguf_refusal=(
-        "LFM2 GGUFs are not supported yet (ft runs LFM2 from its Hugging Face safetensors directory)"
-    ),
     mixer="short_conv",
     hf_weight_renames=(
         (".self_attn.out_proj.", ".self_attn.o_proj."),
@@ -423,10 +420,6 @@ GRANITE_HYBRID = Architecture(
     hf_architectures=("GraniteMoeHybridForCausalLM",),
     gguf_names=("granitehybrid",),
     packed=False,
-    gguf_refusal=(
-        "Granite 4.0-H GGUFs are not supported yet (ft runs Granite 4.0-H from its Hugging Face "
-        "safetensors directory)"
-    ),
     mixer="mamba2",
     hf_weight_renames=(
         (".block_sparse_moe.router.layer.", ".mlp.gate."),
