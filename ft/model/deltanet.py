@@ -106,8 +106,12 @@ class GatedDeltaNet(nn.Module):
     their gathered states; each longer span runs the chunked rule on its own: a step has few
     prefill spans, and batching them did not pay even at equal lengths (four spans of 128 rows
     at Qwen3.5-9B's heads: 105 ms one at a time, 122 ms padded into one batch, on one core).
-    The conv is K shifted multiply-adds (a third of `F.conv1d`'s time there).
+    The conv is K shifted multiply-adds (a third of `F.conv1d`'s time there). Its small
+    parameters stay float32 whatever the model's dtype (`float32_parameters`, read by
+    `llama.assemble_model`): everything after the input projection runs in float32 anyway.
     """
+
+    float32_parameters = ("conv_weight", "A_log", "dt_bias", "norm_weight")
 
     def __init__(self, config: DeltaNetConfig) -> None:
         super().__init__()
