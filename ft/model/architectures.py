@@ -438,7 +438,8 @@ GRANITE_HYBRID = Architecture(
 # to each gated attention layer, (1 + w) norms (`ft.model.qwen35`); the MoE families' experts
 # have a shared expert beside them; tool calls in Qwen3-Coder's XML (`ft.core.toolcall_xml`).
 # Qwen3.5's checkpoints are multimodal (the text model under `model.language_model.`, the
-# vision tower left out); the multi-token prediction head (`mtp.*`) is not run. Safetensors only.
+# vision tower left out); the multi-token prediction head (`mtp.*`) is not run. Their GGUFs are
+# read back into the checkpoint's form by `ft.model.gguf_hybrid`.
 QWEN35_TEXT = (("model.language_model.", "model."), ("lm_head.", "lm_head."))
 QWEN35_FLOAT32 = (".linear_attn.A_log", ".linear_attn.dt_bias", ".linear_attn.conv1d.", ".linear_attn.norm.")
 QWEN3_5 = Architecture(

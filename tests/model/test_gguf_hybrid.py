@@ -193,9 +193,17 @@ def test_the_settings_the_converter_drops_are_logged(
         assert repr(setting) in line
 
 
-def test_ft_refuses_a_hybrid_gguf_naming_its_family(converted: dict[str, pathlib.Path]) -> None:
-    with pytest.raises(ModelFileError, match="'qwen35moe' is Qwen3.5-MoE, a hybrid model"):
-        load_model(converted["qwen35moe.f32"], torch.float32)
+def test_a_hybrid_gguf_loads_as_its_checkpoint_under_the_families_names(
+    converted: dict[str, pathlib.Path],
+) -> None:
+    loaded = load_model(converted["qwen35moe.f32"], torch.float32)
+    assert loaded.config.architecture == "qwen3_5_moe" and not loaded.config.tie_word_embeddings
+    assert loaded.config.layer_types[3] == "attention" and loaded.config.num_experts == 4
+    floats = {k: v for k, v in loaded.state_dict.items() if "linear_attn.A_log" in k}
+    assert floats and all(v.dtype == torch.float32 for v in floats.values())
+    bf16 = load_model(converted["qwen35moe.f32"], torch.bfloat16).state_dict
+    assert bf16["model.layers.0.linear_attn.A_log"].dtype == torch.float32  # (`hf_float32_weights`)
+    assert bf16["model.layers.0.mlp.gate.weight"].dtype == torch.bfloat16
 
 
 def _u32s(values: list[int]) -> bytes:

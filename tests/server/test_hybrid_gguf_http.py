@@ -1,12 +1,12 @@
-"""`ft serve --model F.gguf` of LFM2 and Granite 4.0-H GGUFs written by llama.cpp's own
-converter, over real HTTP.
+"""`ft serve --model F.gguf` of hybrid GGUFs written by llama.cpp's own converter, over real HTTP.
 
-Tiny random LFM2 and Granite 4.0-H checkpoints (`tests.support.tiny_hybrids`) are converted by
-the real `convert_hf_to_gguf.py` (skipped saying how to get it when it is not there) to float32
-and to Q8_0; each file is served (`ft.model.gguf_hybrid`: read back into the checkpoint's form, on the
-float path) and `/v1/completions`' greedy tokens and their log-probabilities (top 5 each step)
-match transformers' on the same weights: the checkpoint itself for the float32 file, the Q8_0
-file's dequantized weights (read back, saved as a checkpoint) for the Q8_0 one.
+Tiny random Qwen3.5, Qwen3.5-MoE, Qwen3-Next, LFM2 and Granite 4.0-H checkpoints
+(`tests.support.tiny_hybrids`) are converted by the real `convert_hf_to_gguf.py` (skipped saying
+how to get it when it is not there) to float32, and three of them to Q8_0; each file is served
+(`ft.model.gguf_hybrid`: read back into the checkpoint's form, on the float path) and
+`/v1/completions`' greedy tokens and their log-probabilities (top 5 each step) match
+transformers' on the same weights: the checkpoint itself for the float32 file, the Q8_0 file's
+dequantized weights (read back, saved as a checkpoint) for the Q8_0 one.
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ STEPS = 12
 TOLERANCE = 2e-3  # nats; float32 on both sides agrees to about 1e-5
 
 
-FAMILIES = ("lfm2", "granite")
+FAMILIES = ("qwen35", "qwen35moe", "qwen3next", "lfm2", "granite")
+QUANTIZED = ("qwen35", "lfm2", "granite")
 
 
 @pytest.fixture(scope="module")
@@ -45,9 +46,9 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, pathlib.Path]:
     jobs = []
     for name in FAMILIES:
         out[name] = save_hybrid(root / f"tiny-{name}", build_hybrid(HYBRIDS[name]))
-        for outtype in ("f32", "q8_0"):
+        for outtype in ("f32", "q8_0") if name in QUANTIZED else ("f32",):
             out[f"{name}.{outtype}"] = root / f"tiny-{name}-{outtype}.gguf"
-            jobs.append(Conversion(out[name], out[f"{name}.{outtype}"], "qwen2", outtype))
+            jobs.append(Conversion(out[name], out[f"{name}.{outtype}"], "qwen2", outtype, HYBRIDS[name].args))
     convert(converter, jobs)
     return out
 
@@ -77,8 +78,9 @@ def dequantized_checkpoint(gguf: pathlib.Path, directory: pathlib.Path) -> pathl
     return directory
 
 
-@pytest.mark.parametrize("outtype", ["f32", "q8_0"])
-@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize(
+    ("name", "outtype"), [*((n, "f32") for n in FAMILIES), *((n, "q8_0") for n in QUANTIZED)]
+)
 async def test_a_served_hybrid_gguf_answers_as_transformers(
     name: str, outtype: str, files: dict[str, pathlib.Path], tmp_path: pathlib.Path
 ) -> None:

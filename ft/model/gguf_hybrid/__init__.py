@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 import torch
 
-from ft.model.architectures import ConverterLoss, by_hf, by_name
+from ft.model.architectures import ConverterLoss, by_name
 from ft.model.gguf_file import GGUFFile, ModelFileError
 from ft.model.gguf_hybrid.common import Config, Piece, build_state_dict, check_pieces
 from ft.model.gguf_hybrid.granite import GRANITE_LOSSES, granite_config, granite_pieces
@@ -35,14 +35,12 @@ log = logging.getLogger("ft.model")
 
 @dataclass(frozen=True, slots=True)
 class HybridFamily:
-    """One hybrid GGUF architecture: its family's name for messages, its checkpoint's class
-    (`hf_architecture`, the `config.json`'s `architectures`), that `config.json` from the metadata
-    (`config(meta, arch)`), the pieces that make the checkpoint's tensors from that config, and
-    the checkpoint settings the converter does not write (`ConverterLoss`: they read back as
-    llama.cpp runs them)."""
+    """One hybrid GGUF architecture: its family's name for messages, its checkpoint's
+    `config.json` from the metadata (`config(meta, arch)`), the pieces that make the
+    checkpoint's tensors from that config, and the checkpoint settings the converter does not
+    write (`ConverterLoss`: they read back as llama.cpp runs them)."""
 
     title: str
-    hf_architecture: str
     config: Callable[[GGUFFile, str], Config]
     pieces: Callable[[Config], list[Piece]]
     losses: tuple[ConverterLoss, ...] = ()
@@ -50,13 +48,11 @@ class HybridFamily:
 
 _NORM_TOPK = ConverterLoss("norm_topk_prob", "expert_weights_norm", "the top-k routing weights renormalized")
 FAMILIES: dict[str, HybridFamily] = {
-    "qwen35": HybridFamily("Qwen3.5", "Qwen3_5ForCausalLM", qwen_config, qwen_pieces),
-    "qwen35moe": HybridFamily("Qwen3.5-MoE", "Qwen3_5MoeForCausalLM", qwen_config, qwen_pieces),
-    "qwen3next": HybridFamily("Qwen3-Next", "Qwen3NextForCausalLM", qwen_config, qwen_pieces, (_NORM_TOPK,)),
-    "lfm2": HybridFamily("LFM2", "Lfm2ForCausalLM", lfm2_config, lfm2_pieces),
-    "granitehybrid": HybridFamily(
-        "Granite 4.0-H", "GraniteMoeHybridForCausalLM", granite_config, granite_pieces, GRANITE_LOSSES
-    ),
+    "qwen35": HybridFamily("Qwen3.5", qwen_config, qwen_pieces),
+    "qwen35moe": HybridFamily("Qwen3.5-MoE", qwen_config, qwen_pieces),
+    "qwen3next": HybridFamily("Qwen3-Next", qwen_config, qwen_pieces, (_NORM_TOPK,)),
+    "lfm2": HybridFamily("LFM2", lfm2_config, lfm2_pieces),
+    "granitehybrid": HybridFamily("Granite 4.0-H", granite_config, granite_pieces, GRANITE_LOSSES),
 }
 
 
@@ -154,24 +150,17 @@ def load_hybrid_gguf(
 
 def llama_config(meta: GGUFFile) -> LlamaConfig:
     """The config ft runs a hybrid GGUF with: its checkpoint's `config.json` read as ft reads
-    one (`LlamaConfig.from_hf`), from the metadata alone.
+    one (`LlamaConfig.from_hf`, through the registry), from the metadata alone.
 
     Raises:
-        ModelFileError: the metadata is wrong, or ft does not run the family yet (naming it).
+        ModelFileError: the metadata is wrong, or describes a model ft does not run.
     """
     family = family_of(meta)
     assert family is not None
-    cfg = hf_config_from_gguf(meta)
     try:
-        by_hf(cfg)
-    except ValueError:
-        raise ModelFileError(
-            f"GGUF architecture {meta.text('general.architecture')!r} is {family.title}, a hybrid model "
-            "(attention and recurrent layers) ft does not run yet: its weights read, its layers do not "
-            f"(ft runs the hybrid families {', '.join(running_titles())})"
-        ) from None
-    try:
-        return LlamaConfig.from_hf(cfg)
+        return LlamaConfig.from_hf(hf_config_from_gguf(meta))
+    except ModelFileError:
+        raise
     except ValueError as e:
         raise ModelFileError(f"{family.title} metadata: {e}") from None
 
@@ -179,8 +168,8 @@ def llama_config(meta: GGUFFile) -> LlamaConfig:
 def load_runnable(
     path: pathlib.Path, dtype: torch.dtype, progress: Progress | None = None
 ) -> tuple[LlamaConfig, dict[str, torch.Tensor], TokenizerSpec]:
-    """A hybrid GGUF as ft loads its Hugging Face checkpoint: `llama_config` (refusing a family
-    ft does not run before a tensor is read), the tensors dequantized under the names the
+    """A hybrid GGUF as ft loads its Hugging Face checkpoint: `llama_config` (refusing what ft
+    does not run before a tensor is read), the tensors dequantized under the names the
     family's safetensors load under (`Architecture.hf_weight_name`; its `hf_float32_weights` in
     float32, as from safetensors), the tokenizer.
 
@@ -195,18 +184,6 @@ def load_runnable(
     hybrid = load_hybrid_gguf(path, dtype, progress, family.hf_float32_weights)
     state_dict = {family.hf_weight_name(k): v for k, v in hybrid.state_dict.items()}
     return config, state_dict, hybrid.tokenizer
-
-
-def running_titles() -> list[str]:
-    """The hybrid families whose GGUFs ft runs (those the registry loads from safetensors)."""
-    out = []
-    for family in FAMILIES.values():
-        try:
-            by_hf({"architectures": [family.hf_architecture]})
-        except ValueError:
-            continue
-        out.append(family.title)
-    return out
 
 
 def _described(family: HybridFamily, c: Config) -> str:
