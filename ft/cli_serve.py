@@ -112,7 +112,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         choices=REASONING_PARSERS,
         default=_S.reasoning_parser,
         help="split reasoning out of chat output with this parser (default: the model family's: "
-        "think for Qwen3, else none (think for a prompt whose template leaves <think> open))",
+        "think for Qwen3, Qwen3.5 and Qwen3-Next, else none (think for a prompt whose template leaves <think> open))",
     )
 
     models = parser.add_argument_group("several models (router mode)")
