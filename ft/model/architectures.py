@@ -389,7 +389,8 @@ GRANITE = Architecture(
 )
 
 # LFM2: short convolutions (a recurrent state per sequence, `ft.model.short_conv`) and, between
-# them, attention layers with per-head q/k RMSNorm; safetensors only (its GGUFs are refused).
+# them, attention layers with per-head q/k RMSNorm; its GGUFs read back into the checkpoint's
+# form by `ft.model.gguf_hybrid` (`gguf_loader.gguf_config` sends them there).
 LFM2 = Architecture(
     name="lfm2",
     hf_model_types=("lfm2",),
@@ -397,9 +398,6 @@ LFM2 = Architecture(
     gguf_names=("lfm2",),
     qk_norm=True,
     packed=False,
-    gguf_refusal=(
-        "LFM2 GGUFs are not supported yet (ft runs LFM2 from its Hugging Face safetensors directory)"
-    ),
     mixer="short_conv",
     hf_weight_renames=(
         (".self_attn.out_proj.", ".self_attn.o_proj."),
@@ -416,7 +414,8 @@ LFM2 = Architecture(
 
 # Granite 4.0-H (transformers' `granitemoehybrid`): Mamba-2 layers (`ft.model.mamba2`) and
 # attention layers without rotary, each followed by routed experts plus a shared MLP (or the
-# shared MLP alone), Granite's multipliers; safetensors only. Its template asks for hermes tool
+# shared MLP alone), Granite's multipliers; its GGUFs read back into the checkpoint's form by
+# `ft.model.gguf_hybrid`. Its template asks for hermes tool
 # calls (`<tool_call>`), not Granite 3's `<|tool_call|>`.
 GRANITE_HYBRID = Architecture(
     name="granite_hybrid",
@@ -424,10 +423,6 @@ GRANITE_HYBRID = Architecture(
     hf_architectures=("GraniteMoeHybridForCausalLM",),
     gguf_names=("granitehybrid",),
     packed=False,
-    gguf_refusal=(
-        "Granite 4.0-H GGUFs are not supported yet (ft runs Granite 4.0-H from its Hugging Face "
-        "safetensors directory)"
-    ),
     mixer="mamba2",
     hf_weight_renames=(
         (".block_sparse_moe.router.layer.", ".mlp.gate."),
@@ -443,7 +438,8 @@ GRANITE_HYBRID = Architecture(
 # to each gated attention layer, (1 + w) norms (`ft.model.qwen35`); the MoE families' experts
 # have a shared expert beside them; tool calls in Qwen3-Coder's XML (`ft.core.toolcall_xml`).
 # Qwen3.5's checkpoints are multimodal (the text model under `model.language_model.`, the
-# vision tower left out); the multi-token prediction head (`mtp.*`) is not run. Safetensors only.
+# vision tower left out); the multi-token prediction head (`mtp.*`) is not run. Their GGUFs are
+# read back into the checkpoint's form by `ft.model.gguf_hybrid`.
 QWEN35_TEXT = (("model.language_model.", "model."), ("lm_head.", "lm_head."))
 QWEN35_FLOAT32 = (".linear_attn.A_log", ".linear_attn.dt_bias", ".linear_attn.conv1d.", ".linear_attn.norm.")
 QWEN3_5 = Architecture(
