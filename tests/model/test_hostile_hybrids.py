@@ -124,3 +124,17 @@ def test_an_lfm2_config_that_lies_about_its_shapes_is_refused(
     with pytest.raises((ValueError, RuntimeError), match=match):
         loaded = load_model(changed(lfm2_dir, tmp_path / "l", config=config), torch.float32)
         build_runner(loaded, num_pages=4, page_size=4, dtype=torch.float32, num_state_slots=1)
+
+
+@pytest.mark.parametrize("family", ["granite", "lfm2"])
+def test_a_hybrid_without_an_attention_layer_is_refused_at_load(
+    granite_dir: pathlib.Path, lfm2_dir: pathlib.Path, tmp_path: pathlib.Path, family: str
+) -> None:
+    """No layer stores KV, so a page has no bytes: the budget divided by zero and the runner's
+    KV cache indexed an empty layout (Granite's config without `layer_types` is all Mamba-2)."""
+    if family == "granite":
+        path = changed(granite_dir, tmp_path / "g", config={"layer_types": None})
+    else:
+        path = changed(lfm2_dir, tmp_path / "l", config={"layer_types": ["conv"] * 4})
+    with pytest.raises(ValueError, match="attention layer"):
+        load_model(path, torch.float32)

@@ -57,8 +57,8 @@ def _deltanet() -> nn.Module:
 
 def _short_conv() -> nn.Module:
     config = LlamaConfig(
-        vocab_size=10, hidden_size=64, intermediate_size=64, num_layers=1, num_heads=4, num_kv_heads=4,
-        layer_types=("short_conv",), mixer_config=ShortConvConfig(3),
+        vocab_size=10, hidden_size=64, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=4,
+        layer_types=("short_conv", "attention"), mixer_config=ShortConvConfig(3),
     )  # fmt: skip
     return ShortConv(config)
 
