@@ -118,28 +118,33 @@ def _work(seq: int, tokens: Sequence[int], start: int, slot: int, index: int = 0
     return SeqWork(seq, tuple(tokens), start, pages, True, GREEDY, index, state_slot=slot)
 
 
-@pytest.mark.parametrize("next_rows", [1, 5])
+@pytest.mark.parametrize("theirs", ["prefill", "decode"])
+@pytest.mark.parametrize("poisoned_rows", [1, 5])
 def test_a_nan_state_in_one_slot_leaves_the_batchs_other_sequence_exact(
-    loaded: LoadedModel, next_rows: int
+    loaded: LoadedModel, poisoned_rows: int, theirs: str
 ) -> None:
-    """Sequence 0 has run a prompt; its slot then holds NaN. A step that feeds it (a decode row
-    or a chunk) beside a fresh 11-token prompt gives that prompt its lone logits and state."""
+    """Sequence 0 has run a prompt; its slot then holds NaN (and so, after its next step, do
+    its KV pages). A step that feeds it (a decode row or a chunk) beside sequence 1 (a fresh
+    11-token prompt, or a decode row after it) gives sequence 1 its lone logits and state."""
 
     def runner() -> Any:
         return build_runner(loaded, num_pages=32, page_size=4, dtype=torch.float32, num_state_slots=2)
 
     prompt = tuple(range(3, 14))
-    lone = runner()
-    want = lone.forward([_work(1, prompt, 0, 1)])
-    r = runner()
+    other = _work(1, prompt, 0, 1) if theirs == "prefill" else _work(1, (40,), len(prompt), 1, 1)
+    lone, r = runner(), runner()
+    if theirs == "decode":
+        lone.forward([_work(1, prompt, 0, 1)])
+        r.forward([_work(1, prompt, 0, 1)])
+    want = lone.forward([other])
     r.forward([_work(0, range(20, 26), 0, 0)])
     for layer in r.states.layers:
         for t in layer:
             t[0] = float("nan")
-    got = r.forward([_work(0, range(30, 30 + next_rows), 6, 0, 1), _work(1, prompt, 0, 1)])
+    got = r.forward([_work(0, range(30, 30 + poisoned_rows), 6, 0, 1), other])
     assert want is not None and got is not None
     assert got[0].isnan().any()
     torch.testing.assert_close(got[1], want[0], rtol=1e-4, atol=1e-4)
-    for mine, theirs in zip(r.states.layers, lone.states.layers, strict=True):
-        for a, b in zip(mine, theirs, strict=True):
+    for mine, alone in zip(r.states.layers, lone.states.layers, strict=True):
+        for a, b in zip(mine, alone, strict=True):
             torch.testing.assert_close(a[1], b[1], rtol=1e-4, atol=1e-4)
