@@ -220,8 +220,11 @@ def hf_weights(
 
     Raises:
         KeyError: neither layout's projections are there.
+        ValueError: an `A_log` whose exp is not a float32 (the decays -inf: every state NaN).
     """
     c = config
+    if not torch.isfinite(sd[prefix + "A_log"].float().exp()).all():
+        raise ValueError(f"Gated DeltaNet: {prefix}A_log holds values whose exp overflows float32 (or NaN)")
     if prefix + "in_proj_qkvz.weight" in sd:
         fused = sd[prefix + "in_proj_qkvz.weight"], sd[prefix + "in_proj_ba.weight"]
         q, k, v, z, b, a = _split_next(c, *fused)

@@ -138,15 +138,21 @@ def attention_kind(config: LlamaConfig) -> AttentionKind:
 
 
 def check_layer_types(config: LlamaConfig) -> None:
-    """`config.layer_types` has one known kind per layer.
+    """`config.layer_types` has one known kind per layer, and at least one attention layer.
 
     Raises:
-        ValueError: it does not.
+        ValueError: it does not (with no attention layer no page would hold a byte: the KV
+            cache's layout and budget need one).
     """
     kinds = {ATTENTION, *MIXERS}
     if len(config.layer_types) != config.num_layers or not set(config.layer_types) <= kinds:
         raise ValueError(
             f"layer types {list(config.layer_types)!r:.120}: expected {config.num_layers} of {sorted(kinds)}"
+        )
+    if ATTENTION not in config.layer_types:
+        raise ValueError(
+            f"{config.architecture}: {config.num_layers} recurrent layers and no attention layer; "
+            "a model without attention layers is not supported yet"
         )
 
 

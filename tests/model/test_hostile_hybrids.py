@@ -1,0 +1,140 @@
+"""Hybrid model files that lie or hold values no recurrence survives: each is refused at load
+naming what is wrong, never served as NaN.
+
+The files are tiny random LFM2 and Granite 4.0-H checkpoints (`tests.support`) with one value of
+their config.json or weights changed.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import shutil
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from ft.model.deltanet import DeltaNetConfig, hf_weights
+from ft.model.loader import load_model
+from ft.model.runners import build_runner
+from tests.support.tiny_granite_hybrid import granite_hybrid_model, save_granite_hybrid_dir
+from tests.support.tiny_lfm2 import lfm2_model, save_lfm2_dir
+
+pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def granite_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    return save_granite_hybrid_dir(tmp_path_factory.mktemp("granite") / "g", granite_hybrid_model("dense"))
+
+
+@pytest.fixture(scope="module")
+def lfm2_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    return save_lfm2_dir(tmp_path_factory.mktemp("lfm2") / "l", lfm2_model())
+
+
+def changed(
+    base: pathlib.Path,
+    to: pathlib.Path,
+    config: dict[str, Any] | None = None,
+    weights: Callable[[dict[str, torch.Tensor]], None] | None = None,
+) -> pathlib.Path:
+    """A copy of the checkpoint `base` with `config` merged into its config.json and
+    `weights` applied to its tensors."""
+    shutil.copytree(base, to)
+    cfg = json.loads((to / "config.json").read_text()) | (config or {})
+    (to / "config.json").write_text(json.dumps(cfg))
+    if weights is not None:
+        (path,) = to.glob("*.safetensors")
+        tensors = load_file(path)
+        weights(tensors)
+        save_file(tensors, path, metadata={"format": "pt"})
+    return to
+
+
+def a_log(value: float) -> Callable[[dict[str, torch.Tensor]], None]:
+    def change(tensors: dict[str, torch.Tensor]) -> None:
+        for name in tensors:
+            if name.endswith("A_log"):
+                tensors[name] = torch.full_like(tensors[name], value)
+
+    return change
+
+
+@pytest.mark.parametrize("value", [100.0, float("inf"), float("nan")])
+def test_a_mamba2_decay_that_overflows_is_refused(
+    granite_dir: pathlib.Path, tmp_path: pathlib.Path, value: float
+) -> None:
+    """exp(A_log) past float32's range made A -inf: every state after a prefill was NaN. The
+    weights are mapped when the runner builds its model, before the engine serves."""
+    loaded = load_model(changed(granite_dir, tmp_path / "g", weights=a_log(value)), torch.float32)
+    with pytest.raises(ValueError, match="A_log"):
+        build_runner(loaded, num_pages=4, page_size=4, dtype=torch.float32, num_state_slots=1)
+
+
+def test_a_large_but_finite_mamba2_decay_still_loads(
+    granite_dir: pathlib.Path, tmp_path: pathlib.Path
+) -> None:
+    loaded = load_model(changed(granite_dir, tmp_path / "g", weights=a_log(80.0)), torch.float32)
+    build_runner(loaded, num_pages=4, page_size=4, dtype=torch.float32, num_state_slots=1)
+
+
+@pytest.mark.parametrize("limit", ["ab", [1.0], [0.0, 1.0, 2.0], {"low": 0}])
+def test_a_time_step_limit_that_is_not_two_numbers_is_refused_naming_it(
+    granite_dir: pathlib.Path, tmp_path: pathlib.Path, limit: Any
+) -> None:
+    with pytest.raises(ValueError, match="time_step_limit"):
+        load_model(changed(granite_dir, tmp_path / "g", config={"time_step_limit": limit}), torch.float32)
+
+
+def test_a_deltanet_decay_that_overflows_is_refused() -> None:
+    c = DeltaNetConfig(hidden_size=8, num_k_heads=1, num_v_heads=2, head_k_dim=4, head_v_dim=4)
+    sd = {
+        "in_proj_qkv.weight": torch.zeros(2 * c.key_dim + c.value_dim, 8),
+        "in_proj_z.weight": torch.zeros(c.value_dim, 8),
+        "in_proj_b.weight": torch.zeros(2, 8),
+        "in_proj_a.weight": torch.zeros(2, 8),
+        "conv1d.weight": torch.zeros(c.conv_dim, 1, 4),
+        "A_log": torch.tensor([0.0, 100.0]),
+        "dt_bias": torch.zeros(2),
+        "norm.weight": torch.ones(4),
+        "out_proj.weight": torch.zeros(8, c.value_dim),
+    }
+    with pytest.raises(ValueError, match="A_log"):
+        hf_weights(c, sd, "")
+    sd["A_log"] = torch.tensor([0.0, 3.0])
+    assert hf_weights(c, sd, "")["A_log"].tolist() == [0.0, 3.0]
+
+
+@pytest.mark.parametrize(
+    ("config", "match"),
+    [
+        ({"conv_L_cache": 0}, "kernel of at least 1"),
+        ({"conv_L_cache": 1_000_000}, "size mismatch"),  # the weights say 3
+        ({"hidden_size": 1_000_000}, "size mismatch"),
+    ],
+)
+def test_an_lfm2_config_that_lies_about_its_shapes_is_refused(
+    lfm2_dir: pathlib.Path, tmp_path: pathlib.Path, config: dict[str, Any], match: str
+) -> None:
+    """Refused by the load or, for the shapes the weights contradict, by the runner's build."""
+    with pytest.raises((ValueError, RuntimeError), match=match):
+        loaded = load_model(changed(lfm2_dir, tmp_path / "l", config=config), torch.float32)
+        build_runner(loaded, num_pages=4, page_size=4, dtype=torch.float32, num_state_slots=1)
+
+
+@pytest.mark.parametrize("family", ["granite", "lfm2"])
+def test_a_hybrid_without_an_attention_layer_is_refused_at_load(
+    granite_dir: pathlib.Path, lfm2_dir: pathlib.Path, tmp_path: pathlib.Path, family: str
+) -> None:
+    """No layer stores KV, so a page has no bytes: the budget divided by zero and the runner's
+    KV cache indexed an empty layout (Granite's config without `layer_types` is all Mamba-2)."""
+    if family == "granite":
+        path = changed(granite_dir, tmp_path / "g", config={"layer_types": None})
+    else:
+        path = changed(lfm2_dir, tmp_path / "l", config={"layer_types": ["conv"] * 4})
+    with pytest.raises(ValueError, match="attention layer"):
+        load_model(path, torch.float32)
