@@ -84,6 +84,24 @@ def test_a_large_but_finite_mamba2_decay_still_loads(
     build_runner(loaded, num_pages=4, page_size=4, dtype=torch.float32, num_state_slots=1)
 
 
+@pytest.mark.parametrize(
+    ("config", "match"),
+    [
+        ({"mamba_n_heads": 0}, "mamba_n_heads must be positive"),  # (was a ZeroDivisionError)
+        ({"mamba_n_heads": 3}, "3 heads of 32 do not make"),
+        ({"mamba_n_groups": 3}, "num_groups"),
+        ({"mamba_d_conv": 1}, "conv_kernel must be at least 2"),
+        ({"mamba_chunk_size": 0}, "chunk_size must be positive"),
+        ({"time_step_limit": ["NaN", 1.0]}, "bad time_step_limit"),
+    ],
+)
+def test_a_mamba2_config_that_cannot_run_is_refused_naming_it(
+    granite_dir: pathlib.Path, tmp_path: pathlib.Path, config: dict[str, Any], match: str
+) -> None:
+    with pytest.raises(ValueError, match=match):
+        load_model(changed(granite_dir, tmp_path / "g", config=config), torch.float32)
+
+
 @pytest.mark.parametrize("limit", ["ab", [1.0], [0.0, 1.0, 2.0], {"low": 0}])
 def test_a_time_step_limit_that_is_not_two_numbers_is_refused_naming_it(
     granite_dir: pathlib.Path, tmp_path: pathlib.Path, limit: Any
