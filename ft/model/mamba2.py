@@ -91,6 +91,8 @@ class Mamba2Config:
         """
         hidden = int(cfg["hidden_size"])
         num_heads = int(cfg.get("mamba_n_heads", 128))
+        if num_heads < 1:
+            raise ValueError(f"mamba2: mamba_n_heads must be positive, got {num_heads}")
         inner = int(cfg.get("mamba_expand", 2)) * hidden
         head_dim = cfg.get("mamba_d_head", "auto")
         head_dim = inner // num_heads if head_dim == "auto" else int(head_dim)

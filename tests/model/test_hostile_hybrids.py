@@ -1,5 +1,6 @@
 """Hybrid model files that lie or hold values no recurrence survives: each is refused at load
-naming what is wrong, never served as NaN.
+naming what is wrong, never served as NaN; and the odd but honest ones (a convolution of any
+kernel, 1 included: no state at all) run as transformers runs them.
 
 The files are tiny random LFM2 and Granite 4.0-H checkpoints (`tests.support`) with one value of
 their config.json or weights changed.
@@ -18,10 +19,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ft.model.deltanet import DeltaNetConfig, hf_weights
+from ft.model.hybrid import state_slot_bytes
 from ft.model.loader import load_model
 from ft.model.runners import build_runner
 from tests.support.tiny_granite_hybrid import granite_hybrid_model, save_granite_hybrid_dir
-from tests.support.tiny_lfm2 import lfm2_model, save_lfm2_dir
+from tests.support.tiny_lfm2 import greedy, lfm2_model, save_lfm2_dir
 
 pytest.importorskip("transformers")
 
@@ -82,6 +84,24 @@ def test_a_large_but_finite_mamba2_decay_still_loads(
     build_runner(loaded, num_pages=4, page_size=4, dtype=torch.float32, num_state_slots=1)
 
 
+@pytest.mark.parametrize(
+    ("config", "match"),
+    [
+        ({"mamba_n_heads": 0}, "mamba_n_heads must be positive"),  # (was a ZeroDivisionError)
+        ({"mamba_n_heads": 3}, "3 heads of 32 do not make"),
+        ({"mamba_n_groups": 3}, "num_groups"),
+        ({"mamba_d_conv": 1}, "conv_kernel must be at least 2"),
+        ({"mamba_chunk_size": 0}, "chunk_size must be positive"),
+        ({"time_step_limit": ["NaN", 1.0]}, "bad time_step_limit"),
+    ],
+)
+def test_a_mamba2_config_that_cannot_run_is_refused_naming_it(
+    granite_dir: pathlib.Path, tmp_path: pathlib.Path, config: dict[str, Any], match: str
+) -> None:
+    with pytest.raises(ValueError, match=match):
+        load_model(changed(granite_dir, tmp_path / "g", config=config), torch.float32)
+
+
 @pytest.mark.parametrize("limit", ["ab", [1.0], [0.0, 1.0, 2.0], {"low": 0}])
 def test_a_time_step_limit_that_is_not_two_numbers_is_refused_naming_it(
     granite_dir: pathlib.Path, tmp_path: pathlib.Path, limit: Any
@@ -138,3 +158,18 @@ def test_a_hybrid_without_an_attention_layer_is_refused_at_load(
         path = changed(lfm2_dir, tmp_path / "l", config={"layer_types": ["conv"] * 4})
     with pytest.raises(ValueError, match="attention layer"):
         load_model(path, torch.float32)
+
+
+@pytest.mark.parametrize("kernel", [1, 2, 6])
+def test_an_lfm2_of_any_kernel_runs_as_transformers_does(tmp_path: pathlib.Path, kernel: int) -> None:
+    """`conv_L_cache` 1 is a pointwise convolution: no state at all (its empty slot tensors
+    could not be made), 2 and 6 hold one and five inputs."""
+    hf = lfm2_model(conv_L_cache=kernel)
+    loaded = load_model(save_lfm2_dir(tmp_path / "lfm2", hf), torch.float32)
+    assert state_slot_bytes(loaded.config) == 2 * 4 * 64 * (kernel - 1)  # two conv layers, float32
+    runner = build_runner(loaded, num_pages=32, page_size=4, dtype=torch.float32, num_state_slots=2)
+    prompt = tuple(range(3, 30))
+    _, logits = greedy(runner, prompt, 2, chunk=5)
+    with torch.no_grad():
+        want = hf(torch.tensor([prompt])).logits[0, -1]
+    torch.testing.assert_close(logits[0], want, rtol=1e-4, atol=1e-4)
