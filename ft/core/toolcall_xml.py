@@ -35,6 +35,8 @@ from typing import Any
 from ft.core.suffix import held_suffix_len
 from ft.core.toolcall_events import CallEmitter, TextAroundCalls, ToolEvent, new_tool_call_id
 from ft.core.toolcall_schema import ToolSchemas, typed_value
+from ft.grammar.tool_parameters import MAX_XML_NAME_CHARS as MAX_NAME_CHARS
+from ft.grammar.tool_parameters import XML_NAME_BREAKS
 
 START = "<tool_call>"
 END = "</tool_call>"
@@ -42,7 +44,6 @@ FUNCTION = "<function="
 FUNCTION_END = "</function>"
 PARAMETER = "<parameter="
 PARAMETER_END = "</parameter>"
-MAX_NAME_CHARS = 256  # a longer function or parameter name is not a call's
 _WHITESPACE = " \t\r\n"
 _OPENING = re.compile(re.escape(START) + "|" + re.escape(FUNCTION))
 _AFTER_VALUE = (PARAMETER, FUNCTION_END, END)  # what makes a `</parameter>` close its value
@@ -174,7 +175,7 @@ class XmlToolCallParser:
         buf, at = self._buf, self._at
         end = buf.find(">", at, at + MAX_NAME_CHARS + 1)
         name = buf[at : end if end >= 0 else at + MAX_NAME_CHARS + 1]
-        if any(c in name for c in "<\n\r\t") or len(name) > MAX_NAME_CHARS:
+        if any(c in name for c in XML_NAME_BREAKS) or len(name) > MAX_NAME_CHARS:
             self._fail(out)
             return True
         if end < 0:

@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from ft.errors import InvalidRequest
 from ft.grammar.gemma4_calls import gemma4_call_rules
-from ft.grammar.tool_parameters import is_text, parameter_schema, properties_of
+from ft.grammar.tool_parameters import is_text, is_xml_name, parameter_schema, properties_of
 
 GrammarKind = Literal["json_schema", "regex", "grammar", "choice", "lark"]
 KINDS: tuple[GrammarKind, ...] = ("json_schema", "regex", "grammar", "choice", "lark")
@@ -221,8 +221,10 @@ def _xml_call_rules(chosen: list[dict[str, Any]], markers: frozenset[str]) -> li
         function = t.get("function")
         params = function.get("parameters") if isinstance(function, dict) else None
         required = params.get("required") if isinstance(params, dict) else None
+        _check_xml_name(_name(t) or "", "function")
         parts = []
         for j, pname in enumerate(properties_of(params)):
+            _check_xml_name(pname, "parameter")
             schema = parameter_schema(params, pname)
             rule = f"p_{i}_{j}"
             parts.append(rule if isinstance(required, list) and pname in required else f"{rule}?")
@@ -234,6 +236,22 @@ def _xml_call_rules(chosen: list[dict[str, Any]], markers: frozenset[str]) -> li
             f"call_{i}: {' '.join([m('<tool_call>'), function_tag, *parts, close, m('</tool_call>')])}"
         )
     return rules
+
+
+def _check_xml_name(name: object, what: str) -> None:
+    """A forced call's names must read back as written (else it would parse as text, or as
+    another parameter's value).
+
+    Raises:
+        InvalidRequest: `name` has a `<`, `>`, line break or tab, spaces around it, or is empty
+            or too long for the qwen3_coder format.
+    """
+    if not isinstance(name, str) or not is_xml_name(name):
+        raise InvalidRequest(
+            f"the qwen3_coder tool-call format cannot carry the {what} name {name!r:.80} "
+            "(no '<', '>', line breaks, tabs or surrounding spaces, 1 to 256 characters)",
+            param="tools",
+        )
 
 
 def _xml_value(schema: object, parameters: object) -> str:

@@ -21,6 +21,19 @@ _KIND_PREFIXES: tuple[tuple[str, str], ...] = (
 )  # fmt: skip
 _JSON_KINDS = {bool: "boolean", int: "integer", float: "number", str: "string", dict: "object", list: "array"}
 MAX_SCHEMA_DEPTH = 4  # anyOf / oneOf read this deep for the types a parameter may take
+# Qwen3-Coder's XML (`<function=NAME>`, `<parameter=NAME>`): a name is read up to its `>`, at
+# most this long, without `<` or line breaks or tabs, stripped of spaces.
+MAX_XML_NAME_CHARS = 256
+XML_NAME_BREAKS = "<\n\r\t"
+
+
+def is_xml_name(name: str) -> bool:
+    """Whether Qwen3-Coder's XML reads `name` back as written (`ft.core.toolcall_xml`)."""
+    return (
+        0 < len(name) <= MAX_XML_NAME_CHARS
+        and name == name.strip(" ")
+        and not any(c in name for c in XML_NAME_BREAKS + ">")
+    )
 
 
 def properties_of(parameters: object) -> Mapping[str, Any]:

@@ -135,6 +135,8 @@ class Architecture:
     weight names renamed at load to the Llama family's (`mlp.gate_proj`, `self_attn.o_proj`, ...);
     `hf_float32_weights` parts of the names of weights read in float32 whatever the dtype (a
     mixer's small parameters, which its module keeps in float32: `float32_parameters`).
+    `hybrid_attention` names what a hybrid's attention layers and norms are
+    (`ft.model.hybrid.ATTENTIONS`: "llama", the Llama family's; "gated", Qwen3.5's).
     """
 
     name: str
@@ -174,6 +176,7 @@ class Architecture:
     mixer: str | None = None
     hf_weight_renames: tuple[tuple[str, str], ...] = ()
     hf_float32_weights: tuple[str, ...] = ()
+    hybrid_attention: str = "llama"
 
     def hf_weight_name(self, name: str) -> str:
         """A Hugging Face weight's name as the loader files it (`hf_weight_renames` applied)."""
@@ -388,7 +391,8 @@ GRANITE = Architecture(
 )
 
 # LFM2: short convolutions (a recurrent state per sequence, `ft.model.short_conv`) and, between
-# them, attention layers with per-head q/k RMSNorm; safetensors only (its GGUFs are refused).
+# them, attention layers with per-head q/k RMSNorm; its GGUFs read back into the checkpoint's
+# form by `ft.model.gguf_hybrid` (`gguf_loader.gguf_config` sends them there).
 LFM2 = Architecture(
     name="lfm2",
     hf_model_types=("lfm2",),
@@ -396,9 +400,6 @@ LFM2 = Architecture(
     gguf_names=("lfm2",),
     qk_norm=True,
     packed=False,
-    gguf_refusal=(
-        "LFM2 GGUFs are not supported yet (ft runs LFM2 from its Hugging Face safetensors directory)"
-    ),
     mixer="short_conv",
     hf_weight_renames=(
         (".self_attn.out_proj.", ".self_attn.o_proj."),
@@ -415,7 +416,8 @@ LFM2 = Architecture(
 
 # Granite 4.0-H (transformers' `granitemoehybrid`): Mamba-2 layers (`ft.model.mamba2`) and
 # attention layers without rotary, each followed by routed experts plus a shared MLP (or the
-# shared MLP alone), Granite's multipliers; safetensors only. Its template asks for hermes tool
+# shared MLP alone), Granite's multipliers; its GGUFs read back into the checkpoint's form by
+# `ft.model.gguf_hybrid`. Its template asks for hermes tool
 # calls (`<tool_call>`), not Granite 3's `<|tool_call|>`.
 GRANITE_HYBRID = Architecture(
     name="granite_hybrid",
@@ -423,10 +425,6 @@ GRANITE_HYBRID = Architecture(
     hf_architectures=("GraniteMoeHybridForCausalLM",),
     gguf_names=("granitehybrid",),
     packed=False,
-    gguf_refusal=(
-        "Granite 4.0-H GGUFs are not supported yet (ft runs Granite 4.0-H from its Hugging Face "
-        "safetensors directory)"
-    ),
     mixer="mamba2",
     hf_weight_renames=(
         (".block_sparse_moe.router.layer.", ".mlp.gate."),
@@ -438,9 +436,60 @@ GRANITE_HYBRID = Architecture(
     hf_float32_weights=(".mamba.A_log", ".mamba.D", ".mamba.dt_bias", ".mamba.conv1d.", ".mamba.norm."),
 )
 
+# Qwen3.5 (dense), Qwen3.5-MoE and Qwen3-Next: three Gated DeltaNet layers (`ft.model.deltanet`)
+# to each gated attention layer, (1 + w) norms (`ft.model.qwen35`); the MoE families' experts
+# have a shared expert beside them; tool calls in Qwen3-Coder's XML (`ft.core.toolcall_xml`).
+# Qwen3.5's checkpoints are multimodal (the text model under `model.language_model.`, the
+# vision tower left out); the multi-token prediction head (`mtp.*`) is not run. Their GGUFs are
+# read back into the checkpoint's form by `ft.model.gguf_hybrid`.
+QWEN35_TEXT = (("model.language_model.", "model."), ("lm_head.", "lm_head."))
+QWEN35_FLOAT32 = (".linear_attn.A_log", ".linear_attn.dt_bias", ".linear_attn.conv1d.", ".linear_attn.norm.")
+QWEN3_5 = Architecture(
+    name="qwen3_5",
+    hf_model_types=("qwen3_5", "qwen3_5_text"),
+    hf_architectures=("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"),
+    gguf_names=(),
+    packed=False,
+    reasoning_parser="think",
+    tool_call_parser="qwen3_coder",
+    hf_weight_prefixes=QWEN35_TEXT,
+    mixer="gated_deltanet",
+    hf_float32_weights=QWEN35_FLOAT32,
+    hybrid_attention="gated",
+)
+QWEN3_5_MOE = Architecture(
+    name="qwen3_5_moe",
+    hf_model_types=("qwen3_5_moe", "qwen3_5_moe_text"),
+    hf_architectures=("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration"),
+    gguf_names=(),
+    moe=True,
+    router_renormalizes=True,  # transformers' `Qwen3_5MoeTopKRouter` always does
+    packed=False,
+    reasoning_parser="think",
+    tool_call_parser="qwen3_coder",
+    hf_weight_prefixes=QWEN35_TEXT,
+    mixer="gated_deltanet",
+    hf_float32_weights=QWEN35_FLOAT32,
+    hybrid_attention="gated",
+)
+QWEN3_NEXT = Architecture(
+    name="qwen3_next",
+    hf_model_types=("qwen3_next",),
+    hf_architectures=("Qwen3NextForCausalLM",),
+    gguf_names=(),
+    moe=True,
+    packed=False,
+    reasoning_parser="think",
+    tool_call_parser="qwen3_coder",
+    hf_weight_prefixes=QWEN35_TEXT,
+    mixer="gated_deltanet",
+    hf_float32_weights=QWEN35_FLOAT32,
+    hybrid_attention="gated",
+)
+
 ARCHITECTURES: tuple[Architecture, ...] = (
     LLAMA, MISTRAL, QWEN2, QWEN3, QWEN3_MOE, MIXTRAL, OLMOE, GEMMA2, GEMMA3, GEMMA4, PHI3, SMOLLM3,
-    GRANITE, LFM2, GRANITE_HYBRID,
+    GRANITE, LFM2, GRANITE_HYBRID, QWEN3_5, QWEN3_5_MOE, QWEN3_NEXT,
 )  # fmt: skip
 
 

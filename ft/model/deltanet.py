@@ -106,8 +106,12 @@ class GatedDeltaNet(nn.Module):
     their gathered states; each longer span runs the chunked rule on its own: a step has few
     prefill spans, and batching them did not pay even at equal lengths (four spans of 128 rows
     at Qwen3.5-9B's heads: 105 ms one at a time, 122 ms padded into one batch, on one core).
-    The conv is K shifted multiply-adds (a third of `F.conv1d`'s time there).
+    The conv is K shifted multiply-adds (a third of `F.conv1d`'s time there). Its small
+    parameters stay float32 whatever the model's dtype (`float32_parameters`, read by
+    `llama.assemble_model`): everything after the input projection runs in float32 anyway.
     """
+
+    float32_parameters = ("conv_weight", "A_log", "dt_bias", "norm_weight")
 
     def __init__(self, config: DeltaNetConfig) -> None:
         super().__init__()
@@ -216,8 +220,11 @@ def hf_weights(
 
     Raises:
         KeyError: neither layout's projections are there.
+        ValueError: an `A_log` whose exp is not a float32 (the decays -inf: every state NaN).
     """
     c = config
+    if not torch.isfinite(sd[prefix + "A_log"].float().exp()).all():
+        raise ValueError(f"Gated DeltaNet: {prefix}A_log holds values whose exp overflows float32 (or NaN)")
     if prefix + "in_proj_qkvz.weight" in sd:
         fused = sd[prefix + "in_proj_qkvz.weight"], sd[prefix + "in_proj_ba.weight"]
         q, k, v, z, b, a = _split_next(c, *fused)

@@ -43,7 +43,7 @@ def pick_dtype(config: LlamaConfig) -> torch.dtype:
     `[rows, 576] @ [576, 3072]`: rows=1 f32 0.25 ms vs bf16 0.46 ms; rows=16 f32 1.8 ms vs bf16
     10.3 ms, so "auto" picks float32 there; CPUs with AMX/avx512_bf16 will pick bfloat16.
     """
-    return _pick(config.hidden_size, config.intermediate_size)
+    return _pick(config.hidden_size, config.intermediate_size or config.moe_intermediate_size)
 
 
 def resolve_dtype(name: str, config: LlamaConfig) -> torch.dtype:

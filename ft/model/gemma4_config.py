@@ -100,8 +100,13 @@ class Gemma4Config(LlamaConfig):
                 raise ValueError(
                     f"Gemma 4 layer {i}: its KV source {source} is not an earlier layer of its type and shape"
                 )
-        if self.per_layer_input_size < 0 or (self.per_layer_input_size and self.per_layer_vocab_size < 1):
-            raise ValueError("Gemma 4: per-layer embeddings need a positive width and vocabulary")
+        if self.per_layer_input_size < 0 or (
+            self.per_layer_input_size and self.per_layer_vocab_size < self.vocab_size
+        ):
+            raise ValueError(
+                f"Gemma 4: per-layer embeddings need a positive width and a row for each of the "
+                f"{self.vocab_size} tokens, got {self.per_layer_vocab_size} rows"
+            )
         for sliding, rope in ((True, self.sliding_rope), (False, self.full_rope)):
             dims = {self.layer_head_dims[i] for i in range(n) if self.is_sliding(i) == sliding}
             factors = rope.pair_factors

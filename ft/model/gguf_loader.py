@@ -62,6 +62,10 @@ def gguf_config(meta: GGUFFile, tensor_names: set[str], vocab_size: int) -> Llam
     arch = meta.text("general.architecture")
     if arch is None:
         raise ModelFileError("GGUF file lacks required metadata key 'general.architecture'")
+    from ft.model import gguf_hybrid  # (here, not at the top: it imports this module)
+
+    if arch in gguf_hybrid.FAMILIES:  # read as its Hugging Face checkpoint would be
+        return gguf_hybrid.llama_config(meta)
     try:
         family = by_gguf(
             arch, str(meta.text("general.name", "") or ""), f"{arch}.expert_count" in meta.fields
@@ -237,7 +241,7 @@ def _phi_smollm_granite(
                     f"tensor {name}: expected shape [{rotary_dim // 2}] (one per rotary pair), "
                     f"found {list(tensor.shape)}"
                 )
-            scaling[key] = [float(v) for v in _dequantized(tensor).flatten().tolist()]
+            scaling[key] = [float(v) for v in dequantized(tensor).flatten().tolist()]
         attn_factor_key = f"{arch}.rope.scaling.attn_factor"
         if attn_factor_key in meta.fields:  # else computed from the context, as the converter does
             scaling["attention_factor"] = meta.number(attn_factor_key, 1e-6, 1e6, 1.0)
@@ -337,10 +341,10 @@ def as_stored(tensor: GGUFTensor) -> QuantTensor:
         raw = np.ascontiguousarray(tensor.data).view(np.uint8).reshape(tensor.data.shape[0], -1)
         data = torch.from_numpy(np.array(raw, copy=True))
         return QuantTensor(data, int(tensor.tensor_type), cols)
-    return to_q8_0(_dequantized(tensor).reshape(-1, cols))
+    return to_q8_0(dequantized(tensor).reshape(-1, cols))
 
 
-def _dequantized(tensor: GGUFTensor) -> np.ndarray:
+def dequantized(tensor: GGUFTensor) -> np.ndarray:
     """The tensor's values as a float32 array.
 
     Raises:
@@ -389,7 +393,7 @@ def gguf_tensors(
             continue
         heads = _permuted_heads(tensor.name, config) if permuted else None
         if tensor.name.startswith("cls."):  # a reranker's head: float32, under its GGUF name
-            sd[tensor.name] = torch.from_numpy(_dequantized(tensor))
+            sd[tensor.name] = torch.from_numpy(dequantized(tensor))
             reader.release(tensor)
             continue
         if quantized and len(tensor.shape) == 3:  # an expert stack: one packed view per expert
@@ -410,7 +414,7 @@ def gguf_tensors(
                 sd[name] = repacked(part)
             reader.release(tensor)
             continue
-        w = torch.from_numpy(_dequantized(tensor))
+        w = torch.from_numpy(dequantized(tensor))
         if tensor.name == "rope_freqs.weight":
             freq_factors = tuple(float(x) for x in w.flatten().tolist())
             continue
@@ -435,7 +439,7 @@ def _float_tensors(
     for i, tensor in enumerate(reader.tensors):
         if progress is not None:
             progress(i / len(reader.tensors))
-        yield tensor.name, torch.from_numpy(_dequantized(tensor)).to(dtype)
+        yield tensor.name, torch.from_numpy(dequantized(tensor)).to(dtype)
         reader.release(tensor)
 
 
@@ -462,7 +466,7 @@ def _expert_views(tensor: GGUFTensor, stacked_name: str) -> dict[str, QuantTenso
 def _dequantized_part(tensor: GGUFTensor, expert: int) -> np.ndarray:
     """Expert `expert` of a stack of a type the kernels do not multiply, as float32."""
     part = GGUFTensor(tensor.name, tensor.tensor_type, tensor.shape[1:], tensor.data[expert])
-    return _dequantized(part)
+    return dequantized(part)
 
 
 def split_fused(
@@ -634,6 +638,11 @@ def load_gguf(
         ModelFileError: the file is malformed, or its tensors disagree with its metadata.
     """
     reader = open_gguf(path)
+    from ft.model import gguf_hybrid
+
+    if gguf_hybrid.family_of(reader) is not None:  # dequantized, as its checkpoint would load
+        config, floats, spec = gguf_hybrid.load_runnable(path, dtype, progress)
+        return config, dict(floats), spec, path.stem
     try:
         tokens = token_list(reader)
         config = gguf_config(reader, {t.name for t in reader.tensors}, len(tokens))

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import pathlib
+from collections import Counter
 from typing import Any
 
 import torch
@@ -16,11 +18,13 @@ from ft.model.llama import LlamaConfig, Progress
 from ft.model.rerank import RankFormat
 from ft.tokenizer.spec import TokenizerSpec, tokenizer_json_of
 
+log = logging.getLogger("ft.model")
+
 GENERATION_KEYS = ("temperature", "top_p", "top_k", "repetition_penalty")
 # a multimodal checkpoint's weights that are not its text model's own names
 MULTIMODAL_PREFIXES = (
-    "model.language_model.", "model.vision", "model.multi_modal", "model.audio", "model.embed_vision",
-    "model.embed_audio",
+    "model.language_model.", "model.vision", "model.visual", "model.multi_modal", "model.audio",
+    "model.embed_vision", "model.embed_audio",
 )  # fmt: skip
 
 
@@ -91,6 +95,7 @@ def hf_state_dict(
     prefixes = family.hf_weight_prefixes
     keep = family.hf_float32_weights
     sd: dict[str, torch.Tensor] = {}
+    left_out: Counter[str] = Counter()
     for i, name in enumerate(files):
         if progress is not None:
             progress(i / len(files))
@@ -99,12 +104,24 @@ def hf_state_dict(
             if text_key is not None:
                 kept = keep and any(part in key for part in keep)
                 sd[family.hf_weight_name(text_key)] = tensor.to(torch.float32 if kept else dtype)
+            else:
+                left_out[_module_of(key)] += 1
+    if left_out:
+        parts = ", ".join(f"{module}.* ({n})" for module, n in sorted(left_out.items()))
+        log.info("%s: weights outside the text model left out, not run: %s", directory.name, parts)
     return sd
+
+
+def _module_of(key: str) -> str:
+    """The module a weight left out belongs to, for the log: `mtp`, `model.visual`, ..."""
+    parts = key.split(".")
+    return ".".join(parts[:2] if parts[0] == "model" and len(parts) > 2 else parts[:1])
 
 
 def _text_weight(key: str, prefixes: tuple[tuple[str, str], ...]) -> str | None:
     """A multimodal checkpoint's weight under its text model's name, or None (the vision and
-    audio towers, their projectors: not run). A checkpoint of the text model alone keeps its names."""
+    audio towers, their projectors, a multi-token prediction head: not run). A checkpoint of
+    the text model alone keeps its names."""
     if key.startswith("model.") and not key.startswith(MULTIMODAL_PREFIXES):
         return key  # Gemma3ForCausalLM's (Gemma4ForCausalLM's) own
     for old, new in prefixes:

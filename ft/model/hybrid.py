@@ -1,10 +1,14 @@
 """Hybrid decoders: attention layers and recurrent layers in one stack (LFM2's short
-convolutions, Granite 4.0-H's Mamba-2; later Qwen3.5's Gated DeltaNet).
+convolutions, Granite 4.0-H's Mamba-2, and Qwen3.5's, Qwen3.5-MoE's and Qwen3-Next's Gated
+DeltaNet).
 
-Each layer's kind is `LlamaConfig.layer_types[i]`: "attention" is the Llama-family
-`DecoderLayer` (its past in the KV pages), any other names a row of `MIXERS`, a recurrent
-mixer (`ft.model.recurrent.RecurrentMixer`) that takes the attention's place in a `MixerLayer`,
-between the same input norm, residual and MLP. A mixer's past is a fixed-size state per
+Each layer's kind is `LlamaConfig.layer_types[i]`: "attention" attends over the KV pages, any
+other names a row of `MIXERS`, a recurrent mixer (`ft.model.recurrent.RecurrentMixer`) that
+takes the attention's place in a `MixerLayer`, between the same input norm, residual and MLP.
+What the attention layers and the norms are is the family's `AttentionKind` (its entry's
+`hybrid_attention`, a row of `ATTENTIONS`): the Llama family's `DecoderLayer` and RMSNorm
+(LFM2, Granite 4.0-H), or a module of its own in an `AttentionLayer` and a norm of its own
+(Qwen3.5's gated attention and (1 + w) norms). A mixer's past is a fixed-size state per
 sequence, which the runner holds in slots (`recurrent.StateTensors`) and passes in with the
 step's spans; the model returns the new states and the runner writes them once the whole step
 has succeeded.
@@ -27,8 +31,25 @@ from torch import nn
 
 from ft.model.attention import AttentionMetadata
 from ft.model.granite_hybrid import granite_hybrid_config
-from ft.model.llama import ATTENTION, DecoderLayer, LlamaConfig, LlamaForCausalLM, Reduce
+from ft.model.llama import (
+    ATTENTION,
+    DecoderLayer,
+    LlamaConfig,
+    LlamaForCausalLM,
+    NormFactory,
+    Reduce,
+    RMSNorm,
+)
 from ft.model.mamba2 import Mamba2Config, Mamba2Mixer, mamba2_weights_from_hf
+from ft.model.qwen35 import (
+    DELTANET,
+    GatedAttention,
+    OffsetRMSNorm,
+    deltanet_mixer,
+    deltanet_weights,
+    hf_attention_weights,
+    qwen35_config,
+)
 from ft.model.recurrent import RecurrentMixer, StateSpan
 from ft.model.short_conv import ShortConv, ShortConvConfig
 
@@ -79,20 +100,59 @@ MIXERS: dict[str, MixerKind] = {
     for kind in (
         MixerKind("short_conv", ShortConv, "conv"),  # LFM2
         MixerKind("mamba2", _mamba2, "mamba", _mamba2_weights),  # Granite 4.0-H
+        MixerKind(DELTANET, deltanet_mixer, "linear_attn", deltanet_weights),  # Qwen3.5, Qwen3-Next
     )
 }
 
 
+@dataclass(frozen=True, slots=True)
+class AttentionKind:
+    """What a hybrid family's attention layers and norms are: `norm(dim, eps)` builds every norm
+    of the stack (each layer's two and the final one); `build(config)` the attention module of
+    an attention layer (`AttentionLayer`: called with the normed rows, the rotary tables, the
+    layer's KV caches and the metadata, it returns the attention's output before the
+    residual), None for the Llama family's `DecoderLayer`; `hf_weights(state dict,
+    "model.layers.N.self_attn.")` → that module's weights (None: as the Llama family's)."""
+
+    name: str
+    norm: NormFactory
+    build: Callable[[LlamaConfig], nn.Module] | None = None
+    hf_weights: Callable[[Mapping[str, torch.Tensor], str], dict[str, torch.Tensor]] | None = None
+
+
+ATTENTIONS: dict[str, AttentionKind] = {
+    kind.name: kind
+    for kind in (
+        AttentionKind("llama", RMSNorm),  # LFM2, Granite 4.0-H
+        # Qwen3.5, Qwen3.5-MoE, Qwen3-Next: a gated query, (1 + w) norms in float32
+        AttentionKind("gated", OffsetRMSNorm, GatedAttention, hf_attention_weights),
+    )
+}
+
+
+def attention_kind(config: LlamaConfig) -> AttentionKind:
+    """The attention kind of `config`'s family (its entry's `hybrid_attention`)."""
+    from ft.model.architectures import by_name
+
+    return ATTENTIONS[by_name(config.architecture).hybrid_attention]
+
+
 def check_layer_types(config: LlamaConfig) -> None:
-    """`config.layer_types` has one known kind per layer.
+    """`config.layer_types` has one known kind per layer, and at least one attention layer.
 
     Raises:
-        ValueError: it does not.
+        ValueError: it does not (with no attention layer no page would hold a byte: the KV
+            cache's layout and budget need one).
     """
     kinds = {ATTENTION, *MIXERS}
     if len(config.layer_types) != config.num_layers or not set(config.layer_types) <= kinds:
         raise ValueError(
             f"layer types {list(config.layer_types)!r:.120}: expected {config.num_layers} of {sorted(kinds)}"
+        )
+    if ATTENTION not in config.layer_types:
+        raise ValueError(
+            f"{config.architecture}: {config.num_layers} recurrent layers and no attention layer; "
+            "a model without attention layers is not supported yet"
         )
 
 
@@ -100,8 +160,8 @@ class MixerLayer(DecoderLayer):
     """A recurrent layer: the input norm, its mixer where attention would be, the residual, and
     the same MLP (or experts) after it as an attention layer's (`DecoderLayer.feed_forward`)."""
 
-    def __init__(self, config: LlamaConfig, reduce: Reduce | None, index: int) -> None:
-        super().__init__(config, reduce, index, attention=False)
+    def __init__(self, config: LlamaConfig, reduce: Reduce | None, index: int, norm: NormFactory) -> None:
+        super().__init__(config, reduce, index, attention=False, norm=norm)
         self.mixer = MIXERS[config.layer_types[index]].build(config, index)
 
     def forward(  # type: ignore[override]
@@ -114,14 +174,49 @@ class MixerLayer(DecoderLayer):
         return self.feed_forward(h), new
 
 
+class AttentionLayer(DecoderLayer):
+    """An attention layer whose attention is its family's own module (`AttentionKind.build`'s,
+    `attention`): the input norm, that attention over the layer's KV caches, the residual, and
+    the MLP (or experts) as any layer's."""
+
+    def __init__(
+        self, config: LlamaConfig, reduce: Reduce | None, index: int, norm: NormFactory, attention: nn.Module
+    ) -> None:
+        super().__init__(config, reduce, index, attention=False, norm=norm)
+        self.attention = attention
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, hidden]
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_cache: torch.Tensor,  # [num_slots, kv_heads, head_dim]
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        attn = self.attention(self.input_layernorm(x), cos, sin, k_cache, v_cache, meta)  # [T, hidden]
+        h = x + self._residual(attn if self.attn_out_norm is None else self.attn_out_norm(attn))
+        return self.feed_forward(h)
+
+
 class HybridForCausalLM(LlamaForCausalLM):
-    """A decoder whose layers are attention (`DecoderLayer`) or recurrent (`MixerLayer`), chosen
-    per layer by `config.layer_types`; the KV caches hold the attention layers only."""
+    """A decoder whose layers are attention (`DecoderLayer`, or the family's `AttentionLayer`)
+    or recurrent (`MixerLayer`), chosen per layer by `config.layer_types`, with the family's
+    norms (`AttentionKind`); the KV caches hold the attention layers only."""
+
+    def __init__(
+        self, config: LlamaConfig, reduce: Reduce | None = None, lm_head_rows: int | None = None
+    ) -> None:
+        super().__init__(config, reduce, lm_head_rows)
+        self.norm = attention_kind(config).norm(config.hidden_size, config.rms_norm_eps)
 
     def _make_layer(self, config: LlamaConfig, reduce: Reduce | None, index: int) -> nn.Module:
-        if config.is_attention_layer(index):
-            return DecoderLayer(config, reduce, index)
-        return MixerLayer(config, reduce, index)
+        kind = attention_kind(config)
+        if not config.is_attention_layer(index):
+            return MixerLayer(config, reduce, index, kind.norm)
+        if kind.build is None:
+            return DecoderLayer(config, reduce, index, norm=kind.norm)
+        return AttentionLayer(config, reduce, index, kind.norm, kind.build(config))
 
     def state_shapes(self) -> list[tuple[tuple[int, ...], ...]]:
         """Each recurrent layer's state shapes for one sequence, in layer order."""
@@ -160,6 +255,21 @@ class HybridForCausalLM(LlamaForCausalLM):
 def _mixer(module: object) -> RecurrentMixer:
     """A mixer module, as the contract it keeps (`MixerKind.build` makes only those)."""
     return cast("RecurrentMixer", module)
+
+
+def layer_weights(
+    config: LlamaConfig, sd: dict[str, torch.Tensor], layer: int
+) -> dict[str, torch.Tensor] | None:
+    """Layer `layer`'s weights that are its hybrid family's own, under the fused layout's names:
+    a recurrent layer's mixer's (`mixer_weights`), or an attention layer's own attention's
+    (`layers.N.attention.X`); None when they are the Llama family's attention's."""
+    if not config.is_attention_layer(layer):
+        return mixer_weights(config, sd, layer)
+    kind = attention_kind(config)
+    if kind.hf_weights is None:
+        return None
+    own = kind.hf_weights(sd, f"model.layers.{layer}.self_attn.")
+    return {f"layers.{layer}.attention.{k}": w for k, w in own.items()}
 
 
 def mixer_weights(config: LlamaConfig, sd: dict[str, torch.Tensor], layer: int) -> dict[str, torch.Tensor]:
@@ -254,4 +364,7 @@ def _lfm2_config(arch: Architecture, cfg: dict[str, Any]) -> LlamaConfig:
 HF_CONFIGS: dict[str, Callable[[Architecture, dict[str, Any]], LlamaConfig]] = {
     "lfm2": _lfm2_config,
     "granite_hybrid": granite_hybrid_config,
+    "qwen3_5": qwen35_config,
+    "qwen3_5_moe": qwen35_config,
+    "qwen3_next": qwen35_config,
 }

@@ -33,6 +33,7 @@ HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
 Progress = Callable[[float], None]  # called with the fraction of weights loaded
 Rotary = tuple[torch.Tensor, torch.Tensor]  # cos and sin `[T, 1, rotary_dim]`
 Reduce = Callable[[torch.Tensor], torch.Tensor]  # sums a row-parallel output over the ranks
+NormFactory = Callable[[int, float], nn.Module]  # (dim, eps) -> a norm module
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +61,7 @@ class LlamaConfig:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
+    shared_expert_intermediate_size: int = 0  # a shared expert beside the routed ones (Qwen3.5-MoE); 0: none
     # the layers whose MLP stays dense (of `intermediate_size`) in a mixture of experts (Qwen3-MoE's
     # `mlp_only_layers` and `decoder_sparse_step`)
     mlp_only_layers: tuple[int, ...] = ()
@@ -73,7 +75,9 @@ class LlamaConfig:
     hidden_act: str = "silu"  # the MLP's gate: "silu" (SwiGLU) or "gelu_pytorch_tanh" (GeGLU)
     embed_scale: bool = False  # embeddings times sqrt(hidden), in the embedding's dtype (Gemma)
     post_norms: bool = False  # an RMSNorm on the attention's and on the MLP's output (Gemma)
-    norm_offset: float = 0.0  # the stored norm weights w scale by (offset + w): 1 in Gemma's HF files
+    # the offset folded into the stored norm weights at load, which scale by (offset + w): 1 in
+    # Gemma's HF files (0 for a hybrid family whose norm module adds it: Qwen3.5's `OffsetRMSNorm`)
+    norm_offset: float = 0.0
     query_scale: float = 0.0  # the softmax scale of q.k; 0: head_dim ** -0.5
     attn_softcap: float = 0.0  # attention scores as tanh(s / cap) * cap (Gemma 2); 0: none
     final_softcap: float = 0.0  # the same on the logits
@@ -226,6 +230,7 @@ class LlamaConfig:
         attention = self.hidden_size * (2 * self.q_size + 2 * self.kv_size)  # q, k, v, o
         dense = 3 * self.hidden_size * self.intermediate_size  # gate, up, down
         routed = self.num_experts_per_tok * 3 * self.hidden_size * self.moe_intermediate_size
+        routed += 3 * self.hidden_size * self.shared_expert_intermediate_size
         moe = routed + (dense if self.shared_mlp else 0)
         layers = sum(attention + (moe if self.is_moe_layer(i) else dense) for i in range(self.num_layers))
         return self.vocab_size * self.hidden_size / layers
@@ -265,7 +270,7 @@ class LlamaConfig:
             raise ValueError(
                 f"{arch.name} with use_sliding_window is not supported (sliding-window attention)"
             )
-        moe = _hf_moe(arch, cfg) if arch.moe else {}
+        moe = hf_moe(arch, cfg) if arch.moe else {}
         num_heads = int(cfg["num_attention_heads"])
         rope_scaling = cfg.get("rope_scaling") or None
         rope_theta = cfg.get("rope_theta")
@@ -402,8 +407,9 @@ def _window(cfg: dict[str, Any]) -> int:
     return window
 
 
-def _hf_moe(arch: Architecture, cfg: dict[str, Any]) -> dict[str, Any]:
-    """The mixture-of-experts fields of `config.json` (Qwen3-MoE, Mixtral, OLMoE spellings).
+def hf_moe(arch: Architecture, cfg: dict[str, Any]) -> dict[str, Any]:
+    """The mixture-of-experts fields of `config.json` (Qwen3-MoE, Mixtral, OLMoE spellings; a
+    shared expert's width, Qwen3.5-MoE's and Qwen3-Next's).
 
     Raises:
         ValueError: a value is missing or of a kind ft does not run (OLMoE's `clip_qkv` or its
@@ -434,6 +440,7 @@ def _hf_moe(arch: Architecture, cfg: dict[str, Any]) -> dict[str, Any]:
         moe_intermediate_size=int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]),
         norm_topk_prob=bool(cfg.get("norm_topk_prob", False)) if renormalize is None else renormalize,
         mlp_only_layers=mlp_only,
+        shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0),
     )
 
 
@@ -641,11 +648,18 @@ class DecoderLayer(nn.Module):
     sums the row-parallel `o_proj` and `down_proj` outputs over the ranks (and OLMoE's whole-q/k
     norm statistics). `index` is this layer's place in the stack (its MLP, its window).
     `attention` False builds the norms and the MLP only (`feed_forward`): a hybrid's recurrent
-    layer puts its mixer where the attention would be (`ft.model.hybrid.MixerLayer`).
+    layer puts its mixer where the attention would be (`ft.model.hybrid.MixerLayer`). `norm`
+    builds the layer's norms, `(dim, eps)` → a module (a hybrid family's own: `hybrid.AttentionKind`).
     """
 
     def __init__(
-        self, config: LlamaConfig, reduce: Reduce | None = None, index: int = 0, *, attention: bool = True
+        self,
+        config: LlamaConfig,
+        reduce: Reduce | None = None,
+        index: int = 0,
+        *,
+        attention: bool = True,
+        norm: NormFactory | None = None,
     ) -> None:
         super().__init__()
         self.config = config
@@ -656,12 +670,13 @@ class DecoderLayer(nn.Module):
         self.q_scale = (
             config.attention_multiplier * math.sqrt(config.head_dim) if config.attention_multiplier else 1.0
         )
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)  # before the MLP
+        make_norm = norm or RMSNorm
+        self.input_layernorm = make_norm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = make_norm(config.hidden_size, config.rms_norm_eps)  # before the MLP
         # Gemma's norms of the attention's and the MLP's outputs (its HF names:
         # post_attention_layernorm and post_feedforward_layernorm)
-        self.attn_out_norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if config.post_norms else None
-        self.mlp_out_norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if config.post_norms else None
+        self.attn_out_norm = make_norm(config.hidden_size, config.rms_norm_eps) if config.post_norms else None
+        self.mlp_out_norm = make_norm(config.hidden_size, config.rms_norm_eps) if config.post_norms else None
         if attention:
             qkv_out = config.q_size + 2 * config.kv_size
             self.qkv_proj = nn.Linear(config.hidden_size, qkv_out, bias=config.attention_bias)
@@ -749,7 +764,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(self._make_layer(config, reduce, i) for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm: nn.Module = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, lm_head_rows or config.vocab_size, bias=False)
         self.inv_freq: torch.Tensor
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
@@ -827,12 +842,12 @@ def fuse_hf_state_dict(config: LlamaConfig, sd: dict[str, torch.Tensor]) -> dict
             out[o + "mlp_out_norm.weight"] = norm(p + "post_feedforward_layernorm.weight")
         else:
             out[o + "post_attention_layernorm.weight"] = norm(p + "post_attention_layernorm.weight")
-        if config.is_attention_layer(i):
-            out |= _fuse_attention(config, sd, attn, o, norm)
-        else:  # a hybrid's recurrent layer: its mixer's weights
-            from ft.model.hybrid import mixer_weights
+        own = None
+        if config.is_hybrid:  # a recurrent layer's mixer, or a hybrid family's own attention
+            from ft.model.hybrid import layer_weights
 
-            out |= mixer_weights(config, sd, i)
+            own = layer_weights(config, sd, i)
+        out |= _fuse_attention(config, sd, attn, o, norm) if own is None else own
         if config.is_moe_layer(i):
             out |= {o + "moe." + k: w for k, w in fuse_experts(sd, mlp, config.num_experts).items()}
             if not config.shared_mlp:

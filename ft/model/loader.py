@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ft.model import gguf_loader, hf_loader
+from ft.model import gguf_hybrid, gguf_loader, hf_loader
 from ft.model.architectures import by_gguf, by_name
 from ft.model.classifier import ClassifierHead, pop_head
 from ft.model.gguf_file import ModelFileError
@@ -142,6 +142,8 @@ def is_quantized_gguf(path: str | pathlib.Path | None) -> bool:
 
         path = default_model_path()
     reader = gguf_loader.open_gguf(pathlib.Path(path).expanduser())
+    if gguf_hybrid.family_of(reader) is not None:
+        return False  # (the hybrid families run dequantized, as their checkpoints)
     try:
         arch = str(reader.text("general.architecture"))
         family = by_gguf(

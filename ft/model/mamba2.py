@@ -91,6 +91,8 @@ class Mamba2Config:
         """
         hidden = int(cfg["hidden_size"])
         num_heads = int(cfg.get("mamba_n_heads", 128))
+        if num_heads < 1:
+            raise ValueError(f"mamba2: mamba_n_heads must be positive, got {num_heads}")
         inner = int(cfg.get("mamba_expand", 2)) * hidden
         head_dim = cfg.get("mamba_d_head", "auto")
         head_dim = inner // num_heads if head_dim == "auto" else int(head_dim)
@@ -100,7 +102,10 @@ class Mamba2Config:
             )
         if cfg.get("hidden_act", "silu") != "silu":
             raise ValueError(f"mamba2: the convolution's activation must be silu, got {cfg['hidden_act']!r}")
-        low, high = (_json_float(v) for v in cfg.get("time_step_limit") or (0.0, math.inf))
+        limit = cfg.get("time_step_limit") or (0.0, math.inf)
+        if not isinstance(limit, (list, tuple)) or len(limit) != 2:
+            raise ValueError(f"mamba2: time_step_limit {limit!r:.40} is not a (low, high) pair")
+        low, high = (_json_float(v) for v in limit)
         return cls(
             hidden_size=hidden,
             num_heads=num_heads,
@@ -140,12 +145,16 @@ def mamba2_weights_from_hf(tensors: Mapping[str, torch.Tensor], prefix: str) -> 
 
     Raises:
         KeyError: a required weight is missing.
+        ValueError: an `A_log` whose exp is not a float32 (A = -inf: every state NaN).
     """
+    A = -torch.exp(tensors[prefix + "A_log"].float())
+    if not torch.isfinite(A).all():
+        raise ValueError(f"mamba2: {prefix}A_log holds values whose exp overflows float32 (or NaN)")
     out = {
         "in_proj.weight": tensors[prefix + "in_proj.weight"],
         "conv_weight": tensors[prefix + "conv1d.weight"].squeeze(1),  # [conv_dim, 1, k] -> [conv_dim, k]
         "dt_bias": tensors[prefix + "dt_bias"],
-        "A": -torch.exp(tensors[prefix + "A_log"].float()),
+        "A": A,
         "D": tensors[prefix + "D"],
         "norm_weight": tensors[prefix + "norm.weight"],
         "out_proj.weight": tensors[prefix + "out_proj.weight"],

@@ -1,5 +1,5 @@
-"""Mixture-of-experts MLPs (Qwen3-MoE, Mixtral, OLMoE): a softmax router's top-k experts, run
-grouped by expert.
+"""Mixture-of-experts MLPs (Qwen3-MoE, Mixtral, OLMoE, Qwen3.5-MoE, Qwen3-Next): a softmax
+router's top-k experts, run grouped by expert, and optionally a shared expert beside them.
 
 Each token's `num_experts_per_tok` experts are chosen from the router's softmax over every expert
 (in float32, as transformers does), their weights renormalized to sum to one where the config
@@ -10,6 +10,9 @@ products per expert used in the step, never a loop over tokens — and its outpu
 routing weights, are added back to their rows in expert order (`mix`). The float `SparseMoE` and
 the packed path (`quantized_llama`, whose experts stay GGUF blocks) share `route`,
 `group_by_expert` and `mix`; only how one expert runs over its rows differs.
+
+Qwen3.5-MoE and Qwen3-Next add a shared expert (`SharedExpert`): a SwiGLU MLP every token goes
+through, its output scaled by sigmoid of a one-row gate, added to the routed experts' sum.
 """
 
 from __future__ import annotations
@@ -81,9 +84,26 @@ def mix(x: torch.Tensor, groups: ExpertGroups, run_expert: ExpertFn) -> torch.Te
     return out
 
 
+class SharedExpert(nn.Module):
+    """The expert every token goes through (Qwen3.5-MoE's and Qwen3-Next's `shared_expert`):
+    SwiGLU with gate/up fused `[2 * inter, hidden]` and down `[hidden, inter]`, its output times
+    sigmoid(`gate` `[1, hidden]` . x), one scalar per token (`shared_expert_gate`)."""
+
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_up = nn.Parameter(torch.empty(2 * intermediate, hidden))
+        self.down = nn.Parameter(torch.empty(hidden, intermediate))
+        self.gate = nn.Parameter(torch.empty(1, hidden))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
+        gate, up = F.linear(x, self.gate_up).chunk(2, dim=-1)  # [T, inter] each
+        return torch.sigmoid(F.linear(x, self.gate)) * F.linear(F.silu(gate) * up, self.down)
+
+
 class SparseMoE(nn.Module):
     """The router `[experts, hidden]` and the experts' fused gate/up `[experts, 2 * inter, hidden]`
-    and down `[experts, hidden, inter]` weights (transformers' `Qwen3MoeExperts` layout)."""
+    and down `[experts, hidden, inter]` weights (transformers' `Qwen3MoeExperts` layout); a
+    `SharedExpert` beside them when the config has one (`shared_expert_intermediate_size`)."""
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
@@ -93,6 +113,8 @@ class SparseMoE(nn.Module):
         self.router = nn.Parameter(torch.empty(e, h))
         self.gate_up = nn.Parameter(torch.empty(e, 2 * i, h))
         self.down = nn.Parameter(torch.empty(e, h, i))
+        shared = config.shared_expert_intermediate_size
+        self.shared = SharedExpert(h, shared) if shared else None
 
     def route(self, x: torch.Tensor) -> Routing:
         """The top-k experts of each row of `x` `[T, hidden]` (weights in `x`'s dtype)."""
@@ -106,7 +128,8 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
         groups = group_by_expert(self.route(x), self.gate_up.shape[0])
-        return mix(x, groups, self.run_expert)
+        out = mix(x, groups, self.run_expert)
+        return out if self.shared is None else out + self.shared(x)
 
 
 def moe_prefix(sd: Mapping[str, object], layer: str) -> str:
@@ -120,8 +143,9 @@ def fuse_experts(sd: dict[str, torch.Tensor], prefix: str, num_experts: int) -> 
     from a checkpoint's per-expert `experts.N.{gate,up,down}_proj.weight` (Mixtral's
     `experts.N.{w1,w3,w2}.weight`), transformers' fused 3-D `experts.gate_up_proj` /
     `experts.down_proj`, or a GGUF's stacked 3-D `experts.{gate,up,down}_proj`
-    (`architectures.MOE_NAMES`)."""
-    out = {"router": sd[prefix + "gate.weight"]}
+    (`architectures.MOE_NAMES`); and the shared expert's (`shared.*`) from
+    `shared_expert.{gate,up,down}_proj.weight` and `shared_expert_gate.weight` where they are."""
+    out = {"router": sd[prefix + "gate.weight"]} | _shared_expert(sd, prefix)
     if prefix + "experts.gate_up_proj" in sd:
         out["gate_up"], out["down"] = sd[prefix + "experts.gate_up_proj"], sd[prefix + "experts.down_proj"]
         return out
@@ -138,3 +162,15 @@ def fuse_experts(sd: dict[str, torch.Tensor], prefix: str, num_experts: int) -> 
     )
     out["down"] = torch.stack([sd[p + down + ".weight"] for p in experts])
     return out
+
+
+def _shared_expert(sd: Mapping[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    """`SharedExpert`'s weights (under `shared.`) of the MoE block at `prefix`, if it has one."""
+    shared = prefix + "shared_expert."
+    if shared + "gate_proj.weight" not in sd:
+        return {}
+    return {
+        "shared.gate_up": torch.cat([sd[shared + "gate_proj.weight"], sd[shared + "up_proj.weight"]]),
+        "shared.down": sd[shared + "down_proj.weight"],
+        "shared.gate": sd[prefix + "shared_expert_gate.weight"],
+    }

@@ -12,21 +12,30 @@ its RMSNorm, and what its `config.json` says. Qwen3.5-MoE and Qwen3-Next share a
   plain rotary of `ft.model.llama` (`rope_cos_sin` over `attention_config`'s `rotary_dim`).
 - **Layers**: `config.layer_types` names each layer `linear_attention` (DeltaNet) or
   `full_attention`; Qwen3.5's files hold the text model under `model.language_model.`.
+
+`qwen35_config` reads a whole `config.json` as the hybrid decoder's (`ft.model.hybrid`)
+`LlamaConfig`: the DeltaNet layers are its "gated_deltanet" mixer (`deltanet_mixer`,
+`deltanet_weights`), the attention layers and every norm its "gated" attention kind.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from ft.model.attention import AttentionMetadata, paged_attention, write_kv
-from ft.model.deltanet import DeltaNetConfig, GatedDeltaNet
-from ft.model.llama import LlamaConfig, apply_rope
+from ft.model.deltanet import DeltaNetConfig, GatedDeltaNet, hf_weights
+from ft.model.llama import ATTENTION, LlamaConfig, apply_rope, hf_moe
+
+if TYPE_CHECKING:
+    from ft.model.architectures import Architecture
 
 LINEAR_ATTENTION, FULL_ATTENTION = "linear_attention", "full_attention"
+DELTANET = "gated_deltanet"  # the DeltaNet layers' kind in `LlamaConfig.layer_types` (`hybrid.MIXERS`)
 
 
 class OffsetRMSNorm(nn.Module):
@@ -175,3 +184,59 @@ def hf_attention_weights(sd: Mapping[str, torch.Tensor], prefix: str) -> dict[st
         "k_norm.weight": sd[prefix + "k_norm.weight"],
         "o_proj.weight": sd[prefix + "o_proj.weight"],
     }
+
+
+def qwen35_config(arch: Architecture, cfg: Mapping[str, Any]) -> LlamaConfig:
+    """A Qwen3.5 / Qwen3.5-MoE / Qwen3-Next `config.json` (a multimodal checkpoint's
+    `text_config`) as the hybrid decoder's `LlamaConfig`: `attention_config`'s shapes and rotary,
+    each layer's kind (`DELTANET` or attention), the DeltaNet's shapes as `mixer_config`, and
+    the MoE families' experts with their shared expert. `norm_offset` stays 0: the norms add
+    their 1 themselves (`OffsetRMSNorm`), nothing is folded into the weights at load.
+
+    Raises:
+        ValueError: a value ft does not run, or an inconsistent one.
+    """
+    text = dict(text_config(cfg))
+    moe: dict[str, Any] = {}
+    if arch.moe:
+        # Qwen3-Next's transformers default (Qwen3.5-MoE always renormalizes: `router_renormalizes`)
+        moe = hf_moe(arch, {"norm_topk_prob": True, **text})
+    config = dataclasses.replace(
+        attention_config(cfg),
+        architecture=arch.name,
+        norm_offset=0.0,
+        layer_types=tuple(ATTENTION if kind == FULL_ATTENTION else DELTANET for kind in layer_types(cfg)),
+        mixer_config=DeltaNetConfig.from_hf(text),
+        **moe,
+    )
+    dense = [i for i in range(config.num_layers) if not config.is_moe_layer(i)]
+    if dense and config.intermediate_size < 1:
+        raise ValueError(f"{arch.name}: dense MLP layers {dense[:8]} but no positive intermediate_size")
+    return config
+
+
+def _deltanet_config(config: LlamaConfig, index: int = -1) -> DeltaNetConfig:
+    """`config.mixer_config`, which `qwen35_config` made a `DeltaNetConfig`.
+
+    Raises:
+        ValueError: it is not one.
+    """
+    settings = config.mixer_config
+    if not isinstance(settings, DeltaNetConfig):
+        raise ValueError(
+            f"layer {index}: a Gated DeltaNet's settings are not a DeltaNetConfig: {settings!r:.80}"
+        )
+    return settings
+
+
+def deltanet_mixer(config: LlamaConfig, index: int) -> GatedDeltaNet:
+    """Layer `index`'s Gated DeltaNet (the `hybrid.MIXERS` row's build)."""
+    return GatedDeltaNet(_deltanet_config(config, index))
+
+
+def deltanet_weights(
+    config: LlamaConfig, sd: Mapping[str, torch.Tensor], prefix: str
+) -> dict[str, torch.Tensor]:
+    """A DeltaNet layer's Hugging Face weights under `prefix` → `GatedDeltaNet`'s names (either
+    layout, `deltanet.hf_weights`)."""
+    return hf_weights(_deltanet_config(config), sd, prefix)

@@ -78,11 +78,10 @@ class ChunkPlan(NamedTuple):
     """Where each sequence's rows go in the chunked layout.
 
     `rows[c, l]` is the input row at position l of chunk c (`R`, one past the last row, for the
-    padding after a sequence's last row; `rows_or_zero` has 0 there); `chunks[s, j]` is sequence
-    s's j-th chunk (`num_chunks` once the sequence has no more)."""
+    padding after a sequence's last row: a row of zeros); `chunks[s, j]` is sequence s's j-th
+    chunk (`num_chunks` once the sequence has no more)."""
 
     rows: torch.Tensor  # [num_chunks, chunk_size] int64
-    rows_or_zero: torch.Tensor  # [num_chunks, chunk_size] int64
     chunks: torch.Tensor  # [S, max_chunks] int64
 
 
@@ -103,9 +102,13 @@ def plan_chunks(
     chunks = [[firsts[s] + j if j < n else num_chunks for j in range(width)] for s, n in enumerate(counts)]
     return ChunkPlan(
         rows,
-        rows.masked_fill(rows == num_rows, 0),
         torch.tensor(chunks, dtype=torch.long, device=device).view(len(counts), width),
     )
+
+
+def _padded(t: torch.Tensor) -> torch.Tensor:
+    """`t` `[R, ...]` with a row of zeros after its last (row `R`, where padding reads)."""
+    return torch.cat([t, t.new_zeros(1, *t.shape[1:])])
 
 
 def ssd_chunked(
@@ -126,10 +129,10 @@ def ssd_chunked(
     per_group = num_heads // num_groups
     num_chunks, length = plan.rows.shape
 
-    # Padding positions read row 0 but dt = 0: they neither decay nor add to the state, and
-    # their outputs are dropped.
-    x, B, C = inp.x[plan.rows_or_zero], inp.B[plan.rows_or_zero], inp.C[plan.rows_or_zero]
-    dt = torch.cat([inp.dt, inp.dt.new_zeros(1, num_heads)])[plan.rows]  # [c, L, H]
+    # Padding positions read a row of zeros (dt = 0: they neither decay nor add to the state;
+    # their outputs are dropped). NOTE: never another sequence's row: its x or B may be NaN or
+    # inf (a bad state of its own), and 0 * NaN would carry it into this sequence's state.
+    x, dt, B, C = (_padded(t)[plan.rows] for t in inp)  # [c, L, ...]
     xdt = x * dt[..., None]  # [c, L, H, P]
     a = (dt * A).transpose(1, 2)  # [c, H, L]
     a_cum = torch.cumsum(a, dim=-1)  # [c, H, L]

@@ -50,6 +50,8 @@ def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     count = 1
     for n in shape:
         count *= n
+    if not count:  # (an empty buffer cannot be viewed as another dtype; nothing to map)
+        return torch.zeros(shape, dtype=dtype)
     raw = torch.from_numpy(np.zeros(count * itemsize, dtype=np.uint8))
     return raw.view(dtype).view(shape)
 

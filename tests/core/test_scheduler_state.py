@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from ft.core.batch import Batch, Sampled, StateCopy
 from ft.core.kv import PagePool
 from ft.core.scheduler import Scheduler
+from ft.core.sequence import Sequence
 from ft.core.state import StatePool
 from ft.errors import InvalidRequest
 from ft.messages import SeqFailed, StepDone, TokenOut
@@ -50,6 +51,8 @@ class Sim:
         self.kv: dict[tuple[int, int], int] = {}  # (page, slot in page) -> token
         self.copies: list[StateCopy] = []
         self.fed: list[tuple[int, int, int]] = []  # (seq id, start, tokens) per work
+        self.seen: dict[int, Sequence] = {}  # every sequence that ran
+        self.chains: dict[int, tuple[int, ...]] = {}  # page chain hash -> the tokens it covers
 
     def step(
         self, token: int = 7, fail: frozenset[int] = frozenset()
@@ -59,6 +62,7 @@ class Sim:
         for copy in batch.state_copies:
             self.slots[copy.dst] = self.slots[copy.src]
         self.copies += batch.state_copies
+        self.check_snapshots()
         written: dict[int, tuple[int, ...]] = {}
         for w in batch.works:
             seq = self.s.running[w.seq_id]
@@ -83,6 +87,20 @@ class Sim:
         failed = tuple((seq_id, _failure()) for seq_id in fail if seq_id in stepped)
         return batch, self.s.on_step_done(batch, StepDone(batch.step, sampled, failed))
 
+    def check_snapshots(self) -> None:
+        """Once a batch's copies ran, every snapshot holds the state of exactly the tokens its
+        key (a page's chain hash) covers, and the slots split into free, snapshots and running."""
+        states = self.s.states
+        assert states is not None
+        for seq in self.s.running.values():
+            self.seen[seq.seq_id] = seq
+        for seq in self.seen.values():
+            for i, h in enumerate(seq.page_hashes):
+                self.chains[h] = tuple(seq.tokens(0, (i + 1) * PAGE))
+        for key, slot in states._snapshots.items():
+            assert self.slots[slot] == self.chains[key], f"snapshot in slot {slot} is not its key's"
+        assert_slots_partitioned(self.s)
+
     def run_all(self, token: int = 7) -> list[TokenOut | SeqFailed]:
         outs: list[TokenOut | SeqFailed] = []
         while self.s.has_work:
@@ -92,6 +110,15 @@ class Sim:
 
 def _failure() -> InvalidRequest:
     return InvalidRequest("injected")
+
+
+def assert_slots_partitioned(s: Scheduler) -> None:
+    """Every slot is exactly one of: free, a snapshot's, a running sequence's (its own)."""
+    assert s.states is not None
+    free, snapshots = s.states._free, list(s.states._snapshots.values())
+    running = [seq.state_slot for seq in s.running.values()]
+    held = free + snapshots + running
+    assert sorted(held) == list(range(s.states.num_slots)), (free, snapshots, running)
 
 
 def assert_only_snapshots_held(s: Scheduler) -> None:
@@ -393,7 +420,7 @@ def test_any_mix_of_requests_preemptions_forks_and_aborts_leaks_no_slot(
                     sim.step(fail=frozenset({int(seq_id)}))
         assert s.states is not None
         assert s.states.num_in_use == len(s.running)
-        assert len({seq.state_slot for seq in s.running.values()}) == len(s.running)
+        assert_slots_partitioned(s)
     steps = 0
     while s.has_work:
         sim.step()

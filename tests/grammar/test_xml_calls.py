@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ft.core.toolcalls import parse_tool_calls
+from ft.errors import InvalidRequest
 from ft.grammar import spec
 from ft.params import SamplingParams
 from tests.grammar.test_grammar import accepts
@@ -127,3 +128,29 @@ def test_random_models_forced_to_call_write_calls_that_parse(seed: int, temperat
     content, calls = parse_tool_calls(text_of(tokens), "qwen3_coder", BOUNDED_TOOLS)
     assert content == "" and [name for name, _ in calls] == ["forecast"]
     jsonschema.validate(json.loads(calls[0][1]), BOUNDED)
+
+
+@pytest.mark.parametrize("bad", ["a>b", "a<b", "a\nb", "a\tb", " a", "a ", "", "x" * 257])
+@pytest.mark.parametrize("where", ["function", "parameter"])
+def test_a_forced_call_whose_names_the_format_cannot_carry_is_refused(bad: str, where: str) -> None:
+    """The parser reads a name up to its `>` and refuses `<`, line breaks and tabs in it (and
+    strips spaces): a grammar forcing such a name forced text read back as plain text, or as a
+    call with the wrong argument (`a>b`: the value of `a`, "b>..."). A 400 naming it instead."""
+    function, parameter = ("f", bad) if where == "parameter" else (bad, "p")
+    params = {"type": "object", "properties": {parameter: {"type": "string"}}, "required": [parameter]}
+    tools = [{"type": "function", "function": {"name": function, "parameters": params}}]
+    with pytest.raises(InvalidRequest, match=f"{where} name"):
+        spec.tool_calls(tools, name=None, parallel=False, parser="qwen3_coder")
+
+
+def test_names_the_format_carries_are_forced_and_read_back() -> None:
+    name = "n" * 256
+    tools = [{"type": "function", "function": {"name": "get-x.y_z", "parameters": {
+        "type": "object", "properties": {name: {"type": "string"}, "a b": {"type": "integer"}},
+        "required": [name, "a b"]}}}]  # fmt: skip
+    matcher = byte_matcher(spec.tool_calls(tools, name=None, parallel=False, parser="qwen3_coder"))
+    text = call("get-x.y_z", **{name: "hi", "a b": "3"})
+    assert accepts(matcher, text)
+    assert parse_tool_calls(text, "qwen3_coder", tools=tools)[1] == [
+        ("get-x.y_z", json.dumps({name: "hi", "a b": 3}))
+    ]

@@ -185,6 +185,8 @@ DEFAULT = {"rope_type": "default", "rope_theta": 1.0}
         ({"num_kv_shared_layers": 5}, "no earlier layer of its type"),
         ({"layer_types": ["full_attention"]}, "layer_types"),
         ({"attention_bias": True}, "attention_bias"),
+        # a token past the per-layer table failed its step (on a GPU, a device-side assert)
+        ({"hidden_size_per_layer_input": 8, "vocab_size_per_layer_input": 100}, "per-layer embeddings"),
     ],
 )  # fmt: skip
 def test_a_gemma4_config_ft_cannot_run_is_refused_naming_the_key(edit: dict[str, Any], message: str) -> None:

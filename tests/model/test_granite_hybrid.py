@@ -203,6 +203,5 @@ def test_what_ft_does_not_run_is_refused_naming_it(
         hf_config(tmp_path)
 
 
-def test_a_granite_hybrid_gguf_is_refused_saying_to_serve_the_safetensors() -> None:
-    with pytest.raises(ValueError, match="Granite 4.0-H GGUFs are not supported yet"):
-        by_gguf("granitehybrid")
+def test_a_granite_hybrid_gguf_names_the_granite_hybrid_entry() -> None:  # (its GGUFs: test_gguf_hybrid)
+    assert by_gguf("granitehybrid").name == "granite_hybrid"

@@ -222,6 +222,5 @@ def test_the_plan_runs_it_on_the_float_path_eagerly(lfm2_dir: pathlib.Path) -> N
     assert not run.packed and run.runner == "float"
 
 
-def test_an_lfm2_gguf_is_refused_naming_the_architecture() -> None:
-    with pytest.raises(ValueError, match="LFM2 GGUFs are not supported yet"):
-        by_gguf("lfm2")
+def test_an_lfm2_gguf_names_the_lfm2_entry() -> None:  # (its GGUFs: tests/model/test_gguf_hybrid.py)
+    assert by_gguf("lfm2").name == "lfm2"

@@ -1,5 +1,7 @@
 """Tiny random hybrids served over real HTTP: LFM2 (short convolutions between attention
-layers) and Granite 4.0-H (Mamba-2 layers between attention layers, experts beside a shared MLP).
+layers), Granite 4.0-H (Mamba-2 layers between attention layers, experts beside a shared MLP),
+Qwen3.5 and Qwen3.5-MoE (Gated DeltaNet layers between gated attention layers; experts beside a
+shared expert).
 
 Every answer is compared with transformers' greedy continuation of the same token ids on the
 same weights: a first request; a second turn that extends the first prompt, which restores the
@@ -26,9 +28,10 @@ from ft.core.detok import SeqDetokenizer
 from ft.engine.engine import open_engine
 from ft.engine.lifetime import EngineState
 from tests.support.server import running_server, wait_idle
-from tests.support.tiny_families import EOS
+from tests.support.tiny_families import EOS, save_dir
 from tests.support.tiny_granite_hybrid import granite_hybrid_model, save_granite_hybrid_dir
 from tests.support.tiny_lfm2 import lfm2_model, save_lfm2_dir
+from tests.support.tiny_qwen35 import qwen35_model
 
 pytest.importorskip("transformers")
 
@@ -36,8 +39,15 @@ PROMPT = [(i * 7) % 250 + 3 for i in range(40)]  # its last full page before its
 SECOND_TURN = PROMPT + [(i * 11) % 240 + 5 for i in range(25)]
 MAX_TOKENS = 12
 # one sequence's recurrent state: LFM2's 2 conv layers of 64 channels x 2 inputs; Granite's 2
-# Mamba-2 layers of a conv state (3 x 192) and an SSM state (8 heads x 16 x 16), float32
-SLOT_BYTES = {"tiny-lfm2": 2 * 64 * 2 * 4, "tiny-granite-hybrid": 2 * (3 * 192 + 8 * 16 * 16) * 4}
+# Mamba-2 layers of a conv state (3 x 192) and an SSM state (8 heads x 16 x 16); Qwen3.5's 3
+# DeltaNet layers of a conv state (3 x 192) and 4 value heads' 16 x 32 matrices; float32
+QWEN35_SLOT = 3 * (3 * 192 + 4 * 16 * 32) * 4
+SLOT_BYTES = {
+    "tiny-lfm2": 2 * 64 * 2 * 4,
+    "tiny-granite-hybrid": 2 * (3 * 192 + 8 * 16 * 16) * 4,
+    "tiny-qwen3_5": QWEN35_SLOT,
+    "tiny-qwen3_5_moe": QWEN35_SLOT,
+}
 
 
 @pytest.fixture(scope="module", params=sorted(SLOT_BYTES))
@@ -48,12 +58,16 @@ def family(request: pytest.FixtureRequest) -> str:
 @pytest.fixture(scope="module")
 def hf_model(family: str) -> Any:
     torch.set_num_threads(1)
+    if family.startswith("tiny-qwen3_5"):
+        return qwen35_model(family.removeprefix("tiny-"), seed=3)
     return lfm2_model(seed=3) if family == "tiny-lfm2" else granite_hybrid_model("moe", seed=3)
 
 
 @pytest.fixture(scope="module")
 def model_dir(hf_model: Any, family: str, tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
     save = save_lfm2_dir if family == "tiny-lfm2" else save_granite_hybrid_dir
+    if family.startswith("tiny-qwen3_5"):
+        save = save_dir
     return save(tmp_path_factory.mktemp("hybrid-http") / family, hf_model)
 
 
@@ -150,7 +164,7 @@ async def test_requests_preempted_mid_sequence_still_answer_as_transformers(
 @pytest.mark.parametrize(
     ("options", "match"),
     [
-        # 2032 slots (1 KiB or 20.5 KiB) do not fit 1 MiB
+        # 2032 slots (1 KiB, 20.5 KiB or 30.75 KiB) do not fit 1 MiB
         (
             {"kv_cache_memory": 1 << 20, "state_snapshots": 2000},
             "cannot hold the recurrent state: 2032 slots",

@@ -40,7 +40,8 @@ DOWNLOAD_TIMEOUT_S = 600
 _VENDORED = "vendor/llama.cpp/"
 _NEEDED = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")
 
-# Runs in the child: argv[1] the converter, argv[2] a JSON list of [checkpoint, outfile, pre, outtype].
+# Runs in the child: argv[1] the converter, argv[2] a JSON list of [checkpoint, outfile, pre, outtype,
+# extra arguments].
 _DRIVER = """
 import json, runpy, sys, pathlib
 converter = pathlib.Path(sys.argv[1])
@@ -53,9 +54,9 @@ def _sentencepiece_or_none(self):
     return sentencepiece_vocab(self)
 base.TextModel._create_vocab_sentencepiece = _sentencepiece_or_none
 main = runpy.run_path(str(converter))["main"]
-for checkpoint, outfile, pre, outtype in json.loads(sys.argv[2]):
+for checkpoint, outfile, pre, outtype, extra in json.loads(sys.argv[2]):
     base.TextModel.get_vocab_base_pre = lambda self, tokenizer, pre=pre: pre
-    sys.argv = [str(converter), "--outtype", outtype, "--outfile", outfile, checkpoint]
+    sys.argv = [str(converter), *extra, "--outtype", outtype, "--outfile", outfile, checkpoint]
     main()
 """
 
@@ -63,13 +64,14 @@ for checkpoint, outfile, pre, outtype in json.loads(sys.argv[2]):
 @dataclass(frozen=True)
 class Conversion:
     """One checkpoint directory to convert to `outfile`, its BPE pre-tokenizer named `pre`
-    (llama.cpp's names: "qwen2", "smollm", "llama-bpe"), its weights in `outtype` (the
-    converter's `--outtype`: "f32", "q8_0", ...)."""
+    (llama.cpp's names: "qwen2", "smollm", "llama-bpe"), its weights as `outtype` ("f32",
+    "q8_0", ...), with the converter's other `args` ("--no-mtp")."""
 
     checkpoint: pathlib.Path
     outfile: pathlib.Path
     pre: str
     outtype: str = "f32"
+    args: tuple[str, ...] = ()
 
 
 def find_converter() -> pathlib.Path | None:
@@ -108,12 +110,15 @@ def find_converter() -> pathlib.Path | None:
 
 
 def convert(converter: pathlib.Path, conversions: list[Conversion]) -> None:
-    """Each checkpoint written by llama.cpp's converter as a GGUF of its `outtype`, in one child process.
+    """Each checkpoint written by llama.cpp's converter as a GGUF (of its `outtype`), in one
+    child process.
 
     Raises:
         RuntimeError: the converter failed (the message ends with its last output).
     """
-    jobs = json.dumps([[str(c.checkpoint), str(c.outfile), c.pre, c.outtype] for c in conversions])
+    jobs = json.dumps(
+        [[str(c.checkpoint), str(c.outfile), c.pre, c.outtype, list(c.args)] for c in conversions]
+    )
     done = subprocess.run(
         [sys.executable, "-c", _DRIVER, str(converter), jobs], capture_output=True, text=True, timeout=600
     )

@@ -81,3 +81,91 @@ def attention_layer(seed: int = 0, **overrides: Any) -> tuple[Any, Any]:
     config = text_config("qwen3_5", **overrides)
     config._attn_implementation = "eager"
     return config, randomize(Qwen3_5Attention(config, 3), seed)
+
+
+# the experts of the tiny MoE models: 4 of 32, 2 a token, a shared expert of 48 beside them
+EXPERTS = {
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 48,
+}
+MODEL_TYPES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
+
+
+def qwen35_model(model_type: str = "qwen3_5", seed: int = 0, **overrides: Any) -> Any:
+    """A random-weight `Qwen3_5ForCausalLM` / `Qwen3_5MoeForCausalLM` / `Qwen3NextForCausalLM`
+    of 4 layers (3 DeltaNet, then attention) over the tests' byte-level vocabulary; the MoE
+    models' experts `EXPERTS` (Qwen3-Next's layer 2 a dense MLP: `mlp_only_layers`)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tests.support.gguf_files import tiny_tokens
+    from tests.support.tiny_families import EOS
+
+    tokens, _, _ = tiny_tokens()
+    fields: dict[str, Any] = {
+        "hidden_size": HIDDEN,
+        "num_hidden_layers": 4,
+        "intermediate_size": 128,
+        "vocab_size": len(tokens),
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 1024,
+        "eos_token_id": tokens.index(EOS),
+        "pad_token_id": 0,
+        **DELTANET,
+        **ATTENTION,
+    }
+    if model_type != "qwen3_5":
+        fields |= EXPERTS
+    if model_type == "qwen3_next":
+        fields["mlp_only_layers"] = [2]
+    fields |= overrides
+    if model_type == "qwen3_next":
+        config = AutoConfig.for_model(model_type, **fields)
+    else:  # the multimodal config's text model, as Qwen3.5's checkpoints nest it
+        config = AutoConfig.for_model(model_type, text_config=fields).text_config
+    torch.manual_seed(seed)
+    return randomize(AutoModelForCausalLM.from_config(config), seed)
+
+
+def save_vlm_dir(directory: Any, model: Any) -> Any:
+    """The text model `model` (a `Qwen3_5ForCausalLM`) as the published checkpoints hold it: a
+    `Qwen3_5ForConditionalGeneration` directory (the text model under `model.language_model.`,
+    a one-block vision tower under `model.visual.`) with the tests' tokenizer."""
+    from transformers import AutoConfig, Qwen3_5ForConditionalGeneration
+
+    from tests.support.tiny_families import save_dir
+
+    vision = {
+        "depth": 1, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2, "patch_size": 4,
+        "out_hidden_size": HIDDEN, "num_position_embeddings": 16,
+    }  # fmt: skip
+    config = AutoConfig.for_model("qwen3_5", text_config=model.config.to_dict(), vision_config=vision)
+    vlm = Qwen3_5ForConditionalGeneration(config)
+    vlm.model.language_model.load_state_dict(model.model.state_dict())
+    vlm.lm_head.load_state_dict(model.lm_head.state_dict())
+    return save_dir(directory, vlm.eval())
+
+
+def transformers_text(model: Any, directory: Any, prompt: list[int], max_tokens: int) -> str:
+    """transformers' greedy continuation of `prompt` (up to its EOS, hidden), as the server's
+    detokenizer writes those tokens (a byte completing the prompt's last character is the
+    prompt's: decoded after the prompt's tail)."""
+    from tokenizers import Tokenizer
+
+    from ft.actors.detokenizer import CONTEXT_TOKENS
+    from ft.core.detok import SeqDetokenizer
+    from tests.support.tiny_families import EOS
+
+    tok = Tokenizer.from_file(str(directory / "tokenizer.json"))
+    eos = tok.token_to_id(EOS)
+    ids = list(prompt)
+    with torch.inference_mode():
+        for _ in range(max_tokens):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+            if ids[-1] == eos:
+                break
+    out = ids[len(prompt) :]
+    detok = SeqDetokenizer(lambda t: str(tok.decode(list(t))), (), prompt[-CONTEXT_TOKENS:])
+    pieces = [detok.add(t, is_last=i == len(out) - 1, is_hidden=t == eos)[0] for i, t in enumerate(out)]
+    return "".join(pieces)
