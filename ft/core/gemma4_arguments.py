@@ -26,14 +26,18 @@ from dataclasses import dataclass
 from typing import Any
 
 from ft.core.toolcall_schema import ToolSchemas, typed_value
-from ft.grammar.tool_parameters import kinds_of, properties_of, resolved
+from ft.grammar.tool_parameters import (
+    MAX_GEMMA4_NAME_CHARS,
+    is_gemma4_name,
+    kinds_of,
+    properties_of,
+    resolved,
+)
 from ft.params import has_lone_surrogate
 
 QUOTE = '<|"|>'
 CALL = "call:"
 MAX_DEPTH = 64  # objects and arrays nested deeper are not a call's arguments
-MAX_NAME_CHARS = 256
-_NAME = re.compile(r"[^\s{}\[\]<>,:\"']+")
 _JSON_NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][-+]?[0-9]+)?")
 _NULLS = ("null", "none", "nil")  # the template writes a Python None as `None`
 _WHITESPACE = " \t\r\n"
@@ -84,9 +88,9 @@ class _Reader:
         if not self._text.startswith(CALL, self._at):
             raise _Malformed
         self._at += len(CALL)
-        brace = self._text.find("{", self._at, self._at + MAX_NAME_CHARS + 1)
+        brace = self._text.find("{", self._at, self._at + MAX_GEMMA4_NAME_CHARS + 2)
         name = self._text[self._at : brace].strip(" ") if brace >= 0 else ""
-        if not _NAME.fullmatch(name):
+        if not is_gemma4_name(name):
             raise _Malformed
         self._at = brace + 1
         arguments = self._members(depth=1)

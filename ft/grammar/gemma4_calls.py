@@ -28,7 +28,8 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from ft.grammar.tool_parameters import kinds_of, properties_of, resolved
+from ft.errors import InvalidRequest
+from ft.grammar.tool_parameters import is_gemma4_name, kinds_of, properties_of, resolved
 
 QUOTE = '<|"|>'
 START, END = "<|tool_call>", "<tool_call|>"
@@ -57,12 +58,24 @@ _NUMBER_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", 
 
 def gemma4_call_rules(chosen: list[dict[str, Any]], markers: frozenset[str] = frozenset()) -> list[str]:
     """Rules of Gemma 4's calls (`body`: one call of one of `chosen`), each of `markers` (those
-    the vocabulary holds as tokens) written as its token."""
+    the vocabulary holds as tokens) written as its token.
+
+    Raises:
+        InvalidRequest: a function name the notation does not read back as written (a space,
+            a brace, ...), or a property name holding the quote marker.
+    """
     rules = _Rules(markers)
     calls = []
     for tool in chosen:
         function = tool.get("function")
         function = function if isinstance(function, Mapping) else {}
+        name = function.get("name")
+        if not isinstance(name, str) or not is_gemma4_name(name):
+            raise InvalidRequest(
+                f"the gemma4 tool-call format cannot carry the function name {name!r:.80} (1 to 256 "
+                "characters, no spaces, quotes or any of {}[]<>,:)",
+                param="tools",
+            )
         params = function.get("parameters")
         members = rules.members(params, params, depth=0)
         name = json.dumps(f"call:{function.get('name')}{{")
@@ -103,11 +116,11 @@ class _Rules:
         props = properties_of(schema)
         required = schema.get("required") if isinstance(schema, Mapping) else None
         required = required if isinstance(required, list) else []
-        pairs = [
-            (self._pair(key, props[key], root, depth), key in required)
-            for key in sorted(props)
-            if isinstance(key, str) and QUOTE not in key
-        ]
+        if any(QUOTE in key for key in props):
+            raise InvalidRequest(
+                f"the gemma4 tool-call format cannot carry a property name holding {QUOTE}", param="tools"
+            )
+        pairs = [(self._pair(key, props[key], root, depth), key in required) for key in sorted(props)]
         # Right to left: `rest` reads the members from here on once one is written (each after
         # a comma), `first` while none is; an optional member may be left out of either.
         first = rest = ""

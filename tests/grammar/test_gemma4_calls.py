@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ft.core.toolcalls import parse_tool_calls
+from ft.errors import InvalidRequest
 from ft.grammar import spec
 from ft.params import SamplingParams
 from tests.grammar.test_grammar import accepts
@@ -173,3 +174,21 @@ def test_random_models_forced_to_call_write_calls_that_parse(seed: int, temperat
     content, calls = parse_tool_calls(text_of(tokens), "gemma4", BOUNDED_TOOLS)
     assert content == "" and [name for name, _ in calls] == ["forecast"]
     jsonschema.validate(json.loads(calls[0][1]), BOUNDED)
+
+
+@pytest.mark.parametrize(
+    "tools",
+    [
+        [{"type": "function", "function": {"name": "get weather", "parameters": {}}}],
+        [{"type": "function", "function": {"name": "f{x}", "parameters": {}}}],
+        [{"type": "function", "function": {"name": "f" * 257, "parameters": {}}}],
+        [{"type": "function", "function": {"name": "f", "parameters": {"properties": {'a<|"|>b': {}}}}}],
+    ],
+    ids=["a space", "braces", "too long", "a quote in a key"],
+)
+def test_names_the_notation_cannot_carry_are_refused(tools: list[dict[str, Any]]) -> None:
+    """A forced call of a name the parser would not read back as written is a 400 naming the
+    tools, not a grammar whose calls come back as text."""
+    with pytest.raises(InvalidRequest) as refused:
+        spec.tool_calls(tools, name=None, parallel=False, parser="gemma4")
+    assert refused.value.param == "tools" and "gemma4" in str(refused.value)
