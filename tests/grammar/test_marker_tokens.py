@@ -8,8 +8,11 @@ from __future__ import annotations
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from tokenizers import AddedToken, Tokenizer
 
+from ft.core.toolcalls import parse_tool_calls
 from ft.grammar import spec
 from ft.grammar.compiled import compile_matcher, grammar_text, grammar_tokenizer, token_lengths, walk
 from ft.tokenizer.spec import byte_level_bpe_from_gguf, tokenizer_json_of
@@ -67,3 +70,32 @@ def test_without_the_markers_as_tokens_the_grammar_writes_their_text(parser: str
     markers, _ = CALLS[parser]
     source = spec.tool_calls(TOOLS, name="f", parallel=False, parser=parser).source
     assert json.dumps(markers[0]) in source
+
+
+PROPERTIES = {"s": {"type": "string"}, "n": {"type": "integer"}, "any": {"type": "object"}}
+F = {"type": "object", "properties": PROPERTIES, "required": ["s"]}
+GEMMA4_TOOLS = [{"type": "function", "function": {"name": "f", "parameters": F}}]
+texts = st.text(st.characters(codec="utf-8"), max_size=30).filter(
+    lambda s: not any(m in s for m in spec.TOOL_CALL_MARKERS)
+)
+
+
+@settings(max_examples=100, deadline=None)
+@given(s=texts, n=st.integers(-1000, 1000), key=st.from_regex(r"[a-z_]{1,5}", fullmatch=True), value=texts)
+def test_gemma4_calls_with_marker_tokens_allow_any_string_and_read_back(
+    s: str, n: int, key: str, value: str
+) -> None:
+    """With Gemma 4's markers as tokens, a call whose strings hold any text (but the markers)
+    is allowed token by token as the tokenizer encodes it, and reads back as written."""
+    markers = ("<|tool_call>", "<tool_call|>", Q)
+    tok, tokenizer_json = vocabulary(markers)
+    size = tok.get_vocab_size()
+    grammar = spec.tool_calls(
+        GEMMA4_TOOLS, name="f", parallel=False, parser="gemma4", markers=frozenset(markers)
+    )
+    matcher = compile_matcher(grammar_text(grammar), grammar_tokenizer(tokenizer_json, size, (0,)), size)
+    text = f"<|tool_call>call:f{{any:{{{key}:{Q}{value}{Q}}},n:{n},s:{Q}{s}{Q}}}<tool_call|>"
+    assert matcher.consume_tokens(tok.encode(text, add_special_tokens=False).ids) and matcher.is_accepting()
+    assert parse_tool_calls(text, "gemma4", GEMMA4_TOOLS)[1] == [
+        ("f", json.dumps({"any": {key: value}, "n": n, "s": s}, ensure_ascii=False))
+    ]
