@@ -78,8 +78,7 @@ def gemma4_call_rules(chosen: list[dict[str, Any]], markers: frozenset[str] = fr
             )
         params = function.get("parameters")
         members = rules.members(params, params, depth=0)
-        name = json.dumps(f"call:{function.get('name')}{{")
-        head = f"{rules.marker(START)} {name}"
+        head = f"{rules.marker(START)} {json.dumps(f'call:{name}{{')}"
         calls.append(rules.add(f'{head} {members} "}}" {rules.marker(END)}'))
     strings = _STRING_TOKENS if QUOTE in markers else _STRING_TEXT
     return ["body: " + " | ".join(calls), *strings, *_ANY, *rules.lines]
