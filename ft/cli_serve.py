@@ -112,8 +112,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         choices=REASONING_PARSERS,
         default=_S.reasoning_parser,
         help="split reasoning out of chat output with this parser (default: the model family's: "
-        "think for Qwen3, Qwen3.5 and Qwen3-Next, else none (think for a prompt whose template "
-        "leaves <think> open))",
+        "think for Qwen3, Qwen3.5 and Qwen3-Next, gemma4 for Gemma 4, else none (the format of "
+        "a block the prompt's template leaves open, such as <think>))",
     )
 
     models = parser.add_argument_group("several models (router mode)")

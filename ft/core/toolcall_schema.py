@@ -44,6 +44,10 @@ class ToolSchemas:
         """The schema of parameter `name` of `function` (None when no tool describes it)."""
         return parameter_schema(self._parameters.get(function, {}), name)
 
+    def parameters(self, function: str) -> Mapping[str, Any]:
+        """The parameters schema of `function` ({} when no tool describes it)."""
+        return self._parameters.get(function, {})
+
 
 def typed_value(raw: str, schema: object) -> object:
     """`raw`, a parameter's text, read as the type `schema` gives it (see the module docstring)."""

@@ -2,8 +2,8 @@
 and the pieces the formats share are `ft.core.toolcall_events`).
 
 Each family (`hermes`, `llama3_json`; `phi4_mini_json` and `granite` in `toolcall_lists`;
-`qwen3_coder`, XML whose values the tools' schemas type, in `toolcall_xml`) is a small
-synchronous state machine. Text outside calls
+`qwen3_coder`, XML whose values the tools' schemas type, in `toolcall_xml`; `gemma4`, Gemma 4's
+own notation, typed so too, in `toolcall_gemma4`) is a small synchronous state machine. Text outside calls
 streams as soon as it cannot be the start of a call; a call is emitted once its JSON is complete
 and valid (`ToolCallStart`, one `ToolCallArgsDelta` with the whole arguments string,
 `ToolCallEnd`), so the events never depend on how the output was split into deltas. A call that
@@ -36,6 +36,7 @@ from ft.core.toolcall_events import (
     call_from_json,
     new_tool_call_id,
 )
+from ft.core.toolcall_gemma4 import Gemma4ToolCallParser
 from ft.core.toolcall_lists import GRANITE_MARKERS, PHI4_MINI_MARKERS, MarkedJsonParser
 from ft.core.toolcall_xml import XmlToolCallParser
 
@@ -284,7 +285,9 @@ class Llama3JsonParser:
         return [TextDelta(text)] if text else []
 
 
-TOOL_CALL_PARSERS: tuple[str, ...] = ("hermes", "llama3_json", "phi4_mini_json", "granite", "qwen3_coder")
+TOOL_CALL_PARSERS: tuple[str, ...] = (
+    "hermes", "llama3_json", "phi4_mini_json", "granite", "qwen3_coder", "gemma4",
+)  # fmt: skip
 
 
 def template_tool_call_parser(chat_template: str | None) -> str | None:
@@ -312,7 +315,8 @@ def make_tool_call_parser(
         name: one of `TOOL_CALL_PARSERS`, or None for plain text passthrough.
         id_factory: makes call ids; tests inject a deterministic one.
         tools: the request's tool definitions (OpenAI's function shape), whose parameter
-            schemas type the values of a format that writes them as text (`qwen3_coder`).
+            schemas type the values of a format that writes them as text (`qwen3_coder`,
+            `gemma4`).
     Raises:
         ValueError: `name` is not a known format.
     """
@@ -328,6 +332,8 @@ def make_tool_call_parser(
         return MarkedJsonParser(GRANITE_MARKERS, id_factory)
     if name == "qwen3_coder":  # Qwen3-Coder, Qwen3.5, Qwen3-Next: <tool_call><function=...>
         return XmlToolCallParser(tools, id_factory)
+    if name == "gemma4":  # Gemma 4: <|tool_call>call:NAME{key:<|"|>text<|"|>}<tool_call|>
+        return Gemma4ToolCallParser(tools, id_factory)
     raise ValueError(f"unknown tool-call parser {name!r}; known: {', '.join(TOOL_CALL_PARSERS)}")
 
 

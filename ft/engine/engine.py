@@ -74,6 +74,8 @@ class Engine:
         self.reasoning_parser: str | None = None  # the model family's `<think>` format, once loaded
         # the model family's tool-call format (else the one its chat template spells), once loaded
         self.tool_call_parser: str | None = None
+        # the tool-call markers its vocabulary holds as tokens (forced calls write them so), once loaded
+        self.marker_tokens: frozenset[str] = frozenset()
         self.hidden_size = 0  # the width of a pooled embedding, once loaded
         self.kv_cache_bytes = 0  # the KV pool's size (pages x bytes per page), once loaded
         self.pooling = "last"  # how embedding requests pool (`config.pooling` resolved at load)

@@ -35,6 +35,7 @@ from ft.engine.loading import ModelParts, load_torch_model
 from ft.engine.observe import log_summaries, stamp_tokens
 from ft.engine.watchdog import Watchdog
 from ft.errors import EngineStopping, RequestAborted
+from ft.grammar.spec import marker_tokens
 from ft.messages import Batch, DetokenizerIn, SchedulerIn, Tokenize
 from ft.tokenizer.job import (
     WORKER_MEMORY_BYTES,
@@ -236,6 +237,7 @@ async def _load_and_start(
     engine.generation_defaults = parts.generation_defaults
     engine.reasoning_parser = parts.reasoning_parser
     engine.tool_call_parser = parts.tool_call_parser or template_tool_call_parser(spec.chat_template)
+    engine.marker_tokens = marker_tokens(spec.tokenizer_json)
     engine.hidden_size = parts.hidden_size
     engine.pooling = resolve_pooling(cfg.pooling, parts.pooling, can_rank=parts.rank_format is not None)
     engine.rank_format = parts.rank_format

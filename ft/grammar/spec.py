@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from ft.errors import InvalidRequest
+from ft.grammar.gemma4_calls import gemma4_call_rules
 from ft.grammar.tool_parameters import is_text, is_xml_name, parameter_schema, properties_of
 
 GrammarKind = Literal["json_schema", "regex", "grammar", "choice", "lark"]
@@ -21,7 +22,14 @@ KINDS: tuple[GrammarKind, ...] = ("json_schema", "regex", "grammar", "choice", "
 MAX_SOURCE_CHARS = 1 << 20  # a request body is at most a few MiB; a grammar far less
 MAX_CHOICES = 4096
 # the tool-call parsers a grammar can target
-TOOL_CALL_FORMATS = ("hermes", "llama3_json", "phi4_mini_json", "granite", "qwen3_coder")
+TOOL_CALL_FORMATS = ("hermes", "llama3_json", "phi4_mini_json", "granite", "qwen3_coder", "gemma4")
+# The markers their grammars write. Vocabularies hold some as tokens of their own (Qwen's
+# `<tool_call>`, Phi-4-mini's `<|tool_call|>`, Gemma 4's all), which llguidance takes for special
+# tokens, never for their text (a text literal of one is then refused at the first step): the
+# grammars write those as their tokens (`marker_tokens`), as the models were trained to.
+TOOL_CALL_MARKERS = (
+    "<tool_call>", "</tool_call>", "<|tool_call|>", "<|/tool_call|>", "<|tool_call>", "<tool_call|>", '<|"|>',
+)  # fmt: skip
 
 # JSON is generated compactly but readably, with no free whitespace: a small model at
 # temperature 1 given "any whitespace" can emit newlines until `max_tokens`.
@@ -120,12 +128,15 @@ def tool_calls(
     parallel: bool,
     parser: str,
     otherwise: GrammarSpec | None = None,
+    markers: frozenset[str] = frozenset(),
 ) -> GrammarSpec:
     """Output that is one call (or, with `parallel`, several) of `tools` in `parser`'s format.
 
     Each call names one of the tools (only `name` when given) and its arguments follow that
     tool's parameter schema. `otherwise`, a JSON schema, is the alternative to calling a tool
     (`tool_choice: auto` with a `response_format`): the output is then calls or that JSON.
+    `markers` are the `TOOL_CALL_MARKERS` the vocabulary holds as tokens of their own
+    (`marker_tokens`), written as those tokens.
 
     Raises:
         InvalidRequest: `name` is not among `tools`.
@@ -134,9 +145,13 @@ def tool_calls(
     if not chosen:
         raise InvalidRequest(f"tool_choice names an unknown tool '{name}'", param="tool_choice")
     if parser == "qwen3_coder":
-        rules = _xml_call_rules(chosen)
+        rules = _xml_call_rules(chosen, markers)
         call, sep = "body", '"\\n"'
         rules.insert(0, f"calls: {call} ({sep} {call})*" if parallel else f"calls: {call}")
+        return _with_answer(rules, otherwise)
+    if parser == "gemma4":  # its notation, not JSON; calls follow each other with nothing between
+        rules = gemma4_call_rules(chosen, markers)
+        rules.insert(0, "calls: body+" if parallel else "calls: body")
         return _with_answer(rules, otherwise)
     # NOTE: each call's arguments are their own `%json` schema, so that a tool's `$ref`s
     # (`#/$defs/...`, as pydantic writes them) resolve against its parameters, not a wrapper.
@@ -146,17 +161,35 @@ def tool_calls(
         head = f'{{"name": {json_text(_name(t))}, "{args_key}": '
         rules.append(f"call_{i}: {json.dumps(head)} args_{i} " + json.dumps("}"))
         rules.append(f"args_{i}: %json {json_text(_arguments_schema(t))}")
+    m = _Markers(markers)
     if parser in ("phi4_mini_json", "granite"):  # one marker, the calls as a JSON array
-        close = '"]<|/tool_call|>"' if parser == "phi4_mini_json" else '"]"'
+        close = f'"]" {m("<|/tool_call|>")}' if parser == "phi4_mini_json" else '"]"'
         several = ' (", " body)*' if parallel else ""
-        rules.insert(0, f'calls: "<|tool_call|>[" body{several} {close}')
+        rules.insert(0, f'calls: {m("<|tool_call|>")} "[" body{several} {close}')
     else:
         if parser == "llama3_json":
             call, sep = "body", '"; "'
         else:
-            call, sep = '"<tool_call>\\n" body "\\n</tool_call>"', '"\\n"'
+            call, sep = f'{m("<tool_call>")} "\\n" body "\\n" {m("</tool_call>")}', '"\\n"'
         rules.insert(0, f"calls: {call} ({sep} {call})*" if parallel else f"calls: {call}")
     return _with_answer(rules, otherwise)
+
+
+class _Markers:
+    """Writes a marker in a rule: as its token where the vocabulary holds it as one, else as text."""
+
+    def __init__(self, markers: frozenset[str]) -> None:
+        self._markers = markers
+
+    def __call__(self, text: str) -> str:
+        return text if text in self._markers else json.dumps(text)
+
+
+def marker_tokens(tokenizer_json: str) -> frozenset[str]:
+    """The `TOOL_CALL_MARKERS` a vocabulary (its `tokenizer.json` text) holds as tokens of their
+    own (its added tokens)."""
+    added = json.loads(tokenizer_json).get("added_tokens") or []
+    return frozenset(t.get("content") for t in added if t.get("content") in TOOL_CALL_MARKERS)
 
 
 def _with_answer(rules: list[str], otherwise: GrammarSpec | None) -> GrammarSpec:
@@ -177,11 +210,12 @@ def _with_answer(rules: list[str], otherwise: GrammarSpec | None) -> GrammarSpec
 _XML_TEXT = r"XML_TEXT: /(?s:.*)\n<\/parameter>\n/ & ~/(?s:.*<\/parameter>.*<\/parameter>.*)/"
 
 
-def _xml_call_rules(chosen: list[dict[str, Any]]) -> list[str]:
+def _xml_call_rules(chosen: list[dict[str, Any]], markers: frozenset[str]) -> list[str]:
     """Rules of Qwen3-Coder's XML calls (`body`: a call of one of `chosen`), as Qwen3.5's
     template writes them: each parameter the schema lists, in its order, the required ones
     always; a string's value as text (one of its `enum`, if it has one), any other as JSON
     following the parameter's schema."""
+    m = _Markers(markers)
     rules = ["body: " + " | ".join(f"call_{i}" for i in range(len(chosen))), _XML_TEXT]
     for i, t in enumerate(chosen):
         function = t.get("function")
@@ -196,8 +230,11 @@ def _xml_call_rules(chosen: list[dict[str, Any]]) -> list[str]:
             parts.append(rule if isinstance(required, list) and pname in required else f"{rule}?")
             rules.append(f"{rule}: {json.dumps(f'<parameter={pname}>' + chr(10))} v_{i}_{j}")
             rules.append(f"v_{i}_{j}: {_xml_value(schema, params)}")
-        head = json.dumps(f"<tool_call>\n<function={_name(t)}>\n")
-        rules.append(f"call_{i}: {' '.join([head, *parts])} " + json.dumps("</function>\n</tool_call>"))
+        function_tag = json.dumps(f"\n<function={_name(t)}>\n")
+        close = json.dumps("</function>\n")
+        rules.append(
+            f"call_{i}: {' '.join([m('<tool_call>'), function_tag, *parts, close, m('</tool_call>')])}"
+        )
     return rules
 
 

@@ -8,6 +8,7 @@ decide by the same functions, so what the grammar writes the parser reads as wri
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -25,6 +26,18 @@ MAX_SCHEMA_DEPTH = 4  # anyOf / oneOf read this deep for the types a parameter m
 # most this long, without `<` or line breaks or tabs, stripped of spaces.
 MAX_XML_NAME_CHARS = 256
 XML_NAME_BREAKS = "<\n\r\t"
+
+
+# Gemma 4's notation (`call:NAME{`): a function name is read up to its `{`, at most this long,
+# and is one run of characters without space or the notation's punctuation.
+MAX_GEMMA4_NAME_CHARS = 256
+_GEMMA4_NAME = re.compile(r"[^\s{}\[\]<>,:\"']+")
+
+
+def is_gemma4_name(name: str) -> bool:
+    """Whether Gemma 4's notation reads function name `name` back as written
+    (`ft.core.gemma4_arguments`)."""
+    return len(name) <= MAX_GEMMA4_NAME_CHARS and _GEMMA4_NAME.fullmatch(name) is not None
 
 
 def is_xml_name(name: str) -> bool:
@@ -45,7 +58,12 @@ def properties_of(parameters: object) -> Mapping[str, Any]:
 def parameter_schema(parameters: object, name: str) -> object:
     """Parameter `name`'s schema in a tool's `parameters`, a local `$ref` (`#/$defs/...`,
     as pydantic writes them) resolved once; None when the parameters do not describe it."""
-    schema = properties_of(parameters).get(name)
+    return resolved(properties_of(parameters).get(name), parameters)
+
+
+def resolved(schema: object, parameters: object) -> object:
+    """`schema`, or what its local `$ref` names among the definitions of `parameters` (the
+    tool's parameters, whose `$defs` / `definitions` every nested `$ref` points into)."""
     ref = schema.get("$ref") if isinstance(schema, Mapping) else None
     if isinstance(ref, str) and isinstance(parameters, Mapping):
         for key in ("$defs", "definitions"):

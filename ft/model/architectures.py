@@ -99,7 +99,7 @@ class Architecture:
     `tool_call_parser` its tool-call format (one of `ft.core.toolcalls.TOOL_CALL_PARSERS`;
     None: the one its chat template spells, else hermes: a family of Qwen3-Coder's XML calls,
     Qwen3.5's or Qwen3-Next's, names `qwen3_coder`, a Qwen3.5 also `reasoning_parser="think"`,
-    whose template opens the block itself);
+    whose template opens the block itself; Gemma 4 names `gemma4` for both);
     `gguf_permuted_qk` names the GGUF architectures whose q/k rows llama.cpp's
     converter interleaved by rotary pairs (undone at load); `gguf_fused` says its GGUFs hold
     q|k|v as one `attn_qkv` and gate|up as one `ffn_up` (Phi-3), split by rows at load;
@@ -150,7 +150,7 @@ class Architecture:
     router_renormalizes: bool | None = None
     gguf_expert_weights_norm: bool = True
     packed: bool = True  # a quantized GGUF of it runs as stored (`quantized_llama`)
-    reasoning_parser: str | None = None  # the `<think>` format its template asks the model for
+    reasoning_parser: str | None = None  # the reasoning format its template asks the model for
     # A GGUF reranker's head outputs are softmaxed (llama.cpp does for Qwen3: its converter writes
     # Qwen3-Reranker's lm_head rows of "yes" and "no" as the two labels; the score is p(yes)).
     rank_softmax: bool = False
@@ -333,6 +333,8 @@ GEMMA4 = Architecture(
     windowed=True,
     end_of_turn="<turn|>",
     gguf_stop_texts=("<|tool_response>",),  # llama.cpp ends Gemma 4's generation there too
+    reasoning_parser="gemma4",  # <|channel>thought\n…<channel|>
+    tool_call_parser="gemma4",  # <|tool_call>call:NAME{…}<tool_call|>
     hf_weight_prefixes=(("model.language_model.", "model."), ("lm_head.", "lm_head.")),
     decoder="gemma4",
     gguf_converter_losses=(

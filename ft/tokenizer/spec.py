@@ -286,8 +286,12 @@ def _merges_from_scores(tokens: list[str], scores: list[float]) -> list[tuple[st
 
 # Special tokens that decoded text keeps even when special tokens are skipped: the tool-call
 # markers of Phi-4-mini's and Granite's vocabularies, which the tool-call parsers read
-# (`ft.core.toolcall_lists`). Encoding still maps their text to the one token.
-TEXT_MARKERS = ("<|tool_call|>", "<|/tool_call|>")
+# (`ft.core.toolcall_lists`), and Gemma 4's call, string and thought-channel markers
+# (`ft.core.toolcall_gemma4`, `ft.core.reasoning`). Encoding still maps their text to the one
+# token.
+TEXT_MARKERS = (
+    "<|tool_call|>", "<|/tool_call|>", "<|tool_call>", "<tool_call|>", '<|"|>', "<|channel>", "<channel|>",
+)  # fmt: skip
 
 
 def tokenizer_json_of(tok: Tokenizer) -> str:

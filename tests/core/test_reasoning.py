@@ -1,4 +1,5 @@
-"""Streaming reasoning parser: `<think>` blocks split from content, whatever the delta split."""
+"""Streaming reasoning parser: `<think>` blocks and Gemma 4 channels split from content, whatever the
+delta split."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ from ft.core.reasoning import (
     ContentDelta,
     ReasoningDelta,
     ReasoningEvent,
-    leaves_reasoning_open,
     make_reasoning_parser,
+    reasoning_left_open,
 )
 
 
@@ -89,7 +90,50 @@ def test_events_do_not_depend_on_split_points(case: str, cuts: list[int]) -> Non
     assert summarize(run("think", list(text), starts_in_reasoning)) == expected
 
 
+GEMMA4_CASES: dict[str, tuple[str, bool, tuple[str, str]]] = {
+    "a thought channel": (
+        "<|channel>thought\nThe user wants 2+2.\n<channel|>The answer is 4.",
+        False,
+        ("The user wants 2+2.", "The answer is 4."),
+    ),
+    "an empty channel": ("<|channel>thought\n<channel|>Hi", False, ("", "Hi")),
+    "an empty channel without its newline": ("<|channel>thought<channel|>Hi", False, ("", "Hi")),
+    "no channel": (
+        "A <|chan and a channel|> <think>x</think>",
+        False,
+        ("", "A <|chan and a channel|> <think>x</think>"),
+    ),
+    "text before the channel": ("Sure.<|channel>thought\nok<channel|>Done", False, ("ok", "Sure.Done")),
+    "a word that begins like the label": (
+        "<|channel>thoughtful words<channel|>x",
+        False,
+        ("thoughtful words", "x"),
+    ),
+    "another channel name stays": ("<|channel>plan\nsteps<channel|>x", False, ("plan\nsteps", "x")),
+    "left open by the prompt": ("Hmm.\n<channel|>4", True, ("Hmm.", "4")),
+    "opened again after the prompt opened it": ("<|channel>thought\nHmm.<channel|>4", True, ("Hmm.", "4")),
+    "unterminated": ("<|channel>thought\nstill <chan", False, ("still <chan", "")),
+    "cut inside the label": ("<|channel>thou", False, ("", "")),
+}
+
+
+@pytest.mark.parametrize("case", GEMMA4_CASES, ids=list(GEMMA4_CASES))
+def test_gemma4_channels_split_as_expected(case: str) -> None:
+    """Gemma 4's `<|channel>thought\n…<channel|>`: the label and the markers are not reasoning."""
+    text, starts_in_reasoning, expected = GEMMA4_CASES[case]
+    assert parse("gemma4", text, starts_in_reasoning) == expected
+
+
+@given(case=st.sampled_from(sorted(GEMMA4_CASES)), cuts=cuts_strategy)
+def test_gemma4_events_do_not_depend_on_split_points(case: str, cuts: list[int]) -> None:
+    """However a Gemma 4 output is split into deltas (token by token among them), it splits so."""
+    text, starts_in_reasoning, expected = GEMMA4_CASES[case]
+    assert summarize(run("gemma4", split(text, cuts), starts_in_reasoning)) == expected
+    assert summarize(run("gemma4", list(text), starts_in_reasoning)) == expected
+
+
 FRAGMENTS = ["<think>", "</think>", "<th", "</", "<", ">", "\n", "\n\n", " ", "think", "é🎉", "ok"]
+FRAGMENTS += ["<|channel>", "<channel|>", "thought", "thought\n", "<|chan", "nel|>", "thou"]
 outputs = st.lists(st.sampled_from(FRAGMENTS) | st.text(max_size=4), max_size=12).map("".join)
 
 
@@ -153,18 +197,24 @@ def test_unknown_parser_name_lists_the_known_ones() -> None:
 
 
 @pytest.mark.parametrize(
-    ("prompt_end", "is_open"),
+    ("prompt_end", "opened"),
     [
-        ("<|im_start|>assistant\n<think>\n", True),  # Qwen3.5, thinking on
-        ("<｜Assistant｜><think>", True),
-        ("<|im_start|>assistant\n<think>\n\n</think>\n\n", False),  # thinking off: closed
-        ("<|im_start|>assistant\n", False),  # Qwen3: the model opens it itself
-        ("user\nWhat is <think> for?<|im_end|>\n<|im_start|>assistant\n", False),  # a tag in a question
+        ("<|im_start|>assistant\n<think>\n", "think"),  # Qwen3.5, thinking on
+        ("<｜Assistant｜><think>", "think"),
+        ("<|im_start|>assistant\n<think>\n\n</think>\n\n", None),  # thinking off: closed
+        ("<|im_start|>assistant\n", None),  # Qwen3: the model opens it itself
+        ("user\nWhat is <think> for?<|im_end|>\n<|im_start|>assistant\n", None),  # a tag in a question
+        ("<|turn>model\n<|channel>thought\n", "gemma4"),  # Gemma 4's channel, left open
+        ("<|turn>model\n<|channel>thought\n<channel|>", None),  # Gemma 4, thinking off: closed
+        ("<|turn>model\n", None),  # Gemma 4, thinking on: the model opens its channel
     ],
 )
-def test_a_prompt_leaves_reasoning_open_when_it_ends_with_think(prompt_end: str, is_open: bool) -> None:
-    """Only a prompt that ends with `<think>` (and whitespace) starts the output in reasoning."""
-    assert leaves_reasoning_open(prompt_end) is is_open
+def test_a_prompt_leaves_reasoning_open_when_it_ends_with_an_opening(
+    prompt_end: str, opened: str | None
+) -> None:
+    """Only a prompt that ends with an opening (`<think>`, `<|channel>thought`, and whitespace)
+    starts the output in reasoning, in that opening's format."""
+    assert reasoning_left_open(prompt_end) == opened
 
 
 def test_output_after_an_open_think_is_reasoning_until_it_closes() -> None:

@@ -326,6 +326,9 @@ FRAGMENTS = [
     ": ",
     "<|python_tag|>",
     "<|py",
+    "<|tool_call>",
+    "<tool_call|>",
+    'call:f{a:<|"|>x<|"|>}',
     '{"name": "g", "parameters": "{}"}',
     "hello",
     "é🎉",
@@ -415,6 +418,14 @@ CUT_FORMATS: dict[str, tuple[str, list[str], tuple[str, ...]]] = {
             '<|tool_call|>[{"name": "b", "arguments": {}}]',
         ],
         ("<|tool_call|>", '{"name"'),
+    ),
+    "gemma4": (
+        "Checking. ",
+        [
+            '<|tool_call>call:get_weather{city:<|"|>Paris<|"|>}<tool_call|>',
+            '<|tool_call>call:b{q:<|"|><tool_call|>}<|"|>}<tool_call|>',
+        ],
+        ("<|tool_call>", "call:"),
     ),
 }
 

@@ -1,6 +1,6 @@
 """A model family's tool-call format is the server's when none is configured (Phi-4-mini's
-`phi4_mini_json`, Granite's `granite`), else the one its chat template spells (Qwen3-Coder's
-XML: `qwen3_coder`); a configured `--tool-call-parser` wins."""
+`phi4_mini_json`, Granite's `granite`, Gemma 4's `gemma4`), else the one its chat template
+spells (Qwen3-Coder's XML: `qwen3_coder`); a configured `--tool-call-parser` wins."""
 
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ MESSAGES = [{"role": "user", "content": "Weather in Paris?"}]
 CALL = '[{"name": "get_weather", "arguments": {"city": "Paris"}}]'
 
 
+GEMMA4_CALL = '<|tool_call>call:get_weather{city:<|"|>Paris<|"|>}<tool_call|>'
 XML_CALL = (
     "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>"
 )
@@ -50,6 +51,7 @@ def test_the_families_name_their_formats() -> None:
     assert by_name("phi3").tool_call_parser == "phi4_mini_json"
     assert by_name("granite").tool_call_parser == "granite"
     assert by_name("smollm3").tool_call_parser is None  # <tool_call> JSON: hermes
+    assert by_name("gemma4").tool_call_parser == by_name("gemma4").reasoning_parser == "gemma4"
 
 
 def test_every_family_names_known_formats() -> None:
@@ -76,6 +78,8 @@ def test_a_template_that_spells_xml_calls_names_qwen3_coder() -> None:
         (None, None, XML_CALL, True),  # Qwen3-Coder's template: qwen3_coder
         ("granite", None, XML_CALL, False),  # the family's format wins over the template's
         (None, "hermes", XML_CALL, False),  # and the operator's over both
+        ("gemma4", None, GEMMA4_CALL, True),  # Gemma 4's notation
+        (None, None, GEMMA4_CALL, False),
     ],
 )
 async def test_the_familys_tool_call_format_is_the_default(

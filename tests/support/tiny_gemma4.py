@@ -101,6 +101,45 @@ def gemma4_multimodal_model(seed: int = 0, **overrides: Any) -> Any:
 def save_gemma4_dir(directory: pathlib.Path, model: Any) -> pathlib.Path:
     """`model` as a Hugging Face directory: config.json, safetensors, the tiny Gemma
     tokenizer.json and a chat template in Gemma 4's turn format."""
+    _save(directory, model, CHAT_TEMPLATE)
+    return directory
+
+
+# Gemma 4's markers, special tokens in its vocabulary (its turns, tool declarations, calls,
+# results, strings, thought channel, thinking switch); `chat_model` puts them after the tiny one.
+MARKERS = (
+    "<|turn>", "<turn|>", "<|tool>", "<tool|>", "<|tool_call>", "<tool_call|>", "<|tool_response>",
+    "<tool_response|>", '<|"|>', "<|channel>", "<channel|>", "<|think|>",
+)  # fmt: skip
+CHAT_VOCAB = len(gemma_vocab()[0]) + len(MARKERS)
+
+
+def marker_id(marker: str) -> int:
+    """The id of one of `MARKERS` in a `save_gemma4_chat_dir` directory's vocabulary."""
+    return len(gemma_vocab()[0]) + MARKERS.index(marker)
+
+
+def gemma4_chat_model(seed: int = 0) -> Any:
+    """The base model over the tiny vocabulary and `MARKERS`, for 4096 positions (a prompt with
+    tools is ~1k tokens of the tiny vocabulary)."""
+    vocab = {"vocab_size": CHAT_VOCAB, "vocab_size_per_layer_input": CHAT_VOCAB}
+    return gemma4_model(seed, max_position_embeddings=4096, **vocab)
+
+
+def save_gemma4_chat_dir(directory: pathlib.Path, model: Any, template: str) -> pathlib.Path:
+    """`model` (of `gemma4_chat_model`) as a Hugging Face directory whose vocabulary holds
+    `MARKERS` as special tokens, with chat template `template`, ending at `<turn|>` and
+    `<|tool_response>` as Gemma 4's generation config does."""
+    import transformers
+
+    added = [transformers.AddedToken(m, special=True, normalized=False) for m in MARKERS]
+    _save(directory, model, template, added)
+    eos = [1, marker_id("<turn|>"), marker_id("<|tool_response>")]
+    (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
+    return directory
+
+
+def _save(directory: pathlib.Path, model: Any, template: str, added: list[Any] | None = None) -> None:
     import transformers
 
     from ft.tokenizer.spec import gemma_merges
@@ -108,13 +147,12 @@ def save_gemma4_dir(directory: pathlib.Path, model: Any) -> pathlib.Path:
     tokens, _, _ = gemma_vocab()
     model.save_pretrained(str(directory))
     tok = transformers.GemmaTokenizer(vocab={t: i for i, t in enumerate(tokens)}, merges=gemma_merges(tokens))
+    if added:
+        tok.add_tokens(added, special_tokens=True)
     tok.backend_tokenizer.save(str(directory / "tokenizer.json"))
     (directory / "tokenizer_config.json").write_text(
-        json.dumps(
-            {"eos_token": EOS, "bos_token": BOS, "add_bos_token": True, "chat_template": CHAT_TEMPLATE}
-        )
+        json.dumps({"eos_token": EOS, "bos_token": BOS, "add_bos_token": True, "chat_template": template})
     )
-    return directory
 
 
 def runner_of(loaded: LoadedModel) -> TorchRunner:

@@ -4,7 +4,8 @@ What to parse is one record, `OutputFormat`: the tool-call format with the tools
 type its values, and the reasoning format, begun inside the block when the prompt left it open.
 Two layers, both synchronous:
 
-- `OutputAssembler` chains the reasoning parser (`<think>…</think>`, when configured) and the
+- `OutputAssembler` chains the reasoning parser (`<think>…</think>` or Gemma 4's channel, when
+  configured) and the
   tool-call parser (when the request has tools) into one stream of events: `ReasoningDelta`,
   `TextDelta`, `ToolCallStart`, `ToolCallArgsDelta`, `ToolCallEnd`.
 - `BlockAssembler` groups those events into *blocks* — a thinking block, a text block, one block
@@ -41,8 +42,8 @@ class OutputFormat:
     `tool_call_parser` (None: the request offers no tools) with `tools`, the definitions whose
     parameter schemas type the values of a format that writes them as text (`qwen3_coder`);
     `reasoning_parser` (None: no reasoning block), begun inside the block when
-    `opens_in_reasoning` (the prompt ended with an open `<think>`, so the model's output starts
-    in its reasoning and only writes `</think>`).
+    `opens_in_reasoning` (the prompt ended with an open block, `<think>`, so the model's output
+    starts in its reasoning and only writes its close, `</think>`).
     """
 
     tool_call_parser: str | None = None

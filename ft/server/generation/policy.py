@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from ft.core.reasoning import leaves_reasoning_open
+from ft.core.reasoning import REASONING_TAGS, reasoning_left_open
 from ft.errors import InvalidRequest
 from ft.grammar.spec import GrammarSpec
 from ft.prompt import PromptSpec
@@ -40,22 +40,26 @@ class OutputPolicy:
     def output_format(self, ctx: ServerContext, prompt_ids: Sequence[int]) -> OutputFormat:
         """How the output of the rendered prompt `prompt_ids` is read back.
 
-        A prompt that leaves a `<think>` block open (Qwen3.5 with thinking on) begins the output
-        in reasoning, read with the configured format or, when none is, `think`; under a grammar
-        the output has no reasoning block (the grammar shapes it from its first token).
+        A prompt that leaves a reasoning block open (Qwen3.5 with thinking on: `<think>`)
+        begins the output in reasoning, read with the configured format when it spells the
+        block so, else with the format of the block the prompt opened; under a grammar the
+        output has no reasoning block (the grammar shapes it from its first token).
         """
         tail = ctx.engine.detokenize(list(prompt_ids[-PROMPT_TAIL_TOKENS:]))
-        opens = self.grammar is None and leaves_reasoning_open(tail)
+        opened = None if self.grammar is not None else reasoning_left_open(tail)
+        parser = self.reasoning_parser
+        if opened is not None and (parser is None or REASONING_TAGS[parser] != REASONING_TAGS[opened]):
+            parser = opened
         return OutputFormat(
             tool_call_parser=self.tool_call_parser,
-            reasoning_parser=self.reasoning_parser or ("think" if opens else None),
+            reasoning_parser=parser,
             tools=self.prompt.tools or (),
-            opens_in_reasoning=opens,
+            opens_in_reasoning=opened is not None,
         )
 
 
-# The prompt's last tokens decoded to tell an open `<think>`: the tag and the whitespace after it
-# are a few tokens in any tokenizer (8 in a byte-level one).
+# The prompt's last tokens decoded to tell an open reasoning block: the marker and the whitespace
+# after it are a few tokens in any tokenizer (18 in a byte-level one).
 PROMPT_TAIL_TOKENS = 32
 
 
@@ -93,7 +97,7 @@ def output_policy(
     tools = list(prompt.tools) if prompt.tools is not None else None
     config = ctx.settings
     parser = tool_call_parser_name(config.tool_call_parser or ctx.engine.tool_call_parser, tools is not None)
-    grammar = output_grammar(tools, choice, parser, answer)
+    grammar = output_grammar(tools, choice, parser, answer, ctx.engine.marker_tokens)
     if prompt.continue_final_message and grammar is not None:
         raise InvalidRequest(
             "a final message to continue (an assistant prefill) cannot be used with structured "

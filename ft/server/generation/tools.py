@@ -88,8 +88,10 @@ def output_grammar(
     choice: ToolChoice,
     parser: str | None,
     answer: GrammarSpec | None,
+    markers: frozenset[str] = frozenset(),
 ) -> GrammarSpec | None:
-    """What the output must follow, given the tools the template saw and the answer format.
+    """What the output must follow, given the tools the template saw and the answer format
+    (`markers`: the format's markers the vocabulary holds as tokens).
 
     A forced choice (`required`: one call or, with `parallel`, several; a named tool: exactly
     one call of it) is a grammar of calls in `parser`'s format to the allowed tools, arguments
@@ -100,9 +102,11 @@ def output_grammar(
         return answer
     parallel = choice.allows_several_calls
     if choice.mode == "required":
-        return spec.tool_calls(tools, name=choice.name, parallel=parallel, parser=parser)
+        return spec.tool_calls(tools, name=choice.name, parallel=parallel, parser=parser, markers=markers)
     if answer is not None and answer.kind == "json_schema":
-        return spec.tool_calls(tools, name=None, parallel=parallel, parser=parser, otherwise=answer)
+        return spec.tool_calls(
+            tools, name=None, parallel=parallel, parser=parser, otherwise=answer, markers=markers
+        )
     return answer
 
 
