@@ -27,7 +27,7 @@ from ft.model.mamba2 import Mamba2Config
 from ft.model.runners import build_runner
 from ft.model.torch_runner import TorchRunner
 from tests.support.tiny_granite_hybrid import granite_hybrid_model, save_granite_hybrid_dir
-from tests.support.tiny_lfm2 import GREEDY, greedy
+from tests.support.tiny_lfm2 import GREEDY, check_batched_steps, greedy
 
 transformers = pytest.importorskip("transformers")
 
@@ -133,23 +133,7 @@ def test_float32_logits_and_greedy_tokens_match_transformers(hf_model: Any, load
 def test_a_batch_of_sequences_steps_each_as_it_would_alone(loaded: LoadedModel) -> None:
     """Decodes (one row each) beside a fresh prompt in one step: the experts see every
     sequence's rows together, the Mamba-2 layers scan each from its own slot."""
-    prompts = [PROMPT[: 10 + 7 * i] for i in range(3)]
-    alone = [greedy(runner_of(loaded), prompt, 2)[1] for prompt in prompts]
-    runner = runner_of(loaded)
-    pages = [tuple(range(10 * i, 10 * i + 10)) for i in range(3)]
-    first = runner.forward(
-        [SeqWork(i, prompts[i], 0, pages[i], True, GREEDY, 0, state_slot=i) for i in range(2)]
-    )
-    assert first is not None
-    tokens = [int(first[i].argmax()) for i in range(2)]
-    works = [
-        SeqWork(i, (tokens[i],), len(prompts[i]), pages[i], True, GREEDY, 1, state_slot=i) for i in range(2)
-    ] + [SeqWork(2, prompts[2], 0, pages[2], True, GREEDY, 0, state_slot=3)]
-    out = runner.forward(works)
-    assert out is not None
-    for i in range(3):
-        want = alone[i][1] if i < 2 else alone[2][0]
-        assert (out[i] - want).abs().max().item() < 1e-5
+    check_batched_steps(lambda: runner_of(loaded), PROMPT)
 
 
 def test_the_mixers_small_parameters_stay_float32_in_a_bfloat16_model(

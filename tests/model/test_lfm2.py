@@ -26,7 +26,7 @@ from ft.model.plan import ConfigError, plan, read_header
 from ft.model.runners import build_runner
 from ft.model.short_conv import ShortConvConfig
 from ft.model.torch_runner import TorchRunner
-from tests.support.tiny_lfm2 import GREEDY, greedy, lfm2_model, save_lfm2_dir
+from tests.support.tiny_lfm2 import GREEDY, check_batched_steps, greedy, lfm2_model, save_lfm2_dir
 
 transformers = pytest.importorskip("transformers")
 
@@ -121,23 +121,7 @@ def test_a_prompt_split_anywhere_gives_the_whole_prompts_states_and_logits(
 
 def test_a_batch_of_sequences_steps_each_as_it_would_alone(loaded: LoadedModel) -> None:
     """Decodes (one row each, batched together) beside a prefill chunk and a fresh prompt."""
-    alone = [greedy(runner_of(loaded), PROMPT[: 10 + 7 * i], 4)[1] for i in range(3)]
-    runner = runner_of(loaded)
-    prompts = [PROMPT[: 10 + 7 * i] for i in range(3)]
-    pages = [tuple(range(10 * i, 10 * i + 10)) for i in range(3)]
-    first = runner.forward(
-        [SeqWork(i, prompts[i], 0, pages[i], True, GREEDY, 0, state_slot=i) for i in range(2)]
-    )
-    assert first is not None
-    tokens = [int(first[i].argmax()) for i in range(2)]
-    works = [
-        SeqWork(i, (tokens[i],), len(prompts[i]), pages[i], True, GREEDY, 1, state_slot=i) for i in range(2)
-    ] + [SeqWork(2, prompts[2], 0, pages[2], True, GREEDY, 0, state_slot=3)]
-    out = runner.forward(works)
-    assert out is not None
-    for i in range(3):
-        want = alone[i][1] if i < 2 else alone[2][0]
-        assert (out[i] - want).abs().max().item() < 1e-5
+    check_batched_steps(lambda: runner_of(loaded), PROMPT)
 
 
 @pytest.mark.parametrize("length", [1, 9])

@@ -9,6 +9,7 @@ width adjusted as LFM2's is), every weight random (norms around 1), saved with
 from __future__ import annotations
 
 import pathlib
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -75,3 +76,25 @@ def greedy(
         logits.append(out[0])
         tokens.append(int(out[0].argmax()))
     return tokens, logits
+
+
+def check_batched_steps(runner_of: Callable[[], TorchRunner], prompt: tuple[int, ...]) -> None:
+    """Two sequences' decodes (one row each, batched together) beside a fresh prompt in one
+    step give each the logits it gets stepped alone (fresh runners from `runner_of`)."""
+    prompts = [prompt[: 10 + 7 * i] for i in range(3)]
+    alone = [greedy(runner_of(), p, 2)[1] for p in prompts]
+    runner = runner_of()
+    pages = [tuple(range(10 * i, 10 * i + 10)) for i in range(3)]
+    first = runner.forward(
+        [SeqWork(i, prompts[i], 0, pages[i], True, GREEDY, 0, state_slot=i) for i in range(2)]
+    )
+    assert first is not None
+    tokens = [int(first[i].argmax()) for i in range(2)]
+    works = [
+        SeqWork(i, (tokens[i],), len(prompts[i]), pages[i], True, GREEDY, 1, state_slot=i) for i in range(2)
+    ] + [SeqWork(2, prompts[2], 0, pages[2], True, GREEDY, 0, state_slot=3)]
+    out = runner.forward(works)
+    assert out is not None
+    for i in range(3):
+        want = alone[i][1] if i < 2 else alone[2][0]
+        assert (out[i] - want).abs().max().item() < 1e-5
